@@ -1,0 +1,37 @@
+# Every target sets itself up from nothing but Python 3.11 and the package registries.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+RUN_DIR := $(CURDIR)/run
+
+.PHONY: run demo test proto bench replay clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or PYTHON=...)"; exit 1; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
+
+run: $(STAMP) ## start kvd in the foreground on the embedded default (host memory, unix socket)
+	@mkdir -p $(RUN_DIR)
+	$(BIN)/kvd --socket $(RUN_DIR)/kvd.sock --demo-hint
+
+demo: $(STAMP) ## in another terminal: create memory pressure against a running kvd and show what happened
+	$(BIN)/kvd-loadgen demo --target unix://$(RUN_DIR)/kvd.sock
+
+test: $(STAMP) ## the whole test suite
+	$(BIN)/python -m pytest -q
+
+proto: $(STAMP) ## regenerate proto/kvd_api from proto/kvd_api/v1/kvd.proto
+	$(BIN)/python -m kvd_api.generate
+
+bench: $(STAMP) ## benchmarks: figures printed and written to bench/results.json
+	$(BIN)/kvd-loadgen bench --json bench/results.json
+
+replay: $(STAMP) ## the five intent-trace profiles under every policy, through a live kvd
+	$(BIN)/kvd-loadgen replay-intents all --policy all --json bench/replay.json
+
+clean:
+	rm -rf $(VENV) $(RUN_DIR) .pytest_cache

@@ -1,0 +1,1 @@
+"""The kvd.v1 API: the .proto source and its generated Python code (see generate.py)."""

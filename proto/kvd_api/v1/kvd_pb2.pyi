@@ -1,0 +1,438 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Phase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PHASE_UNSPECIFIED: _ClassVar[Phase]
+    PHASE_PREFILL: _ClassVar[Phase]
+    PHASE_DECODE: _ClassVar[Phase]
+    PHASE_VERIFY: _ClassVar[Phase]
+    PHASE_ROLLBACK: _ClassVar[Phase]
+    PHASE_DONE: _ClassVar[Phase]
+    PHASE_IDLE: _ClassVar[Phase]
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_COLD: _ClassVar[Priority]
+    PRIORITY_WARM: _ClassVar[Priority]
+    PRIORITY_HOT: _ClassVar[Priority]
+    PRIORITY_DECODE_CRITICAL: _ClassVar[Priority]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_DEVICE: _ClassVar[Tier]
+    TIER_HOST: _ClassVar[Tier]
+
+class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DECISION_UNSPECIFIED: _ClassVar[Decision]
+    DECISION_ADMITTED: _ClassVar[Decision]
+    DECISION_QUEUED: _ClassVar[Decision]
+    DECISION_REJECTED: _ClassVar[Decision]
+PHASE_UNSPECIFIED: Phase
+PHASE_PREFILL: Phase
+PHASE_DECODE: Phase
+PHASE_VERIFY: Phase
+PHASE_ROLLBACK: Phase
+PHASE_DONE: Phase
+PHASE_IDLE: Phase
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_COLD: Priority
+PRIORITY_WARM: Priority
+PRIORITY_HOT: Priority
+PRIORITY_DECODE_CRITICAL: Priority
+TIER_UNSPECIFIED: Tier
+TIER_DEVICE: Tier
+TIER_HOST: Tier
+DECISION_UNSPECIFIED: Decision
+DECISION_ADMITTED: Decision
+DECISION_QUEUED: Decision
+DECISION_REJECTED: Decision
+
+class MemoryIntent(_message.Message):
+    __slots__ = ("phase", "priority", "deadline_us", "slack_us", "recompute_cost_us", "spill_cost_us", "pin_requested", "request_priority", "recency_score", "target_decode_step", "expected_reuse_window_tokens", "is_draft", "is_committed", "compression_ok", "recompute_ok", "prefetch_ok")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_US_FIELD_NUMBER: _ClassVar[int]
+    SLACK_US_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_COST_US_FIELD_NUMBER: _ClassVar[int]
+    SPILL_COST_US_FIELD_NUMBER: _ClassVar[int]
+    PIN_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    RECENCY_SCORE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_DECODE_STEP_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_REUSE_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    IS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_OK_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_OK_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_OK_FIELD_NUMBER: _ClassVar[int]
+    phase: Phase
+    priority: Priority
+    deadline_us: int
+    slack_us: int
+    recompute_cost_us: int
+    spill_cost_us: int
+    pin_requested: bool
+    request_priority: int
+    recency_score: float
+    target_decode_step: int
+    expected_reuse_window_tokens: int
+    is_draft: bool
+    is_committed: bool
+    compression_ok: bool
+    recompute_ok: bool
+    prefetch_ok: bool
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_us: _Optional[int] = ..., slack_us: _Optional[int] = ..., recompute_cost_us: _Optional[int] = ..., spill_cost_us: _Optional[int] = ..., pin_requested: _Optional[bool] = ..., request_priority: _Optional[int] = ..., recency_score: _Optional[float] = ..., target_decode_step: _Optional[int] = ..., expected_reuse_window_tokens: _Optional[int] = ..., is_draft: _Optional[bool] = ..., is_committed: _Optional[bool] = ..., compression_ok: _Optional[bool] = ..., recompute_ok: _Optional[bool] = ..., prefetch_ok: _Optional[bool] = ...) -> None: ...
+
+class IntentUpdate(_message.Message):
+    __slots__ = ("request_id", "block_index", "intent", "prefetch")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    INTENT_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_index: int
+    intent: MemoryIntent
+    prefetch: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., intent: _Optional[_Union[MemoryIntent, _Mapping]] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+
+class PageHandle(_message.Message):
+    __slots__ = ("request_id", "block_index", "pool", "tier", "page_index", "offset_bytes", "length_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_index: int
+    pool: str
+    tier: Tier
+    page_index: int
+    offset_bytes: int
+    length_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., pool: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., page_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("request_id", "tenant", "pool", "prompt_tokens", "expected_output_tokens", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    pool: str
+    prompt_tokens: int
+    expected_output_tokens: int
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class AdmitResponse(_message.Message):
+    __slots__ = ("decision", "reason", "queue_position", "projected_pages")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PROJECTED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    decision: Decision
+    reason: str
+    queue_position: int
+    projected_pages: int
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., queue_position: _Optional[int] = ..., projected_pages: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("request_id", "num_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("handles", "stall_us")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    STALL_US_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[PageHandle]
+    stall_us: int
+    def __init__(self, handles: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ..., stall_us: _Optional[int] = ...) -> None: ...
+
+class AccessRequest(_message.Message):
+    __slots__ = ("request_id", "block_indices", "all_blocks")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    all_blocks: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., all_blocks: _Optional[bool] = ...) -> None: ...
+
+class AccessResponse(_message.Message):
+    __slots__ = ("handles", "stall_us", "num_promoted")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    STALL_US_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[PageHandle]
+    stall_us: int
+    num_promoted: int
+    def __init__(self, handles: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ..., stall_us: _Optional[int] = ..., num_promoted: _Optional[int] = ...) -> None: ...
+
+class UpdateIntentsRequest(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[IntentUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[IntentUpdate, _Mapping]]] = ...) -> None: ...
+
+class UpdateIntentsResponse(_message.Message):
+    __slots__ = ("num_applied", "num_prefetched")
+    NUM_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFETCHED_FIELD_NUMBER: _ClassVar[int]
+    num_applied: int
+    num_prefetched: int
+    def __init__(self, num_applied: _Optional[int] = ..., num_prefetched: _Optional[int] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("request_id", "block_indices")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("num_freed",)
+    NUM_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_freed: int
+    def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("num_freed",)
+    NUM_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_freed: int
+    def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
+
+class EvictRequest(_message.Message):
+    __slots__ = ("pool", "num_pages")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    num_pages: int
+    def __init__(self, pool: _Optional[str] = ..., num_pages: _Optional[int] = ...) -> None: ...
+
+class EvictedBlock(_message.Message):
+    __slots__ = ("request_id", "block_index", "to_tier")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TO_TIER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    block_index: int
+    to_tier: Tier
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., to_tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("evicted",)
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    evicted: _containers.RepeatedCompositeFieldContainer[EvictedBlock]
+    def __init__(self, evicted: _Optional[_Iterable[_Union[EvictedBlock, _Mapping]]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step_id", "intents", "frees", "releases", "allocations", "accesses")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    INTENTS_FIELD_NUMBER: _ClassVar[int]
+    FREES_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    ACCESSES_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    intents: _containers.RepeatedCompositeFieldContainer[IntentUpdate]
+    frees: _containers.RepeatedCompositeFieldContainer[FreeRequest]
+    releases: _containers.RepeatedCompositeFieldContainer[ReleaseRequest]
+    allocations: _containers.RepeatedCompositeFieldContainer[AllocateRequest]
+    accesses: _containers.RepeatedCompositeFieldContainer[AccessRequest]
+    def __init__(self, step_id: _Optional[int] = ..., intents: _Optional[_Iterable[_Union[IntentUpdate, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[FreeRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ..., allocations: _Optional[_Iterable[_Union[AllocateRequest, _Mapping]]] = ..., accesses: _Optional[_Iterable[_Union[AccessRequest, _Mapping]]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("section", "item_index", "code", "message")
+    SECTION_FIELD_NUMBER: _ClassVar[int]
+    ITEM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    section: str
+    item_index: int
+    code: int
+    message: str
+    def __init__(self, section: _Optional[str] = ..., item_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("step_id", "allocated", "relocated", "stall_us", "errors")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    RELOCATED_FIELD_NUMBER: _ClassVar[int]
+    STALL_US_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    allocated: _containers.RepeatedCompositeFieldContainer[PageHandle]
+    relocated: _containers.RepeatedCompositeFieldContainer[PageHandle]
+    stall_us: int
+    errors: _containers.RepeatedCompositeFieldContainer[StepError]
+    def __init__(self, step_id: _Optional[int] = ..., allocated: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ..., relocated: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ..., stall_us: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ...) -> None: ...
+
+class ExportPoolRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class TierExport(_message.Message):
+    __slots__ = ("tier", "backend", "num_pages", "shm_name", "cuda_ipc_handle", "cuda_device", "arena_bytes")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    backend: str
+    num_pages: int
+    shm_name: str
+    cuda_ipc_handle: bytes
+    cuda_device: int
+    arena_bytes: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., backend: _Optional[str] = ..., num_pages: _Optional[int] = ..., shm_name: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., cuda_device: _Optional[int] = ..., arena_bytes: _Optional[int] = ...) -> None: ...
+
+class ExportPoolResponse(_message.Message):
+    __slots__ = ("pool", "page_bytes", "tiers")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    page_bytes: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierExport]
+    def __init__(self, pool: _Optional[str] = ..., page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierExport, _Mapping]]] = ...) -> None: ...
+
+class GetPoolStatsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "backend", "capacity_pages", "used_pages", "free_pages", "pinned_pages")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    USED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FREE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    backend: str
+    capacity_pages: int
+    used_pages: int
+    free_pages: int
+    pinned_pages: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., backend: _Optional[str] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DROPS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_CRITICAL_ACCESSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DECODE_CRITICAL_MISSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DEADLINE_MISSES_FIELD_NUMBER: _ClassVar[int]
+    STALL_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    policy: str
+    page_bytes: int
+    block_tokens: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    num_requests: int
+    num_queued: int
+    reserved_pages: int
+    num_evictions: int
+    num_demotions: int
+    num_promotions: int
+    num_drops: int
+    bytes_moved: int
+    num_decode_critical_accesses: int
+    num_decode_critical_misses: int
+    num_deadline_misses: int
+    stall_seconds_total: float
+    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ...) -> None: ...
+
+class GetPoolStatsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("pool", "policy")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    policy: str
+    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class SetPolicyResponse(_message.Message):
+    __slots__ = ("previous_policy",)
+    PREVIOUS_POLICY_FIELD_NUMBER: _ClassVar[int]
+    previous_policy: str
+    def __init__(self, previous_policy: _Optional[str] = ...) -> None: ...
+
+class ListPoliciesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoliciesResponse(_message.Message):
+    __slots__ = ("policies",)
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
+    policies: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, policies: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SelfCheckRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SelfCheckResponse(_message.Message):
+    __slots__ = ("ok", "problems")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
