@@ -1,0 +1,23 @@
+"""Typed Python client for kvd (async and sync), used by engines, kvctl and the load generator."""
+
+from kvd_client.client import AsyncClient, Client, StepStream, default_target
+from kvd_client.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KvdClientError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from kvd_api.v1 import kvd_pb2 as pb
+
+__all__ = [
+    "AlreadyExistsError", "AsyncClient", "Client", "DeadlineExceededError",
+    "FailedPreconditionError", "InvalidArgumentError", "KvdClientError", "NotFoundError",
+    "PermissionDeniedError", "ResourceExhaustedError", "StepStream", "UnauthenticatedError",
+    "UnavailableError", "default_target", "pb",
+]

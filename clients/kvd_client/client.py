@@ -1,0 +1,270 @@
+"""AsyncClient and Client: one method per kvd RPC, deadlines on every call, exceptions
+instead of status codes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvd_api.v1 import kvd_pb2 as pb
+from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+from kvd_client.errors import from_rpc_error
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def default_target() -> str:
+    """$KVD_TARGET, else the systemd unit's socket."""
+    return os.environ.get("KVD_TARGET", "unix:///run/kvd/kvd.sock")
+
+
+def _channel_options() -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ]
+
+
+def _intent_update(request_id: str, block_index: int, prefetch: bool = False, **fields
+                   ) -> pb.IntentUpdate:
+    return pb.IntentUpdate(request_id=request_id, block_index=block_index,
+                           intent=pb.MemoryIntent(**fields), prefetch=prefetch)
+
+
+def _access(request_id: str, blocks: Sequence[int] | None) -> pb.AccessRequest:
+    if blocks is None:
+        return pb.AccessRequest(request_id=request_id, all_blocks=True)
+    return pb.AccessRequest(request_id=request_id, block_indices=blocks)
+
+
+class _Requests:
+    """Builds the request messages both clients send."""
+
+    intent_update = staticmethod(_intent_update)
+
+    @staticmethod
+    def admit(request_id, prompt_tokens, output_tokens, *, tenant="", pool="", priority=0):
+        return pb.AdmitRequest(request_id=request_id, tenant=tenant, pool=pool,
+                               prompt_tokens=prompt_tokens, expected_output_tokens=output_tokens,
+                               priority=priority)
+
+
+class AsyncClient:
+    """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
+
+    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.target = target or default_target()
+        self.timeout_s = timeout_s
+        self.metadata = tuple(metadata)
+        self.channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
+        self.memory = pb_grpc.MemoryStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def _call(self, method, request, timeout_s: float | None = None):
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s,
+                                metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def wait_ready(self, timeout_s: float = 10.0) -> None:
+        await self.channel.channel_ready()
+
+    async def health(self, service: str = "") -> str:
+        resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    async def admit(self, request_id: str, prompt_tokens: int, output_tokens: int = 0, **kw
+                    ) -> pb.AdmitResponse:
+        return await self._call(self.memory.Admit,
+                                _Requests.admit(request_id, prompt_tokens, output_tokens, **kw))
+
+    async def allocate(self, request_id: str, num_blocks: int) -> pb.AllocateResponse:
+        return await self._call(self.memory.Allocate,
+                                pb.AllocateRequest(request_id=request_id, num_blocks=num_blocks))
+
+    async def access(self, request_id: str, blocks: Sequence[int] | None = None
+                     ) -> pb.AccessResponse:
+        return await self._call(self.memory.Access, _access(request_id, blocks))
+
+    async def update_intents(self, updates: Iterable[pb.IntentUpdate]) -> pb.UpdateIntentsResponse:
+        return await self._call(self.memory.UpdateIntents,
+                                pb.UpdateIntentsRequest(updates=list(updates)))
+
+    async def free(self, request_id: str, blocks: Sequence[int]) -> pb.FreeResponse:
+        return await self._call(self.memory.Free,
+                                pb.FreeRequest(request_id=request_id, block_indices=blocks))
+
+    async def release(self, request_id: str) -> pb.ReleaseResponse:
+        return await self._call(self.memory.Release, pb.ReleaseRequest(request_id=request_id))
+
+    async def evict(self, num_pages: int, pool: str = "") -> pb.EvictResponse:
+        return await self._call(self.memory.Evict, pb.EvictRequest(pool=pool, num_pages=num_pages))
+
+    async def export_pool(self, pool: str = "") -> pb.ExportPoolResponse:
+        return await self._call(self.memory.ExportPool, pb.ExportPoolRequest(pool=pool))
+
+    async def pool_stats(self, pool: str = "") -> pb.GetPoolStatsResponse:
+        return await self._call(self.memory.GetPoolStats, pb.GetPoolStatsRequest(pool=pool))
+
+    async def set_policy(self, policy: str, pool: str = "") -> pb.SetPolicyResponse:
+        return await self._call(self.admin.SetPolicy,
+                                pb.SetPolicyRequest(pool=pool, policy=policy))
+
+    async def list_policies(self) -> list[str]:
+        return list((await self._call(self.admin.ListPolicies, pb.ListPoliciesRequest())).policies)
+
+    async def self_check(self) -> pb.SelfCheckResponse:
+        return await self._call(self.admin.SelfCheck, pb.SelfCheckRequest())
+
+    async def drain(self) -> None:
+        await self._call(self.admin.Drain, pb.DrainRequest())
+
+    def step_stream(self) -> StepStream:
+        return StepStream(self)
+
+
+class StepStream:
+    """The engine's hot path: one StepRequest per engine step, one StepResponse back.
+
+        async with kvd.step_stream() as stream:
+            reply = await stream.step(accesses=[...], allocations=[...])
+    """
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._call = None
+        self._next_id = 0
+
+    async def __aenter__(self) -> StepStream:
+        self._call = self._client.memory.Step(metadata=self._client.metadata)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._call is not None:
+            try:
+                await self._call.done_writing()
+            except grpc.RpcError:
+                pass
+            self._call.cancel()
+            self._call = None
+
+    async def send(self, request: pb.StepRequest) -> pb.StepResponse:
+        if not request.step_id:
+            self._next_id += 1
+            request.step_id = self._next_id
+        try:
+            await self._call.write(request)
+            reply = await self._call.read()
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        if reply is grpc.aio.EOF:
+            from kvd_client.errors import UnavailableError
+
+            raise UnavailableError("kvd closed the Step stream")
+        return reply
+
+    async def step(self, *, intents=(), frees=(), releases=(), allocations=(), accesses=()
+                   ) -> pb.StepResponse:
+        """Send one step. allocations: (request_id, n) pairs; accesses: (request_id, blocks or
+        None for all) pairs; frees: (request_id, blocks); releases: request ids."""
+        return await self.send(pb.StepRequest(
+            intents=list(intents),
+            frees=[pb.FreeRequest(request_id=r, block_indices=b) for r, b in frees],
+            releases=[pb.ReleaseRequest(request_id=r) for r in releases],
+            allocations=[pb.AllocateRequest(request_id=r, num_blocks=n) for r, n in allocations],
+            accesses=[_access(r, b) for r, b in accesses],
+        ))
+
+
+class Client:
+    """The same calls, blocking, on a plain grpc channel."""
+
+    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+        self.target = target or default_target()
+        self.timeout_s = timeout_s
+        self.metadata = tuple(metadata)
+        self.channel = grpc.insecure_channel(self.target, options=_channel_options())
+        self.memory = pb_grpc.MemoryStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _call(self, method, request, timeout_s: float | None = None):
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def wait_ready(self, timeout_s: float = 10.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+
+    def health(self, service: str = "") -> str:
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def admit(self, request_id: str, prompt_tokens: int, output_tokens: int = 0, **kw):
+        return self._call(self.memory.Admit,
+                          _Requests.admit(request_id, prompt_tokens, output_tokens, **kw))
+
+    def allocate(self, request_id: str, num_blocks: int):
+        return self._call(self.memory.Allocate,
+                          pb.AllocateRequest(request_id=request_id, num_blocks=num_blocks))
+
+    def access(self, request_id: str, blocks: Sequence[int] | None = None):
+        return self._call(self.memory.Access, _access(request_id, blocks))
+
+    def update_intents(self, updates: Iterable[pb.IntentUpdate]):
+        return self._call(self.memory.UpdateIntents, pb.UpdateIntentsRequest(updates=list(updates)))
+
+    def free(self, request_id: str, blocks: Sequence[int]):
+        return self._call(self.memory.Free, pb.FreeRequest(request_id=request_id,
+                                                           block_indices=blocks))
+
+    def release(self, request_id: str):
+        return self._call(self.memory.Release, pb.ReleaseRequest(request_id=request_id))
+
+    def evict(self, num_pages: int, pool: str = ""):
+        return self._call(self.memory.Evict, pb.EvictRequest(pool=pool, num_pages=num_pages))
+
+    def export_pool(self, pool: str = ""):
+        return self._call(self.memory.ExportPool, pb.ExportPoolRequest(pool=pool))
+
+    def pool_stats(self, pool: str = ""):
+        return self._call(self.memory.GetPoolStats, pb.GetPoolStatsRequest(pool=pool))
+
+    def set_policy(self, policy: str, pool: str = ""):
+        return self._call(self.admin.SetPolicy, pb.SetPolicyRequest(pool=pool, policy=policy))
+
+    def self_check(self):
+        return self._call(self.admin.SelfCheck, pb.SelfCheckRequest())
+
+
+intent_update = _intent_update

@@ -1,0 +1,3 @@
+from kvd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Requests, their blocks, and what the engine says about each block (its MemoryIntent)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Phase(enum.IntEnum):
+    """The lifecycle phase of a block's request (values match kvd.v1.Phase)."""
+
+    UNSPECIFIED = 0
+    PREFILL = 1
+    DECODE = 2
+    VERIFY = 3
+    ROLLBACK = 4
+    DONE = 5
+    IDLE = 6
+
+
+class Priority(enum.IntEnum):
+    """How much the engine needs a block (values match kvd.v1.Priority)."""
+
+    UNSPECIFIED = 0
+    COLD = 1
+    WARM = 2
+    HOT = 3
+    DECODE_CRITICAL = 4
+
+
+class TierKind(enum.IntEnum):
+    """Where a block's bytes are (values match kvd.v1.Tier). NONE: dropped, to be recomputed."""
+
+    NONE = 0
+    DEVICE = 1
+    HOST = 2
+
+
+class RequestState(enum.Enum):
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+
+
+# Intent fields an update may carry, with the validation each needs. Names follow the
+# intent traces (shared/data/INTENT_TRACE_FORMAT.md).
+INTENT_INT_FIELDS = (
+    "slack_us",
+    "recompute_cost_us",
+    "spill_cost_us",
+    "target_decode_step",
+    "expected_reuse_window_tokens",
+)
+INTENT_BOOL_FIELDS = (
+    "pin_requested",
+    "is_draft",
+    "is_committed",
+    "compression_ok",
+    "recompute_ok",
+    "prefetch_ok",
+)
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """One engine KV block of one request, bound to one page of one tier.
+
+    Identity-hashed: policies keep blocks in dicts and heaps.
+    """
+
+    request: Request
+    index: int
+    tier: TierKind
+    page: int
+    # True while its bytes are being copied between tiers: no policy holds it then.
+    moving: bool = False
+    # Bumped whenever its page changes, so the Step stream reports only relocations.
+    epoch: int = 0
+    seen_epoch: int = 0
+    last_access: float = 0.0
+    # Intent.
+    phase: Phase = Phase.PREFILL
+    priority: Priority = Priority.WARM
+    deadline_at: float | None = None  # absolute, on kvd's monotonic clock
+    slack_us: int | None = None
+    recompute_cost_us: int | None = None
+    spill_cost_us: int | None = None
+    request_priority: int = 0
+    recency_score: float = 0.0
+    target_decode_step: int | None = None
+    expected_reuse_window_tokens: int | None = None
+    pin_requested: bool = False
+    is_draft: bool = False
+    is_committed: bool = False
+    compression_ok: bool = False
+    recompute_ok: bool = False
+    prefetch_ok: bool = False
+    # Policy bookkeeping (opaque to the pool).
+    regret_level: int = 0
+
+    @property
+    def pinned(self) -> bool:
+        """DECODE_CRITICAL implies pinned: a decode step depends on the block."""
+        return self.pin_requested or self.priority == Priority.DECODE_CRITICAL
+
+    @property
+    def decode_critical(self) -> bool:
+        """An access to this block that misses the device tier stalls a decode step."""
+        return self.priority == Priority.DECODE_CRITICAL or self.phase == Phase.DECODE
+
+    @property
+    def key(self) -> str:
+        return f"{self.request.request_id}:{self.index}"
+
+    def __repr__(self) -> str:
+        where = "moving" if self.moving else f"{self.tier.name.lower()}[{self.page}]"
+        return f"Block({self.key} @ {where})"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence: who pays for it, how many pages it expects, and its blocks."""
+
+    request_id: str
+    tenant: str
+    pool: str
+    priority: int
+    projected_pages: int
+    state: RequestState
+    admitted_at: float | None = None
+    queued_at: float = 0.0
+    # Pages held against the pool for this request: max(projected, blocks ever allocated).
+    reserved_pages: int = 0
+    # Index i holds block i; a freed block leaves None so indices stay stable.
+    blocks: list[Block | None] = field(default_factory=list)
+    num_live_blocks: int = 0
+    num_device_blocks: int = 0
+    # Anything the service layer wants to keep with the request (lease, owner).
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    def live_blocks(self) -> list[Block]:
+        return [b for b in self.blocks if b is not None]

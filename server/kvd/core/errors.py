@@ -1,0 +1,46 @@
+"""Domain errors. The gRPC layer maps each class to one status code (kvd.service.status)."""
+
+from __future__ import annotations
+
+
+class KvdError(Exception):
+    """Base of every error kvd reports to a caller."""
+
+
+class InvalidArgument(KvdError):
+    """The request is malformed: a negative count, an empty id, an unknown enum."""
+
+
+class NotFound(KvdError):
+    """A request, block or pool that does not exist."""
+
+
+class AlreadyExists(KvdError):
+    """A request id that is already in use."""
+
+
+class ResourceExhausted(KvdError):
+    """Not enough memory (or queue room) now; the message says what is full and who holds it."""
+
+
+class FailedPrecondition(KvdError):
+    """The call is valid but not in this state, e.g. allocating for a queued request."""
+
+
+class PermissionDenied(KvdError):
+    """The caller may not touch this request, pool or setting."""
+
+
+class Unauthenticated(KvdError):
+    """The caller has no identity kvd accepts."""
+
+
+class BlocksInTransit(Exception):
+    """Internal: the operation touches blocks whose bytes are being copied; retry after them.
+
+    Raised before anything changed, so the caller can wait for the transfers and call again.
+    """
+
+    def __init__(self, blocks: list) -> None:
+        super().__init__(f"{len(blocks)} block(s) in transit")
+        self.blocks = blocks

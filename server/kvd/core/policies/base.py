@@ -1,0 +1,58 @@
+"""The eviction policy contract.
+
+A policy orders and chooses; the pool keeps the mechanism (free lists, accounting, copies).
+The pool tells the policy which device-tier blocks are evictable (resident, unpinned, not
+moving) with insert/remove, and asks it for victims with choose(n).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from kvd.core.blocks import Block
+from kvd.core.clock import Clock
+
+
+class EvictionPolicy(ABC):
+    """Holds exactly the evictable blocks of one pool's device tier, in eviction order."""
+
+    name: ClassVar[str]
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+
+    @abstractmethod
+    def insert(self, block: Block) -> None:
+        """block became evictable."""
+
+    @abstractmethod
+    def remove(self, block: Block) -> None:
+        """block is no longer evictable (demoted, pinned, moving, freed)."""
+
+    @abstractmethod
+    def touch(self, block: Block) -> None:
+        """block was read now (block.last_access is already updated). Called only when held."""
+
+    @abstractmethod
+    def reorder(self, block: Block) -> None:
+        """block's intent changed. Called only when held."""
+
+    @abstractmethod
+    def choose(self, n: int) -> list[Block] | None:
+        """n victims in eviction order, or None when fewer than n are held.
+
+        Changes nothing: the pool removes the victims it takes.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, block: Block) -> bool: ...
+
+    def on_evicted(self, block: Block) -> None:
+        """block was just demoted or dropped to make room (for policies that learn)."""
+
+    def on_promoted(self, block: Block) -> None:
+        """block was just brought back to the device tier (before insert)."""

@@ -1,0 +1,40 @@
+"""Evicts by what the engine said about each block."""
+
+from __future__ import annotations
+
+from kvd.core.blocks import Block, Phase, Priority
+from kvd.core.policies.scored import ScoredPolicy
+
+# Smaller rank goes first. Finished blocks and speculative drafts not yet committed are the
+# cheapest to lose; then COLD, WARM, HOT.
+_RANK_FINISHED = 0
+_RANK_DRAFT = 1
+_PRIORITY_RANK = {
+    Priority.COLD: 2,
+    Priority.UNSPECIFIED: 3,
+    Priority.WARM: 3,
+    Priority.HOT: 4,
+    Priority.DECODE_CRITICAL: 5,
+}
+
+
+def intent_rank(block: Block) -> int:
+    """How valuable the block is by its intent alone (shared with the deadline policy)."""
+    if block.phase in (Phase.DONE, Phase.ROLLBACK):
+        return _RANK_FINISHED
+    if block.is_draft and not block.is_committed:
+        return _RANK_DRAFT
+    if block.phase == Phase.IDLE:
+        return _PRIORITY_RANK[Priority.COLD]
+    return _PRIORITY_RANK[block.priority]
+
+
+class IntentPolicy(ScoredPolicy):
+    """DONE and drafts, then COLD, WARM, HOT; lower request priority first; cheap-to-recompute
+    before expensive; least recently used last of all."""
+
+    name = "intent"
+
+    def score(self, block: Block) -> tuple:
+        cost = block.recompute_cost_us if block.recompute_cost_us is not None else 0
+        return (intent_rank(block), block.request_priority, cost, block.last_access)

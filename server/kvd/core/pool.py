@@ -1,0 +1,639 @@
+"""A KV memory pool: two tiers of fixed-size pages, the requests that hold them, and the
+decisions about which block lives where.
+
+The pool is the mechanism (page tables, free lists, accounting, transfer plans); *which*
+block leaves the device tier is delegated to an EvictionPolicy. Every public method either
+does all it says or raises before changing anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.core.blocks import (
+    INTENT_BOOL_FIELDS,
+    INTENT_INT_FIELDS,
+    Block,
+    Phase,
+    Priority,
+    Request,
+    RequestState,
+    TierKind,
+)
+from kvd.core.clock import Clock
+from kvd.core.errors import (
+    AlreadyExists,
+    BlocksInTransit,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from kvd.core.policies import EvictionPolicy, make_policy
+from kvd.core.tier import TierPages
+from kvd.core.transfer import Move, MoveKind, TransferPlan
+
+# Costs must be non-negative; deadlines and slack may be negative (already overdue).
+_NON_NEGATIVE_INTENT_FIELDS = frozenset(
+    {"recompute_cost_us", "spill_cost_us", "expected_reuse_window_tokens"}
+)
+
+
+@dataclass(slots=True)
+class AdmitResult:
+    decision: str  # "admitted", "queued", "rejected"
+    reason: str
+    queue_position: int
+    projected_pages: int
+
+
+@dataclass(slots=True)
+class AccessResult:
+    blocks: list[Block]
+    plan: TransferPlan | None
+
+
+@dataclass(slots=True)
+class IntentChange:
+    """One block's intent update: only the fields present in `fields` change."""
+
+    request_id: str
+    block_index: int
+    fields: dict[str, Any]
+    prefetch: bool = False
+
+
+@dataclass(slots=True)
+class PoolCounters:
+    num_evictions: int = 0
+    num_demotions: int = 0
+    num_promotions: int = 0
+    num_drops: int = 0
+    num_rematerializations: int = 0
+    bytes_moved: int = 0
+    num_decode_critical_accesses: int = 0
+    num_decode_critical_misses: int = 0
+    num_deadline_misses: int = 0
+    num_accesses: int = 0
+    num_misses: int = 0
+    num_prefetches: int = 0
+    num_admitted: int = 0
+    num_queued: int = 0
+    num_rejected: int = 0
+    stall_seconds_total: float = 0.0
+    peak_device_pages: int = 0
+    evictions_by_reason: Counter = field(default_factory=Counter)
+
+
+class Pool:
+    """One named pool: a device tier, a host tier below it, and its requests."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        page_bytes: int,
+        block_tokens: int,
+        device_pages: int,
+        host_pages: int,
+        policy: str,
+        clock: Clock,
+        max_queue: int = 1024,
+    ) -> None:
+        if page_bytes <= 0 or block_tokens <= 0:
+            raise InvalidArgument("page_bytes and block_tokens must be positive")
+        if device_pages <= 0:
+            raise InvalidArgument(f"pool {name!r}: the device tier needs at least one page")
+        self.name = name
+        self.page_bytes = page_bytes
+        self.block_tokens = block_tokens
+        self.clock = clock
+        self.device = TierPages(TierKind.DEVICE, device_pages)
+        self.host = TierPages(TierKind.HOST, host_pages)
+        self.policy: EvictionPolicy = make_policy(policy, clock)
+        self.requests: dict[str, Request] = {}
+        self.queue: OrderedDict[str, Request] = OrderedDict()
+        self.max_queue = max_queue
+        self.reserved_pages = 0
+        self.num_pinned = 0
+        self.pinned_by_tenant: Counter[str] = Counter()
+        self.counters = PoolCounters()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages a pool can hold across its tiers: what admission reserves against."""
+        return self.device.capacity + self.host.capacity
+
+    def tier(self, kind: TierKind) -> TierPages:
+        return self.device if kind is TierKind.DEVICE else self.host
+
+    def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
+        return math.ceil((prompt_tokens + output_tokens) / self.block_tokens)
+
+    def get_request(self, request_id: str) -> Request:
+        try:
+            return self.requests[request_id]
+        except KeyError:
+            raise NotFound(f"no request {request_id!r} in pool {self.name!r}") from None
+
+    def _admitted(self, request_id: str) -> Request:
+        req = self.get_request(request_id)
+        if req.state is RequestState.QUEUED:
+            position = list(self.queue).index(request_id) + 1
+            raise FailedPrecondition(
+                f"request {request_id!r} is queued for admission (position {position}); "
+                "it may allocate once admitted"
+            )
+        return req
+
+    def _resolve(self, req: Request, indices: Sequence[int] | None) -> list[Block]:
+        if indices is None:
+            return req.live_blocks()
+        blocks = []
+        num = len(req.blocks)
+        for i in indices:
+            if i < 0 or i >= num:
+                raise InvalidArgument(
+                    f"block {i} out of range for request {req.request_id!r} "
+                    f"(it has blocks 0..{num - 1})" if num else
+                    f"request {req.request_id!r} has no blocks yet; allocate first"
+                )
+            block = req.blocks[i]
+            if block is None:
+                raise NotFound(f"block {i} of request {req.request_id!r} was freed")
+            blocks.append(block)
+        if len(set(indices)) != len(indices):
+            raise InvalidArgument(f"duplicate block indices for request {req.request_id!r}")
+        return blocks
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(
+        self,
+        request_id: str,
+        *,
+        tenant: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        priority: int = 0,
+    ) -> AdmitResult:
+        """ADMITTED when the request's projected pages fit the pool now, QUEUED when they can
+        fit later, REJECTED when they never can."""
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if prompt_tokens < 0 or output_tokens < 0:
+            raise InvalidArgument("token counts must be >= 0")
+        if prompt_tokens + output_tokens == 0:
+            raise InvalidArgument("a request needs at least one prompt or output token")
+        if request_id in self.requests:
+            raise AlreadyExists(f"request {request_id!r} already exists in pool {self.name!r}")
+        projected = self.projected_pages(prompt_tokens, output_tokens)
+        if projected > self.device.capacity:
+            self.counters.num_rejected += 1
+            return AdmitResult(
+                "rejected",
+                f"needs {projected} pages ({prompt_tokens + output_tokens} tokens at "
+                f"{self.block_tokens} per page) but the device tier of pool {self.name!r} "
+                f"holds {self.device.capacity}; it can never be resident",
+                0,
+                projected,
+            )
+        now = self.clock.now()
+        req = Request(
+            request_id=request_id,
+            tenant=tenant,
+            pool=self.name,
+            priority=priority,
+            projected_pages=projected,
+            state=RequestState.QUEUED,
+            queued_at=now,
+        )
+        if not self.queue and self._fits(projected):
+            self._admit_now(req)
+            return AdmitResult("admitted", "", 0, projected)
+        if len(self.queue) >= self.max_queue:
+            raise ResourceExhausted(
+                f"admission queue of pool {self.name!r} is full ({self.max_queue} waiting); "
+                "retry after requests finish"
+            )
+        self.requests[request_id] = req
+        self.queue[request_id] = req
+        self.counters.num_queued += 1
+        return AdmitResult(
+            "queued",
+            f"needs {projected} pages; {self.capacity_pages - self.reserved_pages} of "
+            f"{self.capacity_pages} are unreserved in pool {self.name!r}",
+            len(self.queue),
+            projected,
+        )
+
+    def _fits(self, pages: int) -> bool:
+        return self.reserved_pages + pages <= self.capacity_pages
+
+    def _admit_now(self, req: Request) -> None:
+        req.state = RequestState.ADMITTED
+        req.admitted_at = self.clock.now()
+        req.reserved_pages = req.projected_pages
+        self.reserved_pages += req.projected_pages
+        self.requests[req.request_id] = req
+        self.counters.num_admitted += 1
+
+    def _admit_from_queue(self) -> list[Request]:
+        admitted = []
+        while self.queue:
+            req = next(iter(self.queue.values()))
+            if not self._fits(req.projected_pages):
+                break
+            del self.queue[req.request_id]
+            self._admit_now(req)
+            admitted.append(req)
+        return admitted
+
+    def queue_position(self, request_id: str) -> int:
+        """1-based position in the admission queue, 0 when not queued."""
+        for position, rid in enumerate(self.queue, start=1):
+            if rid == request_id:
+                return position
+        return 0
+
+    # ------------------------------------------------------------------ room in the device tier
+
+    def _no_room(self, needed: int) -> ResourceExhausted:
+        held = ", ".join(f"{t}: {n}" for t, n in self.pinned_by_tenant.most_common(5)) or "none"
+        return ResourceExhausted(
+            f"pool {self.name!r}: cannot free {needed} device page(s): "
+            f"{self.device.num_free} free, {len(self.policy)} evictable, "
+            f"{self.num_pinned} of {self.device.capacity} pinned (by tenant: {held}), "
+            f"the rest in transit"
+        )
+
+    def _evict(self, num: int, cause: Request | None, reason: str, reassign: bool) -> list[Move]:
+        """Take num victims off the device tier: demote them to host, or drop those the engine
+        can recompute when the host tier is full. Raises before changing anything."""
+        victims = self.policy.choose(num)
+        if victims is None:
+            raise self._no_room(num)
+        num_host = self.host.num_free
+        if any(not v.recompute_ok for v in victims[num_host:]):
+            raise ResourceExhausted(
+                f"pool {self.name!r}: host tier full ({self.host.capacity} pages) and the "
+                "victims cannot be recomputed; free or release requests"
+            )
+        moves = []
+        for i, victim in enumerate(victims):
+            assert not victim.pinned, "a policy offered a pinned block"
+            self.policy.remove(victim)
+            self.policy.on_evicted(victim)
+            victim.moving = True
+            if i < num_host:
+                moves.append(Move(victim, MoveKind.DEMOTE, TierKind.DEVICE, victim.page,
+                                  TierKind.HOST, self.host.take(victim), reassign))
+            else:
+                moves.append(Move(victim, MoveKind.DROP, TierKind.DEVICE, victim.page,
+                                  TierKind.NONE, -1, reassign))
+        self.counters.num_evictions += len(victims)
+        self.counters.evictions_by_reason[reason] += len(victims)
+        return moves
+
+    def _make_room(self, num: int, cause: Request | None, reason: str) -> tuple[list[int], list[Move]]:
+        """Claim num device pages: free ones first, then victims' pages (which their incoming
+        blocks may use once the demotions are copied)."""
+        short = num - self.device.num_free
+        demotions = self._evict(short, cause, reason, reassign=True) if short > 0 else []
+        pages = [self.device.take(None) for _ in range(num - len(demotions))]
+        pages.extend(m.src_page for m in demotions)
+        return pages, demotions
+
+    # ------------------------------------------------------------------ engine operations
+
+    def allocate(self, request_id: str, num_blocks: int) -> TransferPlan:
+        """New blocks at the end of the request, each in a device page."""
+        if num_blocks <= 0:
+            raise InvalidArgument(f"num_blocks must be positive, got {num_blocks}")
+        req = self._admitted(request_id)
+        if num_blocks > self.device.capacity:
+            raise InvalidArgument(
+                f"cannot allocate {num_blocks} blocks at once: the device tier of pool "
+                f"{self.name!r} holds {self.device.capacity} pages"
+            )
+        growth = max(0, len(req.blocks) + num_blocks - req.reserved_pages)
+        if growth and not self._fits(growth):
+            raise ResourceExhausted(
+                f"request {request_id!r} grows past its {req.reserved_pages} reserved pages and "
+                f"pool {self.name!r} has {self.capacity_pages - self.reserved_pages} unreserved"
+            )
+        pages, demotions = self._make_room(num_blocks, req, "allocate")
+        now = self.clock.now()
+        plan = TransferPlan(self.name, "allocate", req, demotions=demotions)
+        for page in pages:
+            block = Block(req, len(req.blocks), TierKind.DEVICE, page, moving=True,
+                          last_access=now, request_priority=req.priority)
+            self.device.owner[page] = block
+            req.blocks.append(block)
+            req.num_live_blocks += 1
+            req.num_device_blocks += 1
+            plan.allocated.append(block)
+        req.reserved_pages += growth
+        self.reserved_pages += growth
+        self._note_peak()
+        return plan
+
+    def access(self, request_id: str, indices: Sequence[int] | None) -> AccessResult:
+        """The engine reads these blocks now (None: all of them). Resident blocks are touched;
+        the rest are promoted by the returned plan."""
+        req = self._admitted(request_id)
+        blocks = self._resolve(req, indices)
+        busy = [b for b in blocks if b.moving]
+        if busy:
+            raise BlocksInTransit(busy)
+        missing = [b for b in blocks if b.tier is not TierKind.DEVICE]
+        plan = None
+        if missing:
+            plan = self._promote(req, missing, blocks, "access")
+        now = self.clock.now()
+        counters = self.counters
+        policy = self.policy
+        for b in blocks:
+            b.last_access = now
+            if b.decode_critical:
+                counters.num_decode_critical_accesses += 1
+                if b.moving:
+                    counters.num_decode_critical_misses += 1
+            if not b.moving and not b.pinned:
+                policy.touch(b)
+        counters.num_accesses += len(blocks)
+        counters.num_misses += len(missing)
+        return AccessResult(blocks, plan)
+
+    def _promote(
+        self, req: Request | None, missing: list[Block], keep: Iterable[Block], reason: str
+    ) -> TransferPlan:
+        """A plan bringing `missing` to the device tier without evicting any of `keep`."""
+        protected = [b for b in keep if b.tier is TierKind.DEVICE and b in self.policy]
+        for b in protected:
+            self.policy.remove(b)
+        try:
+            pages, demotions = self._make_room(len(missing), req, reason)
+        finally:
+            for b in protected:
+                self.policy.insert(b)
+        plan = TransferPlan(self.name, reason, req, demotions=demotions)
+        for block, page in zip(missing, pages):
+            self.device.owner[page] = block
+            block.moving = True
+            kind = MoveKind.PROMOTE if block.tier is TierKind.HOST else MoveKind.REMATERIALIZE
+            plan.promotions.append(
+                Move(block, kind, block.tier, block.page, TierKind.DEVICE, page, False)
+            )
+        return plan
+
+    def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
+        """Apply a batch of intent updates (all or none) and return a prefetch plan for blocks
+        that asked for one or became pinned outside the device tier (None if nothing to do)."""
+        resolved = []
+        pin_delta: Counter[str] = Counter()
+        for change in changes:
+            req = self._admitted(change.request_id)
+            (block,) = self._resolve(req, [change.block_index])
+            _validate_intent_fields(change.fields)
+            pinned_after = _pinned_after(block, change.fields)
+            if pinned_after != block.pinned:
+                pin_delta[req.tenant] += 1 if pinned_after else -1
+            resolved.append((block, change))
+        if self.num_pinned + sum(pin_delta.values()) > self.device.capacity:
+            raise ResourceExhausted(
+                f"pinning {sum(pin_delta.values())} more block(s) would exceed the device tier "
+                f"of pool {self.name!r}: {self.num_pinned} of {self.device.capacity} pages "
+                f"already pinned (by tenant: "
+                f"{', '.join(f'{t}: {n}' for t, n in self.pinned_by_tenant.most_common(5))})"
+            )
+        now = self.clock.now()
+        to_prefetch: list[Block] = []
+        for block, change in resolved:
+            was_pinned = block.pinned
+            _apply_intent(block, change.fields, now)
+            held = block.tier is TierKind.DEVICE and not block.moving
+            if block.pinned != was_pinned:
+                delta = 1 if block.pinned else -1
+                self.num_pinned += delta
+                self.pinned_by_tenant[block.request.tenant] += delta
+                if held:
+                    (self.policy.remove if block.pinned else self.policy.insert)(block)
+            elif held and not block.pinned:
+                self.policy.reorder(block)
+            wants = change.prefetch or (block.pinned and not was_pinned)
+            if wants and block.tier is not TierKind.DEVICE and not block.moving:
+                if block not in to_prefetch:
+                    to_prefetch.append(block)
+        return self.prefetch(to_prefetch)
+
+    def prefetch(self, blocks: list[Block]) -> TransferPlan | None:
+        """Promote what fits of `blocks` ahead of their access; a hint, so no room is no error."""
+        blocks = [b for b in blocks if b.tier is not TierKind.DEVICE and not b.moving]
+        room = self.device.num_free + len(self.policy)
+        # Pinned blocks first: a decode step is waiting on them.
+        blocks.sort(key=lambda b: not b.pinned)
+        blocks = blocks[:room]
+        while blocks:
+            try:
+                plan = self._promote(None, blocks, (), "prefetch")
+            except ResourceExhausted:
+                blocks = blocks[: len(blocks) // 2]
+                continue
+            self.counters.num_prefetches += len(blocks)
+            return plan
+        return None
+
+    def free(self, request_id: str, indices: Sequence[int]) -> int:
+        """Give back some blocks of a request; their indices stay unused."""
+        req = self._admitted(request_id)
+        blocks = self._resolve(req, indices)
+        busy = [b for b in blocks if b.moving]
+        if busy:
+            raise BlocksInTransit(busy)
+        for b in blocks:
+            self._discard(b)
+        return len(blocks)
+
+    def release(self, request_id: str) -> tuple[int, list[Request]]:
+        """Give back a whole request (queued or admitted). Returns the number of blocks freed
+        and the queued requests admitted because of it."""
+        req = self.get_request(request_id)
+        if req.state is RequestState.QUEUED:
+            del self.queue[request_id]
+            del self.requests[request_id]
+            return 0, self._admit_from_queue()
+        live = req.live_blocks()
+        busy = [b for b in live if b.moving]
+        if busy:
+            raise BlocksInTransit(busy)
+        for b in live:
+            self._discard(b)
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0
+        del self.requests[request_id]
+        return len(live), self._admit_from_queue()
+
+    def _discard(self, block: Block) -> None:
+        req = block.request
+        if block.tier is TierKind.DEVICE:
+            if block in self.policy:
+                self.policy.remove(block)
+            self.device.release(block.page)
+            req.num_device_blocks -= 1
+        elif block.tier is TierKind.HOST:
+            self.host.release(block.page)
+        if block.pinned:
+            self.num_pinned -= 1
+            self.pinned_by_tenant[req.tenant] -= 1
+        req.blocks[block.index] = None
+        req.num_live_blocks -= 1
+        block.tier, block.page = TierKind.NONE, -1
+
+    def evict(self, num_pages: int) -> TransferPlan:
+        """Demote num_pages victims now (the engine asked for room): all or none."""
+        if num_pages <= 0:
+            raise InvalidArgument(f"num_pages must be positive, got {num_pages}")
+        if num_pages > len(self.policy):
+            raise self._no_room(num_pages)
+        return TransferPlan(
+            self.name, "evict", None, demotions=self._evict(num_pages, None, "evict", False)
+        )
+
+    def set_policy(self, name: str) -> str:
+        """Switch the eviction policy at run time; the evictable blocks carry over."""
+        new = make_policy(name, self.clock)
+        old = self.policy
+        for block in self._evictable_blocks():
+            new.insert(block)
+        self.policy = new
+        return old.name
+
+    def _evictable_blocks(self) -> list[Block]:
+        # Oldest access first, so order-based policies start from a sensible order.
+        blocks = [
+            b for b in self.device.owner
+            if b is not None and b.tier is TierKind.DEVICE and not b.moving and not b.pinned
+        ]
+        blocks.sort(key=lambda b: b.last_access)
+        return blocks
+
+    # ------------------------------------------------------------------ transfers
+
+    def complete(self, plan: TransferPlan) -> None:
+        """The plan's bytes are copied: make the page table say so."""
+        now = self.clock.now()
+        c = self.counters
+        for m in plan.demotions:
+            b = m.block
+            b.moving = False
+            b.epoch += 1
+            b.request.num_device_blocks -= 1
+            if not m.src_reassigned:
+                self.device.release(m.src_page)
+            if m.kind is MoveKind.DROP:
+                b.tier, b.page = TierKind.NONE, -1
+                c.num_drops += 1
+            else:
+                b.tier, b.page = TierKind.HOST, m.dst_page
+                c.num_demotions += 1
+                c.bytes_moved += self.page_bytes
+        for m in plan.promotions:
+            b = m.block
+            b.moving = False
+            b.epoch += 1
+            b.request.num_device_blocks += 1
+            if m.kind is MoveKind.PROMOTE:
+                self.host.release(m.src_page)
+                c.num_promotions += 1
+                c.bytes_moved += self.page_bytes
+            else:
+                c.num_rematerializations += 1
+            b.tier, b.page = TierKind.DEVICE, m.dst_page
+            if plan.reason == "access" and b.deadline_at is not None and now > b.deadline_at:
+                c.num_deadline_misses += 1
+            self.policy.on_promoted(b)
+            if not b.pinned:
+                self.policy.insert(b)
+        for b in plan.allocated:
+            b.moving = False
+            if not b.pinned:
+                self.policy.insert(b)
+        self._note_peak()
+
+    def abort(self, plan: TransferPlan) -> None:
+        """The copy failed or was cancelled: put everything back as it was before the plan."""
+        victim_pages = {m.src_page for m in plan.demotions}
+        for m in plan.promotions:
+            if m.dst_page not in victim_pages:
+                self.device.release(m.dst_page)
+            m.block.moving = False
+        for b in reversed(plan.allocated):
+            if b.page not in victim_pages:
+                self.device.release(b.page)
+            req = b.request
+            req.blocks.pop()  # allocated blocks were appended last
+            req.num_live_blocks -= 1
+            req.num_device_blocks -= 1
+            b.tier, b.page = TierKind.NONE, -1
+        for m in plan.demotions:
+            b = m.block
+            b.moving = False
+            self.device.owner[m.src_page] = b
+            if m.dst_tier is TierKind.HOST:
+                self.host.release(m.dst_page)
+            self.policy.insert(b)
+        self.counters.num_evictions -= len(plan.demotions)
+
+    def record_stall(self, seconds: float) -> None:
+        self.counters.stall_seconds_total += seconds
+
+    def _note_peak(self) -> None:
+        used = self.device.num_used
+        if used > self.counters.peak_device_pages:
+            self.counters.peak_device_pages = used
+
+
+def _validate_intent_fields(fields: dict[str, Any]) -> None:
+    for name, value in fields.items():
+        if name == "phase":
+            if value not in Phase._value2member_map_ or value == Phase.UNSPECIFIED:
+                raise InvalidArgument(f"unknown phase {value!r}")
+        elif name == "priority":
+            if value not in Priority._value2member_map_ or value == Priority.UNSPECIFIED:
+                raise InvalidArgument(f"unknown priority {value!r}")
+        elif name == "request_priority":
+            if not 0 <= value <= 100:
+                raise InvalidArgument(f"request_priority must be 0..100, got {value}")
+        elif name == "recency_score":
+            if not (0.0 <= value <= 1.0):
+                raise InvalidArgument(f"recency_score must be 0..1, got {value}")
+        elif name in _NON_NEGATIVE_INTENT_FIELDS:
+            if value < 0:
+                raise InvalidArgument(f"{name} must be >= 0, got {value}")
+        elif name not in INTENT_INT_FIELDS and name not in INTENT_BOOL_FIELDS and name != "deadline_us":
+            raise InvalidArgument(f"unknown intent field {name!r}")
+
+
+def _pinned_after(block: Block, fields: dict[str, Any]) -> bool:
+    pin = fields.get("pin_requested", block.pin_requested)
+    priority = fields.get("priority", block.priority)
+    return bool(pin) or priority == Priority.DECODE_CRITICAL
+
+
+def _apply_intent(block: Block, fields: dict[str, Any], now: float) -> None:
+    for name, value in fields.items():
+        if name == "deadline_us":
+            block.deadline_at = now + value / 1e6
+        elif name == "phase":
+            block.phase = Phase(value)
+        elif name == "priority":
+            block.priority = Priority(value)
+        else:
+            setattr(block, name, value)

@@ -1,0 +1,63 @@
+"""Transfer plans: the page moves one pool operation needs, decided at once, copied later.
+
+A pool operation that needs bytes moved (an allocation that demotes victims, an access that
+promotes) reserves every page it needs and marks the blocks `moving`, then returns a plan.
+The runtime copies the bytes off the event loop and calls Pool.complete(plan) (or
+Pool.abort(plan)); only then does the page table say the blocks moved. Demotions are copied
+before promotions because an incoming block may be given the page a victim is leaving.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvd.core.blocks import Block, Request, TierKind
+
+
+class MoveKind(enum.Enum):
+    DEMOTE = "demote"  # device -> host, bytes copied
+    DROP = "drop"  # device -> nowhere; the engine recomputes it on next use
+    PROMOTE = "promote"  # host -> device, bytes copied
+    REMATERIALIZE = "rematerialize"  # nowhere -> device; nothing to copy, must be recomputed
+
+
+@dataclass(slots=True)
+class Move:
+    block: Block
+    kind: MoveKind
+    src_tier: TierKind
+    src_page: int
+    dst_tier: TierKind
+    dst_page: int
+    # The source page was handed to an incoming block at plan time: do not free it on completion.
+    src_reassigned: bool
+
+    @property
+    def copies_bytes(self) -> bool:
+        return self.kind in (MoveKind.DEMOTE, MoveKind.PROMOTE)
+
+
+@dataclass(slots=True, eq=False)
+class TransferPlan:
+    """What one operation moves. Empty plans complete at once, without a copy."""
+
+    pool: str
+    reason: str  # "allocate", "access", "prefetch", "evict"
+    cause: Request | None
+    demotions: list[Move] = field(default_factory=list)
+    promotions: list[Move] = field(default_factory=list)
+    allocated: list[Block] = field(default_factory=list)
+
+    @property
+    def num_copies(self) -> int:
+        return sum(m.copies_bytes for m in self.demotions) + sum(
+            m.copies_bytes for m in self.promotions
+        )
+
+    def blocks(self) -> list[Block]:
+        return (
+            [m.block for m in self.demotions]
+            + [m.block for m in self.promotions]
+            + list(self.allocated)
+        )

@@ -1,0 +1,209 @@
+"""The daemon's state: its pools, their arenas, and which pool each request lives in.
+
+The async operations here are what the gRPC servicers call; they know nothing of protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from kvd.config import Config, PoolConfig
+from kvd.core.blocks import Block, Request
+from kvd.core.clock import Clock, MonotonicClock
+from kvd.core.errors import InvalidArgument, NotFound
+from kvd.core.invariants import check_pool
+from kvd.core.pool import AdmitResult, IntentChange, Pool
+from kvd.core.transfer import TransferPlan
+from kvd.memory.arena import ShmArena
+from kvd.memory.copier import PageCopier
+from kvd.runtime import PoolRuntime
+
+log = structlog.get_logger("kvd.daemon")
+
+
+def make_arenas(pc: PoolConfig) -> dict[str, object]:
+    """Allocate a pool's device and host arenas on the configured backend."""
+    from kvd.memory.cuda import gpu_available
+
+    page_bytes = pc.resolved_page_bytes
+    use_gpu = pc.device_backend == "cupy" or (pc.device_backend == "auto" and gpu_available())
+    if use_gpu:
+        if not gpu_available():
+            raise InvalidArgument(f"pool {pc.name!r}: device_backend=cupy but no GPU/CuPy here")
+        from kvd.memory.cuda import CupyArena, pin_host_arena
+
+        device = CupyArena(pc.device_pages, page_bytes, device=pc.gpu)
+        host = ShmArena(pc.host_pages, page_bytes, label=f"{pc.name}-host", backend="pinned-shm")
+        pin_host_arena(host.pages)
+    else:
+        device = ShmArena(pc.device_pages, page_bytes, label=f"{pc.name}-dev",
+                          backend="host-standin")
+        host = ShmArena(pc.host_pages, page_bytes, label=f"{pc.name}-host")
+    return {"device": device, "host": host}
+
+
+class Daemon:
+    """Pools by name and requests by id; every engine operation goes through here."""
+
+    def __init__(self, config: Config, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.started_at = time.time()
+        self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
+        self.pools: dict[str, PoolRuntime] = {}
+        self._where: dict[str, PoolRuntime] = {}
+        try:
+            for pc in config.pools:
+                self.pools[pc.name] = self._build_pool(pc)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build_pool(self, pc: PoolConfig) -> PoolRuntime:
+        pool = Pool(
+            pc.name,
+            page_bytes=pc.resolved_page_bytes,
+            block_tokens=pc.block_tokens,
+            device_pages=pc.device_pages,
+            host_pages=pc.host_pages,
+            policy=pc.policy,
+            clock=self.clock,
+            max_queue=pc.max_queue,
+        )
+        arenas = make_arenas(pc)
+        runtime = PoolRuntime(pool, arenas, PageCopier(arenas["device"], arenas["host"]),
+                              self._executor)
+        runtime.on_plan_done.append(self._on_plan_done)
+        log.info(
+            "pool ready",
+            pool=pc.name,
+            device_backend=arenas["device"].backend,
+            host_backend=arenas["host"].backend,
+            device_pages=pc.device_pages,
+            host_pages=pc.host_pages,
+            page_bytes=pool.page_bytes,
+            policy=pool.policy.name,
+        )
+        return runtime
+
+    def _on_plan_done(self, plan: TransferPlan, stall_s: float) -> None:
+        pass  # hook for metrics and the event stream
+
+    # ------------------------------------------------------------------ lookup
+
+    def runtime(self, pool: str) -> PoolRuntime:
+        try:
+            return self.pools[pool or "default"]
+        except KeyError:
+            raise NotFound(
+                f"no pool {pool!r}; this kvd has {', '.join(sorted(self.pools))}"
+            ) from None
+
+    def runtime_of(self, request_id: str) -> PoolRuntime:
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        try:
+            return self._where[request_id]
+        except KeyError:
+            raise NotFound(f"no request {request_id!r}; admit it first") from None
+
+    def request(self, request_id: str) -> Request:
+        return self.runtime_of(request_id).pool.get_request(request_id)
+
+    # ------------------------------------------------------------------ engine operations
+
+    def admit(self, request_id: str, *, tenant: str, pool: str, prompt_tokens: int,
+              output_tokens: int, priority: int) -> AdmitResult:
+        if request_id in self._where:
+            where = self._where[request_id].pool.name
+            from kvd.core.errors import AlreadyExists
+
+            raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
+        rt = self.runtime(pool)
+        result = rt.pool.admit(request_id, tenant=tenant or "default",
+                               prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                               priority=priority)
+        if result.decision != "rejected":
+            self._where[request_id] = rt
+        return result
+
+    async def allocate(self, request_id: str, num_blocks: int) -> tuple[list[Block], float]:
+        rt = self.runtime_of(request_id)
+        plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks))
+        stall_s = await rt.execute(plan)
+        return plan.allocated, stall_s
+
+    async def access(self, request_id: str, indices: Sequence[int] | None
+                     ) -> tuple[list[Block], float, int]:
+        rt = self.runtime_of(request_id)
+        result = await rt.run(lambda: rt.pool.access(request_id, indices))
+        stall_s = await rt.execute(result.plan)
+        if stall_s:
+            rt.pool.record_stall(stall_s)
+        promoted = len(result.plan.promotions) if result.plan else 0
+        return result.blocks, stall_s, promoted
+
+    async def update_intents(self, changes: Sequence[IntentChange]) -> tuple[int, int]:
+        """Apply updates grouped by pool. Validation of every group happens before any group
+        applies, so a bad item changes nothing."""
+        by_pool: dict[PoolRuntime, list[IntentChange]] = {}
+        for change in changes:
+            by_pool.setdefault(self.runtime_of(change.request_id), []).append(change)
+        plans = []
+        for rt, group in by_pool.items():
+            plan = rt.pool.update_intents(group)
+            plans.append((rt, plan))
+        prefetched = 0
+        for rt, plan in plans:
+            if plan is not None:
+                prefetched += len(plan.promotions)
+                await rt.execute(plan)
+        return len(changes), prefetched
+
+    async def free(self, request_id: str, indices: Sequence[int]) -> int:
+        rt = self.runtime_of(request_id)
+        return await rt.run(lambda: rt.pool.free(request_id, indices))
+
+    async def release(self, request_id: str) -> tuple[int, list[Request]]:
+        rt = self.runtime_of(request_id)
+        freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
+        del self._where[request_id]
+        return freed, admitted
+
+    async def evict(self, pool: str, num_pages: int) -> list:
+        rt = self.runtime(pool)
+        plan = rt.pool.evict(num_pages)
+        await rt.execute(plan)
+        return plan.demotions
+
+    async def set_policy(self, pool: str, policy: str) -> str:
+        rt = self.runtime(pool)
+        previous = rt.pool.set_policy(policy)
+        log.info("policy changed", pool=rt.pool.name, policy=policy, previous=previous)
+        return previous
+
+    async def self_check(self) -> list[str]:
+        problems = []
+        for rt in self.pools.values():
+            await rt.quiesce()
+            problems.extend(check_pool(rt.pool))
+        return problems
+
+    async def drain(self) -> None:
+        for rt in self.pools.values():
+            await rt.quiesce()
+
+    def close(self) -> None:
+        for rt in self.pools.values():
+            rt.close()
+        self.pools.clear()
+        self._executor.shutdown(wait=True)
+
+    async def aclose(self) -> None:
+        await self.drain()
+        await asyncio.get_running_loop().run_in_executor(None, self.close)

@@ -1,0 +1,1 @@
+"""Memory arenas: where pages' bytes live. Only cuda.py imports cupy."""

@@ -1,0 +1,68 @@
+"""The device tier in GPU memory, through CuPy. The only module of kvd that imports cupy.
+
+Not exercised without a GPU: tests marked `gpu` run it where one is present.
+"""
+
+from __future__ import annotations
+
+from kvd.memory.arena import ArenaExport
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy  # noqa: F401
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, CUDARuntimeError without a driver, ...
+        return False
+
+
+class CupyArena:
+    """Device pages allocated with cupy.empty on one GPU; exported as a CUDA IPC handle."""
+
+    backend = "cupy"
+
+    def __init__(self, num_pages: int, page_bytes: int, *, device: int = 0):
+        import cupy
+
+        self._cupy = cupy
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.device = device
+        with cupy.cuda.Device(device):
+            self.pages = cupy.empty((num_pages, page_bytes), dtype=cupy.uint8)
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+
+    def export(self) -> ArenaExport:
+        handle = self._cupy.cuda.runtime.ipcGetMemHandle(self.pages.data.ptr)
+        return ArenaExport(self.backend, self.num_pages, self.num_pages * self.page_bytes,
+                           cuda_ipc_handle=bytes(handle), cuda_device=self.device)
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.pages = None
+        self._cupy.get_default_memory_pool().free_all_blocks()
+
+
+def pin_host_arena(host_pages) -> None:
+    """Page-lock a host arena's memory so device<->host copies run at full DMA speed."""
+    import cupy
+
+    ptr = host_pages.ctypes.data
+    cupy.cuda.runtime.hostRegister(ptr, host_pages.nbytes, 0)
+
+
+def copy_device_host(src, src_pages, dst, dst_pages, stream) -> None:
+    """Copy pages between a CuPy arena and a numpy arena (either way) on a CUDA stream."""
+    import cupy
+
+    with stream:
+        for s, d in zip(src_pages, dst_pages):
+            if isinstance(dst, cupy.ndarray):
+                dst[d].set(src[s], stream=stream)
+            elif isinstance(src, cupy.ndarray):
+                src[s].get(stream=stream, out=dst[d])
+            else:
+                dst[d] = src[s]
+    stream.synchronize()

@@ -1,0 +1,127 @@
+"""The kvd server's lifecycle, top to bottom: allocate arenas, listen, report SERVING, wait for
+a signal, drain (NOT_SERVING, stop accepting, let in-flight calls finish within the grace
+period), free the arenas, exit 0. A second SIGINT forces exit."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvd import __version__
+from kvd.config import Config
+from kvd.daemon import Daemon
+from kvd.service.admin import AdminService
+from kvd.service.memory import MemoryService
+from kvd_api.v1 import kvd_pb2, kvd_pb2_grpc
+
+log = structlog.get_logger("kvd.server")
+
+SERVICE_NAMES = tuple(
+    kvd_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Memory", "Admin")
+)
+# Engines send big Step batches; allow them.
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class Server:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.daemon: Daemon | None = None
+        self.health = health.aio.HealthServicer()
+        self._grpc: grpc.aio.Server | None = None
+        self._stop = asyncio.Event()
+        self._num_signals = 0
+        self.addresses: list[str] = []
+
+    async def serve(self) -> int:
+        await self.start()
+        self._capture_signals()
+        await self._stop.wait()
+        await self.shutdown()
+        return 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        # Arena allocation can take a while for large pools: keep the loop free.
+        self.daemon = await loop.run_in_executor(None, Daemon, self.config)
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        kvd_pb2_grpc.add_MemoryServicer_to_server(MemoryService(self.daemon), server)
+        kvd_pb2_grpc.add_AdminServicer_to_server(AdminService(self.daemon, self.request_stop),
+                                                 server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        if self.config.socket:
+            path = Path(self.config.socket)
+            _prepare_socket_path(path)
+            server.add_insecure_port(f"unix:{path}")
+            self.addresses.append(f"unix://{path}")
+        if self.config.tcp:
+            port = server.add_insecure_port(self.config.tcp)
+            host = self.config.tcp.rsplit(":", 1)[0]
+            self.addresses.append(f"{host}:{port}")
+        await server.start()
+        if self.config.socket:
+            os.chmod(self.config.socket, 0o660)
+        self._grpc = server
+        for name in ("", *SERVICE_NAMES):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvd serving", version=__version__, listen=self.addresses, pid=os.getpid())
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def _capture_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._num_signals += 1
+        if self._num_signals > 1 and sig == signal.SIGINT:
+            log.warning("second interrupt: exiting now")
+            os._exit(130)
+        log.info("draining", signal=sig.name, grace_s=self.config.grace_s)
+        self._stop.set()
+
+    async def shutdown(self) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._grpc is not None:
+            await self._grpc.stop(self.config.grace_s)
+        if self.daemon is not None:
+            await self.daemon.aclose()
+        if self.config.socket:
+            Path(self.config.socket).unlink(missing_ok=True)
+        log.info("kvd stopped")
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Create the socket's directory; remove a stale socket, refuse to steal a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        return
+    if not stat.S_ISSOCK(path.stat().st_mode):
+        raise SystemExit(f"kvd: {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink()
+    else:
+        raise SystemExit(f"kvd: another kvd is already listening on {path}")
+    finally:
+        probe.close()

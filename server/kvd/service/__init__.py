@@ -1,0 +1,1 @@
+"""The gRPC layer: protobuf in, domain call, protobuf out. Nothing else."""

@@ -1,0 +1,237 @@
+"""kvd.v1.Memory: the service engines talk to."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import structlog
+
+from kvd.core import errors
+from kvd.core.blocks import TierKind
+from kvd.daemon import Daemon
+from kvd.service.convert import DECISIONS, handle, indices, intent_change
+from kvd.service.status import status_of, unary
+from kvd_api.v1 import kvd_pb2 as pb
+from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("kvd.service")
+
+
+class MemoryService(pb_grpc.MemoryServicer):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def _page_bytes(self, request_id: str) -> int:
+        return self.daemon.runtime_of(request_id).pool.page_bytes
+
+    @unary
+    async def Admit(self, request, context):
+        result = self.daemon.admit(
+            request.request_id,
+            tenant=request.tenant,
+            pool=request.pool,
+            prompt_tokens=request.prompt_tokens,
+            output_tokens=request.expected_output_tokens,
+            priority=request.priority,
+        )
+        return pb.AdmitResponse(
+            decision=DECISIONS[result.decision],
+            reason=result.reason,
+            queue_position=result.queue_position,
+            projected_pages=result.projected_pages,
+        )
+
+    @unary
+    async def Allocate(self, request, context):
+        blocks, stall_s = await self.daemon.allocate(request.request_id, request.num_blocks)
+        page_bytes = self._page_bytes(request.request_id)
+        return pb.AllocateResponse(
+            handles=[handle(b, page_bytes) for b in blocks], stall_us=int(stall_s * 1e6)
+        )
+
+    @unary
+    async def Access(self, request, context):
+        blocks, stall_s, promoted = await self.daemon.access(
+            request.request_id, indices(request)
+        )
+        page_bytes = self._page_bytes(request.request_id)
+        return pb.AccessResponse(
+            handles=[handle(b, page_bytes) for b in blocks],
+            stall_us=int(stall_s * 1e6),
+            num_promoted=promoted,
+        )
+
+    @unary
+    async def UpdateIntents(self, request, context):
+        changes = [intent_change(u) for u in request.updates]
+        applied, prefetched = await self.daemon.update_intents(changes)
+        return pb.UpdateIntentsResponse(num_applied=applied, num_prefetched=prefetched)
+
+    @unary
+    async def Free(self, request, context):
+        if not request.block_indices:
+            raise errors.InvalidArgument("name at least one block to free")
+        freed = await self.daemon.free(request.request_id, list(request.block_indices))
+        return pb.FreeResponse(num_freed=freed)
+
+    @unary
+    async def Release(self, request, context):
+        freed, _ = await self.daemon.release(request.request_id)
+        return pb.ReleaseResponse(num_freed=freed)
+
+    @unary
+    async def Evict(self, request, context):
+        moves = await self.daemon.evict(request.pool, request.num_pages)
+        return pb.EvictResponse(
+            evicted=[
+                pb.EvictedBlock(
+                    request_id=m.block.request.request_id,
+                    block_index=m.block.index,
+                    to_tier=int(m.dst_tier),
+                )
+                for m in moves
+            ]
+        )
+
+    @unary
+    async def ExportPool(self, request, context):
+        rt = self.daemon.runtime(request.pool)
+        tiers = []
+        for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host")):
+            export = rt.arenas[key].export()
+            tiers.append(
+                pb.TierExport(
+                    tier=tier,
+                    backend=export.backend,
+                    num_pages=export.num_pages,
+                    shm_name=export.shm_name,
+                    cuda_ipc_handle=export.cuda_ipc_handle,
+                    cuda_device=export.cuda_device,
+                    arena_bytes=export.arena_bytes,
+                )
+            )
+        return pb.ExportPoolResponse(pool=rt.pool.name, page_bytes=rt.pool.page_bytes,
+                                     tiers=tiers)
+
+    @unary
+    async def GetPoolStats(self, request, context):
+        runtimes = (
+            [self.daemon.runtime(request.pool)] if request.pool else self.daemon.pools.values()
+        )
+        return pb.GetPoolStatsResponse(pools=[pool_stats(rt) for rt in runtimes])
+
+    async def Step(self, request_iterator, context):
+        async for step in request_iterator:
+            yield await self._step(step)
+
+    async def _step(self, step: pb.StepRequest) -> pb.StepResponse:
+        """One engine step: intents, frees, releases, allocations, accesses, in that order.
+        A bad item is reported in `errors`; the rest of the step goes on."""
+        daemon = self.daemon
+        reply = pb.StepResponse(step_id=step.step_id)
+        started = time.perf_counter()
+        stalled = False
+        if step.intents:
+            try:
+                await daemon.update_intents([intent_change(u) for u in step.intents])
+            except errors.KvdError as exc:
+                _step_error(reply, "intents", 0, exc)
+        for i, item in enumerate(step.frees):
+            try:
+                await daemon.free(item.request_id, list(item.block_indices))
+            except errors.KvdError as exc:
+                _step_error(reply, "frees", i, exc)
+        for i, item in enumerate(step.releases):
+            try:
+                await daemon.release(item.request_id)
+            except errors.KvdError as exc:
+                _step_error(reply, "releases", i, exc)
+        for i, item in enumerate(step.allocations):
+            try:
+                blocks, stall_s = await daemon.allocate(item.request_id, item.num_blocks)
+                stalled |= stall_s > 0
+                page_bytes = daemon.runtime_of(item.request_id).pool.page_bytes
+                reply.allocated.extend(handle(b, page_bytes) for b in blocks)
+            except errors.KvdError as exc:
+                _step_error(reply, "allocations", i, exc)
+        pending = []
+        for i, item in enumerate(step.accesses):
+            try:
+                rt = daemon.runtime_of(item.request_id)
+                rid, idx = item.request_id, indices(item)
+                result = await rt.run(lambda: rt.pool.access(rid, idx))
+                run = rt.start(result.plan)
+                if run is not None:
+                    # A task, not a bare coroutine: a later item may wait on these blocks.
+                    pending.append((i, rt, asyncio.ensure_future(run()), result))
+                else:
+                    _relocated(reply, result.blocks, rt.pool.page_bytes)
+            except errors.KvdError as exc:
+                _step_error(reply, "accesses", i, exc)
+        for i, rt, task, result in pending:
+            # The copies run concurrently in the worker pool; await them in turn.
+            try:
+                stall_s = await task
+            except Exception as exc:  # a failed copy: the plan was aborted
+                reply.errors.append(pb.StepError(section="accesses", item_index=i,
+                                                 code=grpc.StatusCode.INTERNAL.value[0],
+                                                 message=f"copy failed: {exc}"))
+                continue
+            rt.pool.record_stall(stall_s)
+            stalled = True
+            _relocated(reply, result.blocks, rt.pool.page_bytes)
+        if stalled:
+            reply.stall_us = int((time.perf_counter() - started) * 1e6)
+        return reply
+
+
+def _relocated(reply: pb.StepResponse, blocks, page_bytes: int) -> None:
+    moved = [b for b in blocks if b.epoch != b.seen_epoch]
+    if moved:
+        reply.relocated.extend(handle(b, page_bytes) for b in moved)
+
+
+def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.KvdError) -> None:
+    reply.errors.append(
+        pb.StepError(section=section, item_index=index, code=status_of(exc).value[0],
+                     message=str(exc))
+    )
+
+
+def pool_stats(rt) -> pb.PoolStats:
+    pool = rt.pool
+    c = pool.counters
+    tiers = []
+    for tier, pages, key in ((pb.TIER_DEVICE, pool.device, "device"),
+                             (pb.TIER_HOST, pool.host, "host")):
+        tiers.append(
+            pb.TierStats(
+                tier=tier,
+                backend=rt.arenas[key].backend,
+                capacity_pages=pages.capacity,
+                used_pages=pages.num_used,
+                free_pages=pages.num_free,
+                pinned_pages=pool.num_pinned if pages.kind is TierKind.DEVICE else 0,
+            )
+        )
+    return pb.PoolStats(
+        pool=pool.name,
+        policy=pool.policy.name,
+        page_bytes=pool.page_bytes,
+        block_tokens=pool.block_tokens,
+        tiers=tiers,
+        num_requests=len(pool.requests) - len(pool.queue),
+        num_queued=len(pool.queue),
+        reserved_pages=pool.reserved_pages,
+        num_evictions=c.num_evictions,
+        num_demotions=c.num_demotions,
+        num_promotions=c.num_promotions,
+        num_drops=c.num_drops,
+        bytes_moved=c.bytes_moved,
+        num_decode_critical_accesses=c.num_decode_critical_accesses,
+        num_decode_critical_misses=c.num_decode_critical_misses,
+        num_deadline_misses=c.num_deadline_misses,
+        stall_seconds_total=c.stall_seconds_total,
+    )
