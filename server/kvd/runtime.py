@@ -83,10 +83,14 @@ class PoolRuntime:
             self.pool.abort(plan)
             self._finish(plan, future)
             raise
-        self.pool.complete(plan)
+        pinned_out = self.pool.complete(plan)
         stall_s = time.perf_counter() - started
         self._finish(plan, future)
         self._notify(plan, stall_s)
+        if pinned_out:  # pinned while being demoted: bring them back
+            run = self.start(self.pool.prefetch(pinned_out))
+            if run is not None:
+                asyncio.ensure_future(run())
         return stall_s
 
     def _finish(self, plan: TransferPlan, future: asyncio.Future) -> None:

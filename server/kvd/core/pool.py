@@ -127,8 +127,15 @@ class Pool:
 
     @property
     def capacity_pages(self) -> int:
-        """Pages a pool can hold across its tiers: what admission reserves against."""
-        return self.device.capacity + self.host.capacity
+        """Pages admission may reserve: both tiers, less the transit headroom."""
+        return self.device.capacity + self.host.capacity - self.transit_headroom
+
+    @property
+    def transit_headroom(self) -> int:
+        """Host pages admission leaves unreserved. A promotion holds its host page until its
+        copy completes, so swapping a block in while another goes out needs a spare host page;
+        without one the victim would have to be dropped."""
+        return min(self.host.capacity, max(1, self.device.capacity // 8))
 
     def tier(self, kind: TierKind) -> TierPages:
         return self.device if kind is TierKind.DEVICE else self.host
@@ -526,8 +533,9 @@ class Pool:
 
     # ------------------------------------------------------------------ transfers
 
-    def complete(self, plan: TransferPlan) -> None:
-        """The plan's bytes are copied: make the page table say so."""
+    def complete(self, plan: TransferPlan) -> list[Block]:
+        """The plan's bytes are copied: make the page table say so. Returns blocks pinned while
+        they were being demoted, which now want a prefetch."""
         now = self.clock.now()
         c = self.counters
         for m in plan.demotions:
@@ -566,6 +574,7 @@ class Pool:
             if not b.pinned:
                 self.policy.insert(b)
         self._note_peak()
+        return [m.block for m in plan.demotions if m.block.pinned]
 
     def abort(self, plan: TransferPlan) -> None:
         """The copy failed or was cancelled: put everything back as it was before the plan."""
@@ -574,14 +583,17 @@ class Pool:
             if m.dst_page not in victim_pages:
                 self.device.release(m.dst_page)
             m.block.moving = False
-        for b in reversed(plan.allocated):
+        for b in plan.allocated:
             if b.page not in victim_pages:
                 self.device.release(b.page)
             req = b.request
-            req.blocks.pop()  # allocated blocks were appended last
+            req.blocks[b.index] = None
             req.num_live_blocks -= 1
             req.num_device_blocks -= 1
             b.tier, b.page = TierKind.NONE, -1
+        for req in {id(b.request): b.request for b in plan.allocated}.values():
+            while req.blocks and req.blocks[-1] is None:  # indices nobody was told of
+                req.blocks.pop()
         for m in plan.demotions:
             b = m.block
             b.moving = False

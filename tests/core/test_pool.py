@@ -1,0 +1,214 @@
+"""The pool's mechanism on a fake clock (invariants are checked after every test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.core.blocks import Priority, TierKind
+from kvd.core.errors import (
+    AlreadyExists,
+    BlocksInTransit,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from kvd.core.pool import IntentChange
+
+from .conftest import settle
+
+
+def test_admission_admits_queues_and_rejects_by_capacity(make_pool):
+    pool = make_pool(device_pages=4, host_pages=5)  # 8 reservable pages of 16 tokens
+    assert pool.admit("a", tenant="t", prompt_tokens=64, output_tokens=0).decision == "admitted"
+    too_big = pool.admit("whale", tenant="t", prompt_tokens=80, output_tokens=0)
+    assert too_big.decision == "rejected" and "never be resident" in too_big.reason
+    assert pool.admit("b", tenant="t", prompt_tokens=60, output_tokens=4).decision == "admitted"
+    queued = pool.admit("c", tenant="t", prompt_tokens=1, output_tokens=0)
+    assert (queued.decision, queued.queue_position) == ("queued", 1)
+    with pytest.raises(FailedPrecondition, match="queued"):
+        pool.allocate("c", 1)
+    freed, admitted = pool.release("a")
+    assert freed == 0 and [r.request_id for r in admitted] == ["c"]
+
+
+def test_admission_bad_input(make_pool):
+    pool = make_pool()
+    with pytest.raises(InvalidArgument):
+        pool.admit("", tenant="t", prompt_tokens=1, output_tokens=0)
+    with pytest.raises(InvalidArgument):
+        pool.admit("x", tenant="t", prompt_tokens=0, output_tokens=0)
+    with pytest.raises(InvalidArgument):
+        pool.admit("x", tenant="t", prompt_tokens=-1, output_tokens=5)
+    pool.admit("x", tenant="t", prompt_tokens=1, output_tokens=0)
+    with pytest.raises(AlreadyExists):
+        pool.admit("x", tenant="t", prompt_tokens=1, output_tokens=0)
+
+
+def test_queue_is_bounded(make_pool):
+    pool = make_pool(device_pages=1, host_pages=0, max_queue=2)
+    pool.admit("a", tenant="t", prompt_tokens=16, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=16, output_tokens=0)
+    pool.admit("c", tenant="t", prompt_tokens=16, output_tokens=0)
+    with pytest.raises(ResourceExhausted, match="queue .* is full"):
+        pool.admit("d", tenant="t", prompt_tokens=16, output_tokens=0)
+
+
+def test_allocation_demotes_lru_victims_and_copies_before_commit(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4)
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=32, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    plan = pool.allocate("b", 1)
+    (move,) = plan.demotions
+    victim = move.block
+    assert victim.index == 0 and victim.request.request_id == "a"
+    # Until completion the page table still says the victim is on the device.
+    assert victim.moving and victim.tier is TierKind.DEVICE
+    assert plan.allocated[0].page == move.src_page
+    with pytest.raises(BlocksInTransit):
+        pool.free("a", [0])
+    pool.complete(plan)
+    assert victim.tier is TierKind.HOST and not victim.moving
+    assert pool.counters.num_demotions == 1
+
+
+def test_access_promotes_without_evicting_its_own_blocks(make_pool):
+    pool = make_pool(device_pages=3, host_pages=4)
+    pool.admit("a", tenant="t", prompt_tokens=48, output_tokens=0)
+    settle(pool, pool.allocate("a", 3))
+    pool.admit("b", tenant="t", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("b", 1))  # demotes a:0
+    result = pool.access("a", None)
+    victims = {m.block.request.request_id for m in result.plan.demotions}
+    assert victims == {"b"}  # a's resident blocks were protected
+    settle(pool, result.plan)
+    assert all(b.tier is TierKind.DEVICE for b in pool.get_request("a").live_blocks())
+
+
+def test_abort_restores_everything(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4)
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=32, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    pool.abort(pool.allocate("b", 2))
+    assert pool.get_request("b").num_live_blocks == 0
+    assert pool.device.num_free == 0 and pool.host.num_free == 4
+    assert len(pool.policy) == 2
+
+
+def test_pins_never_exceed_the_device_tier(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4)
+    pool.admit("a", tenant="ta", prompt_tokens=32, output_tokens=0)
+    pool.admit("b", tenant="tb", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    settle(pool, pool.allocate("b", 1))
+    crit = {"priority": int(Priority.DECODE_CRITICAL)}
+    settle(pool, pool.update_intents([IntentChange("a", 0, crit), IntentChange("b", 0, crit)]))
+    with pytest.raises(ResourceExhausted, match=r"2 of 2 pages already pinned \(by tenant: ta: 1, tb: 1\)"):
+        pool.update_intents([IntentChange("a", 1, {"pin_requested": True})])
+    assert pool.num_pinned == 2
+    assert all(b.tier is TierKind.DEVICE for b in (pool.get_request("a").blocks[0],
+                                                   pool.get_request("b").blocks[0]))
+    with pytest.raises(ResourceExhausted, match="2 of 2 pinned"):
+        pool.allocate("a", 1)
+
+
+def test_marking_decode_critical_prefetches_a_demoted_block(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4)
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    settle(pool, pool.allocate("b", 1))  # a:0 demoted
+    first = pool.get_request("a").blocks[0]
+    assert first.tier is TierKind.HOST
+    plan = pool.update_intents([IntentChange("a", 0, {"priority": int(Priority.DECODE_CRITICAL)})])
+    assert [m.block for m in plan.promotions] == [first]
+    settle(pool, plan)
+    assert first.tier is TierKind.DEVICE and first not in pool.policy
+    result = pool.access("a", [0])
+    assert result.plan is None
+    assert pool.counters.num_decode_critical_misses == 0
+    assert pool.counters.num_decode_critical_accesses == 1
+
+
+def test_update_intents_is_all_or_nothing(make_pool):
+    pool = make_pool()
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    with pytest.raises(InvalidArgument, match="request_priority"):
+        pool.update_intents([IntentChange("a", 0, {"priority": int(Priority.COLD)}),
+                             IntentChange("a", 1, {"request_priority": 101})])
+    assert pool.get_request("a").blocks[0].priority is Priority.WARM
+    with pytest.raises(InvalidArgument, match="unknown priority"):
+        pool.update_intents([IntentChange("a", 0, {"priority": 99})])
+    with pytest.raises(InvalidArgument, match="out of range"):
+        pool.update_intents([IntentChange("a", 7, {"priority": 1})])
+
+
+def test_deadline_is_absolute_on_kvds_clock(make_pool):
+    pool = make_pool(policy="deadline")
+    pool.admit("a", tenant="t", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("a", 1))
+    now = pool.clock.now()
+    pool.update_intents([IntentChange("a", 0, {"deadline_us": 2_000_000})])
+    assert pool.get_request("a").blocks[0].deadline_at == pytest.approx(now + 2.0)
+
+
+def test_free_and_release_return_every_page(make_pool):
+    pool = make_pool(device_pages=4, host_pages=3)
+    pool.admit("a", tenant="t", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("a", 4))
+    pool.admit("b", tenant="t", prompt_tokens=32, output_tokens=0)
+    settle(pool, pool.allocate("b", 2))  # demotes a:0 and a:1 to the host tier
+    pool.release("b")
+    assert pool.free("a", [1, 3]) == 2
+    with pytest.raises(NotFound, match="freed"):
+        pool.access("a", [1])
+    with pytest.raises(InvalidArgument, match="duplicate"):
+        pool.free("a", [0, 0])
+    assert pool.release("a")[0] == 2
+    assert pool.device.num_free == 4 and pool.host.num_free == 3 and pool.reserved_pages == 0
+
+
+def test_evict_is_atomic(make_pool):
+    pool = make_pool(device_pages=4, host_pages=4)
+    pool.admit("a", tenant="t", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("a", 4))
+    pool.update_intents([IntentChange("a", 0, {"pin_requested": True})])
+    with pytest.raises(ResourceExhausted, match="3 evictable"):
+        pool.evict(4)
+    assert pool.device.num_free == 0
+    plan = settle(pool, pool.evict(3))
+    assert len(plan.demotions) == 3 and pool.device.num_free == 3
+
+
+def test_host_full_drops_only_recomputable_victims(make_pool):
+    pool = make_pool(device_pages=2, host_pages=1)
+    pool.admit("a", tenant="t", prompt_tokens=16, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("a", 1))
+    settle(pool, pool.allocate("b", 1))
+    settle(pool, pool.evict(1))  # a:0 -> host, which is now full
+    with pytest.raises(ResourceExhausted, match="host tier full"):
+        pool.evict(1)
+    pool.update_intents([IntentChange("b", 0, {"recompute_ok": True})])
+    (drop,) = settle(pool, pool.evict(1)).demotions
+    assert drop.kind.value == "drop" and drop.block.request.request_id == "b"
+    dropped = pool.get_request("b").blocks[0]
+    assert dropped.tier is TierKind.NONE and pool.counters.num_drops == 1
+    result = pool.access("b", [0])
+    assert result.plan.promotions[0].kind.value == "rematerialize"
+    assert result.plan.num_copies == 0
+    settle(pool, result.plan)
+    assert dropped.tier is TierKind.DEVICE
+
+
+def test_set_policy_carries_evictable_blocks_over(make_pool):
+    pool = make_pool(device_pages=4)
+    pool.admit("a", tenant="t", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("a", 4))
+    assert pool.set_policy("intent") == "lru"
+    assert len(pool.policy) == 4 and pool.policy.name == "intent"
+    with pytest.raises(InvalidArgument, match="choose one of deadline, intent, lru, regret"):
+        pool.set_policy("belady")

@@ -1,0 +1,153 @@
+"""Random operation sequences against the pool's invariants (hypothesis state machine).
+
+Plans are left in flight and completed or aborted in any order, as the runtime's concurrent
+copies would; every step checks every invariant, and a call that fails changes nothing.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvd.core.blocks import Phase, Priority, TierKind
+from kvd.core.clock import FakeClock
+from kvd.core.errors import BlocksInTransit, KvdError
+from kvd.core.invariants import check_pool
+from kvd.core.policies import policy_names
+from kvd.core.pool import IntentChange, Pool
+
+REQUEST_IDS = st.sampled_from(["r0", "r1", "r2", "r3"])
+INTENT = st.fixed_dictionaries(
+    {},
+    optional={
+        "priority": st.sampled_from([int(p) for p in Priority if p]),
+        "phase": st.sampled_from([int(p) for p in Phase if p]),
+        "pin_requested": st.booleans(),
+        "deadline_us": st.integers(-10_000, 10_000_000),
+        "recompute_cost_us": st.integers(0, 10_000),
+        "request_priority": st.integers(0, 100),
+        "is_draft": st.booleans(),
+        "is_committed": st.booleans(),
+        "recompute_ok": st.booleans(),
+    },
+)
+
+
+def fingerprint(pool: Pool):
+    return (
+        pool.device.num_free, pool.host.num_free, pool.reserved_pages, pool.num_pinned,
+        len(pool.policy), len(pool.requests), len(pool.queue),
+        tuple(sorted((r.request_id, r.num_live_blocks, len(r.blocks), r.num_device_blocks)
+                     for r in pool.requests.values())),
+    )
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.pool = Pool("p", page_bytes=8, block_tokens=4, device_pages=6, host_pages=10,
+                         policy="lru", clock=self.clock, max_queue=3)
+        self.pending = []
+
+    def _do(self, op):
+        before = fingerprint(self.pool)
+        try:
+            result = op()
+        except (KvdError, BlocksInTransit):
+            assert fingerprint(self.pool) == before, "a failed call changed the pool"
+            return None
+        plan = getattr(result, "plan", result)
+        if plan is not None and hasattr(plan, "demotions"):
+            for m in plan.demotions:
+                assert not m.block.pinned, "a pinned block was chosen as a victim"
+            if plan.num_copies == 0:  # as the runtime does: nothing to copy, done at once
+                self.pool.complete(plan)
+            else:
+                self.pending.append(plan)
+        return result
+
+    @initialize(sizes=st.lists(st.integers(1, 4), min_size=4, max_size=4))
+    def start_under_pressure(self, sizes):
+        """Four admitted requests whose blocks overflow the device tier."""
+        for i, n in enumerate(sizes):
+            self.admit(f"r{i}", 4 * n, 0)
+            self.allocate(f"r{i}", n)
+            while self.pending:
+                self.pool.complete(self.pending.pop())
+
+    @rule(rid=REQUEST_IDS, prompt=st.integers(1, 12) | st.integers(-1, 30),
+          output=st.integers(0, 10))
+    def admit(self, rid, prompt, output):
+        self._do(lambda: self.pool.admit(rid, tenant=rid[-1], prompt_tokens=prompt,
+                                         output_tokens=output))
+
+    @rule(rid=REQUEST_IDS, n=st.integers(1, 3) | st.integers(-1, 7))
+    def allocate(self, rid, n):
+        self._do(lambda: self.pool.allocate(rid, n))
+
+    @rule(rid=REQUEST_IDS, blocks=st.none() | st.lists(st.integers(0, 4), max_size=3, unique=True)
+          | st.lists(st.integers(-1, 8), max_size=4))
+    def access(self, rid, blocks):
+        self._do(lambda: self.pool.access(rid, blocks))
+
+    @rule(rid=REQUEST_IDS, index=st.integers(0, 8), fields=INTENT, prefetch=st.booleans())
+    def update_intent(self, rid, index, fields, prefetch):
+        self._do(lambda: self.pool.update_intents([IntentChange(rid, index, fields, prefetch)]))
+
+    @rule(rid=REQUEST_IDS, blocks=st.lists(st.integers(0, 8), min_size=1, max_size=3))
+    def free(self, rid, blocks):
+        self._do(lambda: self.pool.free(rid, blocks))
+
+    @rule(rid=REQUEST_IDS)
+    def release(self, rid):
+        self._do(lambda: self.pool.release(rid))
+
+    @rule(n=st.integers(0, 4))
+    def evict(self, n):
+        self._do(lambda: self.pool.evict(n))
+
+    @rule(name=st.sampled_from(policy_names()))
+    def set_policy(self, name):
+        self.pool.set_policy(name)
+
+    @rule(dt=st.floats(0, 1))
+    def tick(self, dt):
+        self.clock.advance(dt)
+
+    @precondition(lambda self: self.pending)
+    @rule(which=st.integers(0, 100), abort=st.booleans())
+    def finish_plan(self, which, abort):
+        plan = self.pending.pop(which % len(self.pending))
+        if abort:
+            self.pool.abort(plan)
+        else:
+            pinned_out = self.pool.complete(plan)
+            if pinned_out:
+                self._do(lambda: self.pool.prefetch(pinned_out))
+
+    @invariant()
+    def consistent(self):
+        assert check_pool(self.pool) == []
+        assert self.pool.device.num_used <= self.pool.device.capacity
+        if not self.pending:
+            assert not any(b.moving for r in self.pool.requests.values()
+                           for b in r.live_blocks())
+            for r in self.pool.requests.values():
+                for b in r.live_blocks():
+                    if b.pinned and b.tier is TierKind.DEVICE:
+                        assert b not in self.pool.policy
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(
+    max_examples=200, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
