@@ -70,8 +70,9 @@ def check_pool(pool: Pool) -> list[str]:
                     problems.append(f"{name}: {b} owns {owners[id(b)]} pages")
             evictable = b.tier is TierKind.DEVICE and not b.moving and not b.pinned
             num_evictable += evictable
-            if evictable != (b in pool.policy):
-                problems.append(f"{name}: {b} evictable={evictable} but policy holds={not evictable}")
+            held = b in pool.policy
+            if evictable != held:
+                problems.append(f"{name}: {b} evictable={evictable} but policy holds={held}")
     if num_evictable != len(pool.policy):
         problems.append(f"{name}: policy holds {len(pool.policy)} blocks, {num_evictable} are evictable")
     if num_pinned != pool.num_pinned:

@@ -496,12 +496,15 @@ class Pool:
             req.num_device_blocks -= 1
         elif block.tier is TierKind.HOST:
             self.host.release(block.page)
-        if block.pinned:
-            self.num_pinned -= 1
-            self.pinned_by_tenant[req.tenant] -= 1
+        self._count_pin(block, -1)
         req.blocks[block.index] = None
         req.num_live_blocks -= 1
         block.tier, block.page = TierKind.NONE, -1
+
+    def _count_pin(self, block: Block, delta: int) -> None:
+        if block.pinned:
+            self.num_pinned += delta
+            self.pinned_by_tenant[block.request.tenant] += delta
 
     def evict(self, num_pages: int) -> TransferPlan:
         """Demote num_pages victims now (the engine asked for room): all or none."""
@@ -586,6 +589,7 @@ class Pool:
         for b in plan.allocated:
             if b.page not in victim_pages:
                 self.device.release(b.page)
+            self._count_pin(b, -1)
             req = b.request
             req.blocks[b.index] = None
             req.num_live_blocks -= 1
@@ -600,7 +604,8 @@ class Pool:
             self.device.owner[m.src_page] = b
             if m.dst_tier is TierKind.HOST:
                 self.host.release(m.dst_page)
-            self.policy.insert(b)
+            if not b.pinned:  # it may have been pinned while in flight
+                self.policy.insert(b)
         self.counters.num_evictions -= len(plan.demotions)
 
     def record_stall(self, seconds: float) -> None:

@@ -1,0 +1,89 @@
+"""Bad input gets a clear status and message; state is unchanged; kvd keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd_client import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    pb,
+)
+from kvd_client.client import intent_update
+
+
+async def _state(client):
+    s = (await client.pool_stats()).pools[0]
+    return ([t.used_pages for t in s.tiers], s.num_requests, s.num_queued, s.reserved_pages)
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda c: c.admit("", 10), InvalidArgumentError, "request_id must not be empty"),
+        (lambda c: c.admit("z", 0, 0), InvalidArgumentError, "at least one"),
+        (lambda c: c.admit("z", 10, pool="nope"), NotFoundError, "no pool 'nope'"),
+        (lambda c: c.allocate("ghost", 1), NotFoundError, "no request 'ghost'"),
+        (lambda c: c.allocate("r", 0), InvalidArgumentError, "num_blocks must be positive"),
+        (lambda c: c.allocate("r", 9), InvalidArgumentError, "holds 8 pages"),
+        (lambda c: c.access("r", [5]), InvalidArgumentError, "out of range"),
+        (lambda c: c.access("r", [0, 0]), InvalidArgumentError, "duplicate"),
+        (lambda c: c.free("r", []), InvalidArgumentError, "at least one block"),
+        (lambda c: c.release("ghost"), NotFoundError, "no request"),
+        (lambda c: c.evict(0), InvalidArgumentError, "num_pages must be positive"),
+        (lambda c: c.evict(100), ResourceExhaustedError, "cannot free 100 device page"),
+        (lambda c: c.export_pool("nope"), NotFoundError, "no pool"),
+        (lambda c: c.set_policy("belady"), InvalidArgumentError, "choose one of"),
+        (lambda c: c.update_intents([intent_update("r", 0, priority=9)]),
+         InvalidArgumentError, "unknown priority"),
+        (lambda c: c.update_intents([intent_update("r", 0, request_priority=500)]),
+         InvalidArgumentError, "0..100"),
+        (lambda c: c.update_intents([intent_update("r", 0, recompute_cost_us=-5)]),
+         InvalidArgumentError, ">= 0"),
+    ],
+)
+async def test_bad_input_is_refused_with_a_clear_status(client, call, error, words):
+    await client.admit("r", 32)
+    await client.allocate("r", 2)
+    before = await _state(client)
+    with pytest.raises(error) as info:
+        await call(client)
+    assert words in info.value.details
+    assert await _state(client) == before
+    assert await client.health() == "SERVING"
+
+
+async def test_duplicate_and_queued_requests(client):
+    # 8 device + 32 host pages, less 1 of transit headroom: four 8-page requests fit.
+    for i in range(4):
+        assert (await client.admit(f"big{i}", 16 * 8)).decision == pb.DECISION_ADMITTED
+    with pytest.raises(AlreadyExistsError):
+        await client.admit("big0", 16)
+    reply = await client.admit("next", 16 * 8)
+    assert reply.decision == pb.DECISION_QUEUED and reply.queue_position == 1
+    assert "7 of 39 are unreserved" in reply.reason
+    with pytest.raises(FailedPreconditionError, match="queued"):
+        await client.allocate("next", 1)
+    never = await client.admit("never", 16 * 9)
+    assert never.decision == pb.DECISION_REJECTED and "never be resident" in never.reason
+    with pytest.raises(NotFoundError):  # a rejected request is not kept
+        await client.release("never")
+    await client.release("big0")
+    assert len((await client.allocate("next", 1)).handles) == 1  # admitted by the release
+    for rid in ("big1", "big2", "big3", "next"):
+        await client.release(rid)
+
+
+async def test_pinning_past_capacity_is_refused(client):
+    await client.admit("p", 16 * 8)
+    await client.allocate("p", 8)
+    crit = [intent_update("p", i, priority=pb.PRIORITY_DECODE_CRITICAL) for i in range(8)]
+    await client.update_intents(crit)
+    await client.admit("q", 16)
+    with pytest.raises(ResourceExhaustedError, match="8 of 8 pinned"):
+        await client.allocate("q", 1)
+    await client.release("p")
+    assert len((await client.allocate("q", 1)).handles) == 1
