@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 run: $(STAMP) ## start kvd in the foreground on the embedded default (host memory, unix socket)
 	@mkdir -p $(RUN_DIR)
-	$(BIN)/kvd --socket $(RUN_DIR)/kvd.sock --demo-hint
+	$(BIN)/python -m kvd_loadgen.showcase --socket $(RUN_DIR)/kvd.sock
 
 demo: $(STAMP) ## in another terminal: create memory pressure against a running kvd and show what happened
 	$(BIN)/kvd-loadgen demo --target unix://$(RUN_DIR)/kvd.sock

@@ -1,0 +1,70 @@
+"""`kvd-loadgen`: play engines against a live kvd and measure them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+
+def _demo(args) -> int:
+    from kvd_loadgen.demo import run_demo
+
+    summary = asyncio.run(run_demo(args.target))
+    return 0 if summary["all_intact"] else 1
+
+
+def _bench(args) -> int:
+    from kvd_loadgen.bench import run_bench
+
+    return run_bench(args)
+
+
+def _replay(args) -> int:
+    from kvd_loadgen.replay import run_replay_cli
+
+    return run_replay_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="memory pressure against a running kvd, and a table")
+    demo.add_argument("--target", required=True, help="unix:///path or host:port")
+    demo.set_defaults(func=_demo)
+
+    bench = sub.add_parser("bench", help="control-plane and copy benchmarks")
+    bench.add_argument("--json", type=Path, help="write figures to this file")
+    bench.add_argument("--quick", action="store_true", help="fewer iterations")
+    bench.set_defaults(func=_bench)
+
+    replay = sub.add_parser("replay-intents", help="replay intent-event traces through kvd")
+    replay.add_argument("trace", nargs="+",
+                        help="trace files, profile names, or 'all' for the five profiles")
+    replay.add_argument("--policy", default="all", help="a policy, a,b,c, or 'all'")
+    replay.add_argument("--device-pages", type=int, default=128)
+    replay.add_argument("--host-pages", type=int, default=4096)
+    replay.add_argument("--page-bytes", type=int, default=4096,
+                        help="scaled-down page size (page counts decide misses)")
+    replay.add_argument("--target", help="an existing kvd (default: start one per policy)")
+    replay.add_argument("--json", type=Path, help="write results to this file")
+    replay.set_defaults(func=_replay)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def write_json(path: Path | None, data) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""`make run`: start kvd in the foreground on its embedded default, show it working once,
+then keep serving until Ctrl-C (which drains kvd cleanly)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from kvd_client import Client, KvdClientError
+from kvd_loadgen.demo import run_demo
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("kvd_args", nargs="*", help="extra flags for kvd")
+    args = parser.parse_args()
+    socket = Path(args.socket)
+    target = f"unix://{socket}"
+    console = Console(stderr=True)
+    proc = subprocess.Popen([sys.executable, "-m", "kvd", "--socket", str(socket),
+                             "--log-format", "console", *args.kvd_args])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                return proc.returncode
+            if socket.exists():
+                try:
+                    with Client(target, timeout_s=2) as client:
+                        if client.health() == "SERVING":
+                            break
+                except KvdClientError:
+                    pass
+            if time.monotonic() > deadline:
+                console.print("kvd did not start in 60 s")
+                proc.terminate()
+                return 1
+            time.sleep(0.1)
+        console.rule(f"kvd is serving on {target}: a short demo")
+        asyncio.run(run_demo(target, console=console))
+        console.rule("kvd keeps serving")
+        console.print(f"Talk to it at {target} (e.g. `make demo` in another terminal). "
+                      "Ctrl-C stops it cleanly.")
+        return proc.wait()
+    except KeyboardInterrupt:
+        # The terminal sent SIGINT to kvd too; wait for its drain.
+        try:
+            return proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
