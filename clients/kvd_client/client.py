@@ -182,11 +182,13 @@ class StepStream:
             raise UnavailableError("kvd closed the Step stream")
         return reply
 
-    async def step(self, *, intents=(), frees=(), releases=(), allocations=(), accesses=()
-                   ) -> pb.StepResponse:
+    async def step(self, *, intents=(), frees=(), releases=(), allocations=(), accesses=(),
+                   read_all=()) -> pb.StepResponse:
         """Send one step. allocations: (request_id, n) pairs; accesses: (request_id, blocks or
-        None for all) pairs; frees: (request_id, blocks); releases: request ids."""
+        None for all) pairs; frees: (request_id, blocks); releases and read_all: request ids
+        (read_all: every block of each is read, the fastest form)."""
         return await self.send(pb.StepRequest(
+            read_all=list(read_all),
             intents=list(intents),
             frees=[pb.FreeRequest(request_id=r, block_indices=b) for r, b in frees],
             releases=[pb.ReleaseRequest(request_id=r) for r in releases],

@@ -56,7 +56,7 @@ class Daemon:
         self.started_at = time.time()
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
         self.pools: dict[str, PoolRuntime] = {}
-        self._where: dict[str, PoolRuntime] = {}
+        self.request_index: dict[str, PoolRuntime] = {}
         try:
             for pc in config.pools:
                 self.pools[pc.name] = self._build_pool(pc)
@@ -108,7 +108,7 @@ class Daemon:
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
         try:
-            return self._where[request_id]
+            return self.request_index[request_id]
         except KeyError:
             raise NotFound(f"no request {request_id!r}; admit it first") from None
 
@@ -119,8 +119,8 @@ class Daemon:
 
     def admit(self, request_id: str, *, tenant: str, pool: str, prompt_tokens: int,
               output_tokens: int, priority: int) -> AdmitResult:
-        if request_id in self._where:
-            where = self._where[request_id].pool.name
+        if request_id in self.request_index:
+            where = self.request_index[request_id].pool.name
             from kvd.core.errors import AlreadyExists
 
             raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
@@ -129,24 +129,25 @@ class Daemon:
                                prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                                priority=priority)
         if result.decision != "rejected":
-            self._where[request_id] = rt
+            self.request_index[request_id] = rt
         return result
 
     async def allocate(self, request_id: str, num_blocks: int) -> tuple[list[Block], float]:
         rt = self.runtime_of(request_id)
         plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks))
-        stall_s = await rt.execute(plan)
+        stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         return plan.allocated, stall_s
 
     async def access(self, request_id: str, indices: Sequence[int] | None
                      ) -> tuple[list[Block], float, int]:
         rt = self.runtime_of(request_id)
         result = await rt.run(lambda: rt.pool.access(request_id, indices))
-        stall_s = await rt.execute(result.plan)
+        stall_s = await rt.execute(result.plan) if result.plan else 0.0
         if stall_s:
             rt.pool.record_stall(stall_s)
         promoted = len(result.plan.promotions) if result.plan else 0
-        return result.blocks, stall_s, promoted
+        blocks = result.blocks if result.blocks is not None else result.request.live_blocks()
+        return blocks, stall_s, promoted
 
     async def update_intents(self, changes: Sequence[IntentChange]) -> tuple[int, int]:
         """Apply updates grouped by pool. Validation of every group happens before any group
@@ -172,7 +173,7 @@ class Daemon:
     async def release(self, request_id: str) -> tuple[int, list[Request]]:
         rt = self.runtime_of(request_id)
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
-        del self._where[request_id]
+        del self.request_index[request_id]
         return freed, admitted
 
     async def evict(self, pool: str, num_pages: int) -> list:

@@ -39,6 +39,10 @@ class PoolRuntime:
 
     async def run(self, op: Callable[[], T]) -> T:
         """Call a pool operation, waiting out blocks in transit and calling again."""
+        try:  # the common case: nothing in the way, no suspension
+            return op()
+        except BlocksInTransit as busy:
+            await self.wait_for(busy.blocks)
         while True:
             try:
                 return op()
@@ -52,14 +56,19 @@ class PoolRuntime:
         else:  # moving but not yet registered: let the planner's task register it
             await asyncio.sleep(0)
 
+    def complete_now(self, plan: TransferPlan) -> float:
+        """Complete a plan that copies nothing (its pages were free)."""
+        self.pool.complete(plan)
+        self._notify(plan, 0.0)
+        return 0.0
+
     def start(self, plan: TransferPlan | None) -> Callable | None:
         """Register a plan's blocks as in flight. Returns an awaitable factory, or None when the
         plan needed no copy and has already completed."""
         if plan is None:
             return None
         if plan.num_copies == 0:
-            self.pool.complete(plan)
-            self._notify(plan, 0.0)
+            self.complete_now(plan)
             return None
         future = asyncio.get_running_loop().create_future()
         for block in plan.blocks():

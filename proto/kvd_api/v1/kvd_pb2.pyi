@@ -252,20 +252,22 @@ class EvictResponse(_message.Message):
     def __init__(self, evicted: _Optional[_Iterable[_Union[EvictedBlock, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "intents", "frees", "releases", "allocations", "accesses")
+    __slots__ = ("step_id", "intents", "frees", "releases", "allocations", "accesses", "read_all")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     INTENTS_FIELD_NUMBER: _ClassVar[int]
     FREES_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_FIELD_NUMBER: _ClassVar[int]
     ACCESSES_FIELD_NUMBER: _ClassVar[int]
+    READ_ALL_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     intents: _containers.RepeatedCompositeFieldContainer[IntentUpdate]
     frees: _containers.RepeatedCompositeFieldContainer[FreeRequest]
     releases: _containers.RepeatedCompositeFieldContainer[ReleaseRequest]
     allocations: _containers.RepeatedCompositeFieldContainer[AllocateRequest]
     accesses: _containers.RepeatedCompositeFieldContainer[AccessRequest]
-    def __init__(self, step_id: _Optional[int] = ..., intents: _Optional[_Iterable[_Union[IntentUpdate, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[FreeRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ..., allocations: _Optional[_Iterable[_Union[AllocateRequest, _Mapping]]] = ..., accesses: _Optional[_Iterable[_Union[AccessRequest, _Mapping]]] = ...) -> None: ...
+    read_all: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., intents: _Optional[_Iterable[_Union[IntentUpdate, _Mapping]]] = ..., frees: _Optional[_Iterable[_Union[FreeRequest, _Mapping]]] = ..., releases: _Optional[_Iterable[_Union[ReleaseRequest, _Mapping]]] = ..., allocations: _Optional[_Iterable[_Union[AllocateRequest, _Mapping]]] = ..., accesses: _Optional[_Iterable[_Union[AccessRequest, _Mapping]]] = ..., read_all: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("section", "item_index", "code", "message")

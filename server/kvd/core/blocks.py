@@ -95,18 +95,20 @@ class Block:
     compression_ok: bool = False
     recompute_ok: bool = False
     prefetch_ok: bool = False
+    # Derived from the intent by refresh_flags(); plain fields because the access path reads
+    # them for every block of every request on every engine step.
+    pinned: bool = False
+    decode_critical: bool = False
     # Policy bookkeeping (opaque to the pool).
     regret_level: int = 0
 
-    @property
-    def pinned(self) -> bool:
-        """DECODE_CRITICAL implies pinned: a decode step depends on the block."""
-        return self.pin_requested or self.priority == Priority.DECODE_CRITICAL
-
-    @property
-    def decode_critical(self) -> bool:
-        """An access to this block that misses the device tier stalls a decode step."""
-        return self.priority == Priority.DECODE_CRITICAL or self.phase == Phase.DECODE
+    def refresh_flags(self) -> None:
+        """DECODE_CRITICAL implies pinned: a decode step depends on the block. An access to
+        a decode-critical block that misses the device tier stalls a decode step."""
+        self.pinned = self.pin_requested or self.priority == Priority.DECODE_CRITICAL
+        self.decode_critical = (
+            self.priority == Priority.DECODE_CRITICAL or self.phase == Phase.DECODE
+        )
 
     @property
     def key(self) -> str:
@@ -135,6 +137,9 @@ class Request:
     blocks: list[Block | None] = field(default_factory=list)
     num_live_blocks: int = 0
     num_device_blocks: int = 0
+    num_moving_blocks: int = 0
+    # Set when a block moved to a new device page; cleared once the engine was told.
+    maybe_relocated: bool = False
     # Anything the service layer wants to keep with the request (lease, owner).
     attrs: dict[str, Any] = field(default_factory=dict)
 

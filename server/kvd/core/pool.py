@@ -53,8 +53,11 @@ class AdmitResult:
 
 @dataclass(slots=True)
 class AccessResult:
-    blocks: list[Block]
+    """blocks is None when the request's every block was read and already resident."""
+
+    blocks: list[Block] | None
     plan: TransferPlan | None
+    request: Request
 
 
 @dataclass(slots=True)
@@ -298,6 +301,7 @@ class Pool:
             self.policy.remove(victim)
             self.policy.on_evicted(victim)
             victim.moving = True
+            victim.request.num_moving_blocks += 1
             if i < num_host:
                 moves.append(Move(victim, MoveKind.DEMOTE, TierKind.DEVICE, victim.page,
                                   TierKind.HOST, self.host.take(victim), reassign))
@@ -341,6 +345,7 @@ class Pool:
         for page in pages:
             block = Block(req, len(req.blocks), TierKind.DEVICE, page, moving=True,
                           last_access=now, request_priority=req.priority)
+            req.num_moving_blocks += 1
             self.device.owner[page] = block
             req.blocks.append(block)
             req.num_live_blocks += 1
@@ -354,7 +359,13 @@ class Pool:
     def access(self, request_id: str, indices: Sequence[int] | None) -> AccessResult:
         """The engine reads these blocks now (None: all of them). Resident blocks are touched;
         the rest are promoted by the returned plan."""
-        req = self._admitted(request_id)
+        req = self.requests.get(request_id)
+        if req is None or req.state is not RequestState.ADMITTED:
+            req = self._admitted(request_id)  # raises the right error
+        if (indices is None and req.num_moving_blocks == 0
+                and req.num_device_blocks == req.num_live_blocks):
+            self._touch_all_resident(req)  # the hot path: attention reads a resident request
+            return AccessResult(None, None, req)
         blocks = self._resolve(req, indices)
         busy = [b for b in blocks if b.moving]
         if busy:
@@ -376,7 +387,49 @@ class Pool:
                 policy.touch(b)
         counters.num_accesses += len(blocks)
         counters.num_misses += len(missing)
-        return AccessResult(blocks, plan)
+        return AccessResult(blocks, plan, req)
+
+    def read_all(self, request_ids: Iterable[str]) -> tuple[list[str], list[Request]]:
+        """The engine step's hot path: every block of each request is read now. Requests that
+        are resident and still are touched here in one pass; the rest are returned for the
+        general path (access), as are requests whose blocks moved since the engine was told."""
+        requests = self.requests
+        admitted = RequestState.ADMITTED
+        now = self.clock.now()
+        touch_many = self.policy.touch_many if self.policy.eager_touch else None
+        general: list[str] = []
+        relocated: list[Request] = []
+        num_critical = num_blocks = 0
+        for rid in request_ids:
+            req = requests.get(rid)
+            if (req is None or req.state is not admitted or req.num_moving_blocks
+                    or req.num_device_blocks != req.num_live_blocks):
+                general.append(rid)
+                continue
+            for b in req.blocks:
+                if b is not None:
+                    b.last_access = now
+                    num_critical += b.decode_critical
+            if touch_many is not None:
+                touch_many(req.blocks)
+            num_blocks += req.num_live_blocks
+            if req.maybe_relocated:
+                relocated.append(req)
+        self.counters.num_decode_critical_accesses += num_critical
+        self.counters.num_accesses += num_blocks
+        return general, relocated
+
+    def _touch_all_resident(self, req: Request) -> None:
+        now = self.clock.now()
+        num_critical = 0
+        for b in req.blocks:
+            if b is not None:
+                b.last_access = now
+                num_critical += b.decode_critical
+        if self.policy.eager_touch:
+            self.policy.touch_many(req.blocks)
+        self.counters.num_decode_critical_accesses += num_critical
+        self.counters.num_accesses += req.num_live_blocks
 
     def _promote(
         self, req: Request | None, missing: list[Block], keep: Iterable[Block], reason: str
@@ -394,6 +447,7 @@ class Pool:
         for block, page in zip(missing, pages):
             self.device.owner[page] = block
             block.moving = True
+            block.request.num_moving_blocks += 1
             kind = MoveKind.PROMOTE if block.tier is TierKind.HOST else MoveKind.REMATERIALIZE
             plan.promotions.append(
                 Move(block, kind, block.tier, block.page, TierKind.DEVICE, page, False)
@@ -544,6 +598,7 @@ class Pool:
         for m in plan.demotions:
             b = m.block
             b.moving = False
+            b.request.num_moving_blocks -= 1
             b.epoch += 1
             b.request.num_device_blocks -= 1
             if not m.src_reassigned:
@@ -558,6 +613,7 @@ class Pool:
         for m in plan.promotions:
             b = m.block
             b.moving = False
+            b.request.num_moving_blocks -= 1
             b.epoch += 1
             b.request.num_device_blocks += 1
             if m.kind is MoveKind.PROMOTE:
@@ -567,6 +623,7 @@ class Pool:
             else:
                 c.num_rematerializations += 1
             b.tier, b.page = TierKind.DEVICE, m.dst_page
+            b.request.maybe_relocated = True
             if plan.reason == "access" and b.deadline_at is not None and now > b.deadline_at:
                 c.num_deadline_misses += 1
             self.policy.on_promoted(b)
@@ -574,6 +631,7 @@ class Pool:
                 self.policy.insert(b)
         for b in plan.allocated:
             b.moving = False
+            b.request.num_moving_blocks -= 1
             if not b.pinned:
                 self.policy.insert(b)
         self._note_peak()
@@ -586,11 +644,13 @@ class Pool:
             if m.dst_page not in victim_pages:
                 self.device.release(m.dst_page)
             m.block.moving = False
+            m.block.request.num_moving_blocks -= 1
         for b in plan.allocated:
             if b.page not in victim_pages:
                 self.device.release(b.page)
             self._count_pin(b, -1)
             req = b.request
+            req.num_moving_blocks -= 1
             req.blocks[b.index] = None
             req.num_live_blocks -= 1
             req.num_device_blocks -= 1
@@ -601,6 +661,7 @@ class Pool:
         for m in plan.demotions:
             b = m.block
             b.moving = False
+            b.request.num_moving_blocks -= 1
             self.device.owner[m.src_page] = b
             if m.dst_tier is TierKind.HOST:
                 self.host.release(m.dst_page)
@@ -654,3 +715,4 @@ def _apply_intent(block: Block, fields: dict[str, Any], now: float) -> None:
             block.priority = Priority(value)
         else:
             setattr(block, name, value)
+    block.refresh_flags()

@@ -28,17 +28,36 @@ class PageCopier:
         """Copy every byte the plan moves; returns the number of bytes copied."""
         copied = 0
         for moves in (plan.demotions, plan.promotions):
-            for m in moves:
-                if m.copies_bytes:
-                    self.copy_page(m.src_tier, m.src_page, m.dst_tier, m.dst_page)
-                    copied += self.device.page_bytes
+            runs = page_runs(
+                (m.src_tier, m.src_page, m.dst_tier, m.dst_page) for m in moves if m.copies_bytes
+            )
+            for src_tier, src_page, dst_tier, dst_page, num in runs:
+                self.copy_pages(src_tier, src_page, dst_tier, dst_page, num)
+                copied += num * self.device.page_bytes
         return copied
 
-    def copy_page(self, src_tier: TierKind, src_page: int, dst_tier: TierKind, dst_page: int):
+    def copy_pages(self, src_tier: TierKind, src_page: int, dst_tier: TierKind, dst_page: int,
+                   num: int = 1) -> None:
         src, dst = self._arena(src_tier), self._arena(dst_tier)
         if self._gpu:
             from kvd.memory.cuda import copy_device_host
 
-            copy_device_host(src.pages, [src_page], dst.pages, [dst_page], self.device.stream)
+            copy_device_host(src.pages, range(src_page, src_page + num), dst.pages,
+                             range(dst_page, dst_page + num), self.device.stream)
         else:
-            np.copyto(dst.pages[dst_page], src.pages[src_page])
+            np.copyto(dst.pages[dst_page:dst_page + num], src.pages[src_page:src_page + num])
+
+
+def page_runs(moves):
+    """Coalesce (src_tier, src_page, dst_tier, dst_page) moves into runs of consecutive pages
+    on both sides, so a request's blocks move in one copy rather than one per page."""
+    runs: list[list] = []
+    for src_tier, src_page, dst_tier, dst_page in sorted(moves):
+        if runs:
+            last = runs[-1]
+            if (last[0] == src_tier and last[2] == dst_tier and last[1] + last[4] == src_page
+                    and last[3] + last[4] == dst_page):
+                last[4] += 1
+                continue
+        runs.append([src_tier, src_page, dst_tier, dst_page, 1])
+    return [tuple(run) for run in runs]

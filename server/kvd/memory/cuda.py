@@ -54,15 +54,17 @@ def pin_host_arena(host_pages) -> None:
 
 
 def copy_device_host(src, src_pages, dst, dst_pages, stream) -> None:
-    """Copy pages between a CuPy arena and a numpy arena (either way) on a CUDA stream."""
+    """Copy a run of consecutive pages between a CuPy arena and a numpy arena (either way)
+    on a CUDA stream, and wait for it."""
     import cupy
 
+    src_pages, dst_pages = list(src_pages), list(dst_pages)
+    s0, s1, d0, d1 = src_pages[0], src_pages[-1] + 1, dst_pages[0], dst_pages[-1] + 1
     with stream:
-        for s, d in zip(src_pages, dst_pages):
-            if isinstance(dst, cupy.ndarray):
-                dst[d].set(src[s], stream=stream)
-            elif isinstance(src, cupy.ndarray):
-                src[s].get(stream=stream, out=dst[d])
-            else:
-                dst[d] = src[s]
+        if isinstance(dst, cupy.ndarray) and isinstance(src, cupy.ndarray):
+            dst[d0:d1] = src[s0:s1]
+        elif isinstance(dst, cupy.ndarray):
+            dst[d0:d1].set(src[s0:s1], stream=stream)
+        else:
+            src[s0:s1].get(stream=stream, out=dst[d0:d1])
     stream.synchronize()

@@ -10,6 +10,7 @@ import structlog
 
 from kvd.core import errors
 from kvd.core.blocks import TierKind
+from kvd.core.pool import AccessResult
 from kvd.daemon import Daemon
 from kvd.service.convert import DECISIONS, handle, indices, intent_change
 from kvd.service.status import status_of, unary
@@ -156,41 +157,67 @@ class MemoryService(pb_grpc.MemoryServicer):
                 reply.allocated.extend(handle(b, page_bytes) for b in blocks)
             except errors.KvdError as exc:
                 _step_error(reply, "allocations", i, exc)
+        items: list = []  # (section, index, request_id, block indices or None)
+        if step.read_all:
+            read_all = list(step.read_all)
+            for rt in daemon.pools.values():
+                general, relocated = rt.pool.read_all(read_all)
+                for req in relocated:
+                    _relocated(reply, AccessResult(None, None, req), rt.pool.page_bytes)
+                read_all = general
+                if not read_all:
+                    break
+            if read_all:
+                positions = {rid: i for i, rid in enumerate(step.read_all)}
+                items += [("read_all", positions[rid], rid, None) for rid in read_all]
+        items += [("accesses", i, item.request_id,
+                   None if item.all_blocks else list(item.block_indices))
+                  for i, item in enumerate(step.accesses)]
         pending = []
-        for i, item in enumerate(step.accesses):
+        where = daemon.request_index
+        for section, i, rid, idx in items:
             try:
-                rt = daemon.runtime_of(item.request_id)
-                rid, idx = item.request_id, indices(item)
-                result = await rt.run(lambda: rt.pool.access(rid, idx))
-                run = rt.start(result.plan)
-                if run is not None:
-                    # A task, not a bare coroutine: a later item may wait on these blocks.
-                    pending.append((i, rt, asyncio.ensure_future(run()), result))
-                else:
-                    _relocated(reply, result.blocks, rt.pool.page_bytes)
+                rt = where.get(rid) or daemon.runtime_of(rid)
+                try:  # synchronous first: the common case needs no await at all
+                    result = rt.pool.access(rid, idx)
+                except errors.BlocksInTransit:
+                    result = await rt.run(lambda: rt.pool.access(rid, idx))
+                if result.plan is not None:
+                    run = rt.start(result.plan)
+                    if run is not None:
+                        # A task, not a coroutine: a later item may wait on these blocks.
+                        pending.append((section, i, rt, asyncio.ensure_future(run()), result))
+                        continue
+                if result.request.maybe_relocated:
+                    _relocated(reply, result, rt.pool.page_bytes)
             except errors.KvdError as exc:
-                _step_error(reply, "accesses", i, exc)
-        for i, rt, task, result in pending:
+                _step_error(reply, section, i, exc)
+        for section, i, rt, task, result in pending:
             # The copies run concurrently in the worker pool; await them in turn.
             try:
                 stall_s = await task
             except Exception as exc:  # a failed copy: the plan was aborted
-                reply.errors.append(pb.StepError(section="accesses", item_index=i,
+                reply.errors.append(pb.StepError(section=section, item_index=i,
                                                  code=grpc.StatusCode.INTERNAL.value[0],
                                                  message=f"copy failed: {exc}"))
                 continue
             rt.pool.record_stall(stall_s)
             stalled = True
-            _relocated(reply, result.blocks, rt.pool.page_bytes)
+            _relocated(reply, result, rt.pool.page_bytes)
         if stalled:
             reply.stall_us = int((time.perf_counter() - started) * 1e6)
         return reply
 
 
-def _relocated(reply: pb.StepResponse, blocks, page_bytes: int) -> None:
+def _relocated(reply: pb.StepResponse, result, page_bytes: int) -> None:
+    """Report accessed blocks whose device page changed since the engine was last told."""
+    req = result.request
+    blocks = result.blocks if result.blocks is not None else req.live_blocks()
     moved = [b for b in blocks if b.epoch != b.seen_epoch]
     if moved:
         reply.relocated.extend(handle(b, page_bytes) for b in moved)
+    if len(blocks) == req.num_live_blocks:
+        req.maybe_relocated = False
 
 
 def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.KvdError) -> None:

@@ -18,6 +18,8 @@ class EvictionPolicy(ABC):
     """Holds exactly the evictable blocks of one pool's device tier, in eviction order."""
 
     name: ClassVar[str]
+    # False: touch() need not be called; the policy reads block.last_access when it matters.
+    eager_touch: ClassVar[bool] = True
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -33,6 +35,12 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def touch(self, block: Block) -> None:
         """block was read now (block.last_access is already updated). Called only when held."""
+
+    def touch_many(self, blocks) -> None:
+        """Touch every held block of `blocks` (which may hold None and unheld blocks)."""
+        for block in blocks:
+            if block is not None and block in self:
+                self.touch(block)
 
     @abstractmethod
     def reorder(self, block: Block) -> None:

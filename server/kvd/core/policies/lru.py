@@ -28,6 +28,13 @@ class LruPolicy(EvictionPolicy):
     def touch(self, block: Block) -> None:
         self._order.move_to_end(block)
 
+    def touch_many(self, blocks) -> None:
+        order = self._order
+        move_to_end = order.move_to_end
+        for block in blocks:
+            if block in order:  # None and pinned blocks are not held
+                move_to_end(block)
+
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
 

@@ -1,8 +1,10 @@
 """A policy reduced to one comparable score per block (as Redis's evict.c does).
 
-Blocks live in a binary heap with lazy invalidation: a change of score pushes a new entry and
-the old one is skipped when it surfaces. choose(n) is O(n log N); the heap is rebuilt when
-stale entries outnumber live ones, which keeps memory and amortised cost bounded.
+Blocks live in a binary heap with lazy invalidation: a change of intent pushes a new entry and
+the old one is skipped when it surfaces. Reads are lazier still: a read only makes a block's
+score larger (it is used later), so its entry is re-scored only when it reaches the top of the
+heap, and the access path pays nothing per block. choose(n) is O(n log N) amortised; the heap
+is rebuilt when stale entries outnumber live ones, which bounds memory.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from kvd.core.policies.base import EvictionPolicy
 
 
 class ScoredPolicy(EvictionPolicy):
-    """Evicts the block with the smallest score() first."""
+    """Evicts the block with the smallest score() first. score() may grow with
+    block.last_access but must never shrink when a block is read."""
+
+    eager_touch = False
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
@@ -48,7 +53,7 @@ class ScoredPolicy(EvictionPolicy):
         del self._live[block]
 
     def touch(self, block: Block) -> None:
-        self._rescore(block)
+        pass  # re-scored when its entry surfaces in choose()
 
     def reorder(self, block: Block) -> None:
         self._rescore(block)
@@ -66,8 +71,15 @@ class ScoredPolicy(EvictionPolicy):
         while len(taken) < n:
             key, seq, block = heapq.heappop(heap)
             entry = live.get(block)
-            if entry is not None and entry[1] == seq:
-                taken.append((key, seq, block))
+            if entry is None or entry[1] != seq:
+                continue  # stale: removed or re-scored since
+            fresh = self.score(block)
+            if fresh != key:  # read since it was scored: it belongs further down
+                entry = (fresh, next(self._seq))
+                live[block] = entry
+                heapq.heappush(heap, (fresh, entry[1], block))
+                continue
+            taken.append((key, seq, block))
         for item in taken:  # choose() changes nothing: the pool removes what it takes
             heapq.heappush(heap, item)
         return [block for _, _, block in taken]
