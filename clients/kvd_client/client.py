@@ -3,6 +3,7 @@ instead of status codes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -12,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
-from kvd_client.errors import from_rpc_error
+from kvd_client.errors import UnavailableError, from_rpc_error
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -167,6 +168,45 @@ class StepStream:
             self._call.cancel()
             self._call = None
 
+    async def pipeline(self, requests, on_reply, window: int = 16) -> None:
+        """Send many steps without waiting for each reply (at most `window` outstanding);
+        on_reply(request, reply) is called for each, in order. Replies arrive in the order
+        the steps were sent: kvd applies them one after another."""
+        outstanding: asyncio.Queue = asyncio.Queue(window)
+
+        async def read_replies():
+            while True:
+                request = await outstanding.get()
+                if request is None:
+                    return
+                reply = await self._call.read()
+                if reply is grpc.aio.EOF:
+                    raise UnavailableError("kvd closed the Step stream")
+                result = on_reply(request, reply)
+                if asyncio.iscoroutine(result):
+                    await result
+
+        reader = asyncio.ensure_future(read_replies())
+        try:
+            for request in requests:
+                if not request.step_id:
+                    self._next_id += 1
+                    request.step_id = self._next_id
+                put = asyncio.ensure_future(outstanding.put(request))
+                await asyncio.wait({put, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    put.cancel()
+                    reader.result()  # raises what the reader raised
+                    raise UnavailableError("Step stream reader stopped")
+                await self._call.write(request)
+            await outstanding.put(None)
+            await reader
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            if not reader.done():
+                reader.cancel()
+
     async def send(self, request: pb.StepRequest) -> pb.StepResponse:
         if not request.step_id:
             self._next_id += 1
@@ -177,8 +217,6 @@ class StepStream:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         if reply is grpc.aio.EOF:
-            from kvd_client.errors import UnavailableError
-
             raise UnavailableError("kvd closed the Step stream")
         return reply
 

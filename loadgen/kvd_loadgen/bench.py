@@ -3,6 +3,8 @@ the Step stream, tier copies against numpy.copyto, and victim selection scaling.
 
 from __future__ import annotations
 
+import uvloop
+
 import asyncio
 import os
 import platform
@@ -234,11 +236,11 @@ def run_bench(args) -> int:
     runs: dict[str, list[dict]] = {"baseline": [], "kvd": [], "kvd_intent": []}
     for r in range(rounds):
         with console.status(f"round {r + 1}/{rounds}: empty gRPC server"):
-            runs["baseline"].append(asyncio.run(bench_baseline(n_unary, n_stream)))
+            runs["baseline"].append(uvloop.run(bench_baseline(n_unary, n_stream)))
         with console.status(f"round {r + 1}/{rounds}: kvd unary calls and the Step stream"):
-            runs["kvd"].append(asyncio.run(bench_kvd(n_unary, n_stream, 64, 4)))
+            runs["kvd"].append(uvloop.run(bench_kvd(n_unary, n_stream, 64, 4)))
             runs["kvd_intent"].append(
-                asyncio.run(bench_kvd(n_unary // 5, n_stream, 64, 4, "intent")))
+                uvloop.run(bench_kvd(n_unary // 5, n_stream, 64, 4, "intent")))
     for side, samples in runs.items():
         results[side] = {key: (max if key.endswith("_rps") else min)(x[key] for x in samples)
                          if isinstance(samples[0][key], float) else samples[0][key]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uvloop
+
 import argparse
 import asyncio
 import json
@@ -12,7 +14,7 @@ from pathlib import Path
 def _demo(args) -> int:
     from kvd_loadgen.demo import run_demo
 
-    summary = asyncio.run(run_demo(args.target))
+    summary = uvloop.run(run_demo(args.target))
     return 0 if summary["all_intact"] else 1
 
 

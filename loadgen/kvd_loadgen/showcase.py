@@ -3,6 +3,8 @@ then keep serving until Ctrl-C (which drains kvd cleanly)."""
 
 from __future__ import annotations
 
+import uvloop
+
 import argparse
 import asyncio
 import signal
@@ -45,7 +47,7 @@ def main() -> int:
                 return 1
             time.sleep(0.1)
         console.rule(f"kvd is serving on {target}: a short demo")
-        asyncio.run(run_demo(target, console=console))
+        uvloop.run(run_demo(target, console=console))
         console.rule("kvd keeps serving")
         console.print(f"Talk to it at {target} (e.g. `make demo` in another terminal). "
                       "Ctrl-C stops it cleanly.")

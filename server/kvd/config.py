@@ -88,6 +88,7 @@ class Config:
     log_level: str = "info"
     grace_s: float = 10.0
     workers: int = 2  # copy threads
+    inline_copy_bytes: int = 65536  # smaller copies run on the event loop
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
 
     def validate(self) -> None:
@@ -102,7 +103,8 @@ class Config:
             pool.validate()
 
 
-_SERVER_KEYS = {"socket", "tcp", "log_format", "log_level", "grace_s", "workers"}
+_SERVER_KEYS = {"socket", "tcp", "log_format", "log_level", "grace_s", "workers",
+                "inline_copy_bytes"}
 _POOL_KEYS = set(PoolConfig.__dataclass_fields__)
 
 

@@ -77,7 +77,7 @@ class Daemon:
         )
         arenas = make_arenas(pc)
         runtime = PoolRuntime(pool, arenas, PageCopier(arenas["device"], arenas["host"]),
-                              self._executor)
+                              self._executor, self.config.inline_copy_bytes)
         runtime.on_plan_done.append(self._on_plan_done)
         log.info(
             "pool ready",
@@ -132,16 +132,17 @@ class Daemon:
             self.request_index[request_id] = rt
         return result
 
-    async def allocate(self, request_id: str, num_blocks: int) -> tuple[list[Block], float]:
+    async def allocate(self, request_id: str, num_blocks: int,
+                       intent: dict | None = None) -> tuple[list[Block], float]:
         rt = self.runtime_of(request_id)
-        plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks))
+        plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent))
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         return plan.allocated, stall_s
 
     async def access(self, request_id: str, indices: Sequence[int] | None
                      ) -> tuple[list[Block], float, int]:
         rt = self.runtime_of(request_id)
-        result = await rt.run(lambda: rt.pool.access(request_id, indices))
+        result = await rt.access(request_id, indices)
         stall_s = await rt.execute(result.plan) if result.plan else 0.0
         if stall_s:
             rt.pool.record_stall(stall_s)

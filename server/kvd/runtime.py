@@ -11,9 +11,9 @@ from typing import TypeVar
 
 import structlog
 
-from kvd.core.blocks import Block
+from kvd.core.blocks import Block, TierKind
 from kvd.core.errors import BlocksInTransit
-from kvd.core.pool import Pool
+from kvd.core.pool import AccessResult, Pool
 from kvd.core.transfer import TransferPlan
 from kvd.memory.copier import PageCopier
 
@@ -24,8 +24,12 @@ log = structlog.get_logger("kvd.runtime")
 class PoolRuntime:
     """One pool, its arenas, and the transfers in flight."""
 
-    def __init__(self, pool: Pool, arenas: dict, copier: PageCopier, executor: Executor) -> None:
+    def __init__(self, pool: Pool, arenas: dict, copier: PageCopier, executor: Executor,
+                 inline_copy_bytes: int = 64 * 1024) -> None:
         self.pool = pool
+        # Plans that copy at most this much run on the event loop (host arenas only: a CUDA
+        # copy always goes through the stream in a worker).
+        self.inline_copy_bytes = inline_copy_bytes if copier.device.backend != "cupy" else -1
         self.arenas = arenas
         self.copier = copier
         self._executor = executor
@@ -36,6 +40,18 @@ class PoolRuntime:
     @property
     def busy(self) -> bool:
         return bool(self._plans)
+
+    async def access(self, request_id: str, indices) -> AccessResult:
+        """pool.access, waiting out transfers; an access that waited for its own blocks'
+        promotion (started by a prefetch that came too late) counts those as misses."""
+        try:
+            return self.pool.access(request_id, indices)
+        except BlocksInTransit as busy:
+            late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
+            await self.wait_for(busy.blocks)
+        result = await self.run(lambda: self.pool.access(request_id, indices))
+        self.pool.note_late(late)
+        return result
 
     async def run(self, op: Callable[[], T]) -> T:
         """Call a pool operation, waiting out blocks in transit and calling again."""
@@ -57,10 +73,16 @@ class PoolRuntime:
             await asyncio.sleep(0)
 
     def complete_now(self, plan: TransferPlan) -> float:
-        """Complete a plan that copies nothing (its pages were free)."""
-        self.pool.complete(plan)
-        self._notify(plan, 0.0)
+        """Complete a plan whose bytes are already where they belong."""
+        self._completed(plan, self.pool.complete(plan), 0.0)
         return 0.0
+
+    def _completed(self, plan: TransferPlan, pinned_out: list[Block], stall_s: float) -> None:
+        self._notify(plan, stall_s)
+        if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back
+            run = self.start(self.pool.prefetch(pinned_out))
+            if run is not None:
+                asyncio.ensure_future(run())
 
     def start(self, plan: TransferPlan | None) -> Callable | None:
         """Register a plan's blocks as in flight. Returns an awaitable factory, or None when the
@@ -68,6 +90,15 @@ class PoolRuntime:
         if plan is None:
             return None
         if plan.num_copies == 0:
+            self.complete_now(plan)
+            return None
+        if plan.num_copies * self.pool.page_bytes <= self.inline_copy_bytes:
+            # A few KiB copy faster than a hand-off to a worker thread and back: do it here.
+            try:
+                self.copier.copy_plan(plan)
+            except BaseException:
+                self.pool.abort(plan)
+                raise
             self.complete_now(plan)
             return None
         future = asyncio.get_running_loop().create_future()
@@ -95,11 +126,7 @@ class PoolRuntime:
         pinned_out = self.pool.complete(plan)
         stall_s = time.perf_counter() - started
         self._finish(plan, future)
-        self._notify(plan, stall_s)
-        if pinned_out:  # pinned while being demoted: bring them back
-            run = self.start(self.pool.prefetch(pinned_out))
-            if run is not None:
-                asyncio.ensure_future(run())
+        self._completed(plan, pinned_out, stall_s)
         return stall_s
 
     def _finish(self, plan: TransferPlan, future: asyncio.Future) -> None:

@@ -98,7 +98,7 @@ def test_abort_restores_everything(make_pool):
 
 
 def test_pins_never_exceed_the_device_tier(make_pool):
-    pool = make_pool(device_pages=2, host_pages=4)
+    pool = make_pool(device_pages=2, host_pages=4, policy="intent")
     pool.admit("a", tenant="ta", prompt_tokens=32, output_tokens=0)
     pool.admit("b", tenant="tb", prompt_tokens=16, output_tokens=0)
     settle(pool, pool.allocate("a", 2))
@@ -114,8 +114,36 @@ def test_pins_never_exceed_the_device_tier(make_pool):
         pool.allocate("a", 1)
 
 
+def test_lru_is_blind_to_pins_and_hints_until_the_access(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4, policy="lru")
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    settle(pool, pool.allocate("b", 1))  # a:0 demoted
+    crit = {"priority": int(Priority.DECODE_CRITICAL)}
+    assert pool.update_intents([IntentChange("a", 0, crit, prefetch=True)]) is None
+    result = pool.access("a", [0])  # the pin is honoured, but only once it is resident
+    assert result.plan is not None
+    settle(pool, result.plan)
+    assert pool.counters.num_decode_critical_misses == 1
+    assert pool.get_request("a").blocks[0] not in pool.policy
+
+
+def test_allocation_carries_intent_and_refuses_overpinning(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4, policy="intent")
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    plan = settle(pool, pool.allocate("a", 1, {"priority": int(Priority.HOT), "deadline_us": 5}))
+    assert plan.allocated[0].priority is Priority.HOT
+    settle(pool, pool.allocate("a", 1, {"pin_requested": True}))
+    assert pool.num_pinned == 1 and pool.device.num_free == 0
+    with pytest.raises(ResourceExhausted, match="1 of 2 pages already pinned"):
+        pool.allocate("a", 2, {"pin_requested": True})
+    with pytest.raises(InvalidArgument, match="request_priority"):
+        pool.allocate("a", 1, {"request_priority": -1})
+
+
 def test_marking_decode_critical_prefetches_a_demoted_block(make_pool):
-    pool = make_pool(device_pages=2, host_pages=4)
+    pool = make_pool(device_pages=2, host_pages=4, policy="intent")
     pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
     pool.admit("b", tenant="t", prompt_tokens=16, output_tokens=0)
     settle(pool, pool.allocate("a", 2))

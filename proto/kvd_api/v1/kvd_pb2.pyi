@@ -152,12 +152,14 @@ class AdmitResponse(_message.Message):
     def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., queue_position: _Optional[int] = ..., projected_pages: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("request_id", "num_blocks")
+    __slots__ = ("request_id", "num_blocks", "intent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INTENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    intent: MemoryIntent
+    def __init__(self, request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., intent: _Optional[_Union[MemoryIntent, _Mapping]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("handles", "stall_us")
@@ -352,7 +354,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., backend: _Optional[str] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total")
+    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total", "peak_device_pages", "num_prefetches", "num_accesses", "num_misses")
     POOL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -370,6 +372,10 @@ class PoolStats(_message.Message):
     NUM_DECODE_CRITICAL_MISSES_FIELD_NUMBER: _ClassVar[int]
     NUM_DEADLINE_MISSES_FIELD_NUMBER: _ClassVar[int]
     STALL_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PEAK_DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFETCHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCESSES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
     pool: str
     policy: str
     page_bytes: int
@@ -387,7 +393,11 @@ class PoolStats(_message.Message):
     num_decode_critical_misses: int
     num_deadline_misses: int
     stall_seconds_total: float
-    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ...) -> None: ...
+    peak_device_pages: int
+    num_prefetches: int
+    num_accesses: int
+    num_misses: int
+    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ...) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
     __slots__ = ("pools",)

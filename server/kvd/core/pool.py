@@ -323,11 +323,18 @@ class Pool:
 
     # ------------------------------------------------------------------ engine operations
 
-    def allocate(self, request_id: str, num_blocks: int) -> TransferPlan:
-        """New blocks at the end of the request, each in a device page."""
+    def allocate(self, request_id: str, num_blocks: int,
+                 intent: dict[str, Any] | None = None) -> TransferPlan:
+        """New blocks at the end of the request, each in a device page, with the intent the
+        engine already knows (a pin in it is refused, like any pin, if it would overcommit)."""
         if num_blocks <= 0:
             raise InvalidArgument(f"num_blocks must be positive, got {num_blocks}")
         req = self._admitted(request_id)
+        if intent:
+            _validate_intent_fields(intent)
+            if _pinned_after(Block(req, -1, TierKind.NONE, -1), intent):
+                if self.num_pinned + num_blocks > self.device.capacity:
+                    raise self._overpinned(num_blocks)
         if num_blocks > self.device.capacity:
             raise InvalidArgument(
                 f"cannot allocate {num_blocks} blocks at once: the device tier of pool "
@@ -346,6 +353,9 @@ class Pool:
             block = Block(req, len(req.blocks), TierKind.DEVICE, page, moving=True,
                           last_access=now, request_priority=req.priority)
             req.num_moving_blocks += 1
+            if intent:
+                _apply_intent(block, intent, now)
+                self._count_pin(block, 1)
             self.device.owner[page] = block
             req.blocks.append(block)
             req.num_live_blocks += 1
@@ -468,12 +478,7 @@ class Pool:
                 pin_delta[req.tenant] += 1 if pinned_after else -1
             resolved.append((block, change))
         if self.num_pinned + sum(pin_delta.values()) > self.device.capacity:
-            raise ResourceExhausted(
-                f"pinning {sum(pin_delta.values())} more block(s) would exceed the device tier "
-                f"of pool {self.name!r}: {self.num_pinned} of {self.device.capacity} pages "
-                f"already pinned (by tenant: "
-                f"{', '.join(f'{t}: {n}' for t, n in self.pinned_by_tenant.most_common(5))})"
-            )
+            raise self._overpinned(sum(pin_delta.values()))
         now = self.clock.now()
         to_prefetch: list[Block] = []
         for block, change in resolved:
@@ -489,7 +494,8 @@ class Pool:
             elif held and not block.pinned:
                 self.policy.reorder(block)
             wants = change.prefetch or (block.pinned and not was_pinned)
-            if wants and block.tier is not TierKind.DEVICE and not block.moving:
+            if (wants and self.policy.uses_intent and block.tier is not TierKind.DEVICE
+                    and not block.moving):
                 if block not in to_prefetch:
                     to_prefetch.append(block)
         return self.prefetch(to_prefetch)
@@ -554,6 +560,21 @@ class Pool:
         req.blocks[block.index] = None
         req.num_live_blocks -= 1
         block.tier, block.page = TierKind.NONE, -1
+
+    def _overpinned(self, more: int) -> ResourceExhausted:
+        return ResourceExhausted(
+            f"pinning {more} more block(s) would exceed the device tier of pool "
+            f"{self.name!r}: {self.num_pinned} of {self.device.capacity} pages already pinned "
+            f"(by tenant: "
+            f"{', '.join(f'{t}: {n}' for t, n in self.pinned_by_tenant.most_common(5))})"
+        )
+
+    def note_late(self, blocks: Iterable[Block]) -> None:
+        """An access had to wait for these blocks' promotion (already under way): misses."""
+        for b in blocks:
+            self.counters.num_misses += 1
+            if b.decode_critical:
+                self.counters.num_decode_critical_misses += 1
 
     def _count_pin(self, block: Block, delta: int) -> None:
         if block.pinned:

@@ -51,6 +51,8 @@ class TransferPlan:
 
     @property
     def num_copies(self) -> int:
+        if not self.demotions and not self.promotions:
+            return 0
         return sum(m.copies_bytes for m in self.demotions) + sum(
             m.copies_bytes for m in self.promotions
         )

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from kvd.core.blocks import INTENT_BOOL_FIELDS, INTENT_INT_FIELDS, Block
+from kvd.core.blocks import Block
 from kvd.core.pool import IntentChange
 from kvd_api.v1 import kvd_pb2 as pb
-
-_INTENT_FIELDS = (
-    "phase", "priority", "deadline_us", "request_priority", "recency_score",
-    *INTENT_INT_FIELDS, *INTENT_BOOL_FIELDS,
-)
 
 DECISIONS = {
     "admitted": pb.DECISION_ADMITTED,
@@ -18,10 +13,14 @@ DECISIONS = {
 }
 
 
+def intent_fields(intent: pb.MemoryIntent) -> dict:
+    """The fields an update carries (proto3 optional: presence is known)."""
+    return {field.name: value for field, value in intent.ListFields()}
+
+
 def intent_change(update: pb.IntentUpdate) -> IntentChange:
-    intent = update.intent
-    fields = {name: getattr(intent, name) for name in _INTENT_FIELDS if intent.HasField(name)}
-    return IntentChange(update.request_id, update.block_index, fields, update.prefetch)
+    return IntentChange(update.request_id, update.block_index, intent_fields(update.intent),
+                        update.prefetch)
 
 
 def handle(block: Block, page_bytes: int) -> pb.PageHandle:

@@ -12,7 +12,7 @@ from kvd.core import errors
 from kvd.core.blocks import TierKind
 from kvd.core.pool import AccessResult
 from kvd.daemon import Daemon
-from kvd.service.convert import DECISIONS, handle, indices, intent_change
+from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.service.status import status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
@@ -46,7 +46,8 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def Allocate(self, request, context):
-        blocks, stall_s = await self.daemon.allocate(request.request_id, request.num_blocks)
+        blocks, stall_s = await self.daemon.allocate(request.request_id, request.num_blocks,
+                                                     intent_fields(request.intent))
         page_bytes = self._page_bytes(request.request_id)
         return pb.AllocateResponse(
             handles=[handle(b, page_bytes) for b in blocks], stall_us=int(stall_s * 1e6)
@@ -151,7 +152,8 @@ class MemoryService(pb_grpc.MemoryServicer):
                 _step_error(reply, "releases", i, exc)
         for i, item in enumerate(step.allocations):
             try:
-                blocks, stall_s = await daemon.allocate(item.request_id, item.num_blocks)
+                blocks, stall_s = await daemon.allocate(item.request_id, item.num_blocks,
+                                                        intent_fields(item.intent))
                 stalled |= stall_s > 0
                 page_bytes = daemon.runtime_of(item.request_id).pool.page_bytes
                 reply.allocated.extend(handle(b, page_bytes) for b in blocks)
@@ -178,10 +180,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         for section, i, rid, idx in items:
             try:
                 rt = where.get(rid) or daemon.runtime_of(rid)
-                try:  # synchronous first: the common case needs no await at all
-                    result = rt.pool.access(rid, idx)
-                except errors.BlocksInTransit:
-                    result = await rt.run(lambda: rt.pool.access(rid, idx))
+                result = await rt.access(rid, idx)
                 if result.plan is not None:
                     run = rt.start(result.plan)
                     if run is not None:
@@ -261,4 +260,8 @@ def pool_stats(rt) -> pb.PoolStats:
         num_decode_critical_misses=c.num_decode_critical_misses,
         num_deadline_misses=c.num_deadline_misses,
         stall_seconds_total=c.stall_seconds_total,
+        peak_device_pages=c.peak_device_pages,
+        num_prefetches=c.num_prefetches,
+        num_accesses=c.num_accesses,
+        num_misses=c.num_misses,
     )

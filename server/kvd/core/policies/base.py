@@ -20,6 +20,10 @@ class EvictionPolicy(ABC):
     name: ClassVar[str]
     # False: touch() need not be called; the policy reads block.last_access when it matters.
     eager_touch: ClassVar[bool] = True
+    # Whether the policy acts on the engine's intent: prefetches on hints and on pins. The
+    # intent-blind baselines (lru, regret) do not; every policy honours pins, which are a
+    # safety property of the pool, not a preference.
+    uses_intent: ClassVar[bool] = False
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock

@@ -15,6 +15,7 @@ class DeadlinePolicy(ScoredPolicy):
     recency. Deadlines are absolute on kvd's clock, so scores do not drift as time passes."""
 
     name = "deadline"
+    uses_intent = True
 
     def score(self, block: Block) -> tuple:
         next_use = block.deadline_at if block.deadline_at is not None else math.inf

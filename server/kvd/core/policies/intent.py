@@ -34,6 +34,7 @@ class IntentPolicy(ScoredPolicy):
     before expensive; least recently used last of all."""
 
     name = "intent"
+    uses_intent = True
 
     def score(self, block: Block) -> tuple:
         cost = block.recompute_cost_us if block.recompute_cost_us is not None else 0

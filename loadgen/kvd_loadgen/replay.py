@@ -1,0 +1,313 @@
+"""`kvd-loadgen replay-intents`: play intent-event traces through a live kvd, as an engine
+would, and compare policies with the reference simulator and with Belady's MIN."""
+
+from __future__ import annotations
+
+import uvloop
+
+import asyncio
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_loadgen.belady import belady_min
+from kvd_loadgen.data import INTENT_PROFILES, resolve_intent_trace
+from kvd_loadgen.intent_trace import IntentEvent, read_intent_trace
+from kvd_loadgen.local import LocalKvd
+
+KVD_POLICIES = ("lru", "regret", "intent", "deadline")
+BLOCK_TOKENS = 16
+
+# shared/data/INTENT_TRACE_FORMAT.md: the reference simulator's decode-critical misses on these
+# exact files with 128 HBM blocks and 4096 DRAM blocks.
+REFERENCE_MISSES = {
+    "balanced": {"LRU": 76, "HotCold": 76, "PredictiveHotness": 49, "IntentAware": 8,
+                 "DeadlineAware": 10},
+    "deadline_pressure": {"LRU": 96, "HotCold": 96, "PredictiveHotness": 96, "IntentAware": 6,
+                          "DeadlineAware": 6},
+    "rag_mixed_priority": {"LRU": 73, "HotCold": 73, "PredictiveHotness": 40, "IntentAware": 7,
+                           "DeadlineAware": 8},
+    "speculative_decode": {"LRU": 76, "HotCold": 76, "PredictiveHotness": 49, "IntentAware": 8,
+                           "DeadlineAware": 10},
+    "long_context_extreme": {"LRU": 70, "HotCold": 70, "PredictiveHotness": 31,
+                             "IntentAware": 4, "DeadlineAware": 6},
+}
+REFERENCE_DEVICE_PAGES = 128
+
+_PRIORITY = {"COLD": pb.PRIORITY_COLD, "WARM": pb.PRIORITY_WARM, "HOT": pb.PRIORITY_HOT,
+             "DECODE_CRITICAL": pb.PRIORITY_DECODE_CRITICAL}
+_PHASE = {name: getattr(pb, f"PHASE_{name}") for name in
+          ("PREFILL", "DECODE", "VERIFY", "ROLLBACK", "DONE", "IDLE")}
+_ALL_FIELDS = ("phase", "priority", "deadline_us", "slack_us", "recompute_cost_us",
+               "spill_cost_us", "request_priority", "recency_score", "target_decode_step",
+               "expected_reuse_window_tokens", "is_draft", "is_committed", "compression_ok",
+               "recompute_ok", "prefetch_ok", "pin_requested")
+# What each event hands the memory manager (INTENT_TRACE_FORMAT.md, "How the reference
+# simulator applies events").
+_EVENT_FIELDS = {
+    "ALLOCATED": _ALL_FIELDS,
+    "MARKED_DECODE_CRITICAL": ("deadline_us", "slack_us", "target_decode_step",
+                               "expected_reuse_window_tokens", "request_priority",
+                               "recency_score"),
+    "MARKED_COLD": ("phase", "deadline_us", "slack_us", "compression_ok", "recompute_ok",
+                    "prefetch_ok", "recency_score"),
+    "ACCESSED": ("phase", "priority", "deadline_us", "slack_us", "target_decode_step",
+                 "expected_reuse_window_tokens", "pin_requested", "prefetch_ok"),
+}
+# Events the simulator itself produced (its own decisions), which an engine does not send.
+_OBSERVATIONS = frozenset({"SPILLED", "MISS", "EVICTED"})
+
+
+def event_intent(event: IntentEvent) -> pb.MemoryIntent:
+    """The MemoryIntent an engine would send for this event."""
+    src = event.intent
+    fields = {}
+    for name in _EVENT_FIELDS.get(event.event_type, ()):
+        value = src.get(name)
+        if value is None:
+            continue
+        if name == "priority":
+            value = _PRIORITY[value]
+        elif name == "phase":
+            value = _PHASE[value]
+        elif name == "request_priority":
+            value = max(0, min(100, int(value)))
+        elif name == "recency_score":
+            value = max(0.0, min(1.0, float(value)))
+        fields[name] = value
+    if event.event_type == "MARKED_DECODE_CRITICAL":
+        fields["priority"] = pb.PRIORITY_DECODE_CRITICAL
+    elif event.event_type == "MARKED_COLD":
+        fields["priority"] = pb.PRIORITY_COLD
+    elif event.event_type == "COMMITTED":
+        fields.update(is_committed=True, is_draft=False)
+    return pb.MemoryIntent(**fields)
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    profile: str
+    policy: str
+    decode_critical_accesses: int | None
+    decode_critical_misses: int | None
+    deadline_misses: int | None
+    evictions: int | None
+    peak_device_pages: int | None
+    device_pages: int
+    wall_s: float | None
+    promotions: int | None = None
+    prefetches: int | None = None
+    bytes_moved: int | None = None
+    page_bytes: int | None = None
+    trace_block_bytes: int | None = None
+    pins_refused: int | None = None
+    source: str = "kvd"  # kvd | reference-simulator | belady-min
+
+
+async def replay_events(target: str, pool: str, profile: str, events: list[IntentEvent],
+                        prefix: str = "", window: int = 16) -> ReplayResult:
+    """Play one trace into one pool of a live kvd: each event is one logical step, sent as one
+    Step message (ALLOCATED -> allocation carrying the intent, ACCESSED -> intent + access,
+    MARKED_* and COMMITTED -> intent updates, PREFETCHED -> hint, FREED -> free).
+
+    Steps are pipelined (up to `window` in flight; kvd applies them in order). kvd numbers a
+    request's blocks in allocation order, so the replayer knows each block's index without
+    waiting. A pin kvd refuses (it would overcommit the device tier) is counted and the block's
+    other intent fields are re-sent without it, `window` steps later at most."""
+    blocks_per_request = Counter(e.request_id for e in events if e.event_type == "ALLOCATED")
+    refused = Counter()
+    fixes: list[pb.IntentUpdate] = []
+    started = time.perf_counter()
+
+    def steps():
+        index: dict[str, tuple[str, int]] = {}
+        next_index: Counter[str] = Counter()
+        for event in events:
+            kind = event.event_type
+            if kind in _OBSERVATIONS:
+                continue
+            rid = prefix + event.request_id
+            step = pb.StepRequest(intents=fixes[:])
+            fixes.clear()
+            if kind == "ALLOCATED":
+                step.allocations.append(pb.AllocateRequest(request_id=rid, num_blocks=1,
+                                                           intent=event_intent(event)))
+                index[event.object_id] = (rid, next_index[rid])
+                next_index[rid] += 1
+                yield event, step
+                continue
+            if event.object_id not in index:
+                continue  # an event for a block the trace never allocated
+            rid, block = index[event.object_id]
+            if kind == "FREED":
+                step.frees.append(pb.FreeRequest(request_id=rid, block_indices=[block]))
+                del index[event.object_id]
+            else:
+                step.intents.append(pb.IntentUpdate(request_id=rid, block_index=block,
+                                                    intent=event_intent(event),
+                                                    prefetch=kind == "PREFETCHED"))
+            if kind == "ACCESSED":
+                step.accesses.append(pb.AccessRequest(request_id=rid, block_indices=[block]))
+            yield event, step
+
+    sent: list[IntentEvent] = []
+
+    def messages():
+        for event, step in steps():
+            sent.append(event)
+            yield step
+
+    def on_reply(step: pb.StepRequest, reply: pb.StepResponse) -> None:
+        event = sent.pop(0)
+        for err in reply.errors:
+            if err.section != "intents" or err.code != grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+                raise RuntimeError(f"{profile} line {event.line}: {err.section}: {err.message}")
+            refused["pin"] += 1  # the pin would overcommit the device tier: re-send without it
+            for update in step.intents:
+                fixed = pb.IntentUpdate()
+                fixed.CopyFrom(update)
+                fixed.intent.ClearField("pin_requested")
+                if fixed.intent.priority == pb.PRIORITY_DECODE_CRITICAL:
+                    fixed.intent.ClearField("priority")
+                fixes.append(fixed)
+
+    async with AsyncClient(target, timeout_s=60) as kvd:
+        before = (await kvd.pool_stats(pool)).pools[0]
+        for request_id, num_blocks in blocks_per_request.items():
+            reply = await kvd.admit(prefix + request_id, num_blocks * BLOCK_TOKENS, pool=pool,
+                                    tenant="replay")
+            if reply.decision != pb.DECISION_ADMITTED:
+                raise RuntimeError(f"{profile}: {request_id} not admitted: {reply.reason}")
+        async with kvd.step_stream() as stream:
+            await stream.pipeline(messages(), on_reply, window=window)
+            if fixes:
+                await _send(stream, pb.StepRequest(intents=fixes), strict=True)
+        for request_id in blocks_per_request:
+            await kvd.release(prefix + request_id)
+        after = (await kvd.pool_stats(pool)).pools[0]
+    return ReplayResult(
+        profile=profile,
+        policy=after.policy,
+        decode_critical_accesses=after.num_decode_critical_accesses
+        - before.num_decode_critical_accesses,
+        decode_critical_misses=after.num_decode_critical_misses
+        - before.num_decode_critical_misses,
+        deadline_misses=after.num_deadline_misses - before.num_deadline_misses,
+        evictions=after.num_evictions - before.num_evictions,
+        peak_device_pages=after.peak_device_pages,
+        device_pages=after.tiers[0].capacity_pages,
+        wall_s=time.perf_counter() - started,
+        promotions=after.num_promotions - before.num_promotions,
+        prefetches=after.num_prefetches - before.num_prefetches,
+        bytes_moved=after.bytes_moved - before.bytes_moved,
+        page_bytes=after.page_bytes,
+        trace_block_bytes=events[0].intent["size_bytes"] if events else None,
+        pins_refused=sum(refused.values()),
+    )
+
+
+async def _send(stream, step: pb.StepRequest, strict: bool = False) -> pb.StepResponse:
+    reply = await stream.send(step)
+    if strict and reply.errors:
+        raise RuntimeError(f"kvd refused a replay step: {list(reply.errors)}")
+    return reply
+
+
+def _config(policies, device_pages: int, host_pages: int, page_bytes: int) -> str:
+    pools = "".join(
+        f'[[pool]]\nname = "{p}"\npolicy = "{p}"\npage_bytes = {page_bytes}\n'
+        f"block_tokens = {BLOCK_TOKENS}\ndevice_pages = {device_pages}\n"
+        f"host_pages = {host_pages}\n\n"
+        for p in policies
+    )
+    return "[server]\ngrace_s = 2\n\n" + pools
+
+
+async def replay_profile(path: Path, profile: str, policies, *, device_pages: int,
+                         host_pages: int, page_bytes: int, target: str | None = None
+                         ) -> list[ReplayResult]:
+    """Every policy on one trace, each in its own fresh pool of one kvd (or, with target, in
+    the existing kvd's pools named after the policies)."""
+    events = read_intent_trace(path)
+    results = []
+    if target is None:
+        with tempfile.TemporaryDirectory(prefix="kvd-replay-") as tmp:
+            config = Path(tmp) / "kvd.toml"
+            config.write_text(_config(policies, device_pages, host_pages, page_bytes))
+            with LocalKvd("--config", str(config), workdir=tmp) as kvd:
+                for policy in policies:
+                    results.append(await replay_events(kvd.target, policy, profile, events))
+    else:
+        for policy in policies:
+            results.append(await replay_events(target, policy, profile, events,
+                                               prefix=f"{profile}-{time.time_ns()}-"))
+    mn = belady_min(events, device_pages)
+    results.append(ReplayResult(profile, "belady-min", mn.decode_critical_accesses,
+                                mn.decode_critical_misses, None, None, None, device_pages, None,
+                                source="belady-min"))
+    if profile in REFERENCE_MISSES and device_pages == REFERENCE_DEVICE_PAGES:
+        for name, misses in REFERENCE_MISSES[profile].items():
+            results.append(ReplayResult(profile, f"ref:{name}", mn.decode_critical_accesses,
+                                        misses, None, None, None, device_pages, None,
+                                        source="reference-simulator"))
+    return results
+
+
+def results_table(results: list[ReplayResult], page_bytes: int) -> Table:
+    table = Table(title="intent-trace replay through a live kvd (pages scaled to "
+                        f"{page_bytes} B; page counts decide misses)")
+    for col in ("profile", "policy", "dc acc", "dc miss", "dl miss", "evict", "promo",
+                "prefetch", "peak/cap", "wall s"):
+        table.add_column(col, justify="left" if col in ("profile", "policy") else "right")
+
+    def fmt(value, spec=""):
+        return "-" if value is None else format(value, spec)
+
+    last = None
+    for r in results:
+        if last is not None and r.profile != last:
+            table.add_section()
+        last = r.profile
+        peak = "-" if r.peak_device_pages is None else f"{r.peak_device_pages}/{r.device_pages}"
+        style = "dim" if r.source != "kvd" else None
+        table.add_row(r.profile, r.policy, fmt(r.decode_critical_accesses),
+                      fmt(r.decode_critical_misses), fmt(r.deadline_misses), fmt(r.evictions),
+                      fmt(r.promotions), fmt(r.prefetches), peak, fmt(r.wall_s, ".2f"),
+                      style=style)
+    return table
+
+
+def run_replay_cli(args) -> int:
+    from kvd_loadgen.cli import write_json
+
+    names = []
+    for name in args.trace:
+        names.extend(INTENT_PROFILES if name == "all" else [name])
+    policies = KVD_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
+    console = Console(width=max(Console().width, 110))
+    results: list[ReplayResult] = []
+    started = time.perf_counter()
+    for name in names:
+        path = resolve_intent_trace(name)
+        profile = path.name.split(".")[0]
+        with console.status(f"replaying {profile} under {', '.join(policies)}"):
+            try:
+                results += uvloop.run(replay_profile(
+                    path, profile, policies, device_pages=args.device_pages,
+                    host_pages=args.host_pages, page_bytes=args.page_bytes,
+                    target=args.target))
+            except KvdClientError as exc:
+                console.print(f"[red]kvd refused the replay of {profile}: {exc}")
+                return 1
+    console.print(results_table(results, args.page_bytes))
+    console.print(f"{len(names)} trace(s) x {len(policies)} policies in "
+                  f"{time.perf_counter() - started:.1f} s")
+    write_json(args.json, [asdict(r) for r in results])
+    return 0
