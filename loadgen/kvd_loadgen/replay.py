@@ -111,64 +111,89 @@ class ReplayResult:
     source: str = "kvd"  # kvd | reference-simulator | belady-min
 
 
+def peak_live_blocks(events: list[IntentEvent]) -> dict[str, int]:
+    """Each request's most blocks alive at once: what it asks admission for."""
+    live: Counter[str] = Counter()
+    peak: dict[str, int] = {}
+    for e in events:
+        if e.event_type == "ALLOCATED":
+            live[e.request_id] += 1
+            peak[e.request_id] = max(peak.get(e.request_id, 0), live[e.request_id])
+        elif e.event_type == "FREED":
+            live[e.request_id] -= 1
+    return peak
+
+
 async def replay_events(target: str, pool: str, profile: str, events: list[IntentEvent],
                         prefix: str = "", window: int = 16) -> ReplayResult:
     """Play one trace into one pool of a live kvd: each event is one logical step, sent as one
     Step message (ALLOCATED -> allocation carrying the intent, ACCESSED -> intent + access,
     MARKED_* and COMMITTED -> intent updates, PREFETCHED -> hint, FREED -> free).
 
-    Steps are pipelined (up to `window` in flight; kvd applies them in order). kvd numbers a
+    Events of one logical step go in one message. Steps are pipelined (up to `window` in
+    flight; kvd applies them in order). kvd numbers a
     request's blocks in allocation order, so the replayer knows each block's index without
     waiting. A pin kvd refuses (it would overcommit the device tier) is counted and the block's
     other intent fields are re-sent without it, `window` steps later at most."""
-    blocks_per_request = Counter(e.request_id for e in events if e.event_type == "ALLOCATED")
+    blocks_per_request = peak_live_blocks(events)
     refused = Counter()
     fixes: list[pb.IntentUpdate] = []
     started = time.perf_counter()
 
     def steps():
+        """One Step message per logical step of the trace; a step is split only where an
+        event touches a block allocated earlier in it (kvd applies intents before
+        allocations within a message)."""
         index: dict[str, tuple[str, int]] = {}
         next_index: Counter[str] = Counter()
+        group: list[IntentEvent] = []
+        step = pb.StepRequest()
+        fresh: set[str] = set()  # objects allocated in the current message
         for event in events:
             kind = event.event_type
-            if kind in _OBSERVATIONS:
-                continue
+            if kind in _OBSERVATIONS or (kind != "ALLOCATED" and event.object_id not in index):
+                continue  # the simulator's own outputs, or a block never allocated
+            if group and (event.step != group[0].step or event.object_id in fresh):
+                yield group, step
+                group, step, fresh = [], pb.StepRequest(), set()
+            if not group:
+                step.intents.extend(fixes)
+                fixes.clear()
+            group.append(event)
             rid = prefix + event.request_id
-            step = pb.StepRequest(intents=fixes[:])
-            fixes.clear()
             if kind == "ALLOCATED":
                 step.allocations.append(pb.AllocateRequest(request_id=rid, num_blocks=1,
                                                            intent=event_intent(event)))
                 index[event.object_id] = (rid, next_index[rid])
                 next_index[rid] += 1
-                yield event, step
+                fresh.add(event.object_id)
                 continue
-            if event.object_id not in index:
-                continue  # an event for a block the trace never allocated
             rid, block = index[event.object_id]
             if kind == "FREED":
                 step.frees.append(pb.FreeRequest(request_id=rid, block_indices=[block]))
                 del index[event.object_id]
-            else:
-                step.intents.append(pb.IntentUpdate(request_id=rid, block_index=block,
-                                                    intent=event_intent(event),
-                                                    prefetch=kind == "PREFETCHED"))
+                continue
+            step.intents.append(pb.IntentUpdate(request_id=rid, block_index=block,
+                                                intent=event_intent(event),
+                                                prefetch=kind == "PREFETCHED"))
             if kind == "ACCESSED":
                 step.accesses.append(pb.AccessRequest(request_id=rid, block_indices=[block]))
-            yield event, step
+        if group:
+            yield group, step
 
-    sent: list[IntentEvent] = []
+    sent: list[list[IntentEvent]] = []
 
     def messages():
-        for event, step in steps():
-            sent.append(event)
+        for group, step in steps():
+            sent.append(group)
             yield step
 
     def on_reply(step: pb.StepRequest, reply: pb.StepResponse) -> None:
-        event = sent.pop(0)
+        group = sent.pop(0)
         for err in reply.errors:
             if err.section != "intents" or err.code != grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
-                raise RuntimeError(f"{profile} line {event.line}: {err.section}: {err.message}")
+                raise RuntimeError(f"{profile} lines {group[0].line}-{group[-1].line}: "
+                                   f"{err.section}: {err.message}")
             refused["pin"] += 1  # the pin would overcommit the device tier: re-send without it
             for update in step.intents:
                 fixed = pb.IntentUpdate()

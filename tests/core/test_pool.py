@@ -240,3 +240,15 @@ def test_set_policy_carries_evictable_blocks_over(make_pool):
     assert len(pool.policy) == 4 and pool.policy.name == "intent"
     with pytest.raises(InvalidArgument, match="choose one of deadline, intent, lru, regret"):
         pool.set_policy("belady")
+
+
+def test_a_sliding_window_stays_within_its_reservation(make_pool):
+    pool = make_pool(device_pages=4, host_pages=4)
+    pool.admit("w", tenant="t", prompt_tokens=32, output_tokens=0)  # 2 pages
+    settle(pool, pool.allocate("w", 2))
+    for step in range(10):  # drop the oldest block, add a new one
+        pool.free("w", [step])
+        settle(pool, pool.allocate("w", 1))
+    req = pool.get_request("w")
+    assert (req.reserved_pages, req.num_live_blocks, len(req.blocks)) == (2, 2, 12)
+    assert pool.reserved_pages == 2

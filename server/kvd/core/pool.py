@@ -340,7 +340,9 @@ class Pool:
                 f"cannot allocate {num_blocks} blocks at once: the device tier of pool "
                 f"{self.name!r} holds {self.device.capacity} pages"
             )
-        growth = max(0, len(req.blocks) + num_blocks - req.reserved_pages)
+        # Live blocks, not indices: a request that frees old blocks and allocates new ones
+        # (a sliding window) stays within what it reserved.
+        growth = max(0, req.num_live_blocks + num_blocks - req.reserved_pages)
         if growth and not self._fits(growth):
             raise ResourceExhausted(
                 f"request {request_id!r} grows past its {req.reserved_pages} reserved pages and "
