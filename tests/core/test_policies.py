@@ -6,7 +6,25 @@ import pytest
 
 from kvd.core.blocks import Block, Phase, Priority, Request, RequestState, TierKind
 from kvd.core.clock import FakeClock
-from kvd.core.policies import POLICIES, make_policy
+from kvd.core.policies import make_policy, policy_names
+
+
+class FakeTenancy:
+    """Usage is what the test says; every tenant's fair share is 1 page."""
+
+    def __init__(self, usage=None, shares=None, guaranteed=None):
+        self._usage = usage or {}
+        self._shares = shares or {}
+        self._guaranteed = guaranteed or {}
+
+    def usage(self, tenant):
+        return self._usage.get(tenant, 100)
+
+    def fair_share(self, tenant):
+        return self._shares.get(tenant, 1.0)
+
+    def guaranteed(self, tenant):
+        return self._guaranteed.get(tenant, 0)
 
 
 def _blocks(n: int, tenant: str = "t", rid: str = "r") -> list[Block]:
@@ -14,9 +32,9 @@ def _blocks(n: int, tenant: str = "t", rid: str = "r") -> list[Block]:
     return [Block(req, i, TierKind.DEVICE, i) for i in range(n)]
 
 
-@pytest.fixture(params=sorted(POLICIES))
+@pytest.fixture(params=policy_names())
 def policy(request):
-    return make_policy(request.param, FakeClock())
+    return make_policy(request.param, FakeClock(), FakeTenancy())
 
 
 def test_choose_is_atomic_and_exact(policy):
@@ -135,3 +153,46 @@ def test_heap_policies_stay_compact_under_many_touches():
             policy.touch(b)
     assert len(policy._heap) <= 2 * len(blocks) + 64 + 1
     assert policy.choose(1) == [blocks[0]]
+
+
+def test_fair_takes_from_the_tenant_most_over_its_share_and_its_largest_request():
+    tenancy = FakeTenancy(usage={"whale": 60, "minnow": 10}, shares={"whale": 35, "minnow": 35})
+    policy = make_policy("fair", FakeClock(), tenancy)
+    whale = _blocks(50, "whale", "w1") + _blocks(10, "whale", "w2")
+    minnow = _blocks(10, "minnow", "m1")
+    for b in minnow + whale:
+        policy.insert(b)
+    victims = policy.choose(10)
+    assert all(v.request.request_id == "w1" for v in victims)  # the whale's big request pays
+    assert victims == whale[:10]  # in the base policy's (LRU) order
+
+
+def test_fair_spreads_victims_as_usage_falls():
+    tenancy = FakeTenancy(usage={"a": 12, "b": 10}, shares={"a": 10, "b": 10})
+    policy = make_policy("fair", FakeClock(), tenancy)
+    for b in _blocks(12, "a", "a1") + _blocks(10, "b", "b1"):
+        policy.insert(b)
+    victims = policy.choose(6)
+    by_tenant = [v.request.tenant for v in victims]
+    # a is 1.2x its share, so it pays until level with b; then they alternate.
+    assert by_tenant[:2] == ["a", "a"] and by_tenant.count("b") >= 2
+
+
+def test_fair_never_takes_guaranteed_pages_for_another_tenant():
+    tenancy = FakeTenancy(usage={"g": 5, "x": 3}, shares={"g": 1, "x": 10}, guaranteed={"g": 5})
+    policy = make_policy("fair", FakeClock(), tenancy)
+    for b in _blocks(5, "g", "g1") + _blocks(3, "x", "x1"):
+        policy.insert(b)
+    assert {v.request.tenant for v in policy.choose(3, for_tenant="x")} == {"x"}
+    assert policy.choose(4, for_tenant="x") is None  # the 4th would be guaranteed
+    assert policy.choose(4, for_tenant="g") is not None  # g may give up its own pages
+
+
+def test_fair_over_a_base_policy_uses_that_order_inside_a_request():
+    policy = make_policy("fair:intent", FakeClock(), FakeTenancy())
+    assert policy.name == "fair:intent" and policy.uses_intent
+    hot, cold = _blocks(2)
+    hot.priority, cold.priority = Priority.HOT, Priority.COLD
+    policy.insert(hot)
+    policy.insert(cold)
+    assert policy.choose(1) == [cold]

@@ -238,7 +238,7 @@ def test_set_policy_carries_evictable_blocks_over(make_pool):
     settle(pool, pool.allocate("a", 4))
     assert pool.set_policy("intent") == "lru"
     assert len(pool.policy) == 4 and pool.policy.name == "intent"
-    with pytest.raises(InvalidArgument, match="choose one of deadline, intent, lru, regret"):
+    with pytest.raises(InvalidArgument, match="choose one of deadline, intent, lru, regret, fair"):
         pool.set_policy("belady")
 
 
@@ -252,3 +252,62 @@ def test_a_sliding_window_stays_within_its_reservation(make_pool):
     req = pool.get_request("w")
     assert (req.reserved_pages, req.num_live_blocks, len(req.blocks)) == (2, 2, 12)
     assert pool.reserved_pages == 2
+
+
+def test_fair_admission_counts_only_pages_above_other_tenants_shares(make_pool):
+    pool = make_pool(device_pages=8, host_pages=16, policy="fair")
+    pool.admit("whale", tenant="w", prompt_tokens=16 * 8, output_tokens=0)
+    settle(pool, pool.allocate("whale", 8))  # the whale fills the device tier
+    # A minnow's fair share is half the device: it may take up to 4 of the whale's pages.
+    assert pool.admit("m1", tenant="m", prompt_tokens=16 * 4, output_tokens=0).decision == "admitted"
+    settle(pool, pool.allocate("m1", 4))
+    assert pool.device_by_tenant["w"] == 4 and pool.device_by_tenant["m"] == 4
+    # Now both hold their share: more for either waits (the whale at its share is protected
+    # from the minnow tenant, and vice versa).
+    queued = pool.admit("m2", tenant="m", prompt_tokens=16 * 5, output_tokens=0)
+    assert queued.decision == "queued" and "fair share" in queued.reason
+
+
+def test_queue_admits_the_tenant_furthest_below_its_share_first(make_pool):
+    pool = make_pool(device_pages=8, host_pages=1)  # 8 reservable pages
+    pool.admit("a1", tenant="a", prompt_tokens=16 * 6, output_tokens=0)
+    pool.admit("b1", tenant="b", prompt_tokens=16 * 2, output_tokens=0)
+    assert pool.admit("a2", tenant="a", prompt_tokens=16 * 2, output_tokens=0).decision == "queued"
+    assert pool.admit("b2", tenant="b", prompt_tokens=16 * 2, output_tokens=0).decision == "queued"
+    # a arrived first, but holds 6 pages against a fair share of 4; b holds 2 of its 4.
+    assert pool.queue_position("b2") == 1 and pool.queue_position("a2") == 2
+    _, admitted = pool.release("b1")  # room for one of them: b's, not first-come a's
+    assert [r.request_id for r in admitted] == ["b2"]
+    assert pool.queue_position("a2") == 1
+
+
+def test_limits_and_per_request_caps_reject_or_queue(make_pool):
+    from kvd.core.fairness import TenantQuota
+
+    pool = make_pool(device_pages=8, host_pages=16,
+                     quotas={"t": TenantQuota(limit=6, max_request_fraction=0.5)})
+    over_cap = pool.admit("big", tenant="t", prompt_tokens=16 * 5, output_tokens=0)
+    assert over_cap.decision == "rejected" and "per-request cap of 4" in over_cap.reason
+    assert pool.admit("r1", tenant="t", prompt_tokens=16 * 4, output_tokens=0).decision == "admitted"
+    waiting = pool.admit("r2", tenant="t", prompt_tokens=16 * 3, output_tokens=0)
+    assert waiting.decision == "queued" and "6-page limit" in waiting.reason
+    admitted = pool.set_quota("t", TenantQuota(limit=8, max_request_fraction=0.5))
+    assert [r.request_id for r in admitted] == ["r2"]
+
+
+def test_explain_data_names_the_evictor_and_charges_it_the_stall(make_pool):
+    pool = make_pool(device_pages=4, host_pages=8, policy="lru")
+    pool.admit("minnow", tenant="m", prompt_tokens=32, output_tokens=0)
+    settle(pool, pool.allocate("minnow", 2))
+    pool.admit("whale", tenant="w", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("whale", 4))  # pushes the minnow out
+    result = pool.access("minnow", None)
+    settle(pool, result.plan)
+    pool.record_stall(0.5, result.plan)
+    account = pool.attribution.account("minnow")
+    assert account.evictions_suffered == {("w", "whale"): 2}
+    assert account.stall_s_by_cause == {("w", "whale"): pytest.approx(0.5)}
+    assert pool.attribution.account("whale").evictions_caused[("m", "minnow")] == 2
+    assert pool.attribution.stall_s_by_cause[("m", "w")] == pytest.approx(0.5)
+    pool.release("minnow")
+    assert pool.attribution.account("minnow").stall_s == pytest.approx(0.5)  # kept after release

@@ -6,6 +6,8 @@ copies would; every step checks every invariant, and a call that fails changes n
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -19,6 +21,7 @@ from hypothesis.stateful import (
 from kvd.core.blocks import Phase, Priority, TierKind
 from kvd.core.clock import FakeClock
 from kvd.core.errors import BlocksInTransit, KvdError
+from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.policies import policy_names
 from kvd.core.pool import IntentChange, Pool
@@ -54,7 +57,9 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.pool = Pool("p", page_bytes=8, block_tokens=4, device_pages=6, host_pages=10,
-                         policy="lru", clock=self.clock, max_queue=3)
+                         policy="lru", clock=self.clock, max_queue=3,
+                         quotas={"0": TenantQuota(guaranteed=2),
+                                 "1": TenantQuota(weight=2, limit=8)})
         self.pending = []
 
     def _do(self, op):
@@ -68,6 +73,8 @@ class PoolMachine(RuleBasedStateMachine):
         if plan is not None and hasattr(plan, "demotions"):
             for m in plan.demotions:
                 assert not m.block.pinned, "a pinned block was chosen as a victim"
+            if self.pool.policy.fair and plan.demotions:
+                self._check_guarantees(plan)
             if plan.num_copies == 0:  # as the runtime does: nothing to copy, done at once
                 self.pool.complete(plan)
             else:
@@ -82,6 +89,16 @@ class PoolMachine(RuleBasedStateMachine):
             self.allocate(f"r{i}", n)
             while self.pending:
                 self.pool.complete(self.pending.pop())
+
+    def _check_guarantees(self, plan):
+        """No tenant was taken below its guarantee to make room for another tenant."""
+        evictor = plan.cause.tenant if plan.cause else None
+        taken = Counter(m.block.request.tenant for m in plan.demotions)
+        for tenant, n in taken.items():
+            if tenant != evictor:
+                # Victims still count as on the device until the plan completes.
+                left = self.pool.device_by_tenant[tenant] - n
+                assert left >= self.pool.guaranteed(tenant), (tenant, left)
 
     @rule(rid=REQUEST_IDS, prompt=st.integers(1, 12) | st.integers(-1, 30),
           output=st.integers(0, 10))
@@ -117,6 +134,12 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(name=st.sampled_from(policy_names()))
     def set_policy(self, name):
         self.pool.set_policy(name)
+
+    @rule(tenant=st.sampled_from("0123"), guaranteed=st.integers(0, 8),
+          limit=st.none() | st.integers(0, 12), weight=st.floats(0.5, 4))
+    def set_quota(self, tenant, guaranteed, limit, weight):
+        self.pool.set_quota(tenant, TenantQuota(weight=weight, guaranteed=guaranteed,
+                                                limit=limit))
 
     @rule(dt=st.floats(0, 1))
     def tick(self, dt):

@@ -82,8 +82,11 @@ async def test_pinning_past_capacity_is_refused(client):
     await client.allocate("p", 8)
     crit = [intent_update("p", i, priority=pb.PRIORITY_DECODE_CRITICAL) for i in range(8)]
     await client.update_intents(crit)
-    await client.admit("q", 16)
+    # An admitted request cannot grow into a device tier that is all pinned...
     with pytest.raises(ResourceExhaustedError, match="8 of 8 pinned"):
-        await client.allocate("q", 1)
-    await client.release("p")
+        await client.allocate("p", 1)
+    # ...and a new request waits for room instead of being admitted into it.
+    reply = await client.admit("q", 16)
+    assert reply.decision == pb.DECISION_QUEUED and "8 of 8 pinned" in reply.reason
+    await client.release("p")  # admits q
     assert len((await client.allocate("q", 1)).handles) == 1

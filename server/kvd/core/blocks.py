@@ -101,6 +101,8 @@ class Block:
     decode_critical: bool = False
     # Policy bookkeeping (opaque to the pool).
     regret_level: int = 0
+    # The eviction that last put this block out of the device tier (an EvictionRecord).
+    evicted_by: Any = None
 
     def refresh_flags(self) -> None:
         """DECODE_CRITICAL implies pinned: a decode step depends on the block. An access to
@@ -140,6 +142,8 @@ class Request:
     num_moving_blocks: int = 0
     # Set when a block moved to a new device page; cleared once the engine was told.
     maybe_relocated: bool = False
+    # What it went through (a RequestAccount), for Explain.
+    account: Any = None
     # Anything the service layer wants to keep with the request (lease, owner).
     attrs: dict[str, Any] = field(default_factory=dict)
 

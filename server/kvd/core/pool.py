@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd.core.attribution import NO_REQUEST, Attribution, EvictionRecord
 from kvd.core.blocks import (
     INTENT_BOOL_FIELDS,
     INTENT_INT_FIELDS,
@@ -33,9 +34,12 @@ from kvd.core.errors import (
     NotFound,
     ResourceExhausted,
 )
+from kvd.core.fairness import TenantQuota, water_fill
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tier import TierPages
 from kvd.core.transfer import Move, MoveKind, TransferPlan
+
+_DEFAULT_QUOTA = TenantQuota()
 
 # Costs must be non-negative; deadlines and slack may be negative (already overdue).
 _NON_NEGATIVE_INTENT_FIELDS = frozenset(
@@ -106,6 +110,7 @@ class Pool:
         policy: str,
         clock: Clock,
         max_queue: int = 1024,
+        quotas: dict[str, TenantQuota] | None = None,
     ) -> None:
         if page_bytes <= 0 or block_tokens <= 0:
             raise InvalidArgument("page_bytes and block_tokens must be positive")
@@ -117,7 +122,6 @@ class Pool:
         self.clock = clock
         self.device = TierPages(TierKind.DEVICE, device_pages)
         self.host = TierPages(TierKind.HOST, host_pages)
-        self.policy: EvictionPolicy = make_policy(policy, clock)
         self.requests: dict[str, Request] = {}
         self.queue: OrderedDict[str, Request] = OrderedDict()
         self.max_queue = max_queue
@@ -125,6 +129,16 @@ class Pool:
         self.num_pinned = 0
         self.pinned_by_tenant: Counter[str] = Counter()
         self.counters = PoolCounters()
+        # Tenancy: quotas, what each tenant holds, reserved and waits for, and fair shares of
+        # the device tier (recomputed when demand or quotas change).
+        self.quotas: dict[str, TenantQuota] = dict(quotas or {})
+        self.device_by_tenant: Counter[str] = Counter()
+        self.reserved_by_tenant: Counter[str] = Counter()
+        self.queued_by_tenant: Counter[str] = Counter()
+        self._shares: dict[str, float] | None = None
+        self.attribution = Attribution()
+        self._newly_admitted: list[Request] = []
+        self.policy: EvictionPolicy = make_policy(policy, clock, self)
 
     # ------------------------------------------------------------------ queries
 
@@ -204,15 +218,14 @@ class Pool:
         if request_id in self.requests:
             raise AlreadyExists(f"request {request_id!r} already exists in pool {self.name!r}")
         projected = self.projected_pages(prompt_tokens, output_tokens)
-        if projected > self.device.capacity:
+        never = self._never_fits(tenant, projected, prompt_tokens + output_tokens)
+        if never:
             self.counters.num_rejected += 1
-            return AdmitResult(
-                "rejected",
-                f"needs {projected} pages ({prompt_tokens + output_tokens} tokens at "
-                f"{self.block_tokens} per page) but the device tier of pool {self.name!r} "
-                f"holds {self.device.capacity}; it can never be resident",
-                0,
-                projected,
+            return AdmitResult("rejected", never, 0, projected)
+        if len(self.queue) >= self.max_queue:
+            raise ResourceExhausted(
+                f"admission queue of pool {self.name!r} is full ({self.max_queue} waiting); "
+                "retry after requests finish"
             )
         now = self.clock.now()
         req = Request(
@@ -224,53 +237,155 @@ class Pool:
             state=RequestState.QUEUED,
             queued_at=now,
         )
-        if not self.queue and self._fits(projected):
-            self._admit_now(req)
-            return AdmitResult("admitted", "", 0, projected)
-        if len(self.queue) >= self.max_queue:
-            raise ResourceExhausted(
-                f"admission queue of pool {self.name!r} is full ({self.max_queue} waiting); "
-                "retry after requests finish"
-            )
+        req.account = self.attribution.open(request_id, tenant)
         self.requests[request_id] = req
         self.queue[request_id] = req
+        self.queued_by_tenant[tenant] += projected
+        self._shares = None
+        # Admit in fair order: this request goes now only if it is first in line and fits.
+        admitted = self._admit_from_queue()
+        if req in admitted:
+            self._newly_admitted = [r for r in admitted if r is not req]
+            return AdmitResult("admitted", "", 0, projected)
+        self._newly_admitted = admitted
         self.counters.num_queued += 1
-        return AdmitResult(
-            "queued",
-            f"needs {projected} pages; {self.capacity_pages - self.reserved_pages} of "
-            f"{self.capacity_pages} are unreserved in pool {self.name!r}",
-            len(self.queue),
-            projected,
-        )
+        return AdmitResult("queued", self._why_waiting(req), self.queue_position(request_id),
+                           projected)
+
+    def take_newly_admitted(self) -> list[Request]:
+        """Queued requests admitted as a side effect of the last admit() (rare)."""
+        admitted, self._newly_admitted = self._newly_admitted, []
+        return admitted
+
+    def quota(self, tenant: str) -> TenantQuota:
+        return self.quotas.get(tenant) or _DEFAULT_QUOTA
+
+    def _never_fits(self, tenant: str, projected: int, tokens: int) -> str:
+        """Why a request can never be admitted, or "" when it could be."""
+        if projected > self.device.capacity:
+            return (f"needs {projected} pages ({tokens} tokens at {self.block_tokens} per page) "
+                    f"but the device tier of pool {self.name!r} holds {self.device.capacity}; "
+                    "it can never be resident")
+        quota = self.quota(tenant)
+        cap = quota.request_cap(self.device.capacity)
+        if cap is not None and projected > cap:
+            return (f"needs {projected} pages, over tenant {tenant!r}'s per-request cap of "
+                    f"{cap} pages in pool {self.name!r}")
+        if quota.limit is not None and projected > quota.limit:
+            return (f"needs {projected} pages, over tenant {tenant!r}'s limit of {quota.limit} "
+                    f"pages in pool {self.name!r}")
+        return ""
+
+    def _why_waiting(self, req: Request) -> str:
+        quota = self.quota(req.tenant)
+        if quota.limit is not None and (self.reserved_by_tenant[req.tenant]
+                                        + req.projected_pages > quota.limit):
+            return (f"tenant {req.tenant!r} has {self.reserved_by_tenant[req.tenant]} of its "
+                    f"{quota.limit}-page limit reserved; waits for its own requests to finish")
+        if not self._fits(req.projected_pages):
+            return (f"needs {req.projected_pages} pages; {self.capacity_pages - self.reserved_pages}"
+                    f" of {self.capacity_pages} are unreserved in pool {self.name!r}")
+        where = ("free or held by tenants above their fair share" if self.policy.fair
+                 else "free or evictable")
+        return (f"needs {req.projected_pages} device pages; only {self._room_for(req)} are "
+                f"{where} ({self.num_pinned} of {self.device.capacity} pinned)")
 
     def _fits(self, pages: int) -> bool:
         return self.reserved_pages + pages <= self.capacity_pages
+
+    def _can_admit(self, req: Request) -> bool:
+        quota = self.quota(req.tenant)
+        if quota.limit is not None and (self.reserved_by_tenant[req.tenant]
+                                        + req.projected_pages > quota.limit):
+            return False
+        return self._fits(req.projected_pages) and req.projected_pages <= self._room_for(req)
+
+    def _room_for(self, req: Request) -> int:
+        """Device pages the request could have now: free ones, its own tenant's evictable
+        pages, and what other tenants hold above their fair share (and guarantee). Under an
+        intent-blind or non-fair policy every evictable page counts."""
+        room = self.device.num_free
+        if not self.policy.fair:
+            return room + len(self.policy)
+        shares = self.fair_shares()
+        for tenant, used in self.device_by_tenant.items():
+            evictable = max(0, used - self.pinned_by_tenant[tenant])
+            if tenant == req.tenant:
+                room += evictable
+                continue
+            keep = max(shares.get(tenant, 0.0), self.quota(tenant).guaranteed)
+            room += max(0, min(evictable, int(used - keep + 1e-6)))  # shares are floats
+        return room
 
     def _admit_now(self, req: Request) -> None:
         req.state = RequestState.ADMITTED
         req.admitted_at = self.clock.now()
         req.reserved_pages = req.projected_pages
         self.reserved_pages += req.projected_pages
-        self.requests[req.request_id] = req
+        self.reserved_by_tenant[req.tenant] += req.projected_pages
         self.counters.num_admitted += 1
 
     def _admit_from_queue(self) -> list[Request]:
+        """Admit queued requests in fair order (the tenant furthest below its fair share
+        first, then arrival), stopping at the first that does not fit: a big request is not
+        starved by a stream of small ones behind it."""
         admitted = []
         while self.queue:
-            req = next(iter(self.queue.values()))
-            if not self._fits(req.projected_pages):
+            req = self._next_in_line()
+            if not self._can_admit(req):
                 break
             del self.queue[req.request_id]
+            self.queued_by_tenant[req.tenant] -= req.projected_pages
+            self._shares = None
             self._admit_now(req)
             admitted.append(req)
         return admitted
 
+    def _next_in_line(self) -> Request:
+        if len(self.queue) == 1 or len({r.tenant for r in self.queue.values()}) == 1:
+            return next(iter(self.queue.values()))
+        return min(self.queue.values(), key=self._queue_key)
+
+    def _queue_key(self, req: Request) -> tuple[float, float]:
+        share = self.fair_shares().get(req.tenant, 0.0)
+        return (self.reserved_by_tenant[req.tenant] / max(share, 1e-9), req.queued_at)
+
     def queue_position(self, request_id: str) -> int:
-        """1-based position in the admission queue, 0 when not queued."""
-        for position, rid in enumerate(self.queue, start=1):
-            if rid == request_id:
-                return position
-        return 0
+        """1-based position in the admission queue (in fair order), 0 when not queued."""
+        if request_id not in self.queue:
+            return 0
+        order = sorted(self.queue.values(), key=self._queue_key)
+        return 1 + next(i for i, r in enumerate(order) if r.request_id == request_id)
+
+    # ------------------------------------------------------------------ tenancy
+
+    def fair_shares(self) -> dict[str, float]:
+        """Each tenant's fair share of the device tier, over current demand (reserved plus
+        queued pages): weighted max-min with guarantees and limits."""
+        if self._shares is None:
+            demand = {t: float(self.reserved_by_tenant[t] + self.queued_by_tenant[t])
+                      for t in set(self.reserved_by_tenant) | set(self.queued_by_tenant)}
+            self._shares = water_fill(self.device.capacity, demand, self.quotas)
+        return self._shares
+
+    def fair_share(self, tenant: str) -> float:
+        return self.fair_shares().get(tenant, 0.0)
+
+    def usage(self, tenant: str) -> int:
+        return self.device_by_tenant[tenant]
+
+    def guaranteed(self, tenant: str) -> int:
+        return self.quota(tenant).guaranteed
+
+    def set_quota(self, tenant: str, quota: TenantQuota) -> list[Request]:
+        """Change a tenant's quota now; returns queued requests it let in."""
+        self.quotas[tenant] = quota
+        self._shares = None
+        return self._admit_from_queue()
+
+    def _device_delta(self, req: Request, delta: int) -> None:
+        req.num_device_blocks += delta
+        self.device_by_tenant[req.tenant] += delta
 
     # ------------------------------------------------------------------ room in the device tier
 
@@ -286,7 +401,7 @@ class Pool:
     def _evict(self, num: int, cause: Request | None, reason: str, reassign: bool) -> list[Move]:
         """Take num victims off the device tier: demote them to host, or drop those the engine
         can recompute when the host tier is full. Raises before changing anything."""
-        victims = self.policy.choose(num)
+        victims = self.policy.choose(num, for_tenant=cause.tenant if cause else None)
         if victims is None:
             raise self._no_room(num)
         num_host = self.host.num_free
@@ -308,8 +423,6 @@ class Pool:
             else:
                 moves.append(Move(victim, MoveKind.DROP, TierKind.DEVICE, victim.page,
                                   TierKind.NONE, -1, reassign))
-        self.counters.num_evictions += len(victims)
-        self.counters.evictions_by_reason[reason] += len(victims)
         return moves
 
     def _make_room(self, num: int, cause: Request | None, reason: str) -> tuple[list[int], list[Move]]:
@@ -361,10 +474,13 @@ class Pool:
             self.device.owner[page] = block
             req.blocks.append(block)
             req.num_live_blocks += 1
-            req.num_device_blocks += 1
+            self._device_delta(req, 1)
             plan.allocated.append(block)
         req.reserved_pages += growth
         self.reserved_pages += growth
+        if growth:
+            self.reserved_by_tenant[req.tenant] += growth
+            self._shares = None
         self._note_peak()
         return plan
 
@@ -535,8 +651,11 @@ class Pool:
         and the queued requests admitted because of it."""
         req = self.get_request(request_id)
         if req.state is RequestState.QUEUED:
+            self.attribution.close(request_id)
             del self.queue[request_id]
             del self.requests[request_id]
+            self.queued_by_tenant[req.tenant] -= req.projected_pages
+            self._shares = None
             return 0, self._admit_from_queue()
         live = req.live_blocks()
         busy = [b for b in live if b.moving]
@@ -544,9 +663,12 @@ class Pool:
             raise BlocksInTransit(busy)
         for b in live:
             self._discard(b)
+        self.attribution.close(request_id)
         self.reserved_pages -= req.reserved_pages
+        self.reserved_by_tenant[req.tenant] -= req.reserved_pages
         req.reserved_pages = 0
         del self.requests[request_id]
+        self._shares = None
         return len(live), self._admit_from_queue()
 
     def _discard(self, block: Block) -> None:
@@ -555,7 +677,7 @@ class Pool:
             if block in self.policy:
                 self.policy.remove(block)
             self.device.release(block.page)
-            req.num_device_blocks -= 1
+            self._device_delta(req, -1)
         elif block.tier is TierKind.HOST:
             self.host.release(block.page)
         self._count_pin(block, -1)
@@ -595,7 +717,7 @@ class Pool:
 
     def set_policy(self, name: str) -> str:
         """Switch the eviction policy at run time; the evictable blocks carry over."""
-        new = make_policy(name, self.clock)
+        new = make_policy(name, self.clock, self)
         old = self.policy
         for block in self._evictable_blocks():
             new.insert(block)
@@ -618,12 +740,14 @@ class Pool:
         they were being demoted, which now want a prefetch."""
         now = self.clock.now()
         c = self.counters
+        if plan.demotions:
+            self._record_evictions(plan, now)
         for m in plan.demotions:
             b = m.block
             b.moving = False
             b.request.num_moving_blocks -= 1
             b.epoch += 1
-            b.request.num_device_blocks -= 1
+            self._device_delta(b.request, -1)
             if not m.src_reassigned:
                 self.device.release(m.src_page)
             if m.kind is MoveKind.DROP:
@@ -638,7 +762,7 @@ class Pool:
             b.moving = False
             b.request.num_moving_blocks -= 1
             b.epoch += 1
-            b.request.num_device_blocks += 1
+            self._device_delta(b.request, 1)
             if m.kind is MoveKind.PROMOTE:
                 self.host.release(m.src_page)
                 c.num_promotions += 1
@@ -676,7 +800,7 @@ class Pool:
             req.num_moving_blocks -= 1
             req.blocks[b.index] = None
             req.num_live_blocks -= 1
-            req.num_device_blocks -= 1
+            self._device_delta(req, -1)
             b.tier, b.page = TierKind.NONE, -1
         for req in {id(b.request): b.request for b in plan.allocated}.values():
             while req.blocks and req.blocks[-1] is None:  # indices nobody was told of
@@ -690,10 +814,28 @@ class Pool:
                 self.host.release(m.dst_page)
             if not b.pinned:  # it may have been pinned while in flight
                 self.policy.insert(b)
-        self.counters.num_evictions -= len(plan.demotions)
 
-    def record_stall(self, seconds: float) -> None:
+    def _record_evictions(self, plan: TransferPlan, now: float) -> None:
+        cause = plan.cause
+        evictor_request = cause.request_id if cause else NO_REQUEST
+        evictor_tenant = cause.tenant if cause else NO_REQUEST
+        policy = self.policy.name
+        for m in plan.demotions:
+            b = m.block
+            record = EvictionRecord(now, self.name, b.request.request_id, b.request.tenant,
+                                    b.index, evictor_request, evictor_tenant, plan.reason, policy)
+            b.evicted_by = record
+            self.attribution.evicted(record)
+        self.counters.num_evictions += len(plan.demotions)
+        self.counters.evictions_by_reason[plan.reason] += len(plan.demotions)
+
+    def record_stall(self, seconds: float, plan: TransferPlan | None = None) -> None:
+        """An access waited `seconds` for `plan`'s promotions: charge it to the evictions
+        that had put those blocks out."""
         self.counters.stall_seconds_total += seconds
+        if plan is not None and plan.cause is not None and plan.promotions:
+            self.attribution.stalled(plan.cause.request_id,
+                                     [m.block.evicted_by for m in plan.promotions], seconds)
 
     def _note_peak(self) -> None:
         used = self.device.num_used

@@ -6,6 +6,7 @@ from kvd.core.clock import Clock
 from kvd.core.errors import InvalidArgument
 from kvd.core.policies.base import EvictionPolicy
 from kvd.core.policies.deadline import DeadlinePolicy
+from kvd.core.policies.fair import FairPolicy, Tenancy
 from kvd.core.policies.intent import IntentPolicy
 from kvd.core.policies.lru import LruPolicy
 from kvd.core.policies.regret import RegretPolicy
@@ -16,18 +17,21 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 
 
 def policy_names() -> list[str]:
-    return sorted(POLICIES)
+    """Every name make_policy accepts: the base policies, and fair over each of them."""
+    return sorted(POLICIES) + ["fair"] + [f"fair:{b}" for b in sorted(POLICIES) if b != "lru"]
 
 
-def make_policy(name: str, clock: Clock) -> EvictionPolicy:
-    """A new, empty policy of the given name."""
-    try:
-        cls = POLICIES[name]
-    except KeyError:
+def make_policy(name: str, clock: Clock, tenancy: Tenancy | None = None) -> EvictionPolicy:
+    """A new, empty policy. "fair" is fair over lru; "fair:BASE" fair over another base."""
+    fair = name == "fair" or name.startswith("fair:")
+    base = "lru" if name == "fair" else name.removeprefix("fair:")
+    cls = POLICIES.get(base)
+    if cls is None:
         raise InvalidArgument(
             f"unknown eviction policy {name!r}; choose one of {', '.join(policy_names())}"
-        ) from None
-    return cls(clock)
-
-
-__all__ = ["EvictionPolicy", "POLICIES", "make_policy", "policy_names"]
+        )
+    if not fair:
+        return cls(clock)
+    if tenancy is None:
+        raise InvalidArgument(f"policy {name!r} needs a pool's tenancy")
+    return FairPolicy(clock, tenancy, cls)

@@ -24,6 +24,9 @@ class EvictionPolicy(ABC):
     # intent-blind baselines (lru, regret) do not; every policy honours pins, which are a
     # safety property of the pool, not a preference.
     uses_intent: ClassVar[bool] = False
+    # Whether the policy orders tenants by fair share (admission then counts only pages
+    # above other tenants' shares as room).
+    fair: ClassVar[bool] = False
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -51,10 +54,12 @@ class EvictionPolicy(ABC):
         """block's intent changed. Called only when held."""
 
     @abstractmethod
-    def choose(self, n: int) -> list[Block] | None:
-        """n victims in eviction order, or None when fewer than n are held.
+    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+        """n victims in eviction order, or None when fewer than n can be given.
 
-        Changes nothing: the pool removes the victims it takes.
+        for_tenant is the tenant that needs the room (tenant-aware policies may take its own
+        pages even when it is within its guarantee). Changes nothing: the pool removes the
+        victims it takes.
         """
 
     @abstractmethod

@@ -38,7 +38,7 @@ class LruPolicy(EvictionPolicy):
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
 
-    def choose(self, n: int) -> list[Block] | None:
+    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > len(self._order):
             return None
         return list(islice(self._order, n))

@@ -63,7 +63,7 @@ class ScoredPolicy(EvictionPolicy):
         if self._live[block][0] != key:
             self._push(block)
 
-    def choose(self, n: int) -> list[Block] | None:
+    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > len(self._live):
             return None
         taken: list[tuple[Any, int, Block]] = []

@@ -1,0 +1,85 @@
+"""Tenants' quotas and fair shares, modelled on cgroup v2 memory.
+
+`guaranteed` is like memory.min (never taken from the tenant to serve another, and a floor
+under its fair share), `limit` like memory.max (a hard cap), `weight` its share of the rest. Fair share is weighted
+max-min over current demand (water-filling): what one tenant does not use flows to the others
+and comes back when it needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class TenantQuota:
+    """One tenant's quota in one pool, in pages."""
+
+    weight: float = 1.0
+    guaranteed: int = 0
+    limit: int | None = None  # None: no cap beyond the pool
+    # Per-request cap: pages, and/or a fraction of the pool's device tier.
+    max_request_pages: int | None = None
+    max_request_fraction: float | None = None
+
+    def request_cap(self, device_pages: int) -> int | None:
+        caps = []
+        if self.max_request_pages:
+            caps.append(self.max_request_pages)
+        if self.max_request_fraction:
+            caps.append(int(self.max_request_fraction * device_pages))
+        return min(caps) if caps else None
+
+
+def effective_guarantees(quotas: dict[str, TenantQuota], capacity: int) -> dict[str, float]:
+    """Guarantees as they can be honoured: scaled down proportionally when they add up to more
+    than the capacity."""
+    total = sum(q.guaranteed for q in quotas.values())
+    if total <= capacity or total == 0:
+        return {t: float(q.guaranteed) for t, q in quotas.items()}
+    scale = capacity / total
+    return {t: q.guaranteed * scale for t, q in quotas.items()}
+
+
+def water_fill(capacity: float, demand: dict[str, float], quotas: dict[str, TenantQuota]
+               ) -> dict[str, float]:
+    """Each tenant's fair share of `capacity` pages given its current demand.
+
+    A water level rises until the capacity is used: each tenant's share is its weight times the
+    level, but never less than its (effective) guarantee and never more than what it wants (up
+    to its limit). A guarantee is a floor, not a bonus: a tenant whose weighted share already
+    exceeds its guarantee gets no more for having one. What a tenant does not want flows to the
+    others, and comes back when it asks.
+    """
+    default = TenantQuota()
+    guarantees = effective_guarantees({t: quotas.get(t, default) for t in demand}, int(capacity))
+    top, floor, weight = {}, {}, {}
+    for tenant, want in demand.items():
+        q = quotas.get(tenant, default)
+        top[tenant] = max(0.0, float(want if q.limit is None else min(want, q.limit)))
+        floor[tenant] = min(top[tenant], guarantees[tenant])
+        weight[tenant] = max(q.weight, 0.0)
+
+    def shares_at(level: float) -> dict[str, float]:
+        return {t: min(top[t], max(floor[t], level * weight[t])) for t in demand}
+
+    if sum(top.values()) <= capacity:
+        return dict(top)  # everyone gets all they want
+    lo, hi = 0.0, max((top[t] / weight[t] for t in demand if weight[t] > 0), default=0.0)
+    for _ in range(100):  # bisection on the level: the total is monotone in it
+        mid = (lo + hi) / 2
+        if sum(shares_at(mid).values()) > capacity:
+            hi = mid
+        else:
+            lo = mid
+    return shares_at(lo)
+
+
+def jain_index(values: list[float]) -> float:
+    """Jain's fairness index: 1 when all are equal, 1/n when one has everything."""
+    values = [v for v in values]
+    if not values:
+        return 1.0
+    total = sum(values)
+    squares = sum(v * v for v in values)
+    return (total * total) / (len(values) * squares) if squares else 1.0

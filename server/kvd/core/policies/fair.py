@@ -1,0 +1,161 @@
+"""Memory-fair eviction: the tenant most above its fair share pays first, and within it the
+largest request pays first ("progressive taxation", seed 000); the page order inside a
+request comes from a base policy (lru, intent, deadline or regret).
+
+Guaranteed pages are never taken to serve another tenant. Victim selection is O(T + log n)
+per victim for T tenants: a heap of requests by evictable pages per tenant, and one base
+policy per request.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from itertools import count
+from typing import Protocol
+
+from kvd.core.blocks import Block, Request
+from kvd.core.clock import Clock
+from kvd.core.policies.base import EvictionPolicy
+
+
+class Tenancy(Protocol):
+    """What the fair policy asks the pool about tenants."""
+
+    def usage(self, tenant: str) -> int: ...
+
+    def fair_share(self, tenant: str) -> float: ...
+
+    def guaranteed(self, tenant: str) -> int: ...
+
+
+class FairPolicy(EvictionPolicy):
+    """Two steps: which tenant pays (usage / fair share, largest first; never below its
+    guarantee for another tenant's sake), then which of its pages (largest request first, in
+    the base policy's order)."""
+
+    name = "fair"
+    fair = True
+
+    def __init__(self, clock: Clock, tenancy: Tenancy, base: type[EvictionPolicy]) -> None:
+        super().__init__(clock)
+        self.tenancy = tenancy
+        self.base = base
+        self.name = f"fair:{base.name}" if base.name != "lru" else "fair"
+        self.uses_intent = base.uses_intent
+        self.eager_touch = base.eager_touch
+        self._by_request: dict[Request, EvictionPolicy] = {}
+        # Per tenant: a max-heap of (-evictable pages, seq, request), lazily invalidated.
+        self._heaps: dict[str, list] = {}
+        self._entry: dict[Request, int] = {}
+        self._held_by_tenant: Counter[str] = Counter()
+        self._num = 0
+        self._seq = count()
+
+    def _reindex(self, req: Request) -> None:
+        sub = self._by_request.get(req)
+        if sub is None:
+            self._entry.pop(req, None)
+            return
+        seq = next(self._seq)
+        self._entry[req] = seq
+        heap = self._heaps.setdefault(req.tenant, [])
+        heapq.heappush(heap, (-len(sub), seq, req))
+        if len(heap) > 2 * len(self._entry) + 64:
+            self._heaps[req.tenant] = [e for e in heap if self._entry.get(e[2]) == e[1]]
+            heapq.heapify(self._heaps[req.tenant])
+
+    def insert(self, block: Block) -> None:
+        req = block.request
+        sub = self._by_request.get(req)
+        if sub is None:
+            sub = self._by_request[req] = self.base(self.clock)
+        sub.insert(block)
+        self._held_by_tenant[req.tenant] += 1
+        self._num += 1
+        self._reindex(req)
+
+    def remove(self, block: Block) -> None:
+        req = block.request
+        sub = self._by_request[req]
+        sub.remove(block)
+        self._held_by_tenant[req.tenant] -= 1
+        self._num -= 1
+        if not len(sub):
+            del self._by_request[req]
+        self._reindex(req)
+
+    def touch(self, block: Block) -> None:
+        self._by_request[block.request].touch(block)
+
+    def touch_many(self, blocks) -> None:
+        for block in blocks:
+            if block is not None:
+                sub = self._by_request.get(block.request)
+                if sub is not None and block in sub:
+                    sub.touch(block)
+
+    def reorder(self, block: Block) -> None:
+        self._by_request[block.request].reorder(block)
+
+    def on_evicted(self, block: Block) -> None:
+        sub = self._by_request.get(block.request)
+        if sub is not None:
+            sub.on_evicted(block)
+
+    def __len__(self) -> int:
+        return self._num
+
+    def __contains__(self, block: Block) -> bool:
+        sub = self._by_request.get(block.request)
+        return sub is not None and block in sub
+
+    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+        if n > self._num:
+            return None
+        taken_by_tenant: Counter[str] = Counter()
+        taken_by_request: Counter[Request] = Counter()
+        victims: list[Block] = []
+        for _ in range(n):
+            tenant = self._paying_tenant(taken_by_tenant, for_tenant)
+            if tenant is None:
+                return None  # what is left is guaranteed to other tenants
+            req = self._largest_request(tenant, taken_by_request)
+            k = taken_by_request[req] + 1
+            victims.append(self._by_request[req].choose(k)[-1])
+            taken_by_request[req] = k
+            taken_by_tenant[tenant] += 1
+        return victims
+
+    def _paying_tenant(self, taken: Counter[str], for_tenant: str | None) -> str | None:
+        best, best_ratio = None, -1.0
+        for tenant, held in self._held_by_tenant.items():
+            if held - taken[tenant] <= 0:
+                continue
+            usage = self.tenancy.usage(tenant) - taken[tenant]
+            if tenant != for_tenant and usage <= self.tenancy.guaranteed(tenant):
+                continue
+            ratio = usage / max(self.tenancy.fair_share(tenant), 1e-9)
+            if ratio > best_ratio:
+                best, best_ratio = tenant, ratio
+        return best
+
+    def _largest_request(self, tenant: str, taken: Counter[Request]) -> Request:
+        """The tenant's request with the most evictable pages left after `taken`."""
+        heap = self._heaps[tenant]
+        popped = []
+        best, best_left = None, -1
+        while heap:
+            neg, seq, req = heap[0]
+            if self._entry.get(req) != seq:
+                heapq.heappop(heap)  # stale
+                continue
+            if -neg <= best_left:
+                break  # nothing further down can beat it
+            popped.append(heapq.heappop(heap))
+            left = -neg - taken[req]
+            if left > best_left:
+                best, best_left = req, left
+        for entry in popped:
+            heapq.heappush(heap, entry)
+        return best
