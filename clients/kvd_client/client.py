@@ -30,6 +30,13 @@ def _channel_options() -> list[tuple[str, Any]]:
     ]
 
 
+def _metadata(token: str | None, metadata: Sequence[tuple[str, str]]) -> tuple:
+    """Call metadata: the tenant's bearer token ($KVD_TOKEN when not given) and any extra."""
+    token = token if token is not None else os.environ.get("KVD_TOKEN", "")
+    extra = (("authorization", f"Bearer {token}"),) if token else ()
+    return extra + tuple(metadata)
+
+
 def _intent_update(request_id: str, block_index: int, prefetch: bool = False, **fields
                    ) -> pb.IntentUpdate:
     return pb.IntentUpdate(request_id=request_id, block_index=block_index,
@@ -58,10 +65,10 @@ class AsyncClient:
     """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 token: str | None = None, metadata: Sequence[tuple[str, str]] = ()) -> None:
         self.target = target or default_target()
         self.timeout_s = timeout_s
-        self.metadata = tuple(metadata)
+        self.metadata = _metadata(token, metadata)
         self.channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
         self.memory = pb_grpc.MemoryStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
@@ -135,6 +142,33 @@ class AsyncClient:
 
     async def drain(self) -> None:
         await self._call(self.admin.Drain, pb.DrainRequest())
+
+    async def explain(self, request_id: str) -> pb.ExplainResponse:
+        return await self._call(self.memory.Explain, pb.ExplainRequest(request_id=request_id))
+
+    async def wait_admission(self, request_id: str, timeout_s: float | None = None):
+        """Yield AdmissionUpdates until the request is admitted. Stopping early (break, or
+        cancelling the task) withdraws a still-queued request from the queue."""
+        call = self.memory.WaitAdmission(pb.WaitAdmissionRequest(request_id=request_id),
+                                         timeout=timeout_s, metadata=self.metadata)
+        try:
+            async for update in call:
+                yield update
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def list_tenants(self, pool: str = "") -> list[pb.TenantInfo]:
+        reply = await self._call(self.admin.ListTenants, pb.ListTenantsRequest(pool=pool))
+        return list(reply.tenants)
+
+    async def set_quota(self, tenant: str, pool: str = "", **fields) -> list[pb.TenantInfo]:
+        """fields: weight, guaranteed_pages, limit_pages (0: none), max_request_pages,
+        max_request_fraction; only those given change."""
+        reply = await self._call(self.admin.SetQuota,
+                                 pb.SetQuotaRequest(tenant=tenant, pool=pool, **fields))
+        return list(reply.tenants)
 
     def step_stream(self) -> StepStream:
         return StepStream(self)
@@ -239,10 +273,10 @@ class Client:
     """The same calls, blocking, on a plain grpc channel."""
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 token: str | None = None, metadata: Sequence[tuple[str, str]] = ()) -> None:
         self.target = target or default_target()
         self.timeout_s = timeout_s
-        self.metadata = tuple(metadata)
+        self.metadata = _metadata(token, metadata)
         self.channel = grpc.insecure_channel(self.target, options=_channel_options())
         self.memory = pb_grpc.MemoryStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
@@ -305,6 +339,22 @@ class Client:
 
     def self_check(self):
         return self._call(self.admin.SelfCheck, pb.SelfCheckRequest())
+
+    def explain(self, request_id: str):
+        return self._call(self.memory.Explain, pb.ExplainRequest(request_id=request_id))
+
+    def list_tenants(self, pool: str = ""):
+        return list(self._call(self.admin.ListTenants, pb.ListTenantsRequest(pool=pool)).tenants)
+
+    def set_quota(self, tenant: str, pool: str = "", **fields):
+        return list(self._call(self.admin.SetQuota,
+                               pb.SetQuotaRequest(tenant=tenant, pool=pool, **fields)).tenants)
+
+    def list_policies(self) -> list[str]:
+        return list(self._call(self.admin.ListPolicies, pb.ListPoliciesRequest()).policies)
+
+    def drain(self) -> None:
+        self._call(self.admin.Drain, pb.DrainRequest())
 
 
 intent_update = _intent_update

@@ -5,12 +5,15 @@ With neither, kvd runs its embedded default: one pool on host memory, a unix soc
 
 from __future__ import annotations
 
+import math
+import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from kvd.core.errors import InvalidArgument
+from kvd.core.fairness import TenantQuota
 from kvd.core.policies import policy_names
 
 
@@ -80,6 +83,84 @@ class PoolConfig:
             raise InvalidArgument(f"pool {self.name!r}: device_backend is auto, cupy or host")
 
 
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def pages_of(value: int | str, page_bytes: int) -> int:
+    """A quota in pages: an int is pages; a string is bytes with a unit ("512MiB", "2GB"),
+    rounded up to whole pages."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InvalidArgument(f"a quota is pages (int) or bytes ('512MiB'), got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgument(f"a quota must be >= 0, got {value}")
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InvalidArgument(f"cannot read {value!r} as a size; use e.g. 512MiB or 2GB")
+    return math.ceil(float(match.group(1)) * _UNITS[match.group(2).lower()] / page_bytes)
+
+
+_QUOTA_KEYS = {"weight", "guaranteed", "limit", "max_request_pages", "max_request_fraction"}
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """A tenant: who it is (a bearer token), and its quota in every pool (with per-pool
+    overrides under `pools`). Sizes are pages, or bytes with a unit."""
+
+    name: str
+    token: str = field(default="", repr=False)  # never logged
+    weight: float = 1.0
+    guaranteed: int | str = 0
+    limit: int | str = 0  # 0: no limit
+    max_request_pages: int = 0
+    max_request_fraction: float = 0.0
+    pools: dict = field(default_factory=dict)
+
+    def quota_for(self, pool: str, page_bytes: int) -> TenantQuota:
+        spec = {k: getattr(self, k) for k in _QUOTA_KEYS}
+        spec.update(self.pools.get(pool, {}))
+        limit = pages_of(spec["limit"], page_bytes)
+        return TenantQuota(
+            weight=float(spec["weight"]),
+            guaranteed=pages_of(spec["guaranteed"], page_bytes),
+            limit=limit or None,
+            max_request_pages=int(spec["max_request_pages"]) or None,
+            max_request_fraction=float(spec["max_request_fraction"]) or None,
+        )
+
+    def validate(self, pools: tuple[PoolConfig, ...]) -> None:
+        if not self.name:
+            raise InvalidArgument("a tenant needs a name")
+        if self.weight <= 0:
+            raise InvalidArgument(f"tenant {self.name!r}: weight must be positive")
+        if not 0 <= self.max_request_fraction <= 1:
+            raise InvalidArgument(f"tenant {self.name!r}: max_request_fraction is 0..1")
+        names = {p.name for p in pools}
+        for pool, overrides in self.pools.items():
+            if pool not in names:
+                raise InvalidArgument(f"tenant {self.name!r}: no pool {pool!r}")
+            unknown = set(overrides) - _QUOTA_KEYS
+            if unknown:
+                raise InvalidArgument(f"tenant {self.name!r}, pool {pool!r}: unknown keys "
+                                      f"{', '.join(sorted(unknown))}")
+        for pool in pools:
+            self.quota_for(pool.name, pool.resolved_page_bytes)  # sizes parse
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Who may call. A bearer token names a tenant (or the admin). grpcio does not expose a
+    unix peer's uid, so unix-socket callers without a token act as `unix_tenant` (the
+    socket's 0660 permissions are the gate); TCP callers must present a token."""
+
+    admin_token: str = field(default="", repr=False)
+    unix_tenant: str = "default"  # "": unix callers need a token too
+    unix_admin: bool = True  # unix callers without a token may call the admin service
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     socket: str = DEFAULT_SOCKET
@@ -90,6 +171,9 @@ class Config:
     workers: int = 2  # copy threads
     inline_copy_bytes: int = 65536  # smaller copies run on the event loop
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
+    tenants: tuple[TenantConfig, ...] = ()
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    path: str = ""  # the file it came from (SIGHUP re-reads it)
 
     def validate(self) -> None:
         if not self.socket and not self.tcp:
@@ -101,6 +185,15 @@ class Config:
             raise InvalidArgument(f"pool names must be unique, got {names}")
         for pool in self.pools:
             pool.validate()
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"tenant names must be unique, got {names}")
+        tokens = [t.token for t in self.tenants if t.token] + (
+            [self.auth.admin_token] if self.auth.admin_token else [])
+        if len(set(tokens)) != len(tokens):
+            raise InvalidArgument("two identities share a token")
+        for tenant in self.tenants:
+            tenant.validate(self.pools)
 
 
 _SERVER_KEYS = {"socket", "tcp", "log_format", "log_level", "grace_s", "workers",
@@ -116,10 +209,27 @@ def load_config(path: str | Path | None) -> Config:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InvalidArgument(f"cannot read config {path}: {exc}") from exc
-    return config_from_dict(data)
+    return replace(config_from_dict(data, base=Path(path).parent), path=str(path))
 
 
-def config_from_dict(data: dict[str, Any]) -> Config:
+def _secret(entry: dict, key: str, base: Path | None) -> str:
+    """A token given inline (`token`) or in a file (`token_file`, relative to the config)."""
+    file_key = f"{key}_file"
+    if file_key in entry:
+        path = Path(entry.pop(file_key))
+        if base is not None and not path.is_absolute():
+            path = base / path
+        try:
+            entry[key] = path.read_text().strip()
+        except OSError as exc:
+            raise InvalidArgument(f"cannot read {file_key} {path}: {exc}") from exc
+    return entry.get(key, "")
+
+
+def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
+    unknown = set(data) - {"server", "pool", "tenant", "auth"}
+    if unknown:
+        raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
     server = data.get("server", {})
     unknown = set(server) - _SERVER_KEYS
     if unknown:
@@ -130,7 +240,24 @@ def config_from_dict(data: dict[str, Any]) -> Config:
         if unknown:
             raise InvalidArgument(f"unknown [[pool]] keys: {', '.join(sorted(unknown))}")
         pools.append(PoolConfig(**entry))
-    config = Config(**server, pools=tuple(pools))
+    tenants = []
+    for entry in data.get("tenant", []):
+        entry = dict(entry)
+        _secret(entry, "token", base)
+        unknown = set(entry) - set(TenantConfig.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgument(f"unknown [[tenant]] keys: {', '.join(sorted(unknown))}")
+        tenants.append(TenantConfig(**entry))
+    auth = dict(data.get("auth", {}))
+    _secret(auth, "admin_token", base)
+    unknown = set(auth) - set(AuthConfig.__dataclass_fields__)
+    if unknown:
+        raise InvalidArgument(f"unknown [auth] keys: {', '.join(sorted(unknown))}")
+    try:
+        config = Config(**server, pools=tuple(pools), tenants=tuple(tenants),
+                        auth=AuthConfig(**auth))
+    except TypeError as exc:
+        raise InvalidArgument(f"bad config value: {exc}") from exc
     config.validate()
     return config
 

@@ -13,9 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from kvd.config import Config, PoolConfig
-from kvd.core.blocks import Block, Request
+from kvd.core.attribution import RequestAccount
+from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
-from kvd.core.errors import InvalidArgument, NotFound
+from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.pool import AdmitResult, IntentChange, Pool
 from kvd.core.transfer import TransferPlan
@@ -63,6 +65,7 @@ class Daemon:
         except BaseException:
             self.close()
             raise
+        self.apply_tenants(config)
 
     def _build_pool(self, pc: PoolConfig) -> PoolRuntime:
         pool = Pool(
@@ -104,13 +107,17 @@ class Daemon:
                 f"no pool {pool!r}; this kvd has {', '.join(sorted(self.pools))}"
             ) from None
 
-    def runtime_of(self, request_id: str) -> PoolRuntime:
+    def runtime_of(self, request_id: str, scope: str | None = None) -> PoolRuntime:
+        """The pool runtime of a request the caller may touch (scope: its tenant; None: any)."""
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
         try:
-            return self.request_index[request_id]
+            rt = self.request_index[request_id]
         except KeyError:
             raise NotFound(f"no request {request_id!r}; admit it first") from None
+        if scope is not None and rt.pool.requests[request_id].tenant != scope:
+            raise PermissionDenied(f"request {request_id!r} belongs to another tenant")
+        return rt
 
     def request(self, request_id: str) -> Request:
         return self.runtime_of(request_id).pool.get_request(request_id)
@@ -121,8 +128,6 @@ class Daemon:
               output_tokens: int, priority: int) -> AdmitResult:
         if request_id in self.request_index:
             where = self.request_index[request_id].pool.name
-            from kvd.core.errors import AlreadyExists
-
             raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
         rt = self.runtime(pool)
         result = rt.pool.admit(request_id, tenant=tenant or "default",
@@ -130,32 +135,34 @@ class Daemon:
                                priority=priority)
         if result.decision != "rejected":
             self.request_index[request_id] = rt
+            rt.notify_queue()
         return result
 
-    async def allocate(self, request_id: str, num_blocks: int,
-                       intent: dict | None = None) -> tuple[list[Block], float]:
-        rt = self.runtime_of(request_id)
+    async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
+                       scope: str | None = None) -> tuple[list[Block], float]:
+        rt = self.runtime_of(request_id, scope)
         plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent))
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         return plan.allocated, stall_s
 
-    async def access(self, request_id: str, indices: Sequence[int] | None
-                     ) -> tuple[list[Block], float, int]:
-        rt = self.runtime_of(request_id)
+    async def access(self, request_id: str, indices: Sequence[int] | None,
+                     scope: str | None = None) -> tuple[list[Block], float, int]:
+        rt = self.runtime_of(request_id, scope)
         result = await rt.access(request_id, indices)
         stall_s = await rt.execute(result.plan) if result.plan else 0.0
         if stall_s:
-            rt.pool.record_stall(stall_s)
+            rt.pool.record_stall(stall_s, result.plan)
         promoted = len(result.plan.promotions) if result.plan else 0
         blocks = result.blocks if result.blocks is not None else result.request.live_blocks()
         return blocks, stall_s, promoted
 
-    async def update_intents(self, changes: Sequence[IntentChange]) -> tuple[int, int]:
+    async def update_intents(self, changes: Sequence[IntentChange], scope: str | None = None
+                             ) -> tuple[int, int]:
         """Apply updates grouped by pool. Validation of every group happens before any group
         applies, so a bad item changes nothing."""
         by_pool: dict[PoolRuntime, list[IntentChange]] = {}
         for change in changes:
-            by_pool.setdefault(self.runtime_of(change.request_id), []).append(change)
+            by_pool.setdefault(self.runtime_of(change.request_id, scope), []).append(change)
         plans = []
         for rt, group in by_pool.items():
             plan = rt.pool.update_intents(group)
@@ -167,15 +174,94 @@ class Daemon:
                 await rt.execute(plan)
         return len(changes), prefetched
 
-    async def free(self, request_id: str, indices: Sequence[int]) -> int:
-        rt = self.runtime_of(request_id)
-        return await rt.run(lambda: rt.pool.free(request_id, indices))
+    async def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
+                   ) -> int:
+        rt = self.runtime_of(request_id, scope)
+        freed = await rt.run(lambda: rt.pool.free(request_id, indices))
+        return freed
 
-    async def release(self, request_id: str) -> tuple[int, list[Request]]:
-        rt = self.runtime_of(request_id)
+    async def release(self, request_id: str, scope: str | None = None
+                      ) -> tuple[int, list[Request]]:
+        rt = self.runtime_of(request_id, scope)
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
         del self.request_index[request_id]
+        rt.notify_queue()
         return freed, admitted
+
+    def explain(self, request_id: str, scope: str | None = None
+                ) -> tuple[RequestAccount, str, bool]:
+        """A request's account (active or recently released), its pool, and whether active."""
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        for rt in self.pools.values():
+            account = rt.pool.attribution.account(request_id)
+            if account is not None:
+                if scope is not None and account.tenant != scope:
+                    raise PermissionDenied(f"request {request_id!r} belongs to another tenant")
+                return account, rt.pool.name, request_id in rt.pool.attribution.active
+        raise NotFound(f"kvd knows nothing of request {request_id!r} (never admitted, or "
+                       "released long ago)")
+
+    def admission_state(self, request_id: str, scope: str | None = None):
+        """(admitted?, queue position, reason, the event that fires on the next change)."""
+        rt = self.runtime_of(request_id, scope)
+        req = rt.pool.requests[request_id]
+        event = rt.queue_changed
+        if req.state is RequestState.ADMITTED:
+            return True, 0, "", event
+        return False, rt.pool.queue_position(request_id), rt.pool._why_waiting(req), event
+
+    # ------------------------------------------------------------------ tenants
+
+    def apply_tenants(self, config: Config) -> None:
+        """Set every pool's quotas from the config (at start and on SIGHUP); tenants no
+        longer declared fall back to the default quota. Changes are logged."""
+        for rt in self.pools.values():
+            pool = rt.pool
+            quotas = {t.name: t.quota_for(pool.name, pool.page_bytes) for t in config.tenants}
+            for tenant in set(pool.quotas) | set(quotas):
+                new = quotas.get(tenant, TenantQuota())
+                if pool.quotas.get(tenant) != new:
+                    log.info("quota set", pool=pool.name, tenant=tenant, weight=new.weight,
+                             guaranteed=new.guaranteed, limit=new.limit)
+                    pool.set_quota(tenant, new)
+            rt.notify_queue()
+
+    def set_quota(self, tenant: str, pool: str, **changes) -> list[str]:
+        """Change the given fields of a tenant's quota in one pool ("" = every pool); None
+        for limit or a per-request cap means none."""
+        if not tenant:
+            raise InvalidArgument("tenant must not be empty")
+        if "weight" in changes and not changes["weight"] > 0:
+            raise InvalidArgument("weight must be positive")
+        fraction = changes.get("max_request_fraction")
+        if fraction is not None and not 0 <= fraction <= 1:
+            raise InvalidArgument("max_request_fraction is 0..1")
+        runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
+        for rt in runtimes:
+            old = rt.pool.quota(tenant)
+            new = TenantQuota(old.weight, old.guaranteed, old.limit, old.max_request_pages,
+                              old.max_request_fraction)
+            for key, value in changes.items():
+                setattr(new, key, value)
+            rt.pool.set_quota(tenant, new)
+            rt.notify_queue()
+            log.info("quota changed", pool=rt.pool.name, tenant=tenant, weight=new.weight,
+                     guaranteed=new.guaranteed, limit=new.limit,
+                     max_request_pages=new.max_request_pages,
+                     max_request_fraction=new.max_request_fraction)
+        return [rt.pool.name for rt in runtimes]
+
+    def tenants(self, pool: str = "") -> list[tuple[str, Pool]]:
+        """(tenant, pool) pairs known to each pool: declared or seen."""
+        runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
+        out = []
+        for rt in runtimes:
+            p = rt.pool
+            names = (set(p.quotas) | set(p.reserved_by_tenant) | set(p.queued_by_tenant)
+                     | set(p.device_by_tenant))
+            out += [(name, p) for name in sorted(names)]
+        return out
 
     async def evict(self, pool: str, num_pages: int) -> list:
         rt = self.runtime(pool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import TypeVar
 
@@ -34,8 +34,15 @@ class PoolRuntime:
         self.copier = copier
         self._executor = executor
         self._inflight: dict[Block, asyncio.Future] = {}
+        # Set (and replaced) whenever the admission queue may have changed.
+        self.queue_changed = asyncio.Event()
         self._plans: set[TransferPlan] = set()
         self.on_plan_done: list[Callable[[TransferPlan, float], None]] = []
+
+    def notify_queue(self) -> None:
+        """Wake WaitAdmission streams: positions may have moved or requests been admitted."""
+        self.queue_changed.set()
+        self.queue_changed = asyncio.Event()
 
     @property
     def busy(self) -> bool:
@@ -81,26 +88,28 @@ class PoolRuntime:
         self._notify(plan, stall_s)
         if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back
             run = self.start(self.pool.prefetch(pinned_out))
-            if run is not None:
+            if callable(run):
                 asyncio.ensure_future(run())
 
-    def start(self, plan: TransferPlan | None) -> Callable | None:
-        """Register a plan's blocks as in flight. Returns an awaitable factory, or None when the
-        plan needed no copy and has already completed."""
+    def start(self, plan: TransferPlan | None) -> float | Callable[[], Awaitable[float]]:
+        """Begin a plan. Returns the stall in seconds when the plan is already complete (no
+        copy, or a small copy done inline), or a factory for the awaitable that copies in a
+        worker and returns the stall."""
         if plan is None:
-            return None
+            return 0.0
         if plan.num_copies == 0:
-            self.complete_now(plan)
-            return None
+            return self.complete_now(plan)
         if plan.num_copies * self.pool.page_bytes <= self.inline_copy_bytes:
             # A few KiB copy faster than a hand-off to a worker thread and back: do it here.
+            started = time.perf_counter()
             try:
                 self.copier.copy_plan(plan)
             except BaseException:
                 self.pool.abort(plan)
                 raise
-            self.complete_now(plan)
-            return None
+            stall_s = time.perf_counter() - started
+            self._completed(plan, self.pool.complete(plan), stall_s)
+            return stall_s
         future = asyncio.get_running_loop().create_future()
         for block in plan.blocks():
             self._inflight[block] = future
@@ -110,9 +119,7 @@ class PoolRuntime:
     async def execute(self, plan: TransferPlan | None) -> float:
         """Copy a plan's bytes and complete it; returns seconds spent waiting (the stall)."""
         run = self.start(plan)
-        if run is None:
-            return 0.0
-        return await run()
+        return await run() if callable(run) else run
 
     async def _execute(self, plan: TransferPlan, future: asyncio.Future) -> float:
         started = time.perf_counter()

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -18,9 +19,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvd import __version__
-from kvd.config import Config
+from kvd.config import Config, load_config
+from kvd.core.errors import KvdError
 from kvd.daemon import Daemon
 from kvd.service.admin import AdminService
+from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
 from kvd_api.v1 import kvd_pb2, kvd_pb2_grpc
 
@@ -58,10 +61,11 @@ class Server:
         loop = asyncio.get_running_loop()
         # Arena allocation can take a while for large pools: keep the loop free.
         self.daemon = await loop.run_in_executor(None, Daemon, self.config)
+        self.auth = Authenticator(self.config)
         server = grpc.aio.server(options=GRPC_OPTIONS)
-        kvd_pb2_grpc.add_MemoryServicer_to_server(MemoryService(self.daemon), server)
-        kvd_pb2_grpc.add_AdminServicer_to_server(AdminService(self.daemon, self.request_stop),
-                                                 server)
+        kvd_pb2_grpc.add_MemoryServicer_to_server(MemoryService(self.daemon, self.auth), server)
+        kvd_pb2_grpc.add_AdminServicer_to_server(
+            AdminService(self.daemon, self.auth, self.request_stop), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -93,6 +97,26 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+
+    def reload(self) -> None:
+        """SIGHUP: re-read the config file and apply tenants, quotas and identities without
+        dropping state. Pools and listeners need a restart; a bad file changes nothing."""
+        if not self.config.path:
+            log.warning("reload ignored: kvd runs on its embedded default, not a file")
+            return
+        try:
+            fresh = load_config(self.config.path)
+        except KvdError as exc:
+            log.error("reload failed; keeping the running config", error=str(exc))
+            return
+        if fresh.pools != self.config.pools:
+            log.warning("pool changes need a restart; applying tenants and quotas only")
+        self.config = replace(self.config, tenants=fresh.tenants, auth=fresh.auth)
+        self.auth.configure(self.config)
+        self.daemon.apply_tenants(self.config)
+        log.info("config reloaded", path=self.config.path,
+                 tenants=[t.name for t in self.config.tenants])
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self._num_signals += 1

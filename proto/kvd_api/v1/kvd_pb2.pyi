@@ -405,6 +405,74 @@ class GetPoolStatsResponse(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
 
+class WaitAdmissionRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AdmissionUpdate(_message.Message):
+    __slots__ = ("decision", "queue_position", "reason")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    decision: Decision
+    queue_position: int
+    reason: str
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., queue_position: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ExplainRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Cause(_message.Message):
+    __slots__ = ("tenant", "request_id")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    request_id: str
+    def __init__(self, tenant: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class StallShare(_message.Message):
+    __slots__ = ("cause", "stall_seconds")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cause: Cause
+    stall_seconds: float
+    def __init__(self, cause: _Optional[_Union[Cause, _Mapping]] = ..., stall_seconds: _Optional[float] = ...) -> None: ...
+
+class EvictionCount(_message.Message):
+    __slots__ = ("other", "count")
+    OTHER_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    other: Cause
+    count: int
+    def __init__(self, other: _Optional[_Union[Cause, _Mapping]] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("request_id", "tenant", "pool", "active", "stall_seconds", "num_stalls", "stalls_by_cause", "evictions_suffered", "evictions_caused")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_STALLS_FIELD_NUMBER: _ClassVar[int]
+    STALLS_BY_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_SUFFERED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_CAUSED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    pool: str
+    active: bool
+    stall_seconds: float
+    num_stalls: int
+    stalls_by_cause: _containers.RepeatedCompositeFieldContainer[StallShare]
+    evictions_suffered: _containers.RepeatedCompositeFieldContainer[EvictionCount]
+    evictions_caused: _containers.RepeatedCompositeFieldContainer[EvictionCount]
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., active: _Optional[bool] = ..., stall_seconds: _Optional[float] = ..., num_stalls: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[StallShare, _Mapping]]] = ..., evictions_suffered: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., evictions_caused: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ...) -> None: ...
+
 class SetPolicyRequest(_message.Message):
     __slots__ = ("pool", "policy")
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +508,84 @@ class SelfCheckResponse(_message.Message):
     ok: bool
     problems: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, ok: _Optional[bool] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListTenantsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class TenantStallByCause(_message.Message):
+    __slots__ = ("cause_tenant", "stall_seconds")
+    CAUSE_TENANT_FIELD_NUMBER: _ClassVar[int]
+    STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    cause_tenant: str
+    stall_seconds: float
+    def __init__(self, cause_tenant: _Optional[str] = ..., stall_seconds: _Optional[float] = ...) -> None: ...
+
+class TenantInfo(_message.Message):
+    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "device_pages", "reserved_pages", "queued_pages", "fair_share_pages", "evictions_suffered", "evictions_caused", "stalls_by_cause", "pinned_pages")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    FAIR_SHARE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_SUFFERED_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_CAUSED_FIELD_NUMBER: _ClassVar[int]
+    STALLS_BY_CAUSE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    pool: str
+    weight: float
+    guaranteed_pages: int
+    limit_pages: int
+    max_request_pages: int
+    max_request_fraction: float
+    device_pages: int
+    reserved_pages: int
+    queued_pages: int
+    fair_share_pages: float
+    evictions_suffered: int
+    evictions_caused: int
+    stalls_by_cause: _containers.RepeatedCompositeFieldContainer[TenantStallByCause]
+    pinned_pages: int
+    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., evictions_caused: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[TenantStallByCause, _Mapping]]] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
+
+class ListTenantsResponse(_message.Message):
+    __slots__ = ("tenants",)
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantInfo]
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantInfo, _Mapping]]] = ...) -> None: ...
+
+class SetQuotaRequest(_message.Message):
+    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    pool: str
+    weight: float
+    guaranteed_pages: int
+    limit_pages: int
+    max_request_pages: int
+    max_request_fraction: float
+    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ...) -> None: ...
+
+class SetQuotaResponse(_message.Message):
+    __slots__ = ("tenants",)
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantInfo]
+    def __init__(self, tenants: _Optional[_Iterable[_Union[TenantInfo, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

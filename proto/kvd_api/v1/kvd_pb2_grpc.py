@@ -85,6 +85,16 @@ class MemoryStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.GetPoolStatsRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.GetPoolStatsResponse.FromString,
                 _registered_method=True)
+        self.WaitAdmission = channel.unary_stream(
+                '/kvd.v1.Memory/WaitAdmission',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.WaitAdmissionRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.AdmissionUpdate.FromString,
+                _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kvd.v1.Memory/Explain',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServicer:
@@ -151,6 +161,18 @@ class MemoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WaitAdmission(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Explain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +225,16 @@ def add_MemoryServicer_to_server(servicer, server):
                     servicer.GetPoolStats,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.GetPoolStatsRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.GetPoolStatsResponse.SerializeToString,
+            ),
+            'WaitAdmission': grpc.unary_stream_rpc_method_handler(
+                    servicer.WaitAdmission,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.WaitAdmissionRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.AdmissionUpdate.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,9 +518,63 @@ class Memory:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WaitAdmission(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Memory/WaitAdmission',
+            kvd__api_dot_v1_dot_kvd__pb2.WaitAdmissionRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.AdmissionUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Memory/Explain',
+            kvd__api_dot_v1_dot_kvd__pb2.ExplainRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class AdminStub:
-    """For operators: policies, invariant checks, drain.
+    """For operators (the admin identity only): policies, tenants and quotas, checks, drain.
     """
 
     def __init__(self, channel):
@@ -517,10 +603,20 @@ class AdminStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ListTenants = channel.unary_unary(
+                '/kvd.v1.Admin/ListTenants',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListTenantsRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListTenantsResponse.FromString,
+                _registered_method=True)
+        self.SetQuota = channel.unary_unary(
+                '/kvd.v1.Admin/SetQuota',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
-    """For operators: policies, invariant checks, drain.
+    """For operators (the admin identity only): policies, tenants and quotas, checks, drain.
     """
 
     def SetPolicy(self, request, context):
@@ -542,6 +638,18 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTenants(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQuota(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -570,6 +678,16 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.DrainRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.DrainResponse.SerializeToString,
             ),
+            'ListTenants': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTenants,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListTenantsRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListTenantsResponse.SerializeToString,
+            ),
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'kvd.v1.Admin', rpc_method_handlers)
@@ -579,7 +697,7 @@ def add_AdminServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Admin:
-    """For operators: policies, invariant checks, drain.
+    """For operators (the admin identity only): policies, tenants and quotas, checks, drain.
     """
 
     @staticmethod
@@ -680,6 +798,60 @@ class Admin:
             '/kvd.v1.Admin/Drain',
             kvd__api_dot_v1_dot_kvd__pb2.DrainRequest.SerializeToString,
             kvd__api_dot_v1_dot_kvd__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTenants(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Admin/ListTenants',
+            kvd__api_dot_v1_dot_kvd__pb2.ListTenantsRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.ListTenantsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Admin/SetQuota',
+            kvd__api_dot_v1_dot_kvd__pb2.SetQuotaRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.SetQuotaResponse.FromString,
             options,
             channel_credentials,
             insecure,

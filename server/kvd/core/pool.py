@@ -517,10 +517,12 @@ class Pool:
         counters.num_misses += len(missing)
         return AccessResult(blocks, plan, req)
 
-    def read_all(self, request_ids: Iterable[str]) -> tuple[list[str], list[Request]]:
+    def read_all(self, request_ids: Iterable[str], tenant: str | None = None
+                 ) -> tuple[list[str], list[Request]]:
         """The engine step's hot path: every block of each request is read now. Requests that
         are resident and still are touched here in one pass; the rest are returned for the
-        general path (access), as are requests whose blocks moved since the engine was told."""
+        general path (access), as are requests whose blocks moved since the engine was told,
+        and requests of other tenants than `tenant` (None: any), where they get their error."""
         requests = self.requests
         admitted = RequestState.ADMITTED
         now = self.clock.now()
@@ -531,7 +533,8 @@ class Pool:
         for rid in request_ids:
             req = requests.get(rid)
             if (req is None or req.state is not admitted or req.num_moving_blocks
-                    or req.num_device_blocks != req.num_live_blocks):
+                    or req.num_device_blocks != req.num_live_blocks
+                    or (tenant is not None and req.tenant != tenant)):
                 general.append(rid)
                 continue
             for b in req.blocks:

@@ -1,34 +1,90 @@
-"""kvd.v1.Admin: policies, invariant checks, drain."""
+"""kvd.v1.Admin: policies, tenants and quotas, invariant checks, drain. Admin identity only."""
 
 from __future__ import annotations
 
 from kvd.core.policies import policy_names
 from kvd.daemon import Daemon
+from kvd.service.auth import Authenticator
 from kvd.service.status import unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, daemon: Daemon, drain) -> None:
+    def __init__(self, daemon: Daemon, auth: Authenticator, drain) -> None:
         self.daemon = daemon
+        self.auth = auth
         self._drain = drain
+
+    def _admin(self, context) -> None:
+        self.auth.require_admin(self.auth.identify(context))
 
     @unary
     async def SetPolicy(self, request, context):
+        self._admin(context)
         previous = await self.daemon.set_policy(request.pool, request.policy)
         return pb.SetPolicyResponse(previous_policy=previous)
 
     @unary
     async def ListPolicies(self, request, context):
+        self.auth.identify(context)
         return pb.ListPoliciesResponse(policies=policy_names())
 
     @unary
     async def SelfCheck(self, request, context):
+        self._admin(context)
         problems = await self.daemon.self_check()
         return pb.SelfCheckResponse(ok=not problems, problems=problems)
 
     @unary
     async def Drain(self, request, context):
+        self._admin(context)
         self._drain()
         return pb.DrainResponse()
+
+    @unary
+    async def ListTenants(self, request, context):
+        self._admin(context)
+        return pb.ListTenantsResponse(
+            tenants=[tenant_info(t, p) for t, p in self.daemon.tenants(request.pool)])
+
+    @unary
+    async def SetQuota(self, request, context):
+        self._admin(context)
+        # Only the fields the caller set change; limit 0 means "no limit".
+        fields = {"weight": "weight", "guaranteed_pages": "guaranteed",
+                  "limit_pages": "limit", "max_request_pages": "max_request_pages",
+                  "max_request_fraction": "max_request_fraction"}
+        changes = {key: getattr(request, name) for name, key in fields.items()
+                   if request.HasField(name)}
+        for key in ("limit", "max_request_pages", "max_request_fraction"):
+            if key in changes and not changes[key]:
+                changes[key] = None
+        self.daemon.set_quota(request.tenant, request.pool, **changes)
+        return pb.SetQuotaResponse(tenants=[
+            tenant_info(t, p) for t, p in self.daemon.tenants(request.pool)
+            if t == request.tenant])
+
+
+def tenant_info(tenant: str, pool) -> pb.TenantInfo:
+    quota = pool.quota(tenant)
+    att = pool.attribution
+    return pb.TenantInfo(
+        tenant=tenant,
+        pool=pool.name,
+        weight=quota.weight,
+        guaranteed_pages=quota.guaranteed,
+        limit_pages=quota.limit or 0,
+        max_request_pages=quota.max_request_pages or 0,
+        max_request_fraction=quota.max_request_fraction or 0.0,
+        device_pages=pool.device_by_tenant[tenant],
+        reserved_pages=pool.reserved_by_tenant[tenant],
+        queued_pages=pool.queued_by_tenant[tenant],
+        fair_share_pages=pool.fair_share(tenant),
+        evictions_suffered=att.evictions_suffered[tenant],
+        evictions_caused=att.evictions_caused[tenant],
+        stalls_by_cause=[pb.TenantStallByCause(cause_tenant=cause, stall_seconds=secs)
+                         for (victim, cause), secs in att.stall_s_by_cause.most_common()
+                         if victim == tenant],
+        pinned_pages=pool.pinned_by_tenant[tenant],
+    )

@@ -13,6 +13,7 @@ from kvd.core.blocks import TierKind
 from kvd.core.pool import AccessResult
 from kvd.daemon import Daemon
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
+from kvd.service.auth import Authenticator
 from kvd.service.status import status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
@@ -21,17 +22,23 @@ log = structlog.get_logger("kvd.service")
 
 
 class MemoryService(pb_grpc.MemoryServicer):
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: Daemon, auth: Authenticator) -> None:
         self.daemon = daemon
+        self.auth = auth
 
     def _page_bytes(self, request_id: str) -> int:
         return self.daemon.runtime_of(request_id).pool.page_bytes
 
     @unary
     async def Admit(self, request, context):
+        caller = self.auth.identify(context)
+        tenant = request.tenant or caller.tenant or "default"
+        if not caller.may_touch(tenant):
+            raise errors.PermissionDenied(
+                f"caller is tenant {caller.tenant!r}; it cannot admit for {tenant!r}")
         result = self.daemon.admit(
             request.request_id,
-            tenant=request.tenant,
+            tenant=tenant,
             pool=request.pool,
             prompt_tokens=request.prompt_tokens,
             output_tokens=request.expected_output_tokens,
@@ -46,8 +53,9 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def Allocate(self, request, context):
+        scope = self.auth.identify(context).scope
         blocks, stall_s = await self.daemon.allocate(request.request_id, request.num_blocks,
-                                                     intent_fields(request.intent))
+                                                     intent_fields(request.intent), scope)
         page_bytes = self._page_bytes(request.request_id)
         return pb.AllocateResponse(
             handles=[handle(b, page_bytes) for b in blocks], stall_us=int(stall_s * 1e6)
@@ -56,7 +64,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def Access(self, request, context):
         blocks, stall_s, promoted = await self.daemon.access(
-            request.request_id, indices(request)
+            request.request_id, indices(request), self.auth.identify(context).scope
         )
         page_bytes = self._page_bytes(request.request_id)
         return pb.AccessResponse(
@@ -67,24 +75,29 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def UpdateIntents(self, request, context):
+        scope = self.auth.identify(context).scope
         changes = [intent_change(u) for u in request.updates]
-        applied, prefetched = await self.daemon.update_intents(changes)
+        applied, prefetched = await self.daemon.update_intents(changes, scope)
         return pb.UpdateIntentsResponse(num_applied=applied, num_prefetched=prefetched)
 
     @unary
     async def Free(self, request, context):
         if not request.block_indices:
             raise errors.InvalidArgument("name at least one block to free")
-        freed = await self.daemon.free(request.request_id, list(request.block_indices))
+        freed = await self.daemon.free(request.request_id, list(request.block_indices),
+                                       self.auth.identify(context).scope)
         return pb.FreeResponse(num_freed=freed)
 
     @unary
     async def Release(self, request, context):
-        freed, _ = await self.daemon.release(request.request_id)
+        freed, _ = await self.daemon.release(request.request_id,
+                                             self.auth.identify(context).scope)
         return pb.ReleaseResponse(num_freed=freed)
 
     @unary
     async def Evict(self, request, context):
+        # Victims may belong to any tenant: only the admin identity may ask.
+        self.auth.require_admin(self.auth.identify(context))
         moves = await self.daemon.evict(request.pool, request.num_pages)
         return pb.EvictResponse(
             evicted=[
@@ -99,6 +112,7 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def ExportPool(self, request, context):
+        self.auth.identify(context)
         rt = self.daemon.runtime(request.pool)
         tiers = []
         for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host")):
@@ -119,16 +133,53 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def GetPoolStats(self, request, context):
+        self.auth.identify(context)
         runtimes = (
             [self.daemon.runtime(request.pool)] if request.pool else self.daemon.pools.values()
         )
         return pb.GetPoolStatsResponse(pools=[pool_stats(rt) for rt in runtimes])
 
-    async def Step(self, request_iterator, context):
-        async for step in request_iterator:
-            yield await self._step(step)
+    @unary
+    async def Explain(self, request, context):
+        account, pool, active = self.daemon.explain(request.request_id,
+                                                    self.auth.identify(context).scope)
+        return explain_response(account, pool, active)
 
-    async def _step(self, step: pb.StepRequest) -> pb.StepResponse:
+    async def WaitAdmission(self, request, context):
+        try:
+            scope = self.auth.identify(context).scope
+            last = None
+            while True:
+                admitted, position, reason, changed = self.daemon.admission_state(
+                    request.request_id, scope)
+                if admitted:
+                    yield pb.AdmissionUpdate(decision=pb.DECISION_ADMITTED)
+                    return
+                if position != last:
+                    last = position
+                    yield pb.AdmissionUpdate(decision=pb.DECISION_QUEUED,
+                                             queue_position=position, reason=reason)
+                await changed.wait()
+        except errors.KvdError as exc:
+            await context.abort(status_of(exc), str(exc))
+        except asyncio.CancelledError:
+            # The client stopped waiting: a queued request it no longer wants leaves the queue.
+            rid = request.request_id
+            rt = self.daemon.request_index.get(rid)
+            if rt is not None and rid in rt.pool.queue:
+                await self.daemon.release(rid)
+                log.info("queued request withdrawn", request_id=rid)
+            raise
+
+    async def Step(self, request_iterator, context):
+        try:
+            scope = self.auth.identify(context).scope
+        except errors.KvdError as exc:
+            await context.abort(status_of(exc), str(exc))
+        async for step in request_iterator:
+            yield await self._step(step, scope)
+
+    async def _step(self, step: pb.StepRequest, scope: str | None = None) -> pb.StepResponse:
         """One engine step: intents, frees, releases, allocations, accesses, in that order.
         A bad item is reported in `errors`; the rest of the step goes on."""
         daemon = self.daemon
@@ -137,23 +188,23 @@ class MemoryService(pb_grpc.MemoryServicer):
         stalled = False
         if step.intents:
             try:
-                await daemon.update_intents([intent_change(u) for u in step.intents])
+                await daemon.update_intents([intent_change(u) for u in step.intents], scope)
             except errors.KvdError as exc:
                 _step_error(reply, "intents", 0, exc)
         for i, item in enumerate(step.frees):
             try:
-                await daemon.free(item.request_id, list(item.block_indices))
+                await daemon.free(item.request_id, list(item.block_indices), scope)
             except errors.KvdError as exc:
                 _step_error(reply, "frees", i, exc)
         for i, item in enumerate(step.releases):
             try:
-                await daemon.release(item.request_id)
+                await daemon.release(item.request_id, scope)
             except errors.KvdError as exc:
                 _step_error(reply, "releases", i, exc)
         for i, item in enumerate(step.allocations):
             try:
                 blocks, stall_s = await daemon.allocate(item.request_id, item.num_blocks,
-                                                        intent_fields(item.intent))
+                                                        intent_fields(item.intent), scope)
                 stalled |= stall_s > 0
                 page_bytes = daemon.runtime_of(item.request_id).pool.page_bytes
                 reply.allocated.extend(handle(b, page_bytes) for b in blocks)
@@ -163,7 +214,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         if step.read_all:
             read_all = list(step.read_all)
             for rt in daemon.pools.values():
-                general, relocated = rt.pool.read_all(read_all)
+                general, relocated = rt.pool.read_all(read_all, scope)
                 for req in relocated:
                     _relocated(reply, AccessResult(None, None, req), rt.pool.page_bytes)
                 read_all = general
@@ -179,14 +230,18 @@ class MemoryService(pb_grpc.MemoryServicer):
         where = daemon.request_index
         for section, i, rid, idx in items:
             try:
-                rt = where.get(rid) or daemon.runtime_of(rid)
+                rt = daemon.runtime_of(rid, scope) if scope is not None else (
+                    where.get(rid) or daemon.runtime_of(rid))
                 result = await rt.access(rid, idx)
                 if result.plan is not None:
                     run = rt.start(result.plan)
-                    if run is not None:
+                    if callable(run):
                         # A task, not a coroutine: a later item may wait on these blocks.
                         pending.append((section, i, rt, asyncio.ensure_future(run()), result))
                         continue
+                    if run:
+                        rt.pool.record_stall(run, result.plan)
+                        stalled = True
                 if result.request.maybe_relocated:
                     _relocated(reply, result, rt.pool.page_bytes)
             except errors.KvdError as exc:
@@ -200,7 +255,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                                                  code=grpc.StatusCode.INTERNAL.value[0],
                                                  message=f"copy failed: {exc}"))
                 continue
-            rt.pool.record_stall(stall_s)
+            rt.pool.record_stall(stall_s, result.plan)
             stalled = True
             _relocated(reply, result, rt.pool.page_bytes)
         if stalled:
@@ -223,6 +278,26 @@ def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.Kv
     reply.errors.append(
         pb.StepError(section=section, item_index=index, code=status_of(exc).value[0],
                      message=str(exc))
+    )
+
+
+def explain_response(account, pool: str, active: bool) -> pb.ExplainResponse:
+    def cause(key):
+        return pb.Cause(tenant=key[0], request_id=key[1])
+
+    return pb.ExplainResponse(
+        request_id=account.request_id,
+        tenant=account.tenant,
+        pool=pool,
+        active=active,
+        stall_seconds=account.stall_s,
+        num_stalls=account.num_stalls,
+        stalls_by_cause=[pb.StallShare(cause=cause(k), stall_seconds=v)
+                         for k, v in account.stall_s_by_cause.most_common()],
+        evictions_suffered=[pb.EvictionCount(other=cause(k), count=v)
+                            for k, v in account.evictions_suffered.most_common()],
+        evictions_caused=[pb.EvictionCount(other=cause(k), count=v)
+                          for k, v in account.evictions_caused.most_common()],
     )
 
 

@@ -1,0 +1,62 @@
+"""Who is calling: a bearer token in the call's metadata names a tenant or the admin; a
+unix-socket caller without one acts as the configured unix tenant; TCP needs a token."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from kvd.config import Config
+from kvd.core.errors import PermissionDenied, Unauthenticated
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: str  # "" for the admin identity, which acts for no tenant in particular
+    admin: bool
+
+    def may_touch(self, tenant: str) -> bool:
+        return self.admin or self.tenant == tenant
+
+    @property
+    def scope(self) -> str | None:
+        """The tenant whose requests this caller may touch; None: any (admin)."""
+        return None if self.admin else self.tenant
+
+
+class Authenticator:
+    def __init__(self, config: Config) -> None:
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """(Re)load identities; called at start and on SIGHUP."""
+        self._tokens = {t.token: t.name for t in config.tenants if t.token}
+        self._admin_token = config.auth.admin_token
+        self._unix_tenant = config.auth.unix_tenant
+        self._unix_admin = config.auth.unix_admin
+
+    def identify(self, context) -> Caller:
+        token = ""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() != "bearer" or not token:
+                    raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
+                break
+        if token:
+            if self._admin_token and hmac.compare_digest(token, self._admin_token):
+                return Caller("", True)
+            for known, tenant in self._tokens.items():
+                if hmac.compare_digest(token, known):
+                    return Caller(tenant, False)
+            raise Unauthenticated("unknown bearer token")
+        if (context.peer() or "").startswith("unix:"):
+            if self._unix_tenant or self._unix_admin:
+                return Caller(self._unix_tenant, self._unix_admin)
+            raise Unauthenticated("this kvd wants a bearer token on the unix socket too")
+        raise Unauthenticated("TCP callers must present a bearer token (authorization metadata)")
+
+    @staticmethod
+    def require_admin(caller: Caller) -> None:
+        if not caller.admin:
+            raise PermissionDenied("this call needs the admin identity")

@@ -1,0 +1,210 @@
+"""Tenants over real gRPC: identity, isolation, quotas at run time, SIGHUP, WaitAdmission,
+Explain."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+
+import pytest
+
+from kvd_client import (
+    AsyncClient,
+    NotFoundError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+    pb,
+)
+from kvd_loadgen.local import LocalKvd
+
+CONFIG = """
+[server]
+grace_s = 2
+{tcp}
+
+[auth]
+admin_token = "root-token"
+unix_tenant = ""
+unix_admin = false
+
+[[pool]]
+name = "default"
+model = "tiny"
+device_pages = 8
+host_pages = 32
+policy = "{policy}"
+
+[[tenant]]
+name = "alpha"
+token = "alpha-token"
+
+[[tenant]]
+name = "beta"
+token_file = "beta.token"
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def tenants_kvd(tmp_path):
+    port = _free_port()
+    (tmp_path / "beta.token").write_text("beta-token\n")
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.format(tcp=f'tcp = "127.0.0.1:{port}"', policy="lru"))
+    with LocalKvd("--config", str(config), workdir=tmp_path, env={"KVD_TOKEN": "root-token"}
+                  ) as kvd:
+        kvd.port = port
+        kvd.config = config
+        yield kvd
+
+
+async def test_tenants_see_and_touch_only_their_own_requests(tenants_kvd):
+    target = tenants_kvd.target
+    async with AsyncClient(target, token="alpha-token") as alpha, \
+            AsyncClient(target, token="beta-token") as beta:
+        assert (await alpha.admit("a1", 32)).decision == pb.DECISION_ADMITTED
+        await alpha.allocate("a1", 2)
+        for call in (lambda: beta.access("a1"), lambda: beta.release("a1"),
+                     lambda: beta.explain("a1"), lambda: beta.allocate("a1", 1),
+                     lambda: beta.free("a1", [0])):
+            with pytest.raises(PermissionDeniedError, match="another tenant"):
+                await call()
+        with pytest.raises(PermissionDeniedError, match="cannot admit for 'alpha'"):
+            await beta.admit("b-as-a", 16, tenant="alpha")
+        with pytest.raises(PermissionDeniedError, match="admin identity"):
+            await alpha.list_tenants()
+        with pytest.raises(PermissionDeniedError, match="admin identity"):
+            await alpha.evict(1)
+        # On the Step stream too: the foreign item errors, the rest of the step happens.
+        await beta.admit("b1", 16)
+        async with beta.step_stream() as stream:
+            reply = await stream.step(allocations=[("b1", 1)], read_all=["a1", "b1"])
+        assert [(e.section, e.code) for e in reply.errors] == [("read_all", 7)]
+        assert len(reply.allocated) == 1
+        assert (await alpha.explain("a1")).tenant == "alpha"
+
+
+async def test_callers_without_identity_are_refused(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="") as anonymous:
+        with pytest.raises(UnauthenticatedError, match="bearer token on the unix socket"):
+            await anonymous.admit("x", 16)
+    async with AsyncClient(f"127.0.0.1:{tenants_kvd.port}", token="") as tcp:
+        with pytest.raises(UnauthenticatedError, match="TCP callers must present"):
+            await tcp.pool_stats()
+    async with AsyncClient(f"127.0.0.1:{tenants_kvd.port}", token="nope") as wrong:
+        with pytest.raises(UnauthenticatedError, match="unknown bearer token"):
+            await wrong.pool_stats()
+    async with AsyncClient(f"127.0.0.1:{tenants_kvd.port}", token="alpha-token") as alpha:
+        assert (await alpha.admit("ok", 16)).decision == pb.DECISION_ADMITTED
+    assert "alpha-token" not in tenants_kvd.log() and "root-token" not in tenants_kvd.log()
+
+
+async def test_quota_change_at_run_time_takes_effect(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="root-token") as admin, \
+            AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        (info,) = await admin.set_quota("alpha", limit_pages=2)
+        assert info.limit_pages == 2
+        rejected = await alpha.admit("big", 16 * 3)
+        assert rejected.decision == pb.DECISION_REJECTED and "limit of 2" in rejected.reason
+        assert (await alpha.admit("small", 32)).decision == pb.DECISION_ADMITTED
+        queued = await alpha.admit("more", 16)
+        assert queued.decision == pb.DECISION_QUEUED and "2-page limit" in queued.reason
+        (info,) = await admin.set_quota("alpha", limit_pages=0, weight=3)  # no limit now
+        assert (info.limit_pages, info.weight, info.reserved_pages) == (0, 3.0, 3)
+
+
+async def test_sighup_reloads_tenants_without_dropping_state(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        await alpha.admit("kept", 16)
+        await alpha.allocate("kept", 1)
+    config = tenants_kvd.config.read_text() + '\n[[tenant]]\nname = "gamma"\ntoken = "g-token"\n'
+    tenants_kvd.config.write_text(config.replace('name = "alpha"', 'name = "alpha"\nweight = 4'))
+    tenants_kvd.proc.send_signal(signal.SIGHUP)
+    async with AsyncClient(tenants_kvd.target, token="g-token") as gamma:
+        for _ in range(100):
+            try:
+                assert (await gamma.admit("g1", 16)).decision == pb.DECISION_ADMITTED
+                break
+            except UnauthenticatedError:
+                await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the new tenant's token was not accepted after SIGHUP")
+    async with AsyncClient(tenants_kvd.target, token="root-token") as admin:
+        weights = {t.tenant: t.weight for t in await admin.list_tenants()}
+        assert weights["alpha"] == 4 and weights["gamma"] == 1
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        assert len((await alpha.access("kept")).handles) == 1  # state survived the reload
+
+
+async def test_wait_admission_streams_until_memory_frees(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        for i in range(4):  # 8 device + 32 host - 1 headroom = 39 reservable; fill 32
+            await alpha.admit(f"fill{i}", 16 * 8)
+        queued = await alpha.admit("waiter", 16 * 8)
+        assert queued.decision == pb.DECISION_QUEUED
+        updates = []
+
+        async def wait():
+            async for update in alpha.wait_admission("waiter"):
+                updates.append(update)
+
+        task = asyncio.ensure_future(wait())
+        await asyncio.sleep(0.2)
+        assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
+        await alpha.release("fill0")
+        await asyncio.wait_for(task, 10)
+        assert updates[-1].decision == pb.DECISION_ADMITTED
+        assert len((await alpha.allocate("waiter", 1)).handles) == 1
+
+
+async def test_cancelling_the_wait_withdraws_the_request(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        for i in range(4):
+            await alpha.admit(f"fill{i}", 16 * 8)
+        assert (await alpha.admit("impatient", 16 * 8)).decision == pb.DECISION_QUEUED
+        stream = alpha.wait_admission("impatient")
+        first = await stream.__anext__()
+        assert first.queue_position == 1
+        await stream.aclose()  # the client gives up
+        for _ in range(100):
+            try:
+                await alpha.explain("impatient")
+                account_active = (await alpha.explain("impatient")).active
+            except NotFoundError:
+                account_active = False
+            if not account_active:
+                break
+            await asyncio.sleep(0.05)
+        assert not account_active
+        with pytest.raises(NotFoundError):
+            await alpha.release("impatient")
+
+
+async def test_explain_names_the_whale_as_the_cause_of_a_minnows_stall(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as whale, \
+            AsyncClient(tenants_kvd.target, token="beta-token") as minnow:
+        await minnow.admit("minnow", 32)
+        await minnow.allocate("minnow", 2)
+        await whale.admit("whale", 16 * 8)
+        await whale.allocate("whale", 8)  # LRU pushes the minnow out
+        access = await minnow.access("minnow")
+        assert access.num_promoted == 2 and access.stall_us > 0
+        why = await minnow.explain("minnow")
+        assert why.stall_seconds > 0 and why.num_stalls == 1
+        top = why.stalls_by_cause[0]
+        assert (top.cause.tenant, top.cause.request_id) == ("alpha", "whale")
+        assert top.stall_seconds == pytest.approx(why.stall_seconds)
+        (suffered,) = why.evictions_suffered
+        assert (suffered.other.request_id, suffered.count) == ("whale", 2)
+        caused = await whale.explain("whale")
+        assert {(e.other.request_id, e.count) for e in caused.evictions_caused} >= {("minnow", 2)}
+    async with AsyncClient(tenants_kvd.target, token="root-token") as admin:
+        beta = next(t for t in await admin.list_tenants() if t.tenant == "beta")
+        assert beta.evictions_suffered == 2
+        assert beta.stalls_by_cause[0].cause_tenant == "alpha"
