@@ -30,6 +30,12 @@ def _replay(args) -> int:
     return run_replay_cli(args)
 
 
+def _whale_minnows(args) -> int:
+    from kvd_loadgen.whale_minnows import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -54,6 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--target", help="an existing kvd (default: start one per policy)")
     replay.add_argument("--json", type=Path, help="write results to this file")
     replay.set_defaults(func=_replay)
+
+    wm = sub.add_parser("whale-minnows", help="seed 000: one whale, forty minnows, lru vs fair")
+    wm.add_argument("--whales", type=int, default=1)
+    wm.add_argument("--whale-tokens", type=int, default=131072)
+    wm.add_argument("--minnows", type=int, default=40)
+    wm.add_argument("--minnow-tokens", type=int, default=2048)
+    wm.add_argument("--duration-s", type=float, default=3.0,
+                    help="how long both engines decode side by side")
+    wm.add_argument("--block-tokens", type=int, default=64)
+    wm.add_argument("--page-bytes", type=int, default=16384)
+    wm.add_argument("--device-pages", type=int, default=0,
+                    help="0: 90%% of the whole demand")
+    wm.add_argument("--step-ms", type=float, default=20.0, help="engine step pace")
+    wm.add_argument("--json", type=Path)
+    wm.set_defaults(func=_whale_minnows)
     return p
 
 

@@ -170,6 +170,7 @@ class Config:
     grace_s: float = 10.0
     workers: int = 2  # copy threads
     inline_copy_bytes: int = 65536  # smaller copies run on the event loop
+    switch_interval_s: float = 0.0005  # CPython GIL switch interval (default 0.005)
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
     tenants: tuple[TenantConfig, ...] = ()
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -197,7 +198,7 @@ class Config:
 
 
 _SERVER_KEYS = {"socket", "tcp", "log_format", "log_level", "grace_s", "workers",
-                "inline_copy_bytes"}
+                "inline_copy_bytes", "switch_interval_s"}
 _POOL_KEYS = set(PoolConfig.__dataclass_fields__)
 
 

@@ -34,6 +34,7 @@ class PoolRuntime:
         self.copier = copier
         self._executor = executor
         self._inflight: dict[Block, asyncio.Future] = {}
+        self._refilling = False
         # Set (and replaced) whenever the admission queue may have changed.
         self.queue_changed = asyncio.Event()
         self._plans: set[TransferPlan] = set()
@@ -73,11 +74,18 @@ class PoolRuntime:
                 await self.wait_for(busy.blocks)
 
     async def wait_for(self, blocks: list[Block]) -> None:
-        futures = {self._inflight[b] for b in blocks if b in self._inflight}
+        """Wait until these blocks' transfers finish (no blocks: until any transfer does)."""
+        if blocks:
+            futures = {self._inflight[b] for b in blocks if b in self._inflight}
+        else:
+            futures = set(self._inflight.values())
+            if futures:
+                await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+                return
         if futures:
             await asyncio.wait(futures)
         else:  # moving but not yet registered: let the planner's task register it
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.0005)
 
     def complete_now(self, plan: TransferPlan) -> float:
         """Complete a plan whose bytes are already where they belong."""
@@ -86,10 +94,28 @@ class PoolRuntime:
 
     def _completed(self, plan: TransferPlan, pinned_out: list[Block], stall_s: float) -> None:
         self._notify(plan, stall_s)
+        if plan.reason != "reserve" and not self._refilling:
+            self._refill_soon()
         if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back
             run = self.start(self.pool.prefetch(pinned_out))
             if callable(run):
                 asyncio.ensure_future(run())
+
+    def _refill_soon(self) -> None:
+        """Top up the fair policy's free reserve in the background, off every request's path."""
+        if self.pool.reserve_pages <= self.pool.device.num_free or not self.pool.policy.fair:
+            return
+        self._refilling = True
+
+        async def refill():
+            try:
+                plan = self.pool.refill_plan()
+                if plan is not None:
+                    await self.execute(plan)
+            finally:
+                self._refilling = False
+
+        asyncio.ensure_future(refill())
 
     def start(self, plan: TransferPlan | None) -> float | Callable[[], Awaitable[float]]:
         """Begin a plan. Returns the stall in seconds when the plan is already complete (no

@@ -157,7 +157,7 @@ def test_heap_policies_stay_compact_under_many_touches():
 
 def test_fair_takes_from_the_tenant_most_over_its_share_and_its_largest_request():
     tenancy = FakeTenancy(usage={"whale": 60, "minnow": 10}, shares={"whale": 35, "minnow": 35})
-    policy = make_policy("fair", FakeClock(), tenancy)
+    policy = make_policy("fair:lru", FakeClock(), tenancy)
     whale = _blocks(50, "whale", "w1") + _blocks(10, "whale", "w2")
     minnow = _blocks(10, "minnow", "m1")
     for b in minnow + whale:
@@ -196,3 +196,39 @@ def test_fair_over_a_base_policy_uses_that_order_inside_a_request():
     policy.insert(hot)
     policy.insert(cold)
     assert policy.choose(1) == [cold]
+
+
+def test_fair_makes_the_tenant_that_needs_room_pay_when_nobody_is_over_share():
+    tenancy = FakeTenancy(usage={"w": 10, "m": 10}, shares={"w": 10, "m": 10})
+    policy = make_policy("fair", FakeClock(), tenancy)
+    for b in _blocks(10, "w", "w1") + _blocks(10, "m", "m1"):
+        policy.insert(b)
+    assert {v.request.tenant for v in policy.choose(4, for_tenant="w")} == {"w"}
+    assert {v.request.tenant for v in policy.choose(4, for_tenant="m")} == {"m"}
+
+
+def test_reuse_evicts_the_furthest_predicted_next_read():
+    policy = make_policy("reuse", FakeClock())
+    fast = _blocks(2, rid="fast")  # read every 20 ms: next read at 10.02
+    slow = _blocks(2, rid="slow")  # read every 90 ms: next read at 10.09
+    for b in fast + slow:
+        b.last_access = 10.0
+    for b in fast:
+        b.reuse_s = 0.02
+    for b in slow:
+        b.reuse_s = 0.09
+    scan = _blocks(3, rid="scan")  # a cyclic scan, 50 ms period, read in block order
+    for i, b in enumerate(scan):
+        b.last_access, b.reuse_s = 9.9 + 0.01 * i, 0.05
+    for b in fast + slow + scan:
+        policy.insert(b)
+    # The slow request's pages are needed last; within the scan, the block read last is
+    # needed last (MRU is Belady's choice for a cyclic scan).
+    victims = policy.choose(7)
+    assert victims[:2] == list(reversed(slow))
+    assert victims[2:4] == list(reversed(fast))
+    assert victims[4:] == list(reversed(scan))
+    # A read moves a block to the back of its request's line and re-predicts the request.
+    scan[0].last_access = 10.2
+    policy.touch(scan[0])
+    assert policy.choose(1) == [scan[0]]

@@ -238,7 +238,7 @@ def test_set_policy_carries_evictable_blocks_over(make_pool):
     settle(pool, pool.allocate("a", 4))
     assert pool.set_policy("intent") == "lru"
     assert len(pool.policy) == 4 and pool.policy.name == "intent"
-    with pytest.raises(InvalidArgument, match="choose one of deadline, intent, lru, regret, fair"):
+    with pytest.raises(InvalidArgument, match="choose one of deadline, intent, lru, regret, reuse, fair"):
         pool.set_policy("belady")
 
 
@@ -262,10 +262,24 @@ def test_fair_admission_counts_only_pages_above_other_tenants_shares(make_pool):
     assert pool.admit("m1", tenant="m", prompt_tokens=16 * 4, output_tokens=0).decision == "admitted"
     settle(pool, pool.allocate("m1", 4))
     assert pool.device_by_tenant["w"] == 4 and pool.device_by_tenant["m"] == 4
-    # Now both hold their share: more for either waits (the whale at its share is protected
-    # from the minnow tenant, and vice versa).
-    queued = pool.admit("m2", tenant="m", prompt_tokens=16 * 5, output_tokens=0)
-    assert queued.decision == "queued" and "fair share" in queued.reason
+    # A tenant at its share is still admitted, but runs within that share: its new request
+    # takes the minnow tenant's own pages, and the whale keeps its share.
+    assert pool.admit("m2", tenant="m", prompt_tokens=16 * 2, output_tokens=0).decision == "admitted"
+    plan = settle(pool, pool.allocate("m2", 2))
+    assert "m" in {move.block.request.tenant for move in plan.demotions}
+    assert pool.device_by_tenant["w"] >= int(pool.fair_share("w"))
+
+
+def test_a_request_bigger_than_its_share_is_admitted_to_stream_through_host(make_pool):
+    pool = make_pool(device_pages=8, host_pages=32, policy="fair")
+    pool.admit("minnow", tenant="m", prompt_tokens=16 * 3, output_tokens=0)
+    settle(pool, pool.allocate("minnow", 3))
+    # The whale needs 8 pages but its fair share is 4 (7 shareable, 1 is the reserve).
+    assert pool.admit("whale", tenant="w", prompt_tokens=16 * 8, output_tokens=0).decision == "admitted"
+    for _ in range(2):  # chunked prefill: the second chunk evicts the whale's own first one
+        settle(pool, pool.allocate("whale", 4))
+    assert pool.device_by_tenant["m"] == 3  # the minnow, within its share, lost nothing
+    assert pool.get_request("whale").num_live_blocks == 8
 
 
 def test_queue_admits_the_tenant_furthest_below_its_share_first(make_pool):

@@ -78,6 +78,9 @@ class Block:
     epoch: int = 0
     seen_epoch: int = 0
     last_access: float = 0.0
+    # The time between its last two reads: attention reads a running request's blocks every
+    # step, so this predicts its next read (the reuse policy uses it).
+    reuse_s: float = 0.0
     # Intent.
     phase: Phase = Phase.PREFILL
     priority: Priority = Priority.WARM

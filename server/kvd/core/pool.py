@@ -111,6 +111,7 @@ class Pool:
         clock: Clock,
         max_queue: int = 1024,
         quotas: dict[str, TenantQuota] | None = None,
+        reserve_pages: int | None = None,
     ) -> None:
         if page_bytes <= 0 or block_tokens <= 0:
             raise InvalidArgument("page_bytes and block_tokens must be positive")
@@ -137,6 +138,11 @@ class Pool:
         self.queued_by_tenant: Counter[str] = Counter()
         self._shares: dict[str, float] | None = None
         self.attribution = Attribution()
+        # Free device pages kept for tenants below their fair share (a watermark): under a fair
+        # policy, a tenant at or above its share evicts its own pages instead of spending them,
+        # and the runtime refills them from over-share tenants in the background.
+        self.reserve_pages = (max(1, device_pages // 50) if reserve_pages is None
+                              else reserve_pages)
         self._newly_admitted: list[Request] = []
         self.policy: EvictionPolicy = make_policy(policy, clock, self)
 
@@ -287,7 +293,7 @@ class Pool:
                     f" of {self.capacity_pages} are unreserved in pool {self.name!r}")
         where = ("free or held by tenants above their fair share" if self.policy.fair
                  else "free or evictable")
-        return (f"needs {req.projected_pages} device pages; only {self._room_for(req)} are "
+        return (f"needs {self._device_need(req)} device pages; only {self._room_for(req)} are "
                 f"{where} ({self.num_pinned} of {self.device.capacity} pinned)")
 
     def _fits(self, pages: int) -> bool:
@@ -298,7 +304,16 @@ class Pool:
         if quota.limit is not None and (self.reserved_by_tenant[req.tenant]
                                         + req.projected_pages > quota.limit):
             return False
-        return self._fits(req.projected_pages) and req.projected_pages <= self._room_for(req)
+        return self._fits(req.projected_pages) and self._device_need(req) <= self._room_for(req)
+
+    def _device_need(self, req: Request) -> int:
+        """Device pages a request must get to run. Under a fair policy: what its tenant's
+        fair share leaves room for (a request bigger than that streams the rest through the
+        host tier, evicting its own pages); otherwise all of it."""
+        if not self.policy.fair:
+            return req.projected_pages
+        headroom = int(self.fair_share(req.tenant) + 1e-6) - self.device_by_tenant[req.tenant]
+        return min(req.projected_pages, max(0, headroom))
 
     def _room_for(self, req: Request) -> int:
         """Device pages the request could have now: free ones, its own tenant's evictable
@@ -365,7 +380,10 @@ class Pool:
         if self._shares is None:
             demand = {t: float(self.reserved_by_tenant[t] + self.queued_by_tenant[t])
                       for t in set(self.reserved_by_tenant) | set(self.queued_by_tenant)}
-            self._shares = water_fill(self.device.capacity, demand, self.quotas)
+            # Under a fair policy the free reserve is nobody's share: it is the buffer that
+            # lets tenants below their share grow without waiting for a demotion.
+            capacity = self.device.capacity - (self.reserve_pages if self.policy.fair else 0)
+            self._shares = water_fill(capacity, demand, self.quotas)
         return self._shares
 
     def fair_share(self, tenant: str) -> float:
@@ -382,6 +400,23 @@ class Pool:
         self.quotas[tenant] = quota
         self._shares = None
         return self._admit_from_queue()
+
+    def refill_plan(self) -> TransferPlan | None:
+        """Under a fair policy, demote pages of tenants above their fair share until the free
+        reserve is whole again (None when it is, or nobody is over)."""
+        want = self.reserve_pages - self.device.num_free
+        if not self.policy.fair or want <= 0 or self.host.num_free <= self.transit_headroom:
+            return None
+        over = [t for t, used in self.device_by_tenant.items()
+                if used > max(self.fair_share(t), self.guaranteed(t)) + 1e-6]
+        if not over:
+            return None
+        want = min(want, len(self.policy), self.host.num_free - self.transit_headroom)
+        victims = self.policy.choose(want)
+        if not victims or any(v.request.tenant not in over for v in victims):
+            return None  # only what over-share tenants hold refills the reserve
+        return TransferPlan(self.name, "reserve", None,
+                            demotions=self._evict(len(victims), None, "reserve", False))
 
     def _device_delta(self, req: Request, delta: int) -> None:
         req.num_device_blocks += delta
@@ -403,6 +438,8 @@ class Pool:
         can recompute when the host tier is full. Raises before changing anything."""
         victims = self.policy.choose(num, for_tenant=cause.tenant if cause else None)
         if victims is None:
+            if self.num_moving_blocks():
+                raise BlocksInTransit([])  # victims may come free when the copies finish
             raise self._no_room(num)
         num_host = self.host.num_free
         if any(not v.recompute_ok for v in victims[num_host:]):
@@ -426,9 +463,17 @@ class Pool:
         return moves
 
     def _make_room(self, num: int, cause: Request | None, reason: str) -> tuple[list[int], list[Move]]:
-        """Claim num device pages: free ones first, then victims' pages (which their incoming
-        blocks may use once the demotions are copied)."""
-        short = num - self.device.num_free
+        """Claim num device pages: free ones first (the reserve only up to the tenant's fair
+        share), then victims' pages (which their incoming blocks may use once the demotions
+        are copied)."""
+        free = self.device.num_free
+        if self.policy.fair and cause is not None:
+            # The reserve is for growth up to one's fair share, not beyond it.
+            spare = max(0, free - self.reserve_pages)
+            headroom = max(0, int(self.fair_share(cause.tenant) + 1e-6)
+                           - self.device_by_tenant[cause.tenant])
+            free = spare + min(free - spare, headroom)
+        short = num - free
         demotions = self._evict(short, cause, reason, reassign=True) if short > 0 else []
         pages = [self.device.take(None) for _ in range(num - len(demotions))]
         pages.extend(m.src_page for m in demotions)
@@ -506,6 +551,7 @@ class Pool:
         counters = self.counters
         policy = self.policy
         for b in blocks:
+            b.reuse_s = now - b.last_access
             b.last_access = now
             if b.decode_critical:
                 counters.num_decode_critical_accesses += 1
@@ -539,6 +585,7 @@ class Pool:
                 continue
             for b in req.blocks:
                 if b is not None:
+                    b.reuse_s = now - b.last_access
                     b.last_access = now
                     num_critical += b.decode_critical
             if touch_many is not None:
@@ -555,6 +602,7 @@ class Pool:
         num_critical = 0
         for b in req.blocks:
             if b is not None:
+                b.reuse_s = now - b.last_access
                 b.last_access = now
                 num_critical += b.decode_critical
         if self.policy.eager_touch:
@@ -703,6 +751,9 @@ class Pool:
             if b.decode_critical:
                 self.counters.num_decode_critical_misses += 1
 
+    def num_moving_blocks(self) -> int:
+        return sum(r.num_moving_blocks for r in self.requests.values())
+
     def _count_pin(self, block: Block, delta: int) -> None:
         if block.pinned:
             self.num_pinned += delta
@@ -725,6 +776,7 @@ class Pool:
         for block in self._evictable_blocks():
             new.insert(block)
         self.policy = new
+        self._shares = None  # fair policies keep the reserve out of the shares
         return old.name
 
     def _evictable_blocks(self) -> list[Block]:

@@ -10,21 +10,28 @@ from kvd.core.policies.fair import FairPolicy, Tenancy
 from kvd.core.policies.intent import IntentPolicy
 from kvd.core.policies.lru import LruPolicy
 from kvd.core.policies.regret import RegretPolicy
+from kvd.core.policies.reuse import ReusePolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (LruPolicy, IntentPolicy, DeadlinePolicy, RegretPolicy)
+    cls.name: cls
+    for cls in (LruPolicy, IntentPolicy, DeadlinePolicy, RegretPolicy, ReusePolicy)
 }
 
 
 def policy_names() -> list[str]:
     """Every name make_policy accepts: the base policies, and fair over each of them."""
-    return sorted(POLICIES) + ["fair"] + [f"fair:{b}" for b in sorted(POLICIES) if b != "lru"]
+    return sorted(POLICIES) + ["fair"] + [f"fair:{b}" for b in sorted(POLICIES) if b != FAIR_BASE]
+
+
+# fair's default page order inside a request: the learned next use, which suits attention's
+# read-every-block-each-step pattern (LRU is the worst order for such a cyclic scan).
+FAIR_BASE = "reuse"
 
 
 def make_policy(name: str, clock: Clock, tenancy: Tenancy | None = None) -> EvictionPolicy:
-    """A new, empty policy. "fair" is fair over lru; "fair:BASE" fair over another base."""
+    """A new, empty policy. "fair" is fair over reuse; "fair:BASE" fair over another base."""
     fair = name == "fair" or name.startswith("fair:")
-    base = "lru" if name == "fair" else name.removeprefix("fair:")
+    base = FAIR_BASE if name == "fair" else name.removeprefix("fair:")
     cls = POLICIES.get(base)
     if cls is None:
         raise InvalidArgument(

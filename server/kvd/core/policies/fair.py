@@ -1,6 +1,6 @@
 """Memory-fair eviction: the tenant most above its fair share pays first, and within it the
 largest request pays first ("progressive taxation", seed 000); the page order inside a
-request comes from a base policy (lru, intent, deadline or regret).
+request comes from a base policy (reuse by default; lru, intent, deadline or regret).
 
 Guaranteed pages are never taken to serve another tenant. Victim selection is O(T + log n)
 per victim for T tenants: a heap of requests by evictable pages per tenant, and one base
@@ -41,7 +41,7 @@ class FairPolicy(EvictionPolicy):
         super().__init__(clock)
         self.tenancy = tenancy
         self.base = base
-        self.name = f"fair:{base.name}" if base.name != "lru" else "fair"
+        self.name = f"fair:{base.name}"
         self.uses_intent = base.uses_intent
         self.eager_touch = base.eager_touch
         self._by_request: dict[Request, EvictionPolicy] = {}
@@ -51,19 +51,23 @@ class FairPolicy(EvictionPolicy):
         self._held_by_tenant: Counter[str] = Counter()
         self._num = 0
         self._seq = count()
+        self._dirty: set[Request] = set()
 
-    def _reindex(self, req: Request) -> None:
-        sub = self._by_request.get(req)
-        if sub is None:
-            self._entry.pop(req, None)
-            return
-        seq = next(self._seq)
-        self._entry[req] = seq
-        heap = self._heaps.setdefault(req.tenant, [])
-        heapq.heappush(heap, (-len(sub), seq, req))
-        if len(heap) > 2 * len(self._entry) + 64:
-            self._heaps[req.tenant] = [e for e in heap if self._entry.get(e[2]) == e[1]]
-            heapq.heapify(self._heaps[req.tenant])
+    def _reindex_dirty(self) -> None:
+        """Bring the per-tenant request heaps up to date with the requests changed since."""
+        for req in self._dirty:
+            sub = self._by_request.get(req)
+            if sub is None:
+                self._entry.pop(req, None)
+                continue
+            seq = next(self._seq)
+            self._entry[req] = seq
+            heap = self._heaps.setdefault(req.tenant, [])
+            heapq.heappush(heap, (-len(sub), seq, req))
+            if len(heap) > 2 * len(self._entry) + 64:
+                heap[:] = [e for e in heap if self._entry.get(e[2]) == e[1]]
+                heapq.heapify(heap)
+        self._dirty.clear()
 
     def insert(self, block: Block) -> None:
         req = block.request
@@ -73,7 +77,7 @@ class FairPolicy(EvictionPolicy):
         sub.insert(block)
         self._held_by_tenant[req.tenant] += 1
         self._num += 1
-        self._reindex(req)
+        self._dirty.add(req)
 
     def remove(self, block: Block) -> None:
         req = block.request
@@ -83,7 +87,7 @@ class FairPolicy(EvictionPolicy):
         self._num -= 1
         if not len(sub):
             del self._by_request[req]
-        self._reindex(req)
+        self._dirty.add(req)
 
     def touch(self, block: Block) -> None:
         self._by_request[block.request].touch(block)
@@ -113,49 +117,77 @@ class FairPolicy(EvictionPolicy):
     def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > self._num:
             return None
+        self._reindex_dirty()
+        # First decide how many pages each request gives (usage falls as victims are taken,
+        # so they spread), in batches that end where the order could change; then ask each
+        # request's base policy once.
         taken_by_tenant: Counter[str] = Counter()
         taken_by_request: Counter[Request] = Counter()
-        victims: list[Block] = []
-        for _ in range(n):
-            tenant = self._paying_tenant(taken_by_tenant, for_tenant)
-            if tenant is None:
+        left = n
+        while left:
+            paying = self._paying_tenant(taken_by_tenant, for_tenant)
+            if paying is None:
                 return None  # what is left is guaranteed to other tenants
-            req = self._largest_request(tenant, taken_by_request)
-            k = taken_by_request[req] + 1
-            victims.append(self._by_request[req].choose(k)[-1])
-            taken_by_request[req] = k
-            taken_by_tenant[tenant] += 1
+            tenant, tenant_batch = paying
+            req, req_batch = self._largest_request(tenant, taken_by_request)
+            k = max(1, min(left, tenant_batch, req_batch))
+            taken_by_request[req] += k
+            taken_by_tenant[tenant] += k
+            left -= k
+        victims: list[Block] = []
+        for req, k in taken_by_request.items():
+            victims.extend(self._by_request[req].choose(k))
         return victims
 
-    def _paying_tenant(self, taken: Counter[str], for_tenant: str | None) -> str | None:
-        best, best_ratio = None, -1.0
+    def _paying_tenant(self, taken: Counter[str], for_tenant: str | None
+                       ) -> tuple[str, int] | None:
+        """The tenant most above its fair share pays, and how many pages it can give before
+        another would. Another tenant pays for `for_tenant` only while it is above both its
+        fair share and its guarantee; when none is, the tenant that needs the room pays with
+        its own pages."""
+        ranked = []
         for tenant, held in self._held_by_tenant.items():
-            if held - taken[tenant] <= 0:
+            evictable = held - taken[tenant]
+            if evictable <= 0:
                 continue
             usage = self.tenancy.usage(tenant) - taken[tenant]
-            if tenant != for_tenant and usage <= self.tenancy.guaranteed(tenant):
-                continue
-            ratio = usage / max(self.tenancy.fair_share(tenant), 1e-9)
-            if ratio > best_ratio:
-                best, best_ratio = tenant, ratio
-        return best
+            share = max(self.tenancy.fair_share(tenant), 1e-9)
+            floor = 0.0
+            if tenant != for_tenant:
+                floor = self.tenancy.guaranteed(tenant)
+                if for_tenant is not None:
+                    floor = max(floor, share)
+                if usage <= floor + 1e-6:
+                    continue
+            ranked.append((usage / share, tenant, usage, share, evictable, floor))
+        if not ranked:
+            return None
+        ranked.sort(reverse=True)
+        ratio, tenant, usage, share, evictable, floor = ranked[0]
+        batch = min(evictable, int(usage - floor) if floor else evictable)
+        if len(ranked) > 1:  # until it falls to the next tenant's ratio
+            batch = min(batch, int(usage - ranked[1][0] * share) + 1)
+        return tenant, max(1, batch)
 
-    def _largest_request(self, tenant: str, taken: Counter[Request]) -> Request:
-        """The tenant's request with the most evictable pages left after `taken`."""
+    def _largest_request(self, tenant: str, taken: Counter[Request]) -> tuple[Request, int]:
+        """The tenant's request with the most evictable pages left after `taken`, and how many
+        it can give before another is larger."""
         heap = self._heaps[tenant]
         popped = []
-        best, best_left = None, -1
+        best, best_left, second_left = None, -1, 0
         while heap:
             neg, seq, req = heap[0]
             if self._entry.get(req) != seq:
                 heapq.heappop(heap)  # stale
                 continue
-            if -neg <= best_left:
-                break  # nothing further down can beat it
+            if -neg <= second_left:
+                break  # nothing further down can beat the best two
             popped.append(heapq.heappop(heap))
             left = -neg - taken[req]
             if left > best_left:
-                best, best_left = req, left
+                best, best_left, second_left = req, left, max(best_left, 0)
+            else:
+                second_left = max(second_left, left)
         for entry in popped:
             heapq.heappush(heap, entry)
-        return best
+        return best, max(1, best_left - second_left + 1)

@@ -1,0 +1,269 @@
+"""`kvd-loadgen whale-minnows`: seed 000's case against a live kvd. One 128K-token request
+(tenant `whale`) and forty 2K-token requests (tenant `minnows`) decode side by side, each
+engine stepping at a steady pace and reading every block of every request each step, in a
+pool the whale pushes past full. The same workload runs under `lru` and `fair`, and once with
+the minnows alone."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import uvloop
+from rich.console import Console
+from rich.table import Table
+
+from kvd.core.fairness import jain_index
+from kvd_client import AsyncClient
+from kvd_loadgen.engine import Engine, SimRequest, percentile
+from kvd_loadgen.local import LocalKvd
+
+TOKENS = {"whale": "whale-token", "minnows": "minnows-token"}
+
+
+@dataclass
+class Scenario:
+    whales: int = 1
+    whale_tokens: int = 131072
+    minnows: int = 40
+    minnow_tokens: int = 2048
+    duration_s: float = 3.0  # both engines decode side by side for this long
+    whale_delay_s: float = 0.3  # the minnows decode alone this long before the whale comes
+    block_tokens: int = 64
+    page_bytes: int = 16384
+    device_pages: int = 0  # 0: 90% of the whole demand (whales + minnows)
+    host_pages: int = 0  # 0: enough for everything twice
+    step_ms: float = 20.0
+    chunk_blocks: int = 256
+
+    @property
+    def output_tokens(self) -> int:
+        """Long enough that no request finishes inside the measured window."""
+        return int(self.duration_s * 1000 / self.step_ms) + 16
+
+    def pages(self, tokens: int) -> int:
+        return math.ceil((tokens + self.output_tokens) / self.block_tokens)
+
+    @property
+    def demand_pages(self) -> int:
+        return (self.whales * self.pages(self.whale_tokens)
+                + self.minnows * self.pages(self.minnow_tokens))
+
+    @property
+    def device(self) -> int:
+        return self.device_pages or int(0.9 * self.demand_pages)
+
+    @property
+    def host(self) -> int:
+        return self.host_pages or 2 * self.demand_pages
+
+
+def kvd_config(s: Scenario, policy: str) -> str:
+    tenants = "".join(f'[[tenant]]\nname = "{name}"\ntoken = "{token}"\n\n'
+                      for name, token in TOKENS.items())
+    return (
+        "[server]\ngrace_s = 2\n\n"
+        f'[[pool]]\nname = "default"\npolicy = "{policy}"\npage_bytes = {s.page_bytes}\n'
+        f"block_tokens = {s.block_tokens}\ndevice_pages = {s.device}\n"
+        f"host_pages = {s.host}\nmax_queue = 4096\n\n" + tenants
+    )
+
+
+@dataclass
+class ClassResult:
+    run: str
+    policy: str
+    klass: str
+    requests: int
+    stall_p50_ms: float  # decode steps
+    stall_p99_ms: float
+    prefill_stall_max_ms: float  # steps that allocated prompts: TTFT's memory part
+    step_p50_ms: float
+    step_p99_ms: float
+    tokens_per_s: float
+    evictions_suffered: int
+    evictions_caused: int
+    admission_wait_p50_ms: float
+    admission_wait_max_ms: float
+    mean_share_ratio: float  # device pages held / fair share, averaged over the run
+
+
+async def _sample_shares(admin: AsyncClient, stop: asyncio.Event, out: list[dict]) -> None:
+    while not stop.is_set():
+        tenants = await admin.list_tenants()
+        out.append({t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
+                     if t.tenant in TOKENS and t.reserved_pages > 0})
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_case(s: Scenario, policy: str, *, with_whales: bool) -> tuple[list, float]:
+    """One run on a fresh kvd. Returns the per-class results and Jain's index."""
+    run = f"{policy}" if with_whales else "minnows alone"
+    with tempfile.TemporaryDirectory(prefix="kvd-wm-") as tmp:
+        config = Path(tmp) / "kvd.toml"
+        config.write_text(kvd_config(s, policy))
+        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
+            async with AsyncClient(kvd.target) as admin, \
+                    AsyncClient(kvd.target, token=TOKENS["whale"]) as wc, \
+                    AsyncClient(kvd.target, token=TOKENS["minnows"]) as mc:
+                step_s = s.step_ms / 1000
+                engines = {
+                    "whale": Engine(wc, block_tokens=s.block_tokens, step_s=step_s,
+                                    chunk_blocks=s.chunk_blocks),
+                    "minnows": Engine(mc, block_tokens=s.block_tokens, step_s=step_s,
+                                      chunk_blocks=s.chunk_blocks),
+                }
+                requests = {"whale": [], "minnows": []}
+                if with_whales:
+                    requests["whale"] = [SimRequest(f"whale-{i}", s.whale_tokens,
+                                                    s.output_tokens, "whale")
+                                         for i in range(s.whales)]
+                requests["minnows"] = [SimRequest(f"minnow-{i}", s.minnow_tokens,
+                                                  s.output_tokens, "minnows")
+                                       for i in range(s.minnows)]
+                # The minnows are decoding when the whale arrives and prefills (seed 001's
+                # figure 2); both then decode side by side for the measured window.
+                await asyncio.gather(*(engines["minnows"].arrive(r)
+                                       for r in requests["minnows"]))
+                until = time.monotonic() + s.whale_delay_s + s.duration_s
+                minnow_run = asyncio.ensure_future(engines["minnows"].run(until=until))
+                stop = asyncio.Event()
+                samples: list[dict] = []
+                sampler = asyncio.ensure_future(_sample_shares(admin, stop, samples))
+                runs = [minnow_run]
+                if requests["whale"]:
+                    await asyncio.sleep(s.whale_delay_s)
+                    await asyncio.gather(*(engines["whale"].arrive(r)
+                                           for r in requests["whale"]))
+                    runs.append(engines["whale"].run(until=until))
+                await asyncio.gather(*runs)
+                stop.set()
+                await sampler
+                tenants = {t.tenant: t for t in await admin.list_tenants()}
+                check = await admin.self_check()
+                assert check.ok, check.problems
+    results = []
+    for klass, engine in engines.items():
+        if not requests[klass]:
+            continue
+        stalls = [x.stall_s * 1e3 for x in engine.stats.steps if not x.prefill]
+        prefill = [x.stall_s * 1e3 for x in engine.stats.steps if x.prefill]
+        lat = [x.latency_s * 1e3 for x in engine.stats.steps if not x.prefill]
+        waits = [r.admission_wait_s * 1e3 for r in requests[klass]
+                 if r.admission_wait_s is not None]
+        ratios = [sample[klass][0] / max(sample[klass][1], 1e-9)
+                  for sample in samples if klass in sample]
+        t = tenants.get(klass)
+        results.append(ClassResult(
+            run=run, policy=policy, klass=klass, requests=len(requests[klass]),
+            stall_p50_ms=percentile(stalls, 50), stall_p99_ms=percentile(stalls, 99),
+            prefill_stall_max_ms=max(prefill, default=0.0),
+            step_p50_ms=percentile(lat, 50), step_p99_ms=percentile(lat, 99),
+            tokens_per_s=engine.stats.tokens_per_s,
+            evictions_suffered=t.evictions_suffered if t else 0,
+            evictions_caused=t.evictions_caused if t else 0,
+            admission_wait_p50_ms=percentile(waits, 50),
+            admission_wait_max_ms=max(waits, default=0.0),
+            mean_share_ratio=statistics.fmean(ratios) if ratios else 0.0,
+        ))
+    # Jain's index over each tenant's memory share relative to its fair share, per sample.
+    jains = [jain_index([used / max(share, 1e-9) for used, share in sample.values()])
+             for sample in samples if len(sample) > 1]
+    return results, statistics.fmean(jains) if jains else 1.0
+
+
+async def run_all(s: Scenario, policies=("lru", "fair:lru", "fair")) -> dict:
+    out = {"scenario": asdict(s), "runs": []}
+    solo, _ = await run_case(s, policies[-1], with_whales=False)
+    out["runs"].append({"run": "minnows alone", "jain": None,
+                        "classes": [asdict(r) for r in solo]})
+    for policy in policies:
+        results, jain = await run_case(s, policy, with_whales=True)
+        out["runs"].append({"run": policy, "jain": jain,
+                            "classes": [asdict(r) for r in results]})
+    out["verdict"] = verdict(out)
+    return out
+
+
+def _find(out: dict, run: str, klass: str) -> dict:
+    for r in out["runs"]:
+        if r["run"] == run:
+            for c in r["classes"]:
+                if c["klass"] == klass:
+                    return c
+    raise KeyError((run, klass))
+
+
+def verdict(out: dict) -> dict:
+    """The targets of the tenants issue, computed from this run's figures."""
+    solo = _find(out, "minnows alone", "minnows")
+    lru_m, fair_m = _find(out, "lru", "minnows"), _find(out, "fair", "minnows")
+    lru_w, fair_w = _find(out, "lru", "whale"), _find(out, "fair", "whale")
+    jain = next(r["jain"] for r in out["runs"] if r["run"] == "fair")
+    return {
+        "lru_minnow_evictions": lru_m["evictions_suffered"],
+        "solo_minnow_evictions": solo["evictions_suffered"],
+        "lru_minnow_stall_p99_ms": lru_m["stall_p99_ms"],
+        "solo_minnow_stall_p99_ms": solo["stall_p99_ms"],
+        "fair_minnow_stall_p99_ms": fair_m["stall_p99_ms"],
+        "fair_minnow_stall_p99_within_1.25x_solo":
+            fair_m["stall_p99_ms"] <= 1.25 * solo["stall_p99_ms"] + 1e-9,
+        "whale_tokens_per_s_fair_over_lru": (fair_w["tokens_per_s"]
+                                            / max(lru_w["tokens_per_s"], 1e-9)),
+        "whale_keeps_0.9x": fair_w["tokens_per_s"] >= 0.9 * lru_w["tokens_per_s"],
+        "fair_jain": jain,
+        "fair_jain_at_least_0.95": jain >= 0.95,
+    }
+
+
+def table(out: dict) -> Table:
+    s = out["scenario"]
+    t = Table(title=f"whale and minnows: {s['whales']} x {s['whale_tokens']} tokens vs "
+                    f"{s['minnows']} x {s['minnow_tokens']} tokens, {s['duration_s']} s side by "
+                    "side, "
+                    f"{s['block_tokens']} tokens/page, device = 90% of demand "
+                    "(fair = fair:reuse)")
+    for col in ("run", "class", "decode stall p50/p99 ms", "prefill stall ms",
+                "decode step p50/p99 ms", "tok/s", "evict suff",
+                "evict caused", "adm wait p50/max ms", "share ratio", "Jain"):
+        t.add_column(col, justify="left" if col in ("run", "class") else "right")
+    for r in out["runs"]:
+        for c in r["classes"]:
+            t.add_row(r["run"], c["klass"], f"{c['stall_p50_ms']:.2f} / {c['stall_p99_ms']:.2f}",
+                      f"{c['prefill_stall_max_ms']:.1f}",
+                      f"{c['step_p50_ms']:.1f} / {c['step_p99_ms']:.1f}",
+                      f"{c['tokens_per_s']:.0f}", str(c["evictions_suffered"]),
+                      str(c["evictions_caused"]),
+                      f"{c['admission_wait_p50_ms']:.1f} / {c['admission_wait_max_ms']:.1f}",
+                      f"{c['mean_share_ratio']:.2f}",
+                      "-" if r["jain"] is None else f"{r['jain']:.3f}")
+        t.add_section()
+    return t
+
+
+def run_cli(args) -> int:
+    from kvd_loadgen.cli import write_json
+
+    s = Scenario(whales=args.whales, whale_tokens=args.whale_tokens, minnows=args.minnows,
+                 minnow_tokens=args.minnow_tokens, duration_s=args.duration_s,
+                 block_tokens=args.block_tokens, page_bytes=args.page_bytes,
+                 device_pages=args.device_pages, step_ms=args.step_ms)
+    console = Console(width=max(Console().width, 140))
+    started = time.perf_counter()
+    with console.status(f"whale and minnows: device {s.device} pages, demand {s.demand_pages}"):
+        out = uvloop.run(run_all(s))
+    console.print(table(out))
+    for key, value in out["verdict"].items():
+        console.print(f"  {key}: {value:.3f}" if isinstance(value, float) and
+                      not isinstance(value, bool) else f"  {key}: {value}")
+    console.print(f"({time.perf_counter() - started:.1f} s)")
+    write_json(args.json, out)
+    return 0
