@@ -22,7 +22,7 @@ from kvd_loadgen.data import INTENT_PROFILES, resolve_intent_trace
 from kvd_loadgen.intent_trace import IntentEvent, read_intent_trace
 from kvd_loadgen.local import LocalKvd
 
-KVD_POLICIES = ("lru", "regret", "intent", "deadline")
+KVD_POLICIES = ("lru", "regret", "reuse", "intent", "deadline", "fair:intent")
 BLOCK_TOKENS = 16
 
 # shared/data/INTENT_TRACE_FORMAT.md: the reference simulator's decode-critical misses on these
