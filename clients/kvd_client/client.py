@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,10 +32,16 @@ def _channel_options() -> list[tuple[str, Any]]:
     ]
 
 
-def _metadata(token: str | None, metadata: Sequence[tuple[str, str]]) -> tuple:
-    """Call metadata: the tenant's bearer token ($KVD_TOKEN when not given) and any extra."""
+def _metadata(token: str | None, metadata: Sequence[tuple[str, str]], lease: str | None
+              ) -> tuple:
+    """Call metadata: the tenant's bearer token ($KVD_TOKEN when not given), this client's
+    lease (so kvd releases its requests if it disappears), and any extra."""
     token = token if token is not None else os.environ.get("KVD_TOKEN", "")
     extra = (("authorization", f"Bearer {token}"),) if token else ()
+    if lease is None:
+        lease = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    if lease:
+        extra += (("kvd-lease", lease),)
     return extra + tuple(metadata)
 
 
@@ -65,10 +73,11 @@ class AsyncClient:
     """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 token: str | None = None, metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 token: str | None = None, lease: str | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
         self.target = target or default_target()
         self.timeout_s = timeout_s
-        self.metadata = _metadata(token, metadata)
+        self.metadata = _metadata(token, metadata, lease)
         self.channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
         self.memory = pb_grpc.MemoryStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
@@ -142,6 +151,10 @@ class AsyncClient:
 
     async def drain(self) -> None:
         await self._call(self.admin.Drain, pb.DrainRequest())
+
+    async def keep_alive(self) -> pb.KeepAliveResponse:
+        """Renew this client's lease (any call does; this one does nothing else)."""
+        return await self._call(self.memory.KeepAlive, pb.KeepAliveRequest())
 
     async def explain(self, request_id: str) -> pb.ExplainResponse:
         return await self._call(self.memory.Explain, pb.ExplainRequest(request_id=request_id))
@@ -273,10 +286,11 @@ class Client:
     """The same calls, blocking, on a plain grpc channel."""
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 token: str | None = None, metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 token: str | None = None, lease: str | None = None,
+                 metadata: Sequence[tuple[str, str]] = ()) -> None:
         self.target = target or default_target()
         self.timeout_s = timeout_s
-        self.metadata = _metadata(token, metadata)
+        self.metadata = _metadata(token, metadata, lease)
         self.channel = grpc.insecure_channel(self.target, options=_channel_options())
         self.memory = pb_grpc.MemoryStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)

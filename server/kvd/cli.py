@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["auto", "json", "console"])
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--grace-s", type=float, help="drain grace period in seconds")
+    p.add_argument("--lease-ttl-s", type=float,
+                   help="release a silent client's requests after this many seconds")
+    p.add_argument("--metrics", help="Prometheus exposition HOST:PORT ('' for none)")
     g = p.add_argument_group("default pool (the first pool of the config)")
     g.add_argument("--model", choices=sorted(MODEL_PRESETS))
     g.add_argument("--block-tokens", type=int)
@@ -39,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         server_changes = {
             k: v for k, v in (("socket", args.socket), ("tcp", args.tcp),
                               ("log_format", args.log_format), ("log_level", args.log_level),
-                              ("grace_s", args.grace_s)) if v is not None
+                              ("grace_s", args.grace_s), ("lease_ttl_s", args.lease_ttl_s),
+                              ("metrics", args.metrics)) if v is not None
         }
         from dataclasses import replace
 

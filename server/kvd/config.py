@@ -171,6 +171,8 @@ class Config:
     workers: int = 2  # copy threads
     inline_copy_bytes: int = 65536  # smaller copies run on the event loop
     switch_interval_s: float = 0.0005  # CPython GIL switch interval (default 0.005)
+    lease_ttl_s: float = 30.0  # a silent client's requests are released after this
+    metrics: str = "127.0.0.1:9464"  # Prometheus exposition address; "" for none
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
     tenants: tuple[TenantConfig, ...] = ()
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -198,7 +200,7 @@ class Config:
 
 
 _SERVER_KEYS = {"socket", "tcp", "log_format", "log_level", "grace_s", "workers",
-                "inline_copy_bytes", "switch_interval_s"}
+                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "metrics"}
 _POOL_KEYS = set(PoolConfig.__dataclass_fields__)
 
 

@@ -21,6 +21,7 @@ from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.pool import AdmitResult, IntentChange, Pool
 from kvd.core.transfer import TransferPlan
+from kvd.leases import LeaseTable
 from kvd.memory.arena import ShmArena
 from kvd.memory.copier import PageCopier
 from kvd.runtime import PoolRuntime
@@ -58,6 +59,7 @@ class Daemon:
         self.started_at = time.time()
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
         self.pools: dict[str, PoolRuntime] = {}
+        self.leases = LeaseTable(self.clock, config.lease_ttl_s)
         self.request_index: dict[str, PoolRuntime] = {}
         try:
             for pc in config.pools:
@@ -125,7 +127,7 @@ class Daemon:
     # ------------------------------------------------------------------ engine operations
 
     def admit(self, request_id: str, *, tenant: str, pool: str, prompt_tokens: int,
-              output_tokens: int, priority: int) -> AdmitResult:
+              output_tokens: int, priority: int, lease: str = "") -> AdmitResult:
         if request_id in self.request_index:
             where = self.request_index[request_id].pool.name
             raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
@@ -135,6 +137,7 @@ class Daemon:
                                priority=priority)
         if result.decision != "rejected":
             self.request_index[request_id] = rt
+            self.leases.attach(lease, tenant or "default", request_id)
             rt.notify_queue()
         return result
 
@@ -185,6 +188,7 @@ class Daemon:
         rt = self.runtime_of(request_id, scope)
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
         del self.request_index[request_id]
+        self.leases.detach(request_id)
         rt.notify_queue()
         return freed, admitted
 

@@ -66,7 +66,7 @@ class Server:
         loop = asyncio.get_running_loop()
         # Arena allocation can take a while for large pools: keep the loop free.
         self.daemon = await loop.run_in_executor(None, Daemon, self.config)
-        self.auth = Authenticator(self.config)
+        self.auth = Authenticator(self.config, self.daemon.leases)
         server = grpc.aio.server(options=GRPC_OPTIONS)
         kvd_pb2_grpc.add_MemoryServicer_to_server(MemoryService(self.daemon, self.auth), server)
         kvd_pb2_grpc.add_AdminServicer_to_server(
@@ -90,6 +90,8 @@ class Server:
         self._grpc = server
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.ensure_future(self.daemon.leases.reap_forever(
+            self.daemon.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4))))
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()
@@ -133,6 +135,8 @@ class Server:
 
     async def shutdown(self) -> None:
         await self.health.enter_graceful_shutdown()
+        if getattr(self, "_reaper", None) is not None:
+            self._reaper.cancel()
         if self._grpc is not None:
             await self._grpc.stop(self.config.grace_s)
         if self.daemon is not None:

@@ -72,6 +72,7 @@ def test_lru_order():
     blocks = _blocks(4)
     for b in blocks:
         policy.insert(b)
+    blocks[0].last_access = 1.0  # the pool stamps the read, then touches
     policy.touch(blocks[0])
     assert policy.choose(2) == [blocks[1], blocks[2]]
 

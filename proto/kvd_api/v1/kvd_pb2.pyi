@@ -421,6 +421,18 @@ class AdmissionUpdate(_message.Message):
     reason: str
     def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., queue_position: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class KeepAliveRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ttl_s", "leased")
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASED_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_s: float
+    leased: bool
+    def __init__(self, lease_ttl_s: _Optional[float] = ..., leased: _Optional[bool] = ...) -> None: ...
+
 class ExplainRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -95,6 +95,11 @@ class MemoryStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainResponse.FromString,
                 _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/kvd.v1.Memory/KeepAlive',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryServicer:
@@ -173,6 +178,12 @@ class MemoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepAlive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -235,6 +246,11 @@ def add_MemoryServicer_to_server(servicer, server):
                     servicer.Explain,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ExplainResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -562,6 +578,33 @@ class Memory:
             '/kvd.v1.Memory/Explain',
             kvd__api_dot_v1_dot_kvd__pb2.ExplainRequest.SerializeToString,
             kvd__api_dot_v1_dot_kvd__pb2.ExplainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Memory/KeepAlive',
+            kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -573,6 +573,7 @@ class Pool:
         admitted = RequestState.ADMITTED
         now = self.clock.now()
         touch_many = self.policy.touch_many if self.policy.eager_touch else None
+        reuse = self.policy.tracks_reuse
         general: list[str] = []
         relocated: list[Request] = []
         num_critical = num_blocks = 0
@@ -583,11 +584,17 @@ class Pool:
                     or (tenant is not None and req.tenant != tenant)):
                 general.append(rid)
                 continue
-            for b in req.blocks:
-                if b is not None:
-                    b.reuse_s = now - b.last_access
-                    b.last_access = now
-                    num_critical += b.decode_critical
+            if reuse:
+                for b in req.blocks:
+                    if b is not None:
+                        b.reuse_s = now - b.last_access
+                        b.last_access = now
+                        num_critical += b.decode_critical
+            else:
+                for b in req.blocks:
+                    if b is not None:
+                        b.last_access = now
+                        num_critical += b.decode_critical
             if touch_many is not None:
                 touch_many(req.blocks)
             num_blocks += req.num_live_blocks

@@ -8,12 +8,14 @@ from dataclasses import dataclass
 
 from kvd.config import Config
 from kvd.core.errors import PermissionDenied, Unauthenticated
+from kvd.leases import LEASE_METADATA
 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
     tenant: str  # "" for the admin identity, which acts for no tenant in particular
     admin: bool
+    lease: str = ""  # the client's lease id (kvd-lease metadata), "" for none
 
     def may_touch(self, tenant: str) -> bool:
         return self.admin or self.tenant == tenant
@@ -25,7 +27,8 @@ class Caller:
 
 
 class Authenticator:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, leases=None) -> None:
+        self.leases = leases
         self.configure(config)
 
     def configure(self, config: Config) -> None:
@@ -36,13 +39,22 @@ class Authenticator:
         self._unix_admin = config.auth.unix_admin
 
     def identify(self, context) -> Caller:
-        token = ""
+        token = lease = ""
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
                 scheme, _, token = value.partition(" ")
                 if scheme.lower() != "bearer" or not token:
                     raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
-                break
+            elif key == LEASE_METADATA:
+                lease = value[:128]
+        caller = self._who(token, context)
+        if lease:
+            caller = Caller(caller.tenant, caller.admin, lease)
+            if self.leases is not None:
+                self.leases.renew(lease, caller.tenant)
+        return caller
+
+    def _who(self, token: str, context) -> Caller:
         if token:
             if self._admin_token and hmac.compare_digest(token, self._admin_token):
                 return Caller("", True)

@@ -39,6 +39,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         result = self.daemon.admit(
             request.request_id,
             tenant=tenant,
+            lease=caller.lease,
             pool=request.pool,
             prompt_tokens=request.prompt_tokens,
             output_tokens=request.expected_output_tokens,
@@ -140,14 +141,23 @@ class MemoryService(pb_grpc.MemoryServicer):
         return pb.GetPoolStatsResponse(pools=[pool_stats(rt) for rt in runtimes])
 
     @unary
+    async def KeepAlive(self, request, context):
+        caller = self.auth.identify(context)  # renews the caller's lease
+        return pb.KeepAliveResponse(lease_ttl_s=self.daemon.leases.ttl_s,
+                                    leased=bool(caller.lease))
+
+    @unary
     async def Explain(self, request, context):
         account, pool, active = self.daemon.explain(request.request_id,
                                                     self.auth.identify(context).scope)
         return explain_response(account, pool, active)
 
     async def WaitAdmission(self, request, context):
+        caller = None
         try:
-            scope = self.auth.identify(context).scope
+            caller = self.auth.identify(context)
+            self.daemon.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
+            scope = caller.scope
             last = None
             while True:
                 admitted, position, reason, changed = self.daemon.admission_state(
@@ -170,14 +180,22 @@ class MemoryService(pb_grpc.MemoryServicer):
                 await self.daemon.release(rid)
                 log.info("queued request withdrawn", request_id=rid)
             raise
+        finally:
+            if caller is not None:
+                self.daemon.leases.stream_closed(caller.lease)
 
     async def Step(self, request_iterator, context):
         try:
-            scope = self.auth.identify(context).scope
+            caller = self.auth.identify(context)
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
-        async for step in request_iterator:
-            yield await self._step(step, scope)
+        leases = self.daemon.leases
+        leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds the lease
+        try:
+            async for step in request_iterator:
+                yield await self._step(step, caller.scope)
+        finally:
+            leases.stream_closed(caller.lease)
 
     async def _step(self, step: pb.StepRequest, scope: str | None = None) -> pb.StepResponse:
         """One engine step: intents, frees, releases, allocations, accesses, in that order.

@@ -44,6 +44,7 @@ class FairPolicy(EvictionPolicy):
         self.name = f"fair:{base.name}"
         self.uses_intent = base.uses_intent
         self.eager_touch = base.eager_touch
+        self.tracks_reuse = base.tracks_reuse
         self._by_request: dict[Request, EvictionPolicy] = {}
         # Per tenant: a max-heap of (-evictable pages, seq, request), lazily invalidated.
         self._heaps: dict[str, list] = {}

@@ -23,6 +23,7 @@ from kvd.core.policies.base import EvictionPolicy
 
 class ReusePolicy(EvictionPolicy):
     name = "reuse"
+    tracks_reuse = True
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)

@@ -1,0 +1,99 @@
+"""Leases: a client that disappears without releasing its requests gets them released.
+
+A client names its lease in call metadata (`kvd-lease`; the Python client sends one per
+client instance). Every call renews the lease, and an open Step stream holds it. A lease that
+has been silent longer than its TTL with no stream open is expired: its requests are
+released, their pages go back to the free lists, and kvd logs and counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvd.core.clock import Clock
+
+log = structlog.get_logger("kvd.leases")
+
+LEASE_METADATA = "kvd-lease"
+
+
+@dataclass(slots=True)
+class Lease:
+    lease_id: str
+    tenant: str
+    last_seen: float
+    open_streams: int = 0
+    requests: set[str] = field(default_factory=set)
+
+
+class LeaseTable:
+    def __init__(self, clock: Clock, ttl_s: float) -> None:
+        self.clock = clock
+        self.ttl_s = ttl_s
+        self.leases: dict[str, Lease] = {}
+        self.num_expired = 0
+        self.num_requests_released = 0
+
+    def renew(self, lease_id: str, tenant: str) -> Lease | None:
+        if not lease_id:
+            return None
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            lease = self.leases[lease_id] = Lease(lease_id, tenant, self.clock.now())
+        else:
+            lease.last_seen = self.clock.now()
+        return lease
+
+    def attach(self, lease_id: str, tenant: str, request_id: str) -> None:
+        lease = self.renew(lease_id, tenant)
+        if lease is not None:
+            lease.requests.add(request_id)
+
+    def detach(self, request_id: str, lease_id: str = "") -> None:
+        if lease_id and lease_id in self.leases:
+            self.leases[lease_id].requests.discard(request_id)
+            return
+        for lease in self.leases.values():
+            lease.requests.discard(request_id)
+
+    def stream_opened(self, lease_id: str, tenant: str) -> None:
+        lease = self.renew(lease_id, tenant)
+        if lease is not None:
+            lease.open_streams += 1
+
+    def stream_closed(self, lease_id: str) -> None:
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.open_streams -= 1
+            lease.last_seen = self.clock.now()
+
+    def expired(self) -> list[Lease]:
+        """Leases silent for longer than the TTL with no stream open; removed from the table."""
+        now = self.clock.now()
+        gone = [lease for lease in self.leases.values()
+                if lease.open_streams <= 0 and now - lease.last_seen > self.ttl_s]
+        for lease in gone:
+            del self.leases[lease.lease_id]
+        return gone
+
+    async def reap_forever(self, release, period_s: float) -> None:
+        """Every period, release the requests of expired leases with `release(request_id)`."""
+        while True:
+            await asyncio.sleep(period_s)
+            for lease in self.expired():
+                self.num_expired += 1
+                released = 0
+                for request_id in sorted(lease.requests):
+                    try:
+                        await release(request_id)
+                        released += 1
+                    except Exception as exc:  # already released, or released by its owner
+                        log.debug("lease release skipped", request_id=request_id,
+                                  error=str(exc))
+                self.num_requests_released += released
+                log.warning("lease expired: released its requests", lease=lease.lease_id,
+                            tenant=lease.tenant, num_requests=released,
+                            silent_s=round(self.clock.now() - lease.last_seen, 3))

@@ -1,0 +1,88 @@
+"""Leases: a client that disappears gets its requests released; nothing else changes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import textwrap
+
+from kvd_client import AsyncClient, pb
+from kvd_loadgen.local import LocalKvd
+
+from .conftest import SMALL
+
+HOLDER = textwrap.dedent("""
+    import asyncio, sys
+    from kvd_client import AsyncClient
+
+    async def main():
+        async with AsyncClient(sys.argv[1]) as kvd:
+            for i in range(3):
+                await kvd.admit(f"held-{i}", 16 * 8)
+                await kvd.allocate(f"held-{i}", 8)
+            async with kvd.step_stream() as stream:
+                await stream.step(read_all=["held-0"])
+                print("ready", flush=True)
+                await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+async def _used_pages(client) -> list[int]:
+    return [t.used_pages for t in (await client.pool_stats()).pools[0].tiers]
+
+
+async def test_a_killed_client_gets_every_page_back(tmp_path):
+    with LocalKvd(*SMALL, "--lease-ttl-s", "0.5", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as survivor:
+            await survivor.admit("survivor", 32)
+            await survivor.allocate("survivor", 2)
+            holder = subprocess.Popen([sys.executable, "-c", HOLDER, kvd.target],
+                                      stdout=subprocess.PIPE, text=True)
+            try:
+                assert holder.stdout.readline().strip() == "ready"
+                device, host = await _used_pages(survivor)
+                assert device + host == 2 + 24  # 3 x 8 held, demoted where needed
+                # The open stream holds the holder's lease well past its TTL (the survivor
+                # keeps its own alive meanwhile).
+                for _ in range(12):
+                    await survivor.keep_alive()
+                    await asyncio.sleep(0.1)
+                assert sum(await _used_pages(survivor)) == 26
+                holder.send_signal(signal.SIGKILL)
+                holder.wait()
+                for _ in range(100):
+                    if sum(await _used_pages(survivor)) == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                assert sum(await _used_pages(survivor)) == 2
+            finally:
+                holder.kill()
+            # Nothing else changed: the survivor's request is whole and readable.
+            access = await survivor.access("survivor")
+            assert len(access.handles) == 2
+            stats = (await survivor.pool_stats()).pools[0]
+            assert stats.num_requests == 1 and stats.reserved_pages == 2
+            assert (await survivor.self_check()).ok
+        assert '"lease expired: released its requests"' in kvd.log()
+        assert '"num_requests": 3' in kvd.log()
+
+
+async def test_keep_alive_holds_a_unary_client_and_silence_expires_it(tmp_path):
+    with LocalKvd(*SMALL, "--lease-ttl-s", "0.4", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, lease="unary-client") as client:
+            assert (await client.admit("r", 16)).decision == pb.DECISION_ADMITTED
+            for _ in range(6):  # 1.2 s of keep-alives, three TTLs
+                reply = await client.keep_alive()
+                assert reply.leased and reply.lease_ttl_s == 0.4
+                await asyncio.sleep(0.2)
+            assert (await client.explain("r")).active
+        async with AsyncClient(kvd.target, lease="") as observer:  # holds no lease itself
+            for _ in range(60):
+                if not (await observer.explain("r")).active:
+                    break
+                await asyncio.sleep(0.05)
+            assert not (await observer.explain("r")).active
