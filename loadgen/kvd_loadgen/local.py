@@ -19,6 +19,8 @@ class LocalKvd:
     def __init__(self, *args: str, workdir: str | Path | None = None,
                  env: dict[str, str] | None = None) -> None:
         self.args = list(args)
+        if "--metrics" not in self.args:  # many daemons per machine: no fixed metrics port
+            self.args += ["--metrics", ""]
         self._tmp = None
         if workdir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="kvd-")

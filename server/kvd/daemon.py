@@ -22,6 +22,7 @@ from kvd.core.invariants import check_pool
 from kvd.core.pool import AdmitResult, IntentChange, Pool
 from kvd.core.transfer import TransferPlan
 from kvd.leases import LeaseTable
+from kvd.metrics import STALL_SECONDS
 from kvd.memory.arena import ShmArena
 from kvd.memory.copier import PageCopier
 from kvd.runtime import PoolRuntime
@@ -97,7 +98,8 @@ class Daemon:
         return runtime
 
     def _on_plan_done(self, plan: TransferPlan, stall_s: float) -> None:
-        pass  # hook for metrics and the event stream
+        if plan.reason == "access" and stall_s > 0:
+            STALL_SECONDS.labels(plan.pool).observe(stall_s)
 
     # ------------------------------------------------------------------ lookup
 

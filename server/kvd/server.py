@@ -23,6 +23,7 @@ from kvd import __version__
 from kvd.config import Config, load_config
 from kvd.core.errors import KvdError
 from kvd.daemon import Daemon
+from kvd.metrics import serve_metrics
 from kvd.service.admin import AdminService
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
@@ -90,6 +91,9 @@ class Server:
         self._grpc = server
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._metrics_server = None
+        if self.config.metrics:
+            self._metrics_server, _ = serve_metrics(self.config.metrics, self.daemon, loop)
         self._reaper = asyncio.ensure_future(self.daemon.leases.reap_forever(
             self.daemon.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4))))
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
@@ -137,6 +141,8 @@ class Server:
         await self.health.enter_graceful_shutdown()
         if getattr(self, "_reaper", None) is not None:
             self._reaper.cancel()
+        if getattr(self, "_metrics_server", None) is not None:
+            self._metrics_server.shutdown()
         if self._grpc is not None:
             await self._grpc.stop(self.config.grace_s)
         if self.daemon is not None:

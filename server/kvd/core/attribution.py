@@ -48,6 +48,8 @@ class Attribution:
         self.evictions_caused: Counter[str] = Counter()
         # (victim tenant, causing tenant) -> seconds of stall
         self.stall_s_by_cause: Counter[tuple[str, str]] = Counter()
+        # (victim tenant, causing tenant, policy) -> evictions
+        self.evictions_by_pair: Counter[tuple[str, str, str]] = Counter()
 
     def open(self, request_id: str, tenant: str) -> RequestAccount:
         account = RequestAccount(request_id, tenant)
@@ -70,6 +72,7 @@ class Attribution:
         self.ledger.append(record)
         self.evictions_suffered[record.victim_tenant] += 1
         self.evictions_caused[record.evictor_tenant] += 1
+        self.evictions_by_pair[(record.victim_tenant, record.evictor_tenant, record.policy)] += 1
         cause = (record.evictor_tenant, record.evictor_request)
         victim = self.active.get(record.victim_request)
         if victim is not None:

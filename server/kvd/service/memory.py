@@ -13,6 +13,7 @@ from kvd.core.blocks import TierKind
 from kvd.core.pool import AccessResult
 from kvd.daemon import Daemon
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
+from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator
 from kvd.service.status import status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
@@ -193,7 +194,10 @@ class MemoryService(pb_grpc.MemoryServicer):
         leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds the lease
         try:
             async for step in request_iterator:
-                yield await self._step(step, caller.scope)
+                started = time.perf_counter()
+                reply = await self._step(step, caller.scope)
+                observe_rpc("Step", "OK", time.perf_counter() - started)
+                yield reply
         finally:
             leases.stream_closed(caller.lease)
 

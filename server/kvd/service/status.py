@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 
 import grpc
 import structlog
 
 from kvd.core import errors
+from kvd.metrics import observe_rpc
 
 log = structlog.get_logger("kvd.service")
 
@@ -31,17 +33,25 @@ def status_of(exc: errors.KvdError) -> grpc.StatusCode:
 
 
 def unary(method: Callable) -> Callable:
-    """Turn domain errors raised by a unary handler into their gRPC status; anything else
-    is a bug: logged with its traceback and reported as INTERNAL, and the daemon serves on."""
+    """Turn domain errors raised by a unary handler into their gRPC status (and time it);
+    anything else is a bug: reported as INTERNAL by grpc, and the daemon serves on."""
+    name = method.__name__
 
     @functools.wraps(method)
     async def handler(self, request, context):
+        started = time.perf_counter()
+        code = "OK"
         try:
             return await method(self, request, context)
         except errors.KvdError as exc:
-            await context.abort(status_of(exc), str(exc))
+            status = status_of(exc)
+            code = status.name
+            await context.abort(status, str(exc))
         except (ValueError, OverflowError, TypeError) as exc:
             # Out-of-range values that slipped past validation: the caller's input.
+            code = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}")
+        finally:
+            observe_rpc(name, code, time.perf_counter() - started)
 
     return handler

@@ -1,0 +1,191 @@
+"""Prometheus metrics. State (pages, tenants, counters the core keeps anyway) is read at
+scrape time from a snapshot taken on the event loop, so the hot path pays nothing for it;
+only latencies are observed as they happen (RPCs, memory stalls).
+
+Every metric is listed, one line each, in deploy/README.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = structlog.get_logger("kvd.metrics")
+
+REGISTRY = CollectorRegistry()
+RPC_SECONDS = Histogram(
+    "kvd_rpc_duration_seconds", "Time kvd spent on an RPC (a Step message for Step), by code",
+    ["method", "code"], registry=REGISTRY,
+    buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1),
+)
+STALL_SECONDS = Histogram(
+    "kvd_stall_seconds", "Memory stall of one access (waiting for promotions)", ["pool"],
+    registry=REGISTRY,
+    buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1, 5),
+)
+_rpc_children: dict[tuple[str, str], object] = {}
+
+
+def observe_rpc(method: str, code: str, seconds: float) -> None:
+    child = _rpc_children.get((method, code))
+    if child is None:
+        child = _rpc_children[(method, code)] = RPC_SECONDS.labels(method, code)
+    child.observe(seconds)
+
+
+def _snapshot(daemon) -> dict:
+    """Everything a scrape reports, read on the event loop (consistent, and race-free)."""
+    pools = []
+    for name, rt in daemon.pools.items():
+        pool = rt.pool
+        c = pool.counters
+        att = pool.attribution
+        pools.append({
+            "pool": name,
+            "policy": pool.policy.name,
+            "page_bytes": pool.page_bytes,
+            "backends": {k: a.backend for k, a in rt.arenas.items()},
+            "tiers": {"device": (pool.device.capacity, pool.device.num_used, pool.num_pinned),
+                      "host": (pool.host.capacity, pool.host.num_used, 0)},
+            "queue": len(pool.queue),
+            "in_flight": len(rt._plans),
+            "counters": {k: getattr(c, k) for k in (
+                "num_admitted", "num_queued", "num_rejected", "num_demotions",
+                "num_promotions", "num_drops", "num_prefetches",
+                "num_decode_critical_accesses", "num_decode_critical_misses",
+                "num_deadline_misses", "stall_seconds_total")},
+            "evictions": dict(att.evictions_by_pair),
+            "stall_by_cause": dict(att.stall_s_by_cause),
+            "tenants": {t: (pool.device_by_tenant[t], pool.fair_share(t), pool.guaranteed(t),
+                            pool.quota(t).limit or 0, pool.reserved_by_tenant[t],
+                            pool.queued_by_tenant[t])
+                        for t in (set(pool.quotas) | set(pool.reserved_by_tenant)
+                                  | set(pool.queued_by_tenant) | set(pool.device_by_tenant))},
+        })
+    leases = daemon.leases
+    return {"pools": pools, "uptime_s": time.time() - daemon.started_at,
+            "leases": (len(leases.leases), leases.num_expired, leases.num_requests_released)}
+
+
+class KvdCollector(Collector):
+    def __init__(self, daemon, loop: asyncio.AbstractEventLoop) -> None:
+        self.daemon = daemon
+        self.loop = loop
+
+    async def _take(self) -> dict:
+        return _snapshot(self.daemon)
+
+    def collect(self):
+        s = asyncio.run_coroutine_threadsafe(self._take(), self.loop).result(timeout=5)
+
+        def gauge(name, doc, labels):
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        def counter(name, doc, labels):
+            return CounterMetricFamily(name, doc, labels=labels)
+
+        up = gauge("kvd_uptime_seconds", "Seconds since kvd started", [])
+        up.add_metric([], s["uptime_s"])
+        yield up
+        info = gauge("kvd_pool_info", "A pool's policy, page size and tier backends (value 1)",
+                     ["pool", "policy", "page_bytes", "device_backend", "host_backend"])
+        pages = gauge("kvd_pool_pages", "Pages by pool, tier and state", ["pool", "tier", "state"])
+        queue = gauge("kvd_admission_queue_depth", "Requests waiting for admission", ["pool"])
+        flight = gauge("kvd_transfers_in_flight", "Transfer plans being copied", ["pool"])
+        adm = counter("kvd_admissions", "Admission decisions", ["pool", "decision"])
+        moves = counter("kvd_page_moves", "Pages moved between tiers", ["pool", "direction"])
+        moved = counter("kvd_moved_bytes", "Bytes copied between tiers", ["pool", "direction"])
+        drops = counter("kvd_drops", "Pages dropped for the engine to recompute", ["pool"])
+        pre = counter("kvd_prefetches", "Blocks promoted ahead of their access", ["pool"])
+        dca = counter("kvd_decode_critical_accesses", "Reads of decode-critical blocks", ["pool"])
+        dcm = counter("kvd_decode_critical_misses",
+                      "Decode-critical reads that found the block off the device", ["pool"])
+        dlm = counter("kvd_deadline_misses", "Blocks made resident after their deadline",
+                      ["pool"])
+        stall = counter("kvd_stall_seconds_by_cause",
+                        "Memory stall of a tenant's requests, by the tenant whose evictions "
+                        "caused it", ["pool", "tenant", "cause_tenant"])
+        ev = counter("kvd_evictions", "Pages evicted from the device tier",
+                     ["pool", "policy", "victim_tenant", "cause_tenant"])
+        t_pages = gauge("kvd_tenant_device_pages", "Device pages a tenant holds",
+                        ["pool", "tenant"])
+        t_share = gauge("kvd_tenant_fair_share_pages", "A tenant's fair share of the device tier",
+                        ["pool", "tenant"])
+        t_guar = gauge("kvd_tenant_guaranteed_pages", "A tenant's guaranteed pages",
+                       ["pool", "tenant"])
+        t_lim = gauge("kvd_tenant_limit_pages", "A tenant's page limit (0: none)",
+                      ["pool", "tenant"])
+        t_res = gauge("kvd_tenant_reserved_pages", "Pages reserved by a tenant's requests",
+                      ["pool", "tenant"])
+        t_q = gauge("kvd_tenant_queued_pages", "Pages a tenant's queued requests ask for",
+                    ["pool", "tenant"])
+        for p in s["pools"]:
+            name = p["pool"]
+            info.add_metric([name, p["policy"], str(p["page_bytes"]), p["backends"]["device"],
+                             p["backends"]["host"]], 1)
+            for tier, (capacity, used, pinned) in p["tiers"].items():
+                pages.add_metric([name, tier, "used"], used)
+                pages.add_metric([name, tier, "free"], capacity - used)
+                if tier == "device":
+                    pages.add_metric([name, tier, "pinned"], pinned)
+            queue.add_metric([name], p["queue"])
+            flight.add_metric([name], p["in_flight"])
+            c = p["counters"]
+            for decision in ("admitted", "queued", "rejected"):
+                adm.add_metric([name, decision], c[f"num_{decision}"])
+            moves.add_metric([name, "device_to_host"], c["num_demotions"])
+            moves.add_metric([name, "host_to_device"], c["num_promotions"])
+            moved.add_metric([name, "device_to_host"], c["num_demotions"] * p["page_bytes"])
+            moved.add_metric([name, "host_to_device"], c["num_promotions"] * p["page_bytes"])
+            drops.add_metric([name], c["num_drops"])
+            pre.add_metric([name], c["num_prefetches"])
+            dca.add_metric([name], c["num_decode_critical_accesses"])
+            dcm.add_metric([name], c["num_decode_critical_misses"])
+            dlm.add_metric([name], c["num_deadline_misses"])
+            for (victim, cause), seconds in p["stall_by_cause"].items():
+                stall.add_metric([name, victim, cause or "(engine)"], seconds)
+            for (victim, cause, policy), n in p["evictions"].items():
+                ev.add_metric([name, policy, victim, cause or "(engine)"], n)
+            for tenant, (used, share, guaranteed, limit, reserved, queued) in p["tenants"].items():
+                t_pages.add_metric([name, tenant], used)
+                t_share.add_metric([name, tenant], share)
+                t_guar.add_metric([name, tenant], guaranteed)
+                t_lim.add_metric([name, tenant], limit)
+                t_res.add_metric([name, tenant], reserved)
+                t_q.add_metric([name, tenant], queued)
+        yield from (info, pages, queue, flight, adm, moves, moved, drops, pre, dca, dcm, dlm,
+                    stall, ev, t_pages, t_share, t_guar, t_lim, t_res, t_q)
+        active, expired, released = s["leases"]
+        g = gauge("kvd_leases", "Client leases kvd is tracking", [])
+        g.add_metric([], active)
+        yield g
+        e = counter("kvd_lease_expirations", "Leases expired (their client went silent)", [])
+        e.add_metric([], expired)
+        yield e
+        r = counter("kvd_lease_released_requests", "Requests released by lease expiry", [])
+        r.add_metric([], released)
+        yield r
+
+
+def serve_metrics(address: str, daemon, loop):
+    """Expose /metrics on HOST:PORT; returns the HTTP server (or None when it cannot bind,
+    which is logged: metrics are worth a warning, not a failed start)."""
+    host, _, port = address.rpartition(":")
+    collector = KvdCollector(daemon, loop)
+    try:
+        REGISTRY.register(collector)
+    except ValueError:  # a second daemon in this process (tests): replace the collector
+        pass
+    try:
+        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=REGISTRY)
+    except OSError as exc:
+        log.warning("metrics disabled: cannot listen", address=address, error=str(exc))
+        REGISTRY.unregister(collector)
+        return None, None
+    log.info("metrics listening", address=f"http://{host}:{server.server_port}/metrics")
+    return server, collector

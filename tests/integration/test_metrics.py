@@ -1,0 +1,68 @@
+"""/metrics of a running kvd after a workload: the expected series, with the right values,
+in an exposition a real Prometheus parser accepts."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvd_client import AsyncClient
+from kvd_loadgen.local import LocalKvd
+
+from .conftest import SMALL
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> tuple[str, dict]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return text, samples
+
+
+def _value(samples, name, **labels):
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+async def test_metrics_after_a_workload(tmp_path):
+    port = _free_port()
+    with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as client:
+            for rid in ("a", "b", "c"):  # 12 blocks on 8 device pages: evictions
+                await client.admit(rid, 64, tenant="t1" if rid != "c" else "t2")
+                await client.allocate(rid, 4)
+            await client.access("a")
+            stats = (await client.pool_stats()).pools[0]
+            text, samples = _scrape(port)
+    labels = dict(pool="default", tier="device", state="used")
+    assert _value(samples, "kvd_pool_pages", **labels) == stats.tiers[0].used_pages == 8
+    assert _value(samples, "kvd_pool_pages", pool="default", tier="host", state="used") == 4
+    assert _value(samples, "kvd_admissions_total", pool="default", decision="admitted") == 3
+    evictions = sum(v for (n, _), v in samples.items() if n == "kvd_evictions_total")
+    assert evictions == stats.num_evictions > 0
+    assert _value(samples, "kvd_evictions_total", pool="default", policy="lru",
+                  victim_tenant="t1", cause_tenant="t2") >= 4
+    assert _value(samples, "kvd_page_moves_total", pool="default",
+                  direction="host_to_device") == stats.num_promotions
+    assert _value(samples, "kvd_moved_bytes_total", pool="default",
+                  direction="device_to_host") == stats.num_demotions * stats.page_bytes
+    assert _value(samples, "kvd_tenant_reserved_pages", pool="default", tenant="t1") == 8
+    assert _value(samples, "kvd_rpc_duration_seconds_count", method="Admit", code="OK") == 3
+    assert _value(samples, "kvd_stall_seconds_count", pool="default") >= 1
+    assert "# TYPE kvd_rpc_duration_seconds histogram" in text
+    promtool = shutil.which("promtool")
+    if promtool:  # Debian's prometheus package, where it is installed
+        check = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
+                               capture_output=True)
+        assert check.returncode == 0, check.stdout + check.stderr
