@@ -364,6 +364,10 @@ class Client:
         return list(self._call(self.admin.SetQuota,
                                pb.SetQuotaRequest(tenant=tenant, pool=pool, **fields)).tenants)
 
+    def list_requests(self, pool: str = "", limit: int = 0):
+        return list(self._call(self.admin.ListRequests,
+                               pb.ListRequestsRequest(pool=pool, limit=limit)).requests)
+
     def list_policies(self) -> list[str]:
         return list(self._call(self.admin.ListPolicies, pb.ListPoliciesRequest()).policies)
 

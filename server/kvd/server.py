@@ -19,7 +19,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvd import __version__
+from kvd import __version__, sdnotify
 from kvd.config import Config, load_config
 from kvd.core.errors import KvdError
 from kvd.daemon import Daemon
@@ -99,6 +99,11 @@ class Server:
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()
+        sdnotify.notify(f"READY=1\nSTATUS=serving on {', '.join(self.addresses)}\n"
+                        f"MAINPID={os.getpid()}")
+        interval = sdnotify.watchdog_interval_s()
+        self._watchdog = (asyncio.ensure_future(sdnotify.watchdog_forever(interval))
+                          if interval else None)
         log.info("kvd serving", version=__version__, listen=self.addresses, pid=os.getpid())
 
     def request_stop(self) -> None:
@@ -125,7 +130,9 @@ class Server:
             log.warning("pool changes need a restart; applying tenants and quotas only")
         self.config = replace(self.config, tenants=fresh.tenants, auth=fresh.auth)
         self.auth.configure(self.config)
+        sdnotify.notify("RELOADING=1")
         self.daemon.apply_tenants(self.config)
+        sdnotify.notify("READY=1")
         log.info("config reloaded", path=self.config.path,
                  tenants=[t.name for t in self.config.tenants])
 
@@ -138,7 +145,10 @@ class Server:
         self._stop.set()
 
     async def shutdown(self) -> None:
+        sdnotify.notify("STOPPING=1\nSTATUS=draining")
         await self.health.enter_graceful_shutdown()
+        if getattr(self, "_watchdog", None) is not None:
+            self._watchdog.cancel()
         if getattr(self, "_reaper", None) is not None:
             self._reaper.cancel()
         if getattr(self, "_metrics_server", None) is not None:

@@ -168,6 +168,11 @@ async def test_cancelling_the_wait_withdraws_the_request(tenants_kvd):
         for i in range(4):
             await alpha.admit(f"fill{i}", 16 * 8)
         assert (await alpha.admit("impatient", 16 * 8)).decision == pb.DECISION_QUEUED
+        async with AsyncClient(tenants_kvd.target, token="beta-token") as beta:
+            with pytest.raises(PermissionDeniedError):  # and does not withdraw alpha's request
+                async for _ in beta.wait_admission("impatient"):
+                    pass
+        assert (await alpha.explain("impatient")).active
         stream = alpha.wait_admission("impatient")
         first = await stream.__anext__()
         assert first.queue_position == 1

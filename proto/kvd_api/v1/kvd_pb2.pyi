@@ -400,10 +400,14 @@ class PoolStats(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ...) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
-    __slots__ = ("pools",)
+    __slots__ = ("pools", "uptime_s", "version")
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[PoolStats]
-    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ...) -> None: ...
+    uptime_s: float
+    version: str
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolStats, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
 
 class WaitAdmissionRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -598,6 +602,42 @@ class SetQuotaResponse(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     tenants: _containers.RepeatedCompositeFieldContainer[TenantInfo]
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantInfo, _Mapping]]] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ("pool", "limit")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    limit: int
+    def __init__(self, pool: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "tenant", "pool", "state", "num_blocks", "device_blocks", "reserved_pages", "stall_seconds", "evictions_suffered")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_SUFFERED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    pool: str
+    state: str
+    num_blocks: int
+    device_blocks: int
+    reserved_pages: int
+    stall_seconds: float
+    evictions_suffered: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., state: _Optional[str] = ..., num_blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., evictions_suffered: _Optional[int] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

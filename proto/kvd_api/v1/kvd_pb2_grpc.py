@@ -656,6 +656,11 @@ class AdminStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/kvd.v1.Admin/ListRequests',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -698,6 +703,12 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -730,6 +741,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.SetQuota,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.SetQuotaResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -895,6 +911,33 @@ class Admin:
             '/kvd.v1.Admin/SetQuota',
             kvd__api_dot_v1_dot_kvd__pb2.SetQuotaRequest.SerializeToString,
             kvd__api_dot_v1_dot_kvd__pb2.SetQuotaResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Admin/ListRequests',
+            kvd__api_dot_v1_dot_kvd__pb2.ListRequestsRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.ListRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

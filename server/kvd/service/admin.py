@@ -66,6 +66,24 @@ class AdminService(pb_grpc.AdminServicer):
             if t == request.tenant])
 
 
+    @unary
+    async def ListRequests(self, request, context):
+        self._admin(context)
+        runtimes = ([self.daemon.runtime(request.pool)] if request.pool
+                    else list(self.daemon.pools.values()))
+        reqs = [r for rt in runtimes for r in rt.pool.requests.values()]
+        reqs.sort(key=lambda r: (-r.num_device_blocks, -r.num_live_blocks, r.request_id))
+        return pb.ListRequestsResponse(requests=[
+            pb.RequestInfo(
+                request_id=r.request_id, tenant=r.tenant, pool=r.pool, state=r.state.value,
+                num_blocks=r.num_live_blocks, device_blocks=r.num_device_blocks,
+                reserved_pages=r.reserved_pages,
+                stall_seconds=r.account.stall_s if r.account else 0.0,
+                evictions_suffered=sum(r.account.evictions_suffered.values())
+                if r.account else 0)
+            for r in reqs[:request.limit or 100]])
+
+
 def tenant_info(tenant: str, pool) -> pb.TenantInfo:
     quota = pool.quota(tenant)
     att = pool.attribution

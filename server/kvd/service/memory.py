@@ -8,6 +8,7 @@ import time
 import grpc
 import structlog
 
+from kvd import __version__
 from kvd.core import errors
 from kvd.core.blocks import TierKind
 from kvd.core.pool import AccessResult
@@ -139,7 +140,9 @@ class MemoryService(pb_grpc.MemoryServicer):
         runtimes = (
             [self.daemon.runtime(request.pool)] if request.pool else self.daemon.pools.values()
         )
-        return pb.GetPoolStatsResponse(pools=[pool_stats(rt) for rt in runtimes])
+        return pb.GetPoolStatsResponse(pools=[pool_stats(rt) for rt in runtimes],
+                                       uptime_s=time.time() - self.daemon.started_at,
+                                       version=__version__)
 
     @unary
     async def KeepAlive(self, request, context):
@@ -155,14 +158,14 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     async def WaitAdmission(self, request, context):
         caller = None
+        admitted = False
         try:
             caller = self.auth.identify(context)
             self.daemon.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
-            scope = caller.scope
             last = None
             while True:
                 admitted, position, reason, changed = self.daemon.admission_state(
-                    request.request_id, scope)
+                    request.request_id, caller.scope)
                 if admitted:
                     yield pb.AdmissionUpdate(decision=pb.DECISION_ADMITTED)
                     return
@@ -173,17 +176,17 @@ class MemoryService(pb_grpc.MemoryServicer):
                 await changed.wait()
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
-        except asyncio.CancelledError:
-            # The client stopped waiting: a queued request it no longer wants leaves the queue.
-            rid = request.request_id
-            rt = self.daemon.request_index.get(rid)
-            if rt is not None and rid in rt.pool.queue:
-                await self.daemon.release(rid)
-                log.info("queued request withdrawn", request_id=rid)
-            raise
         finally:
+            # However the stream ended (cancelled while waiting, or closed at a yield), a
+            # client that stopped waiting no longer wants its still-queued request.
             if caller is not None:
                 self.daemon.leases.stream_closed(caller.lease)
+                rid = request.request_id
+                rt = self.daemon.request_index.get(rid)
+                queued = rt.pool.queue.get(rid) if rt is not None else None
+                if not admitted and queued is not None and caller.may_touch(queued.tenant):
+                    await self.daemon.release(rid)
+                    log.info("queued request withdrawn", request_id=rid)
 
     async def Step(self, request_iterator, context):
         try:

@@ -1,0 +1,215 @@
+"""`kvctl`: kvd for people. Tables on a terminal, `--json` for scripts.
+
+Exit codes: 0 done; 1 kvd refused (the message says why); 2 bad usage; 3 kvd unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from google.protobuf.json_format import MessageToDict
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from kvd_client import Client, KvdClientError, UnavailableError, default_target, pb
+
+EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+
+
+def _json(message) -> dict:
+    return MessageToDict(message, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
+
+
+def _mib(pages: int, page_bytes: int) -> str:
+    return f"{pages * page_bytes / 2**20:,.0f} MiB"
+
+
+def status_table(stats: pb.GetPoolStatsResponse) -> Table:
+    t = Table(title=f"kvd {stats.version} — up {stats.uptime_s:,.0f} s")
+    for col in ("pool", "policy", "tier", "backend", "used / capacity", "pinned", "requests",
+                "queued", "evictions", "promotions", "stall s"):
+        t.add_column(col, justify="left" if col in ("pool", "policy", "tier", "backend")
+                     else "right", no_wrap=True)
+    for p in stats.pools:
+        for i, tier in enumerate(p.tiers):
+            first = i == 0
+            t.add_row(p.pool if first else "", p.policy if first else "",
+                      pb.Tier.Name(tier.tier).removeprefix("TIER_").lower(), tier.backend,
+                      f"{tier.used_pages:,} / {tier.capacity_pages:,} "
+                      f"({_mib(tier.capacity_pages, p.page_bytes)})",
+                      f"{tier.pinned_pages:,}" if first else "",
+                      f"{p.num_requests:,}" if first else "", f"{p.num_queued:,}" if first else "",
+                      f"{p.num_evictions:,}" if first else "",
+                      f"{p.num_promotions:,}" if first else "",
+                      f"{p.stall_seconds_total:.3f}" if first else "")
+    return t
+
+
+def tenants_table(tenants) -> Table:
+    t = Table(title="tenants: usage vs fair share vs quota (device pages)")
+    for col in ("pool", "tenant", "weight", "device", "fair share", "guaranteed", "limit",
+                "reserved", "queued", "evictions suffered / caused", "stalled s (by whom)"):
+        t.add_column(col, justify="left" if col in ("pool", "tenant", "stalled s (by whom)")
+                     else "right")
+    for x in tenants:
+        causes = ", ".join(f"{c.cause_tenant or '(engine)'}: {c.stall_seconds:.3f}"
+                           for c in x.stalls_by_cause) or "-"
+        t.add_row(x.pool, x.tenant, f"{x.weight:g}", f"{x.device_pages:,}",
+                  f"{x.fair_share_pages:,.1f}", f"{x.guaranteed_pages:,}",
+                  f"{x.limit_pages:,}" if x.limit_pages else "none", f"{x.reserved_pages:,}",
+                  f"{x.queued_pages:,}", f"{x.evictions_suffered:,} / {x.evictions_caused:,}",
+                  causes)
+    return t
+
+
+def requests_table(requests, title: str) -> Table:
+    t = Table(title=title)
+    for col in ("request", "tenant", "pool", "state", "blocks", "on device", "reserved",
+                "stalled s", "evictions suffered"):
+        t.add_column(col, justify="left" if col in ("request", "tenant", "pool", "state")
+                     else "right")
+    for r in requests:
+        t.add_row(r.request_id, r.tenant, r.pool, r.state, f"{r.num_blocks:,}",
+                  f"{r.device_blocks:,}", f"{r.reserved_pages:,}", f"{r.stall_seconds:.3f}",
+                  f"{r.evictions_suffered:,}")
+    return t
+
+
+def explain_table(e: pb.ExplainResponse) -> Table:
+    t = Table(title=f"{e.request_id} (tenant {e.tenant}, pool {e.pool}, "
+                    f"{'active' if e.active else 'released'}): stalled {e.stall_seconds:.4f} s "
+                    f"over {e.num_stalls} access(es)")
+    t.add_column("because of")
+    t.add_column("stalled s", justify="right")
+    t.add_column("evicted us", justify="right")
+    t.add_column("we evicted", justify="right")
+    rows: dict[tuple[str, str], list] = {}
+    for s in e.stalls_by_cause:
+        rows.setdefault((s.cause.tenant, s.cause.request_id), [0.0, 0, 0])[0] = s.stall_seconds
+    for x in e.evictions_suffered:
+        rows.setdefault((x.other.tenant, x.other.request_id), [0.0, 0, 0])[1] = x.count
+    for x in e.evictions_caused:
+        rows.setdefault((x.other.tenant, x.other.request_id), [0.0, 0, 0])[2] = x.count
+    for (tenant, rid), (secs, suffered, caused) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
+        who = f"{tenant}/{rid}" if tenant or rid else "(the engine itself)"
+        t.add_row(who, f"{secs:.4f}", str(suffered), str(caused))
+    return t
+
+
+def _top(client: Client, console: Console, interval_s: float, count: int | None) -> None:
+    def render():
+        stats = client.pool_stats()
+        busiest = client.list_requests(limit=15)
+        grid = Table.grid()
+        grid.add_row(status_table(stats))
+        grid.add_row(tenants_table(client.list_tenants()))
+        grid.add_row(requests_table(busiest, "busiest requests (device pages)"))
+        return grid
+
+    with Live(render(), console=console, refresh_per_second=4, screen=False) as live:
+        n = 1
+        while count is None or n < count:
+            time.sleep(interval_s)
+            live.update(render())
+            n += 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvctl", description="Look at and steer a running kvd.")
+    p.add_argument("--target", default=None, help=f"kvd address (default: {default_target()})")
+    p.add_argument("--token", default=None, help="bearer token (default: $KVD_TOKEN)")
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, help_ in (("status", "pools, tiers, occupancy, backend, policy, uptime"),
+                        ("tenants", "usage vs fair share vs quota")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("--json", action="store_true")
+    c = sub.add_parser("requests", help="the busiest requests")
+    c.add_argument("--pool", default="")
+    c.add_argument("--limit", type=int, default=20)
+    c.add_argument("--json", action="store_true")
+    c = sub.add_parser("top", help="a refreshing view of pools, tenants, busiest requests")
+    c.add_argument("--interval-s", type=float, default=1.0)
+    c.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    c = sub.add_parser("explain", help="how long a request stalled on memory, because of whom")
+    c.add_argument("request_id")
+    c.add_argument("--json", action="store_true")
+    c = sub.add_parser("set-quota", help="change a tenant's quota (only what you name)")
+    c.add_argument("tenant")
+    c.add_argument("--pool", default="", help="default: every pool")
+    c.add_argument("--weight", type=float)
+    c.add_argument("--guaranteed", type=int, dest="guaranteed_pages")
+    c.add_argument("--limit", type=int, dest="limit_pages", help="pages; 0 for none")
+    c.add_argument("--max-request-pages", type=int)
+    c.add_argument("--max-request-fraction", type=float)
+    c = sub.add_parser("set-policy", help="switch a pool's eviction policy")
+    c.add_argument("policy")
+    c.add_argument("--pool", default="")
+    sub.add_parser("drain", help="stop kvd gracefully (NOT_SERVING, finish in-flight calls)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    out = Console(width=max(console.width, 160))
+    try:
+        with Client(args.target, token=args.token, timeout_s=args.timeout_s,
+                    lease="") as client:
+            return _run(args, client, out)
+    except UnavailableError as exc:
+        print(f"kvctl: cannot reach kvd at {args.target or default_target()}: {exc.details}",
+              file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KvdClientError as exc:
+        print(f"kvctl: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+
+
+def _run(args, client: Client, out: Console) -> int:
+    cmd = args.command
+    if cmd == "status":
+        stats = client.pool_stats()
+        print(json.dumps(_json(stats), indent=2)) if args.json else out.print(status_table(stats))
+    elif cmd == "tenants":
+        tenants = client.list_tenants()
+        if args.json:
+            print(json.dumps([_json(t) for t in tenants], indent=2))
+        else:
+            out.print(tenants_table(tenants))
+    elif cmd == "requests":
+        reqs = client.list_requests(pool=args.pool, limit=args.limit)
+        if args.json:
+            print(json.dumps([_json(r) for r in reqs], indent=2))
+        else:
+            out.print(requests_table(reqs, "busiest requests (device pages)"))
+    elif cmd == "top":
+        _top(client, out, args.interval_s, args.count)
+    elif cmd == "explain":
+        e = client.explain(args.request_id)
+        print(json.dumps(_json(e), indent=2)) if args.json else out.print(explain_table(e))
+    elif cmd == "set-quota":
+        fields = {k: getattr(args, k) for k in ("weight", "guaranteed_pages", "limit_pages",
+                                                  "max_request_pages", "max_request_fraction")
+                  if getattr(args, k) is not None}
+        if not fields:
+            print("kvctl: name at least one of --weight --guaranteed --limit "
+                  "--max-request-pages --max-request-fraction", file=sys.stderr)
+            return EXIT_USAGE
+        out.print(tenants_table(client.set_quota(args.tenant, args.pool, **fields)))
+    elif cmd == "set-policy":
+        previous = client.set_policy(args.policy, args.pool).previous_policy
+        out.print(f"policy: {previous} -> {args.policy}")
+    elif cmd == "drain":
+        client.drain()
+        out.print("kvd is draining")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
