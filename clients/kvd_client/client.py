@@ -172,6 +172,20 @@ class AsyncClient:
         finally:
             call.cancel()
 
+    async def watch_events(self, *, pools=(), tenants=(), kinds=(), buffer: int = 0):
+        """Yield kvd's events as they happen (a "gap" event counts ones this watcher lost)."""
+        call = self.memory.WatchEvents(
+            pb.WatchEventsRequest(pools=pools, tenants=tenants, kinds=kinds, buffer=buffer),
+            metadata=self.metadata)
+        try:
+            async for event in call:
+                yield event
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
     async def list_tenants(self, pool: str = "") -> list[pb.TenantInfo]:
         reply = await self._call(self.admin.ListTenants, pb.ListTenantsRequest(pool=pool))
         return list(reply.tenants)
@@ -363,6 +377,19 @@ class Client:
     def set_quota(self, tenant: str, pool: str = "", **fields):
         return list(self._call(self.admin.SetQuota,
                                pb.SetQuotaRequest(tenant=tenant, pool=pool, **fields)).tenants)
+
+    def watch_events(self, *, pools=(), tenants=(), kinds=(), buffer: int = 0):
+        """Iterate kvd's events as they happen (blocking)."""
+        call = self.memory.WatchEvents(
+            pb.WatchEventsRequest(pools=pools, tenants=tenants, kinds=kinds, buffer=buffer),
+            metadata=self.metadata)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
 
     def list_requests(self, pool: str = "", limit: int = 0):
         return list(self._call(self.admin.ListRequests,

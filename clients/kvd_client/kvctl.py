@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("set-policy", help="switch a pool's eviction policy")
     c.add_argument("policy")
     c.add_argument("--pool", default="")
+    c = sub.add_parser("events", help="follow kvd's event stream")
+    c.add_argument("--kind", action="append", default=[], dest="kinds")
+    c.add_argument("--tenant", action="append", default=[], dest="tenants")
+    c.add_argument("--pool", action="append", default=[], dest="pools")
+    c.add_argument("--count", type=int, default=None, help="stop after this many events")
+    c.add_argument("--json", action="store_true", help="one JSON object per line")
     sub.add_parser("drain", help="stop kvd gracefully (NOT_SERVING, finish in-flight calls)")
     return p
 
@@ -205,6 +211,20 @@ def _run(args, client: Client, out: Console) -> int:
     elif cmd == "set-policy":
         previous = client.set_policy(args.policy, args.pool).previous_policy
         out.print(f"policy: {previous} -> {args.policy}")
+    elif cmd == "events":
+        stream = client.watch_events(pools=args.pools, tenants=args.tenants, kinds=args.kinds)
+        for n, event in enumerate(stream, start=1):
+            if args.json:
+                print(json.dumps(_json(event)), flush=True)
+            elif event.kind == "gap":
+                out.print(f"[red]-- lost {event.lost} event(s) --")
+            else:
+                detail = " ".join(f"{k}={v}" for k, v in sorted(event.detail.items()) if v)
+                out.print(f"{event.seq:>8} {time.strftime('%H:%M:%S', time.localtime(event.time_s))}"
+                          f" {event.kind:<10} {event.pool:<8} {event.tenant:<10} "
+                          f"{event.request_id:<16} {event.count:>6} {detail}")
+            if args.count is not None and n >= args.count:
+                break
     elif cmd == "drain":
         client.drain()
         out.print("kvd is draining")

@@ -21,6 +21,7 @@ from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.pool import AdmitResult, IntentChange, Pool
 from kvd.core.transfer import TransferPlan
+from kvd.events import EventBus
 from kvd.leases import LeaseTable
 from kvd.metrics import STALL_SECONDS
 from kvd.memory.arena import ShmArena
@@ -61,6 +62,7 @@ class Daemon:
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
         self.pools: dict[str, PoolRuntime] = {}
         self.leases = LeaseTable(self.clock, config.lease_ttl_s)
+        self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
         try:
             for pc in config.pools:
@@ -100,6 +102,26 @@ class Daemon:
     def _on_plan_done(self, plan: TransferPlan, stall_s: float) -> None:
         if plan.reason == "access" and stall_s > 0:
             STALL_SECONDS.labels(plan.pool).observe(stall_s)
+        events = self.events
+        if not events.subscriptions:
+            return  # nobody watching: skip grouping the victims
+        cause = plan.cause
+        if plan.demotions:
+            victims: dict = {}
+            for m in plan.demotions:
+                key = (m.block.request.request_id, m.block.request.tenant)
+                victims[key] = victims.get(key, 0) + 1
+            for (rid, tenant), n in victims.items():
+                events.publish("eviction", pool=plan.pool, tenant=tenant, request_id=rid,
+                               count=n, reason=plan.reason,
+                               cause_tenant=cause.tenant if cause else "",
+                               cause_request=cause.request_id if cause else "")
+        if plan.promotions:
+            events.publish("promotion", pool=plan.pool,
+                           tenant=cause.tenant if cause else "",
+                           request_id=cause.request_id if cause else "",
+                           count=len(plan.promotions), reason=plan.reason,
+                           stall_s=f"{stall_s:.6f}")
 
     # ------------------------------------------------------------------ lookup
 
@@ -141,6 +163,13 @@ class Daemon:
             self.request_index[request_id] = rt
             self.leases.attach(lease, tenant or "default", request_id)
             rt.notify_queue()
+        self.events.publish("admission", pool=rt.pool.name, tenant=tenant or "default",
+                            request_id=request_id, count=result.projected_pages,
+                            decision=result.decision, reason=result.reason)
+        for other in rt.pool.take_newly_admitted():
+            self.events.publish("admission", pool=rt.pool.name, tenant=other.tenant,
+                                request_id=other.request_id, count=other.projected_pages,
+                                decision="admitted", reason="from the queue")
         return result
 
     async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
@@ -148,6 +177,8 @@ class Daemon:
         rt = self.runtime_of(request_id, scope)
         plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent))
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
+        self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
+                            request_id=request_id, count=len(plan.allocated))
         return plan.allocated, stall_s
 
     async def access(self, request_id: str, indices: Sequence[int] | None,
@@ -188,10 +219,17 @@ class Daemon:
     async def release(self, request_id: str, scope: str | None = None
                       ) -> tuple[int, list[Request]]:
         rt = self.runtime_of(request_id, scope)
+        tenant = rt.pool.requests[request_id].tenant
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
         del self.request_index[request_id]
         self.leases.detach(request_id)
         rt.notify_queue()
+        self.events.publish("release", pool=rt.pool.name, tenant=tenant,
+                            request_id=request_id, count=freed)
+        for other in admitted:
+            self.events.publish("admission", pool=rt.pool.name, tenant=other.tenant,
+                                request_id=other.request_id, count=other.projected_pages,
+                                decision="admitted", reason="from the queue")
         return freed, admitted
 
     def explain(self, request_id: str, scope: str | None = None
@@ -231,6 +269,9 @@ class Daemon:
                     log.info("quota set", pool=pool.name, tenant=tenant, weight=new.weight,
                              guaranteed=new.guaranteed, limit=new.limit)
                     pool.set_quota(tenant, new)
+                    self.events.publish("quota", pool=pool.name, tenant=tenant,
+                                        weight=new.weight, guaranteed=new.guaranteed,
+                                        limit=new.limit or 0)
             rt.notify_queue()
 
     def set_quota(self, tenant: str, pool: str, **changes) -> list[str]:
@@ -252,6 +293,8 @@ class Daemon:
                 setattr(new, key, value)
             rt.pool.set_quota(tenant, new)
             rt.notify_queue()
+            self.events.publish("quota", pool=rt.pool.name, tenant=tenant, weight=new.weight,
+                                guaranteed=new.guaranteed, limit=new.limit or 0)
             log.info("quota changed", pool=rt.pool.name, tenant=tenant, weight=new.weight,
                      guaranteed=new.guaranteed, limit=new.limit,
                      max_request_pages=new.max_request_pages,
@@ -279,6 +322,7 @@ class Daemon:
         rt = self.runtime(pool)
         previous = rt.pool.set_policy(policy)
         log.info("policy changed", pool=rt.pool.name, policy=policy, previous=previous)
+        self.events.publish("policy", pool=rt.pool.name, policy=policy, previous=previous)
         return previous
 
     async def self_check(self) -> list[str]:

@@ -79,7 +79,7 @@ class LeaseTable:
             del self.leases[lease.lease_id]
         return gone
 
-    async def reap_forever(self, release, period_s: float) -> None:
+    async def reap_forever(self, release, period_s: float, events=None) -> None:
         """Every period, release the requests of expired leases with `release(request_id)`."""
         while True:
             await asyncio.sleep(period_s)
@@ -94,6 +94,9 @@ class LeaseTable:
                         log.debug("lease release skipped", request_id=request_id,
                                   error=str(exc))
                 self.num_requests_released += released
+                if events is not None:
+                    events.publish("lease", tenant=lease.tenant, count=released,
+                                   lease=lease.lease_id)
                 log.warning("lease expired: released its requests", lease=lease.lease_id,
                             tenant=lease.tenant, num_requests=released,
                             silent_s=round(self.clock.now() - lease.last_seen, 3))

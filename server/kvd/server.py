@@ -95,7 +95,8 @@ class Server:
         if self.config.metrics:
             self._metrics_server, _ = serve_metrics(self.config.metrics, self.daemon, loop)
         self._reaper = asyncio.ensure_future(self.daemon.leases.reap_forever(
-            self.daemon.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4))))
+            self.daemon.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4)),
+            self.daemon.events))
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()

@@ -297,6 +297,47 @@ class StepResponse(_message.Message):
     errors: _containers.RepeatedCompositeFieldContainer[StepError]
     def __init__(self, step_id: _Optional[int] = ..., allocated: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ..., relocated: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ..., stall_us: _Optional[int] = ..., errors: _Optional[_Iterable[_Union[StepError, _Mapping]]] = ...) -> None: ...
 
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pools", "tenants", "kinds", "buffer")
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedScalarFieldContainer[str]
+    tenants: _containers.RepeatedScalarFieldContainer[str]
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    buffer: int
+    def __init__(self, pools: _Optional[_Iterable[str]] = ..., tenants: _Optional[_Iterable[str]] = ..., kinds: _Optional[_Iterable[str]] = ..., buffer: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("seq", "time_s", "kind", "pool", "tenant", "request_id", "count", "detail", "lost")
+    class DetailEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    time_s: float
+    kind: str
+    pool: str
+    tenant: str
+    request_id: str
+    count: int
+    detail: _containers.ScalarMap[str, str]
+    lost: int
+    def __init__(self, seq: _Optional[int] = ..., time_s: _Optional[float] = ..., kind: _Optional[str] = ..., pool: _Optional[str] = ..., tenant: _Optional[str] = ..., request_id: _Optional[str] = ..., count: _Optional[int] = ..., detail: _Optional[_Mapping[str, str]] = ..., lost: _Optional[int] = ...) -> None: ...
+
 class ExportPoolRequest(_message.Message):
     __slots__ = ("pool",)
     POOL_FIELD_NUMBER: _ClassVar[int]

@@ -100,6 +100,11 @@ class MemoryStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvd.v1.Memory/WatchEvents',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.Event.FromString,
+                _registered_method=True)
 
 
 class MemoryServicer:
@@ -184,6 +189,13 @@ class MemoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Tenants see their own requests' events; the admin sees everything.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -251,6 +263,11 @@ def add_MemoryServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.Event.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -605,6 +622,33 @@ class Memory:
             '/kvd.v1.Memory/KeepAlive',
             kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.SerializeToString,
             kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Memory/WatchEvents',
+            kvd__api_dot_v1_dot_kvd__pb2.WatchEventsRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,7 @@ from kvd.core import errors
 from kvd.core.blocks import TierKind
 from kvd.core.pool import AccessResult
 from kvd.daemon import Daemon
+from kvd.events import KINDS
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator
@@ -187,6 +188,31 @@ class MemoryService(pb_grpc.MemoryServicer):
                 if not admitted and queued is not None and caller.may_touch(queued.tenant):
                     await self.daemon.release(rid)
                     log.info("queued request withdrawn", request_id=rid)
+
+    async def WatchEvents(self, request, context):
+        try:
+            caller = self.auth.identify(context)
+            unknown = set(request.kinds) - set(KINDS)
+            if unknown:
+                raise errors.InvalidArgument(f"unknown event kinds {sorted(unknown)}; "
+                                             f"choose from {', '.join(KINDS)}")
+            tenants = list(request.tenants)
+            if not caller.admin:  # a tenant watches its own requests only
+                if tenants and tenants != [caller.tenant]:
+                    raise errors.PermissionDenied("a tenant may watch only its own events")
+                tenants = [caller.tenant]
+        except errors.KvdError as exc:
+            await context.abort(status_of(exc), str(exc))
+        bus = self.daemon.events
+        sub = bus.subscribe(request.pools, tenants, request.kinds, request.buffer or 1024)
+        try:
+            while True:
+                e = await bus.next(sub)
+                yield pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
+                               tenant=e.tenant, request_id=e.request_id, count=e.count,
+                               detail=e.detail, lost=e.lost)
+        finally:
+            bus.unsubscribe(sub)
 
     async def Step(self, request_iterator, context):
         try:

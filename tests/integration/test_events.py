@@ -1,0 +1,115 @@
+"""WatchEvents: ordered, numbered, filtered; a stalled watcher loses events (and is told how
+many) without slowing kvd down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+from kvd_client import AsyncClient, pb
+
+
+async def _collect(client, n, **filters):
+    events = []
+    async for event in client.watch_events(**filters):
+        events.append(event)
+        if len(events) == n:
+            return events
+
+
+async def test_events_arrive_in_order_without_gaps(kvd):
+    async with AsyncClient(kvd.target) as client:
+        watcher = asyncio.ensure_future(_collect(client, 3 * 3 + 1))
+        await asyncio.sleep(0.2)  # subscribed
+        for rid in ("a", "b", "c"):  # admit, allocate, (read,) release: 3 events each
+            await client.admit(rid, 64, tenant="t")
+            await client.allocate(rid, 4)
+            await client.access(rid)
+            await client.release(rid)
+        await client.set_policy("fair")
+        events = await asyncio.wait_for(watcher, 10)
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gaps
+    kinds = [e.kind for e in events]
+    assert kinds[:3] == ["admission", "allocation", "release"]
+    assert kinds.count("admission") == 3 and kinds[-1] == "policy"
+    assert events[0].detail["decision"] == "admitted" and events[1].count == 4
+
+
+async def test_filters_by_kind_and_tenant(kvd):
+    async with AsyncClient(kvd.target) as client:
+        watcher = asyncio.ensure_future(_collect(client, 2, kinds=["eviction"], tenants=["m"]))
+        await asyncio.sleep(0.2)
+        await client.admit("minnow", 32, tenant="m")
+        await client.allocate("minnow", 2)
+        await client.admit("whale", 16 * 8, tenant="w")
+        await client.allocate("whale", 8)  # evicts the minnow's 2 pages
+        await client.admit("other", 16, tenant="w")
+        await client.allocate("other", 1)  # evicts a whale page: filtered out
+        await client.access("minnow")  # evicts whale pages: filtered out
+        await client.release("whale")
+        await client.admit("whale2", 16 * 8, tenant="w")
+        await client.allocate("whale2", 8)  # evicts the minnow again
+        events = await asyncio.wait_for(watcher, 10)
+    assert all(e.kind == "eviction" and e.tenant == "m" for e in events)
+    assert events[0].detail["cause_request"] == "whale" and events[0].count == 2
+
+
+async def test_a_stalled_watcher_gets_a_gap_marker_and_kvd_stays_fast(kvd):
+    # A really stuck reader: no window growth, a 1 KiB stream window, so kvd's sends back up
+    # into its own bounded buffer almost at once.
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    async with AsyncClient(kvd.target) as client, \
+            grpc.aio.insecure_channel(kvd.target, options=options) as channel:
+        call = pb_grpc.MemoryStub(channel).WatchEvents(
+            pb.WatchEventsRequest(kinds=["admission", "release"], buffer=16))
+        stream = call.__aiter__()
+        first = asyncio.ensure_future(stream.__anext__())
+        await client.admit("x0", 16)
+        await client.release("x0")
+        await asyncio.wait_for(first, 10)
+        # The watcher now reads nothing while kvd publishes thousands of events.
+        latencies = []
+        for i in range(1500):
+            t0 = time.perf_counter()
+            await client.admit(f"x{i + 1}", 16)
+            latencies.append(time.perf_counter() - t0)
+            await client.release(f"x{i + 1}")
+        latencies.sort()
+        assert latencies[len(latencies) // 2] < 0.01  # p50 of an Admit while it lags
+        events = []
+        while not events or events[-1].kind != "gap":  # what it kept, then the gap marker
+            events.append(await asyncio.wait_for(stream.__anext__(), 10))
+        gap = events[-1]
+        assert gap.lost > 0 and len(events) < 200
+        await client.admit("after", 16)
+        after = await asyncio.wait_for(stream.__anext__(), 10)
+        assert after.request_id == "after"
+        # What it got plus what it was told it lost accounts for every event in between.
+        assert after.seq - events[-2].seq - 1 == gap.lost
+        call.cancel()
+
+
+def test_kvctl_events_follows_the_stream(kvd):
+    kvctl = str(Path(sys.executable).with_name("kvctl"))
+    proc = subprocess.Popen([kvctl, "--target", kvd.target, "events", "--json", "--count", "2",
+                             "--kind", "admission"], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+
+    async def admit_two():
+        async with AsyncClient(kvd.target) as client:
+            await client.admit("e1", 16)
+            await client.admit("e2", 16)
+
+    asyncio.run(admit_two())
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [x["request_id"] for x in lines] == ["e1", "e2"]
