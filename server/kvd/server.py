@@ -27,7 +27,8 @@ from kvd.metrics import serve_metrics
 from kvd.service.admin import AdminService
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
-from kvd_api.v1 import kvd_pb2, kvd_pb2_grpc
+from kvd.service.register import add_service
+from kvd_api.v1 import kvd_pb2
 
 log = structlog.get_logger("kvd.server")
 
@@ -69,9 +70,10 @@ class Server:
         self.daemon = await loop.run_in_executor(None, Daemon, self.config)
         self.auth = Authenticator(self.config, self.daemon.leases)
         server = grpc.aio.server(options=GRPC_OPTIONS)
-        kvd_pb2_grpc.add_MemoryServicer_to_server(MemoryService(self.daemon, self.auth), server)
-        kvd_pb2_grpc.add_AdminServicer_to_server(
-            AdminService(self.daemon, self.auth, self.request_stop), server)
+        services = kvd_pb2.DESCRIPTOR.services_by_name
+        add_service(server, MemoryService(self.daemon, self.auth), services["Memory"])
+        add_service(server, AdminService(self.daemon, self.auth, self.request_stop),
+                    services["Admin"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server

@@ -17,6 +17,7 @@ from kvd.events import KINDS
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator
+from kvd.service.register import Malformed
 from kvd.service.status import status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
@@ -161,6 +162,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         caller = None
         admitted = False
         try:
+            if type(request) is Malformed:
+                raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
             self.daemon.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
             last = None
@@ -191,6 +194,8 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     async def WatchEvents(self, request, context):
         try:
+            if type(request) is Malformed:
+                raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
             unknown = set(request.kinds) - set(KINDS)
             if unknown:
@@ -223,6 +228,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds the lease
         try:
             async for step in request_iterator:
+                if type(step) is Malformed:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
                 started = time.perf_counter()
                 reply = await self._step(step, caller.scope)
                 observe_rpc("Step", "OK", time.perf_counter() - started)

@@ -11,6 +11,7 @@ import structlog
 
 from kvd.core import errors
 from kvd.metrics import observe_rpc
+from kvd.service.register import Malformed
 
 log = structlog.get_logger("kvd.service")
 
@@ -42,6 +43,8 @@ def unary(method: Callable) -> Callable:
         started = time.perf_counter()
         code = "OK"
         try:
+            if type(request) is Malformed:
+                raise errors.InvalidArgument(request.message)
             return await method(self, request, context)
         except errors.KvdError as exc:
             status = status_of(exc)
