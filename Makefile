@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR := $(CURDIR)/run
 
-.PHONY: run demo test proto bench replay clean
+.PHONY: run demo test proto bench replay soak clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or PYTHON=...)"; exit 1; }
@@ -32,6 +32,9 @@ bench: $(STAMP) ## benchmarks: figures printed and written to bench/results.json
 
 replay: $(STAMP) ## the five intent-trace profiles under every policy, through a live kvd
 	$(BIN)/kvd-loadgen replay-intents all --policy all --json bench/replay.json
+
+soak: $(STAMP) ## 64 clients, mixed workload, 3 minutes: RSS, leaks, latency per period
+	$(BIN)/kvd-loadgen soak --clients 64 --duration-s 180 --json bench/soak.json
 
 clean:
 	rm -rf $(VENV) $(RUN_DIR) .pytest_cache

@@ -36,6 +36,12 @@ def _whale_minnows(args) -> int:
     return run_cli(args)
 
 
+def _soak(args) -> int:
+    from kvd_loadgen.soak import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -75,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     wm.add_argument("--step-ms", type=float, default=20.0, help="engine step pace")
     wm.add_argument("--json", type=Path)
     wm.set_defaults(func=_whale_minnows)
+
+    soak = sub.add_parser("soak", help="many clients, mixed workload, minutes: leaks and drift")
+    soak.add_argument("--clients", type=int, default=64)
+    soak.add_argument("--duration-s", type=float, default=180.0)
+    soak.add_argument("--interval-s", type=float, default=30.0, help="report period")
+    soak.add_argument("--policy", default="fair")
+    soak.add_argument("--json", type=Path)
+    soak.set_defaults(func=_soak)
     return p
 
 

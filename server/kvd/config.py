@@ -164,6 +164,8 @@ class AuthConfig:
 @dataclass(frozen=True, slots=True)
 class Config:
     socket: str = DEFAULT_SOCKET
+    socket_mode: int = 0o660  # who may connect: the owner and the socket's group
+    socket_group: str = ""  # the group engines run as ("": kvd's own)
     tcp: str = ""  # host:port; empty = no TCP listener
     log_format: str = "auto"  # auto | json | console
     log_level: str = "info"
@@ -199,7 +201,7 @@ class Config:
             tenant.validate(self.pools)
 
 
-_SERVER_KEYS = {"socket", "tcp", "log_format", "log_level", "grace_s", "workers",
+_SERVER_KEYS = {"socket", "socket_mode", "socket_group", "tcp", "log_format", "log_level", "grace_s", "workers",
                 "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "metrics"}
 _POOL_KEYS = set(PoolConfig.__dataclass_fields__)
 

@@ -97,6 +97,7 @@ class LeaseTable:
                 if events is not None:
                     events.publish("lease", tenant=lease.tenant, count=released,
                                    lease=lease.lease_id)
-                log.warning("lease expired: released its requests", lease=lease.lease_id,
-                            tenant=lease.tenant, num_requests=released,
-                            silent_s=round(self.clock.now() - lease.last_seen, 3))
+                (log.warning if released else log.debug)(
+                    "lease expired: released its requests", lease=lease.lease_id,
+                    tenant=lease.tenant, num_requests=released,
+                    silent_s=round(self.clock.now() - lease.last_seen, 3))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -89,7 +90,10 @@ class Server:
             self.addresses.append(f"{host}:{port}")
         await server.start()
         if self.config.socket:
-            os.chmod(self.config.socket, 0o660)
+            # The socket is the gate for unix callers: only the owner and its group.
+            if self.config.socket_group:
+                shutil.chown(self.config.socket, group=self.config.socket_group)
+            os.chmod(self.config.socket, self.config.socket_mode)
         self._grpc = server
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

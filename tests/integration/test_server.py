@@ -74,3 +74,18 @@ def test_a_second_kvd_refuses_a_live_socket(kvd):
     assert "another kvd is already listening" in second.stderr
     with Client(kvd.target) as client:
         assert client.health() == "SERVING"
+
+
+def test_the_socket_is_owner_and_group_only(tmp_path):
+    import grp
+    import os
+    import stat
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    config = tmp_path / "kvd.toml"
+    config.write_text(f'[server]\nsocket_group = "{group}"\n\n[[pool]]\nmodel = "tiny"\n'
+                      "device_pages = 8\nhost_pages = 8\n")
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        mode = kvd.socket.stat().st_mode
+        assert stat.S_IMODE(mode) == 0o660
+        assert kvd.socket.stat().st_gid == grp.getgrnam(group).gr_gid

@@ -1,0 +1,164 @@
+"""`kvd-loadgen soak` (`make soak`): many concurrent clients with a mixed workload against one
+kvd for minutes; reports kvd's RSS over time, pages leaked at the end, latency percentiles per
+interval, and errors by status code."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import uvloop
+from rich.console import Console
+from rich.table import Table
+
+from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_loadgen.engine import percentile
+from kvd_loadgen.local import LocalKvd
+
+CONFIG = """
+[server]
+grace_s = 5
+lease_ttl_s = 2
+
+[[pool]]
+name = "default"
+model = "tiny"
+block_tokens = 16
+device_pages = 2048
+host_pages = 8192
+policy = "{policy}"
+max_queue = 4096
+
+[[tenant]]
+name = "a"
+token = "a-token"
+
+[[tenant]]
+name = "b"
+token = "b-token"
+weight = 2
+"""
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _client(target: str, n: int, until: float, samples: list, errors: Counter) -> None:
+    rng = random.Random(n)
+    token = "a-token" if n % 3 else "b-token"
+    abandon = n % 16 == 0  # some clients vanish without releasing (leases clean up)
+    async with AsyncClient(target, token=token, timeout_s=30) as kvd:
+        i = 0
+        while time.monotonic() < until:
+            i += 1
+            rid = f"c{n}-{i}"
+            blocks = rng.randint(2, 48)
+            try:
+                t0 = time.monotonic()
+                reply = await kvd.admit(rid, blocks * 16, rng.randint(16, 256))
+                samples.append((time.monotonic(), time.monotonic() - t0))
+                if reply.decision == pb.DECISION_REJECTED:
+                    continue
+                if reply.decision == pb.DECISION_QUEUED:
+                    async for update in kvd.wait_admission(rid, timeout_s=30):
+                        if update.decision == pb.DECISION_ADMITTED:
+                            break
+                await kvd.allocate(rid, blocks)
+                async with kvd.step_stream() as stream:
+                    for step in range(rng.randint(5, 40)):
+                        msg = pb.StepRequest(read_all=[rid])
+                        if step % 16 == 15:
+                            msg.allocations.append(pb.AllocateRequest(request_id=rid,
+                                                                      num_blocks=1))
+                        if rng.random() < 0.1:
+                            msg.intents.append(pb.IntentUpdate(
+                                request_id=rid, block_index=0,
+                                intent=pb.MemoryIntent(priority=rng.choice([1, 2, 3]))))
+                        t0 = time.monotonic()
+                        step_reply = await stream.send(msg)
+                        samples.append((time.monotonic(), time.monotonic() - t0))
+                        for e in step_reply.errors:
+                            errors[f"step:{e.code}"] += 1
+                if abandon and i % 5 == 0:
+                    continue  # leave it behind: its lease must release it
+                await kvd.release(rid)
+            except KvdClientError as exc:
+                errors[exc.code.name] += 1
+            await asyncio.sleep(rng.random() * 0.01)
+
+
+async def run_soak(clients: int, duration_s: float, policy: str, interval_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvd-soak-") as tmp:
+        config = Path(tmp) / "kvd.toml"
+        config.write_text(CONFIG.format(policy=policy))
+        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
+            samples: list = []
+            errors: Counter = Counter()
+            rss: list = []
+            start = time.monotonic()
+            until = start + duration_s
+
+            async def watch_rss():
+                while time.monotonic() < until:
+                    rss.append((time.monotonic() - start, _rss_mib(kvd.proc.pid)))
+                    await asyncio.sleep(interval_s / 4)
+
+            watcher = asyncio.ensure_future(watch_rss())
+            await asyncio.gather(*(_client(kvd.target, n, until, samples, errors)
+                                   for n in range(clients)))
+            await watcher
+            # Wait out the abandoned clients' leases, then nothing may be left.
+            await asyncio.sleep(3)
+            async with AsyncClient(kvd.target, lease="") as admin:
+                stats = (await admin.pool_stats()).pools[0]
+                check = await admin.self_check()
+            leaked = sum(t.used_pages for t in stats.tiers)
+            log = kvd.log()
+    periods = []
+    t = 0.0
+    while t < duration_s:
+        window = [lat for at, lat in samples if t <= at - start < t + interval_s]
+        periods.append({"from_s": t, "calls": len(window),
+                        "p50_ms": percentile(window, 50) * 1e3,
+                        "p99_ms": percentile(window, 99) * 1e3})
+        t += interval_s
+    warm = [m for at, m in rss if at >= min(60.0, duration_s / 3)]
+    growth = (warm[-1] - warm[0]) / warm[0] if len(warm) > 1 else 0.0
+    return {"clients": clients, "duration_s": duration_s, "policy": policy,
+            "calls": len(samples), "errors": dict(errors), "pages_leaked": leaked,
+            "reserved_pages_left": stats.reserved_pages, "requests_left": stats.num_requests,
+            "self_check_ok": check.ok, "rss_mib": rss, "rss_growth_after_warmup": growth,
+            "periods": periods, "lease_expiries": log.count("lease expired")}
+
+
+def run_cli(args) -> int:
+    from kvd_loadgen.cli import write_json
+
+    console = Console(width=max(Console().width, 100))
+    with console.status(f"soak: {args.clients} clients for {args.duration_s:.0f} s"):
+        out = uvloop.run(run_soak(args.clients, args.duration_s, args.policy, args.interval_s))
+    t = Table(title=f"soak: {out['clients']} clients, {out['duration_s']:.0f} s, "
+                    f"policy {out['policy']}")
+    for col in ("from s", "calls", "p50 ms", "p99 ms"):
+        t.add_column(col, justify="right")
+    for p in out["periods"]:
+        t.add_row(f"{p['from_s']:.0f}", str(p["calls"]), f"{p['p50_ms']:.2f}",
+                  f"{p['p99_ms']:.2f}")
+    console.print(t)
+    rss = out["rss_mib"]
+    console.print(f"kvd RSS: {rss[0][1]:.0f} MiB at start, {rss[-1][1]:.0f} MiB at the end; "
+                  f"growth after warm-up {out['rss_growth_after_warmup'] * 100:+.1f}%")
+    console.print(f"pages leaked: {out['pages_leaked']}; requests left: {out['requests_left']}; "
+                  f"self-check ok: {out['self_check_ok']}; lease expiries: "
+                  f"{out['lease_expiries']}; errors by code: {out['errors'] or 'none'}")
+    write_json(args.json, out)
+    ok = out["pages_leaked"] == 0 and out["self_check_ok"] and out["requests_left"] == 0
+    return 0 if ok else 1
