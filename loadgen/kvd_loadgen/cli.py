@@ -42,6 +42,12 @@ def _soak(args) -> int:
     return run_cli(args)
 
 
+def _request_trace(args) -> int:
+    from kvd_loadgen.request_trace import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -89,6 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--policy", default="fair")
     soak.add_argument("--json", type=Path)
     soak.set_defaults(func=_soak)
+
+    rt = sub.add_parser("request-trace", help="play a request trace (Mooncake or simulator)")
+    rt.add_argument("trace", type=Path)
+    rt.add_argument("--policy", default="lru,fair,deadline", help="a,b,c: one run each")
+    rt.add_argument("--speed", type=float, default=20.0, help="time compression")
+    rt.add_argument("--limit", type=int, default=2000, help="first N requests (0: all)")
+    rt.add_argument("--tenants", default="length:16384",
+                    help="length:N | round-robin:K | field:NAME")
+    rt.add_argument("--block-tokens", type=int, default=512)
+    rt.add_argument("--device-pages", type=int, default=2500)
+    rt.add_argument("--host-pages", type=int, default=40000)
+    rt.add_argument("--step-ms", type=float, default=20.0)
+    rt.add_argument("--max-output-tokens", type=int, default=512)
+    rt.add_argument("--skip-bad", action="store_true", help="leave out bad lines")
+    rt.add_argument("--json", type=Path)
+    rt.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
+    rt.set_defaults(func=_request_trace)
     return p
 
 

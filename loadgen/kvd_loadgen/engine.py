@@ -29,6 +29,8 @@ class SimRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     rejected: str = ""
+    queued: bool = False
+    prefill_stall_s: float = 0.0  # the stall of the step that allocated its prompt
     generated: int = 0
     num_blocks: int = 0
     prefilled: bool = False
@@ -70,6 +72,7 @@ class Engine:
         self.block_tokens = block_tokens
         self.step_s = step_s
         self.chunk_blocks = chunk_blocks
+        self.alloc_chunk = chunk_blocks
         self.pool = pool
         self.tenant = tenant
         self.stats = EngineStats()
@@ -90,6 +93,7 @@ class Engine:
             req.rejected = reply.reason
             return
         if reply.decision == pb.DECISION_QUEUED:
+            req.queued = True
             async for update in self.client.wait_admission(req.request_id):
                 if update.decision == pb.DECISION_ADMITTED:
                     break
@@ -99,21 +103,26 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
 
-    def _build_step(self) -> tuple[pb.StepRequest, list[SimRequest], bool]:
+    def _build_step(self):
         step = pb.StepRequest()
         finished = []
-        prefill = False
+        prefill = []
+        decoded = []
+        allocations = []  # (request, blocks) per allocation item, in order
         for req in self.running:
+            prompt_blocks = self._blocks_for(req.prompt_tokens)
             if not req.prefilled:
-                need = self._blocks_for(req.prompt_tokens)
-                req.prefilled = prefill = True
-            else:
+                req.prefilled = True
+                prefill.append(req)
+            elif req.num_blocks >= prompt_blocks:  # decoding: one token per step
                 req.generated += 1
-                need = self._blocks_for(req.prompt_tokens + req.generated) - req.num_blocks
+                decoded.append(req)
+            need = self._blocks_for(req.prompt_tokens + req.generated) - req.num_blocks
             while need > 0:  # chunked prefill: a prompt bigger than a chunk goes in pieces
-                n = min(need, self.chunk_blocks)
+                n = min(need, self.alloc_chunk)
                 step.allocations.append(pb.AllocateRequest(request_id=req.request_id,
                                                            num_blocks=n))
+                allocations.append((req, n))
                 req.num_blocks += n
                 need -= n
             if req.num_blocks <= self.chunk_blocks:
@@ -125,7 +134,41 @@ class Engine:
                                                           block_indices=range(start, stop)))
             if req.generated >= req.output_tokens:
                 finished.append(req)
-        return step, finished, prefill
+        return step, finished, prefill, decoded, allocations
+
+    def _absorb_errors(self, step: pb.StepRequest, reply: pb.StepResponse, allocations,
+                       finished: list[SimRequest], decoded: list[SimRequest]) -> set[str]:
+        """A chunk kvd could not make room for (its tenant's fair share holds less than the
+        chunk) is retried next step in smaller chunks, as an engine sizes its prefill and
+        attention chunks to the memory it gets; that request makes no progress this step.
+        Anything else is a bug in the run. Returns the requests that stalled."""
+        short: set[str] = set()
+        for err in reply.errors:
+            if err.code != 8:  # RESOURCE_EXHAUSTED
+                continue
+            if err.section == "allocations":
+                req, n = allocations[err.item_index]
+                req.num_blocks -= n
+                short.add(req.request_id)
+                self.alloc_chunk = max(1, self.alloc_chunk // 2)
+            elif err.section in ("accesses", "read_all"):
+                short.add(step.accesses[err.item_index].request_id
+                          if err.section == "accesses" else step.read_all[err.item_index])
+                self.chunk_blocks = max(1, self.chunk_blocks // 2)
+        for err in reply.errors:
+            rid = (step.accesses[err.item_index].request_id if err.section == "accesses"
+                   else step.read_all[err.item_index] if err.section == "read_all"
+                   else allocations[err.item_index][0].request_id
+                   if err.section == "allocations" else "")
+            if rid not in short:
+                raise RuntimeError(f"kvd refused part of a step: {err}")
+        for req in decoded:
+            if req.request_id in short:
+                req.generated -= 1
+        for req in finished[:]:
+            if req.request_id in short:
+                finished.remove(req)
+        return short
 
     async def run(self, *, steps: int | None = None, until: float | None = None,
                   stop: asyncio.Event | None = None) -> EngineStats:
@@ -143,19 +186,22 @@ class Engine:
                 next_at += self.step_s
                 if not self.running:
                     continue
-                step, finished, prefill = self._build_step()
+                step, finished, prefill, decoded, allocations = self._build_step()
                 t0 = time.monotonic()
                 reply = await stream.send(step)
                 t1 = time.monotonic()
                 for req in self.running:
                     if req.first_token_at is None and req.prefilled:
                         req.first_token_at = t1
-                self.stats.tokens += sum(1 for r in self.running if r.generated > 0)
+                short = (self._absorb_errors(step, reply, allocations, finished, decoded)
+                         if reply.errors else set())
+                self.stats.tokens += sum(1 for r in decoded if r.request_id not in short)
                 self.stats.steps.append(StepSample(t1, t1 - t0, reply.stall_us / 1e6,
                                                    len(self.running), len(reply.errors),
-                                                   prefill))
-                if reply.errors:
-                    raise RuntimeError(f"kvd refused part of a step: {reply.errors[0]}")
+                                                   bool(prefill)))
+                for req in prefill:
+                    req.prefill_stall_s = reply.stall_us / 1e6
+
                 if finished:
                     await stream.send(pb.StepRequest(
                         releases=[pb.ReleaseRequest(request_id=r.request_id)

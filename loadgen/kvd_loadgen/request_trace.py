@@ -1,0 +1,207 @@
+"""`kvd-loadgen request-trace TRACE`: play a request trace against a live kvd as engines with
+continuous batching would, under one or more policies on fresh daemons, and report per
+tenant: admission wait, time-to-first-token's memory part, per-step stall, evictions, tokens
+per second, fairness; with a markdown report and plots."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import uvloop
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvd.core.fairness import jain_index
+from kvd_client import AsyncClient
+from kvd_loadgen.engine import Engine, SimRequest, percentile
+from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.request_traces import TraceRequest, read_request_trace, tenant_rule
+
+
+@dataclass
+class TraceRun:
+    trace: str
+    speed: float = 20.0
+    limit: int | None = 2000
+    tenants: str = "length:16384"
+    block_tokens: int = 512
+    page_bytes: int = 16384
+    device_pages: int = 2500
+    host_pages: int = 40000
+    step_ms: float = 20.0
+    chunk_blocks: int = 256
+    max_output_tokens: int = 512  # longer outputs are cut, to keep the run minutes long
+
+
+def kvd_config(run: TraceRun, policy: str, tenants: list[str]) -> str:
+    blocks = "".join(f'[[tenant]]\nname = "{t}"\ntoken = "{t}-token"\n\n' for t in tenants)
+    return (
+        "[server]\ngrace_s = 2\nlease_ttl_s = 60\n\n"
+        f'[[pool]]\nname = "default"\npolicy = "{policy}"\npage_bytes = {run.page_bytes}\n'
+        f"block_tokens = {run.block_tokens}\ndevice_pages = {run.device_pages}\n"
+        f"host_pages = {run.host_pages}\nmax_queue = 100000\n\n" + blocks)
+
+
+async def _sample(admin: AsyncClient, stop: asyncio.Event, start: float, out: list) -> None:
+    while not stop.is_set():
+        tenants = await admin.list_tenants()
+        stats = (await admin.pool_stats()).pools[0]
+        out.append({"t": time.monotonic() - start,
+                    "device_used": stats.tiers[0].used_pages,
+                    "host_used": stats.tiers[1].used_pages,
+                    "tenants": {t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
+                                if t.reserved_pages > 0}})
+        try:
+            await asyncio.wait_for(stop.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
+                     progress: Progress | None = None) -> dict:
+    rule = tenant_rule(run.tenants)
+    by_tenant: dict[str, list[SimRequest]] = {}
+    arrivals = []
+    for r in trace:
+        sim = SimRequest(r.request_id, r.prompt_tokens,
+                         min(max(r.output_tokens, 1), run.max_output_tokens), rule(r),
+                         r.arrival_s / run.speed)
+        by_tenant.setdefault(sim.klass, []).append(sim)
+        arrivals.append(sim)
+    tenants = sorted(by_tenant)
+    with tempfile.TemporaryDirectory(prefix="kvd-trace-") as tmp:
+        config = Path(tmp) / "kvd.toml"
+        config.write_text(kvd_config(run, policy, tenants))
+        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
+            clients = {t: AsyncClient(kvd.target, token=f"{t}-token", timeout_s=120)
+                       for t in tenants}
+            admin = AsyncClient(kvd.target)
+            try:
+                engines = {t: Engine(clients[t], block_tokens=run.block_tokens,
+                                     step_s=run.step_ms / 1000, chunk_blocks=run.chunk_blocks)
+                           for t in tenants}
+                start = time.monotonic()
+                stop = asyncio.Event()
+                samples: list = []
+                sampler = asyncio.ensure_future(_sample(admin, stop, start, samples))
+                task = progress.add_task(policy, total=len(arrivals)) if progress else None
+
+                async def arrive(sim: SimRequest):
+                    await asyncio.sleep(max(0.0, start + sim.arrival_s - time.monotonic()))
+                    await engines[sim.klass].arrive(sim)
+
+                arrival_tasks = [asyncio.ensure_future(arrive(s)) for s in arrivals]
+                done = asyncio.Event()
+
+                async def watch():
+                    await asyncio.gather(*arrival_tasks)
+                    done.set()
+
+                watcher = asyncio.ensure_future(watch())
+
+                async def report_progress():
+                    while not stop.is_set():
+                        if progress:
+                            finished = sum(1 for s in arrivals
+                                           if s.finished_at or s.rejected)
+                            progress.update(task, completed=finished)
+                        await asyncio.sleep(0.25)
+
+                reporter = asyncio.ensure_future(report_progress())
+                await asyncio.gather(*(e.run(stop=done) for e in engines.values()))
+                await watcher
+                ended = time.monotonic()
+                stop.set()
+                await sampler
+                await reporter
+                tenant_info = {t.tenant: t for t in await admin.list_tenants()}
+                stats = (await admin.pool_stats()).pools[0]
+                assert (await admin.self_check()).ok
+            finally:
+                for c in (*clients.values(), admin):
+                    await c.close()
+    classes = []
+    for t in tenants:
+        reqs, eng = by_tenant[t], engines[t]
+        decode = [x.stall_s * 1e3 for x in eng.stats.steps if not x.prefill]
+        waits = [r.admission_wait_s * 1e3 for r in reqs if r.admission_wait_s is not None]
+        prefill = [r.prefill_stall_s * 1e3 for r in reqs if r.prefilled]
+        ratios = [s["tenants"][t][0] / max(s["tenants"][t][1], 1e-9) for s in samples
+                  if t in s["tenants"]]
+        info = tenant_info.get(t)
+        classes.append({
+            "tenant": t, "requests": len(reqs),
+            "finished": sum(1 for r in reqs if r.finished_at),
+            "rejected": sum(1 for r in reqs if r.rejected),
+            "queued": sum(1 for r in reqs if r.queued),
+            "admission_wait_p50_ms": percentile(waits, 50),
+            "admission_wait_p99_ms": percentile(waits, 99),
+            "prefill_stall_p50_ms": percentile(prefill, 50),
+            "prefill_stall_p99_ms": percentile(prefill, 99),
+            "step_stall_p50_ms": percentile(decode, 50),
+            "step_stall_p95_ms": percentile(decode, 95),
+            "step_stall_p99_ms": percentile(decode, 99),
+            "step_stall_ms": decode,
+            "tokens": eng.stats.tokens,
+            "tokens_per_s": eng.stats.tokens / max(ended - start, 1e-9),
+            "evictions_suffered": info.evictions_suffered if info else 0,
+            "evictions_caused": info.evictions_caused if info else 0,
+            "mean_share_ratio": statistics.fmean(ratios) if ratios else 0.0,
+        })
+    jains = [jain_index([u / max(s, 1e-9) for u, s in x["tenants"].values()])
+             for x in samples if len(x["tenants"]) > 1]
+    return {"policy": policy, "wall_s": ended - start, "classes": classes,
+            "tokens_per_s": sum(c["tokens"] for c in classes) / max(ended - start, 1e-9),
+            "jain": statistics.fmean(jains) if jains else 1.0,
+            "evictions": stats.num_evictions, "bytes_moved": stats.bytes_moved,
+            "decode_critical_misses": stats.num_decode_critical_misses,
+            "occupancy": samples}
+
+
+def summary_table(results: list[dict]) -> Table:
+    t = Table(title="request trace: per tenant and policy")
+    for col in ("policy", "tenant", "done/rej/queued", "adm wait p99 ms", "TTFT mem p99 ms",
+                "step stall p50/p95/p99 ms", "evict suffered", "tok/s", "share", "Jain"):
+        t.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
+    for r in results:
+        for c in r["classes"]:
+            t.add_row(r["policy"], c["tenant"],
+                      f"{c['finished']}/{c['rejected']}/{c['queued']}",
+                      f"{c['admission_wait_p99_ms']:.1f}", f"{c['prefill_stall_p99_ms']:.1f}",
+                      f"{c['step_stall_p50_ms']:.2f} / {c['step_stall_p95_ms']:.2f} / "
+                      f"{c['step_stall_p99_ms']:.2f}",
+                      f"{c['evictions_suffered']:,}", f"{c['tokens_per_s']:.0f}",
+                      f"{c['mean_share_ratio']:.2f}", f"{r['jain']:.3f}")
+        t.add_section()
+    return t
+
+
+def run_cli(args) -> int:
+    from kvd_loadgen.cli import write_json
+    from kvd_loadgen.report import write_report
+
+    run = TraceRun(trace=str(args.trace), speed=args.speed, limit=args.limit,
+                   tenants=args.tenants, block_tokens=args.block_tokens,
+                   device_pages=args.device_pages, host_pages=args.host_pages,
+                   step_ms=args.step_ms, max_output_tokens=args.max_output_tokens)
+    trace = read_request_trace(args.trace, skip_bad=args.skip_bad, limit=args.limit)
+    console = Console(width=max(Console().width, 140))
+    results = []
+    with Progress(TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn(),
+                  console=console) as progress:
+        for policy in args.policy.split(","):
+            results.append(uvloop.run(run_policy(run, policy, trace, progress)))
+    console.print(summary_table(results))
+    out = {"run": asdict(run), "results": results}
+    write_json(args.json, out)
+    if args.report:
+        path = write_report(Path(args.report), out)
+        console.print(f"report: {path}")
+    return 0
