@@ -69,8 +69,10 @@ class _Requests:
                                priority=priority)
 
 
-class AsyncClient:
-    """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
+class _Connection:
+    """What both clients hold: the target, call metadata (token, lease), a channel, stubs."""
+
+    _open_channel = staticmethod(grpc.insecure_channel)
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  token: str | None = None, lease: str | None = None,
@@ -78,10 +80,16 @@ class AsyncClient:
         self.target = target or default_target()
         self.timeout_s = timeout_s
         self.metadata = _metadata(token, metadata, lease)
-        self.channel = grpc.aio.insecure_channel(self.target, options=_channel_options())
+        self.channel = self._open_channel(self.target, options=_channel_options())
         self.memory = pb_grpc.MemoryStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+
+
+class AsyncClient(_Connection):
+    """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
+
+    _open_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -296,19 +304,8 @@ class StepStream:
         ))
 
 
-class Client:
+class Client(_Connection):
     """The same calls, blocking, on a plain grpc channel."""
-
-    def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 token: str | None = None, lease: str | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
-        self.target = target or default_target()
-        self.timeout_s = timeout_s
-        self.metadata = _metadata(token, metadata, lease)
-        self.channel = grpc.insecure_channel(self.target, options=_channel_options())
-        self.memory = pb_grpc.MemoryStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
 
     def __enter__(self) -> Client:
         return self

@@ -328,5 +328,76 @@ def run_bench(args) -> int:
             t.add_row(key, f"{val:.2f}", f"{tgt['op']} {tgt['value']}",
                       "yes" if tgt["met"] else "NO")
     console.print(t)
+    if not quick:
+        results["scenarios"] = run_scenarios()
     write_json(args.json, results)
+    if args.json is not None:
+        path = args.json.with_name("RESULTS.md")
+        path.write_text(results_markdown(results))
+        console.print(f"wrote {args.json} and {path}")
     return 0
+
+
+def run_scenarios() -> dict:
+    """The load generator's scenarios at a small, fixed size (figures, not pass/fail)."""
+    from kvd_loadgen.data import data_dir, resolve_intent_trace
+    from kvd_loadgen.replay import replay_profile
+    from kvd_loadgen.request_trace import TraceRun, run_policy
+    from kvd_loadgen.request_traces import read_request_trace
+    from kvd_loadgen.whale_minnows import Scenario, run_all
+
+    out = {}
+    with console.status("scenario: replay-intents balanced"):
+        rows = uvloop.run(replay_profile(resolve_intent_trace("balanced"), "balanced",
+                                         ("lru", "intent", "deadline"), device_pages=128,
+                                         host_pages=4096, page_bytes=4096))
+        out["replay_balanced_dc_misses"] = {r.policy: r.decode_critical_misses for r in rows}
+    with console.status("scenario: whale-minnows (1.5 s)"):
+        wm = uvloop.run(run_all(Scenario(duration_s=1.5)))
+        out["whale_minnows"] = wm["verdict"]
+    with console.status("scenario: request-trace (150 Mooncake requests)"):
+        path = data_dir() / "request-traces" / "mooncake_conversation_trace_head4000.jsonl"
+        run = TraceRun(trace=str(path), limit=150)
+        trace = read_request_trace(path, limit=150)
+        out["request_trace"] = {}
+        for policy in ("lru", "fair"):
+            r = uvloop.run(run_policy(run, policy, trace))
+            out["request_trace"][policy] = {
+                c["tenant"]: {k: c[k] for k in ("step_stall_p99_ms", "evictions_suffered",
+                                                "tokens_per_s")} for c in r["classes"]}
+    return out
+
+
+def results_markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = ["# kvd benchmark results", "",
+             f"Measured by `make bench` on {m['machine']}, {m['cpus']} CPUs, Python "
+             f"{m['python']}, grpcio {m['grpcio']}, numpy {m['numpy']} ({m['platform']}); best "
+             f"of {results.get('rounds', 1)} alternating rounds against an empty gRPC server.",
+             "", "| ratio | value | target | met |", "|---|---:|---|---|"]
+    for key, value in results["ratios"].items():
+        target = results["targets"].get(key)
+        lines.append(f"| {key} | {value:.2f} | "
+                     + (f"{target['op']} {target['value']} | {'yes' if target['met'] else 'NO'} |"
+                        if target else "(reported) | |"))
+    b, k, c = results["baseline"], results["kvd"], results["copies"]
+    lines += ["", "| figure | value |", "|---|---:|",
+              f"| empty unary RPC/s | {b['empty_unary_rps']:.0f} |",
+              f"| kvd Admit / Allocate / Access RPC/s | {k['admit_rps']:.0f} / "
+              f"{k['allocate_rps']:.0f} / {k['access_rps']:.0f} |",
+              f"| empty ping-pong p50 µs | {b['empty_pingpong_p50_us']:.0f} |",
+              f"| kvd Step, 64 requests x 4 blocks, p50 µs (lru / intent) | "
+              f"{k['step_p50_us']:.0f} / {results['kvd_intent']['step_p50_us']:.0f} |",
+              f"| page copies GB/s (runs / scattered) vs numpy.copyto | "
+              f"{c['kvd_copy_gbps']:.2f} / {c['kvd_copy_scattered_gbps']:.2f} vs "
+              f"{c['numpy_copyto_gbps']:.2f} |"]
+    lines += [f"| victim selection µs: {key} | {val:.2f} |"
+              for key, val in results["victims_us"].items()]
+    scen = results.get("scenarios")
+    if scen:
+        lines += ["", "## Scenarios at a small, fixed size", "",
+                  f"- replay-intents balanced, decode-critical misses: "
+                  f"{scen['replay_balanced_dc_misses']}",
+                  f"- whale-minnows (1.5 s): {scen['whale_minnows']}",
+                  f"- request-trace (150 Mooncake requests): {scen['request_trace']}"]
+    return "\n".join(lines) + "\n"

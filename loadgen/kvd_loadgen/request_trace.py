@@ -27,16 +27,16 @@ from kvd_loadgen.request_traces import TraceRequest, read_request_trace, tenant_
 @dataclass
 class TraceRun:
     trace: str
-    speed: float = 20.0
-    limit: int | None = 2000
+    speed: float = 4.0
+    limit: int | None = 600
     tenants: str = "length:16384"
     block_tokens: int = 512
     page_bytes: int = 16384
-    device_pages: int = 2500
+    device_pages: int = 1200
     host_pages: int = 40000
     step_ms: float = 20.0
     chunk_blocks: int = 256
-    max_output_tokens: int = 512  # longer outputs are cut, to keep the run minutes long
+    max_output_tokens: int = 128  # longer outputs are cut, to keep the run minutes long
 
 
 def kvd_config(run: TraceRun, policy: str, tenants: list[str]) -> str:

@@ -263,6 +263,12 @@ class Daemon:
         for rt in self.pools.values():
             pool = rt.pool
             quotas = {t.name: t.quota_for(pool.name, pool.page_bytes) for t in config.tenants}
+            promised = sum(q.guaranteed for q in quotas.values())
+            if promised > pool.device.capacity:
+                log.warning("guarantees overcommitted: scaled down proportionally",
+                            pool=pool.name, guaranteed_pages=promised,
+                            device_pages=pool.device.capacity,
+                            scale=round(pool.device.capacity / promised, 4))
             for tenant in set(pool.quotas) | set(quotas):
                 new = quotas.get(tenant, TenantQuota())
                 if pool.quotas.get(tenant) != new:

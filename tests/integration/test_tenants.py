@@ -212,3 +212,22 @@ async def test_explain_names_the_whale_as_the_cause_of_a_minnows_stall(tenants_k
         beta = next(t for t in await admin.list_tenants() if t.tenant == "beta")
         assert beta.evictions_suffered == 2
         assert beta.stalls_by_cause[0].cause_tenant == "alpha"
+
+
+def test_overcommitted_guarantees_are_scaled_and_said(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.write_text('[[pool]]\nmodel = "tiny"\ndevice_pages = 8\nhost_pages = 8\n\n'
+                      '[[tenant]]\nname = "a"\nguaranteed = 6\n\n'
+                      '[[tenant]]\nname = "b"\nguaranteed = 10\n')
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        from kvd_client import Client
+
+        with Client(kvd.target, lease="") as client:
+            client.admit("ra", 16 * 8, tenant="a")
+            client.admit("rb", 16 * 8, tenant="b")
+            shares = {t.tenant: t.fair_share_pages for t in client.list_tenants()}
+    assert '"guarantees overcommitted: scaled down proportionally"' in kvd.log()
+    assert '"guaranteed_pages": 16' in kvd.log()
+    # 16 pages promised on 7 shareable (8 less the fair reserve is not taken under lru):
+    # a and b get 6/16 and 10/16 of the device tier as floors.
+    assert shares["a"] == pytest.approx(8 * 6 / 16) and shares["b"] == pytest.approx(8 * 10 / 16)
