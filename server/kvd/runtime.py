@@ -148,12 +148,18 @@ class PoolRuntime:
         return await run() if callable(run) else run
 
     async def _execute(self, plan: TransferPlan, future: asyncio.Future) -> float:
+        # The copy and the page-table update run in a task of their own: a caller that gives
+        # up (a deadline, a cancelled stream) stops waiting, but the plan still finishes, so
+        # no page is ever left half-moved or handed out while a thread still writes into it.
+        return await asyncio.shield(asyncio.ensure_future(self._copy_and_complete(plan, future)))
+
+    async def _copy_and_complete(self, plan: TransferPlan, future: asyncio.Future) -> float:
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
         try:
-            await asyncio.shield(loop.run_in_executor(self._executor, self.copier.copy_plan, plan))
+            await loop.run_in_executor(self._executor, self.copier.copy_plan, plan)
         except BaseException:
-            self.pool.abort(plan)
+            self.pool.abort(plan)  # the copy itself failed: nothing moved
             self._finish(plan, future)
             raise
         pinned_out = self.pool.complete(plan)
