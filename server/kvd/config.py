@@ -174,6 +174,8 @@ class Config:
     inline_copy_bytes: int = 65536  # smaller copies run on the event loop
     switch_interval_s: float = 0.0005  # CPython GIL switch interval (default 0.005)
     lease_ttl_s: float = 30.0  # a silent client's requests are released after this
+    eviction_ledger: int = 20_000  # eviction records kept per pool (bounded memory)
+    explain_keep: int = 2_000  # released requests Explain still knows, per pool
     metrics: str = "127.0.0.1:9464"  # Prometheus exposition address; "" for none
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
     tenants: tuple[TenantConfig, ...] = ()
@@ -202,7 +204,8 @@ class Config:
 
 
 _SERVER_KEYS = {"socket", "socket_mode", "socket_group", "tcp", "log_format", "log_level", "grace_s", "workers",
-                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "metrics"}
+                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "metrics",
+                "eviction_ledger", "explain_keep"}
 _POOL_KEYS = set(PoolConfig.__dataclass_fields__)
 
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from kvd.config import Config, PoolConfig
-from kvd.core.attribution import RequestAccount
+from kvd.core.attribution import Attribution, RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
 from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
@@ -82,6 +82,7 @@ class Daemon:
             policy=pc.policy,
             clock=self.clock,
             max_queue=pc.max_queue,
+            attribution=Attribution(self.config.eviction_ledger, self.config.explain_keep),
         )
         arenas = make_arenas(pc)
         runtime = PoolRuntime(pool, arenas, PageCopier(arenas["device"], arenas["host"]),

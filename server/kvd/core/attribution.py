@@ -39,7 +39,7 @@ class RequestAccount:
 class Attribution:
     """A bounded ledger of evictions, per-request accounts, and per-tenant counters."""
 
-    def __init__(self, ledger_size: int = 100_000, finished_size: int = 10_000) -> None:
+    def __init__(self, ledger_size: int = 20_000, finished_size: int = 2_000) -> None:
         self.ledger: deque[EvictionRecord] = deque(maxlen=ledger_size)
         self.active: dict[str, RequestAccount] = {}
         self.finished: OrderedDict[str, RequestAccount] = OrderedDict()

@@ -112,6 +112,7 @@ class Pool:
         max_queue: int = 1024,
         quotas: dict[str, TenantQuota] | None = None,
         reserve_pages: int | None = None,
+        attribution: Attribution | None = None,
     ) -> None:
         if page_bytes <= 0 or block_tokens <= 0:
             raise InvalidArgument("page_bytes and block_tokens must be positive")
@@ -137,7 +138,7 @@ class Pool:
         self.reserved_by_tenant: Counter[str] = Counter()
         self.queued_by_tenant: Counter[str] = Counter()
         self._shares: dict[str, float] | None = None
-        self.attribution = Attribution()
+        self.attribution = attribution or Attribution()
         # Free device pages kept for tenants below their fair share (a watermark): under a fair
         # policy, a tenant at or above its share evicts its own pages instead of spending them,
         # and the runtime refills them from over-share tenants in the background.
