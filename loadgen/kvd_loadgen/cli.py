@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--tenants", default="length:16384",
                     help="length:N | round-robin:K | field:NAME")
     rt.add_argument("--block-tokens", type=int, default=512)
+    rt.add_argument("--model", default="",
+                    help="a model preset (llama-3-8b, ...): page bytes = block tokens x its "
+                         "bytes per token; default: --page-bytes")
+    rt.add_argument("--page-bytes", type=int, default=16384,
+                    help="scaled-down page size (page counts decide evictions)")
     rt.add_argument("--device-pages", type=int, default=1200)
     rt.add_argument("--host-pages", type=int, default=40000)
     rt.add_argument("--step-ms", type=float, default=20.0)

@@ -186,8 +186,14 @@ def run_cli(args) -> int:
     from kvd_loadgen.cli import write_json
     from kvd_loadgen.report import write_report
 
+    page_bytes = args.page_bytes
+    if args.model:
+        from kvd.config import MODEL_PRESETS
+
+        page_bytes = args.block_tokens * MODEL_PRESETS[args.model].bytes_per_token
     run = TraceRun(trace=str(args.trace), speed=args.speed, limit=args.limit,
                    tenants=args.tenants, block_tokens=args.block_tokens,
+                   page_bytes=page_bytes,
                    device_pages=args.device_pages, host_pages=args.host_pages,
                    step_ms=args.step_ms, max_output_tokens=args.max_output_tokens)
     trace = read_request_trace(args.trace, skip_bad=args.skip_bad, limit=args.limit)
