@@ -2,19 +2,49 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from itertools import islice
+
 from kvd.core.blocks import Block
-from kvd.core.policies.scored import ScoredPolicy
+from kvd.core.clock import Clock
+from kvd.core.policies.base import EvictionPolicy
 
 
-class LruPolicy(ScoredPolicy):
-    """Exact LRU on a heap of last-read times. A read only makes a block's time larger, so
-    reads cost nothing here (the entry is re-scored when it reaches the top): the access path
-    pays O(1) per block and eviction O(log n) amortised."""
+class LruPolicy(EvictionPolicy):
+    """O(1) insert, remove and touch on an ordered dict; choose(n) is O(n)."""
 
     name = "lru"
 
-    def score(self, block: Block) -> float:
-        return block.last_access
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self._order: OrderedDict[Block, None] = OrderedDict()
+
+    def insert(self, block: Block) -> None:
+        self._order[block] = None
+
+    def remove(self, block: Block) -> None:
+        del self._order[block]
+
+    def touch(self, block: Block) -> None:
+        self._order.move_to_end(block)
+
+    def touch_many(self, blocks) -> None:
+        order = self._order
+        move_to_end = order.move_to_end
+        for block in blocks:
+            if block in order:  # None and pinned blocks are not held
+                move_to_end(block)
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
+
+    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+        if n > len(self._order):
+            return None
+        return list(islice(self._order, n))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, block: Block) -> bool:
+        return block in self._order
