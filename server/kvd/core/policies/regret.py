@@ -31,8 +31,8 @@ class RegretPolicy(ScoredPolicy):
         self._evicted_at: OrderedDict[Block, float] = OrderedDict()
         self.num_regrets = 0
 
-    def score(self, block: Block) -> float:
-        return block.last_access + block.regret_level * self.window_s
+    def score(self, block: Block) -> tuple:
+        return (block.last_access + block.regret_level * self.window_s,)
 
     def on_evicted(self, block: Block) -> None:
         self._evicted_at[block] = self.clock.now()

@@ -20,30 +20,35 @@ from kvd.core.policies.base import EvictionPolicy
 
 
 class ScoredPolicy(EvictionPolicy):
-    """Evicts the block with the smallest score() first. score() may grow with
-    block.last_access but must never shrink when a block is read."""
+    """Evicts the block with the smallest score() first. score() returns a tuple that may
+    grow with block.last_access but must never shrink when a block is read.
+
+    Heap entries are flat tuples (*score, seq, block): one object per entry, which keeps a
+    million-entry heap's walks in fewer cache lines than (score, seq, block) would.
+    """
 
     eager_touch = False
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
-        self._heap: list[tuple[Any, int, Block]] = []
+        self._heap: list[tuple] = []
         self._live: dict[Block, tuple[Any, int]] = {}
         self._seq = count()
 
     @abstractmethod
-    def score(self, block: Block) -> Any:
+    def score(self, block: Block) -> tuple:
         """Smaller is evicted first. Must not depend on the current time."""
 
     def _push(self, block: Block) -> None:
-        entry = (self.score(block), next(self._seq))
-        self._live[block] = entry
-        heapq.heappush(self._heap, (entry[0], entry[1], block))
+        key = self.score(block)
+        seq = next(self._seq)
+        self._live[block] = (key, seq)
+        heapq.heappush(self._heap, (*key, seq, block))
         if len(self._heap) > 2 * len(self._live) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [(key, seq, block) for block, (key, seq) in self._live.items()]
+        self._heap = [(*key, seq, block) for block, (key, seq) in self._live.items()]
         heapq.heapify(self._heap)
 
     def insert(self, block: Block) -> None:
@@ -66,23 +71,22 @@ class ScoredPolicy(EvictionPolicy):
     def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > len(self._live):
             return None
-        taken: list[tuple[Any, int, Block]] = []
+        taken: list[tuple] = []
         heap, live = self._heap, self._live
         while len(taken) < n:
-            key, seq, block = heapq.heappop(heap)
-            entry = live.get(block)
-            if entry is None or entry[1] != seq:
+            entry = heapq.heappop(heap)
+            block, seq = entry[-1], entry[-2]
+            current = live.get(block)
+            if current is None or current[1] != seq:
                 continue  # stale: removed or re-scored since
             fresh = self.score(block)
-            if fresh != key:  # read since it was scored: it belongs further down
-                entry = (fresh, next(self._seq))
-                live[block] = entry
-                heapq.heappush(heap, (fresh, entry[1], block))
+            if fresh != current[0]:  # read since it was scored: it belongs further down
+                self._push(block)
                 continue
-            taken.append((key, seq, block))
-        for item in taken:  # choose() changes nothing: the pool removes what it takes
-            heapq.heappush(heap, item)
-        return [block for _, _, block in taken]
+            taken.append(entry)
+        for entry in taken:  # choose() changes nothing: the pool removes what it takes
+            heapq.heappush(heap, entry)
+        return [entry[-1] for entry in taken]
 
     def __len__(self) -> int:
         return len(self._live)
