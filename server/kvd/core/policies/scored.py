@@ -71,21 +71,28 @@ class ScoredPolicy(EvictionPolicy):
     def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > len(self._live):
             return None
+        live = self._live
         taken: list[tuple] = []
-        heap, live = self._heap, self._live
-        while len(taken) < n:
-            entry = heapq.heappop(heap)
+        while True:
+            heap = self._heap  # re-read: a push below may rebuild it
+            entry = heap[0]
             block, seq = entry[-1], entry[-2]
             current = live.get(block)
             if current is None or current[1] != seq:
-                continue  # stale: removed or re-scored since
+                heapq.heappop(heap)  # stale: removed or re-scored since
+                continue
             fresh = self.score(block)
             if fresh != current[0]:  # read since it was scored: it belongs further down
+                heapq.heappop(heap)
                 self._push(block)
                 continue
-            taken.append(entry)
+            if n == 1 and not taken:
+                return [block]  # the top is the victim: nothing to pop or put back
+            taken.append(heapq.heappop(heap))
+            if len(taken) == n:
+                break
         for entry in taken:  # choose() changes nothing: the pool removes what it takes
-            heapq.heappush(heap, entry)
+            heapq.heappush(self._heap, entry)
         return [entry[-1] for entry in taken]
 
     def __len__(self) -> int:
