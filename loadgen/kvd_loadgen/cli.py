@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     wm.add_argument("--whale-tokens", type=int, default=131072)
     wm.add_argument("--minnows", type=int, default=40)
     wm.add_argument("--minnow-tokens", type=int, default=2048)
+    wm.add_argument("--minnow-tenants", type=int, default=1,
+                    help="split the minnows across this many tenants")
     wm.add_argument("--duration-s", type=float, default=3.0,
                     help="how long both engines decode side by side")
     wm.add_argument("--block-tokens", type=int, default=64)

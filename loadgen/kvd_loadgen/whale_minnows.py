@@ -23,7 +23,14 @@ from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.local import LocalKvd
 
-TOKENS = {"whale": "whale-token", "minnows": "minnows-token"}
+def tenant_names(s: Scenario) -> dict[str, str]:
+    """Tenant -> its class: the whale, and the minnows split across minnow_tenants tenants."""
+    names = {"whale": "whale"}
+    if s.minnow_tenants <= 1:
+        names["minnows"] = "minnows"
+    else:
+        names.update({f"minnows-{i}": "minnows" for i in range(s.minnow_tenants)})
+    return names
 
 
 @dataclass
@@ -40,6 +47,7 @@ class Scenario:
     host_pages: int = 0  # 0: enough for everything twice
     step_ms: float = 20.0
     chunk_blocks: int = 256
+    minnow_tenants: int = 1  # split the minnows across this many tenants
 
     @property
     def output_tokens(self) -> int:
@@ -64,8 +72,8 @@ class Scenario:
 
 
 def kvd_config(s: Scenario, policy: str) -> str:
-    tenants = "".join(f'[[tenant]]\nname = "{name}"\ntoken = "{token}"\n\n'
-                      for name, token in TOKENS.items())
+    tenants = "".join(f'[[tenant]]\nname = "{name}"\ntoken = "{name}-token"\n\n'
+                      for name in tenant_names(s))
     return (
         "[server]\ngrace_s = 2\n\n"
         f'[[pool]]\nname = "default"\npolicy = "{policy}"\npage_bytes = {s.page_bytes}\n'
@@ -93,11 +101,12 @@ class ClassResult:
     mean_share_ratio: float  # device pages held / fair share, averaged over the run
 
 
-async def _sample_shares(admin: AsyncClient, stop: asyncio.Event, out: list[dict]) -> None:
+async def _sample_shares(admin: AsyncClient, stop: asyncio.Event, out: list[dict],
+                         names: dict[str, str]) -> None:
     while not stop.is_set():
         tenants = await admin.list_tenants()
         out.append({t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
-                     if t.tenant in TOKENS and t.reserved_pages > 0})
+                     if t.tenant in names and t.reserved_pages > 0})
         try:
             await asyncio.wait_for(stop.wait(), 0.1)
         except asyncio.TimeoutError:
@@ -111,65 +120,66 @@ async def run_case(s: Scenario, policy: str, *, with_whales: bool) -> tuple[list
         config = Path(tmp) / "kvd.toml"
         config.write_text(kvd_config(s, policy))
         with LocalKvd("--config", str(config), workdir=tmp) as kvd:
-            async with AsyncClient(kvd.target) as admin, \
-                    AsyncClient(kvd.target, token=TOKENS["whale"]) as wc, \
-                    AsyncClient(kvd.target, token=TOKENS["minnows"]) as mc:
+            names = tenant_names(s)
+            clients = {t: AsyncClient(kvd.target, token=f"{t}-token") for t in names}
+            async with AsyncClient(kvd.target) as admin:
                 step_s = s.step_ms / 1000
-                engines = {
-                    "whale": Engine(wc, block_tokens=s.block_tokens, step_s=step_s,
-                                    chunk_blocks=s.chunk_blocks),
-                    "minnows": Engine(mc, block_tokens=s.block_tokens, step_s=step_s,
-                                      chunk_blocks=s.chunk_blocks),
-                }
-                requests = {"whale": [], "minnows": []}
+                engines = {t: Engine(clients[t], block_tokens=s.block_tokens, step_s=step_s,
+                                     chunk_blocks=s.chunk_blocks) for t in names}
+                minnow_tenants = [t for t, k in names.items() if k == "minnows"]
+                requests = {t: [] for t in names}
                 if with_whales:
                     requests["whale"] = [SimRequest(f"whale-{i}", s.whale_tokens,
                                                     s.output_tokens, "whale")
                                          for i in range(s.whales)]
-                requests["minnows"] = [SimRequest(f"minnow-{i}", s.minnow_tokens,
-                                                  s.output_tokens, "minnows")
-                                       for i in range(s.minnows)]
+                for i in range(s.minnows):
+                    requests[minnow_tenants[i % len(minnow_tenants)]].append(
+                        SimRequest(f"minnow-{i}", s.minnow_tokens, s.output_tokens, "minnows"))
                 # The minnows are decoding when the whale arrives and prefills (seed 001's
                 # figure 2); both then decode side by side for the measured window.
-                await asyncio.gather(*(engines["minnows"].arrive(r)
-                                       for r in requests["minnows"]))
+                await asyncio.gather(*(engines[t].arrive(r) for t in minnow_tenants
+                                       for r in requests[t]))
                 until = time.monotonic() + s.whale_delay_s + s.duration_s
-                minnow_run = asyncio.ensure_future(engines["minnows"].run(until=until))
+                runs = [asyncio.ensure_future(engines[t].run(until=until))
+                        for t in minnow_tenants]
                 stop = asyncio.Event()
                 samples: list[dict] = []
-                sampler = asyncio.ensure_future(_sample_shares(admin, stop, samples))
-                runs = [minnow_run]
+                sampler = asyncio.ensure_future(_sample_shares(admin, stop, samples, names))
                 if requests["whale"]:
                     await asyncio.sleep(s.whale_delay_s)
                     await asyncio.gather(*(engines["whale"].arrive(r)
                                            for r in requests["whale"]))
-                    runs.append(engines["whale"].run(until=until))
+                    runs.append(asyncio.ensure_future(engines["whale"].run(until=until)))
                 await asyncio.gather(*runs)
                 stop.set()
                 await sampler
                 tenants = {t.tenant: t for t in await admin.list_tenants()}
                 check = await admin.self_check()
                 assert check.ok, check.problems
+            for c in clients.values():
+                await c.close()
     results = []
-    for klass, engine in engines.items():
-        if not requests[klass]:
+    for klass in ("whale", "minnows"):
+        members = [t for t, k in names.items() if k == klass and requests[t]]
+        if not members:
             continue
-        stalls = [x.stall_s * 1e3 for x in engine.stats.steps if not x.prefill]
-        prefill = [x.stall_s * 1e3 for x in engine.stats.steps if x.prefill]
-        lat = [x.latency_s * 1e3 for x in engine.stats.steps if not x.prefill]
-        waits = [r.admission_wait_s * 1e3 for r in requests[klass]
-                 if r.admission_wait_s is not None]
-        ratios = [sample[klass][0] / max(sample[klass][1], 1e-9)
-                  for sample in samples if klass in sample]
-        t = tenants.get(klass)
+        steps = [x for t in members for x in engines[t].stats.steps]
+        stalls = [x.stall_s * 1e3 for x in steps if not x.prefill]
+        prefill = [x.stall_s * 1e3 for x in steps if x.prefill]
+        lat = [x.latency_s * 1e3 for x in steps if not x.prefill]
+        reqs = [r for t in members for r in requests[t]]
+        waits = [r.admission_wait_s * 1e3 for r in reqs if r.admission_wait_s is not None]
+        ratios = [sample[t][0] / max(sample[t][1], 1e-9)
+                  for sample in samples for t in members if t in sample]
+        infos = [tenants[t] for t in members if t in tenants]
         results.append(ClassResult(
-            run=run, policy=policy, klass=klass, requests=len(requests[klass]),
+            run=run, policy=policy, klass=klass, requests=len(reqs),
             stall_p50_ms=percentile(stalls, 50), stall_p99_ms=percentile(stalls, 99),
             prefill_stall_max_ms=max(prefill, default=0.0),
             step_p50_ms=percentile(lat, 50), step_p99_ms=percentile(lat, 99),
-            tokens_per_s=engine.stats.tokens_per_s,
-            evictions_suffered=t.evictions_suffered if t else 0,
-            evictions_caused=t.evictions_caused if t else 0,
+            tokens_per_s=sum(engines[t].stats.tokens_per_s for t in members),
+            evictions_suffered=sum(i.evictions_suffered for i in infos),
+            evictions_caused=sum(i.evictions_caused for i in infos),
             admission_wait_p50_ms=percentile(waits, 50),
             admission_wait_max_ms=max(waits, default=0.0),
             mean_share_ratio=statistics.fmean(ratios) if ratios else 0.0,
@@ -253,6 +263,7 @@ def run_cli(args) -> int:
     from kvd_loadgen.cli import write_json
 
     s = Scenario(whales=args.whales, whale_tokens=args.whale_tokens, minnows=args.minnows,
+                 minnow_tenants=args.minnow_tenants,
                  minnow_tokens=args.minnow_tokens, duration_s=args.duration_s,
                  block_tokens=args.block_tokens, page_bytes=args.page_bytes,
                  device_pages=args.device_pages, step_ms=args.step_ms)
