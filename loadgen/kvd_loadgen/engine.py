@@ -77,7 +77,6 @@ class Engine:
         self.tenant = tenant
         self.stats = EngineStats()
         self.running: list[SimRequest] = []
-        self._waiting: list[asyncio.Task] = []
 
     async def arrive(self, req: SimRequest) -> None:
         """Ask kvd to admit; queued requests wait on WaitAdmission and join when admitted."""

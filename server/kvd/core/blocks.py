@@ -147,8 +147,6 @@ class Request:
     maybe_relocated: bool = False
     # What it went through (a RequestAccount), for Explain.
     account: Any = None
-    # Anything the service layer wants to keep with the request (lease, owner).
-    attrs: dict[str, Any] = field(default_factory=dict)
 
     def live_blocks(self) -> list[Block]:
         return [b for b in self.blocks if b is not None]

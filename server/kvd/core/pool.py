@@ -538,7 +538,8 @@ class Pool:
             req = self._admitted(request_id)  # raises the right error
         if (indices is None and req.num_moving_blocks == 0
                 and req.num_device_blocks == req.num_live_blocks):
-            self._touch_all_resident(req)  # the hot path: attention reads a resident request
+            # The hot path: attention reads a resident request.
+            self._touch_all_resident(req, self.clock.now())
             return AccessResult(None, None, req)
         blocks = self._resolve(req, indices)
         busy = [b for b in blocks if b.moving]
@@ -573,11 +574,8 @@ class Pool:
         requests = self.requests
         admitted = RequestState.ADMITTED
         now = self.clock.now()
-        touch_many = self.policy.touch_many if self.policy.eager_touch else None
-        reuse = self.policy.tracks_reuse
         general: list[str] = []
         relocated: list[Request] = []
-        num_critical = num_blocks = 0
         for rid in request_ids:
             req = requests.get(rid)
             if (req is None or req.state is not admitted or req.num_moving_blocks
@@ -585,34 +583,25 @@ class Pool:
                     or (tenant is not None and req.tenant != tenant)):
                 general.append(rid)
                 continue
-            if reuse:
-                for b in req.blocks:
-                    if b is not None:
-                        b.reuse_s = now - b.last_access
-                        b.last_access = now
-                        num_critical += b.decode_critical
-            else:
-                for b in req.blocks:
-                    if b is not None:
-                        b.last_access = now
-                        num_critical += b.decode_critical
-            if touch_many is not None:
-                touch_many(req.blocks)
-            num_blocks += req.num_live_blocks
+            self._touch_all_resident(req, now)
             if req.maybe_relocated:
                 relocated.append(req)
-        self.counters.num_decode_critical_accesses += num_critical
-        self.counters.num_accesses += num_blocks
         return general, relocated
 
-    def _touch_all_resident(self, req: Request) -> None:
-        now = self.clock.now()
+    def _touch_all_resident(self, req: Request, now: float) -> None:
+        """Every block of a request whose blocks are all resident was read at `now`."""
         num_critical = 0
-        for b in req.blocks:
-            if b is not None:
-                b.reuse_s = now - b.last_access
-                b.last_access = now
-                num_critical += b.decode_critical
+        if self.policy.tracks_reuse:
+            for b in req.blocks:
+                if b is not None:
+                    b.reuse_s = now - b.last_access
+                    b.last_access = now
+                    num_critical += b.decode_critical
+        else:
+            for b in req.blocks:
+                if b is not None:
+                    b.last_access = now
+                    num_critical += b.decode_critical
         if self.policy.eager_touch:
             self.policy.touch_many(req.blocks)
         self.counters.num_decode_critical_accesses += num_critical

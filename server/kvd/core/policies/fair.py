@@ -94,11 +94,23 @@ class FairPolicy(EvictionPolicy):
         self._by_request[block.request].touch(block)
 
     def touch_many(self, blocks) -> None:
+        # A read passes one request's blocks: hand each request's run of them to its own
+        # base policy in one call rather than block by block.
+        run: list[Block] = []
+        req = None
         for block in blocks:
-            if block is not None:
-                sub = self._by_request.get(block.request)
-                if sub is not None and block in sub:
-                    sub.touch(block)
+            if block is None:
+                continue
+            if block.request is not req:
+                self._touch_run(req, run)
+                req, run = block.request, []
+            run.append(block)
+        self._touch_run(req, run)
+
+    def _touch_run(self, req: Request | None, blocks: list[Block]) -> None:
+        sub = self._by_request.get(req) if req is not None else None
+        if sub is not None and blocks:
+            sub.touch_many(blocks)
 
     def reorder(self, block: Block) -> None:
         self._by_request[block.request].reorder(block)
