@@ -2,6 +2,7 @@
 
 from kvd_client.client import AsyncClient, Client, StepStream, default_target
 from kvd_client.errors import (
+    AbortedError,
     AlreadyExistsError,
     DeadlineExceededError,
     FailedPreconditionError,
@@ -16,7 +17,7 @@ from kvd_client.errors import (
 from kvd_api.v1 import kvd_pb2 as pb
 
 __all__ = [
-    "AlreadyExistsError", "AsyncClient", "Client", "DeadlineExceededError",
+    "AbortedError", "AlreadyExistsError", "AsyncClient", "Client", "DeadlineExceededError",
     "FailedPreconditionError", "InvalidArgumentError", "KvdClientError", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "StepStream", "UnauthenticatedError",
     "UnavailableError", "default_target", "pb",

@@ -63,10 +63,11 @@ class _Requests:
     intent_update = staticmethod(_intent_update)
 
     @staticmethod
-    def admit(request_id, prompt_tokens, output_tokens, *, tenant="", pool="", priority=0):
+    def admit(request_id, prompt_tokens, output_tokens, *, tenant="", pool="", priority=0,
+              handoff_pool=""):
         return pb.AdmitRequest(request_id=request_id, tenant=tenant, pool=pool,
                                prompt_tokens=prompt_tokens, expected_output_tokens=output_tokens,
-                               priority=priority)
+                               priority=priority, handoff_pool=handoff_pool)
 
 
 class _Connection:
@@ -179,6 +180,32 @@ class AsyncClient(_Connection):
             raise from_rpc_error(err) from None
         finally:
             call.cancel()
+
+    async def handoff(self, request_id: str, target_pool: str = "",
+                      timeout_s: float | None = None):
+        """Yield HandoffProgress messages until the last (done, with the target pool's page
+        handles). Stopping early (break, or cancelling the task) rolls the handoff back."""
+        call = self.memory.Handoff(pb.HandoffRequest(request_id=request_id,
+                                                     target_pool=target_pool),
+                                   timeout=timeout_s, metadata=self.metadata)
+        try:
+            async for progress in call:
+                yield progress
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def handoff_all(self, request_id: str, target_pool: str = "",
+                          timeout_s: float | None = None) -> pb.HandoffProgress:
+        """Hand a request off and return the final progress message."""
+        last = None
+        async for last in self.handoff(request_id, target_pool, timeout_s):
+            pass
+        return last
+
+    async def list_links(self) -> list[pb.LinkStats]:
+        return list((await self._call(self.admin.ListLinks, pb.ListLinksRequest())).links)
 
     async def watch_events(self, *, pools=(), tenants=(), kinds=(), buffer: int = 0):
         """Yield kvd's events as they happen (a "gap" event counts ones this watcher lost)."""
@@ -387,6 +414,21 @@ class Client(_Connection):
                 raise from_rpc_error(err) from None
         finally:
             call.cancel()
+
+    def handoff(self, request_id: str, target_pool: str = "", timeout_s: float | None = None):
+        """Iterate HandoffProgress messages (blocking); closing early rolls it back."""
+        call = self.memory.Handoff(pb.HandoffRequest(request_id=request_id,
+                                                     target_pool=target_pool),
+                                   timeout=timeout_s, metadata=self.metadata)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    def list_links(self) -> list[pb.LinkStats]:
+        return list(self._call(self.admin.ListLinks, pb.ListLinksRequest()).links)
 
     def list_requests(self, pool: str = "", limit: int = 0):
         return list(self._call(self.admin.ListRequests,

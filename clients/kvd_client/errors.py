@@ -54,11 +54,17 @@ class DeadlineExceededError(KvdClientError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class AbortedError(KvdClientError):
+    """The operation failed part-way and kvd undid it (a handoff whose copy failed)."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, ResourceExhaustedError,
                 FailedPreconditionError, PermissionDeniedError, UnauthenticatedError,
-                UnavailableError, DeadlineExceededError)
+                UnavailableError, DeadlineExceededError, AbortedError)
 }
 
 

@@ -54,6 +54,15 @@ class PoolConfig:
     device_backend: str = "auto"  # auto | cupy | host
     gpu: int = 0
     max_queue: int = 1024
+    # The device<->host link: capacity ("auto": measured at start), burst (0: 5 ms of
+    # capacity, at least a chunk), the largest piece a transfer is copied in, how transfers
+    # share it ("fair": classes, weights, caps; "fifo": arrival order, no budgets), and how
+    # long a transfer waits before it is served as if one class higher.
+    link_bandwidth: int | str = "auto"
+    link_burst: int | str = 0
+    link_chunk: int | str = "256KiB"
+    link_scheduling: str = "fair"
+    link_aging_ms: float = 50.0
 
     @property
     def resolved_page_bytes(self) -> int:
@@ -81,10 +90,62 @@ class PoolConfig:
             )
         if self.device_backend not in ("auto", "cupy", "host"):
             raise InvalidArgument(f"pool {self.name!r}: device_backend is auto, cupy or host")
+        _check_link(f"pool {self.name!r}", self.link_bandwidth, self.link_burst,
+                    self.link_scheduling, self.link_aging_ms)
+        if bytes_of(self.link_chunk) <= 0:
+            raise InvalidArgument(f"pool {self.name!r}: link_chunk must be positive")
+
+
+def _check_link(where: str, bandwidth, burst, scheduling: str, aging_ms: float) -> None:
+    if bandwidth != "auto" and bytes_of(bandwidth) <= 0:
+        raise InvalidArgument(f"{where}: link bandwidth must be positive or 'auto'")
+    bytes_of(burst)
+    if scheduling not in ("fair", "fifo"):
+        raise InvalidArgument(f"{where}: link scheduling is fair or fifo, got {scheduling!r}")
+    if aging_ms <= 0:
+        raise InvalidArgument(f"{where}: link aging must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """A pool->pool link for handoff (`[[link]]` with source and target pools)."""
+
+    source: str
+    target: str
+    bandwidth: int | str = "auto"
+    burst: int | str = 0
+    scheduling: str = "fair"
+    aging_ms: float = 50.0
+
+    def validate(self, pools: tuple[PoolConfig, ...]) -> None:
+        names = {p.name for p in pools}
+        for end in (self.source, self.target):
+            if end not in names:
+                raise InvalidArgument(f"link {self.source}->{self.target}: no pool {end!r}")
+        if self.source == self.target:
+            raise InvalidArgument(f"link {self.source}->{self.target}: a link joins two pools")
+        _check_link(f"link {self.source}->{self.target}", self.bandwidth, self.burst,
+                    self.scheduling, self.aging_ms)
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def bytes_of(value: int | float | str) -> float:
+    """A size or a rate in bytes: a number, or a string with a unit ("200MiB", "1.5GB/s")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidArgument(f"a size is bytes (a number) or a string like '200MiB/s', "
+                              f"got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise InvalidArgument(f"a size must be >= 0, got {value}")
+        return float(value)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*(?:/s)?\s*", value)
+    unit = (match.group(2) or "b").lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise InvalidArgument(f"cannot read {value!r} as bytes; use e.g. 200MiB or 1GB/s")
+    return float(match.group(1)) * _UNITS[unit]
 
 
 def pages_of(value: int | str, page_bytes: int) -> int:
@@ -102,7 +163,9 @@ def pages_of(value: int | str, page_bytes: int) -> int:
     return math.ceil(float(match.group(1)) * _UNITS[match.group(2).lower()] / page_bytes)
 
 
-_QUOTA_KEYS = {"weight", "guaranteed", "limit", "max_request_pages", "max_request_fraction"}
+_QUOTA_KEYS = {"weight", "guaranteed", "limit", "max_request_pages", "max_request_fraction",
+               "bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget"}
+_RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +180,11 @@ class TenantConfig:
     limit: int | str = 0  # 0: no limit
     max_request_pages: int = 0
     max_request_fraction: float = 0.0
+    # Bytes per second (a number or "200MiB/s"; 0: none); see TenantQuota.
+    bandwidth_cap: int | str = 0
+    bandwidth_burst: int | str = 0
+    request_bandwidth_cap: int | str = 0
+    read_budget: int | str = 0
     pools: dict = field(default_factory=dict)
 
     def quota_for(self, pool: str, page_bytes: int) -> TenantQuota:
@@ -129,6 +197,7 @@ class TenantConfig:
             limit=limit or None,
             max_request_pages=int(spec["max_request_pages"]) or None,
             max_request_fraction=float(spec["max_request_fraction"]) or None,
+            **{key: bytes_of(spec[key]) or None for key in _RATE_KEYS},
         )
 
     def validate(self, pools: tuple[PoolConfig, ...]) -> None:
@@ -174,11 +243,13 @@ class Config:
     inline_copy_bytes: int = 65536  # smaller copies run on the event loop
     switch_interval_s: float = 0.0005  # CPython GIL switch interval (default 0.005)
     lease_ttl_s: float = 30.0  # a silent client's requests are released after this
+    handoff_ttl_s: float = 60.0  # a decode reservation no handoff claimed lapses after this
     eviction_ledger: int = 20_000  # eviction records kept per pool (bounded memory)
     explain_keep: int = 2_000  # released requests Explain still knows, per pool
     metrics: str = "127.0.0.1:9464"  # Prometheus exposition address; "" for none
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
     tenants: tuple[TenantConfig, ...] = ()
+    links: tuple[LinkConfig, ...] = ()
     auth: AuthConfig = field(default_factory=AuthConfig)
     path: str = ""  # the file it came from (SIGHUP re-reads it)
 
@@ -201,10 +272,17 @@ class Config:
             raise InvalidArgument("two identities share a token")
         for tenant in self.tenants:
             tenant.validate(self.pools)
+        ends = [(link.source, link.target) for link in self.links]
+        if len(set(ends)) != len(ends):
+            raise InvalidArgument("two [[link]] entries join the same pools")
+        for link in self.links:
+            link.validate(self.pools)
+        if self.handoff_ttl_s <= 0:
+            raise InvalidArgument("handoff_ttl_s must be positive")
 
 
 _SERVER_KEYS = {"socket", "socket_mode", "socket_group", "tcp", "log_format", "log_level", "grace_s", "workers",
-                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "metrics",
+                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "handoff_ttl_s", "metrics",
                 "eviction_ledger", "explain_keep"}
 _POOL_KEYS = set(PoolConfig.__dataclass_fields__)
 
@@ -235,7 +313,7 @@ def _secret(entry: dict, key: str, base: Path | None) -> str:
 
 
 def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
-    unknown = set(data) - {"server", "pool", "tenant", "auth"}
+    unknown = set(data) - {"server", "pool", "tenant", "auth", "link"}
     if unknown:
         raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
     server = data.get("server", {})
@@ -256,6 +334,15 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
         if unknown:
             raise InvalidArgument(f"unknown [[tenant]] keys: {', '.join(sorted(unknown))}")
         tenants.append(TenantConfig(**entry))
+    links = []
+    for entry in data.get("link", []):
+        unknown = set(entry) - set(LinkConfig.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgument(f"unknown [[link]] keys: {', '.join(sorted(unknown))}")
+        try:
+            links.append(LinkConfig(**entry))
+        except TypeError as exc:
+            raise InvalidArgument(f"[[link]] needs source and target pools: {exc}") from exc
     auth = dict(data.get("auth", {}))
     _secret(auth, "admin_token", base)
     unknown = set(auth) - set(AuthConfig.__dataclass_fields__)
@@ -263,7 +350,7 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
         raise InvalidArgument(f"unknown [auth] keys: {', '.join(sorted(unknown))}")
     try:
         config = Config(**server, pools=tuple(pools), tenants=tuple(tenants),
-                        auth=AuthConfig(**auth))
+                        links=tuple(links), auth=AuthConfig(**auth))
     except TypeError as exc:
         raise InvalidArgument(f"bad config value: {exc}") from exc
     config.validate()

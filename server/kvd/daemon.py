@@ -6,26 +6,37 @@ The async operations here are what the gRPC servicers call; they know nothing of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from kvd.config import Config, PoolConfig
+from kvd.config import Config, LinkConfig, PoolConfig, bytes_of
+from kvd.core.bandwidth import Job, LinkScheduler, TransferClass
 from kvd.core.attribution import Attribution, RequestAccount
-from kvd.core.blocks import Block, Request, RequestState
+from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock, MonotonicClock
-from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied
+from kvd.core.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+)
 from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
-from kvd.core.pool import AdmitResult, IntentChange, Pool
+from kvd.core.pool import AdmitResult, IntentChange, Pool, Reserver
 from kvd.core.transfer import TransferPlan
+from kvd.links import Link, Transfer, TransferCancelled, measure_copy_bandwidth
 from kvd.events import EventBus
 from kvd.leases import LeaseTable
 from kvd.metrics import STALL_SECONDS
 from kvd.memory.arena import ShmArena
-from kvd.memory.copier import PageCopier
+from kvd.memory.copier import PageCopier, chunk_runs, copy_between, page_runs
 from kvd.runtime import PoolRuntime
 
 log = structlog.get_logger("kvd.daemon")
@@ -52,6 +63,32 @@ def make_arenas(pc: PoolConfig) -> dict[str, object]:
     return {"device": device, "host": host}
 
 
+def _settle_handoff(task: asyncio.Task) -> None:
+    """A handoff whose caller went away failed or rolled back with nobody to tell: it was
+    logged and counted; mark its exception retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+class _DaemonReserver(Reserver):
+    """Reserves a prefill request's decode pages in its handoff pool."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def state(self, req: Request) -> tuple[str, str]:
+        target = self.daemon.runtime(req.handoff_pool).pool
+        projected = target.projected_pages(req.prompt_tokens, req.output_tokens)
+        return target.reservation_state(req.tenant, projected,
+                                        req.prompt_tokens + req.output_tokens)
+
+    def reserve(self, req: Request) -> None:
+        self.daemon.runtime(req.handoff_pool).pool.reserve(
+            req.request_id, req.tenant, prompt_tokens=req.prompt_tokens,
+            output_tokens=req.output_tokens, priority=req.priority,
+            ttl_s=self.daemon.config.handoff_ttl_s)
+
+
 class Daemon:
     """Pools by name and requests by id; every engine operation goes through here."""
 
@@ -64,9 +101,17 @@ class Daemon:
         self.leases = LeaseTable(self.clock, config.lease_ttl_s)
         self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
+        self._measured_bps: float | None = None
+        # pool->pool links for handoff, by (source, target); made on first use when the
+        # config does not declare one.
+        self.handoff_links: dict[tuple[str, str], Link] = {}
+        self.handoffs_in_flight: set[asyncio.Task] = set()
+        self.handoff_counts: Counter = Counter()
         try:
             for pc in config.pools:
                 self.pools[pc.name] = self._build_pool(pc)
+            for lc in config.links:
+                self.handoff_links[(lc.source, lc.target)] = self._build_handoff_link(lc)
         except BaseException:
             self.close()
             raise
@@ -84,9 +129,16 @@ class Daemon:
             max_queue=pc.max_queue,
             attribution=Attribution(self.config.eviction_ledger, self.config.explain_keep),
         )
+        pool.reserver = _DaemonReserver(self)
         arenas = make_arenas(pc)
+        chunk = max(int(bytes_of(pc.link_chunk)), pool.page_bytes)
+        # A CUDA copy always goes through the stream in a worker; host copies of a few KiB
+        # are faster on the event loop than handed to a thread and back.
+        inline = -1 if arenas["device"].backend == "cupy" else self.config.inline_copy_bytes
+        link = self._make_link(f"{pc.name}:device<->host", pc.link_bandwidth, pc.link_burst,
+                               chunk, pc.link_scheduling, pc.link_aging_ms, pool, inline)
         runtime = PoolRuntime(pool, arenas, PageCopier(arenas["device"], arenas["host"]),
-                              self._executor, self.config.inline_copy_bytes)
+                              link, chunk)
         runtime.on_plan_done.append(self._on_plan_done)
         log.info(
             "pool ready",
@@ -97,8 +149,54 @@ class Daemon:
             host_pages=pc.host_pages,
             page_bytes=pool.page_bytes,
             policy=pool.policy.name,
+            link_bandwidth=f"{link.sched.capacity_bps / 2**20:.0f}MiB/s",
+            link_scheduling=link.sched.scheduling,
         )
         return runtime
+
+    def _measured_bandwidth(self) -> float:
+        if self._measured_bps is None:
+            self._measured_bps = measure_copy_bandwidth()
+            log.info("link bandwidth measured (links set to auto use it)",
+                     bytes_per_s=round(self._measured_bps),
+                     mib_per_s=round(self._measured_bps / 2**20))
+        return self._measured_bps
+
+    def _make_link(self, name: str, bandwidth, burst, chunk: int, scheduling: str,
+                   aging_ms: float, pool: Pool, inline: int) -> Link:
+        capacity = (self._measured_bandwidth() if bandwidth == "auto"
+                    else bytes_of(bandwidth))
+        # The burst is at least one chunk, so every chunk can go; by default 5 ms of traffic.
+        burst = max(bytes_of(burst) or capacity / 200, chunk)
+        sched = LinkScheduler(name, capacity_bps=capacity, burst_bytes=burst,
+                              now=self.clock.now(), scheduling=scheduling,
+                              aging_s=aging_ms / 1000, quantum_bytes=chunk,
+                              weight_of=lambda tenant: pool.quota(tenant).weight)
+        return Link(sched, self.clock, self._executor, inline, pool.name)
+
+    def _build_handoff_link(self, lc: LinkConfig) -> Link:
+        src = self.runtime(lc.source)
+        chunk = src.chunk_pages * src.pool.page_bytes
+        inline = -1 if any(rt.arenas["device"].backend == "cupy"
+                           for rt in (src, self.runtime(lc.target))) else self.config.inline_copy_bytes
+        return self._make_link(f"{lc.source}->{lc.target}", lc.bandwidth, lc.burst, chunk,
+                               lc.scheduling, lc.aging_ms, src.pool, inline)
+
+    def handoff_link(self, source: str, target: str) -> Link:
+        link = self.handoff_links.get((source, target))
+        if link is None:
+            link = self._build_handoff_link(LinkConfig(source, target))
+            self._apply_link_caps(link, self.runtime(source).pool)
+            self.handoff_links[(source, target)] = link
+        return link
+
+    def links(self) -> list[Link]:
+        return [rt.link for rt in self.pools.values()] + list(self.handoff_links.values())
+
+    def links_of(self, pool: str) -> list[Link]:
+        """A pool's device<->host link and the handoff links leaving it."""
+        return [self.runtime(pool).link] + [link for (source, _), link in
+                                            self.handoff_links.items() if source == pool]
 
     def _on_plan_done(self, plan: TransferPlan, stall_s: float) -> None:
         if plan.reason == "access" and stall_s > 0:
@@ -152,14 +250,17 @@ class Daemon:
     # ------------------------------------------------------------------ engine operations
 
     def admit(self, request_id: str, *, tenant: str, pool: str, prompt_tokens: int,
-              output_tokens: int, priority: int, lease: str = "") -> AdmitResult:
+              output_tokens: int, priority: int, lease: str = "",
+              handoff_pool: str = "") -> AdmitResult:
         if request_id in self.request_index:
             where = self.request_index[request_id].pool.name
             raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
         rt = self.runtime(pool)
+        if handoff_pool:
+            self._check_handoff_pair(rt, self.runtime(handoff_pool))
         result = rt.pool.admit(request_id, tenant=tenant or "default",
                                prompt_tokens=prompt_tokens, output_tokens=output_tokens,
-                               priority=priority)
+                               priority=priority, handoff_pool=handoff_pool)
         if result.decision != "rejected":
             self.request_index[request_id] = rt
             self.leases.attach(lease, tenant or "default", request_id)
@@ -220,9 +321,14 @@ class Daemon:
     async def release(self, request_id: str, scope: str | None = None
                       ) -> tuple[int, list[Request]]:
         rt = self.runtime_of(request_id, scope)
-        tenant = rt.pool.requests[request_id].tenant
+        req = rt.pool.requests[request_id]
+        tenant = req.tenant
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
         del self.request_index[request_id]
+        if req.handoff_pool:  # never handed off: its reservation goes too
+            self._drop_reservation(req.handoff_pool, request_id)
+        if admitted or freed:
+            self._kick_handoff_queues(rt.pool.name)
         self.leases.detach(request_id)
         rt.notify_queue()
         self.events.publish("release", pool=rt.pool.name, tenant=tenant,
@@ -232,6 +338,255 @@ class Daemon:
                                 request_id=other.request_id, count=other.projected_pages,
                                 decision="admitted", reason="from the queue")
         return freed, admitted
+
+    # ------------------------------------------------------------------ disaggregation
+
+    def _check_handoff_pair(self, src: PoolRuntime, dst: PoolRuntime) -> None:
+        if src is dst:
+            raise InvalidArgument(f"a request cannot hand off to its own pool {src.pool.name!r}")
+        a, b = src.pool, dst.pool
+        if (a.page_bytes, a.block_tokens) != (b.page_bytes, b.block_tokens):
+            raise FailedPrecondition(
+                f"pools {a.name!r} and {b.name!r} lay blocks out differently "
+                f"({a.page_bytes} vs {b.page_bytes} bytes, {a.block_tokens} vs "
+                f"{b.block_tokens} tokens a page): kvd hands off block for block"
+            )
+
+    def _drop_reservation(self, pool: str, request_id: str) -> bool:
+        rt = self.pools.get(pool)
+        req = rt.pool.requests.get(request_id) if rt else None
+        if req is None or req.state is not RequestState.RESERVED:
+            return False
+        rt.pool.release(request_id)
+        self._kick_handoff_queues(pool)
+        return True
+
+    def _kick_handoff_queues(self, target: str) -> None:
+        """Pages came free in `target`: prefill requests queued for a reservation there may
+        go now."""
+        for rt in self.pools.values():
+            pool = rt.pool
+            if any(r.handoff_pool == target for r in pool.queue.values()):
+                admitted = pool._admit_from_queue()
+                for other in admitted:
+                    self.events.publish("admission", pool=pool.name, tenant=other.tenant,
+                                        request_id=other.request_id,
+                                        count=other.projected_pages, decision="admitted",
+                                        reason="from the queue")
+                if admitted:
+                    rt.notify_queue()
+
+    def expire_reservations(self) -> int:
+        """Release decode reservations no handoff claimed in time (their prefill requests
+        stay; a later Handoff says the reservation lapsed)."""
+        expired = 0
+        for rt in list(self.pools.values()):
+            for request_id in rt.pool.expired_reservations():
+                tenant = rt.pool.requests[request_id].tenant
+                rt.pool.release(request_id)
+                expired += 1
+                self.handoff_counts["reservations_expired"] += 1
+                log.warning("handoff reservation expired", pool=rt.pool.name,
+                            request_id=request_id, tenant=tenant)
+                self.events.publish("handoff", pool=rt.pool.name, tenant=tenant,
+                                    request_id=request_id, reason="reservation expired")
+            if expired:
+                self._kick_handoff_queues(rt.pool.name)
+        return expired
+
+    async def expire_forever(self, period_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            self.expire_reservations()
+
+    async def handoff(self, request_id: str, target: str = "", scope: str | None = None
+                      ) -> AsyncIterator[dict]:
+        """Copy a request's blocks to its handoff pool under the pool->pool link's budget,
+        yielding progress; all or nothing. The work runs in a task of its own, so a caller
+        that goes away cancels it between chunks and it rolls back cleanly."""
+        src = self.runtime_of(request_id, scope)
+        req = src.pool._admitted(request_id)
+        target = target or req.handoff_pool
+        if not target:
+            raise FailedPrecondition(
+                f"request {request_id!r} was admitted without a handoff pool; name target_pool")
+        if req.handoff_pool and target != req.handoff_pool:
+            raise InvalidArgument(f"request {request_id!r} reserved pages in pool "
+                                  f"{req.handoff_pool!r}, not {target!r}")
+        dst = self.runtime(target)
+        self._check_handoff_pair(src, dst)
+        reservation = dst.pool.requests.get(request_id)
+        if reservation is None:
+            # None made at admission (or it lapsed, or a handoff was rolled back): the
+            # target decides only now, and a refusal means the prefill was spent for nothing.
+            try:
+                dst.pool.reserve(request_id, req.tenant, prompt_tokens=req.prompt_tokens,
+                                 output_tokens=req.output_tokens, priority=req.priority,
+                                 ttl_s=self.config.handoff_ttl_s)
+            except ResourceExhausted as exc:
+                self.handoff_counts["refused"] += 1
+                had = ("its reservation lapsed or a handoff was rolled back"
+                       if req.handoff_pool else "it was admitted without a reservation")
+                raise ResourceExhausted(f"{exc}; {had}") from None
+            req.handoff_pool = target
+        elif reservation.state is not RequestState.RESERVED:
+            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
+        progress: asyncio.Queue = asyncio.Queue()
+        cancel = asyncio.Event()
+        task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel))
+        self.handoffs_in_flight.add(task)
+        task.add_done_callback(_settle_handoff)
+        task.add_done_callback(self.handoffs_in_flight.discard)
+        try:
+            while True:
+                getter = asyncio.ensure_future(progress.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    item = getter.result()
+                    yield item
+                    if item["done"]:
+                        return
+                    continue
+                getter.cancel()
+                task.result()  # raises what failed the handoff
+                while not progress.empty():
+                    item = progress.get_nowait()
+                    yield item
+                return
+        finally:
+            if not task.done():
+                cancel.set()  # the caller went away: roll back between chunks
+                self.handoff_counts["cancelled"] += 1
+
+    async def _handoff(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
+                       progress: asyncio.Queue, cancel: asyncio.Event) -> None:
+        request_id = req.request_id
+        blocks = await src.run(lambda: src.pool.begin_handoff(request_id))
+        this = asyncio.current_task()
+        for b in blocks:  # whoever needs these blocks waits for the handoff
+            src._inflight[b] = this
+        dst.pool.claim(request_id)
+        plan = None
+        demoted = False
+        try:
+            if blocks:
+                plan = await dst.run(lambda: dst.pool.allocate(request_id, len(blocks)))
+                plan.reason = "handoff"
+                dst._plans.add(plan)
+                for b in plan.blocks():
+                    dst._inflight[b] = this
+                if plan.demotions:  # room in the decode pool first, over its own link
+                    await self._copy_demotions(dst, plan)
+                demoted = True
+                await self._copy_handoff(src, dst, blocks, plan, progress, cancel)
+            if cancel.is_set():
+                raise TransferCancelled()
+        except BaseException as exc:
+            # All or nothing: the request stays whole in the prefill pool; the target pages
+            # and the reservation go.
+            if plan is not None:
+                if demoted:  # victims' bytes are on host now: finish those moves only
+                    dst.pool.complete(TransferPlan(dst.pool.name, "handoff", plan.cause,
+                                                   demotions=plan.demotions))
+                    dst.pool.abort(TransferPlan(dst.pool.name, "handoff", plan.cause,
+                                                allocated=plan.allocated))
+                else:
+                    dst.pool.abort(plan)
+                dst._finish(plan)
+            src._finish_blocks(blocks)
+            src.pool.end_handoff(blocks)
+            dst.pool.release(request_id)
+            self._kick_handoff_queues(dst.pool.name)
+            self.handoff_counts["failed" if not isinstance(exc, TransferCancelled)
+                                else "rolled_back"] += 1
+            log.info("handoff rolled back", request_id=request_id, source=src.pool.name,
+                     target=dst.pool.name, error=repr(exc))
+            self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
+                                request_id=request_id, reason=f"rolled back: {exc!r}")
+            raise
+        # Commit: the blocks live in the target; the prefill pages go.
+        if plan is not None:
+            dst.pool.complete(plan)
+            dst._finish(plan)
+        src._finish_blocks(blocks)
+        src.pool.end_handoff(blocks)
+        src.pool.release(request_id)
+        self.request_index[request_id] = dst
+        self.handoff_counts["completed"] += 1
+        self.handoff_counts["bytes"] += len(blocks) * src.pool.page_bytes
+        dst_req = dst.pool.requests[request_id]
+        dst_req.bytes_moved += len(blocks) * src.pool.page_bytes
+        self._kick_handoff_queues(dst.pool.name)
+        src.notify_queue()
+        self.events.publish("handoff", pool=dst.pool.name, tenant=req.tenant,
+                            request_id=request_id, count=len(blocks), reason="completed")
+        progress.put_nowait(self._progress(dst_req, len(blocks), len(blocks),
+                                           src.pool.page_bytes, finished=True))
+
+    @staticmethod
+    def _progress(req: Request, done: int, total: int, page_bytes: int,
+                  finished: bool = False) -> dict:
+        return {"request_id": req.request_id, "pool": req.pool, "blocks_done": done,
+                "blocks_total": total, "bytes_done": done * page_bytes,
+                "bytes_total": total * page_bytes, "done": finished,
+                "blocks": req.live_blocks() if finished else None}
+
+    async def _copy_demotions(self, dst: PoolRuntime, plan: TransferPlan) -> None:
+        runs = page_runs((m.src_tier, m.src_page, m.dst_tier, m.dst_page)
+                         for m in plan.demotions if m.copies_bytes)
+        if not runs:
+            return
+        chunks = chunk_runs(runs, dst.chunk_pages)
+        job = Job(TransferClass.ACCESS, plan.cause.tenant, plan.cause.request_id,
+                  [sum(r[4] for r in c) * dst.pool.page_bytes for c in chunks],
+                  self.clock.now())
+        transfer = Transfer(job, chunks, dst.copier.copy_runs,
+                            asyncio.get_running_loop().create_future())
+        dst.link.submit(transfer)
+        await transfer.future
+
+    async def _copy_handoff(self, src: PoolRuntime, dst: PoolRuntime, blocks: list[Block],
+                            plan: TransferPlan, progress: asyncio.Queue,
+                            cancel: asyncio.Event) -> None:
+        link = self.handoff_link(src.pool.name, dst.pool.name)
+        src_arenas = {TierKind.DEVICE: src.arenas["device"], TierKind.HOST: src.arenas["host"]}
+        dst_device = dst.arenas["device"]
+        pairs = []
+        for block, new in zip(blocks, plan.allocated):
+            if block.tier is TierKind.NONE:
+                continue  # dropped in prefill: the engine recomputes it in decode
+            pairs.append((block.tier, block.page, TierKind.DEVICE, new.page))
+        chunks = chunk_runs(page_runs(pairs), src.chunk_pages) if pairs else []
+        if not chunks:
+            return
+        page_bytes = src.pool.page_bytes
+        req = blocks[0].request
+        job = Job(TransferClass.ACCESS, req.tenant, req.request_id,
+                  [sum(r[4] for r in c) * page_bytes for c in chunks], self.clock.now(),
+                  caps=(req.transfer_cap,) if req.transfer_cap is not None else ())
+        total = len(blocks)
+        dst_req = dst.pool.requests[req.request_id]
+
+        def copy(runs):
+            for src_tier, src_page, _dst_tier, dst_page, num in runs:
+                copy_between(src_arenas[src_tier], src_page, dst_device, dst_page, num)
+
+        def on_chunk(j: Job):
+            pages = j.bytes_done // page_bytes
+            progress.put_nowait(self._progress(dst_req, pages, total, page_bytes))
+
+        transfer = Transfer(job, chunks, copy, asyncio.get_running_loop().create_future(),
+                            on_chunk=on_chunk)
+        link.submit(transfer)
+        canceller = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait({transfer.future, canceller},
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            canceller.cancel()
+        if not transfer.future.done():
+            link.cancel(transfer)
+        await transfer.future
 
     def explain(self, request_id: str, scope: str | None = None
                 ) -> tuple[RequestAccount, str, bool]:
@@ -279,7 +634,24 @@ class Daemon:
                     self.events.publish("quota", pool=pool.name, tenant=tenant,
                                         weight=new.weight, guaranteed=new.guaranteed,
                                         limit=new.limit or 0)
+            self._apply_link_caps(rt.link, pool)
             rt.notify_queue()
+        for (source, _), link in self.handoff_links.items():
+            self._apply_link_caps(link, self.runtime(source).pool)
+
+    def _apply_link_caps(self, link: Link, pool: Pool) -> None:
+        """Tenants' bandwidth caps on a link, from their quotas in the pool it leaves."""
+        now = self.clock.now()
+        for tenant in set(pool.quotas) | set(link.sched.capped_tenants()):
+            q = pool.quota(tenant)
+            cap = link.sched.tenant_cap(tenant)
+            if cap is None and q.bandwidth_cap is None:
+                continue
+            if cap is not None and (cap.rate, cap.burst) == (q.bandwidth_cap, q.bandwidth_burst):
+                continue
+            link.sched.set_tenant_cap(tenant, q.bandwidth_cap, q.bandwidth_burst, now)
+            log.info("bandwidth cap set", link=link.name, tenant=tenant,
+                     bytes_per_s=q.bandwidth_cap)
 
     def set_quota(self, tenant: str, pool: str, **changes) -> list[str]:
         """Change the given fields of a tenant's quota in one pool ("" = every pool); None
@@ -294,11 +666,11 @@ class Daemon:
         runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
         for rt in runtimes:
             old = rt.pool.quota(tenant)
-            new = TenantQuota(old.weight, old.guaranteed, old.limit, old.max_request_pages,
-                              old.max_request_fraction)
+            new = dataclasses.replace(old)
             for key, value in changes.items():
                 setattr(new, key, value)
             rt.pool.set_quota(tenant, new)
+            self._apply_link_caps(rt.link, rt.pool)
             rt.notify_queue()
             self.events.publish("quota", pool=rt.pool.name, tenant=tenant, weight=new.weight,
                                 guaranteed=new.guaranteed, limit=new.limit or 0)
@@ -351,4 +723,8 @@ class Daemon:
 
     async def aclose(self) -> None:
         await self.drain()
+        for task in list(self.handoffs_in_flight):
+            await asyncio.wait({task})
+        for link in self.links():
+            await link.aclose()
         await asyncio.get_running_loop().run_in_executor(None, self.close)

@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from typing import TypeVar
 
 import structlog
 
-from kvd.core.blocks import Block, TierKind
+from kvd.core.bandwidth import Job, TransferClass
+from kvd.core.blocks import Block, Request, TierKind
 from kvd.core.errors import BlocksInTransit
 from kvd.core.pool import AccessResult, Pool
 from kvd.core.transfer import TransferPlan
-from kvd.memory.copier import PageCopier
+from kvd.links import Link, Transfer
+from kvd.memory.copier import PageCopier, chunk_runs, plan_runs
 
 T = TypeVar("T")
 log = structlog.get_logger("kvd.runtime")
@@ -24,15 +25,14 @@ log = structlog.get_logger("kvd.runtime")
 class PoolRuntime:
     """One pool, its arenas, and the transfers in flight."""
 
-    def __init__(self, pool: Pool, arenas: dict, copier: PageCopier, executor: Executor,
-                 inline_copy_bytes: int = 64 * 1024) -> None:
+    def __init__(self, pool: Pool, arenas: dict, copier: PageCopier, link: Link,
+                 chunk_bytes: int = 256 * 1024) -> None:
         self.pool = pool
-        # Plans that copy at most this much run on the event loop (host arenas only: a CUDA
-        # copy always goes through the stream in a worker).
-        self.inline_copy_bytes = inline_copy_bytes if copier.device.backend != "cupy" else -1
         self.arenas = arenas
         self.copier = copier
-        self._executor = executor
+        # Every copy between this pool's tiers goes through its device<->host link.
+        self.link = link
+        self.chunk_pages = max(1, chunk_bytes // pool.page_bytes)
         self._inflight: dict[Block, asyncio.Future] = {}
         self._refilling = False
         # Set (and replaced) whenever the admission queue may have changed.
@@ -119,62 +119,84 @@ class PoolRuntime:
 
     def start(self, plan: TransferPlan | None) -> float | Callable[[], Awaitable[float]]:
         """Begin a plan. Returns the stall in seconds when the plan is already complete (no
-        copy, or a small copy done inline), or a factory for the awaitable that copies in a
-        worker and returns the stall."""
+        copy, or a small copy the idle link did at once), or a factory for the awaitable that
+        waits for the link to copy it and returns the stall."""
         if plan is None:
             return 0.0
         if plan.num_copies == 0:
             return self.complete_now(plan)
-        if plan.num_copies * self.pool.page_bytes <= self.inline_copy_bytes:
-            # A few KiB copy faster than a hand-off to a worker thread and back: do it here.
-            started = time.perf_counter()
-            try:
-                self.copier.copy_plan(plan)
-            except BaseException:
-                self.pool.abort(plan)
-                raise
+        started = time.perf_counter()
+        runs = plan_runs(plan)
+        chunks = chunk_runs(runs, self.chunk_pages)
+        job = self._job(plan, chunks)
+        try:
+            copied = self.link.try_now(job, runs, self.copier.copy_runs)
+        except BaseException:
+            self.pool.abort(plan)
+            raise
+        if copied:
             stall_s = time.perf_counter() - started
+            (plan.cause or _first_request(plan)).bytes_moved += job.bytes_total
             self._completed(plan, self.pool.complete(plan), stall_s)
             return stall_s
-        future = asyncio.get_running_loop().create_future()
+        transfer = Transfer(job, chunks, self.copier.copy_runs,
+                            asyncio.get_running_loop().create_future())
+        self.link.submit(transfer)
+        # The page-table update runs in a task of its own: a caller that gives up (a deadline,
+        # a cancelled stream) stops waiting, but the plan still finishes, so no page is ever
+        # left half-moved or handed out while a thread still writes into it.
+        task = asyncio.ensure_future(self._complete_when_copied(plan, transfer, started))
         for block in plan.blocks():
-            self._inflight[block] = future
+            self._inflight[block] = task
         self._plans.add(plan)
-        return lambda: self._execute(plan, future)
+        return lambda: asyncio.shield(task)
+
+    def _job(self, plan: TransferPlan, chunks: list[list[tuple]]) -> Job:
+        """The plan as a job for the link: its class, who pays, and the caps it is under."""
+        if any(m.block.decode_critical for m in plan.promotions):
+            cls = TransferClass.CRITICAL
+        elif plan.reason in ("access", "allocate"):
+            cls = TransferClass.ACCESS
+        elif plan.reason == "prefetch":
+            cls = TransferClass.PREFETCH
+        else:
+            cls = TransferClass.WRITEBACK
+        req = plan.cause or _first_request(plan)
+        page_bytes = self.pool.page_bytes
+        sizes = [sum(run[4] for run in chunk) * page_bytes for chunk in chunks]
+        caps = (req.transfer_cap,) if req.transfer_cap is not None else ()
+        gates = ((req.read_bucket,) if plan.promotions and req.read_bucket is not None else ())
+        return Job(cls, req.tenant, req.request_id, sizes, self.pool.clock.now(), caps=caps,
+                   gates=gates)
 
     async def execute(self, plan: TransferPlan | None) -> float:
         """Copy a plan's bytes and complete it; returns seconds spent waiting (the stall)."""
         run = self.start(plan)
         return await run() if callable(run) else run
 
-    async def _execute(self, plan: TransferPlan, future: asyncio.Future) -> float:
-        # The copy and the page-table update run in a task of their own: a caller that gives
-        # up (a deadline, a cancelled stream) stops waiting, but the plan still finishes, so
-        # no page is ever left half-moved or handed out while a thread still writes into it.
-        return await asyncio.shield(asyncio.ensure_future(self._copy_and_complete(plan, future)))
-
-    async def _copy_and_complete(self, plan: TransferPlan, future: asyncio.Future) -> float:
-        started = time.perf_counter()
-        loop = asyncio.get_running_loop()
+    async def _complete_when_copied(self, plan: TransferPlan, transfer: Transfer,
+                                    started: float) -> float:
         try:
-            await loop.run_in_executor(self._executor, self.copier.copy_plan, plan)
+            await transfer.future
         except BaseException:
-            self.pool.abort(plan)  # the copy itself failed: nothing moved
-            self._finish(plan, future)
+            self.pool.abort(plan)  # the copy failed: nothing moved
+            self._finish(plan)
             raise
         pinned_out = self.pool.complete(plan)
         stall_s = time.perf_counter() - started
-        self._finish(plan, future)
+        (plan.cause or _first_request(plan)).bytes_moved += transfer.job.bytes_total
+        self._finish(plan)
         self._completed(plan, pinned_out, stall_s)
         return stall_s
 
-    def _finish(self, plan: TransferPlan, future: asyncio.Future) -> None:
-        for block in plan.blocks():
-            if self._inflight.get(block) is future:
-                del self._inflight[block]
+    def _finish(self, plan: TransferPlan) -> None:
+        self._finish_blocks(plan.blocks())
         self._plans.discard(plan)
-        if not future.done():
-            future.set_result(None)
+
+    def _finish_blocks(self, blocks: list[Block]) -> None:
+        inflight = self._inflight
+        for block in blocks:
+            inflight.pop(block, None)
 
     def _notify(self, plan: TransferPlan, stall_s: float) -> None:
         for listener in self.on_plan_done:
@@ -185,6 +207,16 @@ class PoolRuntime:
         while self._inflight:
             await asyncio.wait(set(self._inflight.values()))
 
+    async def aclose_link(self) -> None:
+        await self.link.aclose()
+
     def close(self) -> None:
         for arena in self.arenas.values():
             arena.close()
+
+
+def _first_request(plan: TransferPlan) -> Request:
+    """Who a plan without a cause moves for: the owner of its first block (a prefetch moves
+    for the blocks' request; write-back for the victims')."""
+    moves = plan.promotions or plan.demotions
+    return moves[0].block.request if moves else plan.allocated[0].request

@@ -103,6 +103,8 @@ class Server:
         self._reaper = asyncio.ensure_future(self.daemon.leases.reap_forever(
             self.daemon.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4)),
             self.daemon.events))
+        self._expirer = asyncio.ensure_future(self.daemon.expire_forever(
+            max(0.05, min(1.0, self.config.handoff_ttl_s / 4))))
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()
@@ -158,6 +160,8 @@ class Server:
             self._watchdog.cancel()
         if getattr(self, "_reaper", None) is not None:
             self._reaper.cancel()
+        if getattr(self, "_expirer", None) is not None:
+            self._expirer.cancel()
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()
         if self._grpc is not None:

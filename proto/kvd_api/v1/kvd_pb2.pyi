@@ -124,20 +124,22 @@ class PageHandle(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., pool: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., page_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request_id", "tenant", "pool", "prompt_tokens", "expected_output_tokens", "priority")
+    __slots__ = ("request_id", "tenant", "pool", "prompt_tokens", "expected_output_tokens", "priority", "handoff_pool")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_POOL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     pool: str
     prompt_tokens: int
     expected_output_tokens: int
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    handoff_pool: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., expected_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., handoff_pool: _Optional[str] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("decision", "reason", "queue_position", "projected_pages")
@@ -395,7 +397,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., backend: _Optional[str] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total", "peak_device_pages", "num_prefetches", "num_accesses", "num_misses")
+    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total", "peak_device_pages", "num_prefetches", "num_accesses", "num_misses", "links", "bytes_read", "handoff_reserved_pages")
     POOL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +419,9 @@ class PoolStats(_message.Message):
     NUM_PREFETCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCESSES_FIELD_NUMBER: _ClassVar[int]
     NUM_MISSES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
     pool: str
     policy: str
     page_bytes: int
@@ -438,7 +443,54 @@ class PoolStats(_message.Message):
     num_prefetches: int
     num_accesses: int
     num_misses: int
-    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ...) -> None: ...
+    links: _containers.RepeatedCompositeFieldContainer[LinkStats]
+    bytes_read: int
+    handoff_reserved_pages: int
+    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., handoff_reserved_pages: _Optional[int] = ...) -> None: ...
+
+class LinkStats(_message.Message):
+    __slots__ = ("link", "capacity_bytes_per_s", "burst_bytes", "scheduling", "bytes_total", "transfers_total", "utilisation", "busy_seconds", "queues", "tenants")
+    class Queue(_message.Message):
+        __slots__ = ("transfer_class", "transfers", "bytes")
+        TRANSFER_CLASS_FIELD_NUMBER: _ClassVar[int]
+        TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+        BYTES_FIELD_NUMBER: _ClassVar[int]
+        transfer_class: str
+        transfers: int
+        bytes: int
+        def __init__(self, transfer_class: _Optional[str] = ..., transfers: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    class TenantBytes(_message.Message):
+        __slots__ = ("tenant", "bytes", "weight", "cap_bytes_per_s")
+        TENANT_FIELD_NUMBER: _ClassVar[int]
+        BYTES_FIELD_NUMBER: _ClassVar[int]
+        WEIGHT_FIELD_NUMBER: _ClassVar[int]
+        CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+        tenant: str
+        bytes: int
+        weight: float
+        cap_bytes_per_s: float
+        def __init__(self, tenant: _Optional[str] = ..., bytes: _Optional[int] = ..., weight: _Optional[float] = ..., cap_bytes_per_s: _Optional[float] = ...) -> None: ...
+    LINK_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    BURST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    QUEUES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    link: str
+    capacity_bytes_per_s: float
+    burst_bytes: float
+    scheduling: str
+    bytes_total: int
+    transfers_total: int
+    utilisation: float
+    busy_seconds: float
+    queues: _containers.RepeatedCompositeFieldContainer[LinkStats.Queue]
+    tenants: _containers.RepeatedCompositeFieldContainer[LinkStats.TenantBytes]
+    def __init__(self, link: _Optional[str] = ..., capacity_bytes_per_s: _Optional[float] = ..., burst_bytes: _Optional[float] = ..., scheduling: _Optional[str] = ..., bytes_total: _Optional[int] = ..., transfers_total: _Optional[int] = ..., utilisation: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., queues: _Optional[_Iterable[_Union[LinkStats.Queue, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[LinkStats.TenantBytes, _Mapping]]] = ...) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
     __slots__ = ("pools", "uptime_s", "version")
@@ -465,6 +517,34 @@ class AdmissionUpdate(_message.Message):
     queue_position: int
     reason: str
     def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., queue_position: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class HandoffRequest(_message.Message):
+    __slots__ = ("request_id", "target_pool")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_POOL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    target_pool: str
+    def __init__(self, request_id: _Optional[str] = ..., target_pool: _Optional[str] = ...) -> None: ...
+
+class HandoffProgress(_message.Message):
+    __slots__ = ("request_id", "pool", "blocks_done", "blocks_total", "bytes_done", "bytes_total", "done", "handles")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool: str
+    blocks_done: int
+    blocks_total: int
+    bytes_done: int
+    bytes_total: int
+    done: bool
+    handles: _containers.RepeatedCompositeFieldContainer[PageHandle]
+    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., blocks_done: _Optional[int] = ..., blocks_total: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., handles: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ...) -> None: ...
 
 class KeepAliveRequest(_message.Message):
     __slots__ = ()
@@ -581,7 +661,7 @@ class TenantStallByCause(_message.Message):
     def __init__(self, cause_tenant: _Optional[str] = ..., stall_seconds: _Optional[float] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
-    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "device_pages", "reserved_pages", "queued_pages", "fair_share_pages", "evictions_suffered", "evictions_caused", "stalls_by_cause", "pinned_pages")
+    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "device_pages", "reserved_pages", "queued_pages", "fair_share_pages", "evictions_suffered", "evictions_caused", "stalls_by_cause", "pinned_pages", "bytes_moved", "bytes_read", "bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -597,6 +677,10 @@ class TenantInfo(_message.Message):
     EVICTIONS_CAUSED_FIELD_NUMBER: _ClassVar[int]
     STALLS_BY_CAUSE_FIELD_NUMBER: _ClassVar[int]
     PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    READ_BUDGET_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     pool: str
     weight: float
@@ -612,7 +696,11 @@ class TenantInfo(_message.Message):
     evictions_caused: int
     stalls_by_cause: _containers.RepeatedCompositeFieldContainer[TenantStallByCause]
     pinned_pages: int
-    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., evictions_caused: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[TenantStallByCause, _Mapping]]] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
+    bytes_moved: int
+    bytes_read: int
+    bandwidth_cap_bytes_per_s: float
+    read_budget_bytes_per_s: float
+    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., evictions_caused: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[TenantStallByCause, _Mapping]]] = ..., pinned_pages: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class ListTenantsResponse(_message.Message):
     __slots__ = ("tenants",)
@@ -653,7 +741,7 @@ class ListRequestsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "tenant", "pool", "state", "num_blocks", "device_blocks", "reserved_pages", "stall_seconds", "evictions_suffered")
+    __slots__ = ("request_id", "tenant", "pool", "state", "num_blocks", "device_blocks", "reserved_pages", "stall_seconds", "evictions_suffered", "bytes_moved", "bytes_read", "handoff_pool")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -663,6 +751,9 @@ class RequestInfo(_message.Message):
     RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
     STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_SUFFERED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_POOL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     pool: str
@@ -672,13 +763,26 @@ class RequestInfo(_message.Message):
     reserved_pages: int
     stall_seconds: float
     evictions_suffered: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., state: _Optional[str] = ..., num_blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., evictions_suffered: _Optional[int] = ...) -> None: ...
+    bytes_moved: int
+    bytes_read: int
+    handoff_pool: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., state: _Optional[str] = ..., num_blocks: _Optional[int] = ..., device_blocks: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., stall_seconds: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., bytes_read: _Optional[int] = ..., handoff_pool: _Optional[str] = ...) -> None: ...
 
 class ListRequestsResponse(_message.Message):
     __slots__ = ("requests",)
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
     def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+
+class ListLinksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLinksResponse(_message.Message):
+    __slots__ = ("links",)
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    links: _containers.RepeatedCompositeFieldContainer[LinkStats]
+    def __init__(self, links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ()

@@ -100,6 +100,11 @@ class MemoryStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.FromString,
                 _registered_method=True)
+        self.Handoff = channel.unary_stream(
+                '/kvd.v1.Memory/Handoff',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.HandoffRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.HandoffProgress.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvd.v1.Memory/WatchEvents',
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.WatchEventsRequest.SerializeToString,
@@ -189,6 +194,14 @@ class MemoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Handoff(self, request, context):
+        """Copy a prefilled request's blocks to its decode pool over the pool->pool link, under
+        that link's budget; all or nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Tenants see their own requests' events; the admin sees everything.
         """
@@ -263,6 +276,11 @@ def add_MemoryServicer_to_server(servicer, server):
                     servicer.KeepAlive,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'Handoff': grpc.unary_stream_rpc_method_handler(
+                    servicer.Handoff,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.HandoffRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.HandoffProgress.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -633,6 +651,33 @@ class Memory:
             _registered_method=True)
 
     @staticmethod
+    def Handoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvd.v1.Memory/Handoff',
+            kvd__api_dot_v1_dot_kvd__pb2.HandoffRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.HandoffProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def WatchEvents(request,
             target,
             options=(),
@@ -705,6 +750,11 @@ class AdminStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsResponse.FromString,
                 _registered_method=True)
+        self.ListLinks = channel.unary_unary(
+                '/kvd.v1.Admin/ListLinks',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -753,6 +803,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLinks(self, request, context):
+        """Every link: capacity, utilisation, queue depths by class, bytes by tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -790,6 +847,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListRequests,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'ListLinks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLinks,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -982,6 +1044,33 @@ class Admin:
             '/kvd.v1.Admin/ListRequests',
             kvd__api_dot_v1_dot_kvd__pb2.ListRequestsRequest.SerializeToString,
             kvd__api_dot_v1_dot_kvd__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLinks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Admin/ListLinks',
+            kvd__api_dot_v1_dot_kvd__pb2.ListLinksRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.ListLinksResponse.FromString,
             options,
             channel_credentials,
             insecure,

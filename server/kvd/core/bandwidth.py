@@ -184,6 +184,9 @@ class LinkScheduler:
     def tenant_cap(self, tenant: str) -> TokenBucket | None:
         return self._caps.get(tenant)
 
+    def capped_tenants(self) -> list[str]:
+        return list(self._caps)
+
     # ------------------------------------------------------------------ queueing
 
     def __len__(self) -> int:

@@ -40,6 +40,8 @@ class TierKind(enum.IntEnum):
 class RequestState(enum.Enum):
     QUEUED = "queued"
     ADMITTED = "admitted"
+    # Pages held in a decode pool for a request still in prefill elsewhere (no blocks yet).
+    RESERVED = "reserved"
 
 
 # Intent fields an update may carry, with the validation each needs. Names follow the
@@ -147,6 +149,18 @@ class Request:
     maybe_relocated: bool = False
     # What it went through (a RequestAccount), for Explain.
     account: Any = None
+    # Bandwidth: bytes its transfers moved, blocks attention read, and its token buckets
+    # (a hard cap on its transfers; its read budget, which holds its promotions when spent).
+    bytes_moved: int = 0
+    blocks_read: int = 0
+    transfer_cap: Any = None
+    read_bucket: Any = None
+    # Disaggregation: the pool this request hands off to, and when an unused reservation
+    # there lapses (RESERVED requests only).
+    handoff_pool: str = ""
+    expires_at: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
 
     def live_blocks(self) -> list[Block]:
         return [b for b in self.blocks if b is not None]

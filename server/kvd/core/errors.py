@@ -31,6 +31,10 @@ class PermissionDenied(KvdError):
     """The caller may not touch this request, pool or setting."""
 
 
+class Aborted(KvdError):
+    """The operation failed part-way and was undone (e.g. a handoff whose copy failed)."""
+
+
 class Unauthenticated(KvdError):
     """The caller has no identity kvd accepts."""
 

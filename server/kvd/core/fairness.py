@@ -21,6 +21,13 @@ class TenantQuota:
     # Per-request cap: pages, and/or a fraction of the pool's device tier.
     max_request_pages: int | None = None
     max_request_fraction: float | None = None
+    # Bandwidth, bytes per second (None: no cap): on the tenant's transfers over each link
+    # (with a burst in bytes), on each of its requests' transfers, and each request's
+    # attention reads (a request over its read budget has its promotions held).
+    bandwidth_cap: float | None = None
+    bandwidth_burst: float | None = None
+    request_bandwidth_cap: float | None = None
+    read_budget: float | None = None
 
     def request_cap(self, device_pages: int) -> int | None:
         caps = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.core.attribution import NO_REQUEST, Attribution, EvictionRecord
+from kvd.core.bandwidth import TokenBucket
 from kvd.core.blocks import (
     INTENT_BOOL_FIELDS,
     INTENT_INT_FIELDS,
@@ -137,6 +138,7 @@ class Pool:
         self.device_by_tenant: Counter[str] = Counter()
         self.reserved_by_tenant: Counter[str] = Counter()
         self.queued_by_tenant: Counter[str] = Counter()
+        self.blocks_read_by_tenant: Counter[str] = Counter()
         self._shares: dict[str, float] | None = None
         self.attribution = attribution or Attribution()
         # Free device pages kept for tenants below their fair share (a watermark): under a fair
@@ -146,6 +148,8 @@ class Pool:
                               else reserve_pages)
         self._newly_admitted: list[Request] = []
         self.policy: EvictionPolicy = make_policy(policy, clock, self)
+        # Set by the daemon: reserves pages in a request's handoff target pool.
+        self.reserver: Reserver | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -175,6 +179,11 @@ class Pool:
 
     def _admitted(self, request_id: str) -> Request:
         req = self.get_request(request_id)
+        if req.state is RequestState.RESERVED:
+            raise FailedPrecondition(
+                f"request {request_id!r} has pages reserved in pool {self.name!r} but is not "
+                "handed off yet; call Handoff once its prefill is done"
+            )
         if req.state is RequestState.QUEUED:
             position = list(self.queue).index(request_id) + 1
             raise FailedPrecondition(
@@ -213,9 +222,14 @@ class Pool:
         prompt_tokens: int,
         output_tokens: int,
         priority: int = 0,
+        handoff_pool: str = "",
     ) -> AdmitResult:
         """ADMITTED when the request's projected pages fit the pool now, QUEUED when they can
-        fit later, REJECTED when they never can."""
+        fit later, REJECTED when they never can.
+
+        With a handoff pool, this pool only prefills: it holds the prompt's pages, and the
+        request is admitted only together with a reservation of prompt plus output pages in
+        the handoff pool, so no prefill is spent on a request decode cannot hold."""
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
         if prompt_tokens < 0 or output_tokens < 0:
@@ -224,8 +238,20 @@ class Pool:
             raise InvalidArgument("a request needs at least one prompt or output token")
         if request_id in self.requests:
             raise AlreadyExists(f"request {request_id!r} already exists in pool {self.name!r}")
-        projected = self.projected_pages(prompt_tokens, output_tokens)
+        if handoff_pool:
+            if self.reserver is None:
+                raise FailedPrecondition(f"pool {self.name!r} cannot hand off")
+            if prompt_tokens == 0:
+                raise InvalidArgument("a request handed off after prefill needs prompt tokens")
+        # A prefill pool holds the prompt only; the output is decoded in the handoff pool.
+        projected = self.projected_pages(prompt_tokens, 0 if handoff_pool else output_tokens)
         never = self._never_fits(tenant, projected, prompt_tokens + output_tokens)
+        probe = Request(request_id, tenant, self.name, priority, projected, RequestState.QUEUED,
+                        handoff_pool=handoff_pool, prompt_tokens=prompt_tokens,
+                        output_tokens=output_tokens)
+        if not never and handoff_pool:
+            state, why = self.reserver.state(probe)
+            never = why if state == "never" else ""
         if never:
             self.counters.num_rejected += 1
             return AdmitResult("rejected", never, 0, projected)
@@ -235,16 +261,10 @@ class Pool:
                 "retry after requests finish"
             )
         now = self.clock.now()
-        req = Request(
-            request_id=request_id,
-            tenant=tenant,
-            pool=self.name,
-            priority=priority,
-            projected_pages=projected,
-            state=RequestState.QUEUED,
-            queued_at=now,
-        )
+        req = probe
+        req.queued_at = now
         req.account = self.attribution.open(request_id, tenant)
+        self._budget(req, now)
         self.requests[request_id] = req
         self.queue[request_id] = req
         self.queued_by_tenant[tenant] += projected
@@ -258,6 +278,16 @@ class Pool:
         self.counters.num_queued += 1
         return AdmitResult("queued", self._why_waiting(req), self.queue_position(request_id),
                            projected)
+
+    def _budget(self, req: Request, now: float) -> None:
+        """Give a request the bandwidth buckets its tenant's quota asks for."""
+        quota = self.quota(req.tenant)
+        if quota.request_bandwidth_cap:
+            rate = quota.request_bandwidth_cap
+            req.transfer_cap = TokenBucket(rate, max(rate / 10, self.page_bytes), now)
+        if quota.read_budget:  # a second's worth of reads may come at once
+            req.read_bucket = TokenBucket(quota.read_budget, max(quota.read_budget,
+                                                                 self.page_bytes), now)
 
     def take_newly_admitted(self) -> list[Request]:
         """Queued requests admitted as a side effect of the last admit() (rare)."""
@@ -284,6 +314,10 @@ class Pool:
         return ""
 
     def _why_waiting(self, req: Request) -> str:
+        if req.handoff_pool:
+            state, why = self.reserver.state(req)
+            if state != "ok":
+                return why
         quota = self.quota(req.tenant)
         if quota.limit is not None and (self.reserved_by_tenant[req.tenant]
                                         + req.projected_pages > quota.limit):
@@ -305,7 +339,9 @@ class Pool:
         if quota.limit is not None and (self.reserved_by_tenant[req.tenant]
                                         + req.projected_pages > quota.limit):
             return False
-        return self._fits(req.projected_pages) and self._device_need(req) <= self._room_for(req)
+        if not (self._fits(req.projected_pages) and self._device_need(req) <= self._room_for(req)):
+            return False
+        return not req.handoff_pool or self.reserver.state(req)[0] == "ok"
 
     def _device_need(self, req: Request) -> int:
         """Device pages a request must get to run. Under a fair policy: what its tenant's
@@ -340,6 +376,8 @@ class Pool:
         self.reserved_pages += req.projected_pages
         self.reserved_by_tenant[req.tenant] += req.projected_pages
         self.counters.num_admitted += 1
+        if req.handoff_pool:
+            self.reserver.reserve(req)
 
     def _admit_from_queue(self) -> list[Request]:
         """Admit queued requests in fair order (the tenant furthest below its fair share
@@ -563,6 +601,7 @@ class Pool:
                 policy.touch(b)
         counters.num_accesses += len(blocks)
         counters.num_misses += len(missing)
+        self._note_reads(req, len(blocks), now)
         return AccessResult(blocks, plan, req)
 
     def read_all(self, request_ids: Iterable[str], tenant: str | None = None
@@ -606,6 +645,14 @@ class Pool:
             self.policy.touch_many(req.blocks)
         self.counters.num_decode_critical_accesses += num_critical
         self.counters.num_accesses += req.num_live_blocks
+        self._note_reads(req, req.num_live_blocks, now)
+
+    def _note_reads(self, req: Request, num_blocks: int, now: float) -> None:
+        """Attention read num_blocks of the request: meter them (and spend its read budget)."""
+        req.blocks_read += num_blocks
+        self.blocks_read_by_tenant[req.tenant] += num_blocks
+        if req.read_bucket is not None:
+            req.read_bucket.consume(num_blocks * self.page_bytes, now)
 
     def _promote(
         self, req: Request | None, missing: list[Block], keep: Iterable[Block], reason: str
@@ -785,6 +832,86 @@ class Pool:
         blocks.sort(key=lambda b: b.last_access)
         return blocks
 
+    # ------------------------------------------------------------------ disaggregation
+
+    def reservation_state(self, tenant: str, projected: int, tokens: int) -> tuple[str, str]:
+        """Whether a handoff reservation of `projected` pages could be made here: ("ok", ""),
+        ("wait", why) or ("never", why)."""
+        never = self._never_fits(tenant, projected, tokens)
+        if never:
+            return "never", f"handoff pool {self.name!r}: {never}"
+        quota = self.quota(tenant)
+        if quota.limit is not None and self.reserved_by_tenant[tenant] + projected > quota.limit:
+            return "wait", (f"handoff pool {self.name!r}: tenant {tenant!r} has "
+                            f"{self.reserved_by_tenant[tenant]} of its {quota.limit}-page limit "
+                            "reserved")
+        if not self._fits(projected):
+            return "wait", (f"handoff pool {self.name!r} cannot reserve {projected} pages: "
+                            f"{self.capacity_pages - self.reserved_pages} of "
+                            f"{self.capacity_pages} are unreserved")
+        return "ok", ""
+
+    def reserve(self, request_id: str, tenant: str, *, prompt_tokens: int, output_tokens: int,
+                priority: int, ttl_s: float) -> Request:
+        """Hold the pages a request handed off from another pool will need (prompt plus
+        output): it holds no blocks until Handoff claims it, and lapses after ttl_s."""
+        if request_id in self.requests:
+            raise AlreadyExists(f"request {request_id!r} already exists in pool {self.name!r}")
+        projected = self.projected_pages(prompt_tokens, output_tokens)
+        state, why = self.reservation_state(tenant, projected, prompt_tokens + output_tokens)
+        if state != "ok":
+            raise ResourceExhausted(why)
+        now = self.clock.now()
+        req = Request(request_id, tenant, self.name, priority, projected, RequestState.RESERVED,
+                      queued_at=now, reserved_pages=projected, expires_at=now + ttl_s,
+                      prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        req.account = self.attribution.open(request_id, tenant)
+        self._budget(req, now)
+        self.requests[request_id] = req
+        self.reserved_pages += projected
+        self.reserved_by_tenant[tenant] += projected
+        self._shares = None
+        return req
+
+    def claim(self, request_id: str) -> Request:
+        """A reservation becomes an admitted request (its handoff is starting)."""
+        req = self.get_request(request_id)
+        if req.state is not RequestState.RESERVED:
+            raise FailedPrecondition(f"request {request_id!r} holds no reservation in pool "
+                                     f"{self.name!r}")
+        req.state = RequestState.ADMITTED
+        req.admitted_at = self.clock.now()
+        self.counters.num_admitted += 1
+        return req
+
+    def expired_reservations(self) -> list[str]:
+        now = self.clock.now()
+        return [r.request_id for r in self.requests.values()
+                if r.state is RequestState.RESERVED and r.expires_at <= now]
+
+    def begin_handoff(self, request_id: str) -> list[Block]:
+        """Hold a request's blocks still while they are copied to another pool: none may be
+        evicted, freed or moved until end_handoff."""
+        req = self._admitted(request_id)
+        live = req.live_blocks()
+        busy = [b for b in live if b.moving]
+        if busy:
+            raise BlocksInTransit(busy)
+        for b in live:
+            if b in self.policy:
+                self.policy.remove(b)
+            b.moving = True
+            req.num_moving_blocks += 1
+        return live
+
+    def end_handoff(self, blocks: list[Block]) -> None:
+        """The copy is over (done or abandoned): the blocks are as they were."""
+        for b in blocks:
+            b.moving = False
+            b.request.num_moving_blocks -= 1
+            if b.tier is TierKind.DEVICE and not b.pinned:
+                self.policy.insert(b)
+
     # ------------------------------------------------------------------ transfers
 
     def complete(self, plan: TransferPlan) -> list[Block]:
@@ -893,6 +1020,17 @@ class Pool:
         used = self.device.num_used
         if used > self.counters.peak_device_pages:
             self.counters.peak_device_pages = used
+
+
+class Reserver:
+    """What a prefill pool asks of its handoff target (the daemon provides it)."""
+
+    def state(self, req: Request) -> tuple[str, str]:
+        """("ok", ""), ("wait", why) or ("never", why) for req's decode reservation."""
+        raise NotImplementedError
+
+    def reserve(self, req: Request) -> None:
+        raise NotImplementedError
 
 
 def _validate_intent_fields(fields: dict[str, Any]) -> None:

@@ -26,15 +26,13 @@ class PageCopier:
 
     def copy_plan(self, plan: TransferPlan) -> int:
         """Copy every byte the plan moves; returns the number of bytes copied."""
-        copied = 0
-        for moves in (plan.demotions, plan.promotions):
-            runs = page_runs(
-                (m.src_tier, m.src_page, m.dst_tier, m.dst_page) for m in moves if m.copies_bytes
-            )
-            for src_tier, src_page, dst_tier, dst_page, num in runs:
-                self.copy_pages(src_tier, src_page, dst_tier, dst_page, num)
-                copied += num * self.device.page_bytes
-        return copied
+        runs = plan_runs(plan)
+        self.copy_runs(runs)
+        return sum(run[4] for run in runs) * self.device.page_bytes
+
+    def copy_runs(self, runs) -> None:
+        for src_tier, src_page, dst_tier, dst_page, num in runs:
+            self.copy_pages(src_tier, src_page, dst_tier, dst_page, num)
 
     def copy_pages(self, src_tier: TierKind, src_page: int, dst_tier: TierKind, dst_page: int,
                    num: int = 1) -> None:
@@ -46,6 +44,48 @@ class PageCopier:
                              range(dst_page, dst_page + num), self.device.stream)
         else:
             np.copyto(dst.pages[dst_page:dst_page + num], src.pages[src_page:src_page + num])
+
+
+def copy_between(src, src_page: int, dst, dst_page: int, num: int) -> None:
+    """Copy num pages between two arenas of different pools (a handoff): numpy on host
+    arenas, a CUDA stream when either side is a CuPy arena (GPU to GPU: peer copy)."""
+    if src.backend == "cupy" or dst.backend == "cupy":
+        from kvd.memory.cuda import copy_device_host
+
+        stream = (dst if dst.backend == "cupy" else src).stream
+        copy_device_host(src.pages, range(src_page, src_page + num), dst.pages,
+                         range(dst_page, dst_page + num), stream)
+    else:
+        np.copyto(dst.pages[dst_page:dst_page + num], src.pages[src_page:src_page + num])
+
+
+def plan_runs(plan: TransferPlan) -> list[tuple]:
+    """The plan's copies as runs: demotions first (an incoming block may take the page a
+    victim is leaving), then promotions."""
+    runs = []
+    for moves in (plan.demotions, plan.promotions):
+        runs += page_runs(
+            (m.src_tier, m.src_page, m.dst_tier, m.dst_page) for m in moves if m.copies_bytes
+        )
+    return runs
+
+
+def chunk_runs(runs, chunk_pages: int) -> list[list[tuple]]:
+    """Runs split into chunks of at most chunk_pages pages each, in order."""
+    chunks: list[list[tuple]] = []
+    current: list[tuple] = []
+    room = chunk_pages
+    for src_tier, src_page, dst_tier, dst_page, num in runs:
+        while num:
+            take = min(num, room)
+            current.append((src_tier, src_page, dst_tier, dst_page, take))
+            src_page, dst_page, num, room = src_page + take, dst_page + take, num - take, room - take
+            if room == 0:
+                chunks.append(current)
+                current, room = [], chunk_pages
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 def page_runs(moves):

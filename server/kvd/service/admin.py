@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvd.core.policies import policy_names
 from kvd.daemon import Daemon
 from kvd.service.auth import Authenticator
+from kvd.service.memory import link_stats
 from kvd.service.status import unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
@@ -46,7 +47,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def ListTenants(self, request, context):
         self._admin(context)
         return pb.ListTenantsResponse(
-            tenants=[tenant_info(t, p) for t, p in self.daemon.tenants(request.pool)])
+            tenants=[tenant_info(t, p, self.daemon) for t, p in self.daemon.tenants(request.pool)])
 
     @unary
     async def SetQuota(self, request, context):
@@ -62,7 +63,7 @@ class AdminService(pb_grpc.AdminServicer):
                 changes[key] = None
         self.daemon.set_quota(request.tenant, request.pool, **changes)
         return pb.SetQuotaResponse(tenants=[
-            tenant_info(t, p) for t, p in self.daemon.tenants(request.pool)
+            tenant_info(t, p, self.daemon) for t, p in self.daemon.tenants(request.pool)
             if t == request.tenant])
 
 
@@ -72,6 +73,10 @@ class AdminService(pb_grpc.AdminServicer):
         runtimes = ([self.daemon.runtime(request.pool)] if request.pool
                     else list(self.daemon.pools.values()))
         reqs = [r for rt in runtimes for r in rt.pool.requests.values()]
+
+        def rt_of(r):
+            return self.daemon.pools[r.pool]
+
         reqs.sort(key=lambda r: (-r.num_device_blocks, -r.num_live_blocks, r.request_id))
         return pb.ListRequestsResponse(requests=[
             pb.RequestInfo(
@@ -80,13 +85,22 @@ class AdminService(pb_grpc.AdminServicer):
                 reserved_pages=r.reserved_pages,
                 stall_seconds=r.account.stall_s if r.account else 0.0,
                 evictions_suffered=sum(r.account.evictions_suffered.values())
-                if r.account else 0)
+                if r.account else 0, bytes_moved=r.bytes_moved,
+                bytes_read=r.blocks_read * rt_of(r).pool.page_bytes,
+                handoff_pool=r.handoff_pool)
             for r in reqs[:request.limit or 100]])
 
+    @unary
+    async def ListLinks(self, request, context):
+        self._admin(context)
+        return pb.ListLinksResponse(links=[link_stats(link, self.daemon)
+                                           for link in self.daemon.links()])
 
-def tenant_info(tenant: str, pool) -> pb.TenantInfo:
+
+def tenant_info(tenant: str, pool, daemon) -> pb.TenantInfo:
     quota = pool.quota(tenant)
     att = pool.attribution
+    moved = sum(link.sched.meter.by_tenant.get(tenant, 0) for link in daemon.links_of(pool.name))
     return pb.TenantInfo(
         tenant=tenant,
         pool=pool.name,
@@ -105,4 +119,8 @@ def tenant_info(tenant: str, pool) -> pb.TenantInfo:
                          for (victim, cause), secs in att.stall_s_by_cause.most_common()
                          if victim == tenant],
         pinned_pages=pool.pinned_by_tenant[tenant],
+        bytes_moved=moved,
+        bytes_read=pool.blocks_read_by_tenant[tenant] * pool.page_bytes,
+        bandwidth_cap_bytes_per_s=quota.bandwidth_cap or 0.0,
+        read_budget_bytes_per_s=quota.read_budget or 0.0,
     )

@@ -48,6 +48,7 @@ class MemoryService(pb_grpc.MemoryServicer):
             prompt_tokens=request.prompt_tokens,
             output_tokens=request.expected_output_tokens,
             priority=request.priority,
+            handoff_pool=request.handoff_pool,
         )
         return pb.AdmitResponse(
             decision=DECISIONS[result.decision],
@@ -142,7 +143,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         runtimes = (
             [self.daemon.runtime(request.pool)] if request.pool else self.daemon.pools.values()
         )
-        return pb.GetPoolStatsResponse(pools=[pool_stats(rt) for rt in runtimes],
+        return pb.GetPoolStatsResponse(pools=[pool_stats(rt, self.daemon) for rt in runtimes],
                                        uptime_s=time.time() - self.daemon.started_at,
                                        version=__version__)
 
@@ -191,6 +192,31 @@ class MemoryService(pb_grpc.MemoryServicer):
                 if not admitted and queued is not None and caller.may_touch(queued.tenant):
                     await self.daemon.release(rid)
                     log.info("queued request withdrawn", request_id=rid)
+
+    async def Handoff(self, request, context):
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            if type(request) is Malformed:
+                raise errors.InvalidArgument(request.message)
+            scope = self.auth.identify(context).scope
+            async for p in self.daemon.handoff(request.request_id, request.target_pool, scope):
+                page_bytes = self.daemon.runtime(p["pool"]).pool.page_bytes
+                yield pb.HandoffProgress(
+                    request_id=p["request_id"], pool=p["pool"], blocks_done=p["blocks_done"],
+                    blocks_total=p["blocks_total"], bytes_done=p["bytes_done"],
+                    bytes_total=p["bytes_total"], done=p["done"],
+                    handles=[handle(b, page_bytes) for b in p["blocks"] or ()])
+        except errors.KvdError as exc:
+            code = status_of(exc).name
+            await context.abort(status_of(exc), str(exc))
+        except Exception as exc:  # the copy failed: rolled back, nothing half-moved
+            code = "ABORTED"
+            log.error("handoff failed", request_id=request.request_id, error=repr(exc))
+            await context.abort(grpc.StatusCode.ABORTED,
+                                f"handoff failed and was rolled back: {exc!r}")
+        finally:
+            observe_rpc("Handoff", code, time.perf_counter() - started)
 
     async def WatchEvents(self, request, context):
         try:
@@ -359,7 +385,28 @@ def explain_response(account, pool: str, active: bool) -> pb.ExplainResponse:
     )
 
 
-def pool_stats(rt) -> pb.PoolStats:
+def link_stats(link, daemon) -> pb.LinkStats:
+    """A link's figures; weights and caps are those of the pool it leaves."""
+    now = daemon.clock.now()
+    s = link.stats(now)
+    pool = daemon.runtime(link.source_pool).pool
+    tenants = []
+    for tenant in sorted(set(s["by_tenant"]) | set(link.sched.capped_tenants())):
+        cap = link.sched.tenant_cap(tenant)
+        tenants.append(pb.LinkStats.TenantBytes(
+            tenant=tenant, bytes=s["by_tenant"].get(tenant, 0), weight=pool.quota(tenant).weight,
+            cap_bytes_per_s=cap.rate if cap else 0.0))
+    return pb.LinkStats(
+        link=s["name"], capacity_bytes_per_s=s["capacity_bps"], burst_bytes=s["burst_bytes"],
+        scheduling=s["scheduling"], bytes_total=s["bytes_total"],
+        transfers_total=s["jobs_total"], utilisation=s["bytes_last_s"] / s["capacity_bps"],
+        busy_seconds=s["busy_s"],
+        queues=[pb.LinkStats.Queue(transfer_class=cls, transfers=n, bytes=b)
+                for cls, (n, b) in s["queues"].items()],
+        tenants=tenants)
+
+
+def pool_stats(rt, daemon) -> pb.PoolStats:
     pool = rt.pool
     c = pool.counters
     tiers = []
@@ -397,4 +444,8 @@ def pool_stats(rt) -> pb.PoolStats:
         num_prefetches=c.num_prefetches,
         num_accesses=c.num_accesses,
         num_misses=c.num_misses,
+        links=[link_stats(link, daemon) for link in daemon.links_of(pool.name)],
+        bytes_read=sum(pool.blocks_read_by_tenant.values()) * pool.page_bytes,
+        handoff_reserved_pages=sum(r.reserved_pages for r in pool.requests.values()
+                                   if r.state.value == "reserved"),
     )

@@ -23,6 +23,7 @@ STATUS_OF: dict[type[errors.KvdError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.Aborted: grpc.StatusCode.ABORTED,
 }
 
 

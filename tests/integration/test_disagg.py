@@ -1,0 +1,230 @@
+"""Disaggregated prefill and decode pools over real gRPC: reservation at admission, handoff
+that moves the right bytes, all-or-nothing rollback, reservation expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import numpy as np
+import pytest
+
+from kvd_client import AsyncClient, FailedPreconditionError, ResourceExhaustedError, pb
+from kvd_client.arena import MappedPool
+from kvd_loadgen.local import LocalKvd
+
+PAGE = 16 * 1024  # the tiny model: 1 KiB a token, 16 tokens a page
+
+CONFIG = """
+[server]
+handoff_ttl_s = {ttl}
+
+[[pool]]
+name = "prefill"
+model = "tiny"
+device_pages = 8
+host_pages = 32
+link_chunk = "16KiB"  # one page: handoff progress block by block
+
+[[pool]]
+name = "decode"
+model = "tiny"
+device_pages = 8
+host_pages = 8
+
+[[link]]
+source = "prefill"
+target = "decode"
+bandwidth = "{bandwidth}"
+"""
+
+
+def start(tmp_path, bandwidth="auto", ttl=30):
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.format(bandwidth=bandwidth, ttl=ttl))
+    return LocalKvd("--config", str(config), workdir=tmp_path)
+
+
+async def fill(client, mapped, request_id, num_blocks, seed):
+    """Allocate blocks and write random bytes into them; returns each block's digest."""
+    rng = np.random.default_rng(seed)
+    reply = await client.allocate(request_id, num_blocks)
+    digests = []
+    for h in reply.handles:
+        page = mapped.page(h)
+        page[:] = rng.integers(0, 256, PAGE, dtype=np.uint8)
+        digests.append(hashlib.sha256(page.tobytes()).hexdigest())
+    return digests
+
+
+async def digests_of(client, mapped, request_id):
+    reply = await client.access(request_id)  # every block, made resident
+    return [hashlib.sha256(mapped.page(h).tobytes()).hexdigest() for h in reply.handles]
+
+
+async def stats(client, pool):
+    return (await client.pool_stats(pool)).pools[0]
+
+
+async def test_handoff_moves_the_right_bytes(tmp_path):
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            decode = MappedPool(await c.export_pool("decode"))
+            r = await c.admit("r1", 6 * 16, 32, pool="prefill", handoff_pool="decode")
+            assert r.decision == pb.DECISION_ADMITTED
+            assert (await stats(c, "decode")).handoff_reserved_pages == 8
+            want = await fill(c, prefill, "r1", 6, seed=1)
+            # Another request pushes some of r1's blocks to host in an 8-page device tier,
+            # so the handoff copies from both tiers of the prefill pool.
+            await c.admit("filler", 6 * 16, 0, pool="prefill")
+            await fill(c, prefill, "filler", 6, seed=2)
+            assert (await stats(c, "prefill")).num_demotions >= 4
+
+            progress = [p async for p in c.handoff("r1")]
+            assert progress[-1].done and progress[-1].blocks_done == 6
+            assert [p.bytes_done for p in progress] == sorted(p.bytes_done for p in progress)
+            assert progress[-1].bytes_total == 6 * PAGE
+            handles = progress[-1].handles
+            assert {h.pool for h in handles} == {"decode"}
+            got = [hashlib.sha256(decode.page(h).tobytes()).hexdigest() for h in handles]
+            assert got == want
+
+            pre, dec = await stats(c, "prefill"), await stats(c, "decode")
+            assert pre.num_requests == 1 and pre.reserved_pages == 6  # the filler's
+            assert sum(t.used_pages for t in pre.tiers) == 6
+            assert dec.handoff_reserved_pages == 0 and dec.reserved_pages == 8
+            handoff_link = [link for link in pre.links if link.link == "prefill->decode"]
+            assert handoff_link and handoff_link[0].bytes_total == 6 * PAGE
+            # The request lives in decode now: it decodes there, and Access finds it.
+            await c.allocate("r1", 2)
+            assert (await digests_of(c, decode, "r1"))[:6] == want
+            assert (await c.self_check()).ok
+            await c.release("r1")
+            assert (await stats(c, "decode")).reserved_pages == 0
+            prefill.close()
+            decode.close()
+
+
+async def test_reservation_keeps_prefill_from_starting_what_decode_cannot_hold(tmp_path):
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            # decode holds 8 + 8 - 1 (transit headroom) = 15 pages; a and a2 reserve 14.
+            a = await c.admit("a", 4 * 16, 4 * 16, pool="prefill", handoff_pool="decode")
+            a2 = await c.admit("a2", 3 * 16, 3 * 16, pool="prefill", handoff_pool="decode")
+            assert a.decision == a2.decision == pb.DECISION_ADMITTED
+            b = await c.admit("b", 2 * 16, 2 * 16, pool="prefill", handoff_pool="decode")
+            assert b.decision == pb.DECISION_QUEUED
+            assert "handoff pool 'decode'" in b.reason
+            # b spent nothing in prefill: it holds no pages and cannot allocate.
+            with pytest.raises(FailedPreconditionError):
+                await c.allocate("b", 1)
+            huge = await c.admit("huge", 4 * 16, 6 * 16, pool="prefill",
+                                 handoff_pool="decode")
+            assert huge.decision == pb.DECISION_REJECTED and "decode" in huge.reason
+
+            waiter = asyncio.ensure_future(_admitted(c, "b"))
+            await c.allocate("a", 4)
+            await c.handoff_all("a")
+            await asyncio.sleep(0.2)
+            assert not waiter.done()  # a's decode pages are still held by a
+            await c.release("a")
+            await asyncio.wait_for(waiter, 5)
+            await c.allocate("b", 2)
+            assert (await stats(c, "decode")).handoff_reserved_pages == 6 + 4
+            # Releasing a request that never handed off releases its reservation too.
+            await c.release("b")
+            await c.release("a2")
+            assert (await stats(c, "decode")).reserved_pages == 0
+            assert (await c.self_check()).ok
+
+
+async def _admitted(client, request_id):
+    async for update in client.wait_admission(request_id):
+        if update.decision == pb.DECISION_ADMITTED:
+            return
+
+
+async def test_cancelled_handoff_leaves_nothing_half_moved(tmp_path):
+    # 64 KiB/s with 16 KiB pages: 7 blocks take ~1.75 s, so the cancel lands half-way.
+    with start(tmp_path, bandwidth="64KiB/s") as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            decode = MappedPool(await c.export_pool("decode"))
+            await c.admit("r", 7 * 16, 16, pool="prefill", handoff_pool="decode")
+            want = await fill(c, prefill, "r", 7, seed=3)
+            seen = []
+            async for p in c.handoff("r"):
+                seen.append(p)
+                if p.blocks_done >= 2:
+                    break  # the caller goes away mid-copy
+            assert 0 < seen[-1].blocks_done < 7 and not seen[-1].done
+            for _ in range(100):  # the rollback waits for the chunk in flight
+                dec = await stats(c, "decode")
+                if dec.reserved_pages == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert dec.reserved_pages == 0 and dec.num_requests == 0
+            assert sum(t.used_pages for t in dec.tiers) == 0
+            # The request is whole in prefill, byte for byte.
+            assert await digests_of(c, prefill, "r") == want
+            assert (await c.self_check()).ok
+            # It may be handed off again: the decode pool is asked afresh.
+            last = await c.handoff_all("r")
+            assert last.done
+            assert [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
+                    for h in last.handles] == want
+            assert (await c.self_check()).ok
+            prefill.close()
+            decode.close()
+
+
+async def test_handoff_without_reservation_can_be_refused(tmp_path):
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            for rid, blocks in (("big", 4), ("big2", 3)):  # decode holds 15; these take 14
+                r = await c.admit(rid, blocks * 16, blocks * 16, pool="decode")
+                assert r.decision == pb.DECISION_ADMITTED
+            await c.admit("late", 4 * 16, 16, pool="prefill")  # no handoff_pool
+            await c.allocate("late", 4)
+            with pytest.raises(ResourceExhaustedError, match="without a reservation"):
+                await c.handoff_all("late", "decode")
+            # Refused before anything moved: still whole in prefill.
+            assert len((await c.access("late")).handles) == 4
+            await c.release("big")
+            last = await c.handoff_all("late", "decode")
+            assert last.done and len(last.handles) == 4
+            assert (await c.self_check()).ok
+
+
+async def test_unclaimed_reservation_expires(tmp_path):
+    with start(tmp_path, ttl=0.5) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            await c.admit("slow", 4 * 16, 16, pool="prefill", handoff_pool="decode")
+            assert (await stats(c, "decode")).handoff_reserved_pages == 5
+            for _ in range(60):
+                await asyncio.sleep(0.1)
+                if (await stats(c, "decode")).handoff_reserved_pages == 0:
+                    break
+            assert (await stats(c, "decode")).handoff_reserved_pages == 0
+            # The prefill request stays; a later handoff asks decode again, and gets it.
+            await c.allocate("slow", 2)
+            assert (await c.handoff_all("slow")).done
+            assert (await c.self_check()).ok
+
+
+async def test_handoff_errors(tmp_path):
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            with pytest.raises(Exception, match="no request"):
+                await c.handoff_all("ghost")
+            await c.admit("x", 16, 16, pool="prefill")
+            with pytest.raises(FailedPreconditionError, match="without a handoff pool"):
+                await c.handoff_all("x")
+            with pytest.raises(Exception, match="own pool"):
+                await c.handoff_all("x", "prefill")
+            with pytest.raises(Exception, match="no pool"):
+                await c.admit("y", 16, 16, pool="prefill", handoff_pool="nowhere")
+            with pytest.raises(Exception, match="prompt tokens"):
+                await c.admit("z", 0, 16, pool="prefill", handoff_pool="decode")
+            assert (await c.self_check()).ok
