@@ -204,6 +204,10 @@ class AsyncClient(_Connection):
             pass
         return last
 
+    async def list_requests(self, pool: str = "", limit: int = 0) -> list[pb.RequestInfo]:
+        return list((await self._call(self.admin.ListRequests,
+                                      pb.ListRequestsRequest(pool=pool, limit=limit))).requests)
+
     async def list_links(self) -> list[pb.LinkStats]:
         return list((await self._call(self.admin.ListLinks, pb.ListLinksRequest())).links)
 

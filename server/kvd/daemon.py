@@ -496,6 +496,8 @@ class Daemon:
             src._finish_blocks(blocks)
             src.pool.end_handoff(blocks)
             dst.pool.release(request_id)
+            src.room_may_have_changed()
+            dst.room_may_have_changed()
             self._kick_handoff_queues(dst.pool.name)
             self.handoff_counts["failed" if not isinstance(exc, TransferCancelled)
                                 else "rolled_back"] += 1
@@ -511,6 +513,8 @@ class Daemon:
         src._finish_blocks(blocks)
         src.pool.end_handoff(blocks)
         src.pool.release(request_id)
+        src.room_may_have_changed()
+        dst.room_may_have_changed()
         self.request_index[request_id] = dst
         self.handoff_counts["completed"] += 1
         self.handoff_counts["bytes"] += len(blocks) * src.pool.page_bytes

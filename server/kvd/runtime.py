@@ -4,6 +4,8 @@ transit, and measures stalls. The core decides; this module makes the bytes foll
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -20,6 +22,7 @@ from kvd.memory.copier import PageCopier, chunk_runs, plan_runs
 
 T = TypeVar("T")
 log = structlog.get_logger("kvd.runtime")
+_RETRY = object()  # a room waiter's own blocks are in transit: it waits for them, then retries
 
 
 class PoolRuntime:
@@ -38,6 +41,10 @@ class PoolRuntime:
         # Set (and replaced) whenever the admission queue may have changed.
         self.queue_changed = asyncio.Event()
         self._plans: set[TransferPlan] = set()
+        # Operations that found no device room while pages were in transit, in line for it:
+        # (rank, arrival, op, future). Served as transfers complete, best rank first.
+        self._room_waiters: list[tuple[int, int, Callable, asyncio.Future]] = []
+        self._arrivals = itertools.count()
         self.on_plan_done: list[Callable[[TransferPlan, float], None]] = []
 
     def notify_queue(self) -> None:
@@ -54,24 +61,85 @@ class PoolRuntime:
         promotion (started by a prefetch that came too late) counts those as misses."""
         try:
             return self.pool.access(request_id, indices)
-        except BlocksInTransit as busy:
-            late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
+        except BlocksInTransit as exc:
+            busy: BlocksInTransit | None = exc
+        late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
+        critical = self._critical(request_id, indices)
+        if busy.blocks:
             await self.wait_for(busy.blocks)
-        result = await self.run(lambda: self.pool.access(request_id, indices))
+            busy = None
+        result = await self.run(lambda: self.pool.access(request_id, indices), critical, busy)
         self.pool.note_late(late)
         return result
 
-    async def run(self, op: Callable[[], T]) -> T:
-        """Call a pool operation, waiting out blocks in transit and calling again."""
-        try:  # the common case: nothing in the way, no suspension
-            return op()
-        except BlocksInTransit as busy:
-            await self.wait_for(busy.blocks)
+    def _critical(self, request_id: str, indices) -> bool:
+        req = self.pool.requests.get(request_id)
+        if req is None:
+            return False
+        if indices is None:
+            return any(b is not None and b.decode_critical for b in req.blocks)
+        return any(0 <= i < len(req.blocks) and req.blocks[i] is not None
+                   and req.blocks[i].decode_critical for i in indices)
+
+    async def run(self, op: Callable[[], T], critical: bool = False,
+                  busy: BlocksInTransit | None = None) -> T:
+        """Call a pool operation, waiting out blocks in transit and calling again. One that
+        finds no device room while pages are in transit waits in line for room (decode-
+        critical first under fair link scheduling, else in arrival order) and is called
+        again, in that order, the moment a transfer completes: a stream of others cannot
+        take the room from under it."""
+        if busy is None:
+            try:  # the common case: nothing in the way, no suspension
+                return op()
+            except BlocksInTransit as exc:
+                pending = exc
+            busy = pending
         while True:
+            if busy.blocks:
+                await self.wait_for(busy.blocks)
+            else:
+                rank = 0 if critical and self.link.sched.scheduling == "fair" else 1
+                future = asyncio.get_running_loop().create_future()
+                heapq.heappush(self._room_waiters,
+                               (rank, next(self._arrivals), op, future))
+                if not self._plans and not self._inflight:
+                    self._serve_room_waiters()  # the transfer it waited for is done already
+                result = await future
+                if result is not _RETRY:
+                    return result
             try:
                 return op()
+            except BlocksInTransit as exc:
+                again = exc
+            busy = again
+
+    def room_may_have_changed(self) -> None:
+        if self._room_waiters:
+            self._serve_room_waiters()
+
+    def _serve_room_waiters(self) -> None:
+        """Room may have come free: call waiting operations in line until one still finds
+        none."""
+        waiters = self._room_waiters
+        while waiters:
+            _, _, op, future = waiters[0]
+            if future.done():  # its caller gave up
+                heapq.heappop(waiters)
+                continue
+            try:
+                result = op()
             except BlocksInTransit as busy:
-                await self.wait_for(busy.blocks)
+                if not busy.blocks:
+                    return  # still no room: the line waits for the next transfer
+                heapq.heappop(waiters)
+                future.set_result(_RETRY)
+                continue
+            except BaseException as exc:
+                heapq.heappop(waiters)
+                future.set_exception(exc)
+                continue
+            heapq.heappop(waiters)
+            future.set_result(result)
 
     async def wait_for(self, blocks: list[Block]) -> None:
         """Wait until these blocks' transfers finish (no blocks: until any transfer does)."""
@@ -94,6 +162,8 @@ class PoolRuntime:
 
     def _completed(self, plan: TransferPlan, pinned_out: list[Block], stall_s: float) -> None:
         self._notify(plan, stall_s)
+        if self._room_waiters:
+            self._serve_room_waiters()
         if plan.reason != "reserve" and not self._refilling:
             self._refill_soon()
         if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back

@@ -5,8 +5,8 @@ a capacity in bytes per second. Every transfer is a job of chunks; the scheduler
 chunk at a time:
 
 - by class: decode-critical promotions, then promotions an access or allocation waits on,
-  then prefetches, then write-back nobody waits on; a job that has waited `aging_s` per class
-  is served as if one class higher, so no class starves;
+  then prefetches, then write-back nobody waits on; a class left unserved for `aging_s` per
+  class is served as if one class higher for one chunk, so none starves;
 - within a class, across tenants by weight: deficit round robin over per-tenant queues, so an
   idle tenant's share goes to the others (work-conserving);
 - under hard caps: token buckets per tenant and per request skip a capped job (the link then
@@ -162,6 +162,7 @@ class LinkScheduler:
         self._queues: list[OrderedDict[str, deque[Job]]] = [OrderedDict() for _ in TransferClass]
         self._deficit: list[dict[str, float]] = [{} for _ in TransferClass]
         self._turn: list[str | None] = [None for _ in TransferClass]
+        self._last_served: list[float] = [now for _ in TransferClass]
         self._fifo: deque[Job] = deque()
         self.queued_jobs = Counter()  # by class
         self.queued_bytes = Counter()
@@ -277,15 +278,19 @@ class LinkScheduler:
         return None, earliest
 
     def _class_order(self, now: float) -> list[int]:
-        """Non-empty classes, best first: a class's rank improves by one for every aging_s
-        its oldest queued job has waited; at equal rank, the longest waiting goes first."""
+        """Non-empty classes, best first. A class's rank improves by one for every aging_s
+        it has gone unserved with work waiting (since its oldest job arrived, or since it
+        last sent a chunk); at equal rank the longer-starved goes first. So a starved class
+        gets a chunk every few aging_s, and its backlog cannot outrank the classes above it
+        wholesale."""
         ranked = []
         for cls, queues in enumerate(self._queues):
             if not queues:
                 continue
             oldest = min(q[0].enqueued_at for q in queues.values())
-            aged = int((now - oldest) / self.aging_s)
-            ranked.append((max(0, cls - aged), oldest, cls))
+            since = max(oldest, self._last_served[cls])
+            aged = int((now - since) / self.aging_s)
+            ranked.append((max(0, cls - aged), since, cls))
         ranked.sort()
         return [cls for _, _, cls in ranked]
 
@@ -339,6 +344,7 @@ class LinkScheduler:
         self.pacer.consume(size, now)
         if job.started_at is None:
             job.started_at = now
+        self._last_served[job.cls] = now
         job.next_chunk += 1
         job.bytes_done += size
         self.queued_bytes[job.cls] -= size
