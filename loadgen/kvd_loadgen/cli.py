@@ -42,6 +42,18 @@ def _soak(args) -> int:
     return run_cli(args)
 
 
+def _bandwidth_hog(args) -> int:
+    from kvd_loadgen.bandwidth_hog import run_cli
+
+    return run_cli(args)
+
+
+def _disagg(args) -> int:
+    from kvd_loadgen.disagg import run_cli
+
+    return run_cli(args)
+
+
 def _request_trace(args) -> int:
     from kvd_loadgen.request_trace import run_cli
 
@@ -119,6 +131,26 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--json", type=Path)
     rt.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     rt.set_defaults(func=_request_trace)
+
+    hog = sub.add_parser("bandwidth-hog",
+                         help="seed 001: a hog's promotions beside a latency-sensitive tenant")
+    hog.add_argument("--link-mib-s", type=float, default=16.0, help="the link's cap")
+    hog.add_argument("--hog-streams", type=int, default=8)
+    hog.add_argument("--hog-weight", type=float, default=1.0)
+    hog.add_argument("--sensitive-weight", type=float, default=1.0)
+    hog.add_argument("--duration-s", type=float, default=4.0, help="per phase")
+    hog.add_argument("--json", type=Path)
+    hog.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
+    hog.set_defaults(func=_bandwidth_hog)
+
+    dis = sub.add_parser("disagg", help="prefill and decode pools, handoff, reservation")
+    dis.add_argument("--requests", type=int, default=120)
+    dis.add_argument("--link-mib-s", type=float, default=64.0, help="the handoff link's cap")
+    dis.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
+    dis.add_argument("--decode-pages", type=int, default=192)
+    dis.add_argument("--json", type=Path)
+    dis.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
+    dis.set_defaults(func=_disagg)
     return p
 
 

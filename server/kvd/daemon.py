@@ -166,8 +166,11 @@ class Daemon:
                    aging_ms: float, pool: Pool, inline: int) -> Link:
         capacity = (self._measured_bandwidth() if bandwidth == "auto"
                     else bytes_of(bandwidth))
-        # The burst is at least one chunk, so every chunk can go; by default 5 ms of traffic.
-        burst = max(bytes_of(burst) or capacity / 200, chunk)
+        # The burst is at least one chunk, so every chunk can go. By default it is 5 ms of
+        # traffic and at least two chunks: the worker's timer wakes up to a millisecond late,
+        # and with room for only one chunk the credit it would earn meanwhile is lost.
+        burst = max(bytes_of(burst), chunk) if bytes_of(burst) else max(capacity / 200,
+                                                                         2 * chunk)
         sched = LinkScheduler(name, capacity_bps=capacity, burst_bytes=burst,
                               now=self.clock.now(), scheduling=scheduling,
                               aging_s=aging_ms / 1000, quantum_bytes=chunk,
