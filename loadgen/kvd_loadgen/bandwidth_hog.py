@@ -42,7 +42,6 @@ PAGE = 16 * 1024  # the tiny model preset, 16 tokens a page
 class HogScenario:
     link_mib_s: float = 16.0
     chunk_pages: int = 2
-    device_pages: int = 256
     hog_streams: int = 8
     hog_blocks: int = 32  # per hog request: several times what one window reads
     window: int = 8  # blocks a hog access reads (and mostly promotes)
@@ -55,6 +54,11 @@ class HogScenario:
     hog_weight: float = 1.0
     sensitive_weight: float = 1.0
     duration_s: float = 4.0
+
+    @property
+    def device_pages(self) -> int:
+        """As many as the hog's blocks: the hog alone could fill the device tier."""
+        return self.hog_streams * self.hog_blocks
 
     @property
     def host_pages(self) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import uvloop
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -83,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="scaled-down page size (page counts decide misses)")
     replay.add_argument("--target", help="an existing kvd (default: start one per policy)")
     replay.add_argument("--json", type=Path, help="write results to this file")
+    replay.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     replay.set_defaults(func=_replay)
 
     wm = sub.add_parser("whale-minnows", help="seed 000: one whale, forty minnows, lru vs fair")
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="0: 90%% of the whole demand")
     wm.add_argument("--step-ms", type=float, default=20.0, help="engine step pace")
     wm.add_argument("--json", type=Path)
+    wm.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     wm.set_defaults(func=_whale_minnows)
 
     soak = sub.add_parser("soak", help="many clients, mixed workload, minutes: leaks and drift")

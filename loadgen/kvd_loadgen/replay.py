@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uvloop
 
-import asyncio
 import tempfile
 import time
 from collections import Counter
@@ -14,13 +13,13 @@ from pathlib import Path
 
 import grpc
 from rich.console import Console
-from rich.table import Table
 
 from kvd_client import AsyncClient, KvdClientError, pb
 from kvd_loadgen.belady import belady_min
 from kvd_loadgen.data import INTENT_PROFILES, resolve_intent_trace
 from kvd_loadgen.intent_trace import IntentEvent, read_intent_trace
 from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.reporting import ScenarioReport, finish
 
 KVD_POLICIES = ("lru", "regret", "reuse", "intent", "deadline", "fair:intent")
 BLOCK_TOKENS = 16
@@ -285,33 +284,56 @@ async def replay_profile(path: Path, profile: str, policies, *, device_pages: in
     return results
 
 
-def results_table(results: list[ReplayResult], page_bytes: int) -> Table:
-    table = Table(title="intent-trace replay through a live kvd (pages scaled to "
-                        f"{page_bytes} B; page counts decide misses)")
-    for col in ("profile", "policy", "dc acc", "dc miss", "dl miss", "evict", "promo",
-                "prefetch", "peak/cap", "wall s"):
-        table.add_column(col, justify="left" if col in ("profile", "policy") else "right")
+def build_report(results: list[ReplayResult], page_bytes: int) -> ScenarioReport:
+    r = ScenarioReport(
+        "replay-intents", "Intent-trace replay through a live kvd",
+        f"Every policy plays each trace's steps over the Step stream of a live kvd. Pages are "
+        f"scaled to {page_bytes} B (page counts decide misses). belady-min is the offline "
+        "optimum on the same accesses; ref: rows are the reference simulator's published "
+        "counts (INTENT_TRACE_FORMAT.md).")
+    r.data = {"results": [asdict(x) for x in results]}
 
     def fmt(value, spec=""):
         return "-" if value is None else format(value, spec)
 
-    last = None
-    for r in results:
-        if last is not None and r.profile != last:
-            table.add_section()
-        last = r.profile
-        peak = "-" if r.peak_device_pages is None else f"{r.peak_device_pages}/{r.device_pages}"
-        style = "dim" if r.source != "kvd" else None
-        table.add_row(r.profile, r.policy, fmt(r.decode_critical_accesses),
-                      fmt(r.decode_critical_misses), fmt(r.deadline_misses), fmt(r.evictions),
-                      fmt(r.promotions), fmt(r.prefetches), peak, fmt(r.wall_s, ".2f"),
-                      style=style)
-    return table
+    rows = []
+    for x in results:
+        peak = "-" if x.peak_device_pages is None else f"{x.peak_device_pages}/{x.device_pages}"
+        rows.append([x.profile, x.policy, fmt(x.decode_critical_accesses),
+                     fmt(x.decode_critical_misses), fmt(x.deadline_misses), fmt(x.evictions),
+                     fmt(x.promotions), fmt(x.prefetches), peak, fmt(x.wall_s, ".2f")])
+    r.table("Per trace and policy",
+            ["profile", "policy", "dc acc", "dc miss", "dl miss", "evict", "promo",
+             "prefetch", "peak/cap", "wall s"], rows)
+    kvd = [x for x in results if x.source == "kvd"]
+    if kvd:
+        peak_ok = all(x.peak_device_pages is None or x.peak_device_pages <= x.device_pages
+                      for x in kvd)
+        r.target("device pages never above capacity", peak_ok,
+                 f"{sum(1 for x in kvd if x.peak_device_pages is not None)} runs checked")
+
+    def misses(pyplot):
+        profiles = sorted({x.profile for x in results})
+        policies = [p for p in dict.fromkeys(x.policy for x in results)]
+        fig, ax = pyplot.subplots(figsize=(max(7, 1.2 * len(profiles) * 2), 3.8))
+        width = 0.8 / max(len(policies), 1)
+        for i, policy in enumerate(policies):
+            ys = [next((x.decode_critical_misses for x in results
+                        if x.profile == prof and x.policy == policy), 0) or 0
+                  for prof in profiles]
+            ax.bar([j + i * width for j in range(len(profiles))], ys, width, label=policy)
+        ax.set_xticks([j + width * (len(policies) - 1) / 2 for j in range(len(profiles))])
+        ax.set_xticklabels(profiles, fontsize=8)
+        ax.set_ylabel("decode-critical misses")
+        ax.set_yscale("symlog")
+        ax.legend(fontsize=7, ncol=2)
+        return fig
+
+    r.figure("misses", "Decode-critical misses per trace and policy", misses)
+    return r
 
 
 def run_replay_cli(args) -> int:
-    from kvd_loadgen.cli import write_json
-
     names = []
     for name in args.trace:
         names.extend(INTENT_PROFILES if name == "all" else [name])
@@ -331,8 +353,6 @@ def run_replay_cli(args) -> int:
             except KvdClientError as exc:
                 console.print(f"[red]kvd refused the replay of {profile}: {exc}")
                 return 1
-    console.print(results_table(results, args.page_bytes))
-    console.print(f"{len(names)} trace(s) x {len(policies)} policies in "
-                  f"{time.perf_counter() - started:.1f} s")
-    write_json(args.json, [asdict(r) for r in results])
-    return 0
+    console.print(f"{len(names)} trace(s) x {len(policies)} policies")
+    return finish(build_report(results, args.page_bytes), console, args.json,
+                  getattr(args, "report", None), started)

@@ -1,28 +1,61 @@
-"""Reports people can read: a markdown page and PNG plots (matplotlib) for a request-trace
-run: stall CDF per tenant and policy, device occupancy over time per tenant, evictions
-suffered per tenant, and the policies side by side."""
+"""The request-trace report, on the shared ScenarioReport: stall CDF per tenant and policy,
+device occupancy over time per tenant, link utilisation over time, evictions suffered per
+tenant, and the policies side by side."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from kvd_loadgen.reporting import ScenarioReport, draw_utilisation
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files, not windows
-    import matplotlib.pyplot as plt
-
-    return plt
+LINK = "default:device<->host"
 
 
 def write_report(directory: Path, out: dict) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    plt = _plt()
+    return build_report(out).write(directory)
+
+
+def build_report(out: dict) -> ScenarioReport:
     results = out["results"]
     tenants = sorted({c["tenant"] for r in results for c in r["classes"]})
-    files = {}
+    run = out["run"]
+    report = ScenarioReport(
+        "request-trace", "Request-trace run",
+        f"Trace `{Path(run['trace']).name}` (first {run['limit']} requests), time compressed "
+        f"x{run['speed']:g}, tenants by `{run['tenants']}`, {run['block_tokens']} tokens per "
+        f"page, {run['device_pages']} device and {run['host_pages']} host pages, engines "
+        f"stepping every {run['step_ms']:g} ms, outputs cut at {run['max_output_tokens']} "
+        "tokens.")
+    report.data = out
+    rows = []
+    for r in results:
+        for c in r["classes"]:
+            rows.append([r["policy"], c["tenant"],
+                         f"{c['finished']} / {c['rejected']} / {c['queued']}",
+                         f"{c['admission_wait_p99_ms']:.1f}", f"{c['prefill_stall_p99_ms']:.1f}",
+                         f"{c['step_stall_p50_ms']:.2f} / {c['step_stall_p95_ms']:.2f} / "
+                         f"{c['step_stall_p99_ms']:.2f}", f"{c['evictions_suffered']:,}",
+                         f"{c['tokens_per_s']:.0f}"])
+    report.table("Per tenant and policy",
+                 ["policy", "tenant", "finished / rejected / queued", "admission wait p99 ms",
+                  "TTFT memory p99 ms", "step stall p50 / p95 / p99 ms", "evictions suffered",
+                  "tokens/s"], rows)
+    report.table("Per policy",
+                 ["policy", "total tokens/s", "Jain (memory share / fair share)", "evictions",
+                  "bytes moved"],
+                 [[r["policy"], f"{r['tokens_per_s']:.0f}", f"{r['jain']:.3f}",
+                   f"{r['evictions']:,}", f"{r['bytes_moved'] / 2**20:,.0f} MiB"]
+                  for r in results])
+    report.figure("stall_cdf", "stall CDF", lambda plt: _stall_cdf(plt, results))
+    report.figure("occupancy", "occupancy", lambda plt: _occupancy(plt, results, tenants))
+    report.figure("link_utilisation", "device<->host link utilisation over time, per policy",
+                  draw_utilisation({r["policy"]: r.get("links", []) for r in results},
+                                   lambda _: LINK, "device<->host link utilisation"))
+    report.figure("policies", "policies", lambda plt: _policies(plt, results, tenants))
+    return report
 
+
+def _stall_cdf(plt, results):
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
         for c in r["classes"]:
@@ -35,11 +68,10 @@ def write_report(directory: Path, out: dict) -> Path:
     ax.set_ylabel("fraction of engine steps")
     ax.set_title("Stall CDF per tenant and policy")
     ax.legend(fontsize=8)
-    files["stall_cdf"] = "stall_cdf.png"
-    fig.tight_layout()
-    fig.savefig(directory / files["stall_cdf"], dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def _occupancy(plt, results, tenants):
     fig, axes = plt.subplots(len(results), 1, figsize=(7, 2.6 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results):
         for t in tenants:
@@ -53,11 +85,10 @@ def write_report(directory: Path, out: dict) -> Path:
         ax.set_title(f"Device occupancy per tenant: {r['policy']}")
         ax.set_xlabel("seconds")
         ax.legend(fontsize=7)
-    files["occupancy"] = "occupancy.png"
-    fig.tight_layout()
-    fig.savefig(directory / files["occupancy"], dpi=110)
-    plt.close(fig)
+    return fig
 
+
+def _policies(plt, results, tenants):
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
     policies = [r["policy"] for r in results]
     width = 0.8 / max(len(tenants), 1)
@@ -76,41 +107,4 @@ def write_report(directory: Path, out: dict) -> Path:
         ax.set_xticklabels(policies)
         ax.set_title(title)
     axes[0].legend(fontsize=8)
-    files["policies"] = "policies.png"
-    fig.tight_layout()
-    fig.savefig(directory / files["policies"], dpi=110)
-    plt.close(fig)
-
-    run = out["run"]
-    lines = [
-        "# Request-trace run",
-        "",
-        f"Trace `{Path(run['trace']).name}` (first {run['limit']} requests), time compressed "
-        f"x{run['speed']:g}, tenants by `{run['tenants']}`, {run['block_tokens']} tokens per "
-        f"page, {run['device_pages']} device and {run['host_pages']} host pages, engines "
-        f"stepping every {run['step_ms']:g} ms, outputs cut at {run['max_output_tokens']} "
-        "tokens.",
-        "",
-        "| policy | tenant | finished / rejected / queued | admission wait p99 ms | "
-        "TTFT memory p99 ms | step stall p50 / p95 / p99 ms | evictions suffered | tokens/s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        for c in r["classes"]:
-            lines.append(
-                f"| {r['policy']} | {c['tenant']} | {c['finished']} / {c['rejected']} / "
-                f"{c['queued']} | {c['admission_wait_p99_ms']:.1f} | "
-                f"{c['prefill_stall_p99_ms']:.1f} | {c['step_stall_p50_ms']:.2f} / "
-                f"{c['step_stall_p95_ms']:.2f} / {c['step_stall_p99_ms']:.2f} | "
-                f"{c['evictions_suffered']:,} | {c['tokens_per_s']:.0f} |")
-    lines += ["", "| policy | total tokens/s | Jain (memory share / fair share) | evictions | "
-              "bytes moved |", "|---|---:|---:|---:|---:|"]
-    for r in results:
-        lines.append(f"| {r['policy']} | {r['tokens_per_s']:.0f} | {r['jain']:.3f} | "
-                     f"{r['evictions']:,} | {r['bytes_moved'] / 2**20:,.0f} MiB |")
-    lines += ["", f"![stall CDF]({files['stall_cdf']})", "",
-              f"![occupancy]({files['occupancy']})", "", f"![policies]({files['policies']})",
-              ""]
-    path = directory / "REPORT.md"
-    path.write_text("\n".join(lines))
-    return path
+    return fig

@@ -15,12 +15,12 @@ from pathlib import Path
 import uvloop
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from kvd.core.fairness import jain_index
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.reporting import finish, sample_links
 from kvd_loadgen.request_traces import TraceRequest, read_request_trace, tenant_rule
 
 
@@ -90,6 +90,9 @@ async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
                 stop = asyncio.Event()
                 samples: list = []
                 sampler = asyncio.ensure_future(_sample(admin, stop, start, samples))
+                link_samples: list = []
+                link_sampler = asyncio.ensure_future(
+                    sample_links(admin, stop, start, link_samples, 0.5))
                 task = progress.add_task(policy, total=len(arrivals)) if progress else None
 
                 async def arrive(sim: SimRequest):
@@ -119,6 +122,7 @@ async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
                 ended = time.monotonic()
                 stop.set()
                 await sampler
+                await link_sampler
                 await reporter
                 tenant_info = {t.tenant: t for t in await admin.list_tenants()}
                 stats = (await admin.pool_stats()).pools[0]
@@ -161,30 +165,11 @@ async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
             "jain": statistics.fmean(jains) if jains else 1.0,
             "evictions": stats.num_evictions, "bytes_moved": stats.bytes_moved,
             "decode_critical_misses": stats.num_decode_critical_misses,
-            "occupancy": samples}
-
-
-def summary_table(results: list[dict]) -> Table:
-    t = Table(title="request trace: per tenant and policy")
-    for col in ("policy", "tenant", "done/rej/queued", "adm wait p99 ms", "TTFT mem p99 ms",
-                "step stall p50/p95/p99 ms", "evict suffered", "tok/s", "share", "Jain"):
-        t.add_column(col, justify="left" if col in ("policy", "tenant") else "right")
-    for r in results:
-        for c in r["classes"]:
-            t.add_row(r["policy"], c["tenant"],
-                      f"{c['finished']}/{c['rejected']}/{c['queued']}",
-                      f"{c['admission_wait_p99_ms']:.1f}", f"{c['prefill_stall_p99_ms']:.1f}",
-                      f"{c['step_stall_p50_ms']:.2f} / {c['step_stall_p95_ms']:.2f} / "
-                      f"{c['step_stall_p99_ms']:.2f}",
-                      f"{c['evictions_suffered']:,}", f"{c['tokens_per_s']:.0f}",
-                      f"{c['mean_share_ratio']:.2f}", f"{r['jain']:.3f}")
-        t.add_section()
-    return t
+            "occupancy": samples, "links": link_samples}
 
 
 def run_cli(args) -> int:
-    from kvd_loadgen.cli import write_json
-    from kvd_loadgen.report import write_report
+    from kvd_loadgen.report import build_report
 
     page_bytes = args.page_bytes
     if args.model:
@@ -204,10 +189,5 @@ def run_cli(args) -> int:
                   console=console) as progress:
         for policy in args.policy.split(","):
             results.append(uvloop.run(run_policy(run, policy, trace, progress)))
-    console.print(summary_table(results))
     out = {"run": asdict(run), "results": results}
-    write_json(args.json, out)
-    if args.report:
-        path = write_report(Path(args.report), out)
-        console.print(f"report: {path}")
-    return 0
+    return finish(build_report(out), console, args.json, args.report)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import uvloop
 
 import argparse
-import asyncio
 import signal
 import subprocess
 import sys

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import uvloop
 from rich.console import Console
-from rich.table import Table
 
 from kvd.core.fairness import jain_index
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.reporting import ScenarioReport, finish
 
 def tenant_names(s: Scenario) -> dict[str, str]:
     """Tenant -> its class: the whale, and the minnows split across minnow_tenants tenants."""
@@ -234,34 +234,66 @@ def verdict(out: dict) -> dict:
     }
 
 
-def table(out: dict) -> Table:
+def build_report(out: dict) -> ScenarioReport:
     s = out["scenario"]
-    t = Table(title=f"whale and minnows: {s['whales']} x {s['whale_tokens']} tokens vs "
-                    f"{s['minnows']} x {s['minnow_tokens']} tokens, {s['duration_s']} s side by "
-                    "side, "
-                    f"{s['block_tokens']} tokens/page, device = 90% of demand "
-                    "(fair = fair:reuse)")
-    for col in ("run", "class", "decode stall p50/p99 ms", "prefill stall ms",
-                "decode step p50/p99 ms", "tok/s", "evict suff",
-                "evict caused", "adm wait p50/max ms", "share ratio", "Jain"):
-        t.add_column(col, justify="left" if col in ("run", "class") else "right")
-    for r in out["runs"]:
-        for c in r["classes"]:
-            t.add_row(r["run"], c["klass"], f"{c['stall_p50_ms']:.2f} / {c['stall_p99_ms']:.2f}",
-                      f"{c['prefill_stall_max_ms']:.1f}",
-                      f"{c['step_p50_ms']:.1f} / {c['step_p99_ms']:.1f}",
-                      f"{c['tokens_per_s']:.0f}", str(c["evictions_suffered"]),
-                      str(c["evictions_caused"]),
-                      f"{c['admission_wait_p50_ms']:.1f} / {c['admission_wait_max_ms']:.1f}",
-                      f"{c['mean_share_ratio']:.2f}",
-                      "-" if r["jain"] is None else f"{r['jain']:.3f}")
-        t.add_section()
-    return t
+    r = ScenarioReport(
+        "whale-minnows", "Whale and minnows: one long request beside many short ones",
+        f"{s['whales']} whale(s) of {s['whale_tokens']} tokens beside {s['minnows']} minnows of "
+        f"{s['minnow_tokens']} tokens ({s['minnow_tenants']} minnow tenant(s)), decoding side by "
+        f"side for {s['duration_s']} s at {s['block_tokens']} tokens a page; the device tier "
+        "holds 90% of the whole demand. fair = fair:reuse.")
+    r.data = out
+    rows = []
+    for run in out["runs"]:
+        for c in run["classes"]:
+            rows.append([run["run"], c["klass"],
+                         f"{c['stall_p50_ms']:.2f} / {c['stall_p99_ms']:.2f}",
+                         f"{c['prefill_stall_max_ms']:.1f}",
+                         f"{c['step_p50_ms']:.1f} / {c['step_p99_ms']:.1f}",
+                         f"{c['tokens_per_s']:.0f}", c["evictions_suffered"],
+                         c["evictions_caused"],
+                         f"{c['admission_wait_p50_ms']:.1f} / {c['admission_wait_max_ms']:.1f}",
+                         f"{c['mean_share_ratio']:.2f}",
+                         "-" if run["jain"] is None else f"{run['jain']:.3f}"])
+    r.table("Per run and class",
+            ["run", "class", "decode stall p50/p99 ms", "prefill stall ms",
+             "decode step p50/p99 ms", "tok/s", "evict suff", "evict caused",
+             "adm wait p50/max ms", "share ratio", "Jain"], rows)
+    v = out["verdict"]
+    r.target("minnows' p99 stall under fair <= 1.25x alone",
+             v["fair_minnow_stall_p99_within_1.25x_solo"],
+             f"{v['fair_minnow_stall_p99_ms']:.2f} ms vs {v['solo_minnow_stall_p99_ms']:.2f} ms "
+             f"alone (lru {v['lru_minnow_stall_p99_ms']:.2f} ms)")
+    r.target("the whale keeps >= 0.9x its lru tokens/s", v["whale_keeps_0.9x"],
+             f"{v['whale_tokens_per_s_fair_over_lru']:.2f}x")
+    r.target("Jain's index under fair >= 0.95", v["fair_jain_at_least_0.95"],
+             f"{v['fair_jain']:.3f}")
+
+    def bars(pyplot):
+        fig, axes = pyplot.subplots(1, 2, figsize=(10, 3.5))
+        runs = [run["run"] for run in out["runs"]]
+        klasses = sorted({c["klass"] for run in out["runs"] for c in run["classes"]})
+        width = 0.8 / max(len(klasses), 1)
+        for i, k in enumerate(klasses):
+            def value(run, key):
+                return next((c[key] for c in run["classes"] if c["klass"] == k), 0)
+            xs = [j + i * width for j in range(len(runs))]
+            axes[0].bar(xs, [value(run, "stall_p99_ms") for run in out["runs"]], width,
+                        label=k)
+            axes[1].bar(xs, [value(run, "evictions_suffered") for run in out["runs"]], width,
+                        label=k)
+        for ax, title in zip(axes, ("decode stall p99 (ms)", "evictions suffered")):
+            ax.set_xticks([j + width * (len(klasses) - 1) / 2 for j in range(len(runs))])
+            ax.set_xticklabels(runs)
+            ax.set_title(title)
+            ax.legend(fontsize=8)
+        return fig
+
+    r.figure("runs", "Decode stall p99 and evictions suffered, per run and class", bars)
+    return r
 
 
 def run_cli(args) -> int:
-    from kvd_loadgen.cli import write_json
-
     s = Scenario(whales=args.whales, whale_tokens=args.whale_tokens, minnows=args.minnows,
                  minnow_tenants=args.minnow_tenants,
                  minnow_tokens=args.minnow_tokens, duration_s=args.duration_s,
@@ -271,10 +303,4 @@ def run_cli(args) -> int:
     started = time.perf_counter()
     with console.status(f"whale and minnows: device {s.device} pages, demand {s.demand_pages}"):
         out = uvloop.run(run_all(s))
-    console.print(table(out))
-    for key, value in out["verdict"].items():
-        console.print(f"  {key}: {value:.3f}" if isinstance(value, float) and
-                      not isinstance(value, bool) else f"  {key}: {value}")
-    console.print(f"({time.perf_counter() - started:.1f} s)")
-    write_json(args.json, out)
-    return 0
+    return finish(build_report(out), console, args.json, args.report, started)

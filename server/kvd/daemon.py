@@ -309,6 +309,8 @@ class Daemon:
             plan = rt.pool.update_intents(group)
             plans.append((rt, plan))
         prefetched = 0
+        for rt, _ in plans:
+            rt.room_may_have_changed()  # an unpinned block may be a victim now
         for rt, plan in plans:
             if plan is not None:
                 prefetched += len(plan.promotions)
@@ -319,6 +321,7 @@ class Daemon:
                    ) -> int:
         rt = self.runtime_of(request_id, scope)
         freed = await rt.run(lambda: rt.pool.free(request_id, indices))
+        rt.room_may_have_changed()
         return freed
 
     async def release(self, request_id: str, scope: str | None = None
@@ -327,6 +330,7 @@ class Daemon:
         req = rt.pool.requests[request_id]
         tenant = req.tenant
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
+        rt.room_may_have_changed()
         del self.request_index[request_id]
         if req.handoff_pool:  # never handed off: its reservation goes too
             self._drop_reservation(req.handoff_pool, request_id)

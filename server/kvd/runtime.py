@@ -58,7 +58,17 @@ class PoolRuntime:
 
     async def access(self, request_id: str, indices) -> AccessResult:
         """pool.access, waiting out transfers; an access that waited for its own blocks'
-        promotion (started by a prefetch that came too late) counts those as misses."""
+        promotion (started by a prefetch that came too late) counts those as misses. A swap
+        the host tier cannot take at once goes in rounds; their stall is recorded here, and
+        the last round's plan is returned for the caller to execute."""
+        result = await self._access(request_id, indices)
+        while result.partial:
+            stall_s = await self.execute(result.plan)
+            self.pool.record_stall(stall_s, result.plan)
+            result = await self._access(request_id, indices)
+        return result
+
+    async def _access(self, request_id: str, indices) -> AccessResult:
         try:
             return self.pool.access(request_id, indices)
         except BlocksInTransit as exc:
@@ -102,7 +112,7 @@ class PoolRuntime:
                 future = asyncio.get_running_loop().create_future()
                 heapq.heappush(self._room_waiters,
                                (rank, next(self._arrivals), op, future))
-                if not self._plans and not self._inflight:
+                if not self.pool.num_moving_blocks():
                     self._serve_room_waiters()  # the transfer it waited for is done already
                 result = await future
                 if result is not _RETRY:
@@ -114,6 +124,8 @@ class PoolRuntime:
             busy = again
 
     def room_may_have_changed(self) -> None:
+        """Pages came free or evictable (a release, a free, an unpin, a transfer done):
+        serve the operations waiting for room."""
         if self._room_waiters:
             self._serve_room_waiters()
 

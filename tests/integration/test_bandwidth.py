@@ -8,8 +8,6 @@ import asyncio
 import statistics
 import time
 
-import pytest
-
 from kvd_client import AsyncClient, pb
 from kvd_client.client import intent_update
 from kvd_loadgen.local import LocalKvd

@@ -39,6 +39,15 @@ class Unauthenticated(KvdError):
     """The caller has no identity kvd accepts."""
 
 
+class HostShort(ResourceExhausted):
+    """Making room needs more host pages than are free and nothing is in transit to free
+    them: only `possible` blocks can be brought in now (a swap that must go in rounds)."""
+
+    def __init__(self, message: str, possible: int) -> None:
+        super().__init__(message)
+        self.possible = possible
+
+
 class BlocksInTransit(Exception):
     """Internal: the operation touches blocks whose bytes are being copied; retry after them.
 

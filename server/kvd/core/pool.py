@@ -31,6 +31,7 @@ from kvd.core.errors import (
     AlreadyExists,
     BlocksInTransit,
     FailedPrecondition,
+    HostShort,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -63,6 +64,9 @@ class AccessResult:
     blocks: list[Block] | None
     plan: TransferPlan | None
     request: Request
+    # The plan brings in only some of the missing blocks (the host tier cannot take all
+    # the victims at once): execute it and access again for the rest.
+    partial: bool = False
 
 
 @dataclass(slots=True)
@@ -482,9 +486,17 @@ class Pool:
             raise self._no_room(num)
         num_host = self.host.num_free
         if any(not v.recompute_ok for v in victims[num_host:]):
-            raise ResourceExhausted(
+            if self.num_moving_blocks():
+                # Host pages held by copies in flight come free when they finish.
+                raise BlocksInTransit([])
+            demotable = 0  # the victims that can go now: the host has room, or recompute
+            for i, v in enumerate(victims):
+                if i >= num_host and not v.recompute_ok:
+                    break
+                demotable += 1
+            raise HostShort(
                 f"pool {self.name!r}: host tier full ({self.host.capacity} pages) and the "
-                "victims cannot be recomputed; free or release requests"
+                "victims cannot be recomputed; free or release requests", demotable
             )
         moves = []
         for i, victim in enumerate(victims):
@@ -513,7 +525,10 @@ class Pool:
                            - self.device_by_tenant[cause.tenant])
             free = spare + min(free - spare, headroom)
         short = num - free
-        demotions = self._evict(short, cause, reason, reassign=True) if short > 0 else []
+        try:
+            demotions = self._evict(short, cause, reason, reassign=True) if short > 0 else []
+        except HostShort as exc:
+            raise HostShort(str(exc), free + exc.possible) from None
         pages = [self.device.take(None) for _ in range(num - len(demotions))]
         pages.extend(m.src_page for m in demotions)
         return pages, demotions
@@ -586,7 +601,20 @@ class Pool:
         missing = [b for b in blocks if b.tier is not TierKind.DEVICE]
         plan = None
         if missing:
-            plan = self._promote(req, missing, blocks, "access")
+            try:
+                plan = self._promote(req, missing, blocks, "access")
+            except HostShort as short:
+                if short.possible <= 0:
+                    raise
+                # Swap in rounds: bring in what the host tier has room to swap out now;
+                # the caller executes it and accesses again (the blocks brought in are then
+                # resident and protected). Reads are counted once, in the last round.
+                missing = missing[:short.possible]
+                plan = self._promote(req, missing, blocks, "access")
+                self.counters.num_misses += len(missing)
+                self.counters.num_decode_critical_misses += sum(b.decode_critical
+                                                                for b in missing)
+                return AccessResult(blocks, plan, req, partial=True)
         now = self.clock.now()
         counters = self.counters
         policy = self.policy

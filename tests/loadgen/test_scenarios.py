@@ -1,0 +1,82 @@
+"""The bandwidth-hog and disagg scenarios at a small size against real daemons, and the
+report every scenario shares."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvd_loadgen import bandwidth_hog, disagg
+from kvd_loadgen.reporting import ScenarioReport, finish, utilisation_series
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_report(directory, title):
+    text = (directory / "REPORT.md").read_text()
+    assert text.startswith(f"# {title}")
+    for name in [line.split("(")[1].rstrip(")") for line in text.splitlines()
+                 if line.startswith("![")]:
+        assert (directory / name).read_bytes().startswith(PNG)
+    return text
+
+
+async def test_bandwidth_hog_small(tmp_path):
+    s = bandwidth_hog.HogScenario(duration_s=0.8, hog_streams=4, hog_weight=3.0)
+    out = await bandwidth_hog.run_all(s)
+    ph = out["phases"]
+    assert set(ph) == set(bandwidth_hog.PHASES)
+    assert ph["solo"]["sensitive_promoting_steps"] > 0
+    assert ph["solo"]["bytes_per_s"]["hog"] == 0  # the hog held memory but moved nothing
+    bl = ph["backlogged fair"]
+    total = sum(bl["bytes_per_s"].values())
+    assert bl["bytes_per_s"]["hog"] / total == pytest.approx(0.75, abs=0.08)
+    assert bl["utilisation"] > 0.8
+    report = bandwidth_hog.build_report(out)
+    assert set(report.verdict) == {
+        "sensitive p99 wait with budgets <= 1.5x solo",
+        "link utilisation >= 90% of the cap while both are backlogged",
+        "each tenant's share within 10% of its weight"}
+    report.write(tmp_path / "hog")
+    text = assert_report(tmp_path / "hog", "Bandwidth hog")
+    assert "| backlogged fair | hog | 3 |" in text
+
+
+async def test_disagg_small(tmp_path):
+    s = disagg.DisaggScenario(requests=30, rate=80.0, output_min=256, output_max=512)
+    out = await disagg.run_all(s)
+    res, unres = out["modes"]["reserved"], out["modes"]["unreserved"]
+    assert res["prefills_wasted"] == 0
+    assert res["finished"] + res["rejected"] == 30 and not res["errors"]
+    assert unres["prefills"] == 30
+    assert unres["finished"] + unres["prefills_wasted"] == 30
+    assert res["link_bytes"] == res["handoff_bytes"] > 0
+    assert out["burst"]["mib_s"] > 0
+    report = disagg.build_report(out)
+    report.write(tmp_path / "disagg")
+    assert_report(tmp_path / "disagg", "Disaggregated prefill and decode")
+
+
+def test_scenario_report_writes_what_it_prints(tmp_path, capsys):
+    from rich.console import Console
+
+    r = ScenarioReport("x", "A title", "Some words.")
+    r.table("T", ["a", "b"], [[1, "two"]], ["a note"])
+    r.target("a target", False, "3 vs 2")
+    r.figure("f", "a plot", lambda plt: plt.subplots()[0])
+    r.data = {"k": 1}
+    finish(r, Console(width=100), tmp_path / "out.json", tmp_path / "rep")
+    printed = capsys.readouterr().out
+    assert "NOT met" in printed and "two" in printed and "a note" in printed
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert data["k"] == 1 and data["verdict"]["a target"] == {"met": False,
+                                                              "measured": "3 vs 2"}
+    text = assert_report(tmp_path / "rep", "A title")
+    assert "| a target | **no** | 3 vs 2 |" in text and "| 1 | two |" in text
+
+
+def test_utilisation_series():
+    samples = [{"t": t, "links": {"l": {"capacity": 100.0, "bytes": b}}}
+               for t, b in ((0.0, 0), (1.0, 50), (2.0, 150))]
+    assert utilisation_series(samples, "l") == ([1.0, 2.0], [0.5, 1.0])
