@@ -141,7 +141,7 @@ def bytes_of(value: int | float | str) -> float:
         if value < 0:
             raise InvalidArgument(f"a size must be >= 0, got {value}")
         return float(value)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*(?:/s)?\s*", value)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*(?:/\s*s)?\s*", value)
     unit = (match.group(2) or "b").lower() if match else ""
     if not match or unit not in _UNITS:
         raise InvalidArgument(f"cannot read {value!r} as bytes; use e.g. 200MiB or 1GB/s")

@@ -67,8 +67,16 @@ def _snapshot(daemon) -> dict:
                         for t in (set(pool.quotas) | set(pool.reserved_by_tenant)
                                   | set(pool.queued_by_tenant) | set(pool.device_by_tenant))},
         })
+    for entry, (name, rt) in zip(pools, daemon.pools.items()):
+        pool = rt.pool
+        entry["reads"] = {t: n * pool.page_bytes for t, n in pool.blocks_read_by_tenant.items()}
+        entry["handoff_reserved"] = sum(r.reserved_pages for r in pool.requests.values()
+                                        if r.state.value == "reserved")
+    now = daemon.clock.now()
+    links = [link.stats(now) for link in daemon.links()]
     leases = daemon.leases
-    return {"pools": pools, "uptime_s": time.time() - daemon.started_at,
+    return {"pools": pools, "uptime_s": time.time() - daemon.started_at, "links": links,
+            "handoffs": dict(daemon.handoff_counts),
             "leases": (len(leases.leases), leases.num_expired, leases.num_requests_released)}
 
 
@@ -160,6 +168,39 @@ class KvdCollector(Collector):
                 t_q.add_metric([name, tenant], queued)
         yield from (info, pages, queue, flight, adm, moves, moved, drops, pre, dca, dcm, dlm,
                     stall, ev, t_pages, t_share, t_guar, t_lim, t_res, t_q)
+        cap = gauge("kvd_link_capacity_bytes_per_second", "A link's configured or measured "
+                    "capacity", ["link", "scheduling"])
+        lbytes = counter("kvd_link_bytes", "Bytes a link moved, by the tenant that paid",
+                         ["link", "tenant"])
+        busy = counter("kvd_link_busy_seconds", "Seconds a link spent copying", ["link"])
+        lq = gauge("kvd_link_queued_transfers", "Transfers waiting on a link, by class",
+                   ["link", "transfer_class"])
+        lqb = gauge("kvd_link_queued_bytes", "Bytes waiting on a link, by class",
+                    ["link", "transfer_class"])
+        for link in s["links"]:
+            cap.add_metric([link["name"], link["scheduling"]], link["capacity_bps"])
+            for tenant, n in link["by_tenant"].items():
+                lbytes.add_metric([link["name"], tenant], n)
+            busy.add_metric([link["name"]], link["busy_s"])
+            for cls, (jobs, nbytes) in link["queues"].items():
+                lq.add_metric([link["name"], cls], jobs)
+                lqb.add_metric([link["name"], cls], nbytes)
+        reads = counter("kvd_read_bytes", "Attention reads engines reported (blocks accessed), "
+                        "in bytes", ["pool", "tenant"])
+        hres = gauge("kvd_handoff_reserved_pages", "Pages a pool holds for requests not yet "
+                     "handed off to it", ["pool"])
+        for p in s["pools"]:
+            for tenant, n in p["reads"].items():
+                reads.add_metric([p["pool"], tenant], n)
+            hres.add_metric([p["pool"]], p["handoff_reserved"])
+        hand = counter("kvd_handoffs", "Handoffs by outcome (completed, rolled_back, failed, "
+                       "refused, cancelled, reservations_expired)", ["outcome"])
+        for outcome, n in s["handoffs"].items():
+            if outcome != "bytes":
+                hand.add_metric([outcome], n)
+        hbytes = counter("kvd_handoff_bytes", "Bytes handed off between pools", [])
+        hbytes.add_metric([], s["handoffs"].get("bytes", 0))
+        yield from (cap, lbytes, busy, lq, lqb, reads, hres, hand, hbytes)
         active, expired, released = s["leases"]
         g = gauge("kvd_leases", "Client leases kvd is tracking", [])
         g.add_metric([], active)

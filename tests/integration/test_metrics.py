@@ -61,6 +61,16 @@ async def test_metrics_after_a_workload(tmp_path):
     assert _value(samples, "kvd_rpc_duration_seconds_count", method="Admit", code="OK") == 3
     assert _value(samples, "kvd_stall_seconds_count", pool="default") >= 1
     assert "# TYPE kvd_rpc_duration_seconds histogram" in text
+    link = "default:device<->host"
+    moved = sum(v for (n, lbl), v in samples.items()
+                if n == "kvd_link_bytes_total" and dict(lbl).get("link") == link)
+    assert moved == stats.links[0].bytes_total > 0
+    assert _value(samples, "kvd_link_capacity_bytes_per_second", link=link,
+                  scheduling="fair") == stats.links[0].capacity_bytes_per_s
+    assert _value(samples, "kvd_link_queued_transfers", link=link,
+                  transfer_class="critical") == 0
+    assert _value(samples, "kvd_read_bytes_total", pool="default", tenant="t1") == \
+        4 * stats.page_bytes  # "a" read its 4 blocks once
     promtool = shutil.which("promtool")
     if promtool:  # Debian's prometheus package, where it is installed
         check = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
