@@ -101,6 +101,23 @@ def explain_table(e: pb.ExplainResponse) -> Table:
     return t
 
 
+def links_table(links) -> Table:
+    t = Table(title="links")
+    for col in ("link", "scheduling", "cap MiB/s", "use (last s)", "moved MiB", "queued",
+                "by tenant MiB"):
+        t.add_column(col, justify="left" if col in ("link", "by tenant MiB") else "right")
+    for link in links:
+        queued = " ".join(f"{q.transfer_class}:{q.transfers}" for q in link.queues
+                          if q.transfers) or "-"
+        tenants = ", ".join(f"{x.tenant} {x.bytes / 2**20:.1f}"
+                            + (f" (cap {x.cap_bytes_per_s / 2**20:.0f}/s)" if x.cap_bytes_per_s
+                               else "") for x in link.tenants) or "-"
+        t.add_row(link.link, link.scheduling, f"{link.capacity_bytes_per_s / 2**20:,.0f}",
+                  f"{link.utilisation:.0%}", f"{link.bytes_total / 2**20:,.1f}", queued,
+                  tenants)
+    return t
+
+
 def _top(client: Client, console: Console, interval_s: float, count: int | None) -> None:
     def render():
         stats = client.pool_stats()
@@ -108,6 +125,7 @@ def _top(client: Client, console: Console, interval_s: float, count: int | None)
         grid = Table.grid()
         grid.add_row(status_table(stats))
         grid.add_row(tenants_table(client.list_tenants()))
+        grid.add_row(links_table(client.list_links()))
         grid.add_row(requests_table(busiest, "busiest requests (device pages)"))
         return grid
 
@@ -126,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=10.0)
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("status", "pools, tiers, occupancy, backend, policy, uptime"),
-                        ("tenants", "usage vs fair share vs quota")):
+                        ("tenants", "usage vs fair share vs quota"),
+                        ("links", "links: capacity, utilisation, queues by class, bytes by "
+                                  "tenant")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("--json", action="store_true")
     c = sub.add_parser("requests", help="the busiest requests")
@@ -188,6 +208,12 @@ def _run(args, client: Client, out: Console) -> int:
             print(json.dumps([_json(t) for t in tenants], indent=2))
         else:
             out.print(tenants_table(tenants))
+    elif cmd == "links":
+        links = client.list_links()
+        if args.json:
+            print(json.dumps([_json(x) for x in links], indent=2))
+        else:
+            out.print(links_table(links))
     elif cmd == "requests":
         reqs = client.list_requests(pool=args.pool, limit=args.limit)
         if args.json:

@@ -359,7 +359,16 @@ def run_scenarios() -> dict:
     from kvd_loadgen.request_traces import read_request_trace
     from kvd_loadgen.whale_minnows import Scenario, run_all
 
+    from kvd_loadgen import bandwidth_hog, disagg
+
     out = {}
+    with console.status("scenario: bandwidth-hog (1.5 s a phase)"):
+        hog = uvloop.run(bandwidth_hog.run_all(bandwidth_hog.HogScenario(duration_s=1.5)))
+        out["bandwidth_hog"] = {k: v for k, v in
+                                bandwidth_hog.build_report(hog).json()["verdict"].items()}
+    with console.status("scenario: disagg (60 requests)"):
+        dis = uvloop.run(disagg.run_all(disagg.DisaggScenario(requests=60)))
+        out["disagg"] = {k: v for k, v in disagg.build_report(dis).json()["verdict"].items()}
     with console.status("scenario: replay-intents balanced"):
         rows = uvloop.run(replay_profile(resolve_intent_trace("balanced"), "balanced",
                                          ("lru", "intent", "deadline"), device_pages=128,
@@ -413,4 +422,8 @@ def results_markdown(results: dict) -> str:
                   f"{scen['replay_balanced_dc_misses']}",
                   f"- whale-minnows (1.5 s): {scen['whale_minnows']}",
                   f"- request-trace (150 Mooncake requests): {scen['request_trace']}"]
+        for name in ("bandwidth_hog", "disagg"):
+            for target, v in scen.get(name, {}).items():
+                lines.append(f"- {name.replace('_', '-')}: {target}: "
+                             f"{'met' if v['met'] else 'NOT met'} ({v['measured']})")
     return "\n".join(lines) + "\n"

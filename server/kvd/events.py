@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 KINDS = ("admission", "allocation", "eviction", "promotion", "release", "quota", "policy",
-         "lease")
+         "lease", "handoff")
 
 
 @dataclass(slots=True)

@@ -44,6 +44,17 @@ def test_status_and_tenants_as_tables_and_json(busy_kvd):
     assert "t1" in table and "fair share" in table
 
 
+def test_links(busy_kvd):
+    (link,) = json.loads(kvctl(busy_kvd.target, "links", "--json").stdout)
+    assert link["link"] == "default:device<->host" and link["scheduling"] == "fair"
+    by_tenant = {t["tenant"]: int(t["bytes"]) for t in link["tenants"]}
+    # c's allocation demoted a's blocks (c pays); a's access promoted them back (a pays).
+    assert by_tenant["t2"] > 0 and by_tenant["t1"] > 0
+    assert int(link["bytes_total"]) == sum(by_tenant.values())
+    table = kvctl(busy_kvd.target, "links").stdout
+    assert "device<->host" in table and "fair" in table
+
+
 def test_requests_top_and_explain(busy_kvd):
     reqs = json.loads(kvctl(busy_kvd.target, "requests", "--json").stdout)
     assert {r["request_id"] for r in reqs} == {"a", "b", "c"}
