@@ -477,7 +477,9 @@ class Daemon:
         demoted = False
         try:
             if blocks:
-                plan = await dst.run(lambda: dst.pool.allocate(request_id, len(blocks)))
+                indices = [b.index for b in blocks]  # the engine's indices stay
+                plan = await dst.run(lambda: dst.pool.allocate(request_id, len(blocks),
+                                                               indices=indices))
                 plan.reason = "handoff"
                 dst._plans.add(plan)
                 for b in plan.blocks():
@@ -562,11 +564,8 @@ class Daemon:
         link = self.handoff_link(src.pool.name, dst.pool.name)
         src_arenas = {TierKind.DEVICE: src.arenas["device"], TierKind.HOST: src.arenas["host"]}
         dst_device = dst.arenas["device"]
-        pairs = []
-        for block, new in zip(blocks, plan.allocated):
-            if block.tier is TierKind.NONE:
-                continue  # dropped in prefill: the engine recomputes it in decode
-            pairs.append((block.tier, block.page, TierKind.DEVICE, new.page))
+        pairs = [(block.tier, block.page, TierKind.DEVICE, new.page)
+                 for block, new in zip(blocks, plan.allocated)]
         chunks = chunk_runs(page_runs(pairs), src.chunk_pages) if pairs else []
         if not chunks:
             return

@@ -105,7 +105,8 @@ class Link:
             self._current = transfer
             started = time.perf_counter()
             try:
-                if job.chunks[job.next_chunk - 1] <= self.inline_copy_bytes:
+                inline = job.chunks[job.next_chunk - 1] <= self.inline_copy_bytes
+                if inline:
                     transfer.copy(ops)
                 else:
                     await loop.run_in_executor(self._executor, transfer.copy, ops)
@@ -119,6 +120,8 @@ class Link:
             finally:
                 self.busy_s += time.perf_counter() - started
             self._current = None
+            if inline:
+                await asyncio.sleep(0)  # let the loop run between chunks
             if transfer.cancelled:
                 self.sched.cancel(job)
                 _fail(transfer, TransferCancelled())

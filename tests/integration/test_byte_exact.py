@@ -1,6 +1,6 @@
 """Byte-exact tiers: 100,000 random operations (writes through the shared arena, demotions,
-promotions, evictions, frees, releases, pins, policy switches) with a checksum per block and
-zero mismatches. In-process for speed, but with the real arenas, copier and runtime; the
+promotions, evictions, frees, releases, pins, policy switches, handoffs to a second pool,
+some cancelled half-way) with a checksum per block and zero mismatches. In-process for speed, but with the real arenas, copier and runtime; the
 engine side writes and reads through its own mapping of the shared memory."""
 
 from __future__ import annotations
@@ -29,21 +29,23 @@ def _digest(page: np.ndarray) -> bytes:
 async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
     config = Config(socket="", tcp="x", workers=2, inline_copy_bytes=4 * PAGE, pools=(
         PoolConfig(page_bytes=PAGE, block_tokens=16, device_pages=48, host_pages=160,
-                   policy="lru", device_backend=backend),))
+                   policy="lru", device_backend=backend, link_chunk=2 * PAGE),
+        PoolConfig(name="decode", page_bytes=PAGE, block_tokens=16, device_pages=32,
+                   host_pages=96, policy="lru", device_backend=backend)))
     daemon = Daemon(config)
-    rt = daemon.pools["default"]
-    engine = MappedPool(pb.ExportPoolResponse(page_bytes=PAGE, tiers=[
+    engines = {name: MappedPool(pb.ExportPoolResponse(page_bytes=PAGE, tiers=[
         pb.TierExport(tier=tier, num_pages=rt.arenas[key].num_pages,
                       shm_name=rt.arenas[key].export().shm_name)
         for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host"))]))
+        for name, rt in daemon.pools.items()}
     rng = random.Random(seed)
     digests: dict[tuple[str, int], bytes] = {}
     live: dict[str, list[int]] = {}
-    counts = dict(ops=0, checked=0, mismatches=0, refused=0)
+    counts = dict(ops=0, checked=0, mismatches=0, refused=0, handoffs=0, rolled_back=0)
     pool = daemon.pools["default"].pool
 
     def page_of(block):
-        return engine.tiers[int(block.tier)][block.page]
+        return engines[block.request.pool].tiers[int(block.tier)][block.page]
 
     def write(blocks):
         for b in blocks:
@@ -67,9 +69,10 @@ async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
                     n += 1
                     rid = f"r{n}"
                     blocks = rng.randint(1, 12)
+                    handoff = "decode" if rng.random() < 0.3 else ""
                     if daemon.admit(rid, tenant=rng.choice("ab"), pool="", priority=0,
-                                    prompt_tokens=16 * blocks, output_tokens=0
-                                    ).decision == "admitted":
+                                    prompt_tokens=16 * blocks, output_tokens=16 * 2,
+                                    handoff_pool=handoff).decision == "admitted":
                         new, _ = await daemon.allocate(rid, blocks)
                         write(new)
                         live[rid] = [b.index for b in new]
@@ -77,6 +80,22 @@ async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
                         await daemon.release(rid)
                     continue
                 rid = rng.choice(list(live))
+                if op < 0.11:
+                    if daemon.request_index[rid].pool.name != "default":
+                        continue
+                    progress = daemon.handoff(rid, "decode")
+                    if rng.random() < 0.3:  # the caller goes away after the first chunk
+                        async for _ in progress:
+                            break
+                        await progress.aclose()
+                        await asyncio.gather(*daemon.handoffs_in_flight,
+                                             return_exceptions=True)
+                        counts["rolled_back"] += daemon.request_index[rid].pool.name == "default"
+                    else:
+                        last = [p async for p in progress][-1]
+                        check(last["blocks"])
+                        counts["handoffs"] += 1
+                    continue
                 if op < 0.55:  # read some or all blocks: promotions happen here
                     indices = (None if rng.random() < 0.5 else
                                rng.sample(live[rid], k=rng.randint(1, len(live[rid]))))
@@ -117,7 +136,8 @@ async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
         counts["demotions"] = pool.counters.num_demotions
         counts["promotions"] = pool.counters.num_promotions
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
         daemon.close()
     return counts
 
@@ -129,6 +149,7 @@ def test_a_hundred_thousand_operations_lose_no_byte():
     assert counts["problems"] == []
     assert counts["checked"] > 100_000 and counts["demotions"] > 10_000, counts
     assert counts["promotions"] > 10_000, counts
+    assert counts["handoffs"] > 500 and counts["rolled_back"] > 100, counts
 
 
 @pytest.mark.gpu

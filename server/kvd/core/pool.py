@@ -536,12 +536,20 @@ class Pool:
     # ------------------------------------------------------------------ engine operations
 
     def allocate(self, request_id: str, num_blocks: int,
-                 intent: dict[str, Any] | None = None) -> TransferPlan:
+                 intent: dict[str, Any] | None = None,
+                 indices: Sequence[int] | None = None) -> TransferPlan:
         """New blocks at the end of the request, each in a device page, with the intent the
-        engine already knows (a pin in it is refused, like any pin, if it would overcommit)."""
+        engine already knows (a pin in it is refused, like any pin, if it would overcommit).
+        `indices` (increasing, past the last block) places them with gaps, as a handoff
+        keeps the block indices of the pool it came from."""
         if num_blocks <= 0:
             raise InvalidArgument(f"num_blocks must be positive, got {num_blocks}")
         req = self._admitted(request_id)
+        if indices is None:
+            indices = range(len(req.blocks), len(req.blocks) + num_blocks)
+        elif (len(indices) != num_blocks or (indices and indices[0] < len(req.blocks))
+              or any(b <= a for a, b in zip(indices, indices[1:]))):
+            raise InvalidArgument("indices must be increasing and past the request's blocks")
         if intent:
             _validate_intent_fields(intent)
             if _pinned_after(Block(req, -1, TierKind.NONE, -1), intent):
@@ -563,8 +571,10 @@ class Pool:
         pages, demotions = self._make_room(num_blocks, req, "allocate")
         now = self.clock.now()
         plan = TransferPlan(self.name, "allocate", req, demotions=demotions)
-        for page in pages:
-            block = Block(req, len(req.blocks), TierKind.DEVICE, page, moving=True,
+        for page, index in zip(pages, indices):
+            while len(req.blocks) < index:
+                req.blocks.append(None)
+            block = Block(req, index, TierKind.DEVICE, page, moving=True,
                           last_access=now, request_priority=req.priority)
             req.num_moving_blocks += 1
             if intent:
@@ -925,6 +935,11 @@ class Pool:
         busy = [b for b in live if b.moving]
         if busy:
             raise BlocksInTransit(busy)
+        dropped = [b.index for b in live if b.tier is TierKind.NONE]
+        if dropped:
+            raise FailedPrecondition(
+                f"blocks {dropped[:8]} of request {request_id!r} were dropped for the engine "
+                "to recompute; access them (and recompute) before the handoff")
         for b in live:
             if b in self.policy:
                 self.policy.remove(b)
