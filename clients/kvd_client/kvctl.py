@@ -167,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", type=int, dest="limit_pages", help="pages; 0 for none")
     c.add_argument("--max-request-pages", type=int)
     c.add_argument("--max-request-fraction", type=float)
+    c.add_argument("--bandwidth-cap", type=float, dest="bandwidth_cap_bytes_per_s",
+                   help="bytes/s over each link; 0 for none")
+    c.add_argument("--request-bandwidth-cap", type=float,
+                   dest="request_bandwidth_cap_bytes_per_s", help="bytes/s; 0 for none")
+    c.add_argument("--read-budget", type=float, dest="read_budget_bytes_per_s",
+                   help="bytes/s of attention reads a request; 0 for none")
     c = sub.add_parser("set-policy", help="switch a pool's eviction policy")
     c.add_argument("policy")
     c.add_argument("--pool", default="")
@@ -226,12 +232,15 @@ def _run(args, client: Client, out: Console) -> int:
         e = client.explain(args.request_id)
         print(json.dumps(_json(e), indent=2)) if args.json else out.print(explain_table(e))
     elif cmd == "set-quota":
-        fields = {k: getattr(args, k) for k in ("weight", "guaranteed_pages", "limit_pages",
-                                                  "max_request_pages", "max_request_fraction")
-                  if getattr(args, k) is not None}
+        fields = {k: getattr(args, k) for k in (
+            "weight", "guaranteed_pages", "limit_pages", "max_request_pages",
+            "max_request_fraction", "bandwidth_cap_bytes_per_s",
+            "request_bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s")
+            if getattr(args, k) is not None}
         if not fields:
             print("kvctl: name at least one of --weight --guaranteed --limit "
-                  "--max-request-pages --max-request-fraction", file=sys.stderr)
+                  "--max-request-pages --max-request-fraction --bandwidth-cap "
+                  "--request-bandwidth-cap --read-budget", file=sys.stderr)
             return EXIT_USAGE
         out.print(tenants_table(client.set_quota(args.tenant, args.pool, **fields)))
     elif cmd == "set-policy":

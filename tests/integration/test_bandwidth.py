@@ -8,7 +8,9 @@ import asyncio
 import statistics
 import time
 
-from kvd_client import AsyncClient, pb
+import pytest
+
+from kvd_client import AsyncClient, InvalidArgumentError, pb
 from kvd_client.client import intent_update
 from kvd_loadgen.local import LocalKvd
 
@@ -157,3 +159,20 @@ async def test_read_budget_holds_promotions_of_a_request_over_it(tmp_path):
             assert tenant.bytes_read == (12 + 4) * 16 * 1024
             (info,) = [r for r in await c.list_requests() if r.request_id == "r"]
             assert info.bytes_read == (12 + 4) * 16 * 1024 and info.bytes_moved > 0
+
+
+async def test_bandwidth_quotas_change_at_run_time(tmp_path):
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=30) as c:
+            (info,) = await c.set_quota("hog", bandwidth_cap_bytes_per_s=2**20,
+                                        read_budget_bytes_per_s=4096)
+            assert info.bandwidth_cap_bytes_per_s == 2**20
+            assert info.read_budget_bytes_per_s == 4096
+            (link,) = await c.list_links()
+            caps = {t.tenant: t.cap_bytes_per_s for t in link.tenants}
+            assert caps["hog"] == 2**20 and caps["calm"] == 2 * 2**20
+            (info,) = await c.set_quota("calm", bandwidth_cap_bytes_per_s=0)  # no cap now
+            (link,) = await c.list_links()
+            assert "calm" not in {t.tenant for t in link.tenants if t.cap_bytes_per_s}
+            with pytest.raises(InvalidArgumentError, match="bandwidth_cap"):
+                await c.set_quota("hog", bandwidth_cap_bytes_per_s=-1)

@@ -709,7 +709,7 @@ class ListTenantsResponse(_message.Message):
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantInfo, _Mapping]]] = ...) -> None: ...
 
 class SetQuotaRequest(_message.Message):
-    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction")
+    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "bandwidth_cap_bytes_per_s", "request_bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -717,6 +717,9 @@ class SetQuotaRequest(_message.Message):
     LIMIT_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_BANDWIDTH_CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    READ_BUDGET_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     pool: str
     weight: float
@@ -724,7 +727,10 @@ class SetQuotaRequest(_message.Message):
     limit_pages: int
     max_request_pages: int
     max_request_fraction: float
-    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ...) -> None: ...
+    bandwidth_cap_bytes_per_s: float
+    request_bandwidth_cap_bytes_per_s: float
+    read_budget_bytes_per_s: float
+    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., request_bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class SetQuotaResponse(_message.Message):
     __slots__ = ("tenants",)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvd.core import errors
 from kvd.core.policies import policy_names
 from kvd.daemon import Daemon
 from kvd.service.auth import Authenticator
@@ -55,10 +56,17 @@ class AdminService(pb_grpc.AdminServicer):
         # Only the fields the caller set change; limit 0 means "no limit".
         fields = {"weight": "weight", "guaranteed_pages": "guaranteed",
                   "limit_pages": "limit", "max_request_pages": "max_request_pages",
-                  "max_request_fraction": "max_request_fraction"}
+                  "max_request_fraction": "max_request_fraction",
+                  "bandwidth_cap_bytes_per_s": "bandwidth_cap",
+                  "request_bandwidth_cap_bytes_per_s": "request_bandwidth_cap",
+                  "read_budget_bytes_per_s": "read_budget"}
         changes = {key: getattr(request, name) for name, key in fields.items()
                    if request.HasField(name)}
-        for key in ("limit", "max_request_pages", "max_request_fraction"):
+        for key in ("bandwidth_cap", "request_bandwidth_cap", "read_budget"):
+            if key in changes and changes[key] < 0:
+                raise errors.InvalidArgument(f"{key} must be >= 0 (0: no cap)")
+        for key in ("limit", "max_request_pages", "max_request_fraction", "bandwidth_cap",
+                    "request_bandwidth_cap", "read_budget"):
             if key in changes and not changes[key]:
                 changes[key] = None
         self.daemon.set_quota(request.tenant, request.pool, **changes)
