@@ -1,6 +1,6 @@
 """Typed Python client for kvd (async and sync), used by engines, kvctl and the load generator."""
 
-from kvd_client.client import AsyncClient, Client, StepStream, default_target
+from kvd_client.client import AsyncClient, Client, RetryPolicy, StepStream, default_target
 from kvd_client.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -14,10 +14,12 @@ from kvd_client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from kvd_client.session import EngineSession, Recovery
 from kvd_api.v1 import kvd_pb2 as pb
 
 __all__ = [
     "AbortedError", "AlreadyExistsError", "AsyncClient", "Client", "DeadlineExceededError",
+    "EngineSession", "Recovery", "RetryPolicy",
     "FailedPreconditionError", "InvalidArgumentError", "KvdClientError", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "StepStream", "UnauthenticatedError",
     "UnavailableError", "default_target", "pb",

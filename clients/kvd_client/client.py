@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -70,6 +72,28 @@ class _Requests:
                                priority=priority, handoff_pool=handoff_pool)
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a client rides out kvd restarting: calls wait for the connection to come back
+    (gRPC's wait_for_ready) within their deadline, and a call that still fails UNAVAILABLE
+    (cut off by a shutdown) is tried again with exponential backoff.
+
+    A retried mutating call may have been applied before the connection broke; after a
+    restart that cannot matter (kvd starts empty: see EngineSession.recover), and on a live
+    kvd a retried Admit answers ALREADY_EXISTS rather than doing it twice."""
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    multiplier: float = 2.0
+
+    def backoffs(self):
+        delay = self.initial_backoff_s
+        for _ in range(self.max_attempts - 1):
+            yield delay
+            delay = min(self.max_backoff_s, delay * self.multiplier)
+
+
 class _Connection:
     """What both clients hold: the target, call metadata (token, lease), a channel, stubs."""
 
@@ -77,9 +101,11 @@ class _Connection:
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  token: str | None = None, lease: str | None = None,
-                 metadata: Sequence[tuple[str, str]] = ()) -> None:
+                 metadata: Sequence[tuple[str, str]] = (),
+                 retry: RetryPolicy | None = None) -> None:
         self.target = target or default_target()
         self.timeout_s = timeout_s
+        self.retry = retry
         self.metadata = _metadata(token, metadata, lease)
         self.channel = self._open_channel(self.target, options=_channel_options())
         self.memory = pb_grpc.MemoryStub(self.channel)
@@ -102,11 +128,23 @@ class AsyncClient(_Connection):
         await self.channel.close()
 
     async def _call(self, method, request, timeout_s: float | None = None):
-        try:
-            return await method(request, timeout=timeout_s or self.timeout_s,
-                                metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        if self.retry is None:
+            try:
+                return await method(request, timeout=timeout_s or self.timeout_s,
+                                    metadata=self.metadata)
+            except grpc.RpcError as err:
+                raise from_rpc_error(err) from None
+        backoffs = self.retry.backoffs()
+        while True:
+            try:
+                return await method(request, timeout=timeout_s or self.timeout_s,
+                                    metadata=self.metadata, wait_for_ready=True)
+            except grpc.RpcError as err:
+                delay = next(backoffs, None) if err.code() == grpc.StatusCode.UNAVAILABLE \
+                    else None
+                if delay is None:
+                    raise from_rpc_error(err) from None
+            await asyncio.sleep(delay)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         await self.channel.channel_ready()
@@ -348,10 +386,17 @@ class Client(_Connection):
         self.channel.close()
 
     def _call(self, method, request, timeout_s: float | None = None):
-        try:
-            return method(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        backoffs = self.retry.backoffs() if self.retry else iter(())
+        while True:
+            try:
+                return method(request, timeout=timeout_s or self.timeout_s,
+                              metadata=self.metadata, wait_for_ready=self.retry is not None)
+            except grpc.RpcError as err:
+                delay = next(backoffs, None) if err.code() == grpc.StatusCode.UNAVAILABLE \
+                    else None
+                if delay is None:
+                    raise from_rpc_error(err) from None
+            time.sleep(delay)
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout_s)

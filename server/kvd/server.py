@@ -26,6 +26,7 @@ from kvd.core.errors import KvdError
 from kvd.daemon import Daemon
 from kvd.metrics import serve_metrics
 from kvd.service.admin import AdminService
+from kvd.service.gate import CallGate
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
 from kvd.service.register import add_service
@@ -72,8 +73,10 @@ class Server:
         self.auth = Authenticator(self.config, self.daemon.leases)
         server = grpc.aio.server(options=GRPC_OPTIONS)
         services = kvd_pb2.DESCRIPTOR.services_by_name
-        add_service(server, MemoryService(self.daemon, self.auth), services["Memory"])
-        add_service(server, AdminService(self.daemon, self.auth, self.request_stop),
+        self.gate = CallGate(self.config.max_calls_per_client)
+        add_service(server, MemoryService(self.daemon, self.auth, self.gate),
+                    services["Memory"])
+        add_service(server, AdminService(self.daemon, self.auth, self.request_stop, self.gate),
                     services["Admin"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(

@@ -6,6 +6,7 @@ from kvd.core import errors
 from kvd.core.policies import policy_names
 from kvd.daemon import Daemon
 from kvd.service.auth import Authenticator
+from kvd.service.gate import CallGate
 from kvd.service.memory import link_stats
 from kvd.service.status import unary
 from kvd_api.v1 import kvd_pb2 as pb
@@ -13,9 +14,11 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, daemon: Daemon, auth: Authenticator, drain) -> None:
+    def __init__(self, daemon: Daemon, auth: Authenticator, drain,
+                 gate: CallGate | None = None) -> None:
         self.daemon = daemon
         self.auth = auth
+        self.gate = gate or CallGate(0)
         self._drain = drain
 
     def _admin(self, context) -> None:

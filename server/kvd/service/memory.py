@@ -17,6 +17,7 @@ from kvd.events import KINDS
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator
+from kvd.service.gate import CallGate
 from kvd.service.register import Malformed
 from kvd.service.status import status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
@@ -26,9 +27,11 @@ log = structlog.get_logger("kvd.service")
 
 
 class MemoryService(pb_grpc.MemoryServicer):
-    def __init__(self, daemon: Daemon, auth: Authenticator) -> None:
+    def __init__(self, daemon: Daemon, auth: Authenticator, gate: CallGate | None = None
+                 ) -> None:
         self.daemon = daemon
         self.auth = auth
+        self.gate = gate or CallGate(0)
 
     def _page_bytes(self, request_id: str) -> int:
         return self.daemon.runtime_of(request_id).pool.page_bytes

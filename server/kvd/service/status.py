@@ -11,6 +11,7 @@ import structlog
 
 from kvd.core import errors
 from kvd.metrics import observe_rpc
+from kvd.service.gate import client_key
 from kvd.service.register import Malformed
 
 log = structlog.get_logger("kvd.service")
@@ -43,6 +44,11 @@ def unary(method: Callable) -> Callable:
     async def handler(self, request, context):
         started = time.perf_counter()
         code = "OK"
+        gate = self.gate
+        key = None
+        if gate.limit:
+            key = client_key(context)
+            await gate.enter(key)
         try:
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
@@ -56,6 +62,8 @@ def unary(method: Callable) -> Callable:
             code = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}")
         finally:
+            if key is not None:
+                gate.leave(key)
             observe_rpc(name, code, time.perf_counter() - started)
 
     return handler
