@@ -248,6 +248,35 @@ def bench_victims(sizes=(10_000, 1_000_000), churn: int = 20_000) -> dict:
     return out
 
 
+async def bench_intent_updates(messages: int = 300, per_message: int = 256) -> dict:
+    """Intent updates per second on one Step stream: each message re-prioritises
+    `per_message` resident blocks (and sets their deadlines), pipelined as an engine would."""
+    args = ("--page-bytes", "4096", "--device-pages", "4096", "--host-pages", "4096",
+            "--policy", "intent")
+    with LocalKvd(*args) as kvd:
+        async with AsyncClient(kvd.target) as client:
+            rids = [f"s{i}" for i in range(64)]
+            for rid in rids:
+                await client.admit(rid, 4 * 16)
+                await client.allocate(rid, 4)
+            targets = [(rid, b) for rid in rids for b in range(4)]
+            steps = []
+            for m in range(messages):
+                priority = pb.PRIORITY_HOT if m % 2 else pb.PRIORITY_WARM
+                steps.append(pb.StepRequest(intents=[
+                    pb.IntentUpdate(request_id=rid, block_index=b, intent=pb.MemoryIntent(
+                        priority=priority, deadline_us=1000 * (m + b)))
+                    for rid, b in targets[:per_message]]))
+            errors = []
+            async with client.step_stream() as stream:
+                started = time.perf_counter()
+                await stream.pipeline(steps, lambda req, reply: errors.extend(reply.errors))
+                elapsed = time.perf_counter() - started
+            assert not errors, errors[:3]
+    return {"intent_updates_per_s": messages * per_message / elapsed,
+            "intent_updates_per_message": per_message}
+
+
 def run_bench(args) -> int:
     from kvd_loadgen.cli import write_json
 
@@ -266,6 +295,8 @@ def run_bench(args) -> int:
             runs["kvd"].append(uvloop.run(bench_kvd(n_unary, n_stream, 64, 4)))
             runs["kvd_intent"].append(
                 uvloop.run(bench_kvd(n_unary // 5, n_stream, 64, 4, "intent")))
+    with console.status("intent updates on the Step stream"):
+        results["intent_updates"] = uvloop.run(bench_intent_updates())
     for side, samples in runs.items():
         results[side] = {key: statistics.median(x[key] for x in samples)
                          if isinstance(samples[0][key], float) else samples[0][key]
@@ -322,6 +353,8 @@ def run_bench(args) -> int:
         (f"kvd Step ({k['step_requests']} req x {k['step_blocks_per_request']} blocks, lru) "
          "p50 us", f"{k['step_p50_us']:.0f}"),
         ("kvd Step (same, intent policy) p50 us", f"{results['kvd_intent']['step_p50_us']:.0f}"),
+        ("intent updates/s on one Step stream (256 a message)",
+         f"{results['intent_updates']['intent_updates_per_s']:,.0f}"),
         ("kvd page copies GB/s (page runs)", f"{c['kvd_copy_gbps']:.2f}"),
         ("kvd page copies GB/s (scattered pages)", f"{c['kvd_copy_scattered_gbps']:.2f}"),
         ("numpy.copyto GB/s", f"{c['numpy_copyto_gbps']:.2f}"),
@@ -410,6 +443,8 @@ def results_markdown(results: dict) -> str:
               f"| empty ping-pong p50 µs | {b['empty_pingpong_p50_us']:.0f} |",
               f"| kvd Step, 64 requests x 4 blocks, p50 µs (lru / intent) | "
               f"{k['step_p50_us']:.0f} / {results['kvd_intent']['step_p50_us']:.0f} |",
+              f"| intent updates/s on one Step stream (256 a message, pipelined) | "
+              f"{results['intent_updates']['intent_updates_per_s']:,.0f} |",
               f"| page copies GB/s (runs / scattered) vs numpy.copyto | "
               f"{c['kvd_copy_gbps']:.2f} / {c['kvd_copy_scattered_gbps']:.2f} vs "
               f"{c['numpy_copyto_gbps']:.2f} |"]

@@ -451,4 +451,5 @@ def pool_stats(rt, daemon) -> pb.PoolStats:
         bytes_read=sum(pool.blocks_read_by_tenant.values()) * pool.page_bytes,
         handoff_reserved_pages=sum(r.reserved_pages for r in pool.requests.values()
                                    if r.state.value == "reserved"),
+        num_admitted=c.num_admitted,
     )
