@@ -279,8 +279,9 @@ def build_report(out: dict) -> ScenarioReport:
              f"{res['prefills_wasted']} wasted with reservation, "
              f"{m['unreserved']['prefills_wasted']} without")
     # A paced link moves at most cap x time + its burst (by default 5 ms of traffic, at
-    # least two 256 KiB chunks).
-    burst = max(s.link_mib_s * 2**20 / 200, 2 * 256 * 1024)
+    # least two chunks of 0.5 ms of traffic, 64 KiB to 4 MiB).
+    cap = s.link_mib_s * 2**20
+    burst = max(cap / 200, 2 * min(4 << 20, max(64 << 10, cap * 0.0005)))
     allowed = (s.link_mib_s * 2**20 * b["elapsed_s"] + burst) / b["elapsed_s"] / 2**20
     r.target("handoff throughput paced at the link cap (cap x time + burst)",
              b["mib_s"] <= allowed,

@@ -55,12 +55,13 @@ class PoolConfig:
     gpu: int = 0
     max_queue: int = 1024
     # The device<->host link: capacity ("auto": measured at start), burst (0: 5 ms of
-    # capacity, at least a chunk), the largest piece a transfer is copied in, how transfers
+    # capacity, at least two chunks), the largest piece a transfer is copied in ("auto": half
+    # a millisecond of capacity, 64 KiB to 4 MiB, at least a page), how transfers
     # share it ("fair": classes, weights, caps; "fifo": arrival order, no budgets), and how
     # long a transfer waits before it is served as if one class higher.
     link_bandwidth: int | str = "auto"
     link_burst: int | str = 0
-    link_chunk: int | str = "256KiB"
+    link_chunk: int | str = "auto"
     link_scheduling: str = "fair"
     link_aging_ms: float = 50.0
 
@@ -92,8 +93,8 @@ class PoolConfig:
             raise InvalidArgument(f"pool {self.name!r}: device_backend is auto, cupy or host")
         _check_link(f"pool {self.name!r}", self.link_bandwidth, self.link_burst,
                     self.link_scheduling, self.link_aging_ms)
-        if bytes_of(self.link_chunk) <= 0:
-            raise InvalidArgument(f"pool {self.name!r}: link_chunk must be positive")
+        if self.link_chunk != "auto" and bytes_of(self.link_chunk) <= 0:
+            raise InvalidArgument(f"pool {self.name!r}: link_chunk must be positive or 'auto'")
 
 
 def _check_link(where: str, bandwidth, burst, scheduling: str, aging_ms: float) -> None:
@@ -114,6 +115,7 @@ class LinkConfig:
     target: str
     bandwidth: int | str = "auto"
     burst: int | str = 0
+    chunk: int | str = "auto"
     scheduling: str = "fair"
     aging_ms: float = 50.0
 
@@ -126,6 +128,8 @@ class LinkConfig:
             raise InvalidArgument(f"link {self.source}->{self.target}: a link joins two pools")
         _check_link(f"link {self.source}->{self.target}", self.bandwidth, self.burst,
                     self.scheduling, self.aging_ms)
+        if self.chunk != "auto" and bytes_of(self.chunk) <= 0:
+            raise InvalidArgument(f"link {self.source}->{self.target}: chunk must be positive")
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

@@ -131,7 +131,7 @@ class Daemon:
         )
         pool.reserver = _DaemonReserver(self)
         arenas = make_arenas(pc)
-        chunk = max(int(bytes_of(pc.link_chunk)), pool.page_bytes)
+        chunk = max(self._chunk_bytes(pc.link_chunk, pc.link_bandwidth), pool.page_bytes)
         # A CUDA copy always goes through the stream in a worker; host copies of a few KiB
         # are faster on the event loop than handed to a thread and back.
         inline = -1 if arenas["device"].backend == "cupy" else self.config.inline_copy_bytes
@@ -153,6 +153,16 @@ class Daemon:
             link_scheduling=link.sched.scheduling,
         )
         return runtime
+
+    def _chunk_bytes(self, chunk, bandwidth) -> int:
+        """The piece transfers are copied in. auto: half a millisecond of the link's
+        capacity (64 KiB to 4 MiB): small enough that a decode-critical promotion waits
+        little behind a chunk in flight, large enough that the per-chunk cost (a hand-off to
+        a copy thread) stays small against the copy."""
+        if chunk != "auto":
+            return int(bytes_of(chunk))
+        capacity = self._measured_bandwidth() if bandwidth == "auto" else bytes_of(bandwidth)
+        return int(min(4 << 20, max(64 << 10, capacity * 0.0005)))
 
     def _measured_bandwidth(self) -> float:
         if self._measured_bps is None:
@@ -179,7 +189,7 @@ class Daemon:
 
     def _build_handoff_link(self, lc: LinkConfig) -> Link:
         src = self.runtime(lc.source)
-        chunk = src.chunk_pages * src.pool.page_bytes
+        chunk = max(self._chunk_bytes(lc.chunk, lc.bandwidth), src.pool.page_bytes)
         inline = -1 if any(rt.arenas["device"].backend == "cupy"
                            for rt in (src, self.runtime(lc.target))) else self.config.inline_copy_bytes
         return self._make_link(f"{lc.source}->{lc.target}", lc.bandwidth, lc.burst, chunk,
@@ -502,12 +512,7 @@ class Daemon:
                 else:
                     dst.pool.abort(plan)
                 dst._finish(plan)
-            src._finish_blocks(blocks)
-            src.pool.end_handoff(blocks)
-            dst.pool.release(request_id)
-            src.room_may_have_changed()
-            dst.room_may_have_changed()
-            self._kick_handoff_queues(dst.pool.name)
+            self._end_handoff(src, dst, request_id, blocks, release=dst.pool)
             self.handoff_counts["failed" if not isinstance(exc, TransferCancelled)
                                 else "rolled_back"] += 1
             log.info("handoff rolled back", request_id=request_id, source=src.pool.name,
@@ -519,22 +524,28 @@ class Daemon:
         if plan is not None:
             dst.pool.complete(plan)
             dst._finish(plan)
-        src._finish_blocks(blocks)
-        src.pool.end_handoff(blocks)
-        src.pool.release(request_id)
-        src.room_may_have_changed()
-        dst.room_may_have_changed()
+        self._end_handoff(src, dst, request_id, blocks, release=src.pool)
         self.request_index[request_id] = dst
         self.handoff_counts["completed"] += 1
         self.handoff_counts["bytes"] += len(blocks) * src.pool.page_bytes
         dst_req = dst.pool.requests[request_id]
         dst_req.bytes_moved += len(blocks) * src.pool.page_bytes
-        self._kick_handoff_queues(dst.pool.name)
         src.notify_queue()
         self.events.publish("handoff", pool=dst.pool.name, tenant=req.tenant,
                             request_id=request_id, count=len(blocks), reason="completed")
         progress.put_nowait(self._progress(dst_req, len(blocks), len(blocks),
                                            src.pool.page_bytes, finished=True))
+
+    def _end_handoff(self, src: PoolRuntime, dst: PoolRuntime, request_id: str,
+                     blocks: list[Block], release: Pool) -> None:
+        """The source blocks are free to move again; the request goes from `release` (the
+        target on a rollback, the source on commit); waiters for room in either may go."""
+        src._finish_blocks(blocks)
+        src.pool.end_handoff(blocks)
+        release.release(request_id)
+        src.room_may_have_changed()
+        dst.room_may_have_changed()
+        self._kick_handoff_queues(dst.pool.name)
 
     @staticmethod
     def _progress(req: Request, done: int, total: int, page_bytes: int,
@@ -544,15 +555,20 @@ class Daemon:
                 "bytes_total": total * page_bytes, "done": finished,
                 "blocks": req.live_blocks() if finished else None}
 
+    def _handoff_job(self, req: Request, chunks: list[list[tuple]], page_bytes: int) -> Job:
+        """A handoff's copies wait on the link as an access does, under the request's cap."""
+        return Job(TransferClass.ACCESS, req.tenant, req.request_id,
+                   [sum(run[4] for run in chunk) * page_bytes for chunk in chunks],
+                   self.clock.now(),
+                   caps=(req.transfer_cap,) if req.transfer_cap is not None else ())
+
     async def _copy_demotions(self, dst: PoolRuntime, plan: TransferPlan) -> None:
         runs = page_runs((m.src_tier, m.src_page, m.dst_tier, m.dst_page)
                          for m in plan.demotions if m.copies_bytes)
         if not runs:
             return
         chunks = chunk_runs(runs, dst.chunk_pages)
-        job = Job(TransferClass.ACCESS, plan.cause.tenant, plan.cause.request_id,
-                  [sum(r[4] for r in c) * dst.pool.page_bytes for c in chunks],
-                  self.clock.now())
+        job = self._handoff_job(plan.cause, chunks, dst.pool.page_bytes)
         transfer = Transfer(job, chunks, dst.copier.copy_runs,
                             asyncio.get_running_loop().create_future())
         dst.link.submit(transfer)
@@ -566,14 +582,13 @@ class Daemon:
         dst_device = dst.arenas["device"]
         pairs = [(block.tier, block.page, TierKind.DEVICE, new.page)
                  for block, new in zip(blocks, plan.allocated)]
-        chunks = chunk_runs(page_runs(pairs), src.chunk_pages) if pairs else []
+        chunk_pages = max(1, int(link.sched.quantum) // src.pool.page_bytes)
+        chunks = chunk_runs(page_runs(pairs), chunk_pages) if pairs else []
         if not chunks:
             return
         page_bytes = src.pool.page_bytes
         req = blocks[0].request
-        job = Job(TransferClass.ACCESS, req.tenant, req.request_id,
-                  [sum(r[4] for r in c) * page_bytes for c in chunks], self.clock.now(),
-                  caps=(req.transfer_cap,) if req.transfer_cap is not None else ())
+        job = self._handoff_job(req, chunks, page_bytes)
         total = len(blocks)
         dst_req = dst.pool.requests[req.request_id]
 

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from kvd.config import Config, PoolConfig
+from kvd.config import Config, LinkConfig, PoolConfig
 from kvd.core.errors import KvdError
 from kvd.core.pool import IntentChange
 from kvd.daemon import Daemon
@@ -31,7 +31,8 @@ async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
         PoolConfig(page_bytes=PAGE, block_tokens=16, device_pages=48, host_pages=160,
                    policy="lru", device_backend=backend, link_chunk=2 * PAGE),
         PoolConfig(name="decode", page_bytes=PAGE, block_tokens=16, device_pages=32,
-                   host_pages=96, policy="lru", device_backend=backend)))
+                   host_pages=96, policy="lru", device_backend=backend)),
+        links=(LinkConfig("default", "decode", chunk=2 * PAGE),))
     daemon = Daemon(config)
     engines = {name: MappedPool(pb.ExportPoolResponse(page_bytes=PAGE, tiers=[
         pb.TierExport(tier=tier, num_pages=rt.arenas[key].num_pages,

@@ -24,7 +24,6 @@ name = "prefill"
 model = "tiny"
 device_pages = 8
 host_pages = 32
-link_chunk = "16KiB"  # one page: handoff progress block by block
 
 [[pool]]
 name = "decode"
@@ -36,6 +35,7 @@ host_pages = 8
 source = "prefill"
 target = "decode"
 bandwidth = "{bandwidth}"
+chunk = "16KiB"  # one page: handoff progress block by block
 """
 
 

@@ -336,19 +336,13 @@ class LinkScheduler:
         size = job.chunk_bytes
         if self.scheduling == "fair":
             self._deficit[job.cls][job.tenant] -= size
-            cap = self._caps.get(job.tenant)
-            if cap is not None:
-                cap.consume(size, now)
-            for bucket in job.caps:
-                bucket.consume(size, now)
-        self.pacer.consume(size, now)
+        self._charge(job, size, now)
         if job.started_at is None:
             job.started_at = now
         self._last_served[job.cls] = now
         job.next_chunk += 1
         job.bytes_done += size
         self.queued_bytes[job.cls] -= size
-        self.meter.add(job.tenant, job.cls, size, now)
         if job.done:
             self._dequeue(job)
             self.meter.jobs_total += 1
@@ -367,18 +361,22 @@ class LinkScheduler:
     def take_now(self, job: Job, now: float) -> None:
         """Charge a whole job that never queued (can_start_now said yes) to the link."""
         for size in job.chunks:
-            if self.scheduling == "fair":
-                cap = self._caps.get(job.tenant)
-                if cap is not None:
-                    cap.consume(size, now)
-                for bucket in job.caps:
-                    bucket.consume(size, now)
-            self.pacer.consume(size, now)
-            self.meter.add(job.tenant, job.cls, size, now)
+            self._charge(job, size, now)
         job.started_at = now
         job.bytes_done = job.bytes_total
         job.next_chunk = len(job.chunks)
         self.meter.jobs_total += 1
+
+    def _charge(self, job: Job, size: int, now: float) -> None:
+        """A chunk of `size` bytes of job starts now: the pacer, the caps and the meter."""
+        if self.scheduling == "fair":
+            cap = self._caps.get(job.tenant)
+            if cap is not None:
+                cap.consume(size, now)
+            for bucket in job.caps:
+                bucket.consume(size, now)
+        self.pacer.consume(size, now)
+        self.meter.add(job.tenant, job.cls, size, now)
 
     def queue_depths(self) -> dict[str, tuple[int, int]]:
         """Jobs and bytes waiting, by class name."""
