@@ -209,11 +209,17 @@ class AsyncClient(_Connection):
     async def wait_admission(self, request_id: str, timeout_s: float | None = None):
         """Yield AdmissionUpdates until the request is admitted. Stopping early (break, or
         cancelling the task) withdraws a still-queued request from the queue."""
-        call = self.memory.WaitAdmission(pb.WaitAdmissionRequest(request_id=request_id),
-                                         timeout=timeout_s, metadata=self.metadata)
+        async for update in self._stream(self.memory.WaitAdmission,
+                                         pb.WaitAdmissionRequest(request_id=request_id),
+                                         timeout_s):
+            yield update
+
+    async def _stream(self, method, request, timeout_s: float | None):
+        """A server stream's messages; closing the generator cancels the call."""
+        call = method(request, timeout=timeout_s, metadata=self.metadata)
         try:
-            async for update in call:
-                yield update
+            async for message in call:
+                yield message
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
@@ -223,16 +229,10 @@ class AsyncClient(_Connection):
                       timeout_s: float | None = None):
         """Yield HandoffProgress messages until the last (done, with the target pool's page
         handles). Stopping early (break, or cancelling the task) rolls the handoff back."""
-        call = self.memory.Handoff(pb.HandoffRequest(request_id=request_id,
-                                                     target_pool=target_pool),
-                                   timeout=timeout_s, metadata=self.metadata)
-        try:
-            async for progress in call:
-                yield progress
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        finally:
-            call.cancel()
+        async for progress in self._stream(
+                self.memory.Handoff,
+                pb.HandoffRequest(request_id=request_id, target_pool=target_pool), timeout_s):
+            yield progress
 
     async def handoff_all(self, request_id: str, target_pool: str = "",
                           timeout_s: float | None = None) -> pb.HandoffProgress:
