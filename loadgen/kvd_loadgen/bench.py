@@ -234,15 +234,15 @@ def bench_victims(sizes=(10_000, 1_000_000), churn: int = 20_000) -> dict:
             spare = iter(blocks[size:])
             best = float("inf")
             clock_ = time.perf_counter
-            for _ in range(3):  # the fastest of three passes: timing noise only adds
+            for _ in range(5):  # the fastest of five passes: timing noise only adds
                 spent = 0.0
-                for _ in range(churn // 3):
+                for _ in range(churn // 5):
                     t0 = clock_()
                     (victim,) = policy.choose(1)  # victim selection: what is timed
                     spent += clock_() - t0
                     policy.remove(victim)  # the pool's bookkeeping after it, untimed
                     policy.insert(next(spare))
-                best = min(best, spent / (churn // 3) * 1e6)
+                best = min(best, spent / (churn // 5) * 1e6)
             out[f"{name}@{size}"] = best
             del blocks, policy
     return out

@@ -143,17 +143,38 @@ def test_regret_protects_blocks_wanted_back_soon():
     assert policy.choose(1) == [regretted]
 
 
-def test_heap_policies_stay_compact_under_many_touches():
-    policy = make_policy("intent", FakeClock())
+@pytest.mark.parametrize("name", ["intent", "deadline"])
+def test_classed_policies_stay_compact_under_reads_and_reorders(name):
+    policy = make_policy(name, FakeClock())
     blocks = _blocks(100)
     for b in blocks:
         policy.insert(b)
     for t in range(100):
         for b in blocks:
             b.last_access = float(t)
-            policy.touch(b)
-    assert len(policy._heap) <= 2 * len(blocks) + 64 + 1
-    assert policy.choose(1) == [blocks[0]]
+            b.priority = Priority.HOT if t % 2 else Priority.COLD
+            b.deadline_at = float(t % 7)
+            policy.reorder(b)
+        assert policy.choose(1) == [blocks[0]]
+    assert len(policy._keys) <= 2 * len(policy._classes) + 64 + 1
+    assert sum(map(len, policy._classes.values())) == len(blocks)
+
+
+@pytest.mark.parametrize("name", ["intent", "deadline"])
+def test_classed_policies_evict_least_recently_read_first_within_a_class(name):
+    policy = make_policy(name, FakeClock())
+    blocks = _blocks(6)
+    for b in blocks:
+        policy.insert(b)
+    blocks[0].last_access = 1.0  # read after the others were queued (not touched: lazy)
+    blocks[2].last_access = 2.0
+    assert policy.choose(1) == [blocks[1]]
+    assert policy.choose(6) == [blocks[1], blocks[3], blocks[4], blocks[5], blocks[0],
+                                blocks[2]]
+    policy.remove(blocks[1])
+    blocks[3].last_access = 3.0
+    assert policy.choose(2) == [blocks[4], blocks[5]]
+    assert policy.choose(1) == [blocks[4]]
 
 
 def test_fair_takes_from_the_tenant_most_over_its_share_and_its_largest_request():

@@ -5,21 +5,27 @@ from __future__ import annotations
 import math
 
 from kvd.core.blocks import Block
+from kvd.core.policies.classed import ClassedPolicy, log_bucket
 from kvd.core.policies.intent import intent_rank
-from kvd.core.policies.scored import ScoredPolicy
+
+# Deadlines are ordered to the millisecond: an engine steps every 10-50 ms, so blocks due
+# within the same millisecond are due at the same step, and the finer order is left to the
+# tie-breakers (and to recency). It keeps the number of classes to the deadlines' span in ms.
+DEADLINE_RESOLUTION_S = 1e-3
 
 
-class DeadlinePolicy(ScoredPolicy):
+class DeadlinePolicy(ClassedPolicy):
     """Orders by absolute deadline (furthest first; no deadline counts as never needed), then
-    by target decode step, slack (more slack goes first), intent rank, recompute cost, and
-    recency. Deadlines are absolute on kvd's clock, so scores do not drift as time passes."""
+    by target decode step, slack (more slack goes first, to a quarter-octave), intent rank,
+    recompute cost, and recency. Deadlines are absolute on kvd's clock, so classes do not drift
+    as time passes."""
 
     name = "deadline"
     uses_intent = True
 
-    def score(self, block: Block) -> tuple:
-        next_use = block.deadline_at if block.deadline_at is not None else math.inf
+    def klass(self, block: Block) -> tuple:
+        due = block.deadline_at
+        next_use = math.inf if due is None else math.floor(due / DEADLINE_RESOLUTION_S)
         target = block.target_decode_step if block.target_decode_step is not None else math.inf
-        slack = block.slack_us if block.slack_us is not None else 0
-        cost = block.recompute_cost_us if block.recompute_cost_us is not None else 0
-        return (-next_use, -target, -slack, intent_rank(block), cost, block.last_access)
+        return (-next_use, -target, -log_bucket(block.slack_us), intent_rank(block),
+                log_bucket(block.recompute_cost_us))

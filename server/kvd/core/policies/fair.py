@@ -2,16 +2,16 @@
 largest request pays first ("progressive taxation", seed 000); the page order inside a
 request comes from a base policy (reuse by default; lru, intent, deadline or regret).
 
-Guaranteed pages are never taken to serve another tenant. Victim selection is O(T + log n)
-per victim for T tenants: a heap of requests by evictable pages per tenant, and one base
-policy per request.
+Guaranteed pages are never taken to serve another tenant. Victim selection is O(T) per victim
+for T tenants and O(1) in resident pages: each tenant's requests sit in buckets by their
+evictable pages (sizes kept sorted, and there are few distinct sizes), and each request has
+its own base policy.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import Counter
-from itertools import count
+from bisect import bisect_left, insort
+from collections import Counter, OrderedDict
 from typing import Protocol
 
 from kvd.core.blocks import Block, Request
@@ -27,6 +27,46 @@ class Tenancy(Protocol):
     def fair_share(self, tenant: str) -> float: ...
 
     def guaranteed(self, tenant: str) -> int: ...
+
+
+class _RequestsBySize:
+    """One tenant's requests by how many evictable pages each has: a bucket per size (oldest
+    arrival first) and the sizes in use, sorted."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, OrderedDict[Request, None]] = {}
+        self.sizes: list[int] = []
+
+    def move(self, req: Request, old: int, new: int) -> None:
+        if old:
+            bucket = self.buckets[old]
+            del bucket[req]
+            if not bucket:
+                del self.buckets[old]
+                del self.sizes[bisect_left(self.sizes, old)]
+        if new:
+            bucket = self.buckets.get(new)
+            if bucket is None:
+                bucket = self.buckets[new] = OrderedDict()
+                insort(self.sizes, new)
+            bucket[req] = None
+
+    def largest(self, taken: Counter[Request]) -> tuple[Request, int]:
+        """The request with the most pages left after `taken`, and how many it can give
+        before another is larger."""
+        best, best_left, second_left = None, -1, 0
+        for size in reversed(self.sizes):
+            if size <= second_left:
+                break  # nothing smaller can beat the best two
+            for req in self.buckets[size]:
+                left = size - taken[req]
+                if left > best_left:
+                    best, best_left, second_left = req, left, max(best_left, 0)
+                else:
+                    second_left = max(second_left, left)
+                if size <= second_left:
+                    break
+        return best, max(1, best_left - second_left + 1)
 
 
 class FairPolicy(EvictionPolicy):
@@ -46,29 +86,9 @@ class FairPolicy(EvictionPolicy):
         self.eager_touch = base.eager_touch
         self.tracks_reuse = base.tracks_reuse
         self._by_request: dict[Request, EvictionPolicy] = {}
-        # Per tenant: a max-heap of (-evictable pages, seq, request), lazily invalidated.
-        self._heaps: dict[str, list] = {}
-        self._entry: dict[Request, int] = {}
+        self._by_size: dict[str, _RequestsBySize] = {}
         self._held_by_tenant: Counter[str] = Counter()
         self._num = 0
-        self._seq = count()
-        self._dirty: set[Request] = set()
-
-    def _reindex_dirty(self) -> None:
-        """Bring the per-tenant request heaps up to date with the requests changed since."""
-        for req in self._dirty:
-            sub = self._by_request.get(req)
-            if sub is None:
-                self._entry.pop(req, None)
-                continue
-            seq = next(self._seq)
-            self._entry[req] = seq
-            heap = self._heaps.setdefault(req.tenant, [])
-            heapq.heappush(heap, (-len(sub), seq, req))
-            if len(heap) > 2 * len(self._entry) + 64:
-                heap[:] = [e for e in heap if self._entry.get(e[2]) == e[1]]
-                heapq.heapify(heap)
-        self._dirty.clear()
 
     def insert(self, block: Block) -> None:
         req = block.request
@@ -76,19 +96,24 @@ class FairPolicy(EvictionPolicy):
         if sub is None:
             sub = self._by_request[req] = self.base(self.clock)
         sub.insert(block)
+        held = len(sub)
+        by_size = self._by_size.get(req.tenant)
+        if by_size is None:
+            by_size = self._by_size[req.tenant] = _RequestsBySize()
+        by_size.move(req, held - 1, held)
         self._held_by_tenant[req.tenant] += 1
         self._num += 1
-        self._dirty.add(req)
 
     def remove(self, block: Block) -> None:
         req = block.request
         sub = self._by_request[req]
         sub.remove(block)
+        held = len(sub)
+        self._by_size[req.tenant].move(req, held + 1, held)
         self._held_by_tenant[req.tenant] -= 1
         self._num -= 1
-        if not len(sub):
+        if not held:
             del self._by_request[req]
-        self._dirty.add(req)
 
     def touch(self, block: Block) -> None:
         self._by_request[block.request].touch(block)
@@ -130,7 +155,6 @@ class FairPolicy(EvictionPolicy):
     def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > self._num:
             return None
-        self._reindex_dirty()
         # First decide how many pages each request gives (usage falls as victims are taken,
         # so they spread), in batches that end where the order could change; then ask each
         # request's base policy once.
@@ -185,22 +209,4 @@ class FairPolicy(EvictionPolicy):
     def _largest_request(self, tenant: str, taken: Counter[Request]) -> tuple[Request, int]:
         """The tenant's request with the most evictable pages left after `taken`, and how many
         it can give before another is larger."""
-        heap = self._heaps[tenant]
-        popped = []
-        best, best_left, second_left = None, -1, 0
-        while heap:
-            neg, seq, req = heap[0]
-            if self._entry.get(req) != seq:
-                heapq.heappop(heap)  # stale
-                continue
-            if -neg <= second_left:
-                break  # nothing further down can beat the best two
-            popped.append(heapq.heappop(heap))
-            left = -neg - taken[req]
-            if left > best_left:
-                best, best_left, second_left = req, left, max(best_left, 0)
-            else:
-                second_left = max(second_left, left)
-        for entry in popped:
-            heapq.heappush(heap, entry)
-        return best, max(1, best_left - second_left + 1)
+        return self._by_size[tenant].largest(taken)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvd.core.blocks import Block, Phase, Priority
-from kvd.core.policies.scored import ScoredPolicy
+from kvd.core.policies.classed import ClassedPolicy, log_bucket
 
 # Smaller rank goes first. Finished blocks and speculative drafts not yet committed are the
 # cheapest to lose; then COLD, WARM, HOT.
@@ -29,13 +29,12 @@ def intent_rank(block: Block) -> int:
     return _PRIORITY_RANK[block.priority]
 
 
-class IntentPolicy(ScoredPolicy):
+class IntentPolicy(ClassedPolicy):
     """DONE and drafts, then COLD, WARM, HOT; lower request priority first; cheap-to-recompute
-    before expensive; least recently used last of all."""
+    before expensive (to a quarter of an octave); least recently read last of all."""
 
     name = "intent"
     uses_intent = True
 
-    def score(self, block: Block) -> tuple:
-        cost = block.recompute_cost_us if block.recompute_cost_us is not None else 0
-        return (intent_rank(block), block.request_priority, cost, block.last_access)
+    def klass(self, block: Block) -> tuple:
+        return (intent_rank(block), block.request_priority, log_bucket(block.recompute_cost_us))

@@ -6,14 +6,17 @@ from collections import OrderedDict
 
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
-from kvd.core.policies.scored import ScoredPolicy
+from kvd.core.policies.base import EvictionPolicy
 
 
-class RegretPolicy(ScoredPolicy):
-    """Score = last access + protection. A block promoted within `window_s` of its eviction
-    gains a level of protection (worth `window_s` of recency each, up to `max_level`); a block
-    evicted and not regretted loses one. Protection is a head start in recency, so it decays
-    on its own as other blocks are touched after it."""
+class RegretPolicy(EvictionPolicy):
+    """Evicts the smallest last access + protection. A block promoted within `window_s` of its
+    eviction gains a level of protection (worth `window_s` of recency each, up to `max_level`);
+    a block evicted and not regretted loses one. Protection is a head start in recency, so it
+    decays on its own as other blocks are read after it.
+
+    One LRU queue per level (blocks keep their level while held): the victim is the best of the
+    max_level + 1 queue fronts, so every operation is O(1) in resident blocks and exact."""
 
     name = "regret"
 
@@ -30,9 +33,51 @@ class RegretPolicy(ScoredPolicy):
         self._memory = memory
         self._evicted_at: OrderedDict[Block, float] = OrderedDict()
         self.num_regrets = 0
+        self._levels: list[OrderedDict[Block, None]] = [
+            OrderedDict() for _ in range(max_level + 1)]
+        self._level_of: dict[Block, int] = {}
 
-    def score(self, block: Block) -> tuple:
-        return (block.last_access + block.regret_level * self.window_s,)
+    def insert(self, block: Block) -> None:
+        level = min(block.regret_level, self.max_level)
+        self._levels[level][block] = None
+        self._level_of[block] = level
+
+    def remove(self, block: Block) -> None:
+        del self._levels[self._level_of.pop(block)][block]
+
+    def touch(self, block: Block) -> None:
+        self._levels[self._level_of[block]].move_to_end(block)
+
+    def touch_many(self, blocks) -> None:
+        level_of, levels = self._level_of, self._levels
+        for block in blocks:
+            level = level_of.get(block)  # None and pinned blocks are not held
+            if level is not None:
+                levels[level].move_to_end(block)
+
+    def reorder(self, block: Block) -> None:
+        pass  # learns from evictions and reads, not from intent
+
+    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+        if n > len(self._level_of):
+            return None
+        window = self.window_s
+        fronts = [iter(queue) for queue in self._levels]
+        heads: list[tuple[float, int, Block]] = []
+        for level, it in enumerate(fronts):
+            block = next(it, None)
+            if block is not None:
+                heads.append((block.last_access + level * window, level, block))
+        victims: list[Block] = []
+        while len(victims) < n:
+            best = min(heads)
+            victims.append(best[2])
+            level = best[1]
+            heads.remove(best)
+            block = next(fronts[level], None)
+            if block is not None:
+                heads.append((block.last_access + level * window, level, block))
+        return victims
 
     def on_evicted(self, block: Block) -> None:
         self._evicted_at[block] = self.clock.now()
@@ -49,3 +94,9 @@ class RegretPolicy(ScoredPolicy):
             block.regret_level = min(block.regret_level + 1, self.max_level)
         else:
             block.regret_level = max(block.regret_level - 1, 0)
+
+    def __len__(self) -> int:
+        return len(self._level_of)
+
+    def __contains__(self, block: Block) -> bool:
+        return block in self._level_of
