@@ -761,7 +761,7 @@ class Pool:
         while blocks:
             try:
                 plan = self._promote(None, blocks, (), "prefetch")
-            except ResourceExhausted:
+            except (ResourceExhausted, BlocksInTransit):  # fewer, or none until copies land
                 blocks = blocks[: len(blocks) // 2]
                 continue
             self.counters.num_prefetches += len(blocks)
