@@ -25,6 +25,14 @@ log = structlog.get_logger("kvd.runtime")
 _RETRY = object()  # a room waiter's own blocks are in transit: it waits for them, then retries
 
 
+def _call_soon(fn: Callable[[], None]) -> None:
+    """fn on the event loop's next turn; at once without a running loop."""
+    try:
+        asyncio.get_running_loop().call_soon(fn)
+    except RuntimeError:
+        fn()
+
+
 class PoolRuntime:
     """One pool, its arenas, and the transfers in flight."""
 
@@ -46,6 +54,9 @@ class PoolRuntime:
         self._room_waiters: list[tuple[int, int, Callable, asyncio.Future]] = []
         self._arrivals = itertools.count()
         self.on_plan_done: list[Callable[[TransferPlan, float], None]] = []
+        # read_all() answers a step's reads at once and has them recorded on the loop's next
+        # turn, after the reply has gone (and before any other operation on the pool).
+        pool.defer = _call_soon
 
     def notify_queue(self) -> None:
         """Wake WaitAdmission streams: positions may have moved or requests been admitted."""

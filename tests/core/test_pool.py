@@ -325,3 +325,30 @@ def test_explain_data_names_the_evictor_and_charges_it_the_stall(make_pool):
     assert pool.attribution.stall_s_by_cause[("m", "w")] == pytest.approx(0.5)
     pool.release("minnow")
     assert pool.attribution.account("minnow").stall_s == pytest.approx(0.5)  # kept after release
+
+
+@pytest.mark.parametrize("policy", ["lru", "intent", "regret"])
+def test_read_all_answers_at_once_and_records_the_reads_before_any_decision(make_pool, policy):
+    pool = make_pool(device_pages=4, host_pages=8, policy=policy)
+    deferred = []
+    pool.defer = deferred.append  # as the runtime does: the reads are recorded on a later turn
+    t0 = make_pool.clock.now()
+    for rid in ("old", "new"):
+        pool.admit(rid, tenant="t", prompt_tokens=32, output_tokens=0)
+        settle(pool, pool.allocate(rid, 2))
+        make_pool.clock.advance(1.0)
+    general, relocated = pool.read_all(["old", "gone"])
+    assert general == ["gone"] and relocated == []
+    assert deferred == [pool.apply_reads]  # one call scheduled, nothing recorded yet
+    assert pool.counters.num_accesses == 0
+    assert {b.last_access for b in pool.requests["old"].blocks} == {t0}
+    pool.read_all(["old"])
+    assert len(deferred) == 1  # already scheduled
+    # The next decision sees the reads: "old" was read last, so "new" pays for the room.
+    plan = pool.evict(2)
+    assert {m.block.request.request_id for m in plan.demotions} == {"new"}
+    assert pool.counters.num_accesses == 4
+    assert {b.last_access for b in pool.requests["old"].blocks} == {t0 + 2.0}
+    settle(pool, plan)
+    deferred[0]()  # the scheduled call finds nothing left to record
+    assert pool.counters.num_accesses == 4

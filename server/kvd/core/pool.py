@@ -8,9 +8,10 @@ does all it says or raises before changing anything.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,20 @@ _DEFAULT_QUOTA = TenantQuota()
 _NON_NEGATIVE_INTENT_FIELDS = frozenset(
     {"recompute_cost_us", "spill_cost_us", "expected_reuse_window_tokens"}
 )
+
+
+
+def _after_reads(method):
+    """The pool method first applies the reads read_all() left pending, so every decision sees
+    them (see read_all)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if self._unapplied_reads:
+            self.apply_reads()
+        return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass(slots=True)
@@ -154,6 +169,10 @@ class Pool:
         self.policy: EvictionPolicy = make_policy(policy, clock, self)
         # Set by the daemon: reserves pages in a request's handoff target pool.
         self.reserver: Reserver | None = None
+        # Reads read_all() has checked and answered but not yet recorded (time, requests),
+        # and how to have them applied soon (the runtime's event loop; None: at once).
+        self._unapplied_reads: list[tuple[float, list[Request]]] = []
+        self.defer: Callable[[Callable[[], None]], Any] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -218,6 +237,7 @@ class Pool:
 
     # ------------------------------------------------------------------ admission
 
+    @_after_reads
     def admit(
         self,
         request_id: str,
@@ -438,12 +458,14 @@ class Pool:
     def guaranteed(self, tenant: str) -> int:
         return self.quota(tenant).guaranteed
 
+    @_after_reads
     def set_quota(self, tenant: str, quota: TenantQuota) -> list[Request]:
         """Change a tenant's quota now; returns queued requests it let in."""
         self.quotas[tenant] = quota
         self._shares = None
         return self._admit_from_queue()
 
+    @_after_reads
     def refill_plan(self) -> TransferPlan | None:
         """Under a fair policy, demote pages of tenants above their fair share until the free
         reserve is whole again (None when it is, or nobody is over)."""
@@ -535,6 +557,7 @@ class Pool:
 
     # ------------------------------------------------------------------ engine operations
 
+    @_after_reads
     def allocate(self, request_id: str, num_blocks: int,
                  intent: dict[str, Any] | None = None,
                  indices: Sequence[int] | None = None) -> TransferPlan:
@@ -593,6 +616,7 @@ class Pool:
         self._note_peak()
         return plan
 
+    @_after_reads
     def access(self, request_id: str, indices: Sequence[int] | None) -> AccessResult:
         """The engine reads these blocks now (None: all of them). Resident blocks are touched;
         the rest are promoted by the returned plan."""
@@ -644,15 +668,21 @@ class Pool:
 
     def read_all(self, request_ids: Iterable[str], tenant: str | None = None
                  ) -> tuple[list[str], list[Request]]:
-        """The engine step's hot path: every block of each request is read now. Requests that
-        are resident and still are touched here in one pass; the rest are returned for the
-        general path (access), as are requests whose blocks moved since the engine was told,
-        and requests of other tenants than `tenant` (None: any), where they get their error."""
+        """The engine step's hot path: every block of each request is read now. Requests whose
+        blocks are all resident are answered here from a few per-request counters; the rest
+        are returned for the general path (access), as are requests whose blocks moved since
+        the engine was told, and requests of other tenants than `tenant` (None: any), where
+        they get their error.
+
+        Recording the reads (recency for the policy, read metering, counters) is per block and
+        nothing in the reply depends on it, so it is left to apply_reads(): soon, through
+        `defer` (the runtime runs it once the reply is on its way), and in any case before
+        any other pool method, so every decision sees the reads in the order they came."""
         requests = self.requests
         admitted = RequestState.ADMITTED
-        now = self.clock.now()
         general: list[str] = []
         relocated: list[Request] = []
+        read: list[Request] = []
         for rid in request_ids:
             req = requests.get(rid)
             if (req is None or req.state is not admitted or req.num_moving_blocks
@@ -660,10 +690,26 @@ class Pool:
                     or (tenant is not None and req.tenant != tenant)):
                 general.append(rid)
                 continue
-            self._touch_all_resident(req, now)
+            read.append(req)
             if req.maybe_relocated:
                 relocated.append(req)
+        if read:
+            pending = self._unapplied_reads
+            pending.append((self.clock.now(), read))
+            if self.defer is None:
+                self.apply_reads()
+            elif len(pending) == 1:
+                self.defer(self.apply_reads)
         return general, relocated
+
+    def apply_reads(self) -> None:
+        """Record the reads read_all() answered (a no-op when there are none)."""
+        pending, self._unapplied_reads = self._unapplied_reads, []
+        admitted = RequestState.ADMITTED
+        for now, read in pending:
+            for req in read:
+                if req.state is admitted:
+                    self._touch_all_resident(req, now)
 
     def _touch_all_resident(self, req: Request, now: float) -> None:
         """Every block of a request whose blocks are all resident was read at `now`."""
@@ -715,6 +761,7 @@ class Pool:
             )
         return plan
 
+    @_after_reads
     def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
         """Apply a batch of intent updates (all or none) and return a prefetch plan for blocks
         that asked for one or became pinned outside the device tier (None if nothing to do)."""
@@ -751,6 +798,7 @@ class Pool:
                     to_prefetch.append(block)
         return self.prefetch(to_prefetch)
 
+    @_after_reads
     def prefetch(self, blocks: list[Block]) -> TransferPlan | None:
         """Promote what fits of `blocks` ahead of their access; a hint, so no room is no error."""
         blocks = [b for b in blocks if b.tier is not TierKind.DEVICE and not b.moving]
@@ -768,6 +816,7 @@ class Pool:
             return plan
         return None
 
+    @_after_reads
     def free(self, request_id: str, indices: Sequence[int]) -> int:
         """Give back some blocks of a request; their indices stay unused."""
         req = self._admitted(request_id)
@@ -779,6 +828,7 @@ class Pool:
             self._discard(b)
         return len(blocks)
 
+    @_after_reads
     def release(self, request_id: str) -> tuple[int, list[Request]]:
         """Give back a whole request (queued or admitted). Returns the number of blocks freed
         and the queued requests admitted because of it."""
@@ -826,6 +876,7 @@ class Pool:
             f"{', '.join(f'{t}: {n}' for t, n in self.pinned_by_tenant.most_common(5))})"
         )
 
+    @_after_reads
     def note_late(self, blocks: Iterable[Block]) -> None:
         """An access had to wait for these blocks' promotion (already under way): misses."""
         for b in blocks:
@@ -841,6 +892,7 @@ class Pool:
             self.num_pinned += delta
             self.pinned_by_tenant[block.request.tenant] += delta
 
+    @_after_reads
     def evict(self, num_pages: int) -> TransferPlan:
         """Demote num_pages victims now (the engine asked for room): all or none."""
         if num_pages <= 0:
@@ -851,6 +903,7 @@ class Pool:
             self.name, "evict", None, demotions=self._evict(num_pages, None, "evict", False)
         )
 
+    @_after_reads
     def set_policy(self, name: str) -> str:
         """Switch the eviction policy at run time; the evictable blocks carry over."""
         new = make_policy(name, self.clock, self)
@@ -889,6 +942,7 @@ class Pool:
                             f"{self.capacity_pages} are unreserved")
         return "ok", ""
 
+    @_after_reads
     def reserve(self, request_id: str, tenant: str, *, prompt_tokens: int, output_tokens: int,
                 priority: int, ttl_s: float) -> Request:
         """Hold the pages a request handed off from another pool will need (prompt plus
@@ -911,6 +965,7 @@ class Pool:
         self._shares = None
         return req
 
+    @_after_reads
     def claim(self, request_id: str) -> Request:
         """A reservation becomes an admitted request (its handoff is starting)."""
         req = self.get_request(request_id)
@@ -927,6 +982,7 @@ class Pool:
         return [r.request_id for r in self.requests.values()
                 if r.state is RequestState.RESERVED and r.expires_at <= now]
 
+    @_after_reads
     def begin_handoff(self, request_id: str) -> list[Block]:
         """Hold a request's blocks still while they are copied to another pool: none may be
         evicted, freed or moved until end_handoff."""
@@ -947,6 +1003,7 @@ class Pool:
             req.num_moving_blocks += 1
         return live
 
+    @_after_reads
     def end_handoff(self, blocks: list[Block]) -> None:
         """The copy is over (done or abandoned): the blocks are as they were."""
         for b in blocks:
@@ -957,6 +1014,7 @@ class Pool:
 
     # ------------------------------------------------------------------ transfers
 
+    @_after_reads
     def complete(self, plan: TransferPlan) -> list[Block]:
         """The plan's bytes are copied: make the page table say so. Returns blocks pinned while
         they were being demoted, which now want a prefetch."""
@@ -1006,6 +1064,7 @@ class Pool:
         self._note_peak()
         return [m.block for m in plan.demotions if m.block.pinned]
 
+    @_after_reads
     def abort(self, plan: TransferPlan) -> None:
         """The copy failed or was cancelled: put everything back as it was before the plan."""
         victim_pages = {m.src_page for m in plan.demotions}
