@@ -626,7 +626,7 @@ class Pool:
         if (indices is None and req.num_moving_blocks == 0
                 and req.num_device_blocks == req.num_live_blocks):
             # The hot path: attention reads a resident request.
-            self._touch_all_resident(req, self.clock.now())
+            self._touch_all_resident((req,), self.clock.now())
             return AccessResult(None, None, req)
         blocks = self._resolve(req, indices)
         busy = [b for b in blocks if b.moving]
@@ -707,29 +707,29 @@ class Pool:
         pending, self._unapplied_reads = self._unapplied_reads, []
         admitted = RequestState.ADMITTED
         for now, read in pending:
-            for req in read:
-                if req.state is admitted:
-                    self._touch_all_resident(req, now)
+            self._touch_all_resident([r for r in read if r.state is admitted], now)
 
-    def _touch_all_resident(self, req: Request, now: float) -> None:
-        """Every block of a request whose blocks are all resident was read at `now`."""
-        num_critical = 0
-        if self.policy.tracks_reuse:
+    def _touch_all_resident(self, reqs: list[Request], now: float) -> None:
+        """Every block of each request (all of them resident) was read at `now`: recency,
+        the policy's order, and read metering."""
+        tracks_reuse = self.policy.tracks_reuse
+        num_critical = num_blocks = 0
+        for req in reqs:
             for b in req.blocks:
                 if b is not None:
-                    b.reuse_s = now - b.last_access
+                    if tracks_reuse:
+                        b.reuse_s = now - b.last_access
                     b.last_access = now
-                    num_critical += b.decode_critical
-        else:
-            for b in req.blocks:
-                if b is not None:
-                    b.last_access = now
-                    num_critical += b.decode_critical
+                    if b.decode_critical:
+                        num_critical += 1
+            num_blocks += req.num_live_blocks
+            self._note_reads(req, req.num_live_blocks, now)
         if self.policy.eager_touch:
-            self.policy.touch_many(req.blocks)
+            touch_many = self.policy.touch_many
+            for req in reqs:
+                touch_many(req.blocks)
         self.counters.num_decode_critical_accesses += num_critical
-        self.counters.num_accesses += req.num_live_blocks
-        self._note_reads(req, req.num_live_blocks, now)
+        self.counters.num_accesses += num_blocks
 
     def _note_reads(self, req: Request, num_blocks: int, now: float) -> None:
         """Attention read num_blocks of the request: meter them (and spend its read budget)."""

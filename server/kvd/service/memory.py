@@ -271,24 +271,32 @@ class MemoryService(pb_grpc.MemoryServicer):
         A bad item is reported in `errors`; the rest of the step goes on."""
         daemon = self.daemon
         reply = pb.StepResponse(step_id=step.step_id)
+        # Only the sections the step has: most steps are just read_all, and each look at an
+        # empty repeated field costs a wrapper object on the hot path.
+        present = {field.number for field, _ in step.ListFields()}
+        general = None  # read_all's requests left for the general path, once it has run
+        if present <= _READS_ONLY:  # nothing comes before read_all: run it now
+            general = self._read_all(step.read_all, reply, scope) if present else ()
+            if not general:
+                return reply
         started = time.perf_counter()
         stalled = False
-        if step.intents:
+        if _INTENTS in present:
             try:
                 await daemon.update_intents([intent_change(u) for u in step.intents], scope)
             except errors.KvdError as exc:
                 _step_error(reply, "intents", 0, exc)
-        for i, item in enumerate(step.frees):
+        for i, item in enumerate(step.frees if _FREES in present else ()):
             try:
                 await daemon.free(item.request_id, list(item.block_indices), scope)
             except errors.KvdError as exc:
                 _step_error(reply, "frees", i, exc)
-        for i, item in enumerate(step.releases):
+        for i, item in enumerate(step.releases if _RELEASES in present else ()):
             try:
                 await daemon.release(item.request_id, scope)
             except errors.KvdError as exc:
                 _step_error(reply, "releases", i, exc)
-        for i, item in enumerate(step.allocations):
+        for i, item in enumerate(step.allocations if _ALLOCATIONS in present else ()):
             try:
                 blocks, stall_s = await daemon.allocate(item.request_id, item.num_blocks,
                                                         intent_fields(item.intent), scope)
@@ -298,21 +306,14 @@ class MemoryService(pb_grpc.MemoryServicer):
             except errors.KvdError as exc:
                 _step_error(reply, "allocations", i, exc)
         items: list = []  # (section, index, request_id, block indices or None)
-        if step.read_all:
-            read_all = list(step.read_all)
-            for rt in daemon.pools.values():
-                general, relocated = rt.pool.read_all(read_all, scope)
-                for req in relocated:
-                    _relocated(reply, AccessResult(None, None, req), rt.pool.page_bytes)
-                read_all = general
-                if not read_all:
-                    break
-            if read_all:
-                positions = {rid: i for i, rid in enumerate(step.read_all)}
-                items += [("read_all", positions[rid], rid, None) for rid in read_all]
+        if general is None:
+            general = self._read_all(step.read_all, reply, scope) if _READ_ALL in present else ()
+        if general:
+            positions = {rid: i for i, rid in enumerate(step.read_all)}
+            items += [("read_all", positions[rid], rid, None) for rid in general]
         items += [("accesses", i, item.request_id,
                    None if item.all_blocks else list(item.block_indices))
-                  for i, item in enumerate(step.accesses)]
+                  for i, item in enumerate(step.accesses if _ACCESSES in present else ())]
         pending = []
         where = daemon.request_index
         for section, i, rid, idx in items:
@@ -348,6 +349,25 @@ class MemoryService(pb_grpc.MemoryServicer):
         if stalled:
             reply.stall_us = int((time.perf_counter() - started) * 1e6)
         return reply
+
+    def _read_all(self, request_ids, reply: pb.StepResponse, scope: str | None) -> list[str]:
+        """Answer the requests every pool can read at once (reporting relocated blocks);
+        return those that need the general access path (or get an error there)."""
+        general = request_ids
+        for rt in self.daemon.pools.values():
+            general, relocated = rt.pool.read_all(general, scope)
+            for req in relocated:
+                _relocated(reply, AccessResult(None, None, req), rt.pool.page_bytes)
+            if not general:
+                break
+        return general
+
+
+_FIELDS = pb.StepRequest.DESCRIPTOR.fields_by_name
+_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES, _READ_ALL = (
+    _FIELDS[name].number
+    for name in ("intents", "frees", "releases", "allocations", "accesses", "read_all"))
+_READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
 
 
 def _relocated(reply: pb.StepResponse, result, page_bytes: int) -> None:

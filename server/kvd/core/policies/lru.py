@@ -32,8 +32,10 @@ class LruPolicy(EvictionPolicy):
         order = self._order
         move_to_end = order.move_to_end
         for block in blocks:
-            if block in order:  # None and pinned blocks are not held
+            try:
                 move_to_end(block)
+            except KeyError:  # None, and pinned blocks, are not held
+                pass
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
