@@ -7,6 +7,12 @@ from dataclasses import dataclass, field
 
 # The cause of an eviction the engine asked for itself (Evict), or of a prefetch's room.
 NO_REQUEST = ""
+# A request's account names at most this many other requests per counter (causes of its
+# stalls, evictions suffered, evictions caused); the rest are summed under OTHERS. Without a
+# bound, a long-lived request that evicts thousands of others holds a key for each, and the
+# accounts kept for Explain grow without limit in bytes though not in number.
+MAX_NAMED = 32
+OTHERS = ("", "(others)")
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,10 +82,10 @@ class Attribution:
         cause = (record.evictor_tenant, record.evictor_request)
         victim = self.active.get(record.victim_request)
         if victim is not None:
-            victim.evictions_suffered[cause] += 1
+            _count(victim.evictions_suffered, cause, 1)
         evictor = self.active.get(record.evictor_request)
         if evictor is not None:
-            evictor.evictions_caused[(record.victim_tenant, record.victim_request)] += 1
+            _count(evictor.evictions_caused, (record.victim_tenant, record.victim_request), 1)
 
     def stalled(self, request_id: str, causes: list[EvictionRecord | None], seconds: float
                 ) -> None:
@@ -94,5 +100,12 @@ class Attribution:
         for record in causes:
             key = ((record.evictor_tenant, record.evictor_request) if record is not None
                    else ("", "unknown"))
-            account.stall_s_by_cause[key] += share
+            _count(account.stall_s_by_cause, key, share)
             self.stall_s_by_cause[(account.tenant, key[0])] += share
+
+
+def _count(counter: Counter, key: tuple[str, str], amount: float) -> None:
+    """counter[key] += amount, under OTHERS once MAX_NAMED keys are taken."""
+    if key not in counter and len(counter) >= MAX_NAMED:
+        key = OTHERS
+    counter[key] += amount
