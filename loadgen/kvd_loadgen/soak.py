@@ -31,7 +31,7 @@ lease_ttl_s = 2
 name = "default"
 model = "tiny"
 block_tokens = 16
-device_pages = 2048
+device_pages = 1024
 host_pages = 8192
 policy = "{policy}"
 max_queue = 4096
@@ -59,47 +59,62 @@ def _rss_mib(pid: int) -> tuple[float, float]:
 
 
 async def _client(target: str, n: int, until: float, samples: list, errors: Counter) -> None:
+    """One engine's life: admit, allocate, step, release, over and over. Every 16th client
+    also vanishes now and then: it drops its connection with a request still held and comes
+    back as a new client, and kvd must release what it left once its lease expires."""
     rng = random.Random(n)
-    token = "a-token" if n % 3 else "b-token"
-    abandon = n % 16 == 0  # some clients vanish without releasing (leases clean up)
-    async with AsyncClient(target, token=token, timeout_s=30) as kvd:
-        i = 0
-        while time.monotonic() < until:
-            i += 1
-            rid = f"c{n}-{i}"
-            blocks = rng.randint(2, 48)
-            try:
+    abandons = n % 16 == 0
+    i = 0
+    while time.monotonic() < until:
+        async with AsyncClient(target, token="a-token" if n % 3 else "b-token",
+                               timeout_s=30) as kvd:
+            while time.monotonic() < until:
+                i += 1
+                if not await _one_request(kvd, f"c{n}-{i}", rng, samples, errors,
+                                          release=not (abandons and i % 5 == 0)):
+                    break  # gone without releasing: its lease must clean up
+                await asyncio.sleep(rng.random() * 0.01)
+
+
+async def _one_request(kvd: AsyncClient, rid: str, rng: random.Random, samples: list,
+                       errors: Counter, release: bool) -> bool:
+    """Admit, allocate, a few steps, release (unless not `release`); False if it was held."""
+    blocks = rng.randint(2, 48)
+    try:
+        t0 = time.monotonic()
+        reply = await kvd.admit(rid, blocks * 16, rng.randint(16, 256))
+        samples.append((time.monotonic(), time.monotonic() - t0))
+        if reply.decision == pb.DECISION_REJECTED:
+            return True
+        if reply.decision == pb.DECISION_QUEUED:
+            async for update in kvd.wait_admission(rid, timeout_s=30):
+                if update.decision == pb.DECISION_ADMITTED:
+                    break
+        await kvd.allocate(rid, blocks)
+        async with kvd.step_stream() as stream:
+            for step in range(rng.randint(5, 40)):
+                msg = pb.StepRequest(read_all=[rid])
+                if step % 16 == 15:
+                    msg.allocations.append(pb.AllocateRequest(request_id=rid, num_blocks=1))
+                if rng.random() < 0.1:
+                    msg.intents.append(pb.IntentUpdate(
+                        request_id=rid, block_index=0,
+                        intent=pb.MemoryIntent(priority=rng.choice([1, 2, 3]))))
                 t0 = time.monotonic()
-                reply = await kvd.admit(rid, blocks * 16, rng.randint(16, 256))
+                step_reply = await stream.send(msg)
                 samples.append((time.monotonic(), time.monotonic() - t0))
-                if reply.decision == pb.DECISION_REJECTED:
-                    continue
-                if reply.decision == pb.DECISION_QUEUED:
-                    async for update in kvd.wait_admission(rid, timeout_s=30):
-                        if update.decision == pb.DECISION_ADMITTED:
-                            break
-                await kvd.allocate(rid, blocks)
-                async with kvd.step_stream() as stream:
-                    for step in range(rng.randint(5, 40)):
-                        msg = pb.StepRequest(read_all=[rid])
-                        if step % 16 == 15:
-                            msg.allocations.append(pb.AllocateRequest(request_id=rid,
-                                                                      num_blocks=1))
-                        if rng.random() < 0.1:
-                            msg.intents.append(pb.IntentUpdate(
-                                request_id=rid, block_index=0,
-                                intent=pb.MemoryIntent(priority=rng.choice([1, 2, 3]))))
-                        t0 = time.monotonic()
-                        step_reply = await stream.send(msg)
-                        samples.append((time.monotonic(), time.monotonic() - t0))
-                        for e in step_reply.errors:
-                            errors[f"step:{e.code}"] += 1
-                if abandon and i % 5 == 0:
-                    continue  # leave it behind: its lease must release it
-                await kvd.release(rid)
-            except KvdClientError as exc:
-                errors[exc.code.name] += 1
-            await asyncio.sleep(rng.random() * 0.01)
+                for e in step_reply.errors:
+                    errors[f"step:{e.code}"] += 1
+        if not release:
+            return False
+        await kvd.release(rid)
+    except KvdClientError as exc:
+        errors[exc.code.name] += 1
+        try:  # as an engine would: give back what the failed request held
+            await kvd.release(rid)
+        except KvdClientError:
+            pass  # it was never admitted, or is gone already
+    return True
 
 
 async def run_soak(clients: int, duration_s: float, policy: str, interval_s: float) -> dict:
