@@ -172,6 +172,8 @@ class Pool:
         # Reads read_all() has checked and answered but not yet recorded (time, requests),
         # and how to have them applied soon (the runtime's event loop; None: at once).
         self._unapplied_reads: list[tuple[float, list[Request]]] = []
+        # Requests made by reserve() and not yet claimed (some may be gone: pruned lazily).
+        self._reservations: dict[str, Request] = {}
         self.defer: Callable[[Callable[[], None]], Any] | None = None
 
     # ------------------------------------------------------------------ queries
@@ -960,6 +962,7 @@ class Pool:
         req.account = self.attribution.open(request_id, tenant)
         self._budget(req, now)
         self.requests[request_id] = req
+        self._reservations[request_id] = req
         self.reserved_pages += projected
         self.reserved_by_tenant[tenant] += projected
         self._shares = None
@@ -975,12 +978,20 @@ class Pool:
         req.state = RequestState.ADMITTED
         req.admitted_at = self.clock.now()
         self.counters.num_admitted += 1
+        self._reservations.pop(request_id, None)
         return req
 
     def expired_reservations(self) -> list[str]:
+        """Reservations past their time, looking only at reservations (the expirer asks every
+        second; a scan of every request would cost O(requests) each time)."""
         now = self.clock.now()
-        return [r.request_id for r in self.requests.values()
-                if r.state is RequestState.RESERVED and r.expires_at <= now]
+        expired = []
+        for rid, req in list(self._reservations.items()):
+            if req.state is not RequestState.RESERVED or self.requests.get(rid) is not req:
+                del self._reservations[rid]  # claimed or released since
+            elif req.expires_at <= now:
+                expired.append(rid)
+        return expired
 
     @_after_reads
     def begin_handoff(self, request_id: str) -> list[Block]:
