@@ -143,12 +143,18 @@ def test_regret_protects_blocks_wanted_back_soon():
     assert policy.choose(1) == [regretted]
 
 
-@pytest.mark.parametrize("name", ["intent", "deadline"])
-def test_classed_policies_stay_compact_under_reads_and_reorders(name):
+def _holding(name: str, n: int):
+    """A new policy holding n fresh blocks of one request, and the blocks."""
     policy = make_policy(name, FakeClock())
-    blocks = _blocks(100)
+    blocks = _blocks(n)
     for b in blocks:
         policy.insert(b)
+    return policy, blocks
+
+
+@pytest.mark.parametrize("name", ["intent", "deadline"])
+def test_classed_policies_stay_compact_under_reads_and_reorders(name):
+    policy, blocks = _holding(name, 100)
     for t in range(100):
         for b in blocks:
             b.last_access = float(t)
@@ -162,10 +168,7 @@ def test_classed_policies_stay_compact_under_reads_and_reorders(name):
 
 @pytest.mark.parametrize("name", ["intent", "deadline"])
 def test_classed_policies_evict_least_recently_read_first_within_a_class(name):
-    policy = make_policy(name, FakeClock())
-    blocks = _blocks(6)
-    for b in blocks:
-        policy.insert(b)
+    policy, blocks = _holding(name, 6)
     blocks[0].last_access = 1.0  # read after the others were queued (not touched: lazy)
     blocks[2].last_access = 2.0
     assert policy.choose(1) == [blocks[1]]
