@@ -76,3 +76,29 @@ async def test_metrics_after_a_workload(tmp_path):
         check = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
                                capture_output=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_loop_histogram_exposes_what_prometheus_clients_histogram_would():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from kvd.metrics import LoopHistogram
+
+    buckets = (1e-4, 1e-3, 1e-2)
+    ours = CollectorRegistry()
+    loop_hist = LoopHistogram("h_seconds", "doc", ["method"], buckets)
+    ours.register(loop_hist)
+    theirs = CollectorRegistry()
+    reference = Histogram("h_seconds", "doc", ["method"], registry=theirs, buckets=buckets)
+    # Values on the bounds (le is "less or equal"), between them, and past the last.
+    for method, value in [("A", 1e-4), ("A", 5e-4), ("A", 1e-3), ("B", 0.5), ("A", 2e-5),
+                          ("B", 1e-2), ("A", 3.0)]:
+        loop_hist.observe((method,), value)
+        reference.labels(method).observe(value)
+
+    def samples(registry):
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in family.samples if not s.name.endswith("_created")}
+
+    assert samples(ours) == samples(theirs)
+    assert samples(ours)[("h_seconds_bucket", (("le", "0.001"), ("method", "A")))] == 4
