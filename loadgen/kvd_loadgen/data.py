@@ -1,10 +1,13 @@
-"""Where the shared traces are: $KVD_DATA_DIR, else `shared/data` beside the project."""
+"""Where the shared traces are: $KVD_DATA_DIR, else `shared/data` beside the project (the
+source), else the copy committed in `loadgen/data` (so a clone anywhere can run the tests;
+a test checks the copy still equals the source when both are there)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+COMMITTED_COPY = Path(__file__).resolve().parent.parent / "data"
 INTENT_PROFILES = ("balanced", "deadline_pressure", "rag_mixed_priority", "speculative_decode",
                    "long_context_extreme")
 
@@ -18,9 +21,8 @@ def data_dir() -> Path:
             candidate = parent / "shared" / "data"
             if candidate.is_dir():
                 return candidate
-            candidate = parent.parent / "shared" / "data"
-            if candidate.is_dir():
-                return candidate
+    if COMMITTED_COPY.is_dir():
+        return COMMITTED_COPY
     raise FileNotFoundError("cannot find shared/data; set KVD_DATA_DIR")
 
 
