@@ -203,34 +203,30 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REFUSED
 
 
+def _show(args, out: Console, reply, table) -> None:
+    """A reply (a message, or a list of them) as JSON with --json, else as its table."""
+    if args.json:
+        data = [_json(m) for m in reply] if isinstance(reply, list) else _json(reply)
+        print(json.dumps(data, indent=2))
+    else:
+        out.print(table(reply))
+
+
 def _run(args, client: Client, out: Console) -> int:
     cmd = args.command
     if cmd == "status":
-        stats = client.pool_stats()
-        print(json.dumps(_json(stats), indent=2)) if args.json else out.print(status_table(stats))
+        _show(args, out, client.pool_stats(), status_table)
     elif cmd == "tenants":
-        tenants = client.list_tenants()
-        if args.json:
-            print(json.dumps([_json(t) for t in tenants], indent=2))
-        else:
-            out.print(tenants_table(tenants))
+        _show(args, out, client.list_tenants(), tenants_table)
     elif cmd == "links":
-        links = client.list_links()
-        if args.json:
-            print(json.dumps([_json(x) for x in links], indent=2))
-        else:
-            out.print(links_table(links))
+        _show(args, out, client.list_links(), links_table)
     elif cmd == "requests":
-        reqs = client.list_requests(pool=args.pool, limit=args.limit)
-        if args.json:
-            print(json.dumps([_json(r) for r in reqs], indent=2))
-        else:
-            out.print(requests_table(reqs, "busiest requests (device pages)"))
+        _show(args, out, client.list_requests(pool=args.pool, limit=args.limit),
+              lambda reqs: requests_table(reqs, "busiest requests (device pages)"))
     elif cmd == "top":
         _top(client, out, args.interval_s, args.count)
     elif cmd == "explain":
-        e = client.explain(args.request_id)
-        print(json.dumps(_json(e), indent=2)) if args.json else out.print(explain_table(e))
+        _show(args, out, client.explain(args.request_id), explain_table)
     elif cmd == "set-quota":
         fields = {k: getattr(args, k) for k in (
             "weight", "guaranteed_pages", "limit_pages", "max_request_pages",
