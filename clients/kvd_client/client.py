@@ -94,6 +94,15 @@ class RetryPolicy:
             delay = min(self.max_backoff_s, delay * self.multiplier)
 
 
+def _retry_delay(err: grpc.RpcError, backoffs) -> float:
+    """How long to wait before trying a failed call again; raises the call's error when it
+    is not UNAVAILABLE or the retry policy's attempts are spent."""
+    delay = next(backoffs, None) if err.code() == grpc.StatusCode.UNAVAILABLE else None
+    if delay is None:
+        raise from_rpc_error(err) from None
+    return delay
+
+
 class _Connection:
     """What both clients hold: the target, call metadata (token, lease), a channel, stubs."""
 
@@ -140,10 +149,7 @@ class AsyncClient(_Connection):
                 return await method(request, timeout=timeout_s or self.timeout_s,
                                     metadata=self.metadata, wait_for_ready=True)
             except grpc.RpcError as err:
-                delay = next(backoffs, None) if err.code() == grpc.StatusCode.UNAVAILABLE \
-                    else None
-                if delay is None:
-                    raise from_rpc_error(err) from None
+                delay = _retry_delay(err, backoffs)
             await asyncio.sleep(delay)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
@@ -392,10 +398,7 @@ class Client(_Connection):
                 return method(request, timeout=timeout_s or self.timeout_s,
                               metadata=self.metadata, wait_for_ready=self.retry is not None)
             except grpc.RpcError as err:
-                delay = next(backoffs, None) if err.code() == grpc.StatusCode.UNAVAILABLE \
-                    else None
-                if delay is None:
-                    raise from_rpc_error(err) from None
+                delay = _retry_delay(err, backoffs)
             time.sleep(delay)
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:

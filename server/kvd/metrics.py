@@ -101,12 +101,9 @@ def _snapshot(daemon) -> dict:
                             pool.queued_by_tenant[t])
                         for t in (set(pool.quotas) | set(pool.reserved_by_tenant)
                                   | set(pool.queued_by_tenant) | set(pool.device_by_tenant))},
+            "reads": {t: n * pool.page_bytes for t, n in pool.blocks_read_by_tenant.items()},
+            "handoff_reserved": pool.handoff_reserved_pages(),
         })
-    for entry, (name, rt) in zip(pools, daemon.pools.items()):
-        pool = rt.pool
-        entry["reads"] = {t: n * pool.page_bytes for t, n in pool.blocks_read_by_tenant.items()}
-        entry["handoff_reserved"] = sum(r.reserved_pages for r in pool.requests.values()
-                                        if r.state.value == "reserved")
     now = daemon.clock.now()
     links = [link.stats(now) for link in daemon.links()]
     leases = daemon.leases

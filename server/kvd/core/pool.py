@@ -50,7 +50,6 @@ _NON_NEGATIVE_INTENT_FIELDS = frozenset(
 )
 
 
-
 def _after_reads(method):
     """The pool method first applies the reads read_all() left pending, so every decision sees
     them (see read_all)."""
@@ -981,17 +980,25 @@ class Pool:
         self._reservations.pop(request_id, None)
         return req
 
-    def expired_reservations(self) -> list[str]:
-        """Reservations past their time, looking only at reservations (the expirer asks every
-        second; a scan of every request would cost O(requests) each time)."""
-        now = self.clock.now()
-        expired = []
+    def _live_reservations(self) -> list[Request]:
+        """The requests reserve() made and nobody claimed or released yet (the rest are
+        pruned here: the expirer asks every second, and a scan of every request would cost
+        O(requests) each time)."""
+        live = []
         for rid, req in list(self._reservations.items()):
             if req.state is not RequestState.RESERVED or self.requests.get(rid) is not req:
-                del self._reservations[rid]  # claimed or released since
-            elif req.expires_at <= now:
-                expired.append(rid)
-        return expired
+                del self._reservations[rid]
+            else:
+                live.append(req)
+        return live
+
+    def expired_reservations(self) -> list[str]:
+        now = self.clock.now()
+        return [r.request_id for r in self._live_reservations() if r.expires_at <= now]
+
+    def handoff_reserved_pages(self) -> int:
+        """Pages held for requests not yet handed off to this pool."""
+        return sum(r.reserved_pages for r in self._live_reservations())
 
     @_after_reads
     def begin_handoff(self, request_id: str) -> list[Block]:

@@ -469,7 +469,6 @@ def pool_stats(rt, daemon) -> pb.PoolStats:
         num_misses=c.num_misses,
         links=[link_stats(link, daemon) for link in daemon.links_of(pool.name)],
         bytes_read=sum(pool.blocks_read_by_tenant.values()) * pool.page_bytes,
-        handoff_reserved_pages=sum(r.reserved_pages for r in pool.requests.values()
-                                   if r.state.value == "reserved"),
+        handoff_reserved_pages=pool.handoff_reserved_pages(),
         num_admitted=c.num_admitted,
     )

@@ -166,7 +166,7 @@ class FairPolicy(EvictionPolicy):
             if paying is None:
                 return None  # what is left is guaranteed to other tenants
             tenant, tenant_batch = paying
-            req, req_batch = self._largest_request(tenant, taken_by_request)
+            req, req_batch = self._by_size[tenant].largest(taken_by_request)
             k = max(1, min(left, tenant_batch, req_batch))
             taken_by_request[req] += k
             taken_by_tenant[tenant] += k
@@ -205,8 +205,3 @@ class FairPolicy(EvictionPolicy):
         if len(ranked) > 1:  # until it falls to the next tenant's ratio
             batch = min(batch, int(usage - ranked[1][0] * share) + 1)
         return tenant, max(1, batch)
-
-    def _largest_request(self, tenant: str, taken: Counter[Request]) -> tuple[Request, int]:
-        """The tenant's request with the most evictable pages left after `taken`, and how many
-        it can give before another is larger."""
-        return self._by_size[tenant].largest(taken)
