@@ -733,6 +733,7 @@ class Daemon:
         problems = []
         for rt in self.pools.values():
             await rt.quiesce()
+            rt.pool.apply_reads()
             problems.extend(check_pool(rt.pool))
         return problems
 

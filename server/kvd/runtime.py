@@ -25,10 +25,16 @@ log = structlog.get_logger("kvd.runtime")
 _RETRY = object()  # a room waiter's own blocks are in transit: it waits for them, then retries
 
 
-def _call_soon(fn: Callable[[], None]) -> None:
-    """fn on the event loop's next turn; at once without a running loop."""
+# How long a step's reads may wait to be recorded. Off the reply's path, and the steps that
+# come meanwhile (an engine reads the same batch every step) are recorded together, at the
+# cost of one; every other pool operation records them first, whenever it comes.
+RECORD_READS_AFTER_S = 0.01
+
+
+def _record_later(fn: Callable[[], None]) -> None:
+    """fn on the event loop RECORD_READS_AFTER_S from now; at once without a running loop."""
     try:
-        asyncio.get_running_loop().call_soon(fn)
+        asyncio.get_running_loop().call_later(RECORD_READS_AFTER_S, fn)
     except RuntimeError:
         fn()
 
@@ -54,9 +60,9 @@ class PoolRuntime:
         self._room_waiters: list[tuple[int, int, Callable, asyncio.Future]] = []
         self._arrivals = itertools.count()
         self.on_plan_done: list[Callable[[TransferPlan, float], None]] = []
-        # read_all() answers a step's reads at once and has them recorded on the loop's next
-        # turn, after the reply has gone (and before any other operation on the pool).
-        pool.defer = _call_soon
+        # read_all() answers a step's reads at once and has them recorded a little later,
+        # after the reply has gone (and before any other operation on the pool).
+        pool.defer = _record_later
 
     def notify_queue(self) -> None:
         """Wake WaitAdmission streams: positions may have moved or requests been admitted."""

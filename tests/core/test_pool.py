@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvd.core.blocks import Priority, TierKind
 from kvd.core.errors import (
@@ -15,7 +17,7 @@ from kvd.core.errors import (
 )
 from kvd.core.pool import IntentChange
 
-from .conftest import settle
+from .conftest import PoolFactory, settle
 
 
 def test_admission_admits_queues_and_rejects_by_capacity(make_pool):
@@ -352,3 +354,60 @@ def test_read_all_answers_at_once_and_records_the_reads_before_any_decision(make
     settle(pool, plan)
     deferred[0]()  # the scheduled call finds nothing left to record
     assert pool.counters.num_accesses == 4
+
+
+@pytest.mark.parametrize("policy", ["lru", "intent", "deadline", "regret", "reuse", "fair"])
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(0, 3), st.one_of(
+    st.sampled_from([[0, 1, 2], [3, 1], [4, 0, 4]]),  # batches read again and again
+    st.lists(st.integers(0, 4), max_size=6))), min_size=1, max_size=12))
+def test_reads_recorded_together_leave_what_one_by_one_would(policy, steps):
+    """Steps read faster than the runtime records them: recording them all at once leaves
+    the same recency, reuse distances, counters, metering and eviction order as recording
+    each step's reads as it came (a step repeating the last one is answered without checks
+    and recorded with it)."""
+    factory = PoolFactory()
+    pools = [factory(device_pages=32, host_pages=8, policy=policy) for _ in range(2)]
+    now_, later = pools
+    deferred = []
+    later.defer = deferred.append
+    rids = [f"r{i}" for i in range(5)]
+    for pool in pools:
+        for rid in rids:
+            pool.admit(rid, tenant="t", prompt_tokens=48, output_tokens=0)
+            settle(pool, pool.allocate(rid, 3))
+        crit = {"priority": int(Priority.DECODE_CRITICAL)}
+        settle(pool, pool.update_intents([IntentChange("r1", 0, crit)]))
+    for advance_ms, read in steps:
+        factory.clock.advance(advance_ms / 1000)
+        for pool in pools:
+            pool.read_all([rids[i] for i in read])
+    assert later.counters.num_accesses == 0  # nothing recorded until asked
+    assert now_.counters.num_accesses == 3 * sum(len(read) for _, read in steps)
+    later.apply_reads()
+
+    def state(pool):
+        blocks = [b for rid in rids for b in pool.requests[rid].blocks]
+        return ([(b.last_access, b.reuse_s) for b in blocks],
+                [pool.requests[rid].blocks_read for rid in rids],
+                dict(pool.blocks_read_by_tenant), pool.counters,
+                [(b.request.request_id, b.index) for b in pool.policy.choose(14)])
+    assert state(later) == state(now_)
+    assert len(deferred) == (1 if any(read for _, read in steps) else 0)
+
+
+def test_a_repeated_read_all_is_checked_again_once_anything_changed(make_pool):
+    pool = make_pool(device_pages=4, host_pages=8, policy="lru")
+    for rid in ("a", "b"):
+        pool.admit(rid, tenant="t", prompt_tokens=32, output_tokens=0)
+        settle(pool, pool.allocate(rid, 2))
+    assert pool.read_all(["a", "b"]) == ([], [])
+    assert pool.read_all(["a", "b"]) == ([], [])  # answered from the last answer
+    assert pool.read_all(["a", "b"], tenant="other") == (["a", "b"], [])  # not another scope
+    plan = pool.evict(2)  # the pool changed: "a" (read longest ago) leaves the device tier
+    assert pool.read_all(["a", "b"]) == (["a"], [])  # in transit: the general path
+    settle(pool, plan)
+    assert pool.read_all(["a", "b"]) == (["a"], [])  # on the host tier now
+    pool.release("b")
+    assert pool.read_all(["b"]) == (["b"], [])  # gone: the general path says so
+    assert pool.counters.num_accesses == 4 + 4 + 2 + 2  # each read answered at once counts

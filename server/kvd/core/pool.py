@@ -52,12 +52,14 @@ _NON_NEGATIVE_INTENT_FIELDS = frozenset(
 
 def _after_reads(method):
     """The pool method first applies the reads read_all() left pending, so every decision sees
-    them (see read_all)."""
+    them (see read_all). It may change what read_all() can answer at once: forget the last
+    answer."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if self._unapplied_reads:
             self.apply_reads()
+        self._last_read_all = None
         return method(self, *args, **kwargs)
 
     return wrapper
@@ -168,9 +170,13 @@ class Pool:
         self.policy: EvictionPolicy = make_policy(policy, clock, self)
         # Set by the daemon: reserves pages in a request's handoff target pool.
         self.reserver: Reserver | None = None
-        # Reads read_all() has checked and answered but not yet recorded (time, requests),
-        # and how to have them applied soon (the runtime's event loop; None: at once).
-        self._unapplied_reads: list[tuple[float, list[Request]]] = []
+        # Reads read_all() has checked and answered but not yet recorded, as [last time, the
+        # time before (None: read once), requests, times read], and how to have them applied
+        # soon (the runtime's event loop; None: at once).
+        self._unapplied_reads: list[list] = []
+        # read_all()'s last answer given wholly at once, (request ids, tenant, requests), while
+        # no other pool method has run since: the same step again needs no checks.
+        self._last_read_all: tuple[list[str], str | None, list[Request]] | None = None
         # Requests made by reserve() and not yet claimed (some may be gone: pruned lazily).
         self._reservations: dict[str, Request] = {}
         self.defer: Callable[[Callable[[], None]], Any] | None = None
@@ -627,7 +633,7 @@ class Pool:
         if (indices is None and req.num_moving_blocks == 0
                 and req.num_device_blocks == req.num_live_blocks):
             # The hot path: attention reads a resident request.
-            self._touch_all_resident((req,), self.clock.now())
+            self._record_reads(((req, self.clock.now(), None, 1),))
             return AccessResult(None, None, req)
         blocks = self._resolve(req, indices)
         busy = [b for b in blocks if b.moving]
@@ -677,14 +683,28 @@ class Pool:
 
         Recording the reads (recency for the policy, read metering, counters) is per block and
         nothing in the reply depends on it, so it is left to apply_reads(): soon, through
-        `defer` (the runtime runs it once the reply is on its way), and in any case before
-        any other pool method, so every decision sees the reads in the order they came."""
+        `defer` (the runtime runs it a little after the reply has gone, with the reads of
+        the steps that came meanwhile), and in any case before any other pool method, so
+        every decision sees the reads in the order they came."""
+        ids = list(request_ids)
+        last = self._last_read_all
+        if last is not None and last[0] == ids and last[1] == tenant:
+            # An engine reads its batch every step: nothing changed since the same read was
+            # answered (any change goes through a pool method, which forgets the answer).
+            now = self.clock.now()
+            pending = self._unapplied_reads
+            if pending and pending[-1][2] is last[2]:
+                entry = pending[-1]  # the reads of the same steps, recorded as one
+                entry[0], entry[1], entry[3] = now, entry[0], entry[3] + 1
+            else:
+                self._pend_reads(now, last[2])
+            return [], []
         requests = self.requests
         admitted = RequestState.ADMITTED
         general: list[str] = []
         relocated: list[Request] = []
         read: list[Request] = []
-        for rid in request_ids:
+        for rid in ids:
             req = requests.get(rid)
             if (req is None or req.state is not admitted or req.num_moving_blocks
                     or req.num_device_blocks != req.num_live_blocks
@@ -695,40 +715,76 @@ class Pool:
             if req.maybe_relocated:
                 relocated.append(req)
         if read:
-            pending = self._unapplied_reads
-            pending.append((self.clock.now(), read))
-            if self.defer is None:
-                self.apply_reads()
-            elif len(pending) == 1:
-                self.defer(self.apply_reads)
+            if not general and not relocated:
+                self._last_read_all = (ids, tenant, read)
+            self._pend_reads(self.clock.now(), read)
         return general, relocated
 
-    def apply_reads(self) -> None:
-        """Record the reads read_all() answered (a no-op when there are none)."""
-        pending, self._unapplied_reads = self._unapplied_reads, []
-        admitted = RequestState.ADMITTED
-        for now, read in pending:
-            self._touch_all_resident([r for r in read if r.state is admitted], now)
+    def _pend_reads(self, now: float, read: list[Request]) -> None:
+        pending = self._unapplied_reads
+        pending.append([now, None, read, 1])
+        if self.defer is None:
+            self.apply_reads()
+        elif len(pending) == 1:
+            self.defer(self.apply_reads)
 
-    def _touch_all_resident(self, reqs: list[Request], now: float) -> None:
-        """Every block of each request (all of them resident) was read at `now`: recency,
-        the policy's order, and read metering."""
+    def apply_reads(self) -> None:
+        """Record the reads read_all() answered (a no-op when there are none).
+
+        Steps that come faster than `defer` runs leave several reads pending, often of the
+        same requests (an engine reads its batch every step). Nothing happened to the pool in
+        between (every other method applies them first), so each request's blocks need only
+        their last read, and the one before it for the reuse distance; the counts add up, and
+        the policy sees the requests in the order of their last reads, as recording the reads
+        one by one would leave them. Only a read budget is charged a step late: at the last
+        read rather than each (the refill of that moment is lost, never gained)."""
+        pending, self._unapplied_reads = self._unapplied_reads, []
+        if not pending:
+            return
+        admitted = RequestState.ADMITTED
+        if len(pending) == 1 and pending[0][3] == 1:
+            now, _, read, _ = pending[0]
+            self._record_reads([(r, now, None, 1) for r in read if r.state is admitted])
+            return
+        # request -> [request, last, the read before, count, the entry of the last]
+        latest: dict[Request, list] = {}
+        for i, (now, before, read, count) in enumerate(reversed(pending)):
+            for req in reversed(read):
+                entry = latest.get(req)
+                if entry is None:
+                    latest[req] = [req, now, before, count, i]
+                else:
+                    if entry[4] == i:  # named twice in one step: read twice at its time
+                        entry[2] = now
+                    elif entry[2] is None:
+                        entry[2] = now
+                    entry[3] += count
+        self._record_reads([e[:4] for e in reversed(latest.values())
+                            if e[0].state is admitted])
+
+    def _record_reads(self, reads) -> None:
+        """Every block of each request (all of them resident) was read `count` times, last at
+        `now` and before that at `before` (None: once): recency, the policy's order, and read
+        metering. `reads` is (request, now, before, count) in the order of the last reads."""
         tracks_reuse = self.policy.tracks_reuse
         num_critical = num_blocks = 0
-        for req in reqs:
+        for req, now, before, count in reads:
+            num_read = 0
             for b in req.blocks:
                 if b is not None:
                     if tracks_reuse:
-                        b.reuse_s = now - b.last_access
+                        b.reuse_s = now - (b.last_access if before is None else before)
                     b.last_access = now
                     if b.decode_critical:
-                        num_critical += 1
-            num_blocks += req.num_live_blocks
-            self._note_reads(req, req.num_live_blocks, now)
+                        num_read += 1
+            num_critical += num_read * count
+            num_read = req.num_live_blocks * count
+            num_blocks += num_read
+            self._note_reads(req, num_read, now)
         if self.policy.eager_touch:
             touch_many = self.policy.touch_many
-            for req in reqs:
-                touch_many(req.blocks)
+            for read in reads:
+                touch_many(read[0].blocks)
         self.counters.num_decode_critical_accesses += num_critical
         self.counters.num_accesses += num_blocks
 

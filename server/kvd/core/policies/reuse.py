@@ -34,10 +34,10 @@ class ReusePolicy(EvictionPolicy):
         self._seq = count()
 
     def _predict(self, req: Request, block: Block) -> None:
+        # A new seq even when the prediction is unchanged: among requests predicted alike, the
+        # one read longest ago goes first, whatever was predicted in between (so reads
+        # recorded together leave the order that recording them one by one would).
         next_read = block.last_access + block.reuse_s
-        current = self._key.get(req)
-        if current is not None and current[0] == next_read:
-            return
         seq = next(self._seq)
         self._key[req] = (next_read, seq)
         heapq.heappush(self._heap, (-next_read, seq, req))
