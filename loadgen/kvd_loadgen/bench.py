@@ -6,6 +6,7 @@ from __future__ import annotations
 import uvloop
 
 import asyncio
+import contextlib
 import os
 import platform
 import statistics
@@ -38,9 +39,9 @@ def machine() -> dict:
     }
 
 
-async def _rate(call, n: int) -> float:
-    """Calls per second of `call(i)` for i in range(n), CONCURRENCY in flight."""
-    queue = iter(range(n))
+async def _burst(call, indices) -> float:
+    """Seconds to make `call(i)` for every i of `indices`, CONCURRENCY in flight."""
+    queue = iter(indices)
 
     async def worker():
         for i in queue:
@@ -48,18 +49,7 @@ async def _rate(call, n: int) -> float:
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-    return n / (time.perf_counter() - started)
-
-
-async def _pingpong_p50(send, n: int, warmup: int = 50) -> tuple[float, float]:
-    samples = []
-    for i in range(n + warmup):
-        t0 = time.perf_counter()
-        await send(i)
-        if i >= warmup:
-            samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
+    return time.perf_counter() - started
 
 
 def _cpu_s(pid: int) -> float:
@@ -68,31 +58,65 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _measure(channel, pid: int, unary: dict[str, list[bytes]], step_payload: bytes,
-                   stream_path: str, n_stream: int) -> dict:
-    """Throughput of each unary method (pre-serialized payloads, so the client does the same
-    work for every server) and ping-pong latency on one stream; server CPU per call."""
-    out = {}
-    for path, payloads in unary.items():
-        call = channel.unary_unary(path)
-        cpu0 = _cpu_s(pid)
-        rate = await _rate(lambda i: call(payloads[i]), len(payloads))
-        name = path.rsplit("/", 1)[1].lower()
-        out[f"{name}_rps"] = rate
-        out[f"{name}_server_cpu_us"] = (_cpu_s(pid) - cpu0) / len(payloads) * 1e6
-    stream = channel.stream_stream(stream_path)()
+# Two servers and the load process share two cores, whose speed drifts by tens of percent
+# over seconds here. Each kvd figure is therefore measured paired with the empty server's:
+# both run at once, and the load alternates between them in short turns, so both sides see
+# the same machine. A turn's first calls may overlap the other server's leftover work (kvd
+# records reads just after it replies): they are timed as warm-up and left out.
+BURST = 400  # unary calls a turn
+TURN = 20  # ping-pongs a turn
 
-    async def ping(i):
-        await stream.write(step_payload)
+
+async def _paired_rates(sides: list[tuple[int, object]], n: int) -> list[dict]:
+    """Calls per second and server CPU per call of each side, `(pid, call)`, over n calls
+    each, made in alternating turns of BURST calls."""
+    spent = [0.0] * len(sides)
+    cpu = [0.0] * len(sides)
+    for start in range(0, n, BURST):
+        warm = range(n + start // BURST * CONCURRENCY, n + (start // BURST + 1) * CONCURRENCY)
+        for k, (pid, call) in enumerate(sides):
+            await _burst(call, warm)  # warm-up calls, untimed, numbered after the timed ones
+            cpu0 = _cpu_s(pid)
+            spent[k] += await _burst(call, range(start, min(n, start + BURST)))
+            cpu[k] += _cpu_s(pid) - cpu0
+    return [{"rps": n / t, "server_cpu_us": c / n * 1e6} for t, c in zip(spent, cpu)]
+
+
+def _num_warmups(n: int) -> int:
+    """How many warm-up calls _paired_rates makes to each side besides its n timed ones."""
+    return -(-n // BURST) * CONCURRENCY
+
+
+async def _paired_pingpong(sends: list, n: int) -> list[dict]:
+    """Round-trip p50 and p99 of each `send(i)` (one message in flight), n samples each,
+    taken in alternating turns of TURN messages."""
+    samples: list[list[float]] = [[] for _ in sends]
+    clock = time.perf_counter
+    while len(samples[-1]) < n:
+        for send, out in zip(sends, samples):
+            for j in range(TURN + 1):
+                t0 = clock()
+                await send(j)
+                if j:  # the first message of a turn is the warm-up
+                    out.append(clock() - t0)
+    result = []
+    for out in samples:
+        out.sort()
+        result.append({"p50_us": statistics.median(out) * 1e6,
+                       "p99_us": out[int(0.99 * (len(out) - 1))] * 1e6})
+    return result
+
+
+def _ping(stream, payload: bytes):
+    async def send(i):
+        await stream.write(payload)
         await stream.read()
-
-    p50, p99 = await _pingpong_p50(ping, n_stream)
-    await stream.done_writing()
-    out.update(pingpong_p50_us=p50 * 1e6, pingpong_p99_us=p99 * 1e6)
-    return out
+    return send
 
 
-async def bench_baseline(n_unary: int, n_stream: int) -> dict:
+@contextlib.asynccontextmanager
+async def _echo_server():
+    """The empty gRPC server in its own process: (pid, channel)."""
     with tempfile.TemporaryDirectory(prefix="kvd-echo-") as tmp:
         sock = Path(tmp) / "echo.sock"
         proc = subprocess.Popen([sys.executable, "-m", "kvd_loadgen.echo_server",
@@ -104,48 +128,74 @@ async def bench_baseline(n_unary: int, n_stream: int) -> dict:
                 await asyncio.sleep(0.05)
             async with grpc.aio.insecure_channel(f"unix://{sock}") as channel:
                 await channel.channel_ready()
-                warm = channel.unary_unary("/kvd.bench.Echo/Unary")
-                await _rate(lambda i: warm(b""), 200)
-                m = await _measure(channel, proc.pid, {"/kvd.bench.Echo/Unary": [b""] * n_unary},
-                                   b"x", "/kvd.bench.Echo/Stream", n_stream)
+                yield proc.pid, channel
         finally:
             proc.terminate()
             proc.wait()
-    return {"empty_unary_rps": m["unary_rps"], "empty_unary_server_cpu_us": m["unary_server_cpu_us"],
-            "empty_pingpong_p50_us": m["pingpong_p50_us"],
-            "empty_pingpong_p99_us": m["pingpong_p99_us"]}
 
 
-async def bench_kvd(n_unary: int, n_stream: int, step_requests: int, step_blocks: int,
-                    policy: str = "lru") -> dict:
-    args = ("--page-bytes", "4096", "--device-pages", "65536", "--host-pages", "65536",
-            "--policy", policy)
-    with LocalKvd(*args) as kvd:
-        async with AsyncClient(kvd.target) as client:
-            # A batch of running requests, each with step_blocks resident blocks; one Step
-            # message reads every block of every request, as attention does.
-            rids = [f"s{i}" for i in range(step_requests)]
-            for rid in rids:
-                await client.admit(rid, step_blocks * 16)
-                await client.allocate(rid, step_blocks)
-            unary = {
-                "/kvd.v1.Memory/Admit": [pb.AdmitRequest(request_id=f"r{i}", prompt_tokens=1)
-                                         .SerializeToString() for i in range(n_unary)],
-                "/kvd.v1.Memory/Allocate": [pb.AllocateRequest(request_id=f"r{i}", num_blocks=1)
-                                            .SerializeToString() for i in range(n_unary)],
-                "/kvd.v1.Memory/Access": [pb.AccessRequest(request_id=f"r{i}", block_indices=[0])
-                                          .SerializeToString() for i in range(n_unary)],
-            }
-            step = pb.StepRequest(step_id=1, read_all=rids).SerializeToString()
-            m = await _measure(client.channel, kvd.proc.pid, unary, step,
-                               "/kvd.v1.Memory/Step", n_stream)
-            stats = (await client.pool_stats()).pools[0]
-            assert stats.num_requests == step_requests + n_unary, "a call failed"
-            check = await client.self_check()
-            assert check.ok, check.problems
-    return {**m, "step_p50_us": m.pop("pingpong_p50_us"), "step_p99_us": m.pop("pingpong_p99_us"),
-            "step_requests": step_requests, "step_blocks_per_request": step_blocks,
-            "policy": policy}
+async def bench_pair(n_unary: int, n_stream: int, step_requests: int, step_blocks: int,
+                     policies=("lru", "intent")) -> dict:
+    """kvd's unary Admit / Allocate / Access and a Step of `step_requests` x `step_blocks`
+    resident blocks, each paired with the empty server's unary call and ping-pong."""
+    args = ("--page-bytes", "4096", "--device-pages", "65536", "--host-pages", "65536")
+    out: dict = {}
+    async with _echo_server() as (echo_pid, echo):
+        echo_unary = echo.unary_unary("/kvd.bench.Echo/Unary")
+        await _burst(lambda i: echo_unary(b""), range(200))
+        echo_stream = echo.stream_stream("/kvd.bench.Echo/Stream")()
+        echo_ping = _ping(echo_stream, b"x")
+        for policy in policies:
+            with LocalKvd(*args, "--policy", policy) as kvd:
+                async with AsyncClient(kvd.target) as client:
+                    # A batch of running requests, each with step_blocks resident blocks;
+                    # one Step message reads every block of every request, as attention does.
+                    rids = [f"s{i}" for i in range(step_requests)]
+                    for rid in rids:
+                        await client.admit(rid, step_blocks * 16)
+                        await client.allocate(rid, step_blocks)
+                    side: dict = {}
+                    if policy == policies[0]:
+                        await _unary_pairs(client, kvd.proc.pid, echo_pid, echo_unary,
+                                           n_unary, side)
+                    step = client.channel.stream_stream("/kvd.v1.Memory/Step")()
+                    payload = pb.StepRequest(step_id=1, read_all=rids).SerializeToString()
+                    e, k = await _paired_pingpong([echo_ping, _ping(step, payload)], n_stream)
+                    await step.done_writing()
+                    side.update(empty_pingpong_p50_us=e["p50_us"],
+                                empty_pingpong_p99_us=e["p99_us"],
+                                step_p50_us=k["p50_us"], step_p99_us=k["p99_us"])
+                    stats = (await client.pool_stats()).pools[0]
+                    expected = step_requests + (n_unary + _num_warmups(n_unary)
+                                                if policy == policies[0] else 0)
+                    assert stats.num_requests == expected, "a call failed"
+                    check = await client.self_check()
+                    assert check.ok, check.problems
+            out[policy] = side
+        await echo_stream.done_writing()
+    return out
+
+
+async def _unary_pairs(client, kvd_pid: int, echo_pid: int, echo_unary, n: int,
+                       side: dict) -> None:
+    """Admit, then Allocate, then Access, each paired with the empty unary call (requests
+    are pre-serialized, so the load process does the same work for both servers)."""
+    methods = {
+        "admit": ("Admit", lambda i: pb.AdmitRequest(request_id=f"r{i}", prompt_tokens=1)),
+        "allocate": ("Allocate", lambda i: pb.AllocateRequest(request_id=f"r{i}",
+                                                              num_blocks=1)),
+        "access": ("Access", lambda i: pb.AccessRequest(request_id=f"r{i}",
+                                                        block_indices=[0])),
+    }
+    for name, (method, make) in methods.items():
+        call = client.channel.unary_unary(f"/kvd.v1.Memory/{method}")
+        payloads = [make(i).SerializeToString() for i in range(n + _num_warmups(n))]
+        e, k = await _paired_rates([(echo_pid, lambda i: echo_unary(b"")),
+                                    (kvd_pid, lambda i: call(payloads[i]))], n)
+        side[f"empty_unary_rps_{name}"] = e["rps"]
+        side["empty_unary_server_cpu_us"] = e["server_cpu_us"]
+        side[f"{name}_rps"] = k["rps"]
+        side[f"{name}_server_cpu_us"] = k["server_cpu_us"]
 
 
 def bench_copies(page_bytes: int = 2 * 2**20, num_pages: int = 128, repeats: int = 5) -> dict:
@@ -283,29 +333,33 @@ def run_bench(args) -> int:
     quick = getattr(args, "quick", False)
     n_unary, n_stream = (1000, 300) if quick else (5000, 2000)
     results: dict = {"machine": machine(), "concurrency": CONCURRENCY}
-    # Two processes share two cores, so single runs vary by +-20%: alternate baseline and kvd
-    # rounds, and take the median over rounds of each round's kvd/baseline ratio (each round
-    # compares runs made seconds apart; the best of each side would compare outliers).
-    rounds = 1 if quick else 5
-    runs: dict[str, list[dict]] = {"baseline": [], "kvd": [], "kvd_intent": []}
+    # Each round starts fresh servers and pairs every kvd figure with the empty server's
+    # (see _paired_rates); the ratios are the median over rounds of each round's ratio.
+    rounds = 1 if quick else 3
+    runs: list[dict] = []
     for r in range(rounds):
-        with console.status(f"round {r + 1}/{rounds}: empty gRPC server"):
-            runs["baseline"].append(uvloop.run(bench_baseline(n_unary, n_stream)))
-        with console.status(f"round {r + 1}/{rounds}: kvd unary calls and the Step stream"):
-            runs["kvd"].append(uvloop.run(bench_kvd(n_unary, n_stream, 64, 4)))
-            runs["kvd_intent"].append(
-                uvloop.run(bench_kvd(n_unary // 5, n_stream, 64, 4, "intent")))
+        with console.status(f"round {r + 1}/{rounds}: unary calls and the Step stream, kvd "
+                            "and the empty server in turns"):
+            runs.append(uvloop.run(bench_pair(n_unary, n_stream, 64, 4)))
     with console.status("intent updates on the Step stream"):
         results["intent_updates"] = uvloop.run(bench_intent_updates())
-    for side, samples in runs.items():
-        results[side] = {key: statistics.median(x[key] for x in samples)
-                         if isinstance(samples[0][key], float) else samples[0][key]
-                         for key in samples[0]}
+
+    def median_of(policy: str) -> dict:
+        return {key: statistics.median(run[policy][key] for run in runs)
+                for key in runs[0][policy]}
+    results["kvd"], results["kvd_intent"] = median_of("lru"), median_of("intent")
+    k = results["kvd"]
+    results["baseline"] = {
+        "empty_unary_rps": statistics.median(k.pop(f"empty_unary_rps_{m}")
+                                             for m in ("admit", "allocate", "access")),
+        "empty_unary_server_cpu_us": k.pop("empty_unary_server_cpu_us"),
+        "empty_pingpong_p50_us": k.pop("empty_pingpong_p50_us"),
+        "empty_pingpong_p99_us": k.pop("empty_pingpong_p99_us")}
+    k.update(step_requests=64, step_blocks_per_request=4)
     results["rounds"] = rounds
 
-    def round_ratio(side: str, key: str, base_key: str) -> float:
-        return statistics.median(k[key] / b[base_key]
-                                 for k, b in zip(runs[side], runs["baseline"]))
+    def round_ratio(policy: str, key: str, base_key: str) -> float:
+        return statistics.median(run[policy][key] / run[policy][base_key] for run in runs)
     with console.status("tier copies"):
         results["copies"] = bench_copies(num_pages=32 if quick else 128)
     with console.status("victim selection"):
@@ -314,12 +368,13 @@ def run_bench(args) -> int:
             churn=6_000 if quick else 30_000)
     b, k, c, v = results["baseline"], results["kvd"], results["copies"], results["victims_us"]
     ratios = {
-        "admit_vs_empty_unary": round_ratio("kvd", "admit_rps", "empty_unary_rps"),
-        "allocate_vs_empty_unary": round_ratio("kvd", "allocate_rps", "empty_unary_rps"),
-        "access_vs_empty_unary": round_ratio("kvd", "access_rps", "empty_unary_rps"),
-        "step64_p50_vs_empty_pingpong": round_ratio("kvd", "step_p50_us",
+        "admit_vs_empty_unary": round_ratio("lru", "admit_rps", "empty_unary_rps_admit"),
+        "allocate_vs_empty_unary": round_ratio("lru", "allocate_rps",
+                                               "empty_unary_rps_allocate"),
+        "access_vs_empty_unary": round_ratio("lru", "access_rps", "empty_unary_rps_access"),
+        "step64_p50_vs_empty_pingpong": round_ratio("lru", "step_p50_us",
                                                     "empty_pingpong_p50_us"),
-        "step64_intent_p50_vs_empty_pingpong": round_ratio("kvd_intent", "step_p50_us",
+        "step64_intent_p50_vs_empty_pingpong": round_ratio("intent", "step_p50_us",
                                                            "empty_pingpong_p50_us"),
         "copy_vs_numpy_copyto": c["kvd_copy_gbps"] / c["numpy_copyto_gbps"],
         "scattered_copy_vs_numpy_copyto": c["kvd_copy_scattered_gbps"] / c["numpy_copyto_gbps"],
