@@ -21,41 +21,40 @@ class AdminService(pb_grpc.AdminServicer):
         self.gate = gate or CallGate(0)
         self._drain = drain
 
-    def _admin(self, context) -> None:
-        self.auth.require_admin(self.auth.identify(context))
+    def _admin(self, caller) -> None:
+        self.auth.require_admin(caller)
 
     @unary
-    async def SetPolicy(self, request, context):
-        self._admin(context)
+    async def SetPolicy(self, request, caller):
+        self._admin(caller)
         previous = await self.daemon.set_policy(request.pool, request.policy)
         return pb.SetPolicyResponse(previous_policy=previous)
 
     @unary
-    async def ListPolicies(self, request, context):
-        self.auth.identify(context)
+    async def ListPolicies(self, request, caller):
         return pb.ListPoliciesResponse(policies=policy_names())
 
     @unary
-    async def SelfCheck(self, request, context):
-        self._admin(context)
+    async def SelfCheck(self, request, caller):
+        self._admin(caller)
         problems = await self.daemon.self_check()
         return pb.SelfCheckResponse(ok=not problems, problems=problems)
 
     @unary
-    async def Drain(self, request, context):
-        self._admin(context)
+    async def Drain(self, request, caller):
+        self._admin(caller)
         self._drain()
         return pb.DrainResponse()
 
     @unary
-    async def ListTenants(self, request, context):
-        self._admin(context)
+    async def ListTenants(self, request, caller):
+        self._admin(caller)
         return pb.ListTenantsResponse(
             tenants=[tenant_info(t, p, self.daemon) for t, p in self.daemon.tenants(request.pool)])
 
     @unary
-    async def SetQuota(self, request, context):
-        self._admin(context)
+    async def SetQuota(self, request, caller):
+        self._admin(caller)
         # Only the fields the caller set change; limit 0 means "no limit".
         fields = {"weight": "weight", "guaranteed_pages": "guaranteed",
                   "limit_pages": "limit", "max_request_pages": "max_request_pages",
@@ -77,10 +76,9 @@ class AdminService(pb_grpc.AdminServicer):
             tenant_info(t, p, self.daemon) for t, p in self.daemon.tenants(request.pool)
             if t == request.tenant])
 
-
     @unary
-    async def ListRequests(self, request, context):
-        self._admin(context)
+    async def ListRequests(self, request, caller):
+        self._admin(caller)
         runtimes = ([self.daemon.runtime(request.pool)] if request.pool
                     else list(self.daemon.pools.values()))
         for rt in runtimes:
@@ -104,8 +102,8 @@ class AdminService(pb_grpc.AdminServicer):
             for r in reqs[:request.limit or 100]])
 
     @unary
-    async def ListLinks(self, request, context):
-        self._admin(context)
+    async def ListLinks(self, request, caller):
+        self._admin(caller)
         return pb.ListLinksResponse(links=[link_stats(link, self.daemon)
                                            for link in self.daemon.links()])
 

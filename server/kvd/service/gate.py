@@ -19,10 +19,16 @@ class CallGate:
         self._waiting: dict[str, asyncio.Queue] = {}
         self.num_waited = 0
 
-    async def enter(self, key: str) -> None:
+    def try_enter(self, key: str) -> bool:
+        """Take a slot at once if the client has one free (no coroutine on the common path)."""
         running = self._running.get(key, 0)
         if running < self.limit:
             self._running[key] = running + 1
+            return True
+        return False
+
+    async def enter(self, key: str) -> None:
+        if self.try_enter(key):
             return
         waiters = self._waiting.setdefault(key, asyncio.Queue())
         turn = asyncio.get_running_loop().create_future()
@@ -49,10 +55,3 @@ class CallGate:
             self._running[key] = running
         else:
             del self._running[key]
-
-
-def client_key(context) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == "kvd-lease" and value:
-            return value
-    return context.peer() or "?"

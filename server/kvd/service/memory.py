@@ -37,8 +37,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         return self.daemon.runtime_of(request_id).pool.page_bytes
 
     @unary
-    async def Admit(self, request, context):
-        caller = self.auth.identify(context)
+    async def Admit(self, request, caller):
         tenant = request.tenant or caller.tenant or "default"
         if not caller.may_touch(tenant):
             raise errors.PermissionDenied(
@@ -61,8 +60,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         )
 
     @unary
-    async def Allocate(self, request, context):
-        scope = self.auth.identify(context).scope
+    async def Allocate(self, request, caller):
+        scope = caller.scope
         blocks, stall_s = await self.daemon.allocate(request.request_id, request.num_blocks,
                                                      intent_fields(request.intent), scope)
         page_bytes = self._page_bytes(request.request_id)
@@ -71,10 +70,9 @@ class MemoryService(pb_grpc.MemoryServicer):
         )
 
     @unary
-    async def Access(self, request, context):
-        blocks, stall_s, promoted = await self.daemon.access(
-            request.request_id, indices(request), self.auth.identify(context).scope
-        )
+    async def Access(self, request, caller):
+        blocks, stall_s, promoted = await self.daemon.access(request.request_id,
+                                                             indices(request), caller.scope)
         page_bytes = self._page_bytes(request.request_id)
         return pb.AccessResponse(
             handles=[handle(b, page_bytes) for b in blocks],
@@ -83,30 +81,29 @@ class MemoryService(pb_grpc.MemoryServicer):
         )
 
     @unary
-    async def UpdateIntents(self, request, context):
-        scope = self.auth.identify(context).scope
+    async def UpdateIntents(self, request, caller):
+        scope = caller.scope
         changes = [intent_change(u) for u in request.updates]
         applied, prefetched = await self.daemon.update_intents(changes, scope)
         return pb.UpdateIntentsResponse(num_applied=applied, num_prefetched=prefetched)
 
     @unary
-    async def Free(self, request, context):
+    async def Free(self, request, caller):
         if not request.block_indices:
             raise errors.InvalidArgument("name at least one block to free")
         freed = await self.daemon.free(request.request_id, list(request.block_indices),
-                                       self.auth.identify(context).scope)
+                                       caller.scope)
         return pb.FreeResponse(num_freed=freed)
 
     @unary
-    async def Release(self, request, context):
-        freed, _ = await self.daemon.release(request.request_id,
-                                             self.auth.identify(context).scope)
+    async def Release(self, request, caller):
+        freed, _ = await self.daemon.release(request.request_id, caller.scope)
         return pb.ReleaseResponse(num_freed=freed)
 
     @unary
-    async def Evict(self, request, context):
+    async def Evict(self, request, caller):
         # Victims may belong to any tenant: only the admin identity may ask.
-        self.auth.require_admin(self.auth.identify(context))
+        self.auth.require_admin(caller)
         moves = await self.daemon.evict(request.pool, request.num_pages)
         return pb.EvictResponse(
             evicted=[
@@ -120,8 +117,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         )
 
     @unary
-    async def ExportPool(self, request, context):
-        self.auth.identify(context)
+    async def ExportPool(self, request, caller):
         rt = self.daemon.runtime(request.pool)
         tiers = []
         for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host")):
@@ -141,8 +137,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                                      tiers=tiers)
 
     @unary
-    async def GetPoolStats(self, request, context):
-        self.auth.identify(context)
+    async def GetPoolStats(self, request, caller):
         runtimes = (
             [self.daemon.runtime(request.pool)] if request.pool else self.daemon.pools.values()
         )
@@ -151,15 +146,14 @@ class MemoryService(pb_grpc.MemoryServicer):
                                        version=__version__)
 
     @unary
-    async def KeepAlive(self, request, context):
-        caller = self.auth.identify(context)  # renews the caller's lease
+    async def KeepAlive(self, request, caller):
+        # Identifying the caller (in @unary) renewed its lease.
         return pb.KeepAliveResponse(lease_ttl_s=self.daemon.leases.ttl_s,
                                     leased=bool(caller.lease))
 
     @unary
-    async def Explain(self, request, context):
-        account, pool, active = self.daemon.explain(request.request_id,
-                                                    self.auth.identify(context).scope)
+    async def Explain(self, request, caller):
+        account, pool, active = self.daemon.explain(request.request_id, caller.scope)
         return explain_response(account, pool, active)
 
     async def WaitAdmission(self, request, context):

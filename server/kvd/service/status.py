@@ -11,7 +11,6 @@ import structlog
 
 from kvd.core import errors
 from kvd.metrics import observe_rpc
-from kvd.service.gate import client_key
 from kvd.service.register import Malformed
 
 log = structlog.get_logger("kvd.service")
@@ -36,8 +35,10 @@ def status_of(exc: errors.KvdError) -> grpc.StatusCode:
 
 
 def unary(method: Callable) -> Callable:
-    """Turn domain errors raised by a unary handler into their gRPC status (and time it);
-    anything else is a bug: reported as INTERNAL by grpc, and the daemon serves on."""
+    """A unary handler `method(self, request, caller)`: the caller identified once (who, and
+    whose lease, which the call renews), the client's call gate passed, domain errors turned
+    into their gRPC status, the call timed. Anything else is a bug: reported as INTERNAL by
+    grpc, and the daemon serves on."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -46,13 +47,17 @@ def unary(method: Callable) -> Callable:
         code = "OK"
         gate = self.gate
         key = None
-        if gate.limit:
-            key = client_key(context)
-            await gate.enter(key)
         try:
+            caller = self.auth.identify(context)
+            if gate.limit:
+                # A client is its lease (the client library sends one), else its address.
+                who = caller.lease or context.peer() or "?"
+                if not gate.try_enter(who):
+                    await gate.enter(who)
+                key = who
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
-            return await method(self, request, context)
+            return await method(self, request, caller)
         except errors.KvdError as exc:
             status = status_of(exc)
             code = status.name
