@@ -70,6 +70,11 @@ class Block:
     Identity-hashed: policies keep blocks in dicts and heaps.
     """
 
+    # First, so they share the object's first cache line with its header: the BlockQueue
+    # holding it and its position there (policy bookkeeping, opaque to the pool). Looking at
+    # the oldest of a million blocks then touches one line of one block.
+    queue: Any = field(default=None, kw_only=True)
+    queue_pos: int = field(default=0, kw_only=True)
     request: Request
     index: int
     tier: TierKind
@@ -104,7 +109,9 @@ class Block:
     # them for every block of every request on every engine step.
     pinned: bool = False
     decode_critical: bool = False
-    # Policy bookkeeping (opaque to the pool).
+    # Policy bookkeeping (opaque to the pool): its last read when it was queued
+    # (ClassedPolicy), its regret level.
+    queued_access: float = 0.0
     regret_level: int = 0
     # The eviction that last put this block out of the device tier (an EvictionRecord).
     evicted_by: Any = None

@@ -2,40 +2,38 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from itertools import islice
 
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
+from kvd.core.policies.queue import BlockQueue
 
 
 class LruPolicy(EvictionPolicy):
-    """O(1) insert, remove and touch on an ordered dict; choose(n) is O(n)."""
+    """O(1) insert, remove and touch on a BlockQueue; choose(n) is O(n)."""
 
     name = "lru"
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
-        self._order: OrderedDict[Block, None] = OrderedDict()
+        self._order = BlockQueue()
 
     def insert(self, block: Block) -> None:
-        self._order[block] = None
+        self._order.push(block)
 
     def remove(self, block: Block) -> None:
-        del self._order[block]
+        self._order.discard(block)
 
     def touch(self, block: Block) -> None:
-        self._order.move_to_end(block)
+        self._order.push(block)
 
     def touch_many(self, blocks) -> None:
         order = self._order
-        move_to_end = order.move_to_end
+        push = order.push
         for block in blocks:
-            try:
-                move_to_end(block)
-            except KeyError:  # None, and pinned blocks, are not held
-                pass
+            if block is not None and block.queue is order:  # pinned blocks are not held
+                push(block)
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
@@ -43,10 +41,12 @@ class LruPolicy(EvictionPolicy):
     def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > len(self._order):
             return None
+        if n == 1:
+            return [self._order.first()]
         return list(islice(self._order, n))
 
     def __len__(self) -> int:
         return len(self._order)
 
     def __contains__(self, block: Block) -> bool:
-        return block in self._order
+        return block.queue is self._order
