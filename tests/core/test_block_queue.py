@@ -10,8 +10,8 @@ from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.policies.queue import BlockQueue
 
 
-@given(st.lists(st.tuples(st.sampled_from(["push", "discard", "first"]), st.integers(0, 1),
-                          st.integers(0, 9)), max_size=300))
+@given(st.lists(st.tuples(st.sampled_from(["push", "requeue", "discard", "first"]),
+                          st.integers(0, 1), st.integers(0, 9)), max_size=300))
 def test_block_queues_keep_the_order_a_list_would(ops):
     req = Request("r", "t", "p", 0, 10, RequestState.ADMITTED)
     blocks = [Block(req, i, TierKind.DEVICE, i) for i in range(10)]
@@ -25,6 +25,12 @@ def test_block_queues_keep_the_order_a_list_would(ops):
                     m.remove(block)
             model[q].append(block)
             queues[q].push(block)
+        elif op == "requeue":  # the block and its neighbour to the back, if q holds them
+            moved = [b for b in (block, blocks[(i + 1) % 10]) if b in model[q]]
+            for b in moved:
+                model[q].remove(b)
+            model[q] += moved
+            queues[q].requeue([block, None, blocks[(i + 1) % 10]])
         elif op == "discard":
             if block in model[q]:
                 model[q].remove(block)

@@ -29,11 +29,7 @@ class LruPolicy(EvictionPolicy):
         self._order.push(block)
 
     def touch_many(self, blocks) -> None:
-        order = self._order
-        push = order.push
-        for block in blocks:
-            if block is not None and block.queue is order:  # pinned blocks are not held
-                push(block)
+        self._order.requeue(blocks)  # pinned blocks are not held: skipped
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.

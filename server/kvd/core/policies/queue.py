@@ -40,6 +40,20 @@ class BlockQueue:
         if len(self._entries) > 2 * self._live + 64:
             self._compact()
 
+    def requeue(self, blocks) -> None:
+        """Move each block of `blocks` that this queue holds to the back, in order (others,
+        and None, are skipped): push() for the blocks a step read, in one pass."""
+        entries = self._entries
+        append = entries.append
+        pos = self._head + len(entries)
+        for block in blocks:
+            if block is not None and block.queue is self:
+                block.queue_pos = pos
+                pos += 1
+                append(block)
+        if len(entries) > 2 * self._live + 64:
+            self._compact()
+
     def discard(self, block: Block) -> None:
         """Take block out of the queue (nothing when it is not in it)."""
         if block.queue is self:
