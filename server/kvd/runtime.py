@@ -27,8 +27,9 @@ _RETRY = object()  # a room waiter's own blocks are in transit: it waits for the
 
 # How long a step's reads may wait to be recorded. Off the reply's path, and the steps that
 # come meanwhile (an engine reads the same batch every step) are recorded together, at the
-# cost of one; every other pool operation records them first, whenever it comes.
-RECORD_READS_AFTER_S = 0.01
+# cost of one. Nothing sees them late: every other pool operation, stats and metrics
+# included, records them first, whenever it comes.
+RECORD_READS_AFTER_S = 0.05
 
 
 def _record_later(fn: Callable[[], None]) -> None:

@@ -75,7 +75,7 @@ class Server:
         services = kvd_pb2.DESCRIPTOR.services_by_name
         self.gate = CallGate(self.config.max_calls_per_client)
         add_service(server, MemoryService(self.daemon, self.auth, self.gate),
-                    services["Memory"])
+                    services["Memory"], with_bytes=MemoryService.WITH_BYTES)
         add_service(server, AdminService(self.daemon, self.auth, self.request_stop, self.gate),
                     services["Admin"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)

@@ -403,6 +403,12 @@ def test_a_repeated_read_all_is_checked_again_once_anything_changed(make_pool):
         settle(pool, pool.allocate(rid, 2))
     assert pool.read_all(["a", "b"]) == ([], [])
     assert pool.read_all(["a", "b"]) == ([], [])  # answered from the last answer
+    assert pool.read_all(["a\0b"]) == (["a\0b"], [])  # joins alike, is not the same read
+    assert pool.read_all(["a", "b"], key=b"k") == ([], [])  # a caller's key for the list
+    assert pool.read_all(["a", "b"], key=b"k") == ([], [])
+    assert pool.read_all(["a", "b"]) == ([], [])  # the same list without the key: checked
+    with pytest.raises(InvalidArgument, match="NUL"):
+        pool.admit("c\0d", tenant="t", prompt_tokens=16, output_tokens=0)
     assert pool.read_all(["a", "b"], tenant="other") == (["a", "b"], [])  # not another scope
     plan = pool.evict(2)  # the pool changed: "a" (read longest ago) leaves the device tier
     assert pool.read_all(["a", "b"]) == (["a"], [])  # in transit: the general path
@@ -410,4 +416,4 @@ def test_a_repeated_read_all_is_checked_again_once_anything_changed(make_pool):
     assert pool.read_all(["a", "b"]) == (["a"], [])  # on the host tier now
     pool.release("b")
     assert pool.read_all(["b"]) == (["b"], [])  # gone: the general path says so
-    assert pool.counters.num_accesses == 4 + 4 + 2 + 2  # each read answered at once counts
+    assert pool.counters.num_accesses == 5 * 4 + 2 + 2  # each read answered at once counts

@@ -81,3 +81,27 @@ async def test_step_stream_batches_a_whole_engine_step(client):
         assert reply.errors[0].code == 5  # NOT_FOUND
         stats = (await client.pool_stats()).pools[0]
         assert stats.num_requests == 1
+
+
+async def test_a_repeated_read_sees_what_changed_between_steps(client):
+    """An engine sends the same read every step; kvd answers a repeat from its last answer,
+    but never one that something in between made stale."""
+    for rid in ("r1", "r2"):  # 8 blocks on the 8 device pages
+        await client.admit(rid, prompt_tokens=64)
+        await client.allocate(rid, 4)
+    async with client.step_stream() as stream:
+        for _ in range(3):
+            reply = await stream.step(read_all=["r1", "r2"])
+            assert not reply.errors and not reply.relocated and not reply.stall_us
+        assert len((await client.evict(8)).evicted) == 8  # every block to the host tier
+        reply = await stream.step(read_all=["r1", "r2"])  # the same bytes but for the id
+        assert not reply.errors and reply.stall_us > 0
+        assert sorted((h.request_id, h.block_index) for h in reply.relocated) == sorted(
+            (rid, i) for rid in ("r1", "r2") for i in range(4))
+        assert all(h.tier == pb.TIER_DEVICE for h in reply.relocated)
+        reply = await stream.step(read_all=["r1", "r2"])
+        assert not reply.errors and not reply.relocated and not reply.stall_us
+    stats = (await client.pool_stats()).pools[0]
+    assert stats.num_promotions == 8 and stats.tiers[0].used_pages == 8
+    # 5 steps x 8 blocks, all counted though 4 of the steps were answered at once.
+    assert stats.num_accesses == 5 * 8

@@ -174,9 +174,11 @@ class Pool:
         # time before (None: read once), requests, times read], and how to have them applied
         # soon (the runtime's event loop; None: at once).
         self._unapplied_reads: list[list] = []
-        # read_all()'s last answer given wholly at once, (request ids, tenant, requests), while
-        # no other pool method has run since: the same step again needs no checks.
-        self._last_read_all: tuple[list[str], str | None, list[Request]] | None = None
+        # read_all()'s last answer given wholly at once, (its request ids joined by NUL, how
+        # many, tenant, requests), while no other pool method has run since: the same step
+        # again needs no checks. (Request ids hold no NUL, so equal joins of as many ids are
+        # equal lists; one string compares faster than 64 scattered ones.)
+        self._last_read_all: tuple[str | bytes, int, str | None, list[Request]] | None = None
         # Requests made by reserve() and not yet claimed (some may be gone: pruned lazily).
         self._reservations: dict[str, Request] = {}
         self.defer: Callable[[Callable[[], None]], Any] | None = None
@@ -263,6 +265,8 @@ class Pool:
         the handoff pool, so no prefill is spent on a request decode cannot hold."""
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
+        if "\0" in request_id:
+            raise InvalidArgument("request_id must not contain NUL characters")
         if prompt_tokens < 0 or output_tokens < 0:
             raise InvalidArgument("token counts must be >= 0")
         if prompt_tokens + output_tokens == 0:
@@ -673,8 +677,8 @@ class Pool:
         self._note_reads(req, len(blocks), now)
         return AccessResult(blocks, plan, req)
 
-    def read_all(self, request_ids: Iterable[str], tenant: str | None = None
-                 ) -> tuple[list[str], list[Request]]:
+    def read_all(self, request_ids: Sequence[str], tenant: str | None = None,
+                 key: bytes | None = None) -> tuple[list[str], list[Request]]:
         """The engine step's hot path: every block of each request is read now. Requests whose
         blocks are all resident are answered here from a few per-request counters; the rest
         are returned for the general path (access), as are requests whose blocks moved since
@@ -685,26 +689,31 @@ class Pool:
         nothing in the reply depends on it, so it is left to apply_reads(): soon, through
         `defer` (the runtime runs it a little after the reply has gone, with the reads of
         the steps that came meanwhile), and in any case before any other pool method, so
-        every decision sees the reads in the order they came."""
-        ids = list(request_ids)
+        every decision sees the reads in the order they came.
+
+        `key`, when given, stands for request_ids in telling a repeated read: bytes that are
+        equal only for equal lists (the Step message without its id); else the ids are
+        joined."""
+        joined = "\0".join(request_ids) if key is None else key
         last = self._last_read_all
-        if last is not None and last[0] == ids and last[1] == tenant:
+        if (last is not None and last[0] == joined and last[1] == len(request_ids)
+                and last[2] == tenant):
             # An engine reads its batch every step: nothing changed since the same read was
             # answered (any change goes through a pool method, which forgets the answer).
             now = self.clock.now()
             pending = self._unapplied_reads
-            if pending and pending[-1][2] is last[2]:
+            if pending and pending[-1][2] is last[3]:
                 entry = pending[-1]  # the reads of the same steps, recorded as one
                 entry[0], entry[1], entry[3] = now, entry[0], entry[3] + 1
             else:
-                self._pend_reads(now, last[2])
+                self._pend_reads(now, last[3])
             return [], []
         requests = self.requests
         admitted = RequestState.ADMITTED
         general: list[str] = []
         relocated: list[Request] = []
         read: list[Request] = []
-        for rid in ids:
+        for rid in request_ids:
             req = requests.get(rid)
             if (req is None or req.state is not admitted or req.num_moving_blocks
                     or req.num_device_blocks != req.num_live_blocks
@@ -716,7 +725,7 @@ class Pool:
                 relocated.append(req)
         if read:
             if not general and not relocated:
-                self._last_read_all = (ids, tenant, read)
+                self._last_read_all = (joined, len(request_ids), tenant, read)
             self._pend_reads(self.clock.now(), read)
         return general, relocated
 

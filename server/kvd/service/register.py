@@ -40,15 +40,27 @@ def _safe(parse):
     return deserialize
 
 
-def add_service(server: grpc.aio.Server, servicer, service) -> None:
-    """Serve every method of `service` (a ServiceDescriptor) from `servicer`."""
+def _safe_with_bytes(parse):
+    """As _safe, but the handler gets (the bytes, the message or Malformed)."""
+    safe = _safe(parse)
+
+    def deserialize(data: bytes):
+        return data, safe(data)
+
+    return deserialize
+
+
+def add_service(server: grpc.aio.Server, servicer, service, with_bytes=()) -> None:
+    """Serve every method of `service` (a ServiceDescriptor) from `servicer`; the methods
+    named in `with_bytes` get each request's bytes with it."""
     handlers = {}
     for method in service.methods:
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         factory = _FACTORIES[(method.client_streaming, method.server_streaming)]
+        parse = _safe_with_bytes if method.name in with_bytes else _safe
         handlers[method.name] = factory(getattr(servicer, method.name),
-                                        request_deserializer=_safe(request.FromString),
+                                        request_deserializer=parse(request.FromString),
                                         response_serializer=response.SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
