@@ -53,8 +53,9 @@ class PoolRuntime:
         self.chunk_pages = max(1, chunk_bytes // pool.page_bytes)
         self._inflight: dict[Block, asyncio.Future] = {}
         self._refilling = False
-        # Set (and replaced) whenever the admission queue may have changed.
-        self.queue_changed = asyncio.Event()
+        # Set (and dropped) whenever the admission queue may have changed; made only when a
+        # WaitAdmission stream waits, so admissions nobody watches make no event.
+        self._queue_changed: asyncio.Event | None = None
         self._plans: set[TransferPlan] = set()
         # Operations that found no device room while pages were in transit, in line for it:
         # (rank, arrival, op, future). Served as transfers complete, best rank first.
@@ -65,10 +66,17 @@ class PoolRuntime:
         # after the reply has gone (and before any other operation on the pool).
         pool.defer = _record_later
 
+    def queue_event(self) -> asyncio.Event:
+        """An event set at the admission queue's next change."""
+        if self._queue_changed is None:
+            self._queue_changed = asyncio.Event()
+        return self._queue_changed
+
     def notify_queue(self) -> None:
         """Wake WaitAdmission streams: positions may have moved or requests been admitted."""
-        self.queue_changed.set()
-        self.queue_changed = asyncio.Event()
+        event, self._queue_changed = self._queue_changed, None
+        if event is not None:
+            event.set()
 
     @property
     def busy(self) -> bool:
