@@ -34,6 +34,7 @@ class LeaseTable:
         self.clock = clock
         self.ttl_s = ttl_s
         self.leases: dict[str, Lease] = {}
+        self._lease_of: dict[str, str] = {}  # request id -> the lease it was admitted under
         self.num_expired = 0
         self.num_requests_released = 0
 
@@ -51,12 +52,12 @@ class LeaseTable:
         lease = self.renew(lease_id, tenant)
         if lease is not None:
             lease.requests.add(request_id)
+            self._lease_of[request_id] = lease_id
 
-    def detach(self, request_id: str, lease_id: str = "") -> None:
-        if lease_id and lease_id in self.leases:
-            self.leases[lease_id].requests.discard(request_id)
-            return
-        for lease in self.leases.values():
+    def detach(self, request_id: str) -> None:
+        """The request is gone (released, or its lease's requests are being released)."""
+        lease = self.leases.get(self._lease_of.pop(request_id, ""))
+        if lease is not None:
             lease.requests.discard(request_id)
 
     def stream_opened(self, lease_id: str, tenant: str) -> None:
