@@ -62,6 +62,8 @@ def add_service(server: grpc.aio.Server, servicer, service, with_bytes=()) -> No
         handlers[method.name] = factory(getattr(servicer, method.name),
                                         request_deserializer=parse(request.FromString),
                                         response_serializer=response.SerializeToString)
+    # Generic handlers only. grpc.aio also takes "registered" method handlers, but with kvd's
+    # ~30 methods registered every call cost ~45 us more server CPU (measured with registered
+    # and plain callers alike), a sixth of an empty call.
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    server.add_registered_method_handlers(service.full_name, handlers)
