@@ -778,15 +778,15 @@ class Pool:
         tracks_reuse = self.policy.tracks_reuse
         num_critical = num_blocks = 0
         for req, now, before, count in reads:
-            num_read = 0
+            critical = 0
             for b in req.blocks:
                 if b is not None:
                     if tracks_reuse:
                         b.reuse_s = now - (b.last_access if before is None else before)
                     b.last_access = now
                     if b.decode_critical:
-                        num_read += 1
-            num_critical += num_read * count
+                        critical += 1
+            num_critical += critical * count
             num_read = req.num_live_blocks * count
             num_blocks += num_read
             self._note_reads(req, num_read, now)
