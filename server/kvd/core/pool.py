@@ -174,8 +174,8 @@ class Pool:
         # time before (None: read once), requests, times read], and how to have them applied
         # soon (the runtime's event loop; None: at once).
         self._unapplied_reads: list[list] = []
-        # read_all()'s last answer given wholly at once, (its request ids joined by NUL, how
-        # many, tenant, requests), while no other pool method has run since: the same step
+        # read_all()'s last answer given wholly at once, (its key: the caller's, else its
+        # request ids joined by NUL; how many; tenant; requests), while no other pool method has run since: the same step
         # again needs no checks. (Request ids hold no NUL, so equal joins of as many ids are
         # equal lists; one string compares faster than 64 scattered ones.)
         self._last_read_all: tuple[str | bytes, int, str | None, list[Request]] | None = None
@@ -694,9 +694,11 @@ class Pool:
         `key`, when given, stands for request_ids in telling a repeated read: bytes that are
         equal only for equal lists (the Step message without its id); else the ids are
         joined."""
-        joined = "\0".join(request_ids) if key is None else key
+        if key is None:
+            request_ids = list(request_ids)  # their strings made once: joined and looked up
+            key = "\0".join(request_ids)
         last = self._last_read_all
-        if (last is not None and last[0] == joined and last[1] == len(request_ids)
+        if (last is not None and last[0] == key and last[1] == len(request_ids)
                 and last[2] == tenant):
             # An engine reads its batch every step: nothing changed since the same read was
             # answered (any change goes through a pool method, which forgets the answer).
@@ -725,7 +727,7 @@ class Pool:
                 relocated.append(req)
         if read:
             if not general and not relocated:
-                self._last_read_all = (joined, len(request_ids), tenant, read)
+                self._last_read_all = (key, len(request_ids), tenant, read)
             self._pend_reads(self.clock.now(), read)
         return general, relocated
 

@@ -21,12 +21,9 @@ class AdminService(pb_grpc.AdminServicer):
         self.gate = gate or CallGate(0)
         self._drain = drain
 
-    def _admin(self, caller) -> None:
-        self.auth.require_admin(caller)
-
     @unary
     async def SetPolicy(self, request, caller):
-        self._admin(caller)
+        self.auth.require_admin(caller)
         previous = await self.daemon.set_policy(request.pool, request.policy)
         return pb.SetPolicyResponse(previous_policy=previous)
 
@@ -36,25 +33,25 @@ class AdminService(pb_grpc.AdminServicer):
 
     @unary
     async def SelfCheck(self, request, caller):
-        self._admin(caller)
+        self.auth.require_admin(caller)
         problems = await self.daemon.self_check()
         return pb.SelfCheckResponse(ok=not problems, problems=problems)
 
     @unary
     async def Drain(self, request, caller):
-        self._admin(caller)
+        self.auth.require_admin(caller)
         self._drain()
         return pb.DrainResponse()
 
     @unary
     async def ListTenants(self, request, caller):
-        self._admin(caller)
+        self.auth.require_admin(caller)
         return pb.ListTenantsResponse(
             tenants=[tenant_info(t, p, self.daemon) for t, p in self.daemon.tenants(request.pool)])
 
     @unary
     async def SetQuota(self, request, caller):
-        self._admin(caller)
+        self.auth.require_admin(caller)
         # Only the fields the caller set change; limit 0 means "no limit".
         fields = {"weight": "weight", "guaranteed_pages": "guaranteed",
                   "limit_pages": "limit", "max_request_pages": "max_request_pages",
@@ -78,7 +75,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     @unary
     async def ListRequests(self, request, caller):
-        self._admin(caller)
+        self.auth.require_admin(caller)
         runtimes = ([self.daemon.runtime(request.pool)] if request.pool
                     else list(self.daemon.pools.values()))
         for rt in runtimes:
@@ -103,7 +100,7 @@ class AdminService(pb_grpc.AdminServicer):
 
     @unary
     async def ListLinks(self, request, caller):
-        self._admin(caller)
+        self.auth.require_admin(caller)
         return pb.ListLinksResponse(links=[link_stats(link, self.daemon)
                                            for link in self.daemon.links()])
 

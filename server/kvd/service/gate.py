@@ -28,8 +28,12 @@ class CallGate:
         return False
 
     async def enter(self, key: str) -> None:
-        if self.try_enter(key):
-            return
+        if not self.try_enter(key):
+            await self.wait(key)
+
+    async def wait(self, key: str) -> None:
+        """Wait in the client's line for a slot that leave() hands over (after try_enter
+        found none)."""
         waiters = self._waiting.setdefault(key, asyncio.Queue())
         turn = asyncio.get_running_loop().create_future()
         waiters.put_nowait(turn)

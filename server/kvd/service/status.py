@@ -53,7 +53,7 @@ def unary(method: Callable) -> Callable:
                 # A client is its lease (the client library sends one), else its address.
                 who = caller.lease or context.peer() or "?"
                 if not gate.try_enter(who):
-                    await gate.enter(who)
+                    await gate.wait(who)
                 key = who
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)

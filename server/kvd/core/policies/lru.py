@@ -45,4 +45,4 @@ class LruPolicy(EvictionPolicy):
         return len(self._order)
 
     def __contains__(self, block: Block) -> bool:
-        return block.queue is self._order
+        return block in self._order

@@ -21,7 +21,7 @@ from kvd.core.blocks import Block
 
 
 class BlockQueue:
-    __slots__ = ("_entries", "_head", "_live", "__weakref__")
+    __slots__ = ("_entries", "_head", "_live")
 
     def __init__(self) -> None:
         self._entries: deque[Block] = deque()
