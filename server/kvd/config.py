@@ -248,6 +248,9 @@ class Config:
     switch_interval_s: float = 0.0005  # CPython GIL switch interval (default 0.005)
     lease_ttl_s: float = 30.0  # a silent client's requests are released after this
     handoff_ttl_s: float = 60.0  # a decode reservation no handoff claimed lapses after this
+    # Pages a reply hands to an engine stay put until the engine's next call, at most this
+    # long (an engine that never calls again cannot keep them from others for ever).
+    hold_s: float = 1.0
     # Unary calls of one client (its lease) that run at once; more wait their turn, so a
     # client flooding calls cannot crowd out the others. 0: no limit.
     max_calls_per_client: int = 16
@@ -286,12 +289,14 @@ class Config:
             link.validate(self.pools)
         if self.handoff_ttl_s <= 0:
             raise InvalidArgument("handoff_ttl_s must be positive")
+        if not self.hold_s > 0:
+            raise InvalidArgument("hold_s must be positive")
         if self.max_calls_per_client < 0:
             raise InvalidArgument("max_calls_per_client must be >= 0 (0: no limit)")
 
 
 _SERVER_KEYS = {"socket", "socket_mode", "socket_group", "tcp", "log_format", "log_level", "grace_s", "workers",
-                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "handoff_ttl_s", "metrics",
+                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "handoff_ttl_s", "hold_s", "metrics",
                 "max_calls_per_client",
                 "eviction_ledger", "explain_keep"}
 _POOL_KEYS = set(PoolConfig.__dataclass_fields__)

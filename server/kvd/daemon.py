@@ -288,24 +288,56 @@ class Daemon:
         return result
 
     async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
-                       scope: str | None = None) -> tuple[list[Block], float]:
+                       scope: str | None = None, holder: str = ""
+                       ) -> tuple[list[Block], float]:
+        """New blocks for a request; with a holder, held for it until its next call (the
+        engine writes them meanwhile)."""
         rt = self.runtime_of(request_id, scope)
-        plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent))
+        plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent,
+                                                     holder=holder))
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
                             request_id=request_id, count=len(plan.allocated))
         return plan.allocated, stall_s
 
     async def access(self, request_id: str, indices: Sequence[int] | None,
-                     scope: str | None = None) -> tuple[list[Block], float, int]:
+                     scope: str | None = None, holder: str = ""
+                     ) -> tuple[list[Block], float, int]:
         rt = self.runtime_of(request_id, scope)
-        result = await rt.access(request_id, indices)
+        result = await rt.access(request_id, indices, holder)
         stall_s = await rt.execute(result.plan) if result.plan else 0.0
         if stall_s:
             rt.pool.record_stall(stall_s, result.plan)
         promoted = len(result.plan.promotions) if result.plan else 0
         blocks = result.blocks if result.blocks is not None else result.request.live_blocks()
         return blocks, stall_s, promoted
+
+    def end_holds(self, holder: str) -> None:
+        """The holder called again, or went away: the pages it was handed are evictable."""
+        for rt in self.pools.values():
+            if not rt.pool.holds(holder):
+                continue
+            admitted = rt.pool.end_holds(holder)
+            rt.room_may_have_changed()
+            if admitted:
+                rt.notify_queue()
+                self._publish_admitted(rt.pool, admitted)
+
+    def lapse_holds(self, max_age_s: float) -> int:
+        """End holds older than max_age_s (a holder that never calls again): liveness over
+        the engine's claim on a page it was handed long ago."""
+        now = self.clock.now()
+        stale = {h for rt in self.pools.values()
+                 for h, since in rt.pool.holders().items() if now - since > max_age_s}
+        for holder in stale:
+            self.end_holds(holder)
+        return len(stale)
+
+    def _publish_admitted(self, pool: Pool, admitted: list[Request]) -> None:
+        for other in admitted:
+            self.events.publish("admission", pool=pool.name, tenant=other.tenant,
+                                request_id=other.request_id, count=other.projected_pages,
+                                decision="admitted", reason="from the queue")
 
     async def update_intents(self, changes: Sequence[IntentChange], scope: str | None = None
                              ) -> tuple[int, int]:
@@ -415,6 +447,7 @@ class Daemon:
         while True:
             await asyncio.sleep(period_s)
             self.expire_reservations()
+            self.lapse_holds(self.config.hold_s)
 
     async def handoff(self, request_id: str, target: str = "", scope: str | None = None
                       ) -> AsyncIterator[dict]:

@@ -16,7 +16,7 @@ from kvd.core.bandwidth import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
 from kvd.core.errors import BlocksInTransit
 from kvd.core.pool import AccessResult, Pool
-from kvd.core.transfer import TransferPlan
+from kvd.core.transfer import MoveKind, TransferPlan
 from kvd.links import Link, Transfer
 from kvd.memory.copier import PageCopier, chunk_runs, plan_runs
 
@@ -82,21 +82,21 @@ class PoolRuntime:
     def busy(self) -> bool:
         return bool(self._plans)
 
-    async def access(self, request_id: str, indices) -> AccessResult:
+    async def access(self, request_id: str, indices, holder: str = "") -> AccessResult:
         """pool.access, waiting out transfers; an access that waited for its own blocks'
         promotion (started by a prefetch that came too late) counts those as misses. A swap
         the host tier cannot take at once goes in rounds; their stall is recorded here, and
         the last round's plan is returned for the caller to execute."""
-        result = await self._access(request_id, indices)
+        result = await self._access(request_id, indices, holder)
         while result.partial:
             stall_s = await self.execute(result.plan)
             self.pool.record_stall(stall_s, result.plan)
-            result = await self._access(request_id, indices)
+            result = await self._access(request_id, indices, holder)
         return result
 
-    async def _access(self, request_id: str, indices) -> AccessResult:
+    async def _access(self, request_id: str, indices, holder: str) -> AccessResult:
         try:
-            return self.pool.access(request_id, indices)
+            return self.pool.access(request_id, indices, holder)
         except BlocksInTransit as exc:
             busy: BlocksInTransit | None = exc
         late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
@@ -104,7 +104,8 @@ class PoolRuntime:
         if busy.blocks:
             await self.wait_for(busy.blocks)
             busy = None
-        result = await self.run(lambda: self.pool.access(request_id, indices), critical, busy)
+        result = await self.run(lambda: self.pool.access(request_id, indices, holder),
+                                critical, busy)
         self.pool.note_late(late)
         return result
 
@@ -195,8 +196,18 @@ class PoolRuntime:
 
     def complete_now(self, plan: TransferPlan) -> float:
         """Complete a plan whose bytes are already where they belong."""
+        self._zero_lost(plan)
         self._completed(plan, self.pool.complete(plan), 0.0)
         return 0.0
+
+    def _zero_lost(self, plan: TransferPlan) -> None:
+        """A dropped block comes back to a page that held another block's bytes: zero it, so
+        an engine that reads before recomputing sees nothing of another request. (After the
+        plan's copies: the page may be a victim's that was being copied out.)"""
+        device = self.arenas["device"]
+        for m in plan.promotions:
+            if m.kind is MoveKind.REMATERIALIZE:
+                device.zero(m.dst_page)
 
     def _completed(self, plan: TransferPlan, pinned_out: list[Block], stall_s: float) -> None:
         self._notify(plan, stall_s)
@@ -245,6 +256,7 @@ class PoolRuntime:
         if copied:
             stall_s = time.perf_counter() - started
             (plan.cause or _first_request(plan)).bytes_moved += job.bytes_total
+            self._zero_lost(plan)
             self._completed(plan, self.pool.complete(plan), stall_s)
             return stall_s
         transfer = Transfer(job, chunks, self.copier.copy_runs,
@@ -290,6 +302,7 @@ class PoolRuntime:
             self.pool.abort(plan)  # the copy failed: nothing moved
             self._finish(plan)
             raise
+        self._zero_lost(plan)
         pinned_out = self.pool.complete(plan)
         stall_s = time.perf_counter() - started
         (plan.cause or _first_request(plan)).bytes_moved += transfer.job.bytes_total

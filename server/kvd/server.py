@@ -107,7 +107,7 @@ class Server:
             self.daemon.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4)),
             self.daemon.events))
         self._expirer = asyncio.ensure_future(self.daemon.expire_forever(
-            max(0.05, min(1.0, self.config.handoff_ttl_s / 4))))
+            max(0.05, min(1.0, self.config.handoff_ttl_s / 4, self.config.hold_s / 4))))
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()

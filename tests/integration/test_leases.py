@@ -40,6 +40,9 @@ async def test_a_killed_client_gets_every_page_back(tmp_path):
         async with AsyncClient(kvd.target) as survivor:
             await survivor.admit("survivor", 32)
             await survivor.allocate("survivor", 2)
+            # Its next call says it is done writing: its pages may be demoted from now on
+            # (until then they are held for it, and the holder would wait for them).
+            await survivor.keep_alive()
             holder = subprocess.Popen([sys.executable, "-c", HOLDER, kvd.target],
                                       stdout=subprocess.PIPE, text=True)
             try:

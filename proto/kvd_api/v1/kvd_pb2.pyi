@@ -106,7 +106,7 @@ class IntentUpdate(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., intent: _Optional[_Union[MemoryIntent, _Mapping]] = ..., prefetch: _Optional[bool] = ...) -> None: ...
 
 class PageHandle(_message.Message):
-    __slots__ = ("request_id", "block_index", "pool", "tier", "page_index", "offset_bytes", "length_bytes")
+    __slots__ = ("request_id", "block_index", "pool", "tier", "page_index", "offset_bytes", "length_bytes", "recompute")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class PageHandle(_message.Message):
     PAGE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
     LENGTH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_index: int
     pool: str
@@ -121,7 +122,8 @@ class PageHandle(_message.Message):
     page_index: int
     offset_bytes: int
     length_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., pool: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., page_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ...) -> None: ...
+    recompute: bool
+    def __init__(self, request_id: _Optional[str] = ..., block_index: _Optional[int] = ..., pool: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., page_index: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., length_bytes: _Optional[int] = ..., recompute: _Optional[bool] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("request_id", "tenant", "pool", "prompt_tokens", "expected_output_tokens", "priority", "handoff_pool")
@@ -397,7 +399,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., backend: _Optional[str] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total", "peak_device_pages", "num_prefetches", "num_accesses", "num_misses", "links", "bytes_read", "handoff_reserved_pages", "num_admitted")
+    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total", "peak_device_pages", "num_prefetches", "num_accesses", "num_misses", "links", "bytes_read", "handoff_reserved_pages", "num_admitted", "num_lost_blocks", "held_pages")
     POOL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -423,6 +425,8 @@ class PoolStats(_message.Message):
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
     NUM_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
     pool: str
     policy: str
     page_bytes: int
@@ -448,7 +452,9 @@ class PoolStats(_message.Message):
     bytes_read: int
     handoff_reserved_pages: int
     num_admitted: int
-    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., handoff_reserved_pages: _Optional[int] = ..., num_admitted: _Optional[int] = ...) -> None: ...
+    num_lost_blocks: int
+    held_pages: int
+    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., handoff_reserved_pages: _Optional[int] = ..., num_admitted: _Optional[int] = ..., num_lost_blocks: _Optional[int] = ..., held_pages: _Optional[int] = ...) -> None: ...
 
 class LinkStats(_message.Message):
     __slots__ = ("link", "capacity_bytes_per_s", "burst_bytes", "scheduling", "bytes_total", "transfers_total", "utilisation", "busy_seconds", "queues", "tenants")
@@ -591,7 +597,7 @@ class EvictionCount(_message.Message):
     def __init__(self, other: _Optional[_Union[Cause, _Mapping]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("request_id", "tenant", "pool", "active", "stall_seconds", "num_stalls", "stalls_by_cause", "evictions_suffered", "evictions_caused")
+    __slots__ = ("request_id", "tenant", "pool", "active", "stall_seconds", "num_stalls", "stalls_by_cause", "evictions_suffered", "evictions_caused", "num_recomputes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -601,6 +607,7 @@ class ExplainResponse(_message.Message):
     STALLS_BY_CAUSE_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_SUFFERED_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_CAUSED_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     pool: str
@@ -610,7 +617,8 @@ class ExplainResponse(_message.Message):
     stalls_by_cause: _containers.RepeatedCompositeFieldContainer[StallShare]
     evictions_suffered: _containers.RepeatedCompositeFieldContainer[EvictionCount]
     evictions_caused: _containers.RepeatedCompositeFieldContainer[EvictionCount]
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., active: _Optional[bool] = ..., stall_seconds: _Optional[float] = ..., num_stalls: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[StallShare, _Mapping]]] = ..., evictions_suffered: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., evictions_caused: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ...) -> None: ...
+    num_recomputes: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., active: _Optional[bool] = ..., stall_seconds: _Optional[float] = ..., num_stalls: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[StallShare, _Mapping]]] = ..., evictions_suffered: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., evictions_caused: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., num_recomputes: _Optional[int] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("pool", "policy")

@@ -36,6 +36,8 @@ class RequestAccount:
     tenant: str
     stall_s: float = 0.0
     num_stalls: int = 0
+    # Blocks dropped and handed back for the engine to recompute.
+    num_recomputes: int = 0
     # Keys are (tenant, request) of the cause.
     stall_s_by_cause: Counter = field(default_factory=Counter)
     evictions_suffered: Counter = field(default_factory=Counter)

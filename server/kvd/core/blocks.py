@@ -113,6 +113,12 @@ class Block:
     # (ClassedPolicy), its regret level.
     queued_access: float = 0.0
     regret_level: int = 0
+    # Its bytes were dropped and it came back as a zeroed page: the engine must recompute
+    # it. Cleared once a reply has told the engine so.
+    lost: bool = False
+    # Handed to an engine that may still be writing or reading it: not evictable until the
+    # holder's next call (see Pool.hold).
+    held: bool = False
     # The eviction that last put this block out of the device tier (an EvictionRecord).
     evicted_by: Any = None
 

@@ -39,7 +39,10 @@ def check_pool(pool: Pool) -> list[str]:
     num_pinned = 0
     pinned_by_tenant: Counter[str] = Counter()
     num_evictable = 0
+    num_held = 0
     reserved = 0
+    reserved_by_tenant: Counter[str] = Counter()
+    device_by_tenant: Counter[str] = Counter()
     for req in pool.requests.values():
         if req.state is RequestState.QUEUED:
             if req.blocks:
@@ -48,6 +51,8 @@ def check_pool(pool: Pool) -> list[str]:
                 problems.append(f"{name}: queued request {req.request_id} not in the queue")
             continue
         reserved += req.reserved_pages
+        reserved_by_tenant[req.tenant] += req.reserved_pages
+        device_by_tenant[req.tenant] += req.num_device_blocks
         live = [b for b in req.blocks if b is not None]
         if len(live) != req.num_live_blocks:
             problems.append(f"{name}: {req.request_id} counts {req.num_live_blocks} live blocks, has {len(live)}")
@@ -68,13 +73,21 @@ def check_pool(pool: Pool) -> list[str]:
                     problems.append(f"{name}: {b} is not the owner of its page")
                 if owners[id(b)] != 1:
                     problems.append(f"{name}: {b} owns {owners[id(b)]} pages")
-            evictable = b.tier is TierKind.DEVICE and not b.moving and not b.pinned
+            num_held += b.held
+            evictable = (b.tier is TierKind.DEVICE and not b.moving and not b.pinned
+                         and not b.held)
             num_evictable += evictable
             held = b in pool.policy
             if evictable != held:
                 problems.append(f"{name}: {b} evictable={evictable} but policy holds={held}")
     if num_evictable != len(pool.policy):
         problems.append(f"{name}: policy holds {len(pool.policy)} blocks, {num_evictable} are evictable")
+    if num_held != pool.num_held:
+        problems.append(f"{name}: counts {pool.num_held} held blocks, has {num_held}")
+    if +reserved_by_tenant != +pool.reserved_by_tenant:
+        problems.append(f"{name}: reserved-by-tenant counts are off")
+    if +device_by_tenant != +pool.device_by_tenant:
+        problems.append(f"{name}: device-by-tenant counts are off")
     if num_pinned != pool.num_pinned:
         problems.append(f"{name}: counts {pool.num_pinned} pinned blocks, has {num_pinned}")
     if +pinned_by_tenant != +pool.pinned_by_tenant:

@@ -102,6 +102,8 @@ class PoolCounters:
     num_promotions: int = 0
     num_drops: int = 0
     num_rematerializations: int = 0
+    # Dropped blocks brought back as zeroed pages, flagged for the engine to recompute.
+    num_lost_blocks: int = 0
     bytes_moved: int = 0
     num_decode_critical_accesses: int = 0
     num_decode_critical_misses: int = 0
@@ -181,6 +183,10 @@ class Pool:
         self._last_read_all: tuple[str | bytes, int, str | None, list[Request]] | None = None
         # Requests made by reserve() and not yet claimed (some may be gone: pruned lazily).
         self._reservations: dict[str, Request] = {}
+        # Blocks handed to an engine that may still write or read their pages, by holder
+        # (a client's lease, a Step stream): (since when, blocks). See hold().
+        self._holds: dict[str, tuple[float, list[Block]]] = {}
+        self.num_held = 0
         self.defer: Callable[[Callable[[], None]], Any] | None = None
 
     # ------------------------------------------------------------------ queries
@@ -393,7 +399,7 @@ class Pool:
         intent-blind or non-fair policy every evictable page counts."""
         room = self.device.num_free
         if not self.policy.fair:
-            return room + len(self.policy)
+            return room + len(self.policy) + self.num_held  # held: evictable in a moment
         shares = self.fair_shares()
         for tenant, used in self.device_by_tenant.items():
             evictable = max(0, used - self.pinned_by_tenant[tenant])
@@ -506,7 +512,7 @@ class Pool:
             f"pool {self.name!r}: cannot free {needed} device page(s): "
             f"{self.device.num_free} free, {len(self.policy)} evictable, "
             f"{self.num_pinned} of {self.device.capacity} pinned (by tenant: {held}), "
-            f"the rest in transit"
+            f"{self.num_held} held by engines until their next call, the rest in transit"
         )
 
     def _evict(self, num: int, cause: Request | None, reason: str, reassign: bool) -> list[Move]:
@@ -514,8 +520,10 @@ class Pool:
         can recompute when the host tier is full. Raises before changing anything."""
         victims = self.policy.choose(num, for_tenant=cause.tenant if cause else None)
         if victims is None:
-            if self.num_moving_blocks():
-                raise BlocksInTransit([])  # victims may come free when the copies finish
+            if self.num_held or self.num_moving_blocks():
+                # Victims may come free when the copies finish, or when the engines holding
+                # pages call again (or their holds lapse).
+                raise BlocksInTransit([])
             raise self._no_room(num)
         num_host = self.host.num_free
         if any(not v.recompute_ok for v in victims[num_host:]):
@@ -571,7 +579,7 @@ class Pool:
     @_after_reads
     def allocate(self, request_id: str, num_blocks: int,
                  intent: dict[str, Any] | None = None,
-                 indices: Sequence[int] | None = None) -> TransferPlan:
+                 indices: Sequence[int] | None = None, holder: str = "") -> TransferPlan:
         """New blocks at the end of the request, each in a device page, with the intent the
         engine already knows (a pin in it is refused, like any pin, if it would overcommit).
         `indices` (increasing, past the last block) places them with gaps, as a handoff
@@ -597,6 +605,7 @@ class Pool:
         # Live blocks, not indices: a request that frees old blocks and allocates new ones
         # (a sliding window) stays within what it reserved.
         growth = max(0, req.num_live_blocks + num_blocks - req.reserved_pages)
+        self._check_quota_growth(req, num_blocks, growth)
         if growth and not self._fits(growth):
             raise ResourceExhausted(
                 f"request {request_id!r} grows past its {req.reserved_pages} reserved pages and "
@@ -617,6 +626,8 @@ class Pool:
             self.device.owner[page] = block
             req.blocks.append(block)
             req.num_live_blocks += 1
+            if holder:  # the engine writes it next: nothing may take its page before
+                self._hold(holder, block)
             self._device_delta(req, 1)
             plan.allocated.append(block)
         req.reserved_pages += growth
@@ -627,10 +638,29 @@ class Pool:
         self._note_peak()
         return plan
 
+    def _check_quota_growth(self, req: Request, num_blocks: int, growth: int) -> None:
+        """Quotas hold on every page added after admission too: the request's cap on its
+        live blocks, the tenant's limit on the pages reserved for all its requests."""
+        quota = self.quota(req.tenant)
+        cap = quota.request_cap(self.device.capacity)
+        if cap is not None and req.num_live_blocks + num_blocks > cap:
+            raise ResourceExhausted(
+                f"request {_short(req.request_id)} holds {req.num_live_blocks} pages and asks "
+                f"for {num_blocks} more: over tenant {req.tenant!r}'s per-request cap of "
+                f"{cap} pages in pool {self.name!r}")
+        if growth and quota.limit is not None and (
+                self.reserved_by_tenant[req.tenant] + growth > quota.limit):
+            raise ResourceExhausted(
+                f"tenant {req.tenant!r} is at its limit of {quota.limit} pages in pool "
+                f"{self.name!r} ({self.reserved_by_tenant[req.tenant]} reserved); request "
+                f"{_short(req.request_id)} asks for {growth} more")
+
     @_after_reads
-    def access(self, request_id: str, indices: Sequence[int] | None) -> AccessResult:
+    def access(self, request_id: str, indices: Sequence[int] | None,
+               holder: str = "") -> AccessResult:
         """The engine reads these blocks now (None: all of them). Resident blocks are touched;
-        the rest are promoted by the returned plan."""
+        the rest are promoted by the returned plan. With a holder, the blocks are held for it
+        (see hold()) from now on."""
         req = self.requests.get(request_id)
         if req is None or req.state is not RequestState.ADMITTED:
             req = self._admitted(request_id)  # raises the right error
@@ -638,6 +668,10 @@ class Pool:
                 and req.num_device_blocks == req.num_live_blocks):
             # The hot path: attention reads a resident request.
             self._record_reads(((req, self.clock.now(), None, 1),))
+            if holder:
+                for b in req.blocks:
+                    if b is not None:
+                        self._hold(holder, b)
             return AccessResult(None, None, req)
         blocks = self._resolve(req, indices)
         busy = [b for b in blocks if b.moving]
@@ -670,11 +704,17 @@ class Pool:
                 counters.num_decode_critical_accesses += 1
                 if b.moving:
                     counters.num_decode_critical_misses += 1
-            if not b.moving and not b.pinned:
+            if not b.moving and not b.pinned and not b.held:
                 policy.touch(b)
         counters.num_accesses += len(blocks)
         counters.num_misses += len(missing)
         self._note_reads(req, len(blocks), now)
+        if holder:
+            # Only once the access succeeded (an access waiting for room holds nothing, so
+            # waiters cannot hold each other up). The promoted blocks are not offered to the
+            # policy when their copy lands.
+            for b in blocks:
+                self._hold(holder, b)
         return AccessResult(blocks, plan, req)
 
     def read_all(self, request_ids: Sequence[str], tenant: str | None = None,
@@ -806,6 +846,50 @@ class Pool:
         if req.read_bucket is not None:
             req.read_bucket.consume(num_blocks * self.page_bytes, now)
 
+    # ------------------------------------------------------------------ holds
+
+    def _hold(self, holder: str, block: Block) -> None:
+        """The engine was handed this block's page and may write or read it until its next
+        call: until then the block is not evictable, so no eviction can move its bytes
+        before the engine wrote them or give its page to another block under the engine's
+        feet. Held blocks leave the policy (as pinned ones do) but count as no pin."""
+        if block.held:
+            return
+        block.held = True
+        if block in self.policy:
+            self.policy.remove(block)
+        entry = self._holds.get(holder)
+        if entry is None:
+            entry = self._holds[holder] = (self.clock.now(), [])
+        entry[1].append(block)
+        self.num_held += 1
+
+    def holds(self, holder: str) -> bool:
+        """Whether the holder has blocks held here."""
+        return holder in self._holds
+
+    def holders(self) -> dict[str, float]:
+        """Each holder with blocks held, and since when."""
+        return {h: since for h, (since, _) in self._holds.items()}
+
+    @_after_reads
+    def end_holds(self, holder: str) -> list[Request]:
+        """The holder called again (or went away): what it was handed is evictable again.
+        Returns queued requests admitted now that those pages may be taken."""
+        entry = self._holds.pop(holder, None)
+        if entry is None:
+            return []
+        for b in entry[1]:
+            if not b.held:
+                continue
+            b.held = False
+            self.num_held -= 1
+            req = b.request
+            if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b
+                    and _evictable(b)):
+                self.policy.insert(b)
+        return self._admit_from_queue() if self.queue else []
+
     def _promote(
         self, req: Request | None, missing: list[Block], keep: Iterable[Block], reason: str
     ) -> TransferPlan:
@@ -834,30 +918,35 @@ class Pool:
         """Apply a batch of intent updates (all or none) and return a prefetch plan for blocks
         that asked for one or became pinned outside the device tier (None if nothing to do)."""
         resolved = []
-        pin_delta: Counter[str] = Counter()
+        # Each block's pin-deciding fields as the batch leaves them: a block named twice
+        # counts once, in its final state (an unpin repeated is one unpin).
+        final: dict[Block, dict[str, Any]] = {}
         for change in changes:
             req = self._admitted(change.request_id)
             (block,) = self._resolve(req, [change.block_index])
             _validate_intent_fields(change.fields)
-            pinned_after = _pinned_after(block, change.fields)
-            if pinned_after != block.pinned:
-                pin_delta[req.tenant] += 1 if pinned_after else -1
+            state = final.setdefault(block, {})
+            for name in ("pin_requested", "priority"):
+                if name in change.fields:
+                    state[name] = change.fields[name]
             resolved.append((block, change))
-        if self.num_pinned + sum(pin_delta.values()) > self.device.capacity:
-            raise self._overpinned(sum(pin_delta.values()))
+        pin_delta = sum(_pinned_after(b, state) - b.pinned for b, state in final.items())
+        if pin_delta > 0 and self.num_pinned + pin_delta > self.device.capacity:
+            raise self._overpinned(pin_delta)
         now = self.clock.now()
         to_prefetch: list[Block] = []
         for block, change in resolved:
             was_pinned = block.pinned
             _apply_intent(block, change.fields, now)
-            held = block.tier is TierKind.DEVICE and not block.moving
+            resident = (block.tier is TierKind.DEVICE and not block.moving
+                        and not block.held)
             if block.pinned != was_pinned:
                 delta = 1 if block.pinned else -1
                 self.num_pinned += delta
                 self.pinned_by_tenant[block.request.tenant] += delta
-                if held:
+                if resident:
                     (self.policy.remove if block.pinned else self.policy.insert)(block)
-            elif held and not block.pinned:
+            elif resident and not block.pinned:
                 self.policy.reorder(block)
             wants = change.prefetch or (block.pinned and not was_pinned)
             if (wants and self.policy.uses_intent and block.tier is not TierKind.DEVICE
@@ -924,6 +1013,9 @@ class Pool:
 
     def _discard(self, block: Block) -> None:
         req = block.request
+        if block.held:  # its holder's entry forgets it at end_holds
+            block.held = False
+            self.num_held -= 1
         if block.tier is TierKind.DEVICE:
             if block in self.policy:
                 self.policy.remove(block)
@@ -986,7 +1078,7 @@ class Pool:
         # Oldest access first, so order-based policies start from a sensible order.
         blocks = [
             b for b in self.device.owner
-            if b is not None and b.tier is TierKind.DEVICE and not b.moving and not b.pinned
+            if b is not None and _evictable(b)
         ]
         blocks.sort(key=lambda b: b.last_access)
         return blocks
@@ -1094,7 +1186,7 @@ class Pool:
         for b in blocks:
             b.moving = False
             b.request.num_moving_blocks -= 1
-            if b.tier is TierKind.DEVICE and not b.pinned:
+            if _evictable(b):
                 self.policy.insert(b)
 
     # ------------------------------------------------------------------ transfers
@@ -1133,18 +1225,24 @@ class Pool:
                 c.num_promotions += 1
                 c.bytes_moved += self.page_bytes
             else:
+                # Its bytes were dropped: the page was zeroed (runtime), and every reply that
+                # hands it out says the engine must recompute it until the engine was told.
                 c.num_rematerializations += 1
+                c.num_lost_blocks += 1
+                b.lost = True
+                if b.request.account is not None:
+                    b.request.account.num_recomputes += 1
             b.tier, b.page = TierKind.DEVICE, m.dst_page
             b.request.maybe_relocated = True
             if plan.reason == "access" and b.deadline_at is not None and now > b.deadline_at:
                 c.num_deadline_misses += 1
             self.policy.on_promoted(b)
-            if not b.pinned:
+            if _evictable(b):
                 self.policy.insert(b)
         for b in plan.allocated:
             b.moving = False
             b.request.num_moving_blocks -= 1
-            if not b.pinned:
+            if _evictable(b):
                 self.policy.insert(b)
         self._note_peak()
         return [m.block for m in plan.demotions if m.block.pinned]
@@ -1162,6 +1260,9 @@ class Pool:
             if b.page not in victim_pages:
                 self.device.release(b.page)
             self._count_pin(b, -1)
+            if b.held:
+                b.held = False
+                self.num_held -= 1
             req = b.request
             req.num_moving_blocks -= 1
             req.blocks[b.index] = None
@@ -1178,7 +1279,7 @@ class Pool:
             self.device.owner[m.src_page] = b
             if m.dst_tier is TierKind.HOST:
                 self.host.release(m.dst_page)
-            if not b.pinned:  # it may have been pinned while in flight
+            if _evictable(b):  # it may have been pinned while in flight
                 self.policy.insert(b)
 
     def _record_evictions(self, plan: TransferPlan, now: float) -> None:
@@ -1218,6 +1319,16 @@ class Reserver:
 
     def reserve(self, req: Request) -> None:
         raise NotImplementedError
+
+
+def _evictable(b: Block) -> bool:
+    """Whether a block belongs in the policy: resident, still, unpinned, not held."""
+    return (b.tier is TierKind.DEVICE and not b.moving and not b.pinned and not b.held)
+
+
+def _short(text: str, limit: int = 64) -> str:
+    """A repr of text for an error message, at most about `limit` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
 
 
 def _validate_intent_fields(fields: dict[str, Any]) -> None:

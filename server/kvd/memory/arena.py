@@ -30,6 +30,8 @@ class Arena(Protocol):
 
     def export(self) -> ArenaExport: ...
 
+    def zero(self, page: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -57,6 +59,9 @@ class ShmArena:
     def export(self) -> ArenaExport:
         return ArenaExport(self.backend, self.num_pages, self.num_pages * self.page_bytes,
                            shm_name=self._shm.name)
+
+    def zero(self, page: int) -> None:
+        self.pages[page].fill(0)
 
     def close(self) -> None:
         self.pages = None  # drop the view before closing the buffer under it

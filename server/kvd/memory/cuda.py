@@ -39,6 +39,11 @@ class CupyArena:
         return ArenaExport(self.backend, self.num_pages, self.num_pages * self.page_bytes,
                            cuda_ipc_handle=bytes(handle), cuda_device=self.device)
 
+    def zero(self, page: int) -> None:
+        with self._cupy.cuda.Device(self.device), self.stream:
+            self.pages[page].fill(0)
+        self.stream.synchronize()
+
     def close(self) -> None:
         self.stream.synchronize()
         self.pages = None

@@ -21,6 +21,12 @@ class Caller:  # not frozen: made on every call, and a frozen dataclass is 3x sl
         return self.admin or self.tenant == tenant
 
     @property
+    def holder(self) -> str:
+        """Who holds the pages this caller's unary calls hand out: its lease, else its
+        tenant. Its next call ends the hold."""
+        return f"lease:{self.lease}" if self.lease else f"tenant:{self.tenant}"
+
+    @property
     def scope(self) -> str | None:
         """The tenant whose requests this caller may touch; None: any (admin)."""
         return None if self.admin else self.tenant

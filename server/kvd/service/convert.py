@@ -24,7 +24,10 @@ def intent_change(update: pb.IntentUpdate) -> IntentChange:
 
 
 def handle(block: Block, page_bytes: int) -> pb.PageHandle:
+    """The block's page as the engine addresses it. The engine is told here that the block
+    moved (its epoch is seen) and, once, that its bytes are lost and must be recomputed."""
     block.seen_epoch = block.epoch
+    lost, block.lost = block.lost, False
     return pb.PageHandle(
         request_id=block.request.request_id,
         block_index=block.index,
@@ -33,6 +36,7 @@ def handle(block: Block, page_bytes: int) -> pb.PageHandle:
         page_index=block.page,
         offset_bytes=block.page * page_bytes,
         length_bytes=page_bytes,
+        recompute=lost,
     )
 
 

@@ -37,6 +37,9 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.auth = auth
         self.gate = gate or CallGate(0)
 
+    def end_holds(self, holder: str) -> None:
+        self.daemon.end_holds(holder)
+
     def _page_bytes(self, request_id: str) -> int:
         return self.daemon.runtime_of(request_id).pool.page_bytes
 
@@ -67,7 +70,8 @@ class MemoryService(pb_grpc.MemoryServicer):
     async def Allocate(self, request, caller):
         scope = caller.scope
         blocks, stall_s = await self.daemon.allocate(request.request_id, request.num_blocks,
-                                                     intent_fields(request.intent), scope)
+                                                     intent_fields(request.intent), scope,
+                                                     holder=caller.holder)
         page_bytes = self._page_bytes(request.request_id)
         return pb.AllocateResponse(
             handles=[handle(b, page_bytes) for b in blocks], stall_us=int(stall_s * 1e6)
@@ -76,7 +80,8 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def Access(self, request, caller):
         blocks, stall_s, promoted = await self.daemon.access(request.request_id,
-                                                             indices(request), caller.scope)
+                                                             indices(request), caller.scope,
+                                                             holder=caller.holder)
         page_bytes = self._page_bytes(request.request_id)
         return pb.AccessResponse(
             handles=[handle(b, page_bytes) for b in blocks],
@@ -253,19 +258,26 @@ class MemoryService(pb_grpc.MemoryServicer):
             await context.abort(status_of(exc), str(exc))
         leases = self.daemon.leases
         leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds the lease
+        # What one step hands out is held until the stream's next message (the engine's
+        # forward pass in between writes and reads those pages).
+        holder = f"stream:{id(context)}:{time.monotonic_ns()}"
+        daemon = self.daemon
+        daemon.end_holds(caller.holder)  # the client's unary calls before are done too
         try:
             async for data, step in request_iterator:
                 if type(step) is Malformed:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
+                daemon.end_holds(holder)
                 started = time.perf_counter()
-                reply = await self._step(step, caller.scope, _reads_key(data))
+                reply = await self._step(step, caller.scope, _reads_key(data), holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
                 yield reply
         finally:
+            daemon.end_holds(holder)
             leases.stream_closed(caller.lease)
 
     async def _step(self, step: pb.StepRequest, scope: str | None = None,
-                    reads_key: bytes | None = None) -> pb.StepResponse:
+                    reads_key: bytes | None = None, holder: str = "") -> pb.StepResponse:
         """One engine step: intents, frees, releases, allocations, accesses, in that order.
         A bad item is reported in `errors`; the rest of the step goes on. `reads_key`, when
         given, is equal for two steps only when their read_all lists are equal."""
@@ -299,7 +311,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         for i, item in enumerate(step.allocations if _ALLOCATIONS in present else ()):
             try:
                 blocks, stall_s = await daemon.allocate(item.request_id, item.num_blocks,
-                                                        intent_fields(item.intent), scope)
+                                                        intent_fields(item.intent), scope,
+                                                        holder=holder)
                 stalled |= stall_s > 0
                 page_bytes = daemon.runtime_of(item.request_id).pool.page_bytes
                 reply.allocated.extend(handle(b, page_bytes) for b in blocks)
@@ -320,7 +333,7 @@ class MemoryService(pb_grpc.MemoryServicer):
             try:
                 rt = daemon.runtime_of(rid, scope) if scope is not None else (
                     where.get(rid) or daemon.runtime_of(rid))
-                result = await rt.access(rid, idx)
+                result = await rt.access(rid, idx, holder)
                 if result.plan is not None:
                     run = rt.start(result.plan)
                     if callable(run):
@@ -420,6 +433,7 @@ def explain_response(account, pool: str, active: bool) -> pb.ExplainResponse:
                             for k, v in account.evictions_suffered.most_common()],
         evictions_caused=[pb.EvictionCount(other=cause(k), count=v)
                           for k, v in account.evictions_caused.most_common()],
+        num_recomputes=account.num_recomputes,
     )
 
 
@@ -487,4 +501,6 @@ def pool_stats(rt, daemon) -> pb.PoolStats:
         bytes_read=sum(pool.blocks_read_by_tenant.values()) * pool.page_bytes,
         handoff_reserved_pages=pool.handoff_reserved_pages(),
         num_admitted=c.num_admitted,
+        num_lost_blocks=c.num_lost_blocks,
+        held_pages=pool.num_held,
     )

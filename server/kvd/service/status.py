@@ -47,8 +47,13 @@ def unary(method: Callable) -> Callable:
         code = "OK"
         gate = self.gate
         key = None
+        in_call = None
         try:
             caller = self.auth.identify(context)
+            if caller.lease and self.auth.leases is not None:
+                # A client waiting on kvd is not silent: its lease cannot lapse mid-call.
+                in_call = self.auth.leases
+                in_call.stream_opened(caller.lease, caller.tenant)
             if gate.limit:
                 # A client is its lease (the client library sends one), else its address.
                 who = caller.lease or context.peer() or "?"
@@ -57,6 +62,9 @@ def unary(method: Callable) -> Callable:
                 key = who
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
+            end_holds = getattr(self, "end_holds", None)
+            if end_holds is not None:  # the caller is done with what it was handed before
+                end_holds(caller.holder)
             return await method(self, request, caller)
         except errors.KvdError as exc:
             status = status_of(exc)
@@ -67,6 +75,8 @@ def unary(method: Callable) -> Callable:
             code = "INVALID_ARGUMENT"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}")
         finally:
+            if in_call is not None:
+                in_call.stream_closed(caller.lease)
             if key is not None:
                 gate.leave(key)
             observe_rpc(name, code, time.perf_counter() - started)

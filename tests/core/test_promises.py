@@ -1,0 +1,121 @@
+"""The pool's promises under unlucky and hostile sequences: quotas hold on every path that
+adds pages, pins never overcommit the device, a dropped block is never handed back as data,
+and a block handed to the engine stays put until the engine is done with it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.core.blocks import TierKind
+from kvd.core.errors import ResourceExhausted
+from kvd.core.fairness import TenantQuota
+from kvd.core.pool import IntentChange
+from kvd.core.transfer import MoveKind
+
+from .conftest import settle
+
+
+def test_tenant_limit_holds_when_a_request_grows_after_admission(make_pool):
+    pool = make_pool(device_pages=64, host_pages=64,
+                     quotas={"t": TenantQuota(limit=48)})
+    # 16 tokens a page: admitted for 4 pages, then grown by Allocate.
+    assert pool.admit("a", tenant="t", prompt_tokens=64, output_tokens=0).decision == "admitted"
+    settle(pool, pool.allocate("a", 48))
+    with pytest.raises(ResourceExhausted, match=r"limit of 48 pages.*48.*asks for 1"):
+        pool.allocate("a", 1)
+    assert pool.reserved_by_tenant["t"] == 48
+    assert pool.requests["a"].num_live_blocks == 48
+
+
+def test_tenant_limit_counts_every_request_of_the_tenant(make_pool):
+    pool = make_pool(device_pages=64, host_pages=64, quotas={"t": TenantQuota(limit=10)})
+    pool.admit("a", tenant="t", prompt_tokens=16 * 5, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=16 * 5, output_tokens=0)
+    settle(pool, pool.allocate("a", 5))
+    with pytest.raises(ResourceExhausted, match="limit of 10 pages"):
+        pool.allocate("a", 1)  # b's reservation counts too
+    settle(pool, pool.allocate("b", 5))
+    # A sliding window stays within what it holds: free one, allocate one.
+    pool.free("a", [0])
+    settle(pool, pool.allocate("a", 1))
+
+
+def test_request_cap_holds_when_a_request_grows(make_pool):
+    pool = make_pool(device_pages=64, host_pages=64,
+                     quotas={"t": TenantQuota(max_request_pages=4)})
+    assert pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0).decision == "admitted"
+    settle(pool, pool.allocate("a", 4))
+    with pytest.raises(ResourceExhausted, match="per-request cap of 4 pages"):
+        pool.allocate("a", 1)
+    assert pool.requests["a"].num_live_blocks == 4
+
+
+def test_guarantee_of_another_tenant_holds_against_growth(make_pool):
+    # g is guaranteed 6 of 8 device pages; t may not grow into them through Allocate.
+    pool = make_pool(device_pages=8, host_pages=0, policy="fair",
+                     quotas={"g": TenantQuota(guaranteed=6)}, reserve_pages=0)
+    pool.admit("g1", tenant="g", prompt_tokens=16 * 6, output_tokens=0)
+    settle(pool, pool.allocate("g1", 6))
+    pool.admit("t1", tenant="t", prompt_tokens=16 * 2, output_tokens=0)
+    settle(pool, pool.allocate("t1", 2))
+    with pytest.raises(ResourceExhausted):
+        pool.allocate("t1", 1)
+    assert pool.device_by_tenant["g"] == 6
+
+
+def test_duplicate_unpin_in_one_batch_cannot_overcommit_pins(make_pool):
+    # Every device page pinned by r; s's two blocks wait on the host tier. Unpinning r2
+    # twice frees one pin, not two: pinning s0 and s1 as well would make 5 pins on 4 pages.
+    pool = make_pool(device_pages=4, host_pages=8)
+    pool.admit("s", tenant="t", prompt_tokens=16 * 2, output_tokens=0)
+    settle(pool, pool.allocate("s", 2))
+    pool.admit("r", tenant="t", prompt_tokens=16 * 4, output_tokens=0)
+    settle(pool, pool.allocate("r", 4, {"pin_requested": True}))
+    assert pool.num_pinned == 4
+    unpin, pin = {"pin_requested": False}, {"pin_requested": True}
+    with pytest.raises(ResourceExhausted, match="pinning 1 more"):
+        pool.update_intents([IntentChange("r", 2, unpin), IntentChange("r", 2, unpin),
+                             IntentChange("s", 0, pin), IntentChange("s", 1, pin)])
+    assert pool.num_pinned == 4 and pool.requests["r"].blocks[2].pinned  # nothing changed
+    # Unpin two, pin two: allowed, and counted once each.
+    pool.update_intents([IntentChange("r", 2, unpin), IntentChange("r", 3, unpin),
+                         IntentChange("r", 2, unpin), IntentChange("s", 0, pin),
+                         IntentChange("s", 1, pin)])
+    assert pool.num_pinned == 4
+    assert sum(b.pinned for r in ("r", "s") for b in pool.requests[r].live_blocks()) == 4
+    for plan in [pool.access("s", None).plan]:
+        settle(pool, plan)
+
+
+def test_pin_flip_flop_in_one_batch_counts_the_final_state(make_pool):
+    pool = make_pool(device_pages=2, host_pages=8)
+    pool.admit("r", tenant="t", prompt_tokens=16 * 2, output_tokens=0)
+    settle(pool, pool.allocate("r", 2, {"pin_requested": True}))
+    pool.admit("s", tenant="t", prompt_tokens=16, output_tokens=0)
+    # Unpin and re-pin r0, then unpin r1 twice: the batch ends with 1 pinned block.
+    pool.update_intents([IntentChange("r", 0, {"pin_requested": False}),
+                         IntentChange("r", 0, {"pin_requested": True}),
+                         IntentChange("r", 1, {"pin_requested": False}),
+                         IntentChange("r", 1, {"pin_requested": False})])
+    assert pool.num_pinned == 1
+    assert sum(b.pinned for b in pool.requests["r"].live_blocks()) == 1
+
+
+def test_dropped_block_comes_back_flagged_and_zeroed_never_as_data(make_pool):
+    # A one-page host tier: of two recompute_ok victims, one is demoted and one dropped.
+    # When read again the dropped one must come back marked lost (its page to be zeroed by
+    # the runtime), the demoted one intact.
+    pool = make_pool(device_pages=4, host_pages=1)
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    settle(pool, pool.allocate("a", 2, {"recompute_ok": True}))
+    plan = settle(pool, pool.evict(2))
+    assert sorted(m.kind.value for m in plan.demotions) == ["demote", "drop"]
+    a = pool.requests["a"]
+    dropped = next(m.block for m in plan.demotions if m.kind is MoveKind.DROP)
+    result = pool.access("a", None)
+    kinds = {m.block.index: m.kind for m in result.plan.promotions}
+    assert kinds[dropped.index] is MoveKind.REMATERIALIZE
+    settle(pool, result.plan)
+    assert [b.lost for b in a.live_blocks()] == [b is dropped for b in a.live_blocks()]
+    assert pool.counters.num_lost_blocks == 1
+    assert a.account.num_recomputes == 1
