@@ -41,6 +41,12 @@ from kvd.runtime import PoolRuntime
 
 log = structlog.get_logger("kvd.daemon")
 
+# A transfer whose bytes have not moved for this long is reported as stuck (a link capped
+# to a crawl can legitimately take seconds per chunk; nothing legitimate takes this long).
+STUCK_AFTER_S = 30.0
+# How long SelfCheck waits for transfers in flight to finish before checking anyway.
+SELF_CHECK_WAIT_S = 5.0
+
 
 def make_arenas(pc: PoolConfig) -> dict[str, object]:
     """Allocate a pool's device and host arenas on the configured backend."""
@@ -106,6 +112,11 @@ class Daemon:
         # config does not declare one.
         self.handoff_links: dict[tuple[str, str], Link] = {}
         self.handoffs_in_flight: set[asyncio.Task] = set()
+        # Requests with a Handoff under way: a second one is refused at once (it used to
+        # start too, and claim a reservation the first had rolled back).
+        self._handing_off: set[str] = set()
+        # What check_stuck() last found, by pool (a metric, SelfCheck and a log line).
+        self.stuck: dict[str, list[str]] = {}
         self.handoff_counts: Counter = Counter()
         try:
             for pc in config.pools:
@@ -448,6 +459,7 @@ class Daemon:
             await asyncio.sleep(period_s)
             self.expire_reservations()
             self.lapse_holds(self.config.hold_s)
+            self.check_stuck()
 
     async def handoff(self, request_id: str, target: str = "", scope: str | None = None
                       ) -> AsyncIterator[dict]:
@@ -481,9 +493,13 @@ class Daemon:
             req.handoff_pool = target
         elif reservation.state is not RequestState.RESERVED:
             raise FailedPrecondition(f"request {request_id!r} is being handed off already")
+        if request_id in self._handing_off:
+            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
         progress: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
         task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel))
+        self._handing_off.add(request_id)
+        task.add_done_callback(lambda _: self._handing_off.discard(request_id))
         self.handoffs_in_flight.add(task)
         task.add_done_callback(_settle_handoff)
         task.add_done_callback(self.handoffs_in_flight.discard)
@@ -511,11 +527,18 @@ class Daemon:
     async def _handoff(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
                        progress: asyncio.Queue, cancel: asyncio.Event) -> None:
         request_id = req.request_id
-        blocks = await src.run(lambda: src.pool.begin_handoff(request_id))
+        blocks = await src.run(lambda: src.pool.begin_handoff(request_id),
+                               undo=src.pool.end_handoff)
         this = asyncio.current_task()
         for b in blocks:  # whoever needs these blocks waits for the handoff
             src._inflight[b] = this
-        dst.pool.claim(request_id)
+        try:
+            dst.pool.claim(request_id)  # gone if it lapsed meanwhile
+        except BaseException:
+            src._finish_blocks(blocks)
+            src.pool.end_handoff(blocks)
+            src.room_may_have_changed()
+            raise
         plan = None
         demoted = False
         try:
@@ -762,17 +785,34 @@ class Daemon:
         self.events.publish("policy", pool=rt.pool.name, policy=policy, previous=previous)
         return previous
 
+    def check_stuck(self) -> list[str]:
+        """Transfers without progress for STUCK_AFTER_S, and blocks in transit that nothing
+        owns: logged when first found, kept for the metric and SelfCheck."""
+        found = []
+        for name, rt in self.pools.items():
+            problems = rt.stuck(STUCK_AFTER_S)
+            for problem in set(problems) - set(self.stuck.get(name, ())):
+                log.error("transfer stuck", pool=name, problem=problem)
+            self.stuck[name] = problems
+            found += problems
+        return found
+
     async def self_check(self) -> list[str]:
         problems = []
         for rt in self.pools.values():
-            await rt.quiesce()
+            await rt.quiesce(timeout_s=SELF_CHECK_WAIT_S)  # a slow link may still be busy
             rt.pool.apply_reads()
             problems.extend(check_pool(rt.pool))
-        return problems
+        return problems + self.check_stuck()
 
-    async def drain(self) -> None:
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for transfers in flight, at most timeout_s in all; False: some still were."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        quiet = True
         for rt in self.pools.values():
-            await rt.quiesce()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            quiet &= await rt.quiesce(left)
+        return quiet
 
     def close(self) -> None:
         for rt in self.pools.values():
@@ -780,10 +820,21 @@ class Daemon:
         self.pools.clear()
         self._executor.shutdown(wait=True)
 
-    async def aclose(self) -> None:
-        await self.drain()
-        for task in list(self.handoffs_in_flight):
-            await asyncio.wait({task})
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Let transfers and handoffs in flight finish, at most timeout_s; then stop the
+        links (a copy already handed to a worker finishes: close() waits for the workers
+        before it unmaps the arenas)."""
+        deadline = time.monotonic() + timeout_s
+        quiet = await self.drain(timeout_s)
+        pending = {t for t in self.handoffs_in_flight if not t.done()}
+        if pending:
+            _, pending = await asyncio.wait(pending,
+                                            timeout=max(0.0, deadline - time.monotonic()))
+        if not quiet or pending:
+            log.error("shutting down with transfers still in flight; abandoning them",
+                      handoffs=len(pending), stuck=self.check_stuck())
+            for task in pending:
+                task.cancel()
         for link in self.links():
             await link.aclose()
         await asyncio.get_running_loop().run_in_executor(None, self.close)

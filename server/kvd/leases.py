@@ -18,6 +18,7 @@ from kvd.core.clock import Clock
 log = structlog.get_logger("kvd.leases")
 
 LEASE_METADATA = "kvd-lease"
+RELEASE_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -89,8 +90,13 @@ class LeaseTable:
                 released = 0
                 for request_id in sorted(lease.requests):
                     try:
-                        await release(request_id)
+                        # Bounded: one request that cannot be released (a transfer stuck
+                        # under it) must not keep every other lease from being reclaimed.
+                        await asyncio.wait_for(release(request_id), RELEASE_TIMEOUT_S)
                         released += 1
+                    except asyncio.TimeoutError:
+                        log.error("lease release timed out; will not retry",
+                                  request_id=request_id[:64], lease=lease.lease_id)
                     except Exception as exc:  # already released, or released by its owner
                         log.debug("lease release skipped", request_id=request_id,
                                   error=str(exc))

@@ -90,9 +90,11 @@ def _snapshot(daemon) -> dict:
                       "host": (pool.host.capacity, pool.host.num_used, 0)},
             "queue": len(pool.queue),
             "in_flight": len(rt._plans),
+            "held": pool.num_held,
+            "stuck": len(daemon.stuck.get(name, ())),
             "counters": {k: getattr(c, k) for k in (
                 "num_admitted", "num_queued", "num_rejected", "num_demotions",
-                "num_promotions", "num_drops", "num_prefetches",
+                "num_promotions", "num_drops", "num_prefetches", "num_lost_blocks",
                 "num_decode_critical_accesses", "num_decode_critical_misses",
                 "num_deadline_misses", "stall_seconds_total")},
             "evictions": dict(att.evictions_by_pair),
@@ -142,6 +144,10 @@ class KvdCollector(Collector):
         moves = counter("kvd_page_moves", "Pages moved between tiers", ["pool", "direction"])
         moved = counter("kvd_moved_bytes", "Bytes copied between tiers", ["pool", "direction"])
         drops = counter("kvd_drops", "Pages dropped for the engine to recompute", ["pool"])
+        lost = counter("kvd_lost_blocks", "Dropped blocks handed back zeroed, flagged for the "
+                       "engine to recompute", ["pool"])
+        stuck = gauge("kvd_stuck_transfers", "Transfers in flight without progress past the "
+                      "bound, or blocks in transit that nothing owns (should be 0)", ["pool"])
         pre = counter("kvd_prefetches", "Blocks promoted ahead of their access", ["pool"])
         dca = counter("kvd_decode_critical_accesses", "Reads of decode-critical blocks", ["pool"])
         dcm = counter("kvd_decode_critical_misses",
@@ -174,6 +180,7 @@ class KvdCollector(Collector):
                 pages.add_metric([name, tier, "free"], capacity - used)
                 if tier == "device":
                     pages.add_metric([name, tier, "pinned"], pinned)
+                    pages.add_metric([name, tier, "held"], p["held"])
             queue.add_metric([name], p["queue"])
             flight.add_metric([name], p["in_flight"])
             c = p["counters"]
@@ -184,6 +191,8 @@ class KvdCollector(Collector):
             moved.add_metric([name, "device_to_host"], c["num_demotions"] * p["page_bytes"])
             moved.add_metric([name, "host_to_device"], c["num_promotions"] * p["page_bytes"])
             drops.add_metric([name], c["num_drops"])
+            lost.add_metric([name], c["num_lost_blocks"])
+            stuck.add_metric([name], p["stuck"])
             pre.add_metric([name], c["num_prefetches"])
             dca.add_metric([name], c["num_decode_critical_accesses"])
             dcm.add_metric([name], c["num_decode_critical_misses"])
@@ -199,7 +208,8 @@ class KvdCollector(Collector):
                 t_lim.add_metric([name, tenant], limit)
                 t_res.add_metric([name, tenant], reserved)
                 t_q.add_metric([name, tenant], queued)
-        yield from (info, pages, queue, flight, adm, moves, moved, drops, pre, dca, dcm, dlm,
+        yield from (info, pages, queue, flight, adm, moves, moved, drops, lost, stuck, pre,
+                    dca, dcm, dlm,
                     stall, ev, t_pages, t_share, t_guar, t_lim, t_res, t_q)
         cap = gauge("kvd_link_capacity_bytes_per_second", "A link's configured or measured "
                     "capacity", ["link", "scheduling"])

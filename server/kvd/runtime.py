@@ -30,6 +30,8 @@ _RETRY = object()  # a room waiter's own blocks are in transit: it waits for the
 # cost of one. Nothing sees them late: every other pool operation, stats and metrics
 # included, records them first, whenever it comes.
 RECORD_READS_AFTER_S = 0.05
+# Blocks in transit with no owner for this long are stuck (see PoolRuntime.stuck).
+ORPHANED_AFTER_S = 1.0
 
 
 def _record_later(fn: Callable[[], None]) -> None:
@@ -61,6 +63,12 @@ class PoolRuntime:
         # (rank, arrival, op, future). Served as transfers complete, best rank first.
         self._room_waiters: list[tuple[int, int, Callable, asyncio.Future]] = []
         self._arrivals = itertools.count()
+        # Since when some block waited on has been in transit with no owner (None: none).
+        self._unowned_since: float | None = None
+        # Requests with blocks in transit that no plan owns, since when (see stuck()).
+        self._orphans_seen: dict[Request, float] = {}
+        # Plans in flight: their transfer, and when its bytes last moved (for stuck()).
+        self._progress: dict[TransferPlan, list] = {}
         self.on_plan_done: list[Callable[[TransferPlan, float], None]] = []
         # read_all() answers a step's reads at once and has them recorded a little later,
         # after the reply has gone (and before any other operation on the pool).
@@ -119,7 +127,8 @@ class PoolRuntime:
                    and req.blocks[i].decode_critical for i in indices)
 
     async def run(self, op: Callable[[], T], critical: bool = False,
-                  busy: BlocksInTransit | None = None) -> T:
+                  busy: BlocksInTransit | None = None,
+                  undo: Callable[[T], None] | None = None) -> T:
         """Call a pool operation, waiting out blocks in transit and calling again. One that
         finds no device room while pages are in transit waits in line for room (decode-
         critical first under fair link scheduling, else in arrival order) and is called
@@ -141,7 +150,15 @@ class PoolRuntime:
                                (rank, next(self._arrivals), op, future))
                 if not self.pool.num_moving_blocks():
                     self._serve_room_waiters()  # the transfer it waited for is done already
-                result = await future
+                try:
+                    result = await future
+                except asyncio.CancelledError:
+                    # The caller went away after the line had already run its operation:
+                    # nobody will start what it planned, so undo it here (its blocks would
+                    # otherwise stay in transit for ever).
+                    if future.done() and not future.cancelled() and future.exception() is None:
+                        self._orphaned(future.result(), undo)
+                    raise
                 if result is not _RETRY:
                     return result
             try:
@@ -149,6 +166,18 @@ class PoolRuntime:
             except BlocksInTransit as exc:
                 again = exc
             busy = again
+
+    def _orphaned(self, result, undo) -> None:
+        if result is _RETRY:
+            return
+        if undo is not None:
+            undo(result)
+            return
+        plan = result.plan if isinstance(result, AccessResult) else result
+        if isinstance(plan, TransferPlan):
+            self.pool.abort(plan)
+            log.warning("a cancelled operation's plan was rolled back", pool=self.pool.name,
+                        reason=plan.reason)
 
     def room_may_have_changed(self) -> None:
         """Pages came free or evictable (a release, a free, an unpin, a transfer done):
@@ -183,7 +212,8 @@ class PoolRuntime:
     async def wait_for(self, blocks: list[Block]) -> None:
         """Wait until these blocks' transfers finish (no blocks: until any transfer does)."""
         if blocks:
-            futures = {self._inflight[b] for b in blocks if b in self._inflight}
+            futures = {f for b in blocks if (f := self._inflight.get(b)) is not None
+                       and not f.done()}
         else:
             futures = set(self._inflight.values())
             if futures:
@@ -191,8 +221,49 @@ class PoolRuntime:
                 return
         if futures:
             await asyncio.wait(futures)
-        else:  # moving but not yet registered: let the planner's task register it
-            await asyncio.sleep(0.0005)
+        else:
+            # Moving but not yet registered (the planner's task registers it next), or, if
+            # that lasts, owned by nobody: a bug that stuck_blocks() reports. Never spin.
+            await asyncio.sleep(0.0005 if self._unowned_since is None else 0.05)
+            self._note_unowned(blocks)
+
+    def _note_unowned(self, blocks: list[Block]) -> None:
+        unowned = [b for b in blocks if b.moving and b not in self._inflight]
+        if not unowned:
+            self._unowned_since = None
+        elif self._unowned_since is None:
+            self._unowned_since = time.monotonic()
+
+    def stuck(self, bound_s: float) -> list[str]:
+        """What has been in flight without progress for longer than bound_s: blocks in
+        transit that no plan or handoff owns, and plans whose bytes stopped moving."""
+        now = time.monotonic()
+        problems = []
+        inflight = self._inflight
+        seen, self._orphans_seen = self._orphans_seen, {}
+        for req in self.pool.requests.values():
+            if not req.num_moving_blocks:
+                continue
+            orphans = [b for b in req.blocks if b is not None and b.moving
+                       and (b not in inflight or inflight[b].done())]
+            if not orphans:
+                continue
+            # A plan's blocks go unowned for an instant between its planning and its start:
+            # only what stays so is reported.
+            since = self._orphans_seen[req] = seen.get(req, now)
+            if now - since >= ORPHANED_AFTER_S:
+                problems.append(f"{self.pool.name}: {len(orphans)} block(s) of request "
+                                f"{req.request_id[:64]!r} in transit with no owner for "
+                                f"{now - since:.1f} s")
+        for plan, entry in self._progress.items():
+            transfer, done, since = entry
+            if transfer.job.bytes_done != done:
+                entry[1], entry[2] = transfer.job.bytes_done, now
+            elif now - since > bound_s:
+                problems.append(f"{self.pool.name}: a {plan.reason} plan moved no byte for "
+                                f"{now - since:.0f} s ({transfer.job.bytes_done} of "
+                                f"{transfer.job.bytes_total} bytes done)")
+        return problems
 
     def complete_now(self, plan: TransferPlan) -> float:
         """Complete a plan whose bytes are already where they belong."""
@@ -269,6 +340,7 @@ class PoolRuntime:
         for block in plan.blocks():
             self._inflight[block] = task
         self._plans.add(plan)
+        self._progress[plan] = [transfer, 0, time.monotonic()]
         return lambda: asyncio.shield(task)
 
     def _job(self, plan: TransferPlan, chunks: list[list[tuple]]) -> Job:
@@ -313,6 +385,7 @@ class PoolRuntime:
     def _finish(self, plan: TransferPlan) -> None:
         self._finish_blocks(plan.blocks())
         self._plans.discard(plan)
+        self._progress.pop(plan, None)
 
     def _finish_blocks(self, blocks: list[Block]) -> None:
         inflight = self._inflight
@@ -323,10 +396,18 @@ class PoolRuntime:
         for listener in self.on_plan_done:
             listener(plan, stall_s)
 
-    async def quiesce(self) -> None:
-        """Wait until no transfer is in flight (for checks and shutdown)."""
-        while self._inflight:
-            await asyncio.wait(set(self._inflight.values()))
+    async def quiesce(self, timeout_s: float | None = None) -> bool:
+        """Wait until no transfer is in flight (for checks and shutdown), at most timeout_s.
+        False: some still were."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            pending = {f for f in self._inflight.values() if not f.done()}
+            if not pending:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            await asyncio.wait(pending, timeout=left)
 
     async def aclose_link(self) -> None:
         await self.link.aclose()

@@ -1,0 +1,297 @@
+"""Random sequences of the daemon's whole API (admission, allocation, reads, intents, frees,
+releases, evictions, handoffs and their cancellation, quota changes), under every policy and
+tier sizes from a handful of pages to several hundred, with real arenas and real copies.
+
+The engine side writes a distinct pattern into every block it is handed and checks it on
+every read: a block kvd hands back must hold exactly what the engine wrote, unless kvd says
+it must be recomputed, and then its page holds zeros (nothing of another request). After
+every step the daemon's invariants hold (SelfCheck), no tenant holds more than its limit, no
+request more than its cap, pins never exceed the device, and nothing is left in transit.
+
+KVD_MACHINE_EXAMPLES sets the examples per policy (the suite's default is small; `make
+soak` runs many more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from kvd.config import Config, LinkConfig, PoolConfig, TenantConfig
+from kvd.core.blocks import Priority, RequestState, TierKind
+from kvd.core.errors import KvdError
+from kvd.core.policies import policy_names
+from kvd.core.pool import IntentChange
+from kvd.daemon import Daemon
+
+PAGE_BYTES = 64
+EXAMPLES = int(os.environ.get("KVD_MACHINE_EXAMPLES", "20"))
+STEPS = int(os.environ.get("KVD_MACHINE_STEPS", "50"))
+REQUESTS = [f"r{i}" for i in range(6)]
+TENANTS = ("a", "b")
+LIMIT_B = 0.5  # tenant b may hold at most half the pool's device pages
+CAP_A = 0.75  # tenant a's requests at most three quarters of it
+
+
+def pattern(request_id: str, index: int, generation: int) -> np.ndarray:
+    """What the engine writes into a block: distinct per request, block and rewrite."""
+    seed = (hash(request_id) & 0xFFFF) * 1_000_003 + index * 7919 + generation * 31 + 1
+    return np.random.default_rng(seed).integers(1, 256, PAGE_BYTES, dtype=np.uint8)
+
+
+class DaemonMachine(RuleBasedStateMachine):
+    policy = "lru"
+
+    @initialize(device_pages=st.sampled_from([3, 5, 8, 16, 64, 300]),
+                host_ratio=st.sampled_from([0, 1, 1, 2, 4]))
+    def start(self, device_pages, host_ratio):
+        self.loop = asyncio.new_event_loop()
+        self.device_pages = device_pages
+        limit_b = max(1, int(device_pages * LIMIT_B))
+        pools = tuple(
+            PoolConfig(name=name, page_bytes=PAGE_BYTES, block_tokens=4,
+                       device_pages=device_pages, host_pages=device_pages * host_ratio,
+                       policy=self.policy, device_backend="host",
+                       link_bandwidth="1GiB/s", link_chunk=str(PAGE_BYTES * 4))
+            for name in ("default", "decode"))
+        self.config = Config(
+            socket="", tcp="127.0.0.1:0", pools=pools, hold_s=1.0,
+            links=(LinkConfig("default", "decode", bandwidth="1GiB/s",
+                              chunk=str(PAGE_BYTES * 2)),),
+            tenants=(TenantConfig("a", max_request_fraction=CAP_A),
+                     TenantConfig("b", limit=limit_b)))
+        self.daemon = self.loop.run_until_complete(self._make())
+        self.written: dict[tuple[str, int], int] = {}  # (request, block) -> generation
+        self.live: dict[str, str] = {}  # request -> tenant, as the engine believes
+        self.generation = 0
+        self.holder = "engine"
+
+    async def _make(self) -> Daemon:
+        return Daemon(self.config)
+
+    def teardown(self):
+        if hasattr(self, "daemon"):
+            self.loop.run_until_complete(asyncio.wait_for(self.daemon.aclose(), 30))
+            self.loop.close()
+
+    # ------------------------------------------------------------------ the engine's side
+
+    def run(self, coro):
+        """One engine call: what it was handed before is no longer in use (as the service
+        does at every call), then the call, bounded (nothing may hang). The reply reaches
+        the engine a moment later: kvd's background work (a refill, a prefetch) runs in
+        between, as it does while a reply crosses the socket."""
+        self.daemon.end_holds(self.holder)
+
+        async def call_then_reply():
+            result = await coro
+            await asyncio.sleep(0.001)
+            return result
+
+        return self.loop.run_until_complete(asyncio.wait_for(call_then_reply(), 30))
+
+    def arena(self, pool: str):
+        return self.daemon.runtime(pool).arenas["device"].pages
+
+    def write(self, block) -> None:
+        self.generation += 1
+        rid = block.request.request_id
+        self.arena(block.request.pool)[block.page] = pattern(rid, block.index, self.generation)
+        self.written[(rid, block.index)] = self.generation
+
+    def check_read(self, blocks, lost: set[int]) -> None:
+        for b in blocks:
+            rid = b.request.request_id
+            assert b.tier is TierKind.DEVICE, f"{b} handed out off the device"
+            page = self.arena(b.request.pool)[b.page]
+            if b.index in lost:
+                assert not page.any(), f"{b} came back for recompute holding bytes"
+                self.write(b)  # the engine recomputes it
+                continue
+            want = pattern(rid, b.index, self.written[(rid, b.index)])
+            assert np.array_equal(page, want), f"{b}: bytes differ from what was written"
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(rid=st.sampled_from(REQUESTS), tenant=st.sampled_from(TENANTS),
+          share=st.integers(1, 8), handoff=st.booleans())
+    def admit(self, rid, tenant, share, handoff):
+        pages = max(1, share * self.device_pages // 10)  # sized to the pool: pressure
+        try:
+            result = self.daemon.admit(rid, tenant=tenant, pool="default",
+                                       prompt_tokens=pages * 4, output_tokens=4, priority=0,
+                                       lease="", handoff_pool="decode" if handoff else "")
+        except KvdError:
+            return
+        if result.decision != "rejected":
+            self.live[rid] = tenant
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), share=st.integers(1, 6), recompute=st.booleans(),
+          pin=st.integers(0, 3))
+    def allocate(self, data, share, recompute, pin):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        num = max(1, share * self.device_pages // 10)
+        pin = pin == 0  # pins now and then
+        intent = {"recompute_ok": recompute} | ({"pin_requested": True} if pin else {})
+        pool = self.daemon.runtime_of(rid).pool
+        tenant = self.live[rid]
+        before = pool.reserved_by_tenant[tenant]
+        try:
+            blocks, _ = self.run(self.daemon.allocate(rid, num, intent, holder=self.holder))
+        except KvdError:
+            return
+        for b in blocks:
+            self.write(b)
+        # Growth after admission is held to the tenant's limit in force now.
+        limit = pool.quota(tenant).limit
+        if limit is not None and pool.reserved_by_tenant[tenant] > before:
+            assert pool.reserved_by_tenant[tenant] <= limit, (tenant, limit)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), all_blocks=st.booleans())
+    def access(self, data, all_blocks):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        req = self._request(rid)
+        if req is None or req.state is not RequestState.ADMITTED:
+            return
+        live = [b.index for b in req.live_blocks()]
+        indices = None if all_blocks or not live else sorted(
+            data.draw(st.sets(st.sampled_from(live), min_size=1)))
+        try:
+            blocks, _, _ = self.run(self.daemon.access(rid, indices, holder=self.holder))
+        except KvdError:
+            return
+        lost = {b.index for b in blocks if b.lost}
+        for b in blocks:
+            b.lost = False  # the reply told the engine (as the service's handle() does)
+        self.check_read(blocks, lost)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), pin=st.booleans(), priority=st.sampled_from(list(Priority)[1:]),
+          twice=st.booleans())
+    def update_intents(self, data, pin, priority, twice):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        req = self._request(rid)
+        if req is None or not req.live_blocks():
+            return
+        index = data.draw(st.sampled_from([b.index for b in req.live_blocks()]))
+        change = IntentChange(rid, index, {"pin_requested": pin, "priority": int(priority)})
+        try:
+            self.run(self.daemon.update_intents([change] * (2 if twice else 1)))
+        except KvdError:
+            pass
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        req = self._request(rid)
+        if req is None or not req.live_blocks():
+            return
+        index = data.draw(st.sampled_from([b.index for b in req.live_blocks()]))
+        try:
+            self.run(self.daemon.free(rid, [index]))
+        except KvdError:
+            return
+        self.written.pop((rid, index), None)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def release(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        try:
+            self.run(self.daemon.release(rid))
+        except KvdError:
+            pass
+        self._forget(rid)
+
+    @rule(share=st.integers(1, 5), pool=st.sampled_from(["default", "decode"]))
+    def evict(self, share, pool):
+        num = max(1, share * self.device_pages // 10)
+        try:
+            self.run(self.daemon.evict(pool, num))
+        except KvdError:
+            pass
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), cancel_after=st.sampled_from([None, 0, 1]))
+    def handoff(self, data, cancel_after):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.run(self._handoff(rid, cancel_after))
+
+    async def _handoff(self, rid, cancel_after):
+        stream = self.daemon.handoff(rid, "decode")
+        seen = 0
+        try:
+            async for progress in stream:
+                if progress["done"]:
+                    # The engine reads its blocks in the decode pool: same bytes.
+                    self.check_read(progress["blocks"], set())
+                    return
+                if cancel_after is not None and seen >= cancel_after:
+                    return
+                seen += 1
+        except KvdError:
+            return
+        finally:
+            await stream.aclose()
+
+    @rule(tenant=st.sampled_from(TENANTS), limit=st.integers(1, 40))
+    def lower_or_raise_limit(self, tenant, limit):
+        """Quotas change at run time: what is admitted stays, growth past it is refused."""
+        self.daemon.set_quota(tenant, "", limit=limit)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _request(self, rid):
+        rt = self.daemon.request_index.get(rid)
+        return rt.pool.requests.get(rid) if rt is not None else None
+
+    def _forget(self, rid):
+        self.live.pop(rid, None)
+        for key in [k for k in self.written if k[0] == rid]:
+            del self.written[key]
+
+    @invariant()
+    def promises_hold(self):
+        if not hasattr(self, "daemon"):
+            return
+        problems = self.loop.run_until_complete(asyncio.wait_for(self.daemon.self_check(), 30))
+        assert problems == [], problems
+        for rt in self.daemon.pools.values():
+            pool = rt.pool
+            assert pool.num_pinned <= pool.device.capacity
+            assert not rt._plans and pool.num_moving_blocks() == 0, "left in transit"
+            cap = int(CAP_A * pool.device.capacity)
+            for req in pool.requests.values():
+                if req.tenant == "a" and req.state is RequestState.ADMITTED:
+                    assert req.num_live_blocks <= max(cap, req.projected_pages), req
+        # The engine's view and kvd's agree: every block it wrote is still known.
+        for (rid, index) in self.written:
+            req = self._request(rid)
+            if req is not None and index < len(req.blocks):
+                assert req.blocks[index] is not None, f"{rid}[{index}] vanished"
+
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_daemon_keeps_its_promises(policy):
+    machine = type(f"DaemonMachine_{policy.replace(':', '_')}", (DaemonMachine,),
+                   {"policy": policy})
+    machine.TestCase.settings = settings(
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+        suppress_health_check=list(HealthCheck))
+    machine.TestCase().runTest()

@@ -1,0 +1,181 @@
+"""Nothing gets stuck: racing handoffs, cancels mid-copy and releases while blocks are in
+transit leave a daemon that answers every call, passes SelfCheck and exits on SIGTERM in
+time. (Two Handoff calls for one request used to both start; when the first was cancelled
+the second claimed a reservation that was gone, left the request's blocks marked moving
+with no owner, and Release, Access, SelfCheck, the lease reaper and shutdown spun on them.)"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import pytest
+
+from kvd_client import AsyncClient, KvdClientError
+from kvd_loadgen.local import LocalKvd
+
+CONFIG = """
+[server]
+grace_s = 2
+lease_ttl_s = 30
+
+[[pool]]
+name = "prefill"
+model = "tiny"
+device_pages = 16
+host_pages = 32
+
+[[pool]]
+name = "decode"
+model = "tiny"
+device_pages = 16
+host_pages = 16
+
+[[tenant]]
+name = "slow"
+request_bandwidth_cap = "64KiB/s"
+
+[[link]]
+source = "prefill"
+target = "decode"
+chunk = "16KiB"
+"""
+
+
+async def answers(coro, within_s: float = 10.0):
+    """The call's reply (or its error: a clean refusal is an answer too) within a bound."""
+    try:
+        return await asyncio.wait_for(coro, within_s)
+    except KvdClientError as exc:
+        return exc
+
+
+async def test_racing_handoffs_and_a_cancel_leave_nothing_stuck(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG)
+    kvd = LocalKvd("--config", str(config), workdir=tmp_path).start()
+    try:
+        async with AsyncClient(kvd.target, timeout_s=30) as admin, \
+                AsyncClient(kvd.target, timeout_s=30, token=None) as c:
+            await c.admit("r", 12 * 16, 16, pool="prefill", handoff_pool="decode",
+                          tenant="slow")
+            await c.allocate("r", 12)
+            await c.keep_alive()  # done writing
+            # 10 of its pages leave over a link capped at 64 KiB/s for this request: ~2.5 s
+            # of blocks in transit.
+            # The request's budget is spent by a first eviction, so the next one waits on
+            # the link with its blocks in transit.
+            await admin.evict(2, pool="prefill")
+            evicting = asyncio.ensure_future(admin.evict(8, pool="prefill"))
+            print("T0", time.monotonic())
+            await asyncio.sleep(0.2)
+            first = c.handoff("r")
+            got_first = asyncio.ensure_future(first.__anext__())
+            await asyncio.sleep(0.2)  # the first is waiting for the blocks in transit
+            second = asyncio.ensure_future(answers(_drain(c.handoff("r")), 30))
+            progress = await asyncio.wait_for(got_first, 30)
+            assert progress.blocks_total == 12
+            await first.aclose()  # cancel the first handoff mid-copy
+            outcome = await second
+            print("OUTCOME", repr(outcome)[:300], time.monotonic())
+            # The second either did the whole handoff or was refused at once; never a
+            # request left half-claimed.
+            assert not isinstance(outcome, KvdClientError) or outcome.code.name in (
+                "FAILED_PRECONDITION", "ABORTED"), outcome
+            await answers(evicting)
+            reply = await answers(c.release("r"))
+            assert not isinstance(reply, KvdClientError) or "no request" in str(reply)
+            check = await answers(admin.self_check())
+            assert check.ok, list(check.problems)
+            for pool in ("prefill", "decode"):
+                stats = (await admin.pool_stats(pool)).pools[0]
+                assert stats.num_requests == 0 and stats.reserved_pages == 0
+    finally:
+        started = time.monotonic()
+        code = kvd.stop(signal.SIGTERM, timeout_s=10)
+        took = time.monotonic() - started
+    assert code == 0 and took < 2 + 3, (code, took, kvd.log()[-2000:])
+
+
+async def _drain(stream):
+    last = None
+    async for last in stream:
+        pass
+    return last
+
+
+async def test_second_handoff_of_a_request_cannot_wedge_it(tmp_path):
+    """The same race in-process, step by step: the second Handoff comes while the first
+    waits for the request's blocks in transit, then the first is cancelled."""
+    from kvd.config import load_config
+    from kvd.core.errors import KvdError
+    from kvd.daemon import Daemon
+
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.replace('grace_s = 2', 'grace_s = 2\nsocket = ""\ntcp = "127.0.0.1:0"'))
+    daemon = Daemon(load_config(config))
+    try:
+        daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=12 * 16,
+                     output_tokens=16, priority=0, handoff_pool="decode")
+        await daemon.allocate("r", 12)
+        # The request's budget is spent by a first eviction, so the next one waits on the
+        # link with its blocks in transit.
+        await daemon.evict("prefill", 2)
+        evicting = asyncio.ensure_future(daemon.evict("prefill", 8))
+        await asyncio.sleep(0.1)
+        first = daemon.handoff("r")
+        got_first = asyncio.ensure_future(first.__anext__())
+        await asyncio.sleep(0.1)  # the first waits for the blocks in transit
+        second = daemon.handoff("r")
+        got_second = asyncio.ensure_future(second.__anext__())
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(got_first, 30)
+        await first.aclose()  # the caller cancels the first mid-copy
+        try:
+            outcome = await asyncio.wait_for(got_second, 30)
+            await second.aclose()
+        except KvdError as exc:
+            outcome = exc
+        assert not isinstance(outcome, KvdError) or type(outcome).__name__ in (
+            "FailedPrecondition", "Aborted"), repr(outcome)
+        await asyncio.wait_for(evicting, 10)
+        await asyncio.wait_for(daemon.release("r"), 10)
+        assert await asyncio.wait_for(daemon.self_check(), 10) == []
+    finally:
+        await asyncio.wait_for(daemon.aclose(), 10)
+
+
+async def test_blocks_in_transit_that_nothing_owns_are_reported(tmp_path, monkeypatch):
+    """If a bug ever leaves blocks in transit with no owner, SelfCheck, the metric's source
+    and the log say so (and nothing waiting on them spins)."""
+    from structlog.testing import capture_logs
+
+    import kvd.runtime
+    from kvd.config import load_config
+    from kvd.daemon import Daemon
+
+    monkeypatch.setattr(kvd.runtime, "ORPHANED_AFTER_S", 0.0)
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.replace('grace_s = 2', 'grace_s = 2\nsocket = ""\ntcp = "127.0.0.1:0"'))
+    daemon = Daemon(load_config(config))
+    try:
+        daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=32, output_tokens=0,
+                     priority=0)
+        blocks, _ = await daemon.allocate("r", 2)
+        assert await daemon.self_check() == []
+        blocks[0].moving = True  # what the handoff race used to leave behind
+        blocks[0].request.num_moving_blocks += 1
+        with capture_logs() as logs:
+            problems = await asyncio.wait_for(daemon.self_check(), 10)
+        assert any("in transit with no owner" in p for p in problems), problems
+        assert daemon.stuck["prefill"] and any(e["event"] == "transfer stuck" for e in logs)
+        # A caller waiting on them sleeps between looks instead of spinning.
+        rt = daemon.runtime("prefill")
+        waiter = asyncio.ensure_future(rt.wait_for([blocks[0]]))
+        await asyncio.sleep(0.2)
+        assert waiter.done()
+        blocks[0].moving = False
+        blocks[0].request.num_moving_blocks -= 1
+    finally:
+        await asyncio.wait_for(daemon.aclose(), 10)
