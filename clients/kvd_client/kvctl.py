@@ -83,7 +83,9 @@ def requests_table(requests, title: str) -> Table:
 def explain_table(e: pb.ExplainResponse) -> Table:
     t = Table(title=f"{e.request_id} (tenant {e.tenant}, pool {e.pool}, "
                     f"{'active' if e.active else 'released'}): stalled {e.stall_seconds:.4f} s "
-                    f"over {e.num_stalls} access(es)")
+                    f"over {e.num_stalls} access(es)"
+                    + (f"; {e.num_recomputes} block(s) dropped and handed back to recompute"
+                       if e.num_recomputes else ""))
     t.add_column("because of")
     t.add_column("stalled s", justify="right")
     t.add_column("evicted us", justify="right")
