@@ -393,10 +393,7 @@ class Daemon:
         rt.notify_queue()
         self.events.publish("release", pool=rt.pool.name, tenant=tenant,
                             request_id=request_id, count=freed)
-        for other in admitted:
-            self.events.publish("admission", pool=rt.pool.name, tenant=other.tenant,
-                                request_id=other.request_id, count=other.projected_pages,
-                                decision="admitted", reason="from the queue")
+        self._publish_admitted(rt.pool, admitted)
         return freed, admitted
 
     # ------------------------------------------------------------------ disaggregation
@@ -428,11 +425,7 @@ class Daemon:
             pool = rt.pool
             if any(r.handoff_pool == target for r in pool.queue.values()):
                 admitted = pool._admit_from_queue()
-                for other in admitted:
-                    self.events.publish("admission", pool=pool.name, tenant=other.tenant,
-                                        request_id=other.request_id,
-                                        count=other.projected_pages, decision="admitted",
-                                        reason="from the queue")
+                self._publish_admitted(pool, admitted)
                 if admitted:
                     rt.notify_queue()
 
@@ -478,6 +471,10 @@ class Daemon:
         dst = self.runtime(target)
         self._check_handoff_pair(src, dst)
         reservation = dst.pool.requests.get(request_id)
+        # Checked before anything is reserved: a refused second call must leave nothing.
+        if ((reservation is not None and reservation.state is not RequestState.RESERVED)
+                or request_id in self._handing_off):
+            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
         if reservation is None:
             # None made at admission (or it lapsed, or a handoff was rolled back): the
             # target decides only now, and a refusal means the prefill was spent for nothing.
@@ -491,10 +488,7 @@ class Daemon:
                        if req.handoff_pool else "it was admitted without a reservation")
                 raise ResourceExhausted(f"{exc}; {had}") from None
             req.handoff_pool = target
-        elif reservation.state is not RequestState.RESERVED:
-            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
-        if request_id in self._handing_off:
-            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
+
         progress: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
         task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel))
