@@ -30,7 +30,7 @@ from kvd.core.errors import (
 from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.pool import AdmitResult, IntentChange, Pool, Reserver
-from kvd.core.transfer import TransferPlan
+from kvd.core.transfer import MoveKind, TransferPlan
 from kvd.links import Link, Transfer, TransferCancelled, measure_copy_bandwidth
 from kvd.events import EventBus
 from kvd.leases import LeaseTable
@@ -239,6 +239,15 @@ class Daemon:
                                count=n, reason=plan.reason,
                                cause_tenant=cause.tenant if cause else "",
                                cause_request=cause.request_id if cause else "")
+        lost: dict = {}
+        for m in plan.promotions:
+            if m.kind is MoveKind.REMATERIALIZE:
+                key = (m.block.request.request_id, m.block.request.tenant)
+                lost[key] = lost.get(key, 0) + 1
+        for (rid, tenant), n in lost.items():
+            # Blocks whose bytes were dropped came back as zeroed pages: the engine recomputes.
+            events.publish("recompute", pool=plan.pool, tenant=tenant, request_id=rid,
+                           count=n, reason=plan.reason)
         if plan.promotions:
             events.publish("promotion", pool=plan.pool,
                            tenant=cause.tenant if cause else "",

@@ -8,8 +8,8 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-KINDS = ("admission", "allocation", "eviction", "promotion", "release", "quota", "policy",
-         "lease", "handoff")
+KINDS = ("admission", "allocation", "eviction", "promotion", "recompute", "release", "quota",
+         "policy", "lease", "handoff")
 
 
 @dataclass(slots=True)

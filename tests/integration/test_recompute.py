@@ -1,7 +1,10 @@
 """A dropped block is never handed back as data: Access flags it for recompute (once), its
-page holds zeros (nothing of the page's previous owner), and stats and Explain count it."""
+page holds zeros (nothing of the page's previous owner), and stats, Explain and the event
+stream count it."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 
@@ -17,6 +20,13 @@ async def test_dropped_block_comes_back_flagged_and_zeroed(tmp_path):
                   "--host-pages", "1", workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target, timeout_s=10) as c:
             mapped = MappedPool(await c.export_pool())
+
+            async def first_recompute():
+                async for event in c.watch_events(kinds=["recompute"]):
+                    return event
+
+            watcher = asyncio.ensure_future(first_recompute())
+            await asyncio.sleep(0.2)  # subscribed
             try:
                 await c.admit("r", 32, 0)
                 reply = await c.allocate("r", 2)
@@ -49,5 +59,8 @@ async def test_dropped_block_comes_back_flagged_and_zeroed(tmp_path):
                 stats = (await c.pool_stats()).pools[0]
                 assert stats.num_lost_blocks == 1
                 assert (await c.explain("r")).num_recomputes == 1
+                event = await asyncio.wait_for(watcher, 5)
+                assert (event.kind, event.request_id, event.count) == ("recompute", "r", 1)
             finally:
+                watcher.cancel()
                 mapped.close()
