@@ -43,6 +43,9 @@ chunk = "16KiB"
 """
 
 
+IN_PROCESS = CONFIG.replace("grace_s = 2", 'grace_s = 2\nsocket = ""\ntcp = "127.0.0.1:0"')
+
+
 async def answers(coro, within_s: float = 10.0):
     """The call's reply (or its error: a clean refusal is an answer too) within a bound."""
     try:
@@ -113,7 +116,7 @@ async def test_second_handoff_of_a_request_cannot_wedge_it(tmp_path):
     from kvd.daemon import Daemon
 
     config = tmp_path / "kvd.toml"
-    config.write_text(CONFIG.replace('grace_s = 2', 'grace_s = 2\nsocket = ""\ntcp = "127.0.0.1:0"'))
+    config.write_text(IN_PROCESS)
     daemon = Daemon(load_config(config))
     try:
         daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=12 * 16,
@@ -157,7 +160,7 @@ async def test_blocks_in_transit_that_nothing_owns_are_reported(tmp_path, monkey
 
     monkeypatch.setattr(kvd.runtime, "ORPHANED_AFTER_S", 0.0)
     config = tmp_path / "kvd.toml"
-    config.write_text(CONFIG.replace('grace_s = 2', 'grace_s = 2\nsocket = ""\ntcp = "127.0.0.1:0"'))
+    config.write_text(IN_PROCESS)
     daemon = Daemon(load_config(config))
     try:
         daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=32, output_tokens=0,
@@ -177,5 +180,74 @@ async def test_blocks_in_transit_that_nothing_owns_are_reported(tmp_path, monkey
         assert waiter.done()
         blocks[0].moving = False
         blocks[0].request.num_moving_blocks -= 1
+    finally:
+        await asyncio.wait_for(daemon.aclose(), 10)
+
+
+class _CancelledWhileWriting:
+    """A ServicerContext whose first write is where the client's cancel lands (grpc raises
+    CancelledError in the handler's task at whatever it awaits)."""
+
+    def invocation_metadata(self):
+        return ()
+
+    def peer(self):
+        return "unix:/test"
+
+    async def write(self, message):
+        raise asyncio.CancelledError()
+
+    _write = write
+
+    async def abort(self, code, details):
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+async def _serve_stream(handler, request, context):
+    """What grpc.aio's server does with a unary-stream handler (grpc's
+    _finish_handler_with_stream_responses in src/python/grpcio/grpc/_cython/_cygrpc/aio/
+    server.pyx.pxi): an async generator is drained into writes, and nothing closes it when
+    a write is cancelled; a coroutine writes for itself."""
+    import inspect
+
+    if inspect.isasyncgenfunction(handler):
+        # Nothing closes it when the write is cancelled: only the garbage collector would,
+        # once nothing refers to it (in kvd a reference cycle through the exception kept it
+        # for seconds). The context keeps it, as that cycle did.
+        context.generator = handler(request, context)
+        async for message in context.generator:
+            await context._write(message)
+    else:
+        await handler(request, context)
+
+
+async def test_a_handoff_whose_call_is_cancelled_while_writing_rolls_back(tmp_path):
+    """The cancel came while kvd wrote a progress message: the handoff went on without an
+    owner and moved the request the caller had given up on."""
+    from kvd.config import load_config
+    from kvd.daemon import Daemon
+    from kvd.service.auth import Authenticator
+    from kvd.service.memory import MemoryService
+    from kvd_api.v1 import kvd_pb2 as pb
+
+    config = tmp_path / "kvd.toml"
+    config.write_text(IN_PROCESS)
+    daemon = Daemon(load_config(config))
+    service = MemoryService(daemon, Authenticator(daemon.config, daemon.leases))
+    try:
+        daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=64, output_tokens=0,
+                     priority=0, handoff_pool="decode")
+        await daemon.allocate("r", 4)
+        context = _CancelledWhileWriting()
+        with pytest.raises(asyncio.CancelledError):
+            await _serve_stream(service.Handoff, pb.HandoffRequest(request_id="r"), context)
+        for _ in range(100):  # 4 blocks at 64 KiB/s: 1 s had it gone on
+            await asyncio.sleep(0.05)
+            if "r" not in daemon._handing_off:
+                break
+        await asyncio.sleep(1.2)
+        assert daemon.runtime_of("r").pool.name == "prefill"
+        assert "r" not in daemon.runtime("decode").pool.requests
+        assert await asyncio.wait_for(daemon.self_check(), 10) == []
     finally:
         await asyncio.wait_for(daemon.aclose(), 10)

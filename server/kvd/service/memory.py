@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -178,18 +179,18 @@ class MemoryService(pb_grpc.MemoryServicer):
                 admitted, position, reason, changed = self.daemon.admission_state(
                     request.request_id, caller.scope)
                 if admitted:
-                    yield pb.AdmissionUpdate(decision=pb.DECISION_ADMITTED)
+                    await context.write(pb.AdmissionUpdate(decision=pb.DECISION_ADMITTED))
                     return
                 if position != last:
                     last = position
-                    yield pb.AdmissionUpdate(decision=pb.DECISION_QUEUED,
-                                             queue_position=position, reason=reason)
+                    await context.write(pb.AdmissionUpdate(
+                        decision=pb.DECISION_QUEUED, queue_position=position, reason=reason))
                 await changed.wait()
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
         finally:
-            # However the stream ended (cancelled while waiting, or closed at a yield), a
-            # client that stopped waiting no longer wants its still-queued request.
+            # However the stream ended (cancelled while waiting or while writing), a client
+            # that stopped waiting no longer wants its still-queued request.
             if caller is not None:
                 self.daemon.leases.stream_closed(caller.lease)
                 rid = request.request_id
@@ -206,13 +207,17 @@ class MemoryService(pb_grpc.MemoryServicer):
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             scope = self.auth.identify(context).scope
-            async for p in self.daemon.handoff(request.request_id, request.target_pool, scope):
-                page_bytes = self.daemon.runtime(p["pool"]).pool.page_bytes
-                yield pb.HandoffProgress(
-                    request_id=p["request_id"], pool=p["pool"], blocks_done=p["blocks_done"],
-                    blocks_total=p["blocks_total"], bytes_done=p["bytes_done"],
-                    bytes_total=p["bytes_total"], done=p["done"],
-                    handles=[handle(b, page_bytes) for b in p["blocks"] or ()])
+            # Closed however this handler ends, a cancel while writing included: the
+            # handoff's owner is this call, and a caller that went away rolls it back now.
+            async with contextlib.aclosing(self.daemon.handoff(
+                    request.request_id, request.target_pool, scope)) as progress:
+                async for p in progress:
+                    page_bytes = self.daemon.runtime(p["pool"]).pool.page_bytes
+                    await context.write(pb.HandoffProgress(
+                        request_id=p["request_id"], pool=p["pool"],
+                        blocks_done=p["blocks_done"], blocks_total=p["blocks_total"],
+                        bytes_done=p["bytes_done"], bytes_total=p["bytes_total"],
+                        done=p["done"], handles=[handle(b, page_bytes) for b in p["blocks"] or ()]))
         except errors.KvdError as exc:
             code = status_of(exc).name
             await context.abort(status_of(exc), str(exc))
@@ -245,9 +250,9 @@ class MemoryService(pb_grpc.MemoryServicer):
         try:
             while True:
                 e = await bus.next(sub)
-                yield pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
+                await context.write(pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
                                tenant=e.tenant, request_id=e.request_id, count=e.count,
-                               detail=e.detail, lost=e.lost)
+                               detail=e.detail, lost=e.lost))
         finally:
             bus.unsubscribe(sub)
 
@@ -271,7 +276,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                 started = time.perf_counter()
                 reply = await self._step(step, caller.scope, _reads_key(data), holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
-                yield reply
+                await context.write(reply)
         finally:
             daemon.end_holds(holder)
             leases.stream_closed(caller.lease)
