@@ -777,7 +777,9 @@ class Daemon:
 
     async def evict(self, pool: str, num_pages: int) -> list:
         rt = self.runtime(pool)
-        plan = rt.pool.evict(num_pages)
+        # Victims in transit or held by engines come free soon: wait for them as any
+        # operation that needs room does.
+        plan = await rt.run(lambda: rt.pool.evict(num_pages))
         await rt.execute(plan)
         return plan.demotions
 
