@@ -463,11 +463,12 @@ class Daemon:
             self.lapse_holds(self.config.hold_s)
             self.check_stuck()
 
-    async def handoff(self, request_id: str, target: str = "", scope: str | None = None
-                      ) -> AsyncIterator[dict]:
+    async def handoff(self, request_id: str, target: str = "", scope: str | None = None,
+                      holder: str = "") -> AsyncIterator[dict]:
         """Copy a request's blocks to its handoff pool under the pool->pool link's budget,
         yielding progress; all or nothing. The work runs in a task of its own, so a caller
-        that goes away cancels it between chunks and it rolls back cleanly."""
+        that goes away cancels it between chunks and it rolls back cleanly. The blocks the
+        last message hands out are held for `holder` until its next call."""
         src = self.runtime_of(request_id, scope)
         req = src.pool._admitted(request_id)
         target = target or req.handoff_pool
@@ -500,7 +501,7 @@ class Daemon:
 
         progress: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
-        task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel))
+        task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel, holder))
         self._handing_off.add(request_id)
         task.add_done_callback(lambda _: self._handing_off.discard(request_id))
         self.handoffs_in_flight.add(task)
@@ -528,7 +529,7 @@ class Daemon:
                 self.handoff_counts["cancelled"] += 1
 
     async def _handoff(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
-                       progress: asyncio.Queue, cancel: asyncio.Event) -> None:
+                       progress: asyncio.Queue, cancel: asyncio.Event, holder: str) -> None:
         request_id = req.request_id
         blocks = await src.run(lambda: src.pool.begin_handoff(request_id),
                                undo=src.pool.end_handoff)
@@ -589,6 +590,8 @@ class Daemon:
         self.handoff_counts["bytes"] += len(blocks) * src.pool.page_bytes
         dst_req = dst.pool.requests[request_id]
         dst_req.bytes_moved += len(blocks) * src.pool.page_bytes
+        if holder:  # the engine reads what the last message hands it: nothing may move it
+            dst.pool.hold(holder, dst_req.live_blocks())
         src.notify_queue()
         self.events.publish("handoff", pool=dst.pool.name, tenant=req.tenant,
                             request_id=request_id, count=len(blocks), reason="completed")

@@ -228,3 +228,32 @@ async def test_handoff_errors(tmp_path):
             with pytest.raises(Exception, match="prompt tokens"):
                 await c.admit("z", 0, 16, pool="prefill", handoff_pool="decode")
             assert (await c.self_check()).ok
+
+
+async def test_handed_off_pages_stay_put_until_the_engine_calls_again(tmp_path):
+    # What the last message hands out is the engine's to read: another client's allocation
+    # in the decode pool may not demote those blocks and write over their pages meanwhile.
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c, \
+                AsyncClient(kvd.target, timeout_s=10) as other:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            decode = MappedPool(await c.export_pool("decode"))
+            await c.admit("r1", 6 * 16, 16, pool="prefill", handoff_pool="decode")
+            want = await fill(c, prefill, "r1", 6, seed=5)
+            await other.admit("filler", 8 * 16, 0, pool="decode")
+
+            async def crowd():  # needs every device page of the decode pool
+                for h in (await other.allocate("filler", 8)).handles:
+                    decode.page(h)[:] = 0xEE
+
+            last = await c.handoff_all("r1")
+            crowding = asyncio.ensure_future(crowd())
+            await asyncio.sleep(0.3)
+            got = [hashlib.sha256(decode.page(h).tobytes()).hexdigest() for h in last.handles]
+            assert got == want
+            assert not crowding.done()  # it waits for the engine's next call
+            assert await digests_of(c, decode, "r1") == want  # the next call: moved, intact
+            await asyncio.wait_for(crowding, 5)
+            assert (await c.self_check()).ok
+            prefill.close()
+            decode.close()

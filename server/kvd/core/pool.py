@@ -864,6 +864,13 @@ class Pool:
         entry[1].append(block)
         self.num_held += 1
 
+    def hold(self, holder: str, blocks: Iterable[Block]) -> None:
+        """Hold blocks handed out by a reply other than allocate's or access's (a handoff's
+        last message) for the holder, until its next call."""
+        for b in blocks:
+            if b.tier is TierKind.DEVICE and not b.moving:
+                self._hold(holder, b)
+
     def holds(self, holder: str) -> bool:
         """Whether the holder has blocks held here."""
         return holder in self._holds

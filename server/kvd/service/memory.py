@@ -206,11 +206,13 @@ class MemoryService(pb_grpc.MemoryServicer):
         try:
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
-            scope = self.auth.identify(context).scope
+            caller = self.auth.identify(context)
+            self.daemon.end_holds(caller.holder)  # its calls before are done
             # Closed however this handler ends, a cancel while writing included: the
             # handoff's owner is this call, and a caller that went away rolls it back now.
             async with contextlib.aclosing(self.daemon.handoff(
-                    request.request_id, request.target_pool, scope)) as progress:
+                    request.request_id, request.target_pool, caller.scope,
+                    caller.holder)) as progress:
                 async for p in progress:
                     page_bytes = self.daemon.runtime(p["pool"]).pool.page_bytes
                     await context.write(pb.HandoffProgress(
