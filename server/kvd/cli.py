@@ -61,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo_hint:
         print(f"kvd: listening on unix://{config.socket}; in another terminal run `make demo`."
               " Ctrl-C stops kvd.", file=sys.stderr, flush=True)
-    from kvd.server import Server
+    from kvd.server import Server, StartupError
 
-    return _run(Server(config).serve())
+    try:
+        return _run(Server(config).serve())
+    except StartupError as exc:
+        print(f"kvd: {exc}", file=sys.stderr)
+        return 2
 
 
 def _run(coro) -> int:

@@ -1,6 +1,7 @@
 """kvd's configuration: a TOML file (/etc/kvd/kvd.toml when installed), overridable by flags.
 
-With neither, kvd runs its embedded default: one pool on host memory, a unix socket.
+With neither, kvd runs its embedded default: one pool on host memory, a unix socket. The
+schema (types, ranges, units) is checked by pydantic; a bad value is one line naming the key.
 """
 
 from __future__ import annotations
@@ -8,9 +9,13 @@ from __future__ import annotations
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, with_config
+from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
 from kvd.core.errors import InvalidArgument
 from kvd.core.fairness import TenantQuota
@@ -42,28 +47,98 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
 DEFAULT_SOCKET = "/run/kvd/kvd.sock"
 
 
+# ---------------------------------------------------------------- value types
+# Every key is typed and range-checked by pydantic: numbers must be numbers ("30" is not 30),
+# finite, and in range; sizes and rates are numbers of bytes or strings with a unit.
+
+
+def _size(value: Any) -> Any:
+    try:
+        bytes_of(value)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+def _size_or_auto(value: Any) -> Any:
+    return value if value == "auto" else _size(value)
+
+
+def _positive_size_or_auto(value: Any) -> Any:
+    if value != "auto" and bytes_of(_size(value)) <= 0:
+        raise ValueError("must be a positive size, or 'auto'")
+    return value
+
+
+def _quota(value: Any) -> Any:
+    try:
+        pages_of(value, 1)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
+    return value
+
+
+def _address(value: str) -> str:
+    """"" (none) or HOST:PORT with an explicit port (a missing one is not 443)."""
+    if value == "":
+        return value
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT with a port in 0..65535")
+    return value
+
+
+def _policy(value: str) -> str:
+    if value not in policy_names():
+        raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(policy_names())}")
+    return value
+
+
+def _mode(value: int) -> int:
+    if not 0 <= value <= 0o777:
+        raise ValueError(f"{value} is not a file mode; write it in octal, e.g. 0o660")
+    return value
+
+
+_STRICT = {"strict": True}
+PositiveInt = Annotated[int, Field(gt=0, **_STRICT)]
+Count = Annotated[int, Field(ge=0, **_STRICT)]
+Seconds = Annotated[float, Field(gt=0, **_STRICT)]
+NonNegativeSeconds = Annotated[float, Field(ge=0, **_STRICT)]
+Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Size = Annotated[int | float | str, AfterValidator(_size)]
+SizeOrAuto = Annotated[int | float | str, AfterValidator(_size_or_auto)]
+ChunkSize = Annotated[int | float | str, AfterValidator(_positive_size_or_auto)]
+Bandwidth = Annotated[int | float | str, AfterValidator(_positive_size_or_auto)]
+Quota = Annotated[Annotated[int, Field(strict=True)] | str, AfterValidator(_quota)]
+Address = Annotated[str, AfterValidator(_address)]
+# Extra keys are typos; dataclass instances built in code are checked again by validate().
+_SCHEMA = ConfigDict(extra="forbid", allow_inf_nan=False, revalidate_instances="always")
+
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    name: str = "default"
+    __pydantic_config__ = _SCHEMA
+    name: Name = "default"
     model: str = "llama-3-8b"
-    block_tokens: int = 16
-    page_bytes: int = 0  # 0: block_tokens x the model's bytes per token
-    device_pages: int = 64
-    host_pages: int = 256
-    policy: str = "lru"
-    device_backend: str = "auto"  # auto | cupy | host
-    gpu: int = 0
-    max_queue: int = 1024
+    block_tokens: PositiveInt = 16
+    page_bytes: Count = 0  # 0: block_tokens x the model's bytes per token
+    device_pages: PositiveInt = 64
+    host_pages: Count = 256
+    policy: Annotated[str, AfterValidator(_policy)] = "lru"
+    device_backend: Literal["auto", "cupy", "host"] = "auto"
+    gpu: Count = 0
+    max_queue: PositiveInt = 1024
     # The device<->host link: capacity ("auto": measured at start), burst (0: 5 ms of
     # capacity, at least two chunks), the largest piece a transfer is copied in ("auto": half
     # a millisecond of capacity, 64 KiB to 4 MiB, at least a page), how transfers
     # share it ("fair": classes, weights, caps; "fifo": arrival order, no budgets), and how
     # long a transfer waits before it is served as if one class higher.
-    link_bandwidth: int | str = "auto"
-    link_burst: int | str = 0
-    link_chunk: int | str = "auto"
-    link_scheduling: str = "fair"
-    link_aging_ms: float = 50.0
+    link_bandwidth: Bandwidth = "auto"
+    link_burst: Size = 0
+    link_chunk: ChunkSize = "auto"
+    link_scheduling: Literal["fair", "fifo"] = "fair"
+    link_aging_ms: Seconds = 50.0
 
     @property
     def resolved_page_bytes(self) -> int:
@@ -71,53 +146,31 @@ class PoolConfig:
             return self.page_bytes
         return self.block_tokens * MODEL_PRESETS[self.model].bytes_per_token
 
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes of shared memory its tiers map (the device tier too, on the host backend)."""
+        return (self.device_pages + self.host_pages) * self.resolved_page_bytes
+
     def validate(self) -> None:
-        if not self.name:
-            raise InvalidArgument("a pool needs a name")
         if self.model not in MODEL_PRESETS and not self.page_bytes:
             raise InvalidArgument(
                 f"pool {self.name!r}: unknown model {self.model!r}; choose one of "
                 f"{', '.join(sorted(MODEL_PRESETS))} or set page_bytes"
             )
-        for key in ("block_tokens", "device_pages"):
-            if getattr(self, key) <= 0:
-                raise InvalidArgument(f"pool {self.name!r}: {key} must be positive")
-        if self.host_pages < 0 or self.page_bytes < 0:
-            raise InvalidArgument(f"pool {self.name!r}: sizes must be >= 0")
-        if self.policy not in policy_names():
-            raise InvalidArgument(
-                f"pool {self.name!r}: unknown policy {self.policy!r}; choose one of "
-                f"{', '.join(policy_names())}"
-            )
-        if self.device_backend not in ("auto", "cupy", "host"):
-            raise InvalidArgument(f"pool {self.name!r}: device_backend is auto, cupy or host")
-        _check_link(f"pool {self.name!r}", self.link_bandwidth, self.link_burst,
-                    self.link_scheduling, self.link_aging_ms)
-        if self.link_chunk != "auto" and bytes_of(self.link_chunk) <= 0:
-            raise InvalidArgument(f"pool {self.name!r}: link_chunk must be positive or 'auto'")
-
-
-def _check_link(where: str, bandwidth, burst, scheduling: str, aging_ms: float) -> None:
-    if bandwidth != "auto" and bytes_of(bandwidth) <= 0:
-        raise InvalidArgument(f"{where}: link bandwidth must be positive or 'auto'")
-    bytes_of(burst)
-    if scheduling not in ("fair", "fifo"):
-        raise InvalidArgument(f"{where}: link scheduling is fair or fifo, got {scheduling!r}")
-    if aging_ms <= 0:
-        raise InvalidArgument(f"{where}: link aging must be positive")
 
 
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
     """A pool->pool link for handoff (`[[link]]` with source and target pools)."""
 
-    source: str
-    target: str
-    bandwidth: int | str = "auto"
-    burst: int | str = 0
-    chunk: int | str = "auto"
-    scheduling: str = "fair"
-    aging_ms: float = 50.0
+    __pydantic_config__ = _SCHEMA
+    source: Name
+    target: Name
+    bandwidth: Bandwidth = "auto"
+    burst: Size = 0
+    chunk: ChunkSize = "auto"
+    scheduling: Literal["fair", "fifo"] = "fair"
+    aging_ms: Seconds = 50.0
 
     def validate(self, pools: tuple[PoolConfig, ...]) -> None:
         names = {p.name for p in pools}
@@ -126,10 +179,6 @@ class LinkConfig:
                 raise InvalidArgument(f"link {self.source}->{self.target}: no pool {end!r}")
         if self.source == self.target:
             raise InvalidArgument(f"link {self.source}->{self.target}: a link joins two pools")
-        _check_link(f"link {self.source}->{self.target}", self.bandwidth, self.burst,
-                    self.scheduling, self.aging_ms)
-        if self.chunk != "auto" and bytes_of(self.chunk) <= 0:
-            raise InvalidArgument(f"link {self.source}->{self.target}: chunk must be positive")
 
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -142,8 +191,8 @@ def bytes_of(value: int | float | str) -> float:
         raise InvalidArgument(f"a size is bytes (a number) or a string like '200MiB/s', "
                               f"got {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise InvalidArgument(f"a size must be >= 0, got {value}")
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"a size must be a finite number >= 0, got {value}")
         return float(value)
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*(?:/\s*s)?\s*", value)
     unit = (match.group(2) or "b").lower() if match else ""
@@ -167,9 +216,25 @@ def pages_of(value: int | str, page_bytes: int) -> int:
     return math.ceil(float(match.group(1)) * _UNITS[match.group(2).lower()] / page_bytes)
 
 
-_QUOTA_KEYS = {"weight", "guaranteed", "limit", "max_request_pages", "max_request_fraction",
-               "bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget"}
 _RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget")
+
+
+@with_config(_SCHEMA)
+class QuotaOverrides(TypedDict, total=False):
+    """A tenant's quota keys under `[tenant.pools.NAME]`: they replace its defaults there."""
+
+    weight: Annotated[float, Field(gt=0, **_STRICT)]
+    guaranteed: Quota
+    limit: Quota
+    max_request_pages: Count
+    max_request_fraction: Annotated[float, Field(ge=0, le=1, **_STRICT)]
+    bandwidth_cap: Size
+    bandwidth_burst: Size
+    request_bandwidth_cap: Size
+    read_budget: Size
+
+
+_QUOTA_KEYS = set(QuotaOverrides.__annotations__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,19 +242,20 @@ class TenantConfig:
     """A tenant: who it is (a bearer token), and its quota in every pool (with per-pool
     overrides under `pools`). Sizes are pages, or bytes with a unit."""
 
-    name: str
+    __pydantic_config__ = _SCHEMA
+    name: Name
     token: str = field(default="", repr=False)  # never logged
-    weight: float = 1.0
-    guaranteed: int | str = 0
-    limit: int | str = 0  # 0: no limit
-    max_request_pages: int = 0
-    max_request_fraction: float = 0.0
+    weight: Annotated[float, Field(gt=0, **_STRICT)] = 1.0
+    guaranteed: Quota = 0
+    limit: Quota = 0  # 0: no limit
+    max_request_pages: Count = 0
+    max_request_fraction: Annotated[float, Field(ge=0, le=1, **_STRICT)] = 0.0
     # Bytes per second (a number or "200MiB/s"; 0: none); see TenantQuota.
-    bandwidth_cap: int | str = 0
-    bandwidth_burst: int | str = 0
-    request_bandwidth_cap: int | str = 0
-    read_budget: int | str = 0
-    pools: dict = field(default_factory=dict)
+    bandwidth_cap: Size = 0
+    bandwidth_burst: Size = 0
+    request_bandwidth_cap: Size = 0
+    read_budget: Size = 0
+    pools: dict[Name, QuotaOverrides] = field(default_factory=dict)
 
     def quota_for(self, pool: str, page_bytes: int) -> TenantQuota:
         spec = {k: getattr(self, k) for k in _QUOTA_KEYS}
@@ -205,22 +271,21 @@ class TenantConfig:
         )
 
     def validate(self, pools: tuple[PoolConfig, ...]) -> None:
-        if not self.name:
-            raise InvalidArgument("a tenant needs a name")
-        if self.weight <= 0:
-            raise InvalidArgument(f"tenant {self.name!r}: weight must be positive")
-        if not 0 <= self.max_request_fraction <= 1:
-            raise InvalidArgument(f"tenant {self.name!r}: max_request_fraction is 0..1")
         names = {p.name for p in pools}
-        for pool, overrides in self.pools.items():
+        for pool in self.pools:
             if pool not in names:
                 raise InvalidArgument(f"tenant {self.name!r}: no pool {pool!r}")
-            unknown = set(overrides) - _QUOTA_KEYS
-            if unknown:
-                raise InvalidArgument(f"tenant {self.name!r}, pool {pool!r}: unknown keys "
-                                      f"{', '.join(sorted(unknown))}")
         for pool in pools:
-            self.quota_for(pool.name, pool.resolved_page_bytes)  # sizes parse
+            quota = self.quota_for(pool.name, pool.resolved_page_bytes)
+            if quota.limit is not None and quota.guaranteed > quota.limit:
+                raise InvalidArgument(
+                    f"tenant {self.name!r}, pool {pool.name!r}: guaranteed "
+                    f"({quota.guaranteed} pages) is above limit ({quota.limit} pages)")
+            if quota.guaranteed > pool.device_pages:
+                raise InvalidArgument(
+                    f"tenant {self.name!r}, pool {pool.name!r}: guaranteed "
+                    f"({quota.guaranteed} pages) is more than the device tier "
+                    f"({pool.device_pages} pages)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,34 +294,36 @@ class AuthConfig:
     unix peer's uid, so unix-socket callers without a token act as `unix_tenant` (the
     socket's 0660 permissions are the gate); TCP callers must present a token."""
 
+    __pydantic_config__ = _SCHEMA
     admin_token: str = field(default="", repr=False)
     unix_tenant: str = "default"  # "": unix callers need a token too
-    unix_admin: bool = True  # unix callers without a token may call the admin service
+    unix_admin: Annotated[bool, Field(strict=True)] = True  # unix callers may call admin
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    __pydantic_config__ = _SCHEMA
     socket: str = DEFAULT_SOCKET
-    socket_mode: int = 0o660  # who may connect: the owner and the socket's group
+    socket_mode: Annotated[int, Field(strict=True), AfterValidator(_mode)] = 0o660
     socket_group: str = ""  # the group engines run as ("": kvd's own)
-    tcp: str = ""  # host:port; empty = no TCP listener
-    log_format: str = "auto"  # auto | json | console
-    log_level: str = "info"
-    grace_s: float = 10.0
-    workers: int = 2  # copy threads
-    inline_copy_bytes: int = 65536  # smaller copies run on the event loop
-    switch_interval_s: float = 0.0005  # CPython GIL switch interval (default 0.005)
-    lease_ttl_s: float = 30.0  # a silent client's requests are released after this
-    handoff_ttl_s: float = 60.0  # a decode reservation no handoff claimed lapses after this
+    tcp: Address = ""  # host:port; empty = no TCP listener
+    log_format: Literal["auto", "json", "console"] = "auto"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    grace_s: NonNegativeSeconds = 10.0
+    workers: PositiveInt = 2  # copy threads
+    inline_copy_bytes: Count = 65536  # smaller copies run on the event loop
+    switch_interval_s: Seconds = 0.0005  # CPython GIL switch interval (default 0.005)
+    lease_ttl_s: Seconds = 30.0  # a silent client's requests are released after this
+    handoff_ttl_s: Seconds = 60.0  # a decode reservation no handoff claimed lapses after this
     # Pages a reply hands to an engine stay put until the engine's next call, at most this
     # long (an engine that never calls again cannot keep them from others for ever).
-    hold_s: float = 1.0
+    hold_s: Seconds = 1.0
     # Unary calls of one client (its lease) that run at once; more wait their turn, so a
     # client flooding calls cannot crowd out the others. 0: no limit.
-    max_calls_per_client: int = 16
-    eviction_ledger: int = 20_000  # eviction records kept per pool (bounded memory)
-    explain_keep: int = 2_000  # released requests Explain still knows, per pool
-    metrics: str = "127.0.0.1:9464"  # Prometheus exposition address; "" for none
+    max_calls_per_client: Count = 16
+    eviction_ledger: Count = 20_000  # eviction records kept per pool (bounded memory)
+    explain_keep: Count = 2_000  # released requests Explain still knows, per pool
+    metrics: Address = "127.0.0.1:9464"  # Prometheus exposition address; "" for none
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
     tenants: tuple[TenantConfig, ...] = ()
     links: tuple[LinkConfig, ...] = ()
@@ -264,10 +331,12 @@ class Config:
     path: str = ""  # the file it came from (SIGHUP re-reads it)
 
     def validate(self) -> None:
+        """Types and ranges (the schema), then what relates one part to another."""
+        _checked(lambda: _CONFIG.validate_python(self))
         if not self.socket and not self.tcp:
             raise InvalidArgument("kvd needs a unix socket or a TCP address to listen on")
-        if self.log_format not in ("auto", "json", "console"):
-            raise InvalidArgument("log_format is auto, json or console")
+        if not self.pools:
+            raise InvalidArgument("kvd needs at least one [[pool]]")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"pool names must be unique, got {names}")
@@ -287,19 +356,43 @@ class Config:
             raise InvalidArgument("two [[link]] entries join the same pools")
         for link in self.links:
             link.validate(self.pools)
-        if self.handoff_ttl_s <= 0:
-            raise InvalidArgument("handoff_ttl_s must be positive")
-        if not self.hold_s > 0:
-            raise InvalidArgument("hold_s must be positive")
-        if self.max_calls_per_client < 0:
-            raise InvalidArgument("max_calls_per_client must be >= 0 (0: no limit)")
 
 
-_SERVER_KEYS = {"socket", "socket_mode", "socket_group", "tcp", "log_format", "log_level", "grace_s", "workers",
-                "inline_copy_bytes", "switch_interval_s", "lease_ttl_s", "handoff_ttl_s", "hold_s", "metrics",
-                "max_calls_per_client",
-                "eviction_ledger", "explain_keep"}
-_POOL_KEYS = set(PoolConfig.__dataclass_fields__)
+_CONFIG = TypeAdapter(Config)
+# Where a schema error is, in the file's own words.
+_SECTIONS = {"pools": "[[pool]]", "tenants": "[[tenant]]", "links": "[[link]]", "auth": "[auth]"}
+
+
+def _where(loc: tuple) -> str:
+    if loc and loc[0] in _SECTIONS:
+        head, rest = _SECTIONS[loc[0]], loc[1:]
+        if rest and isinstance(rest[0], int):
+            head, rest = f"{head} #{rest[0] + 1}", rest[1:]
+        return " ".join([head, ".".join(str(part) for part in rest)]).strip()
+    return "[server] " + ".".join(str(part) for part in loc)
+
+
+def _checked(validate: Callable[[], Any]) -> Any:
+    """Run a schema validation; its errors as one line (an InvalidArgument)."""
+    try:
+        return validate()
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+                msg = "unknown key"
+            elif "input" in err and not isinstance(err["input"], (dict, list, tuple)):
+                msg += f" (got {_short(repr(err['input']))})"
+            problems.append(f"{_where(tuple(err['loc']))}: {msg}")
+        raise InvalidArgument("; ".join(problems)) from None
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+_SERVER_KEYS = set(Config.__dataclass_fields__) - {"pools", "tenants", "links", "auth", "path"}
 
 
 def load_config(path: str | Path | None) -> Config:
@@ -308,7 +401,7 @@ def load_config(path: str | Path | None) -> Config:
         return Config()
     try:
         data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"cannot read config {path}: {exc}") from exc
     return replace(config_from_dict(data, base=Path(path).parent), path=str(path))
 
@@ -317,14 +410,22 @@ def _secret(entry: dict, key: str, base: Path | None) -> str:
     """A token given inline (`token`) or in a file (`token_file`, relative to the config)."""
     file_key = f"{key}_file"
     if file_key in entry:
-        path = Path(entry.pop(file_key))
+        path = Path(str(entry.pop(file_key)))
         if base is not None and not path.is_absolute():
             path = base / path
         try:
             entry[key] = path.read_text().strip()
-        except OSError as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"cannot read {file_key} {path}: {exc}") from exc
     return entry.get(key, "")
+
+
+def _entries(data: dict, section: str) -> list[dict]:
+    entries = data.get(section, [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise InvalidArgument(f"[[{section}]] is a list of tables: write [[{section}]] above "
+                              "each entry")
+    return [dict(e) for e in entries]
 
 
 def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
@@ -332,42 +433,21 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
     if unknown:
         raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
     server = data.get("server", {})
+    auth = data.get("auth", {})
+    if not isinstance(server, dict) or not isinstance(auth, dict):
+        raise InvalidArgument("[server] and [auth] are tables")
     unknown = set(server) - _SERVER_KEYS
     if unknown:
         raise InvalidArgument(f"unknown [server] keys: {', '.join(sorted(unknown))}")
-    pools = []
-    for entry in data.get("pool", [{}]):
-        unknown = set(entry) - _POOL_KEYS
-        if unknown:
-            raise InvalidArgument(f"unknown [[pool]] keys: {', '.join(sorted(unknown))}")
-        pools.append(PoolConfig(**entry))
-    tenants = []
-    for entry in data.get("tenant", []):
-        entry = dict(entry)
+    tenants = _entries(data, "tenant")
+    for entry in tenants:
         _secret(entry, "token", base)
-        unknown = set(entry) - set(TenantConfig.__dataclass_fields__)
-        if unknown:
-            raise InvalidArgument(f"unknown [[tenant]] keys: {', '.join(sorted(unknown))}")
-        tenants.append(TenantConfig(**entry))
-    links = []
-    for entry in data.get("link", []):
-        unknown = set(entry) - set(LinkConfig.__dataclass_fields__)
-        if unknown:
-            raise InvalidArgument(f"unknown [[link]] keys: {', '.join(sorted(unknown))}")
-        try:
-            links.append(LinkConfig(**entry))
-        except TypeError as exc:
-            raise InvalidArgument(f"[[link]] needs source and target pools: {exc}") from exc
-    auth = dict(data.get("auth", {}))
+    auth = dict(auth)
     _secret(auth, "admin_token", base)
-    unknown = set(auth) - set(AuthConfig.__dataclass_fields__)
-    if unknown:
-        raise InvalidArgument(f"unknown [auth] keys: {', '.join(sorted(unknown))}")
-    try:
-        config = Config(**server, pools=tuple(pools), tenants=tuple(tenants),
-                        links=tuple(links), auth=AuthConfig(**auth))
-    except TypeError as exc:
-        raise InvalidArgument(f"bad config value: {exc}") from exc
+    pools = _entries(data, "pool") if "pool" in data else [{}]
+    config = _checked(lambda: _CONFIG.validate_python({
+        **server, "pools": pools, "tenants": tenants, "links": _entries(data, "link"),
+        "auth": auth}))
     config.validate()
     return config
 

@@ -45,6 +45,32 @@ GRPC_OPTIONS = [
 ]
 
 
+class StartupError(Exception):
+    """kvd cannot start as configured: one line for the operator, exit code 2."""
+
+
+def check_shared_memory(config: Config, shm: str = "/dev/shm") -> None:
+    """Pools' arenas live in POSIX shared memory: refuse to start rather than have engines
+    die of SIGBUS when the first page beyond what /dev/shm holds is touched."""
+    from kvd.memory.cuda import gpu_available
+
+    gpu = any(p.device_backend == "auto" for p in config.pools) and gpu_available()
+    need = 0
+    for pool in config.pools:
+        on_gpu = pool.device_backend == "cupy" or (pool.device_backend == "auto" and gpu)
+        pages = pool.host_pages + (0 if on_gpu else pool.device_pages)
+        need += pages * pool.resolved_page_bytes
+    try:
+        free = shutil.disk_usage(shm).free
+    except OSError:
+        return  # no /dev/shm to measure (not Linux): the allocation itself will tell
+    if need > free:
+        raise StartupError(
+            f"the pools need {need / 2**20:.0f} MiB of shared memory but {shm} has "
+            f"{free / 2**20:.0f} MiB free; make the pools smaller or give kvd more "
+            "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory at /dev/shm)")
+
+
 class Server:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -68,8 +94,19 @@ class Server:
         # step that moves many pages. 0.5 ms keeps hand-offs short.
         sys.setswitchinterval(self.config.switch_interval_s)
         loop = asyncio.get_running_loop()
+        check_shared_memory(self.config)
         # Arena allocation can take a while for large pools: keep the loop free.
-        self.daemon = await loop.run_in_executor(None, Daemon, self.config)
+        try:
+            self.daemon = await loop.run_in_executor(None, Daemon, self.config)
+        except KvdError as exc:
+            raise StartupError(str(exc)) from None
+        try:
+            await self._listen(loop)
+        except BaseException:
+            await self.daemon.aclose()  # the arenas' shared memory goes with it
+            raise
+
+    async def _listen(self, loop) -> None:
         self.auth = Authenticator(self.config, self.daemon.leases)
         server = grpc.aio.server(options=GRPC_OPTIONS)
         services = kvd_pb2.DESCRIPTOR.services_by_name
@@ -85,10 +122,10 @@ class Server:
         if self.config.socket:
             path = Path(self.config.socket)
             _prepare_socket_path(path)
-            server.add_insecure_port(f"unix:{path}")
+            _bind(server, f"unix:{path}")
             self.addresses.append(f"unix://{path}")
         if self.config.tcp:
-            port = server.add_insecure_port(self.config.tcp)
+            port = _bind(server, self.config.tcp)
             host = self.config.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
         await server.start()
@@ -176,19 +213,32 @@ class Server:
         log.info("kvd stopped")
 
 
+def _bind(server: grpc.aio.Server, address: str) -> int:
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc says only "Failed to bind"
+        raise StartupError(f"cannot listen on {address}: the address is in use, not "
+                           f"permitted, or not this host's ({exc})") from None
+
+
 def _prepare_socket_path(path: Path) -> None:
     """Create the socket's directory; remove a stale socket, refuse to steal a live one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        exists = path.exists()
+    except OSError as exc:
+        raise StartupError(f"cannot create the socket's directory {path.parent}: "
+                           f"{exc.strerror}") from None
+    if not exists:
         return
     if not stat.S_ISSOCK(path.stat().st_mode):
-        raise SystemExit(f"kvd: {path} exists and is not a socket")
+        raise StartupError(f"{path} exists and is not a socket")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
     except (ConnectionRefusedError, FileNotFoundError):
         path.unlink()
     else:
-        raise SystemExit(f"kvd: another kvd is already listening on {path}")
+        raise StartupError(f"another kvd is already listening on {path}")
     finally:
         probe.close()

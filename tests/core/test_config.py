@@ -42,9 +42,9 @@ def test_links_and_bandwidth_quotas():
 @pytest.mark.parametrize("data, message", [
     ({"link": [{"source": "default", "target": "nowhere"}]}, "no pool 'nowhere'"),
     ({"link": [{"source": "default", "target": "default"}]}, "joins two pools"),
-    ({"link": [{"source": "default"}]}, "source and target"),
+    ({"link": [{"source": "default"}]}, r"\[\[link\]\] #1 target: Field required"),
     ({"link": [{"source": "a", "target": "b", "speed": 1}]}, "unknown"),
-    ({"pool": [{"link_scheduling": "lottery"}]}, "fair or fifo"),
+    ({"pool": [{"link_scheduling": "lottery"}]}, "'fair' or 'fifo'"),
     ({"pool": [{"link_bandwidth": "0MiB/s"}]}, "positive"),
     ({"pool": [{"link_aging_ms": 0}]}, "aging"),
     ({"server": {"handoff_ttl_s": 0}}, "handoff_ttl_s"),
@@ -63,3 +63,41 @@ def test_the_shipped_example_config_loads(tmp_path):
     assert config.pools[0].link_scheduling == "fair"
     rag = next(t for t in config.tenants if t.name == "rag")
     assert rag.quota_for("default", config.pools[0].resolved_page_bytes).bandwidth_cap == 8 * 2**30
+
+
+@pytest.mark.parametrize("data, message", [
+    # Wrong types: one line naming the key, never a traceback.
+    ({"server": {"lease_ttl_s": "30"}}, r"\[server\] lease_ttl_s: Input should be a valid number"),
+    ({"server": {"workers": "2"}}, r"\[server\] workers: Input should be a valid integer"),
+    ({"server": {"log_level": "verbose"}}, r"\[server\] log_level: Input should be 'debug'"),
+    ({"server": {"eviction_ledger": -1}}, "eviction_ledger: Input should be greater than or"),
+    ({"server": {"grace_s": "10s"}}, r"grace_s: Input should be a valid number \(got '10s'\)"),
+    ({"tenant": [{"name": "a", "weight": "3"}]}, r"\[\[tenant\]\] #1 weight: Input should be"),
+    # Nonsense that used to be accepted.
+    ({"server": {"grace_s": -1}}, "grace_s: Input should be greater than or equal to 0"),
+    ({"server": {"lease_ttl_s": 0}}, "lease_ttl_s: Input should be greater than 0"),
+    ({"server": {"socket_mode": 660}}, "not a file mode; write it in octal"),
+    ({"server": {"tcp": "0.0.0.0"}}, "not HOST:PORT"),
+    ({"server": {"metrics": "127.0.0.1:99999"}}, "not HOST:PORT"),
+    ({"tenant": [{"name": "a", "guaranteed": 64, "limit": 32}]}, "guaranteed .* above limit"),
+    ({"tenant": [{"name": "a", "guaranteed": 10**6}]}, "more than the device tier"),
+    ({"tenant": [{"name": "a", "weight": float("nan")}]}, "finite number"),
+    ({"tenant": [{"name": "a", "bandwidth_cap": float("inf")}]}, "finite number"),
+    ({"tenant": [{"name": "a", "pools": {"default": {"wieght": 2}}}]}, "default.wieght: unknown"),
+    ({"pool": [{"name": "a b"}]}, r"\[\[pool\]\] #1 name: String should match"),
+    ({"pool": []}, "at least one"),
+    ({"pool": {"name": "x"}}, "list of tables"),
+    ({"server": {"pools": []}}, "unknown"),
+])
+def test_bad_values_are_one_line_naming_the_key(data, message):
+    with pytest.raises(InvalidArgument, match=message) as err:
+        config_from_dict(data)
+    assert "\n" not in str(err.value)
+
+
+def test_sizes_and_modes_in_their_own_units_are_accepted():
+    config = config_from_dict({
+        "server": {"socket_mode": 0o600, "tcp": "127.0.0.1:0", "grace_s": 0},
+        "tenant": [{"name": "a", "guaranteed": "1MiB", "limit": 512, "weight": 2}],
+    })
+    assert config.socket_mode == 0o600 and config.tenants[0].weight == 2.0

@@ -1,0 +1,98 @@
+"""An operator's mistakes: a bad config or a start-up that cannot work is one line on stderr
+and exit code 2 (never a traceback, never shared memory left behind); a bad file on SIGHUP
+keeps the running config."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvd_client import AsyncClient, pb
+from kvd_loadgen.local import LocalKvd
+
+
+def kvd(*args: str, config: str | None = None, tmp_path=None) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "kvd", "--metrics", "", "--model", "tiny", *args]
+    if config is not None:
+        path = tmp_path / "kvd.toml"
+        path.write_text(config)
+        argv += ["--config", str(path)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+def one_line(result: subprocess.CompletedProcess, expect: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith("kvd: ")]
+    assert len(ours) == 1 and expect in ours[0], result.stderr
+
+
+def shm_names() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("kvd")}
+
+
+@pytest.mark.parametrize("server, expect", [
+    ('lease_ttl_s = "30"', "lease_ttl_s: Input should be a valid number"),
+    ('workers = "2"', "workers: Input should be a valid integer"),
+    ('log_level = "verbose"', "log_level: Input should be"),
+    ("eviction_ledger = -1", "eviction_ledger"),
+    ('grace_s = "10s"', "grace_s: Input should be a valid number"),
+    ("grace_s = -1", "grace_s"),
+    ("lease_ttl_s = 0", "lease_ttl_s"),
+    ("socket_mode = 660", "write it in octal"),
+    ('tcp = "0.0.0.0"', "not HOST:PORT"),
+])
+def test_bad_config_values_are_one_line_and_exit_2(tmp_path, server, expect):
+    one_line(kvd(config=f"[server]\nsocket = 'k.sock'\n{server}\n", tmp_path=tmp_path), expect)
+
+
+def test_start_up_failures_are_one_line_and_exit_2(tmp_path):
+    before = shm_names()
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        port = busy.getsockname()[1]
+        one_line(kvd("--socket", "", "--tcp", f"127.0.0.1:{port}", "--device-pages", "4",
+                     "--host-pages", "4", tmp_path=tmp_path), "cannot listen on")
+    finally:
+        busy.close()
+    (tmp_path / "file").write_text("")
+    one_line(kvd("--socket", str(tmp_path / "file" / "k.sock"), tmp_path=tmp_path),
+             "cannot create the socket's directory")
+    one_line(kvd("--socket", str(tmp_path / "file"), tmp_path=tmp_path), "is not a socket")
+    one_line(kvd("--socket", "k.sock", "--device-backend", "cupy", tmp_path=tmp_path),
+             "device_backend=cupy but no GPU")
+    one_line(kvd("--socket", "k.sock", "--metrics", "127.0.0.1:99999", tmp_path=tmp_path),
+             "not HOST:PORT")
+    # More shared memory than /dev/shm has: refused before a page is mapped.
+    one_line(kvd("--socket", "k.sock", "--device-pages", str(2**31), tmp_path=tmp_path),
+             "of shared memory but /dev/shm has")
+    assert shm_names() <= before  # nothing left behind
+
+
+async def test_a_bad_reload_keeps_the_running_config(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.write_text('[[pool]]\nmodel = "tiny"\ndevice_pages = 8\nhost_pages = 8\n'
+                      '[[tenant]]\nname = "a"\nweight = 2\n')
+    with LocalKvd("--config", str(config), workdir=tmp_path) as proc:
+        config.write_text(config.read_text().replace("weight = 2", 'weight = "3"'))
+        proc.proc.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            if "reload failed" in proc.log():
+                break
+            await asyncio.sleep(0.05)
+        assert "reload failed; keeping the running config" in proc.log()
+        assert "weight: Input should be a valid number" in proc.log()
+        assert "Traceback" not in proc.log()
+        async with AsyncClient(proc.target) as c:
+            (a,) = [t for t in await c.list_tenants() if t.tenant == "a"]
+            assert a.weight == 2.0
+            assert (await c.admit("r", 16)).decision == pb.DECISION_ADMITTED
+        assert proc.proc.poll() is None
