@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -139,6 +140,17 @@ def _top(client: Client, console: Console, interval_s: float, count: int | None)
             n += 1
 
 
+def _finite(text: str) -> float:
+    """A number kvd can act on: not NaN, not infinite, not negative."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl", description="Look at and steer a running kvd.")
     p.add_argument("--target", default=None, help=f"kvd address (default: {default_target()})")
@@ -164,16 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("set-quota", help="change a tenant's quota (only what you name)")
     c.add_argument("tenant")
     c.add_argument("--pool", default="", help="default: every pool")
-    c.add_argument("--weight", type=float)
+    c.add_argument("--weight", type=_finite)
     c.add_argument("--guaranteed", type=int, dest="guaranteed_pages")
     c.add_argument("--limit", type=int, dest="limit_pages", help="pages; 0 for none")
     c.add_argument("--max-request-pages", type=int)
-    c.add_argument("--max-request-fraction", type=float)
-    c.add_argument("--bandwidth-cap", type=float, dest="bandwidth_cap_bytes_per_s",
+    c.add_argument("--max-request-fraction", type=_finite)
+    c.add_argument("--bandwidth-cap", type=_finite, dest="bandwidth_cap_bytes_per_s",
                    help="bytes/s over each link; 0 for none")
-    c.add_argument("--request-bandwidth-cap", type=float,
+    c.add_argument("--request-bandwidth-cap", type=_finite,
                    dest="request_bandwidth_cap_bytes_per_s", help="bytes/s; 0 for none")
-    c.add_argument("--read-budget", type=float, dest="read_budget_bytes_per_s",
+    c.add_argument("--read-budget", type=_finite, dest="read_budget_bytes_per_s",
                    help="bytes/s of attention reads a request; 0 for none")
     c = sub.add_parser("set-policy", help="switch a pool's eviction policy")
     c.add_argument("policy")

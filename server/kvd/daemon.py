@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -745,12 +746,25 @@ class Daemon:
         for limit or a per-request cap means none."""
         if not tenant:
             raise InvalidArgument("tenant must not be empty")
+        for key, value in changes.items():
+            # NaN passes every comparison and infinity is no quota: neither may reach the
+            # policies (or the log, which must stay JSON).
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidArgument(f"{key} must be a finite number, got {value}")
         if "weight" in changes and not changes["weight"] > 0:
             raise InvalidArgument("weight must be positive")
         fraction = changes.get("max_request_fraction")
         if fraction is not None and not 0 <= fraction <= 1:
             raise InvalidArgument("max_request_fraction is 0..1")
         runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
+        for rt in runtimes:
+            old = rt.pool.quota(tenant)
+            new = dataclasses.replace(old)
+            for key, value in changes.items():
+                setattr(new, key, value)
+            if new.limit is not None and new.guaranteed > new.limit:
+                raise InvalidArgument(f"pool {rt.pool.name!r}: guaranteed ({new.guaranteed} "
+                                      f"pages) would be above limit ({new.limit} pages)")
         for rt in runtimes:
             old = rt.pool.quota(tenant)
             new = dataclasses.replace(old)

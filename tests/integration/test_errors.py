@@ -43,6 +43,24 @@ async def _state(client):
          InvalidArgumentError, "0..100"),
         (lambda c: c.update_intents([intent_update("r", 0, recompute_cost_us=-5)]),
          InvalidArgumentError, ">= 0"),
+        # Ids and names are bounded where they enter, and errors never echo them whole.
+        (lambda c: c.admit("x" * 20_000, 16), InvalidArgumentError,
+         "request_id is longer than 256 characters"),
+        (lambda c: c.release("x" * 20_000), InvalidArgumentError, "longer than 256"),
+        (lambda c: c.admit("z", 16, tenant="t" * 300), InvalidArgumentError, "tenant is longer"),
+        (lambda c: c.update_intents([intent_update("y" * 4096, 0)]), InvalidArgumentError,
+         "updates.request_id is longer"),
+        (lambda c: c.watch_events(buffer=10**9).__anext__(), InvalidArgumentError,
+         "buffer is at most"),
+        # Quotas are finite numbers in range.
+        (lambda c: c.set_quota("t", weight=float("nan")), InvalidArgumentError, "finite"),
+        (lambda c: c.set_quota("t", weight=float("inf")), InvalidArgumentError, "finite"),
+        (lambda c: c.set_quota("t", bandwidth_cap_bytes_per_s=float("nan")),
+         InvalidArgumentError, "finite"),
+        (lambda c: c.set_quota("t", read_budget_bytes_per_s=float("inf")),
+         InvalidArgumentError, "finite"),
+        (lambda c: c.set_quota("t", guaranteed_pages=6, limit_pages=4), InvalidArgumentError,
+         "above limit"),
     ],
 )
 async def test_bad_input_is_refused_with_a_clear_status(client, call, error, words):
@@ -52,7 +70,9 @@ async def test_bad_input_is_refused_with_a_clear_status(client, call, error, wor
     with pytest.raises(error) as info:
         await call(client)
     assert words in info.value.details
+    assert len(info.value.details) < 400
     assert await _state(client) == before
+    assert not [t for t in await client.list_tenants() if t.tenant == "t"]
     assert await client.health() == "SERVING"
 
 

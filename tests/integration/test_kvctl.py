@@ -77,6 +77,9 @@ def test_changes_and_exit_codes(busy_kvd):
     t2 = next(t for t in tenants if t["tenant"] == "t2")
     assert (t2["weight"], t2["limit_pages"]) == (3.0, 20)
     assert kvctl(busy_kvd.target, "set-quota", "t2").returncode == 2  # nothing to change
+    for bad in ("nan", "inf", "-1", "lots"):
+        refused = kvctl(busy_kvd.target, "set-quota", "t2", "--weight", bad)
+        assert refused.returncode == 2 and "weight" in refused.stderr, refused.stderr
     refused = kvctl(busy_kvd.target, "explain", "nope")
     assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr
     bad_policy = kvctl(busy_kvd.target, "set-policy", "belady")

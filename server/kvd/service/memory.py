@@ -26,6 +26,9 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("kvd.service")
 
+# Events kvd keeps for one watcher that does not read (about 600 bytes each).
+MAX_EVENT_BUFFER = 16384
+
 
 class MemoryService(pb_grpc.MemoryServicer):
     # Methods whose handler gets (bytes, message) pairs: a Step's bytes tell a repeated
@@ -236,6 +239,9 @@ class MemoryService(pb_grpc.MemoryServicer):
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
+            if request.buffer > MAX_EVENT_BUFFER:
+                raise errors.InvalidArgument(f"buffer is at most {MAX_EVENT_BUFFER} events, "
+                                             f"got {request.buffer}")
             unknown = set(request.kinds) - set(KINDS)
             if unknown:
                 raise errors.InvalidArgument(f"unknown event kinds {sorted(unknown)}; "

@@ -1,13 +1,19 @@
 """Registers kvd's servicers from their service descriptors, as the generated
 add_*Servicer_to_server does, but with deserializers that never raise: a payload that is not
 a valid kvd.v1 message becomes a Malformed marker, which the handlers answer with
-INVALID_ARGUMENT (grpc itself would say UNKNOWN)."""
+INVALID_ARGUMENT (grpc itself would say UNKNOWN). So does a message with a string longer
+than MAX_STRING: ids and names are kept, indexed and echoed in errors and events, so their
+size is bounded where they enter."""
 
 from __future__ import annotations
 
 import grpc
 from google.protobuf import message_factory
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
+
+# Characters in any string of a request (request ids, tenant and pool names).
+MAX_STRING = 256
 
 _FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -30,12 +36,34 @@ class Malformed:
         return f"the request is not a valid kvd.v1 message: {self.error}"
 
 
+def _long_string(message, path: str = "") -> str | None:
+    """The path of a string field longer than MAX_STRING, if any."""
+    for field, value in message.ListFields():
+        name = f"{path}{field.name}"
+        if field.type == FieldDescriptor.TYPE_STRING:
+            values = value if field.is_repeated else (value,)
+            if any(len(v) > MAX_STRING for v in values):
+                return name
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:
+                continue  # event details and the like: not sent by clients
+            for item in (value if field.is_repeated else (value,)):
+                found = _long_string(item, f"{name}.")
+                if found:
+                    return found
+    return None
+
+
 def _safe(parse):
     def deserialize(data: bytes):
         try:
-            return parse(data)
+            message = parse(data)
         except (DecodeError, ValueError) as exc:
             return Malformed(str(exc))
+        # A string over the bound needs that many bytes: short messages are not walked.
+        if len(data) > MAX_STRING and (field := _long_string(message)):
+            return Malformed(f"{field} is longer than {MAX_STRING} characters")
+        return message
 
     return deserialize
 
