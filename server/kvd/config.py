@@ -281,11 +281,6 @@ class TenantConfig:
                 raise InvalidArgument(
                     f"tenant {self.name!r}, pool {pool.name!r}: guaranteed "
                     f"({quota.guaranteed} pages) is above limit ({quota.limit} pages)")
-            if quota.guaranteed > pool.device_pages:
-                raise InvalidArgument(
-                    f"tenant {self.name!r}, pool {pool.name!r}: guaranteed "
-                    f"({quota.guaranteed} pages) is more than the device tier "
-                    f"({pool.device_pages} pages)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,17 @@ class Server:
 
     async def _listen(self, loop) -> None:
         self.auth = Authenticator(self.config, self.daemon.leases)
-        server = grpc.aio.server(options=GRPC_OPTIONS)
+        # kvd pings its clients: one that stops answering (a stopped or partitioned engine
+        # with a Step stream open) loses its connection, so its streams close and its lease
+        # can lapse, instead of an open stream holding its pages for ever.
+        ping_ms = int(max(1.0, min(10.0, self.config.lease_ttl_s / 3)) * 1000)
+        server = grpc.aio.server(options=GRPC_OPTIONS + [
+            ("grpc.keepalive_time_ms", ping_ms),
+            ("grpc.keepalive_timeout_ms", ping_ms),
+            ("grpc.http2.ping_timeout_ms", ping_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ])
         services = kvd_pb2.DESCRIPTOR.services_by_name
         self.gate = CallGate(self.config.max_calls_per_client)
         add_service(server, MemoryService(self.daemon, self.auth, self.gate),

@@ -80,7 +80,6 @@ def test_the_shipped_example_config_loads(tmp_path):
     ({"server": {"tcp": "0.0.0.0"}}, "not HOST:PORT"),
     ({"server": {"metrics": "127.0.0.1:99999"}}, "not HOST:PORT"),
     ({"tenant": [{"name": "a", "guaranteed": 64, "limit": 32}]}, "guaranteed .* above limit"),
-    ({"tenant": [{"name": "a", "guaranteed": 10**6}]}, "more than the device tier"),
     ({"tenant": [{"name": "a", "weight": float("nan")}]}, "finite number"),
     ({"tenant": [{"name": "a", "bandwidth_cap": float("inf")}]}, "finite number"),
     ({"tenant": [{"name": "a", "pools": {"default": {"wieght": 2}}}]}, "default.wieght: unknown"),

@@ -89,3 +89,24 @@ async def test_keep_alive_holds_a_unary_client_and_silence_expires_it(tmp_path):
                     break
                 await asyncio.sleep(0.05)
             assert not (await observer.explain("r")).active
+
+
+async def test_a_stopped_client_with_an_open_stream_loses_its_pages(tmp_path):
+    # SIGSTOP, not SIGKILL: the process and its socket stay, its stream stays open, but it
+    # answers nothing. kvd's pings go unanswered, the connection closes, the lease lapses.
+    with LocalKvd(*SMALL, "--lease-ttl-s", "0.5", workdir=tmp_path) as kvd:
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, kvd.target],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "ready"
+            async with AsyncClient(kvd.target, lease="") as observer:
+                assert sum(await _used_pages(observer)) == 24
+                holder.send_signal(signal.SIGSTOP)
+                for _ in range(200):  # pings every 1 s, 1 s to answer, then the TTL
+                    if sum(await _used_pages(observer)) == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert sum(await _used_pages(observer)) == 0
+        finally:
+            holder.kill()
+            holder.wait()

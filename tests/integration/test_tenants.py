@@ -231,3 +231,37 @@ def test_overcommitted_guarantees_are_scaled_and_said(tmp_path):
     # 16 pages promised on 7 shareable (8 less the fair reserve is not taken under lru):
     # a and b get 6/16 and 10/16 of the device tier as floors.
     assert shares["a"] == pytest.approx(8 * 6 / 16) and shares["b"] == pytest.approx(8 * 10 / 16)
+
+
+async def test_a_revoked_token_stops_working_on_open_streams(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="beta-token") as beta:
+        await beta.admit("b1", 16)
+        async with beta.step_stream() as stream:
+            await stream.step(allocations=[("b1", 1)])
+            (tenants_kvd.config.parent / "beta.token").write_text("beta-token-2\n")
+            tenants_kvd.proc.send_signal(signal.SIGHUP)
+            for _ in range(100):  # the reload lands; the next message is refused
+                try:
+                    await stream.step(read_all=["b1"])
+                except UnauthenticatedError as exc:
+                    assert "unknown bearer token" in exc.details
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("a revoked token kept working on an open Step stream")
+
+
+async def test_a_lease_belongs_to_its_tenant(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.format(tcp="lease_ttl_s = 0.5", policy="lru"))
+    (tmp_path / "beta.token").write_text("beta-token\n")
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, token="alpha-token", lease="shared") as alpha:
+            await alpha.admit("a1", 16)
+        # Beta names alpha's lease id and keeps calling: alpha's lease still lapses.
+        async with AsyncClient(kvd.target, token="beta-token", lease="shared") as beta, \
+                AsyncClient(kvd.target, token="root-token") as admin:
+            for _ in range(30):
+                await beta.keep_alive()
+                await asyncio.sleep(0.05)
+            assert not [r for r in await admin.list_requests() if r.request_id == "a1"]

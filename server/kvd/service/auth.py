@@ -38,7 +38,10 @@ class Authenticator:
         self.configure(config)
 
     def configure(self, config: Config) -> None:
-        """(Re)load identities; called at start and on SIGHUP."""
+        """(Re)load identities; called at start and on SIGHUP. Long-lived streams compare
+        `generation` at each message and identify their caller again when it changed, so
+        a revoked token stops working on streams opened before too."""
+        self.generation = getattr(self, "generation", 0) + 1
         self._tokens = {t.token: t.name for t in config.tenants if t.token}
         self._admin_token = config.auth.admin_token
         self._unix_tenant = config.auth.unix_tenant
@@ -54,6 +57,10 @@ class Authenticator:
             elif key == LEASE_METADATA:
                 lease = value[:128]
         tenant, admin = self._who(token, context)
+        if lease:
+            # A lease belongs to its tenant: another tenant naming the same id gets a lease
+            # of its own, and cannot keep this one's requests alive.
+            lease = f"{'admin' if admin else tenant}/{lease}"
         if lease and self.leases is not None:
             self.leases.renew(lease, tenant)
         return Caller(tenant, admin, lease)

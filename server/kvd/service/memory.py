@@ -255,9 +255,16 @@ class MemoryService(pb_grpc.MemoryServicer):
             await context.abort(status_of(exc), str(exc))
         bus = self.daemon.events
         sub = bus.subscribe(request.pools, tenants, request.kinds, request.buffer or 1024)
+        generation = self.auth.generation
         try:
             while True:
                 e = await bus.next(sub)
+                if self.auth.generation != generation:
+                    generation = self.auth.generation
+                    try:
+                        self.auth.identify(context)
+                    except errors.KvdError as exc:
+                        await context.abort(status_of(exc), str(exc))
                 await context.write(pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
                                tenant=e.tenant, request_id=e.request_id, count=e.count,
                                detail=e.detail, lost=e.lost))
@@ -276,10 +283,18 @@ class MemoryService(pb_grpc.MemoryServicer):
         holder = f"stream:{id(context)}:{time.monotonic_ns()}"
         daemon = self.daemon
         daemon.end_holds(caller.holder)  # the client's unary calls before are done too
+        auth = self.auth
+        generation = auth.generation
         try:
             async for data, step in request_iterator:
                 if type(step) is Malformed:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
+                if auth.generation != generation:  # identities were reloaded: still valid?
+                    generation = auth.generation
+                    try:
+                        auth.identify(context)
+                    except errors.KvdError as exc:
+                        await context.abort(status_of(exc), str(exc))
                 daemon.end_holds(holder)
                 started = time.perf_counter()
                 reply = await self._step(step, caller.scope, _reads_key(data), holder)
