@@ -15,6 +15,7 @@ from kvd.core.errors import (
     NotFound,
     ResourceExhausted,
 )
+from kvd.core.fairness import TenantQuota
 from kvd.core.pool import IntentChange
 
 from .conftest import PoolFactory, settle
@@ -52,8 +53,31 @@ def test_queue_is_bounded(make_pool):
     pool.admit("a", tenant="t", prompt_tokens=16, output_tokens=0)
     pool.admit("b", tenant="t", prompt_tokens=16, output_tokens=0)
     pool.admit("c", tenant="t", prompt_tokens=16, output_tokens=0)
-    with pytest.raises(ResourceExhausted, match="queue .* is full"):
+    with pytest.raises(ResourceExhausted, match="share of the 2-entry queue is 2"):
         pool.admit("d", tenant="t", prompt_tokens=16, output_tokens=0)
+
+
+def test_one_tenant_filling_the_queue_does_not_shut_another_out(make_pool):
+    pool = make_pool(device_pages=64, host_pages=0, max_queue=8)
+    pool.set_quota("flood", TenantQuota(limit=1))
+    pool.admit("f0", tenant="flood", prompt_tokens=16, output_tokens=0)
+    for i in range(1, 9):  # each waits on flood's own 1-page limit
+        assert pool.admit(f"f{i}", tenant="flood", prompt_tokens=16,
+                          output_tokens=0).decision == "queued"
+    with pytest.raises(ResourceExhausted, match="share"):
+        pool.admit("f9", tenant="flood", prompt_tokens=16, output_tokens=0)
+    # Another tenant, holding nothing, with 63 pages free: admitted at once.
+    assert pool.admit("v", tenant="victim", prompt_tokens=16,
+                      output_tokens=0).decision == "admitted"
+    # And while flood's requests wait, half the queue is the victim's to wait in.
+    pool.set_quota("victim", TenantQuota(limit=1))
+    for i in range(4):
+        assert pool.admit(f"v{i}", tenant="victim", prompt_tokens=16,
+                          output_tokens=0).decision == "queued"
+    with pytest.raises(ResourceExhausted, match="share of the 8-entry queue is 4"):
+        pool.admit("v4", tenant="victim", prompt_tokens=16, output_tokens=0)
+    with pytest.raises(ResourceExhausted, match="tenant 'flood' has 8"):
+        pool.admit("f10", tenant="flood", prompt_tokens=16, output_tokens=0)
 
 
 def test_allocation_demotes_lru_victims_and_copies_before_commit(make_pool):

@@ -43,6 +43,10 @@ def check_pool(pool: Pool) -> list[str]:
     reserved = 0
     reserved_by_tenant: Counter[str] = Counter()
     device_by_tenant: Counter[str] = Counter()
+    waiting = Counter(r.tenant for r in pool.queue.values())
+    if +waiting != +pool.waiting_by_tenant:
+        problems.append(f"{name}: waiting requests by tenant {dict(+pool.waiting_by_tenant)} "
+                        f"!= the queue's {dict(waiting)}")
     for req in pool.requests.values():
         if req.state is RequestState.QUEUED:
             if req.blocks:

@@ -160,6 +160,7 @@ class Pool:
         self.device_by_tenant: Counter[str] = Counter()
         self.reserved_by_tenant: Counter[str] = Counter()
         self.queued_by_tenant: Counter[str] = Counter()
+        self.waiting_by_tenant: Counter[str] = Counter()  # queued requests, not pages
         self.blocks_read_by_tenant: Counter[str] = Counter()
         self._shares: dict[str, float] | None = None
         self.attribution = attribution or Attribution()
@@ -296,11 +297,7 @@ class Pool:
         if never:
             self.counters.num_rejected += 1
             return AdmitResult("rejected", never, 0, projected)
-        if len(self.queue) >= self.max_queue:
-            raise ResourceExhausted(
-                f"admission queue of pool {self.name!r} is full ({self.max_queue} waiting); "
-                "retry after requests finish"
-            )
+        self._check_queue_share(tenant)
         now = self.clock.now()
         req = probe
         req.queued_at = now
@@ -309,6 +306,7 @@ class Pool:
         self.requests[request_id] = req
         self.queue[request_id] = req
         self.queued_by_tenant[tenant] += projected
+        self.waiting_by_tenant[tenant] += 1
         self._shares = None
         # Admit in fair order: this request goes now only if it is first in line and fits.
         admitted = self._admit_from_queue()
@@ -319,6 +317,23 @@ class Pool:
         self.counters.num_queued += 1
         return AdmitResult("queued", self._why_waiting(req), self.queue_position(request_id),
                            projected)
+
+    def _check_queue_share(self, tenant: str) -> None:
+        """The admission queue is shared by weight: a tenant may fill it up to its weighted
+        share among the tenants waiting (itself included), so one tenant's flood of requests
+        waiting on its own limit never shuts another out. The queue as a whole stays within
+        twice max_queue."""
+        waiting = [t for t, n in self.waiting_by_tenant.items() if n > 0]
+        if tenant not in waiting:
+            waiting.append(tenant)
+        total = sum(self.quota(t).weight for t in waiting)
+        share = max(1, int(self.max_queue * self.quota(tenant).weight / total))
+        mine = self.waiting_by_tenant[tenant]
+        if mine >= share or len(self.queue) >= 2 * self.max_queue:
+            raise ResourceExhausted(
+                f"admission queue of pool {self.name!r}: tenant {_short(tenant)} has {mine} "
+                f"request(s) waiting, its share of the {self.max_queue}-entry queue is "
+                f"{share}; retry after its requests finish")
 
     def _budget(self, req: Request, now: float) -> None:
         """Give a request the bandwidth buckets its tenant's quota asks for."""
@@ -431,6 +446,7 @@ class Pool:
                 break
             del self.queue[req.request_id]
             self.queued_by_tenant[req.tenant] -= req.projected_pages
+            self.waiting_by_tenant[req.tenant] -= 1
             self._shares = None
             self._admit_now(req)
             admitted.append(req)
@@ -1002,6 +1018,7 @@ class Pool:
             del self.queue[request_id]
             del self.requests[request_id]
             self.queued_by_tenant[req.tenant] -= req.projected_pages
+            self.waiting_by_tenant[req.tenant] -= 1
             self._shares = None
             return 0, self._admit_from_queue()
         live = req.live_blocks()
