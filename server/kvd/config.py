@@ -316,6 +316,10 @@ class Config:
     # Unary calls of one client (its lease) that run at once; more wait their turn, so a
     # client flooding calls cannot crowd out the others. 0: no limit.
     max_calls_per_client: Count = 16
+    # Work one call may ask for: its size on the wire, and its items (intent updates, block
+    # indices, a Step's sections together). Sized for a large engine step.
+    max_message_bytes: Annotated[int, Field(ge=4096, le=2**31 - 1, strict=True)] = 4 * 2**20
+    max_items_per_call: PositiveInt = 4096
     eviction_ledger: Count = 20_000  # eviction records kept per pool (bounded memory)
     explain_keep: Count = 2_000  # released requests Explain still knows, per pool
     metrics: Address = "127.0.0.1:9464"  # Prometheus exposition address; "" for none

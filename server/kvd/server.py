@@ -39,7 +39,6 @@ SERVICE_NAMES = tuple(
 )
 # Engines send big Step batches; allow them.
 GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
 ]
@@ -113,6 +112,8 @@ class Server:
         # can lapse, instead of an open stream holding its pages for ever.
         ping_ms = int(max(1.0, min(10.0, self.config.lease_ttl_s / 3)) * 1000)
         server = grpc.aio.server(options=GRPC_OPTIONS + [
+            # A bigger message is refused by grpc (RESOURCE_EXHAUSTED) before kvd reads it.
+            ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.keepalive_time_ms", ping_ms),
             ("grpc.keepalive_timeout_ms", ping_ms),
             ("grpc.http2.ping_timeout_ms", ping_ms),

@@ -52,6 +52,12 @@ async def _state(client):
          "updates.request_id is longer"),
         (lambda c: c.watch_events(buffer=10**9).__anext__(), InvalidArgumentError,
          "buffer is at most"),
+        # Work per call is bounded.
+        (lambda c: c.update_intents([intent_update("r", 0)] * 5000), InvalidArgumentError,
+         "5000 intent updates in one call; at most 4096 (max_items_per_call)"),
+        (lambda c: c.access("r", list(range(5000))), InvalidArgumentError, "at most 4096"),
+        (lambda c: c.update_intents([intent_update("r", 0, priority=1)] * 600_000),
+         ResourceExhaustedError, "larger than max"),
         # Quotas are finite numbers in range.
         (lambda c: c.set_quota("t", weight=float("nan")), InvalidArgumentError, "finite"),
         (lambda c: c.set_quota("t", weight=float("inf")), InvalidArgumentError, "finite"),
@@ -110,3 +116,11 @@ async def test_pinning_past_capacity_is_refused(client):
     assert reply.decision == pb.DECISION_QUEUED and "8 of 8 pinned" in reply.reason
     await client.release("p")  # admits q
     assert len((await client.allocate("q", 1)).handles) == 1
+
+
+async def test_a_step_over_the_item_bound_is_refused(client):
+    await client.admit("r", 32)
+    async with client.step_stream() as stream:
+        with pytest.raises(InvalidArgumentError, match="at most 4096"):
+            await stream.step(read_all=["r"] * 5000)
+    assert await client.health() == "SERVING"
