@@ -139,6 +139,9 @@ class PoolConfig:
     link_chunk: ChunkSize = "auto"
     link_scheduling: Literal["fair", "fifo"] = "fair"
     link_aging_ms: Seconds = 50.0
+    # The tenants that may use this pool (admit into it, hand off to it, map its arenas);
+    # empty: every tenant. Engines that map a pool can read and write all of its pages.
+    tenants: tuple[Name, ...] = ()
 
     @property
     def resolved_page_bytes(self) -> int:

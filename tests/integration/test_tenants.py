@@ -265,3 +265,55 @@ async def test_a_lease_belongs_to_its_tenant(tmp_path):
                 await beta.keep_alive()
                 await asyncio.sleep(0.05)
             assert not [r for r in await admin.list_requests() if r.request_id == "a1"]
+
+
+async def test_other_tenants_request_ids_are_not_shown(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha, \
+            AsyncClient(tenants_kvd.target, token="beta-token") as beta, \
+            AsyncClient(tenants_kvd.target, token="root-token") as admin:
+        seen = []
+
+        async def watch():
+            async for event in alpha.watch_events(kinds=["eviction"]):
+                seen.append(event)
+
+        watcher = asyncio.ensure_future(watch())
+        await asyncio.sleep(0.2)
+        await alpha.admit("a1", 16 * 8)
+        await alpha.allocate("a1", 8)
+        await alpha.keep_alive()  # done writing: its pages may be taken
+        await beta.admit("secret-b1", 16 * 8)
+        await beta.allocate("secret-b1", 8)  # pushes alpha's blocks to host
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.02)
+        watcher.cancel()
+        assert seen and seen[0].detail["cause_tenant"] == "beta"
+        assert seen[0].detail["cause_request"] == ""
+        mine = await alpha.explain("a1")
+        assert [(c.other.tenant, c.other.request_id) for c in mine.evictions_suffered] == [
+            ("beta", "")]
+        full = await admin.explain("a1")
+        assert [(c.other.tenant, c.other.request_id) for c in full.evictions_suffered] == [
+            ("beta", "secret-b1")]
+
+
+async def test_a_pool_restricted_to_tenants_refuses_the_others(tmp_path):
+    config = tmp_path / "kvd.toml"
+    (tmp_path / "beta.token").write_text("beta-token\n")
+    config.write_text(CONFIG.format(tcp="", policy="lru") + (
+        '\n[[pool]]\nname = "private"\nmodel = "tiny"\ndevice_pages = 4\nhost_pages = 4\n'
+        'tenants = ["alpha"]\n'))
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, token="alpha-token") as alpha, \
+                AsyncClient(kvd.target, token="beta-token") as beta:
+            assert (await alpha.admit("a", 16, pool="private")).decision == pb.DECISION_ADMITTED
+            assert (await alpha.export_pool("private")).tiers
+            with pytest.raises(PermissionDeniedError, match="not open to tenant 'beta'"):
+                await beta.admit("b", 16, pool="private")
+            with pytest.raises(PermissionDeniedError, match="not open to tenant 'beta'"):
+                await beta.export_pool("private")
+            with pytest.raises(PermissionDeniedError):
+                await beta.admit("b", 16, handoff_pool="private")
+            assert (await beta.export_pool("default")).tiers  # shared pools stay open

@@ -41,6 +41,14 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.auth = auth
         self.gate = gate or CallGate(0)
         self.max_items = daemon.config.max_items_per_call
+        self.restricted = {p.name: frozenset(p.tenants) for p in daemon.config.pools
+                           if p.tenants}
+
+    def _may_use(self, pool: str, tenant: str) -> None:
+        """Pools restricted to tenants (`[[pool]] tenants = [...]`) refuse the others."""
+        allowed = self.restricted.get(pool)
+        if allowed is not None and tenant not in allowed:
+            raise errors.PermissionDenied(f"pool {pool!r} is not open to tenant {tenant!r}")
 
     def _bounded(self, num: int, what: str) -> None:
         """Work per call is bounded: a call with more items than max_items_per_call is
@@ -62,6 +70,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         if not caller.may_touch(tenant):
             raise errors.PermissionDenied(
                 f"caller is tenant {caller.tenant!r}; it cannot admit for {tenant!r}")
+        for pool in (request.pool or "default", request.handoff_pool):
+            self._may_use(pool, tenant)
         result = self.daemon.admit(
             request.request_id,
             tenant=tenant,
@@ -144,6 +154,8 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def ExportPool(self, request, caller):
         rt = self.daemon.runtime(request.pool)
+        if not caller.admin:  # the arenas are read and written whole: only its users
+            self._may_use(rt.pool.name, caller.tenant)
         tiers = []
         for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host")):
             export = rt.arenas[key].export()
@@ -179,7 +191,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def Explain(self, request, caller):
         account, pool, active = self.daemon.explain(request.request_id, caller.scope)
-        return explain_response(account, pool, active)
+        return explain_response(account, pool, active, caller.scope)
 
     async def WaitAdmission(self, request, context):
         caller = None
@@ -222,6 +234,8 @@ class MemoryService(pb_grpc.MemoryServicer):
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
+            if request.target_pool and not caller.admin:
+                self._may_use(request.target_pool, caller.tenant)
             self.daemon.end_holds(caller.holder)  # its calls before are done
             # Closed however this handler ends, a cancel while writing included: the
             # handoff's owner is this call, and a caller that went away rolls it back now.
@@ -279,7 +293,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                         await context.abort(status_of(exc), str(exc))
                 await context.write(pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
                                tenant=e.tenant, request_id=e.request_id, count=e.count,
-                               detail=e.detail, lost=e.lost))
+                               detail=_redacted(e.detail, caller.scope), lost=e.lost))
         finally:
             bus.unsubscribe(sub)
 
@@ -468,9 +482,11 @@ def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.Kv
     )
 
 
-def explain_response(account, pool: str, active: bool) -> pb.ExplainResponse:
+def explain_response(account, pool: str, active: bool, scope: str | None = None
+                     ) -> pb.ExplainResponse:
+    """A request's account; a tenant (scope) sees other tenants' requests by tenant only."""
     def cause(key):
-        return pb.Cause(tenant=key[0], request_id=key[1])
+        return pb.Cause(tenant=key[0], request_id=_redact(key[0], key[1], scope))
 
     return pb.ExplainResponse(
         request_id=account.request_id,
@@ -487,6 +503,17 @@ def explain_response(account, pool: str, active: bool) -> pb.ExplainResponse:
                           for k, v in account.evictions_caused.most_common()],
         num_recomputes=account.num_recomputes,
     )
+
+
+def _redacted(detail: dict, scope: str | None) -> dict:
+    if "cause_request" in detail and scope is not None and detail["cause_tenant"] != scope:
+        return {**detail, "cause_request": ""}
+    return detail
+
+
+def _redact(tenant: str, request_id: str, scope: str | None) -> str:
+    """Another tenant's request id is not this caller's to see (None: the admin sees all)."""
+    return request_id if scope is None or tenant == scope else ""
 
 
 def link_stats(link, daemon) -> pb.LinkStats:
