@@ -1,6 +1,6 @@
 """Typed Python client for kvd (async and sync), used by engines, kvctl and the load generator."""
 
-from kvd_client.client import AsyncClient, Client, RetryPolicy, StepStream, default_target
+from kvd_client.client import AsyncClient, Client, RetryPolicy, StepStream, Tls, default_target
 from kvd_client.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -21,6 +21,6 @@ __all__ = [
     "AbortedError", "AlreadyExistsError", "AsyncClient", "Client", "DeadlineExceededError",
     "EngineSession", "Recovery", "RetryPolicy",
     "FailedPreconditionError", "InvalidArgumentError", "KvdClientError", "NotFoundError",
-    "PermissionDeniedError", "ResourceExhaustedError", "StepStream", "UnauthenticatedError",
+    "PermissionDeniedError", "ResourceExhaustedError", "StepStream", "Tls", "UnauthenticatedError",
     "UnavailableError", "default_target", "pb",
 ]

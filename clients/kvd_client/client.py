@@ -103,20 +103,54 @@ def _retry_delay(err: grpc.RpcError, backoffs) -> float:
     return delay
 
 
+@dataclass(frozen=True)
+class Tls:
+    """TLS to a kvd's TCP listener: the CA that signed its certificate (None: the system's
+    roots), and this client's certificate and key when kvd wants them (mTLS). PEM bytes or
+    paths. $KVD_TLS_CA, $KVD_TLS_CERT and $KVD_TLS_KEY give the defaults."""
+
+    ca: str | bytes | None = None
+    cert: str | bytes | None = None
+    key: str | bytes | None = None
+    server_name: str | None = None  # when the certificate names another host
+
+    @classmethod
+    def from_env(cls) -> Tls | None:
+        env = {k: os.environ.get(f"KVD_TLS_{k.upper()}") for k in ("ca", "cert", "key")}
+        return cls(**env) if any(env.values()) else None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def pem(value):
+            if value is None or isinstance(value, bytes):
+                return value
+            with open(value, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(pem(self.ca), pem(self.key), pem(self.cert))
+
+
 class _Connection:
     """What both clients hold: the target, call metadata (token, lease), a channel, stubs."""
 
-    _open_channel = staticmethod(grpc.insecure_channel)
+    _grpc = grpc
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  token: str | None = None, lease: str | None = None,
                  metadata: Sequence[tuple[str, str]] = (),
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, tls: Tls | None = None) -> None:
         self.target = target or default_target()
         self.timeout_s = timeout_s
         self.retry = retry
         self.metadata = _metadata(token, metadata, lease)
-        self.channel = self._open_channel(self.target, options=_channel_options())
+        tls = tls or (None if self.target.startswith("unix:") else Tls.from_env())
+        options = _channel_options()
+        if tls is None:
+            self.channel = self._grpc.insecure_channel(self.target, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self.channel = self._grpc.secure_channel(self.target, tls.credentials(),
+                                                     options=options)
         self.memory = pb_grpc.MemoryStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
@@ -125,7 +159,7 @@ class _Connection:
 class AsyncClient(_Connection):
     """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
 
-    _open_channel = staticmethod(grpc.aio.insecure_channel)
+    _grpc = grpc.aio
 
     async def __aenter__(self) -> AsyncClient:
         return self

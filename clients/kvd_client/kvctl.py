@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from kvd_client import Client, KvdClientError, UnavailableError, default_target, pb
+from kvd_client import Client, KvdClientError, Tls, UnavailableError, default_target, pb
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 
@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl", description="Look at and steer a running kvd.")
     p.add_argument("--target", default=None, help=f"kvd address (default: {default_target()})")
     p.add_argument("--token", default=None, help="bearer token (default: $KVD_TOKEN)")
+    p.add_argument("--tls-ca", default=None,
+                   help="TLS to a TCP target: the CA's PEM file (default: $KVD_TLS_CA)")
+    p.add_argument("--tls-cert", default=None, help="client certificate for mTLS (PEM)")
+    p.add_argument("--tls-key", default=None, help="client key for mTLS (PEM)")
     p.add_argument("--timeout-s", type=float, default=10.0)
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("status", "pools, tiers, occupancy, backend, policy, uptime"),
@@ -205,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     out = Console(width=max(console.width, 160))
     try:
+        tls = (Tls(args.tls_ca, args.tls_cert, args.tls_key)
+               if args.tls_ca or args.tls_cert else None)
         with Client(args.target, token=args.token, timeout_s=args.timeout_s,
-                    lease="") as client:
+                    lease="", tls=tls) as client:
             return _run(args, client, out)
     except UnavailableError as exc:
         print(f"kvctl: cannot reach kvd at {args.target or default_target()}: {exc.details}",

@@ -305,6 +305,13 @@ class Config:
     socket_mode: Annotated[int, Field(strict=True), AfterValidator(_mode)] = 0o660
     socket_group: str = ""  # the group engines run as ("": kvd's own)
     tcp: Address = ""  # host:port; empty = no TCP listener
+    # TLS on the TCP listener (PEM files, relative to the config file): the server's
+    # certificate and key, and a CA whose clients must present certificates (mTLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # Bearer tokens over TCP without TLS travel in clear: refused unless this says so.
+    allow_plaintext_tokens: Annotated[bool, Field(strict=True)] = False
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     grace_s: NonNegativeSeconds = 10.0
@@ -339,6 +346,12 @@ class Config:
             raise InvalidArgument("kvd needs a unix socket or a TCP address to listen on")
         if not self.pools:
             raise InvalidArgument("kvd needs at least one [[pool]]")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("tls_cert and tls_key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise InvalidArgument("tls_client_ca needs tls_cert and tls_key")
+        if self.tls_cert and not self.tcp:
+            raise InvalidArgument("TLS is for the TCP listener: set tcp too")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"pool names must be unique, got {names}")
@@ -447,6 +460,10 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
     auth = dict(auth)
     _secret(auth, "admin_token", base)
     pools = _entries(data, "pool") if "pool" in data else [{}]
+    server = dict(server)
+    for key in ("tls_cert", "tls_key", "tls_client_ca"):
+        if isinstance(server.get(key), str) and server[key] and base is not None:
+            server[key] = str(base / server[key])  # absolute stays absolute
     config = _checked(lambda: _CONFIG.validate_python({
         **server, "pools": pools, "tenants": tenants, "links": _entries(data, "link"),
         "auth": auth}))

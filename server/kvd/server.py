@@ -136,7 +136,7 @@ class Server:
             _bind(server, f"unix:{path}")
             self.addresses.append(f"unix://{path}")
         if self.config.tcp:
-            port = _bind(server, self.config.tcp)
+            port = _bind(server, self.config.tcp, _tls_credentials(self.config))
             host = self.config.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
         await server.start()
@@ -224,8 +224,27 @@ class Server:
         log.info("kvd stopped")
 
 
-def _bind(server: grpc.aio.Server, address: str) -> int:
+def _tls_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """grpc's own TLS (and mTLS with a client CA) from the PEM files the config names."""
+    if not config.tls_cert:
+        return None
+    pem = {}
+    for key in ("tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(config, key)
+        try:
+            pem[key] = Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise StartupError(f"cannot read {key} {path}: {exc.strerror}") from None
+    return grpc.ssl_server_credentials(
+        [(pem["tls_key"], pem["tls_cert"])], root_certificates=pem["tls_client_ca"],
+        require_client_auth=pem["tls_client_ca"] is not None)
+
+
+def _bind(server: grpc.aio.Server, address: str,
+          credentials: grpc.ServerCredentials | None = None) -> int:
     try:
+        if credentials is not None:
+            return server.add_secure_port(address, credentials)
         return server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc says only "Failed to bind"
         raise StartupError(f"cannot listen on {address}: the address is in use, not "

@@ -87,6 +87,10 @@ def test_the_shipped_example_config_loads(tmp_path):
     ({"pool": []}, "at least one"),
     ({"pool": {"name": "x"}}, "list of tables"),
     ({"server": {"pools": []}}, "unknown"),
+    ({"server": {"tcp": "127.0.0.1:1", "tls_cert": "c.pem"}}, "go together"),
+    ({"server": {"tls_cert": "c.pem", "tls_key": "k.pem"}}, "set tcp too"),
+    ({"server": {"tcp": "127.0.0.1:1", "tls_client_ca": "ca.pem"}}, "needs tls_cert"),
+    ({"server": {"allow_plaintext_tokens": "yes"}}, "allow_plaintext_tokens: Input should"),
 ])
 def test_bad_values_are_one_line_naming_the_key(data, message):
     with pytest.raises(InvalidArgument, match=message) as err:

@@ -46,6 +46,7 @@ class Authenticator:
         self._admin_token = config.auth.admin_token
         self._unix_tenant = config.auth.unix_tenant
         self._unix_admin = config.auth.unix_admin
+        self._plaintext_tokens_ok = bool(config.tls_cert) or config.allow_plaintext_tokens
 
     def identify(self, context) -> Caller:
         token = lease = ""
@@ -68,6 +69,10 @@ class Authenticator:
     def _who(self, token: str, context) -> tuple[str, bool]:
         """(tenant, admin?) of the caller."""
         if token:
+            if not self._plaintext_tokens_ok and not (context.peer() or "").startswith("unix:"):
+                raise Unauthenticated(
+                    "bearer tokens over plaintext TCP are refused (they would travel in "
+                    "clear): kvd needs tls_cert and tls_key, or allow_plaintext_tokens = true")
             if self._admin_token and hmac.compare_digest(token, self._admin_token):
                 return "", True
             for known, tenant in self._tokens.items():
