@@ -23,7 +23,14 @@ def kvd(*args: str, config: str | None = None, tmp_path=None) -> subprocess.Comp
         path = tmp_path / "kvd.toml"
         path.write_text(config)
         argv += ["--config", str(path)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    out, err = proc.communicate(timeout=60)
+    STARTED.append(proc.pid)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+STARTED: list[int] = []  # the pids of the kvds these tests started
 
 
 def one_line(result: subprocess.CompletedProcess, expect: str) -> None:
@@ -33,8 +40,10 @@ def one_line(result: subprocess.CompletedProcess, expect: str) -> None:
     assert len(ours) == 1 and expect in ours[0], result.stderr
 
 
-def shm_names() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("kvd")}
+def left_behind() -> list[str]:
+    """Shared memory of the kvds these tests started (their names carry the pid)."""
+    return [n for n in os.listdir("/dev/shm")
+            if any(n.startswith(f"kvd-{pid}-") for pid in STARTED)]
 
 
 @pytest.mark.parametrize("server, expect", [
@@ -53,7 +62,6 @@ def test_bad_config_values_are_one_line_and_exit_2(tmp_path, server, expect):
 
 
 def test_start_up_failures_are_one_line_and_exit_2(tmp_path):
-    before = shm_names()
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
@@ -74,7 +82,7 @@ def test_start_up_failures_are_one_line_and_exit_2(tmp_path):
     # More shared memory than /dev/shm has: refused before a page is mapped.
     one_line(kvd("--socket", "k.sock", "--device-pages", str(2**31), tmp_path=tmp_path),
              "of shared memory but /dev/shm has")
-    assert shm_names() <= before  # nothing left behind
+    assert not left_behind()
 
 
 async def test_a_bad_reload_keeps_the_running_config(tmp_path):
