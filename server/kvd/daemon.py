@@ -694,10 +694,10 @@ class Daemon:
         """(admitted?, queue position, reason, the event that fires on the next change)."""
         rt = self.runtime_of(request_id, scope)
         req = rt.pool.requests[request_id]
-        event = rt.queue_event()
         if req.state is RequestState.ADMITTED:
-            return True, 0, "", event
-        return False, rt.pool.queue_position(request_id), rt.pool._why_waiting(req), event
+            return True, 0, "", None
+        position = rt.pool.queue_position(request_id)
+        return False, position, rt.pool._why_waiting(req), rt.queue_event(request_id, position)
 
     # ------------------------------------------------------------------ tenants
 

@@ -57,7 +57,8 @@ class PoolRuntime:
         self._refilling = False
         # Set (and dropped) whenever the admission queue may have changed; made only when a
         # WaitAdmission stream waits, so admissions nobody watches make no event.
-        self._queue_changed: asyncio.Event | None = None
+        # WaitAdmission streams: request id -> (the position it was told, its event).
+        self._queue_waiters: dict[str, list[tuple[int, asyncio.Event]]] = {}
         self._plans: set[TransferPlan] = set()
         # Operations that found no device room while pages were in transit, in line for it:
         # (rank, arrival, op, future). Served as transfers complete, best rank first.
@@ -74,17 +75,37 @@ class PoolRuntime:
         # after the reply has gone (and before any other operation on the pool).
         pool.defer = _record_later
 
-    def queue_event(self) -> asyncio.Event:
-        """An event set at the admission queue's next change."""
-        if self._queue_changed is None:
-            self._queue_changed = asyncio.Event()
-        return self._queue_changed
+    def queue_event(self, request_id: str, position: int) -> asyncio.Event:
+        """An event set when the request's answer changes: admitted, gone, or a queue
+        position other than `position` (the one its waiter has just told)."""
+        event = asyncio.Event()
+        self._queue_waiters.setdefault(request_id, []).append((position, event))
+        return event
 
     def notify_queue(self) -> None:
-        """Wake WaitAdmission streams: positions may have moved or requests been admitted."""
-        event, self._queue_changed = self._queue_changed, None
-        if event is not None:
-            event.set()
+        """The admission queue may have changed: wake the waiters whose answer did (one
+        ordering of the queue for all of them; the others sleep on)."""
+        if not self._queue_waiters:
+            return
+        positions = self.pool.queue_positions()
+        for request_id, waiters in list(self._queue_waiters.items()):
+            position = positions.get(request_id, 0)
+            keep = [(told, event) for told, event in waiters if told == position]
+            for told, event in waiters:
+                if told != position:
+                    event.set()
+            if keep:
+                self._queue_waiters[request_id] = keep
+            else:
+                del self._queue_waiters[request_id]
+
+    def forget_waiter(self, request_id: str, event: asyncio.Event) -> None:
+        """A waiter went away without being woken."""
+        waiters = self._queue_waiters.get(request_id)
+        if waiters is not None:
+            waiters[:] = [(p, e) for p, e in waiters if e is not event]
+            if not waiters:
+                del self._queue_waiters[request_id]
 
     @property
     def busy(self) -> bool:

@@ -461,6 +461,11 @@ class Pool:
         share = self.fair_shares().get(req.tenant, 0.0)
         return (self.reserved_by_tenant[req.tenant] / max(share, 1e-9), req.queued_at)
 
+    def queue_positions(self) -> dict[str, int]:
+        """Every queued request's 1-based position, in one ordering of the queue."""
+        order = sorted(self.queue.values(), key=self._queue_key)
+        return {r.request_id: i for i, r in enumerate(order, 1)}
+
     def queue_position(self, request_id: str) -> int:
         """1-based position in the admission queue (in fair order), 0 when not queued."""
         if request_id not in self.queue:

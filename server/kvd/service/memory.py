@@ -212,7 +212,13 @@ class MemoryService(pb_grpc.MemoryServicer):
                     last = position
                     await context.write(pb.AdmissionUpdate(
                         decision=pb.DECISION_QUEUED, queue_position=position, reason=reason))
-                await changed.wait()
+                try:
+                    await changed.wait()  # woken only when this request's answer changed
+                finally:
+                    if not changed.is_set():  # cancelled: nothing left waiting for it
+                        rt = self.daemon.request_index.get(request.request_id)
+                        if rt is not None:
+                            rt.forget_waiter(request.request_id, changed)
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
         finally:
