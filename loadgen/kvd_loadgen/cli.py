@@ -47,6 +47,12 @@ def _bandwidth_hog(args) -> int:
     return run_cli(args)
 
 
+def _hostile(args) -> int:
+    from kvd_loadgen.hostile import run_cli
+
+    return run_cli(args)
+
+
 def _disagg(args) -> int:
     from kvd_loadgen.disagg import run_cli
 
@@ -143,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
     hog.add_argument("--json", type=Path)
     hog.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     hog.set_defaults(func=_bandwidth_hog)
+
+    hos = sub.add_parser("hostile", help="a victim tenant's steps under another's flood, "
+                         "against a control flooding a second kvd")
+    hos.add_argument("--duration-s", type=float, default=6.0, help="per phase")
+    hos.add_argument("--step-ms", type=float, default=2.0, help="the victim's pace")
+    hos.add_argument("--streams", type=int, default=64, help="the attacker's Step streams")
+    hos.add_argument("--json", type=Path)
+    hos.set_defaults(func=_hostile)
 
     dis = sub.add_parser("disagg", help="prefill and decode pools, handoff, reservation")
     dis.add_argument("--requests", type=int, default=120)
