@@ -106,7 +106,7 @@ async def attacker(target: str, s: Hostile, out: Path) -> None:
                     counts["steps"] += 1
 
         async def batches() -> None:
-            updates = [intent_update("a-held", i % 64, priority=1) for i in range(4096)]
+            updates = [intent_update("a-held", i % 64, priority=1) for i in range(1024)]
             while True:
                 await c.update_intents(updates)
                 counts["intent_batches"] += 1

@@ -54,8 +54,8 @@ async def _state(client):
          "buffer is at most"),
         # Work per call is bounded.
         (lambda c: c.update_intents([intent_update("r", 0)] * 5000), InvalidArgumentError,
-         "5000 intent updates in one call; at most 4096 (max_items_per_call)"),
-        (lambda c: c.access("r", list(range(5000))), InvalidArgumentError, "at most 4096"),
+         "5000 intent updates in one call; at most 1024 (max_items_per_call)"),
+        (lambda c: c.access("r", list(range(5000))), InvalidArgumentError, "at most 1024"),
         (lambda c: c.update_intents([intent_update("r", 0, priority=1)] * 600_000),
          ResourceExhaustedError, "larger than max"),
         # Quotas are finite numbers in range.
@@ -121,6 +121,6 @@ async def test_pinning_past_capacity_is_refused(client):
 async def test_a_step_over_the_item_bound_is_refused(client):
     await client.admit("r", 32)
     async with client.step_stream() as stream:
-        with pytest.raises(InvalidArgumentError, match="at most 4096"):
-            await stream.step(read_all=["r"] * 5000)
+        with pytest.raises(InvalidArgumentError, match="at most 1024"):
+            await stream.step(read_all=["r"] * 2000)
     assert await client.health() == "SERVING"
