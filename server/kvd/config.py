@@ -326,6 +326,9 @@ class Config:
     # Unary calls of one client (its lease) that run at once; more wait their turn, so a
     # client flooding calls cannot crowd out the others. 0: no limit.
     max_calls_per_client: Count = 16
+    # While tenants compete, the Step messages of one tenant kvd reads at once, times its
+    # weight (at least 1): a tenant's flood of streams waits its turn. 0: no turns.
+    step_turns_per_tenant: Count = 1
     # Work one call may ask for: its size on the wire, and its items (intent updates, block
     # indices, a Step's sections together). Sized for a large engine step.
     max_message_bytes: Annotated[int, Field(ge=4096, le=2**31 - 1, strict=True)] = 4 * 2**20

@@ -26,7 +26,7 @@ from kvd.core.errors import KvdError
 from kvd.daemon import Daemon
 from kvd.metrics import serve_metrics
 from kvd.service.admin import AdminService
-from kvd.service.gate import CallGate
+from kvd.service.gate import CallGate, StepTurns
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
 from kvd.service.register import add_service
@@ -122,7 +122,9 @@ class Server:
         ])
         services = kvd_pb2.DESCRIPTOR.services_by_name
         self.gate = CallGate(self.config.max_calls_per_client)
-        add_service(server, MemoryService(self.daemon, self.auth, self.gate),
+        self.turns = StepTurns(self.config.step_turns_per_tenant)
+        self.turns.configure({t.name: t.weight for t in self.config.tenants})
+        add_service(server, MemoryService(self.daemon, self.auth, self.gate, self.turns),
                     services["Memory"], with_bytes=MemoryService.WITH_BYTES)
         add_service(server, AdminService(self.daemon, self.auth, self.request_stop, self.gate),
                     services["Admin"])
@@ -190,6 +192,7 @@ class Server:
             log.warning("pool changes need a restart; applying tenants and quotas only")
         self.config = replace(self.config, tenants=fresh.tenants, auth=fresh.auth)
         self.auth.configure(self.config)
+        self.turns.configure({t.name: t.weight for t in self.config.tenants})
         sdnotify.notify("RELOADING=1")
         self.daemon.apply_tenants(self.config)
         sdnotify.notify("READY=1")

@@ -942,9 +942,11 @@ class Pool:
         return plan
 
     @_after_reads
-    def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
-        """Apply a batch of intent updates (all or none) and return a prefetch plan for blocks
-        that asked for one or became pinned outside the device tier (None if nothing to do)."""
+    def check_intents(self, changes: Sequence[IntentChange]) -> None:
+        """Raise what update_intents would raise for this batch, changing nothing."""
+        self._resolve_intents(changes)
+
+    def _resolve_intents(self, changes: Sequence[IntentChange]) -> list:
         resolved = []
         # Each block's pin-deciding fields as the batch leaves them: a block named twice
         # counts once, in its final state (an unpin repeated is one unpin).
@@ -961,6 +963,12 @@ class Pool:
         pin_delta = sum(_pinned_after(b, state) - b.pinned for b, state in final.items())
         if pin_delta > 0 and self.num_pinned + pin_delta > self.device.capacity:
             raise self._overpinned(pin_delta)
+        return resolved
+
+    def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
+        """Apply a batch of intent updates (all or none) and return a prefetch plan for blocks
+        that asked for one or became pinned outside the device tier (None if nothing to do)."""
+        resolved = self._resolve_intents(changes)
         now = self.clock.now()
         to_prefetch: list[Block] = []
         for block, change in resolved:

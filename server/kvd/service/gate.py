@@ -1,4 +1,5 @@
-"""Per-client fairness on the server: at most `limit` unary calls of one client run at once.
+"""Fairness on the server: at most `limit` calls of one key run at once (a client's unary
+calls; below, a tenant's turns at the loop while tenants compete).
 
 grpc.aio runs every call as a task on one event loop, first come first served: a client that
 keeps hundreds of calls in flight puts hundreds of tasks ahead of every other client's call and
@@ -13,8 +14,9 @@ import asyncio
 
 
 class CallGate:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, limits: dict[str, int] | None = None) -> None:
         self.limit = limit  # 0: no gate
+        self.limits = limits or {}  # keys with a limit of their own (weighted tenants)
         self._running: dict[str, int] = {}
         self._waiting: dict[str, asyncio.Queue] = {}
         self.num_waited = 0
@@ -22,10 +24,14 @@ class CallGate:
     def try_enter(self, key: str) -> bool:
         """Take a slot at once if the client has one free (no coroutine on the common path)."""
         running = self._running.get(key, 0)
-        if running < self.limit:
+        if running < self.limits.get(key, self.limit):
             self._running[key] = running + 1
             return True
         return False
+
+    def busy(self, key: str) -> bool:
+        """Whether the key has a call running (or waiting) now."""
+        return key in self._running
 
     async def enter(self, key: str) -> None:
         if not self.try_enter(key):
@@ -59,3 +65,43 @@ class CallGate:
             self._running[key] = running
         else:
             del self._running[key]
+
+
+class StepTurns:
+    """Turns at kvd's loop for Step streams while tenants compete.
+
+    A Step message costs kvd's one event loop the same whether it is read for a victim or
+    for a flood: the loop reads messages in arrival order, so a tenant with 64 streams
+    sending as fast as they can puts 64 messages ahead of another tenant's every step. The
+    only lever is when kvd reads. While another tenant has stepped within WINDOW_S, a
+    stream takes one of its tenant's turns (`per_tenant` times the tenant's weight, at
+    least 1) before it reads its next message and gives it back once the reply is written;
+    a stream with nothing to send within IDLE_S gives its turn back while it waits. A
+    tenant alone is never gated.
+    """
+
+    WINDOW_S = 0.05
+    IDLE_S = 0.002
+
+    def __init__(self, per_tenant: int) -> None:
+        self.gate = CallGate(per_tenant)
+        self._last: dict[str, float] = {}  # tenant -> when it last stepped
+
+    def configure(self, weights: dict[str, float]) -> None:
+        base = self.gate.limit
+        self.gate.limits = {t: max(1, round(base * w)) for t, w in weights.items()}
+
+    def contended(self, tenant: str, now: float) -> bool:
+        """Whether another tenant stepped within WINDOW_S (and note that this one did)."""
+        if not self.gate.limit:
+            return False
+        last = self._last
+        last[tenant] = now
+        if len(last) == 1:
+            return False
+        for other, at in list(last.items()):
+            if now - at > self.WINDOW_S:
+                del last[other]  # quiet tenants are forgotten: the table stays small
+            elif other != tenant:
+                return True
+        return False

@@ -18,7 +18,7 @@ from kvd.events import KINDS
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator
-from kvd.service.gate import CallGate
+from kvd.service.gate import CallGate, StepTurns
 from kvd.service.register import Malformed
 from kvd.service.status import status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
@@ -35,11 +35,12 @@ class MemoryService(pb_grpc.MemoryServicer):
     # read at a glance (see _reads_key).
     WITH_BYTES = ("Step",)
 
-    def __init__(self, daemon: Daemon, auth: Authenticator, gate: CallGate | None = None
-                 ) -> None:
+    def __init__(self, daemon: Daemon, auth: Authenticator, gate: CallGate | None = None,
+                 turns: StepTurns | None = None) -> None:
         self.daemon = daemon
         self.auth = auth
         self.gate = gate or CallGate(0)
+        self.turns = turns or StepTurns(0)
         self.max_items = daemon.config.max_items_per_call
         self.restricted = {p.name: frozenset(p.tenants) for p in daemon.config.pools
                            if p.tenants}
@@ -117,7 +118,12 @@ class MemoryService(pb_grpc.MemoryServicer):
     async def UpdateIntents(self, request, caller):
         self._bounded(len(request.updates), "intent updates")
         scope = caller.scope
-        changes = [intent_change(u) for u in request.updates]
+        changes = []
+        updates = request.updates
+        for start in range(0, len(updates), 128):  # the loop is served between slices
+            if start:
+                await asyncio.sleep(0)
+            changes += [intent_change(u) for u in updates[start:start + 128]]
         applied, prefetched = await self.daemon.update_intents(changes, scope)
         return pb.UpdateIntentsResponse(num_applied=applied, num_prefetched=prefetched)
 
@@ -317,8 +323,39 @@ class MemoryService(pb_grpc.MemoryServicer):
         daemon.end_holds(caller.holder)  # the client's unary calls before are done too
         auth = self.auth
         generation = auth.generation
+        turns, who = self.turns, caller.tenant or "admin"
+        loop = asyncio.get_running_loop()
+        messages = request_iterator.__aiter__()
+        turn = False  # holding one of the tenant's turns at the loop
         try:
-            async for data, step in request_iterator:
+            while True:
+                # A tenant's only active stream reads at once; one among several waits its turn.
+                if (not caller.admin and turns.contended(who, time.monotonic())
+                        and turns.gate.busy(who)):
+                    if not turns.gate.try_enter(who):
+                        await turns.gate.wait(who)
+                    turn = True
+                    read = asyncio.ensure_future(messages.__anext__())
+
+                    def idle() -> None:  # nothing to send yet: the turn goes to another stream
+                        nonlocal turn
+                        if turn:
+                            turn = False
+                            turns.gate.leave(who)
+
+                    timer = loop.call_later(turns.IDLE_S, idle)
+                    try:
+                        data, step = await read
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        timer.cancel()
+                        read.cancel()
+                else:
+                    try:
+                        data, step = await messages.__anext__()
+                    except StopAsyncIteration:
+                        break
                 if type(step) is Malformed:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
                 if len(data) > self.max_items:  # fewer bytes cannot hold more items
@@ -338,7 +375,12 @@ class MemoryService(pb_grpc.MemoryServicer):
                 reply = await self._step(step, caller.scope, _reads_key(data), holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
                 await context.write(reply)
+                if turn:
+                    turns.gate.leave(who)
+                    turn = False
         finally:
+            if turn:
+                turns.gate.leave(who)
             daemon.end_holds(holder)
             leases.stream_closed(caller.lease)
 

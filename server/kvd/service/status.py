@@ -46,7 +46,7 @@ def unary(method: Callable) -> Callable:
         started = time.perf_counter()
         code = "OK"
         gate = self.gate
-        key = None
+        key = turn = None
         in_call = None
         try:
             caller = self.auth.identify(context)
@@ -60,6 +60,14 @@ def unary(method: Callable) -> Callable:
                 if not gate.try_enter(who):
                     await gate.wait(who)
                 key = who
+            turns = getattr(self, "turns", None)
+            if (turns is not None and not caller.admin
+                    and turns.contended(caller.tenant, time.monotonic())):
+                # While tenants compete, a tenant's calls and Step messages share its turns
+                # (the operator's calls are not a tenant's and wait for none).
+                turn = caller.tenant
+                if not turns.gate.try_enter(turn):
+                    await turns.gate.wait(turn)
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             end_holds = getattr(self, "end_holds", None)
@@ -77,6 +85,8 @@ def unary(method: Callable) -> Callable:
         finally:
             if in_call is not None:
                 in_call.stream_closed(caller.lease)
+            if turn is not None:
+                self.turns.gate.leave(turn)
             if key is not None:
                 gate.leave(key)
             observe_rpc(name, code, time.perf_counter() - started)
