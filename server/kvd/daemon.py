@@ -25,7 +25,6 @@ from kvd.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
-    PermissionDenied,
     ResourceExhausted,
 )
 from kvd.core.fairness import TenantQuota
@@ -278,7 +277,9 @@ class Daemon:
         except KeyError:
             raise NotFound(f"no request {request_id!r}; admit it first") from None
         if scope is not None and rt.pool.requests[request_id].tenant != scope:
-            raise PermissionDenied(f"request {request_id!r} belongs to another tenant")
+            # The same answer as for an id nobody holds: whether another tenant uses an id
+            # is not this caller's to learn.
+            raise NotFound(f"no request {request_id!r}; admit it first")
         return rt
 
     def request(self, request_id: str) -> Request:
@@ -696,9 +697,7 @@ class Daemon:
             raise InvalidArgument("request_id must not be empty")
         for rt in self.pools.values():
             account = rt.pool.attribution.account(request_id)
-            if account is not None:
-                if scope is not None and account.tenant != scope:
-                    raise PermissionDenied(f"request {request_id!r} belongs to another tenant")
+            if account is not None and (scope is None or account.tenant == scope):
                 return account, rt.pool.name, request_id in rt.pool.attribution.active
         raise NotFound(f"kvd knows nothing of request {request_id!r} (never admitted, or "
                        "released long ago)")

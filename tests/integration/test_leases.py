@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,35 @@ async def test_a_stopped_client_with_an_open_stream_loses_its_pages(tmp_path):
         finally:
             holder.kill()
             holder.wait()
+
+
+async def test_a_client_that_names_no_lease_is_held_by_its_connection(tmp_path):
+    import grpc
+
+    from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+
+    port = socket.socket()
+    port.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{port.getsockname()[1]}"
+    port.close()
+    config = tmp_path / "kvd.toml"
+    config.write_text(f'[server]\ntcp = "{address}"\nlease_ttl_s = 0.5\n'
+                      'allow_plaintext_tokens = true\n'
+                      '[[pool]]\nmodel = "tiny"\ndevice_pages = 8\nhost_pages = 8\n'
+                      '[[tenant]]\nname = "t"\ntoken = "t-token"\n')
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        # A raw gRPC client: a token, no lease metadata.
+        async with grpc.aio.insecure_channel(address) as channel:
+            memory = pb_grpc.MemoryStub(channel)
+            metadata = (("authorization", "Bearer t-token"),)
+            await memory.Admit(pb.AdmitRequest(request_id="r", prompt_tokens=32),
+                               metadata=metadata)
+            await memory.Allocate(pb.AllocateRequest(request_id="r", num_blocks=2),
+                                  metadata=metadata)
+        async with AsyncClient(kvd.target, lease="") as observer:  # the unix admin
+            for _ in range(100):
+                if not (await observer.explain("r")).active:
+                    break
+                await asyncio.sleep(0.05)
+            assert not (await observer.explain("r")).active
+            assert sum(await _used_pages(observer)) == 0

@@ -74,8 +74,11 @@ async def test_tenants_see_and_touch_only_their_own_requests(tenants_kvd):
         for call in (lambda: beta.access("a1"), lambda: beta.release("a1"),
                      lambda: beta.explain("a1"), lambda: beta.allocate("a1", 1),
                      lambda: beta.free("a1", [0])):
-            with pytest.raises(PermissionDeniedError, match="another tenant"):
-                await call()
+            with pytest.raises(NotFoundError, match="'a1'"):
+                await call()  # the answer for an id nobody holds: nothing to learn
+        with pytest.raises(NotFoundError) as missing:
+            await beta.access("nobody-has-this")
+        assert "no request 'nobody-has-this'; admit it first" in missing.value.details
         with pytest.raises(PermissionDeniedError, match="cannot admit for 'alpha'"):
             await beta.admit("b-as-a", 16, tenant="alpha")
         with pytest.raises(PermissionDeniedError, match="admin identity"):
@@ -86,7 +89,7 @@ async def test_tenants_see_and_touch_only_their_own_requests(tenants_kvd):
         await beta.admit("b1", 16)
         async with beta.step_stream() as stream:
             reply = await stream.step(allocations=[("b1", 1)], read_all=["a1", "b1"])
-        assert [(e.section, e.code) for e in reply.errors] == [("read_all", 7)]
+        assert [(e.section, e.code) for e in reply.errors] == [("read_all", 5)]
         assert len(reply.allocated) == 1
         assert (await alpha.explain("a1")).tenant == "alpha"
 
@@ -170,7 +173,7 @@ async def test_cancelling_the_wait_withdraws_the_request(tenants_kvd):
             await alpha.admit(f"fill{i}", 16 * 8)
         assert (await alpha.admit("impatient", 16 * 8)).decision == pb.DECISION_QUEUED
         async with AsyncClient(tenants_kvd.target, token="beta-token") as beta:
-            with pytest.raises(PermissionDeniedError):  # and does not withdraw alpha's request
+            with pytest.raises(NotFoundError):  # and does not withdraw alpha's request
                 async for _ in beta.wait_admission("impatient"):
                     pass
         assert (await alpha.explain("impatient")).active

@@ -58,6 +58,10 @@ class Authenticator:
             elif key == LEASE_METADATA:
                 lease = value[:128]
         tenant, admin = self._who(token, context)
+        if not lease and not admin:
+            # No lease named: the connection is the lease, so what a client that never says
+            # who it is admits is still released when it goes quiet.
+            lease = f"peer:{context.peer() or '?'}"
         if lease:
             # A lease belongs to its tenant: another tenant naming the same id gets a lease
             # of its own, and cannot keep this one's requests alive.
