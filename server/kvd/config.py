@@ -332,7 +332,8 @@ class Config:
     # Work one call may ask for: its size on the wire, and its items (intent updates, block
     # indices, a Step's sections together). Sized for a large engine step.
     max_message_bytes: Annotated[int, Field(ge=4096, le=2**31 - 1, strict=True)] = 4 * 2**20
-    max_items_per_call: PositiveInt = 1024
+    max_items_per_call: PositiveInt = 1024  # intent updates, a Step's items (~5 ms of work)
+    max_blocks_per_call: PositiveInt = 65536  # block indices (a 1M-token request's pages)
     eviction_ledger: Count = 20_000  # eviction records kept per pool (bounded memory)
     explain_keep: Count = 2_000  # released requests Explain still knows, per pool
     metrics: Address = "127.0.0.1:9464"  # Prometheus exposition address; "" for none

@@ -39,8 +39,11 @@ from kvd.memory.arena import ShmArena
 from kvd.memory.copier import PageCopier, chunk_runs, copy_between, page_runs
 from kvd.runtime import PoolRuntime
 
-# Intent updates applied between two turns of the loop (about 5 us each).
+# A batch of more intent updates than SLICED (an engine step's worth; ~5 us each) is
+# checked and applied a slice at a time, with the loop served in between.
+SLICED = 256
 INTENT_SLICE = 32
+CHECK_SLICE = 128
 
 log = structlog.get_logger("kvd.daemon")
 
@@ -369,15 +372,22 @@ class Daemon:
         """Apply updates grouped by pool. Validation of every group happens before any group
         applies, so a bad item changes nothing."""
         by_pool: dict[PoolRuntime, list[IntentChange]] = {}
-        for change in changes:
+        sliced = len(changes) > SLICED
+        for i, change in enumerate(changes):
+            if sliced and i and i % CHECK_SLICE == 0:
+                await asyncio.sleep(0)
             by_pool.setdefault(self.runtime_of(change.request_id, scope), []).append(change)
-        if len(changes) > INTENT_SLICE:
-            # A big batch is checked whole, then applied a slice at a time with the loop
-            # served in between: no call holds it for more than a fraction of a millisecond.
-            # (A slice that fails because another call changed things meanwhile leaves the
-            # slices before it applied.)
+        if sliced:
+            # A big batch is checked whole, then applied a slice at a time, with the loop
+            # served between slices: no call holds it for more than a fraction of a
+            # millisecond. (A slice that fails because another call changed things
+            # meanwhile leaves the slices before it applied.)
             for rt, group in by_pool.items():
-                rt.pool.check_intents(group)
+                final: dict = {}
+                for start in range(0, len(group), CHECK_SLICE):
+                    await asyncio.sleep(0)
+                    rt.pool.check_intents(group[start:start + CHECK_SLICE], final)
+                rt.pool.check_pins(final)
             plans = []
             for rt, group in by_pool.items():
                 for start in range(0, len(group), INTENT_SLICE):

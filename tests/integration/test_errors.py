@@ -53,9 +53,10 @@ async def _state(client):
         (lambda c: c.watch_events(buffer=10**9).__anext__(), InvalidArgumentError,
          "buffer is at most"),
         # Work per call is bounded.
-        (lambda c: c.update_intents([intent_update("r", 0)] * 5000), InvalidArgumentError,
-         "5000 intent updates in one call; at most 1024 (max_items_per_call)"),
-        (lambda c: c.access("r", list(range(5000))), InvalidArgumentError, "at most 1024"),
+        (lambda c: c.update_intents([intent_update("r", 0)] * 2000), InvalidArgumentError,
+         "2000 intent updates in one call; at most 1024 (max_items_per_call)"),
+        (lambda c: c.access("r", list(range(70000))), InvalidArgumentError,
+         "at most 65536 (max_blocks_per_call)"),
         (lambda c: c.update_intents([intent_update("r", 0, priority=1)] * 600_000),
          ResourceExhaustedError, "larger than max"),
         # Quotas are finite numbers in range.

@@ -942,15 +942,22 @@ class Pool:
         return plan
 
     @_after_reads
-    def check_intents(self, changes: Sequence[IntentChange]) -> None:
-        """Raise what update_intents would raise for this batch, changing nothing."""
-        self._resolve_intents(changes)
+    def check_intents(self, changes: Sequence[IntentChange], final: dict) -> None:
+        """Validate a slice of a batch without changing anything, adding each block's
+        pin-deciding state as the batch leaves it to `final`; check_pins(final) after the
+        last slice checks the batch's pins."""
+        self._resolve_intents(changes, final)
 
-    def _resolve_intents(self, changes: Sequence[IntentChange]) -> list:
-        resolved = []
+    def check_pins(self, final: dict) -> None:
+        """A batch whose blocks end in these states must not pin more than the device."""
+        pin_delta = sum(_pinned_after(b, state) - b.pinned for b, state in final.items())
+        if pin_delta > 0 and self.num_pinned + pin_delta > self.device.capacity:
+            raise self._overpinned(pin_delta)
+
+    def _resolve_intents(self, changes: Sequence[IntentChange], final: dict) -> list:
         # Each block's pin-deciding fields as the batch leaves them: a block named twice
         # counts once, in its final state (an unpin repeated is one unpin).
-        final: dict[Block, dict[str, Any]] = {}
+        resolved = []
         for change in changes:
             req = self._admitted(change.request_id)
             (block,) = self._resolve(req, [change.block_index])
@@ -960,15 +967,14 @@ class Pool:
                 if name in change.fields:
                     state[name] = change.fields[name]
             resolved.append((block, change))
-        pin_delta = sum(_pinned_after(b, state) - b.pinned for b, state in final.items())
-        if pin_delta > 0 and self.num_pinned + pin_delta > self.device.capacity:
-            raise self._overpinned(pin_delta)
         return resolved
 
     def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
         """Apply a batch of intent updates (all or none) and return a prefetch plan for blocks
         that asked for one or became pinned outside the device tier (None if nothing to do)."""
-        resolved = self._resolve_intents(changes)
+        final: dict[Block, dict[str, Any]] = {}
+        resolved = self._resolve_intents(changes, final)
+        self.check_pins(final)
         now = self.clock.now()
         to_prefetch: list[Block] = []
         for block, change in resolved:

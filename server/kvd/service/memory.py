@@ -19,7 +19,7 @@ from kvd.service.convert import DECISIONS, handle, indices, intent_change, inten
 from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator
 from kvd.service.gate import CallGate, StepTurns
-from kvd.service.register import Malformed
+from kvd.service.register import MAX_STRING, WALK_BYTES, Malformed
 from kvd.service.status import status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
@@ -42,6 +42,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.gate = gate or CallGate(0)
         self.turns = turns or StepTurns(0)
         self.max_items = daemon.config.max_items_per_call
+        self.max_blocks = daemon.config.max_blocks_per_call
         self.restricted = {p.name: frozenset(p.tenants) for p in daemon.config.pools
                            if p.tenants}
 
@@ -51,13 +52,14 @@ class MemoryService(pb_grpc.MemoryServicer):
         if allowed is not None and tenant not in allowed:
             raise errors.PermissionDenied(f"pool {pool!r} is not open to tenant {tenant!r}")
 
-    def _bounded(self, num: int, what: str) -> None:
-        """Work per call is bounded: a call with more items than max_items_per_call is
-        refused whole, before any of it is done (at ~5 us an item, a few ms of the loop)."""
-        if num > self.max_items:
+    def _bounded(self, num: int, what: str, blocks: bool = False) -> None:
+        """Work per call is bounded: a call with more items than max_items_per_call (or
+        block indices than max_blocks_per_call) is refused whole, before any of it is done."""
+        limit, key = ((self.max_blocks, "max_blocks_per_call") if blocks
+                      else (self.max_items, "max_items_per_call"))
+        if num > limit:
             raise errors.InvalidArgument(
-                f"{num} {what} in one call; at most {self.max_items} (max_items_per_call): "
-                "split the batch")
+                f"{num} {what} in one call; at most {limit} ({key}): split the batch")
 
     def end_holds(self, holder: str) -> None:
         self.daemon.end_holds(holder)
@@ -103,7 +105,7 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def Access(self, request, caller):
-        self._bounded(len(request.block_indices), "block indices")
+        self._bounded(len(request.block_indices), "block indices", blocks=True)
         blocks, stall_s, promoted = await self.daemon.access(request.request_id,
                                                              indices(request), caller.scope,
                                                              holder=caller.holder)
@@ -120,10 +122,14 @@ class MemoryService(pb_grpc.MemoryServicer):
         scope = caller.scope
         changes = []
         updates = request.updates
-        for start in range(0, len(updates), 128):  # the loop is served between slices
+        for start in range(0, len(updates), 256):  # the loop is served between slices
             if start:
                 await asyncio.sleep(0)
-            changes += [intent_change(u) for u in updates[start:start + 128]]
+            chunk = updates[start:start + 256]
+            if any(len(u.request_id) > MAX_STRING for u in chunk):
+                raise errors.InvalidArgument(
+                    f"updates.request_id is longer than {MAX_STRING} characters")
+            changes += [intent_change(u) for u in chunk]
         applied, prefetched = await self.daemon.update_intents(changes, scope)
         return pb.UpdateIntentsResponse(num_applied=applied, num_prefetched=prefetched)
 
@@ -131,7 +137,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     async def Free(self, request, caller):
         if not request.block_indices:
             raise errors.InvalidArgument("name at least one block to free")
-        self._bounded(len(request.block_indices), "block indices")
+        self._bounded(len(request.block_indices), "block indices", blocks=True)
         freed = await self.daemon.free(request.request_id, list(request.block_indices),
                                        caller.scope)
         return pb.FreeResponse(num_freed=freed)
@@ -358,10 +364,12 @@ class MemoryService(pb_grpc.MemoryServicer):
                         break
                 if type(step) is Malformed:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
-                if len(data) > self.max_items:  # fewer bytes cannot hold more items
+                if len(data) > min(self.max_items, WALK_BYTES):  # else nothing to check
                     try:
-                        self._bounded(_step_items(step), "items (updates, frees, releases, "
-                                      "allocations, accesses, reads and block indices)")
+                        items, blocks = _step_items(step)
+                        self._bounded(items, "items (updates, frees, releases, allocations, "
+                                      "accesses and reads)")
+                        self._bounded(blocks, "block indices", blocks=True)
                     except errors.KvdError as exc:
                         await context.abort(status_of(exc), str(exc))
                 if auth.generation != generation:  # identities were reloaded: still valid?
@@ -494,10 +502,15 @@ _INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES, _READ_ALL = (
 _READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
 
 
-def _step_items(step: pb.StepRequest) -> int:
-    return (len(step.intents) + len(step.releases) + len(step.allocations) + len(step.read_all)
-            + sum(1 + len(f.block_indices) for f in step.frees)
-            + sum(1 + len(a.block_indices) for a in step.accesses))
+def _step_items(step: pb.StepRequest) -> tuple[int, int]:
+    """A big step's items, and its ids checked (register.py leaves big batches to this)."""
+    ids = ([u.request_id for u in step.intents] + [r.request_id for r in step.releases]
+           + [a.request_id for a in step.allocations] + list(step.read_all)
+           + [f.request_id for f in step.frees] + [a.request_id for a in step.accesses])
+    if any(len(i) > MAX_STRING for i in ids):
+        raise errors.InvalidArgument(f"a request_id is longer than {MAX_STRING} characters")
+    return len(ids), (sum(len(f.block_indices) for f in step.frees)
+                      + sum(len(a.block_indices) for a in step.accesses))
 
 
 def _reads_key(data: bytes) -> bytes:
