@@ -12,7 +12,9 @@ import os
 import random
 
 import numpy as np
+import pytest
 
+from kvd.core.policies import policy_names
 from kvd_client import (AsyncClient, FailedPreconditionError, NotFoundError,
                         ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
@@ -259,13 +261,11 @@ async def _chaos(tmp_path, policy: str) -> None:
         assert kvd.proc.poll() is None, kvd.log()
 
 
-async def test_concurrent_engines_keep_their_bytes_under_lru(tmp_path):
-    await _chaos(tmp_path, "lru")
+# The suite runs three policies; `make soak` runs every one (KVD_CHAOS_POLICIES=all).
+POLICIES = (("lru", "fair", "intent") if os.environ.get("KVD_CHAOS_POLICIES", "") != "all"
+            else tuple(policy_names()))
 
 
-async def test_concurrent_engines_keep_their_bytes_under_fair(tmp_path):
-    await _chaos(tmp_path, "fair")
-
-
-async def test_concurrent_engines_keep_their_bytes_under_intent(tmp_path):
-    await _chaos(tmp_path, "intent")
+@pytest.mark.parametrize("policy", POLICIES)
+async def test_concurrent_engines_keep_their_bytes(tmp_path, policy):
+    await _chaos(tmp_path, policy)
