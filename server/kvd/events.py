@@ -8,6 +8,11 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from kvd.core.errors import ResourceExhausted
+
+# Event watchers one tenant may have open at once.
+MAX_PER_OWNER = 16
+
 KINDS = ("admission", "allocation", "eviction", "promotion", "recompute", "release", "quota",
          "policy", "lease", "handoff")
 
@@ -32,6 +37,7 @@ class Subscription:
     kinds: frozenset[str]
     queue: asyncio.Queue
     lost: int = 0
+    owner: str = ""
 
     def wants(self, kind: str, pool: str, tenant: str) -> bool:
         return ((not self.kinds or kind in self.kinds)
@@ -62,9 +68,15 @@ class EventBus:
             else:
                 sub.queue.put_nowait(event)
 
-    def subscribe(self, pools=(), tenants=(), kinds=(), buffer: int = 1024) -> Subscription:
+    def subscribe(self, pools=(), tenants=(), kinds=(), buffer: int = 1024, owner: str = ""
+                  ) -> Subscription:
+        """A watcher; an owner (a tenant) may have at most MAX_PER_OWNER at once, so its
+        never-read buffers cannot grow kvd without bound."""
+        if owner and sum(s.owner == owner for s in self.subscriptions) >= MAX_PER_OWNER:
+            raise ResourceExhausted(f"{MAX_PER_OWNER} event watchers of tenant "
+                                    f"{owner[:64]!r} are open already")
         sub = Subscription(frozenset(pools), frozenset(tenants), frozenset(kinds),
-                           asyncio.Queue(max(2, buffer)))
+                           asyncio.Queue(max(2, buffer)), owner=owner)
         self.subscriptions.add(sub)
         return sub
 

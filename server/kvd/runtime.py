@@ -14,7 +14,7 @@ import structlog
 
 from kvd.core.bandwidth import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
-from kvd.core.errors import BlocksInTransit
+from kvd.core.errors import BlocksInTransit, ResourceExhausted
 from kvd.core.pool import AccessResult, Pool
 from kvd.core.transfer import MoveKind, TransferPlan
 from kvd.links import Link, Transfer
@@ -32,6 +32,8 @@ _RETRY = object()  # a room waiter's own blocks are in transit: it waits for the
 RECORD_READS_AFTER_S = 0.05
 # Blocks in transit with no owner for this long are stuck (see PoolRuntime.stuck).
 ORPHANED_AFTER_S = 1.0
+# WaitAdmission streams one request may have (each holds a little of kvd's memory).
+MAX_WAITERS = 8
 
 
 def _record_later(fn: Callable[[], None]) -> None:
@@ -78,8 +80,12 @@ class PoolRuntime:
     def queue_event(self, request_id: str, position: int) -> asyncio.Event:
         """An event set when the request's answer changes: admitted, gone, or a queue
         position other than `position` (the one its waiter has just told)."""
+        waiters = self._queue_waiters.setdefault(request_id, [])
+        if len(waiters) >= MAX_WAITERS:
+            raise ResourceExhausted(f"{len(waiters)} WaitAdmission streams wait on this "
+                                    f"request already; at most {MAX_WAITERS}")
         event = asyncio.Event()
-        self._queue_waiters.setdefault(request_id, []).append((position, event))
+        waiters.append((position, event))
         return event
 
     def notify_queue(self) -> None:

@@ -324,3 +324,27 @@ async def test_a_pool_restricted_to_tenants_refuses_the_others(tmp_path):
             with pytest.raises(PermissionDeniedError):
                 await beta.admit("b", 16, handoff_pool="private")
             assert (await beta.export_pool("default")).tiers  # shared pools stay open
+
+
+async def test_a_tenant_cannot_open_watchers_and_waiters_without_bound(tenants_kvd):
+    from kvd_client import ResourceExhaustedError
+
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        for i in range(4):  # fill the pool: the next one queues
+            await alpha.admit(f"fill{i}", 16 * 8)
+        assert (await alpha.admit("q", 16 * 8)).decision == pb.DECISION_QUEUED
+        waits = [alpha.wait_admission("q") for _ in range(8)]
+        for w in waits:
+            assert (await w.__anext__()).decision == pb.DECISION_QUEUED
+        with pytest.raises(ResourceExhaustedError, match="at most 8"):
+            await alpha.wait_admission("q").__anext__()
+        watchers = [alpha.watch_events() for _ in range(16)]
+        pending = [asyncio.ensure_future(w.__anext__()) for w in watchers]
+        await asyncio.sleep(0.3)
+        with pytest.raises(ResourceExhaustedError, match="16 event watchers"):
+            await alpha.watch_events().__anext__()
+        for p in pending:
+            p.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for w in waits:
+            await w.aclose()

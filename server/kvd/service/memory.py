@@ -298,7 +298,11 @@ class MemoryService(pb_grpc.MemoryServicer):
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
         bus = self.daemon.events
-        sub = bus.subscribe(request.pools, tenants, request.kinds, request.buffer or 1024)
+        try:
+            sub = bus.subscribe(request.pools, tenants, request.kinds, request.buffer or 1024,
+                                owner="" if caller.admin else caller.tenant)
+        except errors.KvdError as exc:
+            await context.abort(status_of(exc), str(exc))
         generation = self.auth.generation
         try:
             while True:
