@@ -187,7 +187,7 @@ class AsyncClient(_Connection):
             await asyncio.sleep(delay)
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
-        await self.channel.channel_ready()
+        await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
 
     async def health(self, service: str = "") -> str:
         resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
@@ -506,6 +506,30 @@ class Client(_Connection):
         call = self.memory.Handoff(pb.HandoffRequest(request_id=request_id,
                                                      target_pool=target_pool),
                                    timeout=timeout_s, metadata=self.metadata)
+        try:
+            yield from call
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    def handoff_all(self, request_id: str, target_pool: str = "",
+                    timeout_s: float | None = None) -> pb.HandoffProgress:
+        """Hand a request off and return the final progress message (blocking)."""
+        last = None
+        for last in self.handoff(request_id, target_pool, timeout_s):
+            pass
+        return last
+
+    def keep_alive(self) -> pb.KeepAliveResponse:
+        """Renew this client's lease (any call does; this one does nothing else)."""
+        return self._call(self.memory.KeepAlive, pb.KeepAliveRequest())
+
+    def wait_admission(self, request_id: str, timeout_s: float | None = None):
+        """Iterate AdmissionUpdates until the request is admitted (blocking); stopping early
+        withdraws a still-queued request."""
+        call = self.memory.WaitAdmission(pb.WaitAdmissionRequest(request_id=request_id),
+                                         timeout=timeout_s, metadata=self.metadata)
         try:
             yield from call
         except grpc.RpcError as err:

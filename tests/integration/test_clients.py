@@ -1,0 +1,44 @@
+"""The sync client cannot drift from the async one: it has every public call the async
+client has, and a blocking version of each works against a real kvd."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from kvd_client import AsyncClient, Client, pb
+from kvd_client.client import intent_update
+
+# The async client's only hot path with no blocking twin: engines step from async code.
+ASYNC_ONLY = {"step_stream"}
+
+
+def test_the_sync_client_has_every_call_of_the_async_one():
+    def calls(cls):
+        return {name for name, _ in inspect.getmembers(cls, inspect.isfunction)
+                if not name.startswith("_")}
+
+    assert calls(AsyncClient) - ASYNC_ONLY <= calls(Client), (
+        calls(AsyncClient) - ASYNC_ONLY - calls(Client))
+
+
+def test_blocking_calls_work(kvd):
+    with Client(kvd.target, timeout_s=10) as c:
+        c.wait_ready(5)
+        assert c.keep_alive().lease_ttl_s > 0
+        assert c.admit("r", 32).decision == pb.DECISION_ADMITTED
+        assert len(c.allocate("r", 2).handles) == 2
+        c.update_intents([intent_update("r", 0, priority=1)])
+        assert [u.decision for u in c.wait_admission("r")] == [pb.DECISION_ADMITTED]
+        assert c.explain("r").tenant
+        c.release("r")
+        assert c.self_check().ok
+
+
+async def test_wait_ready_keeps_its_timeout(tmp_path):
+    import asyncio
+
+    async with AsyncClient(f"unix://{tmp_path}/nobody.sock") as c:
+        with pytest.raises(asyncio.TimeoutError):
+            await c.wait_ready(0.3)
