@@ -501,17 +501,20 @@ class Client(_Connection):
         finally:
             call.cancel()
 
-    def handoff(self, request_id: str, target_pool: str = "", timeout_s: float | None = None):
-        """Iterate HandoffProgress messages (blocking); closing early rolls it back."""
-        call = self.memory.Handoff(pb.HandoffRequest(request_id=request_id,
-                                                     target_pool=target_pool),
-                                   timeout=timeout_s, metadata=self.metadata)
+    def _stream(self, method, request, timeout_s: float | None):
+        """A server stream's messages (blocking); closing the generator cancels the call."""
+        call = method(request, timeout=timeout_s, metadata=self.metadata)
         try:
             yield from call
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
         finally:
             call.cancel()
+
+    def handoff(self, request_id: str, target_pool: str = "", timeout_s: float | None = None):
+        """Iterate HandoffProgress messages (blocking); closing early rolls it back."""
+        return self._stream(self.memory.Handoff, pb.HandoffRequest(
+            request_id=request_id, target_pool=target_pool), timeout_s)
 
     def handoff_all(self, request_id: str, target_pool: str = "",
                     timeout_s: float | None = None) -> pb.HandoffProgress:
@@ -528,14 +531,8 @@ class Client(_Connection):
     def wait_admission(self, request_id: str, timeout_s: float | None = None):
         """Iterate AdmissionUpdates until the request is admitted (blocking); stopping early
         withdraws a still-queued request."""
-        call = self.memory.WaitAdmission(pb.WaitAdmissionRequest(request_id=request_id),
-                                         timeout=timeout_s, metadata=self.metadata)
-        try:
-            yield from call
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        finally:
-            call.cancel()
+        return self._stream(self.memory.WaitAdmission,
+                            pb.WaitAdmissionRequest(request_id=request_id), timeout_s)
 
     def list_links(self) -> list[pb.LinkStats]:
         return list(self._call(self.admin.ListLinks, pb.ListLinksRequest()).links)
