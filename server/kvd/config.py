@@ -60,10 +60,6 @@ def _size(value: Any) -> Any:
     return value
 
 
-def _size_or_auto(value: Any) -> Any:
-    return value if value == "auto" else _size(value)
-
-
 def _positive_size_or_auto(value: Any) -> Any:
     if value != "auto" and bytes_of(_size(value)) <= 0:
         raise ValueError("must be a positive size, or 'auto'")
@@ -103,13 +99,12 @@ def _mode(value: int) -> int:
 _STRICT = {"strict": True}
 PositiveInt = Annotated[int, Field(gt=0, **_STRICT)]
 Count = Annotated[int, Field(ge=0, **_STRICT)]
-Seconds = Annotated[float, Field(gt=0, **_STRICT)]
-NonNegativeSeconds = Annotated[float, Field(ge=0, **_STRICT)]
+Positive = Annotated[float, Field(gt=0, **_STRICT)]  # seconds, milliseconds, weights
+NonNegative = Annotated[float, Field(ge=0, **_STRICT)]
+Fraction = Annotated[float, Field(ge=0, le=1, **_STRICT)]
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 Size = Annotated[int | float | str, AfterValidator(_size)]
-SizeOrAuto = Annotated[int | float | str, AfterValidator(_size_or_auto)]
-ChunkSize = Annotated[int | float | str, AfterValidator(_positive_size_or_auto)]
-Bandwidth = Annotated[int | float | str, AfterValidator(_positive_size_or_auto)]
+PositiveSizeOrAuto = Annotated[int | float | str, AfterValidator(_positive_size_or_auto)]
 Quota = Annotated[Annotated[int, Field(strict=True)] | str, AfterValidator(_quota)]
 Address = Annotated[str, AfterValidator(_address)]
 # Extra keys are typos; dataclass instances built in code are checked again by validate().
@@ -134,11 +129,11 @@ class PoolConfig:
     # a millisecond of capacity, 64 KiB to 4 MiB, at least a page), how transfers
     # share it ("fair": classes, weights, caps; "fifo": arrival order, no budgets), and how
     # long a transfer waits before it is served as if one class higher.
-    link_bandwidth: Bandwidth = "auto"
+    link_bandwidth: PositiveSizeOrAuto = "auto"
     link_burst: Size = 0
-    link_chunk: ChunkSize = "auto"
+    link_chunk: PositiveSizeOrAuto = "auto"
     link_scheduling: Literal["fair", "fifo"] = "fair"
-    link_aging_ms: Seconds = 50.0
+    link_aging_ms: Positive = 50.0
     # The tenants that may use this pool (admit into it, hand off to it, map its arenas);
     # empty: every tenant. Engines that map a pool can read and write all of its pages.
     tenants: tuple[Name, ...] = ()
@@ -169,11 +164,11 @@ class LinkConfig:
     __pydantic_config__ = _SCHEMA
     source: Name
     target: Name
-    bandwidth: Bandwidth = "auto"
+    bandwidth: PositiveSizeOrAuto = "auto"
     burst: Size = 0
-    chunk: ChunkSize = "auto"
+    chunk: PositiveSizeOrAuto = "auto"
     scheduling: Literal["fair", "fifo"] = "fair"
-    aging_ms: Seconds = 50.0
+    aging_ms: Positive = 50.0
 
     def validate(self, pools: tuple[PoolConfig, ...]) -> None:
         names = {p.name for p in pools}
@@ -226,11 +221,11 @@ _RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read
 class QuotaOverrides(TypedDict, total=False):
     """A tenant's quota keys under `[tenant.pools.NAME]`: they replace its defaults there."""
 
-    weight: Annotated[float, Field(gt=0, **_STRICT)]
+    weight: Positive
     guaranteed: Quota
     limit: Quota
     max_request_pages: Count
-    max_request_fraction: Annotated[float, Field(ge=0, le=1, **_STRICT)]
+    max_request_fraction: Fraction
     bandwidth_cap: Size
     bandwidth_burst: Size
     request_bandwidth_cap: Size
@@ -248,11 +243,11 @@ class TenantConfig:
     __pydantic_config__ = _SCHEMA
     name: Name
     token: str = field(default="", repr=False)  # never logged
-    weight: Annotated[float, Field(gt=0, **_STRICT)] = 1.0
+    weight: Positive = 1.0
     guaranteed: Quota = 0
     limit: Quota = 0  # 0: no limit
     max_request_pages: Count = 0
-    max_request_fraction: Annotated[float, Field(ge=0, le=1, **_STRICT)] = 0.0
+    max_request_fraction: Fraction = 0.0
     # Bytes per second (a number or "200MiB/s"; 0: none); see TenantQuota.
     bandwidth_cap: Size = 0
     bandwidth_burst: Size = 0
@@ -314,15 +309,15 @@ class Config:
     allow_plaintext_tokens: Annotated[bool, Field(strict=True)] = False
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
-    grace_s: NonNegativeSeconds = 10.0
+    grace_s: NonNegative = 10.0
     workers: PositiveInt = 2  # copy threads
     inline_copy_bytes: Count = 65536  # smaller copies run on the event loop
-    switch_interval_s: Seconds = 0.0005  # CPython GIL switch interval (default 0.005)
-    lease_ttl_s: Seconds = 30.0  # a silent client's requests are released after this
-    handoff_ttl_s: Seconds = 60.0  # a decode reservation no handoff claimed lapses after this
+    switch_interval_s: Positive = 0.0005  # CPython GIL switch interval (default 0.005)
+    lease_ttl_s: Positive = 30.0  # a silent client's requests are released after this
+    handoff_ttl_s: Positive = 60.0  # a decode reservation no handoff claimed lapses after this
     # Pages a reply hands to an engine stay put until the engine's next call, at most this
     # long (an engine that never calls again cannot keep them from others for ever).
-    hold_s: Seconds = 1.0
+    hold_s: Positive = 1.0
     # Unary calls of one client (its lease) that run at once; more wait their turn, so a
     # client flooding calls cannot crowd out the others. 0: no limit.
     max_calls_per_client: Count = 16

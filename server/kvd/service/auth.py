@@ -35,13 +35,14 @@ class Caller:  # not frozen: made on every call, and a frozen dataclass is 3x sl
 class Authenticator:
     def __init__(self, config: Config, leases=None) -> None:
         self.leases = leases
+        self.generation = 0
         self.configure(config)
 
     def configure(self, config: Config) -> None:
         """(Re)load identities; called at start and on SIGHUP. Long-lived streams compare
         `generation` at each message and identify their caller again when it changed, so
         a revoked token stops working on streams opened before too."""
-        self.generation = getattr(self, "generation", 0) + 1
+        self.generation += 1
         self._tokens = {t.token: t.name for t in config.tenants if t.token}
         self._admin_token = config.auth.admin_token
         self._unix_tenant = config.auth.unix_tenant

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 
 import grpc
@@ -368,8 +369,11 @@ class MemoryService(pb_grpc.MemoryServicer):
                         break
                 if type(step) is Malformed:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
-                if len(data) > min(self.max_items, WALK_BYTES):  # else nothing to check
+                # Fewer bytes can hold no more items or block indices, nor ids unwalked.
+                if len(data) > min(self.max_items, self.max_blocks, WALK_BYTES):
                     try:
+                        if len(data) > WALK_BYTES:  # register.py walked the smaller ones
+                            _check_step_ids(step)
                         items, blocks = _step_items(step)
                         self._bounded(items, "items (updates, frees, releases, allocations, "
                                       "accesses and reads)")
@@ -506,15 +510,22 @@ _INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES, _READ_ALL = (
 _READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
 
 
-def _step_items(step: pb.StepRequest) -> tuple[int, int]:
-    """A big step's items, and its ids checked (register.py leaves big batches to this)."""
-    ids = ([u.request_id for u in step.intents] + [r.request_id for r in step.releases]
-           + [a.request_id for a in step.allocations] + list(step.read_all)
-           + [f.request_id for f in step.frees] + [a.request_id for a in step.accesses])
+def _check_step_ids(step: pb.StepRequest) -> None:
+    ids = itertools.chain((u.request_id for u in step.intents),
+                          (r.request_id for r in step.releases),
+                          (a.request_id for a in step.allocations), step.read_all,
+                          (f.request_id for f in step.frees),
+                          (a.request_id for a in step.accesses))
     if any(len(i) > MAX_STRING for i in ids):
         raise errors.InvalidArgument(f"a request_id is longer than {MAX_STRING} characters")
-    return len(ids), (sum(len(f.block_indices) for f in step.frees)
-                      + sum(len(a.block_indices) for a in step.accesses))
+
+
+def _step_items(step: pb.StepRequest) -> tuple[int, int]:
+    """A step's items (requests named, updates), and its block indices."""
+    items = (len(step.intents) + len(step.releases) + len(step.allocations)
+             + len(step.read_all) + len(step.frees) + len(step.accesses))
+    return items, (sum(len(f.block_indices) for f in step.frees)
+                   + sum(len(a.block_indices) for a in step.accesses))
 
 
 def _reads_key(data: bytes) -> bytes:

@@ -14,8 +14,12 @@ from google.protobuf.message import DecodeError
 
 # Characters in any string of a request (request ids, tenant and pool names).
 MAX_STRING = 256
-# Methods whose requests may be large batches (see WALK_BYTES).
-BATCHES = ("Step", "UpdateIntents")
+# Methods whose handlers check their own strings, and up to what size of message this
+# module walks them instead: a walk over a large batch would hold the loop. UpdateIntents'
+# only strings are its request ids, which its handler checks a slice at a time; Step's
+# handler checks the ids of steps larger than WALK_BYTES.
+WALK_BYTES = 64 * 1024
+WALK_LIMIT = {"Step": WALK_BYTES, "UpdateIntents": 0}
 
 _FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -23,7 +27,6 @@ _FACTORIES = {
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
-
 
 class Malformed:
     """A request whose bytes did not decode."""
@@ -56,29 +59,23 @@ def _long_string(message, path: str = "") -> str | None:
     return None
 
 
-# Batches bigger than this (Step, UpdateIntents) are not walked here, where the walk would
-# hold the loop: their handlers check their ids a slice at a time.
-WALK_BYTES = 64 * 1024
-
-
-def _safe(parse, batch: bool = False):
+def _safe(parse, walk_limit: float = float("inf")):
     def deserialize(data: bytes):
         try:
             message = parse(data)
         except (DecodeError, ValueError) as exc:
             return Malformed(str(exc))
         # A string over the bound needs that many bytes: short messages are not walked.
-        if (MAX_STRING < len(data) and not (batch and len(data) > WALK_BYTES)
-                and (field := _long_string(message))):
+        if MAX_STRING < len(data) <= walk_limit and (field := _long_string(message)):
             return Malformed(f"{field} is longer than {MAX_STRING} characters")
         return message
 
     return deserialize
 
 
-def _safe_with_bytes(parse, batch: bool = False):
+def _safe_with_bytes(parse, walk_limit: float = float("inf")):
     """As _safe, but the handler gets (the bytes, the message or Malformed)."""
-    safe = _safe(parse, batch)
+    safe = _safe(parse, walk_limit)
 
     def deserialize(data: bytes):
         return data, safe(data)
@@ -95,9 +92,10 @@ def add_service(server: grpc.aio.Server, servicer, service, with_bytes=()) -> No
         response = message_factory.GetMessageClass(method.output_type)
         factory = _FACTORIES[(method.client_streaming, method.server_streaming)]
         parse = _safe_with_bytes if method.name in with_bytes else _safe
-        batch = method.name in BATCHES
+        walk_limit = WALK_LIMIT.get(method.name, float("inf"))
         handlers[method.name] = factory(getattr(servicer, method.name),
-                                        request_deserializer=parse(request.FromString, batch),
+                                        request_deserializer=parse(request.FromString,
+                                                                   walk_limit),
                                         response_serializer=response.SerializeToString)
     # Generic handlers only. grpc.aio also takes "registered" method handlers, but with kvd's
     # ~30 methods registered every call cost ~45 us more server CPU (measured with registered
