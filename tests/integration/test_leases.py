@@ -138,8 +138,8 @@ async def test_a_client_that_names_no_lease_is_held_by_its_connection(tmp_path):
                                   metadata=metadata)
         async with AsyncClient(kvd.target, lease="") as observer:  # the unix admin
             for _ in range(100):
-                if not (await observer.explain("r")).active:
+                if not (await observer.explain("t/r")).active:
                     break
                 await asyncio.sleep(0.05)
-            assert not (await observer.explain("r")).active
+            assert not (await observer.explain("t/r")).active
             assert sum(await _used_pages(observer)) == 0

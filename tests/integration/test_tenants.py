@@ -10,6 +10,7 @@ import socket
 import pytest
 
 from kvd_client import (
+    AlreadyExistsError,
     AsyncClient,
     NotFoundError,
     PermissionDeniedError,
@@ -213,8 +214,8 @@ async def test_explain_names_the_whale_as_the_cause_of_a_minnows_stall(tenants_k
         caused = await whale.explain("whale")
         assert {(e.other.tenant, e.count) for e in caused.evictions_caused} >= {("beta", 2)}
     async with AsyncClient(tenants_kvd.target, token="root-token") as admin:
-        top = (await admin.explain("minnow")).stalls_by_cause[0]  # the admin sees all
-        assert (top.cause.tenant, top.cause.request_id) == ("alpha", "whale")
+        top = (await admin.explain("beta/minnow")).stalls_by_cause[0]  # the admin sees all
+        assert (top.cause.tenant, top.cause.request_id) == ("alpha", "alpha/whale")
     async with AsyncClient(tenants_kvd.target, token="root-token") as admin:
         beta = next(t for t in await admin.list_tenants() if t.tenant == "beta")
         assert beta.evictions_suffered == 2
@@ -271,7 +272,7 @@ async def test_a_lease_belongs_to_its_tenant(tmp_path):
             for _ in range(30):
                 await beta.keep_alive()
                 await asyncio.sleep(0.05)
-            assert not [r for r in await admin.list_requests() if r.request_id == "a1"]
+            assert not [r for r in await admin.list_requests() if r.request_id == "alpha/a1"]
 
 
 async def test_other_tenants_request_ids_are_not_shown(tenants_kvd):
@@ -301,9 +302,53 @@ async def test_other_tenants_request_ids_are_not_shown(tenants_kvd):
         mine = await alpha.explain("a1")
         assert [(c.other.tenant, c.other.request_id) for c in mine.evictions_suffered] == [
             ("beta", "")]
-        full = await admin.explain("a1")
+        full = await admin.explain("alpha/a1")  # the admin names a tenant's requests whole
         assert [(c.other.tenant, c.other.request_id) for c in full.evictions_suffered] == [
-            ("beta", "secret-b1")]
+            ("beta", "beta/secret-b1")]
+
+
+async def test_each_tenant_names_its_requests_in_a_namespace_of_its_own(tenants_kvd):
+    """Whether another tenant uses an id is not a tenant's to learn: the same id admitted by
+    two tenants is two requests (no ALREADY_EXISTS to tell one of the other's), each seen
+    by its own tenant under the id it gave, in handles, events and errors alike."""
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha, \
+            AsyncClient(tenants_kvd.target, token="beta-token") as beta, \
+            AsyncClient(tenants_kvd.target, token="root-token") as admin:
+        seen = []
+
+        async def watch():
+            async for event in beta.watch_events(kinds=["admission", "allocation"]):
+                seen.append(event)
+
+        watcher = asyncio.ensure_future(watch())
+        await asyncio.sleep(0.2)
+        assert (await alpha.admit("same", 32)).decision == pb.DECISION_ADMITTED
+        assert (await beta.admit("same", 32)).decision == pb.DECISION_ADMITTED
+        with pytest.raises(AlreadyExistsError, match="'same'") as again:
+            await beta.admit("same", 32)  # its own id twice is still refused
+        assert "beta/" not in again.value.details
+        a = await alpha.allocate("same", 2)
+        b = await beta.allocate("same", 1)
+        assert [h.request_id for h in [*a.handles, *b.handles]] == ["same"] * 3
+        assert len((await alpha.access("same")).handles) == 2
+        assert len((await beta.access("same")).handles) == 1
+        async with beta.step_stream() as stream:
+            reply = await stream.step(allocations=[("same", 1)], read_all=["same", "nope"])
+        assert [h.request_id for h in reply.allocated] == ["same"]
+        assert [(e.section, e.item_index) for e in reply.errors] == [("read_all", 1)]
+        assert "'nope'" in reply.errors[0].message and "beta/" not in reply.errors[0].message
+        assert (await beta.explain("same")).request_id == "same"
+        listed = await admin.list_requests()
+        assert sorted((r.tenant, r.request_id) for r in listed) == [
+            ("alpha", "alpha/same"), ("beta", "beta/same")]
+        await beta.release("same")
+        assert len((await alpha.access("same")).handles) == 2  # alpha's is untouched
+        for _ in range(100):
+            if len(seen) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        watcher.cancel()
+        assert {(e.tenant, e.request_id) for e in seen} == {("beta", "same")}
 
 
 async def test_a_pool_restricted_to_tenants_refuses_the_others(tmp_path):

@@ -27,6 +27,13 @@ class Caller:  # not frozen: made on every call, and a frozen dataclass is 3x sl
         return f"lease:{self.lease}" if self.lease else f"tenant:{self.tenant}"
 
     @property
+    def ns(self) -> str:
+        """The prefix of this caller's request ids inside kvd: each tenant names its requests
+        in a namespace of its own (so whether another tenant uses an id is not its to learn,
+        and two tenants may use the same id); the admin names them whole, `<tenant>/<id>`."""
+        return "" if self.admin else f"{self.tenant}/"
+
+    @property
     def scope(self) -> str | None:
         """The tenant whose requests this caller may touch; None: any (admin)."""
         return None if self.admin else self.tenant

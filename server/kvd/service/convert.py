@@ -18,18 +18,19 @@ def intent_fields(intent: pb.MemoryIntent) -> dict:
     return {field.name: value for field, value in intent.ListFields()}
 
 
-def intent_change(update: pb.IntentUpdate) -> IntentChange:
-    return IntentChange(update.request_id, update.block_index, intent_fields(update.intent),
-                        update.prefetch)
+def intent_change(update: pb.IntentUpdate, ns: str = "") -> IntentChange:
+    return IntentChange(ns + update.request_id, update.block_index,
+                        intent_fields(update.intent), update.prefetch)
 
 
-def handle(block: Block, page_bytes: int) -> pb.PageHandle:
+def handle(block: Block, page_bytes: int, ns: int = 0) -> pb.PageHandle:
     """The block's page as the engine addresses it. The engine is told here that the block
-    moved (its epoch is seen) and, once, that its bytes are lost and must be recomputed."""
+    moved (its epoch is seen) and, once, that its bytes are lost and must be recomputed.
+    `ns`: the length of the namespace the caller's request ids are kept in (not shown)."""
     block.seen_epoch = block.epoch
     lost, block.lost = block.lost, False
     return pb.PageHandle(
-        request_id=block.request.request_id,
+        request_id=block.request.request_id[ns:],
         block_index=block.index,
         pool=block.request.pool,
         tier=int(block.tier),

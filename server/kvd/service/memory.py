@@ -21,7 +21,7 @@ from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator
 from kvd.service.gate import CallGate, StepTurns
 from kvd.service.register import MAX_STRING, WALK_BYTES, Malformed
-from kvd.service.status import status_of, unary
+from kvd.service.status import local_message, status_of, unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -77,7 +77,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         for pool in (request.pool or "default", request.handoff_pool):
             self._may_use(pool, tenant)
         result = self.daemon.admit(
-            request.request_id,
+            caller.ns + request.request_id,
             tenant=tenant,
             lease=caller.lease,
             pool=request.pool,
@@ -95,24 +95,24 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def Allocate(self, request, caller):
-        scope = caller.scope
-        blocks, stall_s = await self.daemon.allocate(request.request_id, request.num_blocks,
-                                                     intent_fields(request.intent), scope,
-                                                     holder=caller.holder)
-        page_bytes = self._page_bytes(request.request_id)
+        rid, ns = caller.ns + request.request_id, len(caller.ns)
+        blocks, stall_s = await self.daemon.allocate(rid, request.num_blocks,
+                                                     intent_fields(request.intent),
+                                                     caller.scope, holder=caller.holder)
+        page_bytes = self._page_bytes(rid)
         return pb.AllocateResponse(
-            handles=[handle(b, page_bytes) for b in blocks], stall_us=int(stall_s * 1e6)
+            handles=[handle(b, page_bytes, ns) for b in blocks], stall_us=int(stall_s * 1e6)
         )
 
     @unary
     async def Access(self, request, caller):
         self._bounded(len(request.block_indices), "block indices", blocks=True)
-        blocks, stall_s, promoted = await self.daemon.access(request.request_id,
-                                                             indices(request), caller.scope,
-                                                             holder=caller.holder)
-        page_bytes = self._page_bytes(request.request_id)
+        rid, ns = caller.ns + request.request_id, len(caller.ns)
+        blocks, stall_s, promoted = await self.daemon.access(rid, indices(request),
+                                                             caller.scope, holder=caller.holder)
+        page_bytes = self._page_bytes(rid)
         return pb.AccessResponse(
-            handles=[handle(b, page_bytes) for b in blocks],
+            handles=[handle(b, page_bytes, ns) for b in blocks],
             stall_us=int(stall_s * 1e6),
             num_promoted=promoted,
         )
@@ -130,7 +130,7 @@ class MemoryService(pb_grpc.MemoryServicer):
             if any(len(u.request_id) > MAX_STRING for u in chunk):
                 raise errors.InvalidArgument(
                     f"updates.request_id is longer than {MAX_STRING} characters")
-            changes += [intent_change(u) for u in chunk]
+            changes += [intent_change(u, caller.ns) for u in chunk]
         applied, prefetched = await self.daemon.update_intents(changes, scope)
         return pb.UpdateIntentsResponse(num_applied=applied, num_prefetched=prefetched)
 
@@ -139,13 +139,13 @@ class MemoryService(pb_grpc.MemoryServicer):
         if not request.block_indices:
             raise errors.InvalidArgument("name at least one block to free")
         self._bounded(len(request.block_indices), "block indices", blocks=True)
-        freed = await self.daemon.free(request.request_id, list(request.block_indices),
-                                       caller.scope)
+        freed = await self.daemon.free(caller.ns + request.request_id,
+                                       list(request.block_indices), caller.scope)
         return pb.FreeResponse(num_freed=freed)
 
     @unary
     async def Release(self, request, caller):
-        freed, _ = await self.daemon.release(request.request_id, caller.scope)
+        freed, _ = await self.daemon.release(caller.ns + request.request_id, caller.scope)
         return pb.ReleaseResponse(num_freed=freed)
 
     @unary
@@ -203,7 +203,8 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def Explain(self, request, caller):
-        account, pool, active = self.daemon.explain(request.request_id, caller.scope)
+        account, pool, active = self.daemon.explain(caller.ns + request.request_id,
+                                                    caller.scope)
         return explain_response(account, pool, active, caller.scope)
 
     async def WaitAdmission(self, request, context):
@@ -213,11 +214,12 @@ class MemoryService(pb_grpc.MemoryServicer):
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
+            rid = caller.ns + request.request_id
             self.daemon.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
             last = None
             while True:
                 admitted, position, reason, changed = self.daemon.admission_state(
-                    request.request_id, caller.scope)
+                    rid, caller.scope)
                 if admitted:
                     await context.write(pb.AdmissionUpdate(decision=pb.DECISION_ADMITTED))
                     return
@@ -229,17 +231,16 @@ class MemoryService(pb_grpc.MemoryServicer):
                     await changed.wait()  # woken only when this request's answer changed
                 finally:
                     if not changed.is_set():  # cancelled: nothing left waiting for it
-                        rt = self.daemon.request_index.get(request.request_id)
+                        rt = self.daemon.request_index.get(rid)
                         if rt is not None:
-                            rt.forget_waiter(request.request_id, changed)
+                            rt.forget_waiter(rid, changed)
         except errors.KvdError as exc:
-            await context.abort(status_of(exc), str(exc))
+            await context.abort(status_of(exc), local_message(exc, caller))
         finally:
             # However the stream ended (cancelled while waiting or while writing), a client
             # that stopped waiting no longer wants its still-queued request.
             if caller is not None:
                 self.daemon.leases.stream_closed(caller.lease)
-                rid = request.request_id
                 rt = self.daemon.request_index.get(rid)
                 queued = rt.pool.queue.get(rid) if rt is not None else None
                 if not admitted and queued is not None and caller.may_touch(queued.tenant):
@@ -249,28 +250,30 @@ class MemoryService(pb_grpc.MemoryServicer):
     async def Handoff(self, request, context):
         started = time.perf_counter()
         code = "OK"
+        caller = None
         try:
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
+            ns = len(caller.ns)
             if request.target_pool and not caller.admin:
                 self._may_use(request.target_pool, caller.tenant)
             self.daemon.end_holds(caller.holder)  # its calls before are done
             # Closed however this handler ends, a cancel while writing included: the
             # handoff's owner is this call, and a caller that went away rolls it back now.
             async with contextlib.aclosing(self.daemon.handoff(
-                    request.request_id, request.target_pool, caller.scope,
+                    caller.ns + request.request_id, request.target_pool, caller.scope,
                     caller.holder)) as progress:
                 async for p in progress:
                     page_bytes = self.daemon.runtime(p["pool"]).pool.page_bytes
                     await context.write(pb.HandoffProgress(
-                        request_id=p["request_id"], pool=p["pool"],
+                        request_id=p["request_id"][ns:], pool=p["pool"],
                         blocks_done=p["blocks_done"], blocks_total=p["blocks_total"],
                         bytes_done=p["bytes_done"], bytes_total=p["bytes_total"],
-                        done=p["done"], handles=[handle(b, page_bytes) for b in p["blocks"] or ()]))
+                        done=p["done"], handles=[handle(b, page_bytes, ns) for b in p["blocks"] or ()]))
         except errors.KvdError as exc:
             code = status_of(exc).name
-            await context.abort(status_of(exc), str(exc))
+            await context.abort(status_of(exc), local_message(exc, caller))
         except Exception as exc:  # the copy failed: rolled back, nothing half-moved
             code = "ABORTED"
             log.error("handoff failed", request_id=request.request_id, error=repr(exc))
@@ -305,6 +308,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
         generation = self.auth.generation
+        ns = len(caller.ns)  # a tenant sees only its own requests' events: their ids unprefixed
         try:
             while True:
                 e = await bus.next(sub)
@@ -315,7 +319,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                     except errors.KvdError as exc:
                         await context.abort(status_of(exc), str(exc))
                 await context.write(pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
-                               tenant=e.tenant, request_id=e.request_id, count=e.count,
+                               tenant=e.tenant, request_id=e.request_id[ns:], count=e.count,
                                detail=_redacted(e.detail, caller.scope), lost=e.lost))
         finally:
             bus.unsubscribe(sub)
@@ -388,7 +392,8 @@ class MemoryService(pb_grpc.MemoryServicer):
                         await context.abort(status_of(exc), str(exc))
                 daemon.end_holds(holder)
                 started = time.perf_counter()
-                reply = await self._step(step, caller.scope, _reads_key(data), holder)
+                reply = await self._step(step, caller.scope, _reads_key(data), holder,
+                                         caller.ns)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
                 await context.write(reply)
                 if turn:
@@ -401,54 +406,62 @@ class MemoryService(pb_grpc.MemoryServicer):
             leases.stream_closed(caller.lease)
 
     async def _step(self, step: pb.StepRequest, scope: str | None = None,
-                    reads_key: bytes | None = None, holder: str = "") -> pb.StepResponse:
+                    reads_key: bytes | None = None, holder: str = "", ns: str = ""
+                    ) -> pb.StepResponse:
         """One engine step: intents, frees, releases, allocations, accesses, in that order.
         A bad item is reported in `errors`; the rest of the step goes on. `reads_key`, when
-        given, is equal for two steps only when their read_all lists are equal."""
+        given, is equal for two steps only when their read_all lists are equal. `ns`: the
+        namespace of the caller's request ids (see Caller.ns)."""
         daemon = self.daemon
         reply = pb.StepResponse(step_id=step.step_id)
+        cut = len(ns)
+        read_all = [ns + r for r in step.read_all] if ns else step.read_all
         # Only the sections the step has: most steps are just read_all, and each look at an
         # empty repeated field costs a wrapper object on the hot path.
         present = {field.number for field, _ in step.ListFields()}
         general = None  # read_all's requests left for the general path, once it has run
         if present <= _READS_ONLY:  # nothing comes before read_all: run it now
-            general = self._read_all(step.read_all, reply, scope, reads_key) if present else ()
+            general = (self._read_all(read_all, reply, scope, reads_key, cut)
+                       if present else ())
             if not general:
                 return reply
         started = time.perf_counter()
         stalled = False
         if _INTENTS in present:
             try:
-                await daemon.update_intents([intent_change(u) for u in step.intents], scope)
+                await daemon.update_intents([intent_change(u, ns) for u in step.intents],
+                                            scope)
             except errors.KvdError as exc:
-                _step_error(reply, "intents", 0, exc)
+                _step_error(reply, "intents", 0, exc, ns)
         for i, item in enumerate(step.frees if _FREES in present else ()):
             try:
-                await daemon.free(item.request_id, list(item.block_indices), scope)
+                await daemon.free(ns + item.request_id, list(item.block_indices), scope)
             except errors.KvdError as exc:
-                _step_error(reply, "frees", i, exc)
+                _step_error(reply, "frees", i, exc, ns)
         for i, item in enumerate(step.releases if _RELEASES in present else ()):
             try:
-                await daemon.release(item.request_id, scope)
+                await daemon.release(ns + item.request_id, scope)
             except errors.KvdError as exc:
-                _step_error(reply, "releases", i, exc)
+                _step_error(reply, "releases", i, exc, ns)
         for i, item in enumerate(step.allocations if _ALLOCATIONS in present else ()):
             try:
-                blocks, stall_s = await daemon.allocate(item.request_id, item.num_blocks,
+                rid = ns + item.request_id
+                blocks, stall_s = await daemon.allocate(rid, item.num_blocks,
                                                         intent_fields(item.intent), scope,
                                                         holder=holder)
                 stalled |= stall_s > 0
-                page_bytes = daemon.runtime_of(item.request_id).pool.page_bytes
-                reply.allocated.extend(handle(b, page_bytes) for b in blocks)
+                page_bytes = daemon.runtime_of(rid).pool.page_bytes
+                reply.allocated.extend(handle(b, page_bytes, cut) for b in blocks)
             except errors.KvdError as exc:
-                _step_error(reply, "allocations", i, exc)
+                _step_error(reply, "allocations", i, exc, ns)
         items: list = []  # (section, index, request_id, block indices or None)
         if general is None:
-            general = self._read_all(step.read_all, reply, scope) if _READ_ALL in present else ()
+            general = (self._read_all(read_all, reply, scope, None, cut)
+                       if _READ_ALL in present else ())
         if general:
-            positions = {rid: i for i, rid in enumerate(step.read_all)}
+            positions = {rid: i for i, rid in enumerate(read_all)}
             items += [("read_all", positions[rid], rid, None) for rid in general]
-        items += [("accesses", i, item.request_id,
+        items += [("accesses", i, ns + item.request_id,
                    None if item.all_blocks else list(item.block_indices))
                   for i, item in enumerate(step.accesses if _ACCESSES in present else ())]
         pending = []
@@ -468,9 +481,9 @@ class MemoryService(pb_grpc.MemoryServicer):
                         rt.pool.record_stall(run, result.plan)
                         stalled = True
                 if result.request.maybe_relocated:
-                    _relocated(reply, result, rt.pool.page_bytes)
+                    _relocated(reply, result, rt.pool.page_bytes, cut)
             except errors.KvdError as exc:
-                _step_error(reply, section, i, exc)
+                _step_error(reply, section, i, exc, ns)
         for section, i, rt, task, result in pending:
             # The copies run concurrently in the worker pool; await them in turn.
             try:
@@ -482,13 +495,13 @@ class MemoryService(pb_grpc.MemoryServicer):
                 continue
             rt.pool.record_stall(stall_s, result.plan)
             stalled = True
-            _relocated(reply, result, rt.pool.page_bytes)
+            _relocated(reply, result, rt.pool.page_bytes, cut)
         if stalled:
             reply.stall_us = int((time.perf_counter() - started) * 1e6)
         return reply
 
     def _read_all(self, request_ids, reply: pb.StepResponse, scope: str | None,
-                  key: bytes | None = None) -> list[str]:
+                  key: bytes | None = None, cut: int = 0) -> list[str]:
         """Answer the requests every pool can read at once (reporting relocated blocks);
         return those that need the general access path (or get an error there). `key`
         identifies request_ids (see Pool.read_all)."""
@@ -497,7 +510,7 @@ class MemoryService(pb_grpc.MemoryServicer):
             general, relocated = rt.pool.read_all(general, scope, key)
             key = None  # the next pool reads what this one left
             for req in relocated:
-                _relocated(reply, AccessResult(None, None, req), rt.pool.page_bytes)
+                _relocated(reply, AccessResult(None, None, req), rt.pool.page_bytes, cut)
             if not general:
                 break
         return general
@@ -540,21 +553,23 @@ def _reads_key(data: bytes) -> bytes:
     return data[end + 1:]
 
 
-def _relocated(reply: pb.StepResponse, result, page_bytes: int) -> None:
+def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) -> None:
     """Report accessed blocks whose device page changed since the engine was last told."""
     req = result.request
     blocks = result.blocks if result.blocks is not None else req.live_blocks()
     moved = [b for b in blocks if b.epoch != b.seen_epoch]
     if moved:
-        reply.relocated.extend(handle(b, page_bytes) for b in moved)
+        reply.relocated.extend(handle(b, page_bytes, cut) for b in moved)
     if len(blocks) == req.num_live_blocks:
         req.maybe_relocated = False
 
 
-def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.KvdError) -> None:
+def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.KvdError,
+                ns: str = "") -> None:
+    message = str(exc)
     reply.errors.append(
         pb.StepError(section=section, item_index=index, code=status_of(exc).value[0],
-                     message=str(exc))
+                     message=message.replace("'" + ns, "'") if ns else message)
     )
 
 
@@ -565,7 +580,7 @@ def explain_response(account, pool: str, active: bool, scope: str | None = None
         return pb.Cause(tenant=key[0], request_id=_redact(key[0], key[1], scope))
 
     return pb.ExplainResponse(
-        request_id=account.request_id,
+        request_id=_redact(account.tenant, account.request_id, scope),
         tenant=account.tenant,
         pool=pool,
         active=active,
@@ -582,14 +597,18 @@ def explain_response(account, pool: str, active: bool, scope: str | None = None
 
 
 def _redacted(detail: dict, scope: str | None) -> dict:
-    if "cause_request" in detail and scope is not None and detail["cause_tenant"] != scope:
-        return {**detail, "cause_request": ""}
+    if "cause_request" in detail and scope is not None:
+        return {**detail, "cause_request": _redact(detail["cause_tenant"],
+                                                   detail["cause_request"], scope)}
     return detail
 
 
 def _redact(tenant: str, request_id: str, scope: str | None) -> str:
-    """Another tenant's request id is not this caller's to see (None: the admin sees all)."""
-    return request_id if scope is None or tenant == scope else ""
+    """A request id as this caller may see it: the admin (None) sees all, whole; a tenant
+    sees its own without their namespace and other tenants' not at all."""
+    if scope is None:
+        return request_id
+    return request_id.removeprefix(f"{scope}/") if tenant == scope else ""
 
 
 def link_stats(link, daemon) -> pb.LinkStats:

@@ -34,6 +34,14 @@ def status_of(exc: errors.KvdError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def local_message(exc: errors.KvdError, caller) -> str:
+    """The error as its caller names things: a tenant's request ids without the namespace
+    kvd keeps them in (they are quoted, 'alpha/r1', in kvd's messages)."""
+    text = str(exc)
+    ns = caller.ns if caller is not None else ""
+    return text.replace("'" + ns, "'") if ns else text
+
+
 def unary(method: Callable) -> Callable:
     """A unary handler `method(self, request, caller)`: the caller identified once (who, and
     whose lease, which the call renews), the client's call gate passed, domain errors turned
@@ -47,7 +55,7 @@ def unary(method: Callable) -> Callable:
         code = "OK"
         gate = self.gate
         key = turn = None
-        in_call = None
+        in_call = caller = None
         try:
             caller = self.auth.identify(context)
             if caller.lease and self.auth.leases is not None:
@@ -77,7 +85,7 @@ def unary(method: Callable) -> Callable:
         except errors.KvdError as exc:
             status = status_of(exc)
             code = status.name
-            await context.abort(status, str(exc))
+            await context.abort(status, local_message(exc, caller))
         except (ValueError, OverflowError, TypeError) as exc:
             # Out-of-range values that slipped past validation: the caller's input.
             code = "INVALID_ARGUMENT"
