@@ -29,7 +29,8 @@ from kvd.core.errors import (
 )
 from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
-from kvd.core.pool import AdmitResult, IntentChange, Pool, Reserver
+from kvd.core.intent import IntentChange
+from kvd.core.pool import AdmitResult, Pool, Reserver
 from kvd.core.transfer import MoveKind, TransferPlan
 from kvd.links import Link, Transfer, TransferCancelled, measure_copy_bandwidth
 from kvd.events import EventBus

@@ -16,7 +16,7 @@ from kvd.core.errors import (
     ResourceExhausted,
 )
 from kvd.core.fairness import TenantQuota
-from kvd.core.pool import IntentChange
+from kvd.core.intent import IntentChange
 
 from .conftest import PoolFactory, settle
 

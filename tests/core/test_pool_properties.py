@@ -24,7 +24,8 @@ from kvd.core.errors import BlocksInTransit, KvdError
 from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.policies import policy_names
-from kvd.core.pool import IntentChange, Pool
+from kvd.core.intent import IntentChange
+from kvd.core.pool import Pool
 
 REQUEST_IDS = st.sampled_from(["r0", "r1", "r2", "r3"])
 INTENT = st.fixed_dictionaries(

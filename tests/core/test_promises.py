@@ -9,7 +9,7 @@ import pytest
 from kvd.core.blocks import TierKind
 from kvd.core.errors import ResourceExhausted
 from kvd.core.fairness import TenantQuota
-from kvd.core.pool import IntentChange
+from kvd.core.intent import IntentChange
 from kvd.core.transfer import MoveKind
 
 from .conftest import settle

@@ -14,7 +14,7 @@ import pytest
 
 from kvd.config import Config, LinkConfig, PoolConfig
 from kvd.core.errors import KvdError
-from kvd.core.pool import IntentChange
+from kvd.core.intent import IntentChange
 from kvd.daemon import Daemon
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_client.arena import MappedPool

@@ -33,7 +33,7 @@ from kvd.config import Config, LinkConfig, PoolConfig, TenantConfig
 from kvd.core.blocks import Priority, RequestState, TierKind
 from kvd.core.errors import KvdError
 from kvd.core.policies import policy_names
-from kvd.core.pool import IntentChange
+from kvd.core.intent import IntentChange
 from kvd.daemon import Daemon
 
 PAGE_BYTES = 64

@@ -18,15 +18,12 @@ from typing import Any
 from kvd.core.attribution import NO_REQUEST, Attribution, EvictionRecord
 from kvd.core.bandwidth import TokenBucket
 from kvd.core.blocks import (
-    INTENT_BOOL_FIELDS,
-    INTENT_INT_FIELDS,
     Block,
-    Phase,
-    Priority,
     Request,
     RequestState,
     TierKind,
 )
+from kvd.core import intent as intents
 from kvd.core.clock import Clock
 from kvd.core.errors import (
     AlreadyExists,
@@ -37,18 +34,13 @@ from kvd.core.errors import (
     NotFound,
     ResourceExhausted,
 )
+from kvd.core.intent import IntentChange
 from kvd.core.fairness import TenantQuota, water_fill
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tier import TierPages
 from kvd.core.transfer import Move, MoveKind, TransferPlan
 
 _DEFAULT_QUOTA = TenantQuota()
-
-# Costs must be non-negative; deadlines and slack may be negative (already overdue).
-_NON_NEGATIVE_INTENT_FIELDS = frozenset(
-    {"recompute_cost_us", "spill_cost_us", "expected_reuse_window_tokens"}
-)
-
 
 def _after_reads(method):
     """The pool method first applies the reads read_all() left pending, so every decision sees
@@ -83,16 +75,6 @@ class AccessResult:
     # The plan brings in only some of the missing blocks (the host tier cannot take all
     # the victims at once): execute it and access again for the rest.
     partial: bool = False
-
-
-@dataclass(slots=True)
-class IntentChange:
-    """One block's intent update: only the fields present in `fields` change."""
-
-    request_id: str
-    block_index: int
-    fields: dict[str, Any]
-    prefetch: bool = False
 
 
 @dataclass(slots=True)
@@ -614,8 +596,8 @@ class Pool:
               or any(b <= a for a, b in zip(indices, indices[1:]))):
             raise InvalidArgument("indices must be increasing and past the request's blocks")
         if intent:
-            _validate_intent_fields(intent)
-            if _pinned_after(Block(req, -1, TierKind.NONE, -1), intent):
+            intents.validate(intent)
+            if intents.pinned_after(Block(req, -1, TierKind.NONE, -1), intent):
                 if self.num_pinned + num_blocks > self.device.capacity:
                     raise self._overpinned(num_blocks)
         if num_blocks > self.device.capacity:
@@ -642,7 +624,7 @@ class Pool:
                           last_access=now, request_priority=req.priority)
             req.num_moving_blocks += 1
             if intent:
-                _apply_intent(block, intent, now)
+                intents.apply(block, intent, now)
                 self._count_pin(block, 1)
             self.device.owner[page] = block
             req.blocks.append(block)
@@ -950,7 +932,7 @@ class Pool:
 
     def check_pins(self, final: dict) -> None:
         """A batch whose blocks end in these states must not pin more than the device."""
-        pin_delta = sum(_pinned_after(b, state) - b.pinned for b, state in final.items())
+        pin_delta = sum(intents.pinned_after(b, state) - b.pinned for b, state in final.items())
         if pin_delta > 0 and self.num_pinned + pin_delta > self.device.capacity:
             raise self._overpinned(pin_delta)
 
@@ -961,9 +943,9 @@ class Pool:
         for change in changes:
             req = self._admitted(change.request_id)
             (block,) = self._resolve(req, [change.block_index])
-            _validate_intent_fields(change.fields)
+            intents.validate(change.fields)
             state = final.setdefault(block, {})
-            for name in ("pin_requested", "priority"):
+            for name in intents.PIN_FIELDS:
                 if name in change.fields:
                     state[name] = change.fields[name]
             resolved.append((block, change))
@@ -979,7 +961,7 @@ class Pool:
         to_prefetch: list[Block] = []
         for block, change in resolved:
             was_pinned = block.pinned
-            _apply_intent(block, change.fields, now)
+            intents.apply(block, change.fields, now)
             resident = (block.tier is TierKind.DEVICE and not block.moving
                         and not block.held)
             if block.pinned != was_pinned:
@@ -1372,43 +1354,3 @@ def _evictable(b: Block) -> bool:
 def _short(text: str, limit: int = 64) -> str:
     """A repr of text for an error message, at most about `limit` characters."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
-
-
-def _validate_intent_fields(fields: dict[str, Any]) -> None:
-    for name, value in fields.items():
-        if name == "phase":
-            if value not in Phase._value2member_map_ or value == Phase.UNSPECIFIED:
-                raise InvalidArgument(f"unknown phase {value!r}")
-        elif name == "priority":
-            if value not in Priority._value2member_map_ or value == Priority.UNSPECIFIED:
-                raise InvalidArgument(f"unknown priority {value!r}")
-        elif name == "request_priority":
-            if not 0 <= value <= 100:
-                raise InvalidArgument(f"request_priority must be 0..100, got {value}")
-        elif name == "recency_score":
-            if not (0.0 <= value <= 1.0):
-                raise InvalidArgument(f"recency_score must be 0..1, got {value}")
-        elif name in _NON_NEGATIVE_INTENT_FIELDS:
-            if value < 0:
-                raise InvalidArgument(f"{name} must be >= 0, got {value}")
-        elif name not in INTENT_INT_FIELDS and name not in INTENT_BOOL_FIELDS and name != "deadline_us":
-            raise InvalidArgument(f"unknown intent field {name!r}")
-
-
-def _pinned_after(block: Block, fields: dict[str, Any]) -> bool:
-    pin = fields.get("pin_requested", block.pin_requested)
-    priority = fields.get("priority", block.priority)
-    return bool(pin) or priority == Priority.DECODE_CRITICAL
-
-
-def _apply_intent(block: Block, fields: dict[str, Any], now: float) -> None:
-    for name, value in fields.items():
-        if name == "deadline_us":
-            block.deadline_at = now + value / 1e6
-        elif name == "phase":
-            block.phase = Phase(value)
-        elif name == "priority":
-            block.priority = Priority(value)
-        else:
-            setattr(block, name, value)
-    block.refresh_flags()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvd.core.blocks import Block
-from kvd.core.pool import IntentChange
+from kvd.core.intent import IntentChange
 from kvd_api.v1 import kvd_pb2 as pb
 
 DECISIONS = {
