@@ -202,7 +202,7 @@ class Daemon:
         sched = LinkScheduler(name, capacity_bps=capacity, burst_bytes=burst,
                               now=self.clock.now(), scheduling=scheduling,
                               aging_s=aging_ms / 1000, quantum_bytes=chunk,
-                              weight_of=lambda tenant: pool.quota(tenant).weight)
+                              weight_of=lambda tenant: pool.tenancy.quota(tenant).weight)
         return Link(sched, self.clock, self._executor, inline, pool.name)
 
     def _build_handoff_link(self, lc: LinkConfig) -> Link:
@@ -736,9 +736,9 @@ class Daemon:
                             pool=pool.name, guaranteed_pages=promised,
                             device_pages=pool.device.capacity,
                             scale=round(pool.device.capacity / promised, 4))
-            for tenant in set(pool.quotas) | set(quotas):
+            for tenant in set(pool.tenancy.quotas) | set(quotas):
                 new = quotas.get(tenant, TenantQuota())
-                if pool.quotas.get(tenant) != new:
+                if pool.tenancy.quotas.get(tenant) != new:
                     log.info("quota set", pool=pool.name, tenant=tenant, weight=new.weight,
                              guaranteed=new.guaranteed, limit=new.limit)
                     pool.set_quota(tenant, new)
@@ -753,8 +753,8 @@ class Daemon:
     def _apply_link_caps(self, link: Link, pool: Pool) -> None:
         """Tenants' bandwidth caps on a link, from their quotas in the pool it leaves."""
         now = self.clock.now()
-        for tenant in set(pool.quotas) | set(link.sched.capped_tenants()):
-            q = pool.quota(tenant)
+        for tenant in set(pool.tenancy.quotas) | set(link.sched.capped_tenants()):
+            q = pool.tenancy.quota(tenant)
             cap = link.sched.tenant_cap(tenant)
             if cap is None and q.bandwidth_cap is None:
                 continue
@@ -781,7 +781,7 @@ class Daemon:
             raise InvalidArgument("max_request_fraction is 0..1")
         runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
         for rt in runtimes:
-            old = rt.pool.quota(tenant)
+            old = rt.pool.tenancy.quota(tenant)
             new = dataclasses.replace(old)
             for key, value in changes.items():
                 setattr(new, key, value)
@@ -789,7 +789,7 @@ class Daemon:
                 raise InvalidArgument(f"pool {rt.pool.name!r}: guaranteed ({new.guaranteed} "
                                       f"pages) would be above limit ({new.limit} pages)")
         for rt in runtimes:
-            old = rt.pool.quota(tenant)
+            old = rt.pool.tenancy.quota(tenant)
             new = dataclasses.replace(old)
             for key, value in changes.items():
                 setattr(new, key, value)
@@ -810,8 +810,7 @@ class Daemon:
         out = []
         for rt in runtimes:
             p = rt.pool
-            names = (set(p.quotas) | set(p.reserved_by_tenant) | set(p.queued_by_tenant)
-                     | set(p.device_by_tenant))
+            names = p.tenancy.names()
             out += [(name, p) for name in sorted(names)]
         return out
 

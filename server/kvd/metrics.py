@@ -80,7 +80,7 @@ def _snapshot(daemon) -> dict:
         pool = rt.pool
         pool.apply_reads()  # the counters include the reads of the last steps
         c = pool.counters
-        att = pool.attribution
+        att, ten = pool.attribution, pool.tenancy
         pools.append({
             "pool": name,
             "policy": pool.policy.name,
@@ -99,12 +99,11 @@ def _snapshot(daemon) -> dict:
                 "num_deadline_misses", "stall_seconds_total")},
             "evictions": dict(att.evictions_by_pair),
             "stall_by_cause": dict(att.stall_s_by_cause),
-            "tenants": {t: (pool.device_by_tenant[t], pool.fair_share(t), pool.guaranteed(t),
-                            pool.quota(t).limit or 0, pool.reserved_by_tenant[t],
-                            pool.queued_by_tenant[t])
-                        for t in (set(pool.quotas) | set(pool.reserved_by_tenant)
-                                  | set(pool.queued_by_tenant) | set(pool.device_by_tenant))},
-            "reads": {t: n * pool.page_bytes for t, n in pool.blocks_read_by_tenant.items()},
+            "tenants": {t: (ten.device_by_tenant[t], ten.fair_share(t), ten.guaranteed(t),
+                            ten.quota(t).limit or 0, ten.reserved_by_tenant[t],
+                            ten.queued_by_tenant[t])
+                        for t in ten.names()},
+            "reads": {t: n * pool.page_bytes for t, n in ten.blocks_read_by_tenant.items()},
             "handoff_reserved": pool.handoff_reserved_pages(),
         })
     now = daemon.clock.now()

@@ -287,13 +287,13 @@ def test_fair_admission_counts_only_pages_above_other_tenants_shares(make_pool):
     # A minnow's fair share is half the device: it may take up to 4 of the whale's pages.
     assert pool.admit("m1", tenant="m", prompt_tokens=16 * 4, output_tokens=0).decision == "admitted"
     settle(pool, pool.allocate("m1", 4))
-    assert pool.device_by_tenant["w"] == 4 and pool.device_by_tenant["m"] == 4
+    assert pool.tenancy.device_by_tenant["w"] == 4 and pool.tenancy.device_by_tenant["m"] == 4
     # A tenant at its share is still admitted, but runs within that share: its new request
     # takes the minnow tenant's own pages, and the whale keeps its share.
     assert pool.admit("m2", tenant="m", prompt_tokens=16 * 2, output_tokens=0).decision == "admitted"
     plan = settle(pool, pool.allocate("m2", 2))
     assert "m" in {move.block.request.tenant for move in plan.demotions}
-    assert pool.device_by_tenant["w"] >= int(pool.fair_share("w"))
+    assert pool.tenancy.device_by_tenant["w"] >= int(pool.tenancy.fair_share("w"))
 
 
 def test_a_request_bigger_than_its_share_is_admitted_to_stream_through_host(make_pool):
@@ -304,7 +304,7 @@ def test_a_request_bigger_than_its_share_is_admitted_to_stream_through_host(make
     assert pool.admit("whale", tenant="w", prompt_tokens=16 * 8, output_tokens=0).decision == "admitted"
     for _ in range(2):  # chunked prefill: the second chunk evicts the whale's own first one
         settle(pool, pool.allocate("whale", 4))
-    assert pool.device_by_tenant["m"] == 3  # the minnow, within its share, lost nothing
+    assert pool.tenancy.device_by_tenant["m"] == 3  # the minnow, within its share, lost nothing
     assert pool.get_request("whale").num_live_blocks == 8
 
 
@@ -414,7 +414,7 @@ def test_reads_recorded_together_leave_what_one_by_one_would(policy, steps):
         blocks = [b for rid in rids for b in pool.requests[rid].blocks]
         return ([(b.last_access, b.reuse_s) for b in blocks],
                 [pool.requests[rid].blocks_read for rid in rids],
-                dict(pool.blocks_read_by_tenant), pool.counters,
+                dict(pool.tenancy.blocks_read_by_tenant), pool.counters,
                 [(b.request.request_id, b.index) for b in pool.policy.choose(14)])
     assert state(later) == state(now_)
     assert len(deferred) == (1 if any(read for _, read in steps) else 0)

@@ -98,8 +98,8 @@ class PoolMachine(RuleBasedStateMachine):
         for tenant, n in taken.items():
             if tenant != evictor:
                 # Victims still count as on the device until the plan completes.
-                left = self.pool.device_by_tenant[tenant] - n
-                assert left >= self.pool.guaranteed(tenant), (tenant, left)
+                left = self.pool.tenancy.device_by_tenant[tenant] - n
+                assert left >= self.pool.tenancy.guaranteed(tenant), (tenant, left)
 
     @rule(rid=REQUEST_IDS, prompt=st.integers(1, 12) | st.integers(-1, 30),
           output=st.integers(0, 10))

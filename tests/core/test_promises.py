@@ -23,7 +23,7 @@ def test_tenant_limit_holds_when_a_request_grows_after_admission(make_pool):
     settle(pool, pool.allocate("a", 48))
     with pytest.raises(ResourceExhausted, match=r"limit of 48 pages.*48.*asks for 1"):
         pool.allocate("a", 1)
-    assert pool.reserved_by_tenant["t"] == 48
+    assert pool.tenancy.reserved_by_tenant["t"] == 48
     assert pool.requests["a"].num_live_blocks == 48
 
 
@@ -60,7 +60,7 @@ def test_guarantee_of_another_tenant_holds_against_growth(make_pool):
     settle(pool, pool.allocate("t1", 2))
     with pytest.raises(ResourceExhausted):
         pool.allocate("t1", 1)
-    assert pool.device_by_tenant["g"] == 6
+    assert pool.tenancy.device_by_tenant["g"] == 6
 
 
 def test_duplicate_unpin_in_one_batch_cannot_overcommit_pins(make_pool):

@@ -148,7 +148,7 @@ class DaemonMachine(RuleBasedStateMachine):
         intent = {"recompute_ok": recompute} | ({"pin_requested": True} if pin else {})
         pool = self.daemon.runtime_of(rid).pool
         tenant = self.live[rid]
-        before = pool.reserved_by_tenant[tenant]
+        before = pool.tenancy.reserved_by_tenant[tenant]
         try:
             blocks, _ = self.run(self.daemon.allocate(rid, num, intent, holder=self.holder))
         except KvdError:
@@ -156,9 +156,9 @@ class DaemonMachine(RuleBasedStateMachine):
         for b in blocks:
             self.write(b)
         # Growth after admission is held to the tenant's limit in force now.
-        limit = pool.quota(tenant).limit
-        if limit is not None and pool.reserved_by_tenant[tenant] > before:
-            assert pool.reserved_by_tenant[tenant] <= limit, (tenant, limit)
+        limit = pool.tenancy.quota(tenant).limit
+        if limit is not None and pool.tenancy.reserved_by_tenant[tenant] > before:
+            assert pool.tenancy.reserved_by_tenant[tenant] <= limit, (tenant, limit)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), all_blocks=st.booleans())

@@ -44,8 +44,8 @@ def check_pool(pool: Pool) -> list[str]:
     reserved_by_tenant: Counter[str] = Counter()
     device_by_tenant: Counter[str] = Counter()
     waiting = Counter(r.tenant for r in pool.queue.values())
-    if +waiting != +pool.waiting_by_tenant:
-        problems.append(f"{name}: waiting requests by tenant {dict(+pool.waiting_by_tenant)} "
+    if +waiting != +pool.tenancy.waiting_by_tenant:
+        problems.append(f"{name}: waiting requests by tenant {dict(+pool.tenancy.waiting_by_tenant)} "
                         f"!= the queue's {dict(waiting)}")
     for req in pool.requests.values():
         if req.state is RequestState.QUEUED:
@@ -88,13 +88,13 @@ def check_pool(pool: Pool) -> list[str]:
         problems.append(f"{name}: policy holds {len(pool.policy)} blocks, {num_evictable} are evictable")
     if num_held != pool.num_held:
         problems.append(f"{name}: counts {pool.num_held} held blocks, has {num_held}")
-    if +reserved_by_tenant != +pool.reserved_by_tenant:
+    if +reserved_by_tenant != +pool.tenancy.reserved_by_tenant:
         problems.append(f"{name}: reserved-by-tenant counts are off")
-    if +device_by_tenant != +pool.device_by_tenant:
+    if +device_by_tenant != +pool.tenancy.device_by_tenant:
         problems.append(f"{name}: device-by-tenant counts are off")
     if num_pinned != pool.num_pinned:
         problems.append(f"{name}: counts {pool.num_pinned} pinned blocks, has {num_pinned}")
-    if +pinned_by_tenant != +pool.pinned_by_tenant:
+    if +pinned_by_tenant != +pool.tenancy.pinned_by_tenant:
         problems.append(f"{name}: pinned-by-tenant counts are off")
     if num_pinned > pool.device.capacity:
         problems.append(f"{name}: {num_pinned} pinned blocks exceed {pool.device.capacity} device pages")

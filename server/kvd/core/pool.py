@@ -35,12 +35,12 @@ from kvd.core.errors import (
     ResourceExhausted,
 )
 from kvd.core.intent import IntentChange
-from kvd.core.fairness import TenantQuota, water_fill
+from kvd.core.fairness import TenantQuota
+from kvd.core.tenancy import Tenancy
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tier import TierPages
 from kvd.core.transfer import Move, MoveKind, TransferPlan
 
-_DEFAULT_QUOTA = TenantQuota()
 
 def _after_reads(method):
     """The pool method first applies the reads read_all() left pending, so every decision sees
@@ -134,17 +134,7 @@ class Pool:
         self.max_queue = max_queue
         self.reserved_pages = 0
         self.num_pinned = 0
-        self.pinned_by_tenant: Counter[str] = Counter()
         self.counters = PoolCounters()
-        # Tenancy: quotas, what each tenant holds, reserved and waits for, and fair shares of
-        # the device tier (recomputed when demand or quotas change).
-        self.quotas: dict[str, TenantQuota] = dict(quotas or {})
-        self.device_by_tenant: Counter[str] = Counter()
-        self.reserved_by_tenant: Counter[str] = Counter()
-        self.queued_by_tenant: Counter[str] = Counter()
-        self.waiting_by_tenant: Counter[str] = Counter()  # queued requests, not pages
-        self.blocks_read_by_tenant: Counter[str] = Counter()
-        self._shares: dict[str, float] | None = None
         self.attribution = attribution or Attribution()
         # Free device pages kept for tenants below their fair share (a watermark): under a fair
         # policy, a tenant at or above its share evicts its own pages instead of spending them,
@@ -152,7 +142,9 @@ class Pool:
         self.reserve_pages = (max(1, device_pages // 50) if reserve_pages is None
                               else reserve_pages)
         self._newly_admitted: list[Request] = []
-        self.policy: EvictionPolicy = make_policy(policy, clock, self)
+        self.tenancy = Tenancy(quotas, device_pages)
+        self.policy: EvictionPolicy = make_policy(policy, clock, self.tenancy)
+        self.tenancy.set_share_capacity(self._share_capacity())
         # Set by the daemon: reserves pages in a request's handoff target pool.
         self.reserver: Reserver | None = None
         # Reads read_all() has checked and answered but not yet recorded, as [last time, the
@@ -287,9 +279,9 @@ class Pool:
         self._budget(req, now)
         self.requests[request_id] = req
         self.queue[request_id] = req
-        self.queued_by_tenant[tenant] += projected
-        self.waiting_by_tenant[tenant] += 1
-        self._shares = None
+        self.tenancy.queued_by_tenant[tenant] += projected
+        self.tenancy.waiting_by_tenant[tenant] += 1
+        self.tenancy.demand_changed()
         # Admit in fair order: this request goes now only if it is first in line and fits.
         admitted = self._admit_from_queue()
         if req in admitted:
@@ -305,12 +297,7 @@ class Pool:
         share among the tenants waiting (itself included), so one tenant's flood of requests
         waiting on its own limit never shuts another out. The queue as a whole stays within
         twice max_queue."""
-        waiting = [t for t, n in self.waiting_by_tenant.items() if n > 0]
-        if tenant not in waiting:
-            waiting.append(tenant)
-        total = sum(self.quota(t).weight for t in waiting)
-        share = max(1, int(self.max_queue * self.quota(tenant).weight / total))
-        mine = self.waiting_by_tenant[tenant]
+        mine, share = self.tenancy.queue_share(tenant, self.max_queue)
         if mine >= share or len(self.queue) >= 2 * self.max_queue:
             raise ResourceExhausted(
                 f"admission queue of pool {self.name!r}: tenant {_short(tenant)} has {mine} "
@@ -319,7 +306,7 @@ class Pool:
 
     def _budget(self, req: Request, now: float) -> None:
         """Give a request the bandwidth buckets its tenant's quota asks for."""
-        quota = self.quota(req.tenant)
+        quota = self.tenancy.quota(req.tenant)
         if quota.request_bandwidth_cap:
             rate = quota.request_bandwidth_cap
             req.transfer_cap = TokenBucket(rate, max(rate / 10, self.page_bytes), now)
@@ -332,16 +319,13 @@ class Pool:
         admitted, self._newly_admitted = self._newly_admitted, []
         return admitted
 
-    def quota(self, tenant: str) -> TenantQuota:
-        return self.quotas.get(tenant) or _DEFAULT_QUOTA
-
     def _never_fits(self, tenant: str, projected: int, tokens: int) -> str:
         """Why a request can never be admitted, or "" when it could be."""
         if projected > self.device.capacity:
             return (f"needs {projected} pages ({tokens} tokens at {self.block_tokens} per page) "
                     f"but the device tier of pool {self.name!r} holds {self.device.capacity}; "
                     "it can never be resident")
-        quota = self.quota(tenant)
+        quota = self.tenancy.quota(tenant)
         cap = quota.request_cap(self.device.capacity)
         if cap is not None and projected > cap:
             return (f"needs {projected} pages, over tenant {tenant!r}'s per-request cap of "
@@ -356,10 +340,10 @@ class Pool:
             state, why = self.reserver.state(req)
             if state != "ok":
                 return why
-        quota = self.quota(req.tenant)
-        if quota.limit is not None and (self.reserved_by_tenant[req.tenant]
+        quota = self.tenancy.quota(req.tenant)
+        if quota.limit is not None and (self.tenancy.reserved_by_tenant[req.tenant]
                                         + req.projected_pages > quota.limit):
-            return (f"tenant {req.tenant!r} has {self.reserved_by_tenant[req.tenant]} of its "
+            return (f"tenant {req.tenant!r} has {self.tenancy.reserved_by_tenant[req.tenant]} of its "
                     f"{quota.limit}-page limit reserved; waits for its own requests to finish")
         if not self._fits(req.projected_pages):
             return (f"needs {req.projected_pages} pages; {self.capacity_pages - self.reserved_pages}"
@@ -373,8 +357,8 @@ class Pool:
         return self.reserved_pages + pages <= self.capacity_pages
 
     def _can_admit(self, req: Request) -> bool:
-        quota = self.quota(req.tenant)
-        if quota.limit is not None and (self.reserved_by_tenant[req.tenant]
+        quota = self.tenancy.quota(req.tenant)
+        if quota.limit is not None and (self.tenancy.reserved_by_tenant[req.tenant]
                                         + req.projected_pages > quota.limit):
             return False
         if not (self._fits(req.projected_pages) and self._device_need(req) <= self._room_for(req)):
@@ -387,7 +371,7 @@ class Pool:
         host tier, evicting its own pages); otherwise all of it."""
         if not self.policy.fair:
             return req.projected_pages
-        headroom = int(self.fair_share(req.tenant) + 1e-6) - self.device_by_tenant[req.tenant]
+        headroom = self.tenancy.headroom(req.tenant)
         return min(req.projected_pages, max(0, headroom))
 
     def _room_for(self, req: Request) -> int:
@@ -397,13 +381,13 @@ class Pool:
         room = self.device.num_free
         if not self.policy.fair:
             return room + len(self.policy) + self.num_held  # held: evictable in a moment
-        shares = self.fair_shares()
-        for tenant, used in self.device_by_tenant.items():
-            evictable = max(0, used - self.pinned_by_tenant[tenant])
+        shares = self.tenancy.fair_shares()
+        for tenant, used in self.tenancy.device_by_tenant.items():
+            evictable = max(0, used - self.tenancy.pinned_by_tenant[tenant])
             if tenant == req.tenant:
                 room += evictable
                 continue
-            keep = max(shares.get(tenant, 0.0), self.quota(tenant).guaranteed)
+            keep = max(shares.get(tenant, 0.0), self.tenancy.quota(tenant).guaranteed)
             room += max(0, min(evictable, int(used - keep + 1e-6)))  # shares are floats
         return room
 
@@ -412,7 +396,7 @@ class Pool:
         req.admitted_at = self.clock.now()
         req.reserved_pages = req.projected_pages
         self.reserved_pages += req.projected_pages
-        self.reserved_by_tenant[req.tenant] += req.projected_pages
+        self.tenancy.reserved_by_tenant[req.tenant] += req.projected_pages
         self.counters.num_admitted += 1
         if req.handoff_pool:
             self.reserver.reserve(req)
@@ -427,9 +411,9 @@ class Pool:
             if not self._can_admit(req):
                 break
             del self.queue[req.request_id]
-            self.queued_by_tenant[req.tenant] -= req.projected_pages
-            self.waiting_by_tenant[req.tenant] -= 1
-            self._shares = None
+            self.tenancy.queued_by_tenant[req.tenant] -= req.projected_pages
+            self.tenancy.waiting_by_tenant[req.tenant] -= 1
+            self.tenancy.demand_changed()
             self._admit_now(req)
             admitted.append(req)
         return admitted
@@ -440,8 +424,8 @@ class Pool:
         return min(self.queue.values(), key=self._queue_key)
 
     def _queue_key(self, req: Request) -> tuple[float, float]:
-        share = self.fair_shares().get(req.tenant, 0.0)
-        return (self.reserved_by_tenant[req.tenant] / max(share, 1e-9), req.queued_at)
+        share = self.tenancy.fair_shares().get(req.tenant, 0.0)
+        return (self.tenancy.reserved_by_tenant[req.tenant] / max(share, 1e-9), req.queued_at)
 
     def queue_positions(self) -> dict[str, int]:
         """Every queued request's 1-based position, in one ordering of the queue."""
@@ -457,32 +441,16 @@ class Pool:
 
     # ------------------------------------------------------------------ tenancy
 
-    def fair_shares(self) -> dict[str, float]:
-        """Each tenant's fair share of the device tier, over current demand (reserved plus
-        queued pages): weighted max-min with guarantees and limits."""
-        if self._shares is None:
-            demand = {t: float(self.reserved_by_tenant[t] + self.queued_by_tenant[t])
-                      for t in set(self.reserved_by_tenant) | set(self.queued_by_tenant)}
-            # Under a fair policy the free reserve is nobody's share: it is the buffer that
-            # lets tenants below their share grow without waiting for a demotion.
-            capacity = self.device.capacity - (self.reserve_pages if self.policy.fair else 0)
-            self._shares = water_fill(capacity, demand, self.quotas)
-        return self._shares
-
-    def fair_share(self, tenant: str) -> float:
-        return self.fair_shares().get(tenant, 0.0)
-
-    def usage(self, tenant: str) -> int:
-        return self.device_by_tenant[tenant]
-
-    def guaranteed(self, tenant: str) -> int:
-        return self.quota(tenant).guaranteed
+    def _share_capacity(self) -> int:
+        """The device pages fair shares divide: under a fair policy the free reserve is
+        nobody's share, it is the buffer that lets tenants below their share grow without
+        waiting for a demotion."""
+        return self.device.capacity - (self.reserve_pages if self.policy.fair else 0)
 
     @_after_reads
     def set_quota(self, tenant: str, quota: TenantQuota) -> list[Request]:
         """Change a tenant's quota now; returns queued requests it let in."""
-        self.quotas[tenant] = quota
-        self._shares = None
+        self.tenancy.set_quota(tenant, quota)
         return self._admit_from_queue()
 
     @_after_reads
@@ -492,8 +460,7 @@ class Pool:
         want = self.reserve_pages - self.device.num_free
         if not self.policy.fair or want <= 0 or self.host.num_free <= self.transit_headroom:
             return None
-        over = [t for t, used in self.device_by_tenant.items()
-                if used > max(self.fair_share(t), self.guaranteed(t)) + 1e-6]
+        over = self.tenancy.over_share()
         if not over:
             return None
         want = min(want, len(self.policy), self.host.num_free - self.transit_headroom)
@@ -505,12 +472,12 @@ class Pool:
 
     def _device_delta(self, req: Request, delta: int) -> None:
         req.num_device_blocks += delta
-        self.device_by_tenant[req.tenant] += delta
+        self.tenancy.device_by_tenant[req.tenant] += delta
 
     # ------------------------------------------------------------------ room in the device tier
 
     def _no_room(self, needed: int) -> ResourceExhausted:
-        held = ", ".join(f"{t}: {n}" for t, n in self.pinned_by_tenant.most_common(5)) or "none"
+        held = ", ".join(f"{t}: {n}" for t, n in self.tenancy.pinned_by_tenant.most_common(5)) or "none"
         return ResourceExhausted(
             f"pool {self.name!r}: cannot free {needed} device page(s): "
             f"{self.device.num_free} free, {len(self.policy)} evictable, "
@@ -565,8 +532,7 @@ class Pool:
         if self.policy.fair and cause is not None:
             # The reserve is for growth up to one's fair share, not beyond it.
             spare = max(0, free - self.reserve_pages)
-            headroom = max(0, int(self.fair_share(cause.tenant) + 1e-6)
-                           - self.device_by_tenant[cause.tenant])
+            headroom = max(0, self.tenancy.headroom(cause.tenant))
             free = spare + min(free - spare, headroom)
         short = num - free
         try:
@@ -636,15 +602,15 @@ class Pool:
         req.reserved_pages += growth
         self.reserved_pages += growth
         if growth:
-            self.reserved_by_tenant[req.tenant] += growth
-            self._shares = None
+            self.tenancy.reserved_by_tenant[req.tenant] += growth
+            self.tenancy.demand_changed()
         self._note_peak()
         return plan
 
     def _check_quota_growth(self, req: Request, num_blocks: int, growth: int) -> None:
         """Quotas hold on every page added after admission too: the request's cap on its
         live blocks, the tenant's limit on the pages reserved for all its requests."""
-        quota = self.quota(req.tenant)
+        quota = self.tenancy.quota(req.tenant)
         cap = quota.request_cap(self.device.capacity)
         if cap is not None and req.num_live_blocks + num_blocks > cap:
             raise ResourceExhausted(
@@ -652,10 +618,10 @@ class Pool:
                 f"for {num_blocks} more: over tenant {req.tenant!r}'s per-request cap of "
                 f"{cap} pages in pool {self.name!r}")
         if growth and quota.limit is not None and (
-                self.reserved_by_tenant[req.tenant] + growth > quota.limit):
+                self.tenancy.reserved_by_tenant[req.tenant] + growth > quota.limit):
             raise ResourceExhausted(
                 f"tenant {req.tenant!r} is at its limit of {quota.limit} pages in pool "
-                f"{self.name!r} ({self.reserved_by_tenant[req.tenant]} reserved); request "
+                f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); request "
                 f"{_short(req.request_id)} asks for {growth} more")
 
     @_after_reads
@@ -845,7 +811,7 @@ class Pool:
     def _note_reads(self, req: Request, num_blocks: int, now: float) -> None:
         """Attention read num_blocks of the request: meter them (and spend its read budget)."""
         req.blocks_read += num_blocks
-        self.blocks_read_by_tenant[req.tenant] += num_blocks
+        self.tenancy.blocks_read_by_tenant[req.tenant] += num_blocks
         if req.read_bucket is not None:
             req.read_bucket.consume(num_blocks * self.page_bytes, now)
 
@@ -967,7 +933,7 @@ class Pool:
             if block.pinned != was_pinned:
                 delta = 1 if block.pinned else -1
                 self.num_pinned += delta
-                self.pinned_by_tenant[block.request.tenant] += delta
+                self.tenancy.pinned_by_tenant[block.request.tenant] += delta
                 if resident:
                     (self.policy.remove if block.pinned else self.policy.insert)(block)
             elif resident and not block.pinned:
@@ -1018,9 +984,9 @@ class Pool:
             self.attribution.close(request_id)
             del self.queue[request_id]
             del self.requests[request_id]
-            self.queued_by_tenant[req.tenant] -= req.projected_pages
-            self.waiting_by_tenant[req.tenant] -= 1
-            self._shares = None
+            self.tenancy.queued_by_tenant[req.tenant] -= req.projected_pages
+            self.tenancy.waiting_by_tenant[req.tenant] -= 1
+            self.tenancy.demand_changed()
             return 0, self._admit_from_queue()
         live = req.live_blocks()
         busy = [b for b in live if b.moving]
@@ -1030,10 +996,10 @@ class Pool:
             self._discard(b)
         self.attribution.close(request_id)
         self.reserved_pages -= req.reserved_pages
-        self.reserved_by_tenant[req.tenant] -= req.reserved_pages
+        self.tenancy.reserved_by_tenant[req.tenant] -= req.reserved_pages
         req.reserved_pages = 0
         del self.requests[request_id]
-        self._shares = None
+        self.tenancy.demand_changed()
         return len(live), self._admit_from_queue()
 
     def _discard(self, block: Block) -> None:
@@ -1058,7 +1024,7 @@ class Pool:
             f"pinning {more} more block(s) would exceed the device tier of pool "
             f"{self.name!r}: {self.num_pinned} of {self.device.capacity} pages already pinned "
             f"(by tenant: "
-            f"{', '.join(f'{t}: {n}' for t, n in self.pinned_by_tenant.most_common(5))})"
+            f"{', '.join(f'{t}: {n}' for t, n in self.tenancy.pinned_by_tenant.most_common(5))})"
         )
 
     @_after_reads
@@ -1075,7 +1041,7 @@ class Pool:
     def _count_pin(self, block: Block, delta: int) -> None:
         if block.pinned:
             self.num_pinned += delta
-            self.pinned_by_tenant[block.request.tenant] += delta
+            self.tenancy.pinned_by_tenant[block.request.tenant] += delta
 
     @_after_reads
     def evict(self, num_pages: int) -> TransferPlan:
@@ -1091,12 +1057,12 @@ class Pool:
     @_after_reads
     def set_policy(self, name: str) -> str:
         """Switch the eviction policy at run time; the evictable blocks carry over."""
-        new = make_policy(name, self.clock, self)
+        new = make_policy(name, self.clock, self.tenancy)
         old = self.policy
         for block in self._evictable_blocks():
             new.insert(block)
         self.policy = new
-        self._shares = None  # fair policies keep the reserve out of the shares
+        self.tenancy.set_share_capacity(self._share_capacity())
         return old.name
 
     def _evictable_blocks(self) -> list[Block]:
@@ -1116,10 +1082,10 @@ class Pool:
         never = self._never_fits(tenant, projected, tokens)
         if never:
             return "never", f"handoff pool {self.name!r}: {never}"
-        quota = self.quota(tenant)
-        if quota.limit is not None and self.reserved_by_tenant[tenant] + projected > quota.limit:
+        quota = self.tenancy.quota(tenant)
+        if quota.limit is not None and self.tenancy.reserved_by_tenant[tenant] + projected > quota.limit:
             return "wait", (f"handoff pool {self.name!r}: tenant {tenant!r} has "
-                            f"{self.reserved_by_tenant[tenant]} of its {quota.limit}-page limit "
+                            f"{self.tenancy.reserved_by_tenant[tenant]} of its {quota.limit}-page limit "
                             "reserved")
         if not self._fits(projected):
             return "wait", (f"handoff pool {self.name!r} cannot reserve {projected} pages: "
@@ -1147,8 +1113,8 @@ class Pool:
         self.requests[request_id] = req
         self._reservations[request_id] = req
         self.reserved_pages += projected
-        self.reserved_by_tenant[tenant] += projected
-        self._shares = None
+        self.tenancy.reserved_by_tenant[tenant] += projected
+        self.tenancy.demand_changed()
         return req
 
     @_after_reads

@@ -107,7 +107,7 @@ class AdminService(pb_grpc.AdminServicer):
 
 def tenant_info(tenant: str, pool, daemon) -> pb.TenantInfo:
     pool.apply_reads()  # bytes_read includes the reads of the last steps
-    quota = pool.quota(tenant)
+    quota = pool.tenancy.quota(tenant)
     att = pool.attribution
     moved = sum(link.sched.meter.by_tenant.get(tenant, 0) for link in daemon.links_of(pool.name))
     return pb.TenantInfo(
@@ -118,18 +118,18 @@ def tenant_info(tenant: str, pool, daemon) -> pb.TenantInfo:
         limit_pages=quota.limit or 0,
         max_request_pages=quota.max_request_pages or 0,
         max_request_fraction=quota.max_request_fraction or 0.0,
-        device_pages=pool.device_by_tenant[tenant],
-        reserved_pages=pool.reserved_by_tenant[tenant],
-        queued_pages=pool.queued_by_tenant[tenant],
-        fair_share_pages=pool.fair_share(tenant),
+        device_pages=pool.tenancy.device_by_tenant[tenant],
+        reserved_pages=pool.tenancy.reserved_by_tenant[tenant],
+        queued_pages=pool.tenancy.queued_by_tenant[tenant],
+        fair_share_pages=pool.tenancy.fair_share(tenant),
         evictions_suffered=att.evictions_suffered[tenant],
         evictions_caused=att.evictions_caused[tenant],
         stalls_by_cause=[pb.TenantStallByCause(cause_tenant=cause, stall_seconds=secs)
                          for (victim, cause), secs in att.stall_s_by_cause.most_common()
                          if victim == tenant],
-        pinned_pages=pool.pinned_by_tenant[tenant],
+        pinned_pages=pool.tenancy.pinned_by_tenant[tenant],
         bytes_moved=moved,
-        bytes_read=pool.blocks_read_by_tenant[tenant] * pool.page_bytes,
+        bytes_read=pool.tenancy.blocks_read_by_tenant[tenant] * pool.page_bytes,
         bandwidth_cap_bytes_per_s=quota.bandwidth_cap or 0.0,
         read_budget_bytes_per_s=quota.read_budget or 0.0,
     )

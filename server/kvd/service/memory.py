@@ -620,7 +620,7 @@ def link_stats(link, daemon) -> pb.LinkStats:
     for tenant in sorted(set(s["by_tenant"]) | set(link.sched.capped_tenants())):
         cap = link.sched.tenant_cap(tenant)
         tenants.append(pb.LinkStats.TenantBytes(
-            tenant=tenant, bytes=s["by_tenant"].get(tenant, 0), weight=pool.quota(tenant).weight,
+            tenant=tenant, bytes=s["by_tenant"].get(tenant, 0), weight=pool.tenancy.quota(tenant).weight,
             cap_bytes_per_s=cap.rate if cap else 0.0))
     return pb.LinkStats(
         link=s["name"], capacity_bytes_per_s=s["capacity_bps"], burst_bytes=s["burst_bytes"],
@@ -672,7 +672,7 @@ def pool_stats(rt, daemon) -> pb.PoolStats:
         num_accesses=c.num_accesses,
         num_misses=c.num_misses,
         links=[link_stats(link, daemon) for link in daemon.links_of(pool.name)],
-        bytes_read=sum(pool.blocks_read_by_tenant.values()) * pool.page_bytes,
+        bytes_read=sum(pool.tenancy.blocks_read_by_tenant.values()) * pool.page_bytes,
         handoff_reserved_pages=pool.handoff_reserved_pages(),
         num_admitted=c.num_admitted,
         num_lost_blocks=c.num_lost_blocks,

@@ -6,7 +6,8 @@ from kvd.core.clock import Clock
 from kvd.core.errors import InvalidArgument
 from kvd.core.policies.base import EvictionPolicy
 from kvd.core.policies.deadline import DeadlinePolicy
-from kvd.core.policies.fair import FairPolicy, Tenancy
+from kvd.core.policies.fair import FairPolicy
+from kvd.core.tenancy import Tenancy
 from kvd.core.policies.intent import IntentPolicy
 from kvd.core.policies.lru import LruPolicy
 from kvd.core.policies.regret import RegretPolicy

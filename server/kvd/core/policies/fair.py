@@ -12,21 +12,11 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, OrderedDict
-from typing import Protocol
 
 from kvd.core.blocks import Block, Request
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
-
-
-class Tenancy(Protocol):
-    """What the fair policy asks the pool about tenants."""
-
-    def usage(self, tenant: str) -> int: ...
-
-    def fair_share(self, tenant: str) -> float: ...
-
-    def guaranteed(self, tenant: str) -> int: ...
+from kvd.core.tenancy import Tenancy
 
 
 class _RequestsBySize:

@@ -1,0 +1,95 @@
+"""Tenancy: who holds, reserves, waits for and reads what in one pool, their quotas, and
+their fair shares of its device tier (DESIGN.md, "What kvd decides": fairness in bytes).
+
+The pool keeps these figures as it changes pages and requests; admission and the fair
+policy read them from here, never from the pool.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvd.core.fairness import TenantQuota, water_fill
+
+_DEFAULT_QUOTA = TenantQuota()
+
+
+class Tenancy:
+    """One pool's tenants. Counters are in pages (`waiting_by_tenant`: requests)."""
+
+    def __init__(self, quotas: dict[str, TenantQuota] | None, share_capacity: int) -> None:
+        self.quotas: dict[str, TenantQuota] = dict(quotas or {})
+        # The device pages fair shares divide (the pool's device tier, less the free reserve
+        # under a fair policy: the reserve is the buffer tenants below their share grow into).
+        self.share_capacity = share_capacity
+        self.device_by_tenant: Counter[str] = Counter()  # resident blocks
+        self.reserved_by_tenant: Counter[str] = Counter()  # admitted requests' reservations
+        self.queued_by_tenant: Counter[str] = Counter()  # queued requests' projected pages
+        self.waiting_by_tenant: Counter[str] = Counter()  # queued requests, not pages
+        self.pinned_by_tenant: Counter[str] = Counter()
+        self.blocks_read_by_tenant: Counter[str] = Counter()
+        self._shares: dict[str, float] | None = None
+
+    def quota(self, tenant: str) -> TenantQuota:
+        """The tenant's quota (the default one for a tenant the config does not name)."""
+        return self.quotas.get(tenant) or _DEFAULT_QUOTA
+
+    def set_quota(self, tenant: str, quota: TenantQuota) -> None:
+        self.quotas[tenant] = quota
+        self._shares = None
+
+    def set_share_capacity(self, pages: int) -> None:
+        self.share_capacity = pages
+        self._shares = None
+
+    def demand_changed(self) -> None:
+        """Reserved or queued pages changed: fair shares are recomputed when next asked."""
+        self._shares = None
+
+    def fair_shares(self) -> dict[str, float]:
+        """Each tenant's fair share of the device tier, over current demand (reserved plus
+        queued pages): weighted max-min with guarantees and limits."""
+        if self._shares is None:
+            reserved, queued = self.reserved_by_tenant, self.queued_by_tenant
+            demand = {t: float(reserved[t] + queued[t]) for t in set(reserved) | set(queued)}
+            self._shares = water_fill(self.share_capacity, demand, self.quotas)
+        return self._shares
+
+    def fair_share(self, tenant: str) -> float:
+        return self.fair_shares().get(tenant, 0.0)
+
+    def usage(self, tenant: str) -> int:
+        """Device pages the tenant's blocks hold."""
+        return self.device_by_tenant[tenant]
+
+    def guaranteed(self, tenant: str) -> int:
+        return self.quota(tenant).guaranteed
+
+    def headroom(self, tenant: str) -> int:
+        """Device pages the tenant may still take before it reaches its fair share."""
+        return int(self.fair_share(tenant) + 1e-6) - self.device_by_tenant[tenant]
+
+    def over_share(self) -> list[str]:
+        """Tenants holding more device pages than their fair share and their guarantee."""
+        return [t for t, used in self.device_by_tenant.items()
+                if used > max(self.fair_share(t), self.guaranteed(t)) + 1e-6]
+
+    def over_limit(self, tenant: str, more: int) -> bool:
+        """Whether reserving `more` pages would take the tenant past its limit."""
+        limit = self.quota(tenant).limit
+        return limit is not None and self.reserved_by_tenant[tenant] + more > limit
+
+    def queue_share(self, tenant: str, max_queue: int) -> tuple[int, int]:
+        """(requests the tenant has waiting, its share of a max_queue-entry queue): its
+        weight's part among the tenants waiting, itself included."""
+        waiting = [t for t, n in self.waiting_by_tenant.items() if n > 0]
+        if tenant not in waiting:
+            waiting.append(tenant)
+        total = sum(self.quota(t).weight for t in waiting)
+        share = max(1, int(max_queue * self.quota(tenant).weight / total))
+        return self.waiting_by_tenant[tenant], share
+
+    def names(self) -> set[str]:
+        """Every tenant with a quota, or with pages held, reserved or queued."""
+        return (set(self.quotas) | set(self.reserved_by_tenant) | set(self.queued_by_tenant)
+                | set(self.device_by_tenant))
