@@ -30,7 +30,8 @@ from kvd.core.errors import (
 from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.intent import IntentChange
-from kvd.core.pool import AdmitResult, Pool, Reserver
+from kvd.core.pool import AdmitResult, Pool
+from kvd.core.reservation import PoolReserver
 from kvd.core.transfer import MoveKind, TransferPlan
 from kvd.links import Link, Transfer, TransferCancelled, measure_copy_bandwidth
 from kvd.events import EventBus
@@ -38,7 +39,7 @@ from kvd.leases import LeaseTable
 from kvd.metrics import STALL_SECONDS
 from kvd.memory.arena import ShmArena
 from kvd.memory.copier import PageCopier, chunk_runs, copy_between, page_runs
-from kvd.runtime import PoolRuntime
+from kvd.runtime import PoolRuntime, record_later
 
 # A batch of more intent updates than SLICED (an engine step's worth; ~5 us each) is
 # checked and applied a slice at a time, with the loop served in between.
@@ -83,25 +84,6 @@ def _settle_handoff(task: asyncio.Task) -> None:
         task.exception()
 
 
-class _DaemonReserver(Reserver):
-    """Reserves a prefill request's decode pages in its handoff pool."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-
-    def state(self, req: Request) -> tuple[str, str]:
-        target = self.daemon.runtime(req.handoff_pool).pool
-        projected = target.projected_pages(req.prompt_tokens, req.output_tokens)
-        return target.reservation_state(req.tenant, projected,
-                                        req.prompt_tokens + req.output_tokens)
-
-    def reserve(self, req: Request) -> None:
-        self.daemon.runtime(req.handoff_pool).pool.reserve(
-            req.request_id, req.tenant, prompt_tokens=req.prompt_tokens,
-            output_tokens=req.output_tokens, priority=req.priority,
-            ttl_s=self.daemon.config.handoff_ttl_s)
-
-
 class Daemon:
     """Pools by name and requests by id; every engine operation goes through here."""
 
@@ -111,6 +93,9 @@ class Daemon:
         self.started_at = time.time()
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
         self.pools: dict[str, PoolRuntime] = {}
+        # A prefill pool reserves its requests' decode pages in the others through this.
+        self._pool_by_name: dict[str, Pool] = {}
+        self._reserver = PoolReserver(self._pool_by_name, config.handoff_ttl_s)
         self.leases = LeaseTable(self.clock, config.lease_ttl_s)
         self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
@@ -146,8 +131,10 @@ class Daemon:
             clock=self.clock,
             max_queue=pc.max_queue,
             attribution=Attribution(self.config.eviction_ledger, self.config.explain_keep),
+            reserver=self._reserver,
+            defer=record_later,
         )
-        pool.reserver = _DaemonReserver(self)
+        self._pool_by_name[pc.name] = pool
         arenas = make_arenas(pc)
         chunk = max(self._chunk_bytes(pc.link_chunk, pc.link_bandwidth), pool.page_bytes)
         # A CUDA copy always goes through the stream in a worker; host copies of a few KiB

@@ -36,7 +36,7 @@ ORPHANED_AFTER_S = 1.0
 MAX_WAITERS = 8
 
 
-def _record_later(fn: Callable[[], None]) -> None:
+def record_later(fn: Callable[[], None]) -> None:
     """fn on the event loop RECORD_READS_AFTER_S from now; at once without a running loop."""
     try:
         asyncio.get_running_loop().call_later(RECORD_READS_AFTER_S, fn)
@@ -73,9 +73,6 @@ class PoolRuntime:
         # Plans in flight: their transfer, and when its bytes last moved (for stuck()).
         self._progress: dict[TransferPlan, list] = {}
         self.on_plan_done: list[Callable[[TransferPlan, float], None]] = []
-        # read_all() answers a step's reads at once and has them recorded a little later,
-        # after the reply has gone (and before any other operation on the pool).
-        pool.defer = _record_later
 
     def queue_event(self, request_id: str, position: int) -> asyncio.Event:
         """An event set when the request's answer changes: admitted, gone, or a queue

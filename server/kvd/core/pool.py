@@ -38,6 +38,8 @@ from kvd.core.intent import IntentChange
 from kvd.core.fairness import TenantQuota
 from kvd.core.tenancy import Tenancy
 from kvd.core.policies import EvictionPolicy, make_policy
+from kvd.core.reads import Reads
+from kvd.core.reservation import Reserver, Verdict
 from kvd.core.tier import TierPages
 from kvd.core.transfer import Move, MoveKind, TransferPlan
 
@@ -49,9 +51,9 @@ def _after_reads(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if self._unapplied_reads:
+        if self.reads.pending:
             self.apply_reads()
-        self._last_read_all = None
+        self.reads.forget()
         return method(self, *args, **kwargs)
 
     return wrapper
@@ -118,6 +120,8 @@ class Pool:
         quotas: dict[str, TenantQuota] | None = None,
         reserve_pages: int | None = None,
         attribution: Attribution | None = None,
+        reserver: Reserver | None = None,
+        defer: Callable[[Callable[[], None]], Any] | None = None,
     ) -> None:
         if page_bytes <= 0 or block_tokens <= 0:
             raise InvalidArgument("page_bytes and block_tokens must be positive")
@@ -145,24 +149,19 @@ class Pool:
         self.tenancy = Tenancy(quotas, device_pages)
         self.policy: EvictionPolicy = make_policy(policy, clock, self.tenancy)
         self.tenancy.set_share_capacity(self._share_capacity())
-        # Set by the daemon: reserves pages in a request's handoff target pool.
-        self.reserver: Reserver | None = None
-        # Reads read_all() has checked and answered but not yet recorded, as [last time, the
-        # time before (None: read once), requests, times read], and how to have them applied
+        # Reserves pages in a request's handoff pool (None: this pool cannot hand off).
+        self.reserver = reserver
+        # Reads read_all() answered and not yet recorded, and how to have them recorded
         # soon (the runtime's event loop; None: at once).
-        self._unapplied_reads: list[list] = []
-        # read_all()'s last answer given wholly at once, (its key: the caller's, else its
-        # request ids joined by NUL; how many; tenant; requests), while no other pool method has run since: the same step
-        # again needs no checks. (Request ids hold no NUL, so equal joins of as many ids are
-        # equal lists; one string compares faster than 64 scattered ones.)
-        self._last_read_all: tuple[str | bytes, int, str | None, list[Request]] | None = None
+        self.reads = Reads(self.requests, clock)
         # Requests made by reserve() and not yet claimed (some may be gone: pruned lazily).
         self._reservations: dict[str, Request] = {}
         # Blocks handed to an engine that may still write or read their pages, by holder
         # (a client's lease, a Step stream): (since when, blocks). See hold().
         self._holds: dict[str, tuple[float, list[Block]]] = {}
         self.num_held = 0
-        self.defer: Callable[[Callable[[], None]], Any] | None = None
+        # How recording the reads is put off (see read_all; None: recorded at once).
+        self.defer = defer
 
     # ------------------------------------------------------------------ queries
 
@@ -267,7 +266,7 @@ class Pool:
                         output_tokens=output_tokens)
         if not never and handoff_pool:
             state, why = self.reserver.state(probe)
-            never = why if state == "never" else ""
+            never = why if state is Verdict.NEVER else ""
         if never:
             self.counters.num_rejected += 1
             return AdmitResult("rejected", never, 0, projected)
@@ -338,7 +337,7 @@ class Pool:
     def _why_waiting(self, req: Request) -> str:
         if req.handoff_pool:
             state, why = self.reserver.state(req)
-            if state != "ok":
+            if state is not Verdict.OK:
                 return why
         quota = self.tenancy.quota(req.tenant)
         if quota.limit is not None and (self.tenancy.reserved_by_tenant[req.tenant]
@@ -363,7 +362,7 @@ class Pool:
             return False
         if not (self._fits(req.projected_pages) and self._device_need(req) <= self._room_for(req)):
             return False
-        return not req.handoff_pool or self.reserver.state(req)[0] == "ok"
+        return not req.handoff_pool or self.reserver.state(req)[0] is Verdict.OK
 
     def _device_need(self, req: Request) -> int:
         """Device pages a request must get to run. Under a fair policy: what its tenant's
@@ -703,84 +702,21 @@ class Pool:
         `key`, when given, stands for request_ids in telling a repeated read: bytes that are
         equal only for equal lists (the Step message without its id); else the ids are
         joined."""
-        if key is None:
-            request_ids = list(request_ids)  # their strings made once: joined and looked up
-            key = "\0".join(request_ids)
-        last = self._last_read_all
-        if (last is not None and last[0] == key and last[1] == len(request_ids)
-                and last[2] == tenant):
-            # An engine reads its batch every step: nothing changed since the same read was
-            # answered (any change goes through a pool method, which forgets the answer).
-            now = self.clock.now()
-            pending = self._unapplied_reads
-            if pending and pending[-1][2] is last[3]:
-                entry = pending[-1]  # the reads of the same steps, recorded as one
-                entry[0], entry[1], entry[3] = now, entry[0], entry[3] + 1
+        general, relocated, first = self.reads.answer(request_ids, tenant, key)
+        if first:
+            if self.defer is None:
+                self.apply_reads()
             else:
-                self._pend_reads(now, last[3])
-            return [], []
-        requests = self.requests
-        admitted = RequestState.ADMITTED
-        general: list[str] = []
-        relocated: list[Request] = []
-        read: list[Request] = []
-        for rid in request_ids:
-            req = requests.get(rid)
-            if (req is None or req.state is not admitted or req.num_moving_blocks
-                    or req.num_device_blocks != req.num_live_blocks
-                    or (tenant is not None and req.tenant != tenant)):
-                general.append(rid)
-                continue
-            read.append(req)
-            if req.maybe_relocated:
-                relocated.append(req)
-        if read:
-            if not general and not relocated:
-                self._last_read_all = (key, len(request_ids), tenant, read)
-            self._pend_reads(self.clock.now(), read)
+                self.defer(self.apply_reads)
         return general, relocated
 
-    def _pend_reads(self, now: float, read: list[Request]) -> None:
-        pending = self._unapplied_reads
-        pending.append([now, None, read, 1])
-        if self.defer is None:
-            self.apply_reads()
-        elif len(pending) == 1:
-            self.defer(self.apply_reads)
-
     def apply_reads(self) -> None:
-        """Record the reads read_all() answered (a no-op when there are none).
-
-        Steps that come faster than `defer` runs leave several reads pending, often of the
-        same requests (an engine reads its batch every step). Nothing happened to the pool in
-        between (every other method applies them first), so each request's blocks need only
-        their last read, and the one before it for the reuse distance; the counts add up, and
-        the policy sees the requests in the order of their last reads, as recording the reads
-        one by one would leave them. Only a read budget is charged a step late: at the last
-        read rather than each (the refill of that moment is lost, never gained)."""
-        pending, self._unapplied_reads = self._unapplied_reads, []
-        if not pending:
-            return
-        admitted = RequestState.ADMITTED
-        if len(pending) == 1 and pending[0][3] == 1:
-            now, _, read, _ = pending[0]
-            self._record_reads([(r, now, None, 1) for r in read if r.state is admitted])
-            return
-        # request -> [request, last, the read before, count, the entry of the last]
-        latest: dict[Request, list] = {}
-        for i, (now, before, read, count) in enumerate(reversed(pending)):
-            for req in reversed(read):
-                entry = latest.get(req)
-                if entry is None:
-                    latest[req] = [req, now, before, count, i]
-                else:
-                    if entry[4] == i:  # named twice in one step: read twice at its time
-                        entry[2] = now
-                    elif entry[2] is None:
-                        entry[2] = now
-                    entry[3] += count
-        self._record_reads([e[:4] for e in reversed(latest.values())
-                            if e[0].state is admitted])
+        """Record the reads read_all() answered (a no-op when there are none). Only a read
+        budget is charged late: at the last read rather than each (the refill of that moment
+        is lost, never gained)."""
+        reads = self.reads.take()
+        if reads:
+            self._record_reads(reads)
 
     def _record_reads(self, reads) -> None:
         """Every block of each request (all of them resident) was read `count` times, last at
@@ -1076,22 +1012,23 @@ class Pool:
 
     # ------------------------------------------------------------------ disaggregation
 
-    def reservation_state(self, tenant: str, projected: int, tokens: int) -> tuple[str, str]:
-        """Whether a handoff reservation of `projected` pages could be made here: ("ok", ""),
-        ("wait", why) or ("never", why)."""
+    def reservation_state(self, tenant: str, projected: int, tokens: int
+                          ) -> tuple[Verdict, str]:
+        """Whether a handoff reservation of `projected` pages could be made here, and if
+        not why."""
         never = self._never_fits(tenant, projected, tokens)
         if never:
-            return "never", f"handoff pool {self.name!r}: {never}"
+            return Verdict.NEVER, f"handoff pool {self.name!r}: {never}"
         quota = self.tenancy.quota(tenant)
         if quota.limit is not None and self.tenancy.reserved_by_tenant[tenant] + projected > quota.limit:
-            return "wait", (f"handoff pool {self.name!r}: tenant {tenant!r} has "
+            return Verdict.WAIT, (f"handoff pool {self.name!r}: tenant {tenant!r} has "
                             f"{self.tenancy.reserved_by_tenant[tenant]} of its {quota.limit}-page limit "
                             "reserved")
         if not self._fits(projected):
-            return "wait", (f"handoff pool {self.name!r} cannot reserve {projected} pages: "
+            return Verdict.WAIT, (f"handoff pool {self.name!r} cannot reserve {projected} pages: "
                             f"{self.capacity_pages - self.reserved_pages} of "
                             f"{self.capacity_pages} are unreserved")
-        return "ok", ""
+        return Verdict.OK, ""
 
     @_after_reads
     def reserve(self, request_id: str, tenant: str, *, prompt_tokens: int, output_tokens: int,
@@ -1102,7 +1039,7 @@ class Pool:
             raise AlreadyExists(f"request {request_id!r} already exists in pool {self.name!r}")
         projected = self.projected_pages(prompt_tokens, output_tokens)
         state, why = self.reservation_state(tenant, projected, prompt_tokens + output_tokens)
-        if state != "ok":
+        if state is not Verdict.OK:
             raise ResourceExhausted(why)
         now = self.clock.now()
         req = Request(request_id, tenant, self.name, priority, projected, RequestState.RESERVED,
@@ -1299,17 +1236,6 @@ class Pool:
         used = self.device.num_used
         if used > self.counters.peak_device_pages:
             self.counters.peak_device_pages = used
-
-
-class Reserver:
-    """What a prefill pool asks of its handoff target (the daemon provides it)."""
-
-    def state(self, req: Request) -> tuple[str, str]:
-        """("ok", ""), ("wait", why) or ("never", why) for req's decode reservation."""
-        raise NotImplementedError
-
-    def reserve(self, req: Request) -> None:
-        raise NotImplementedError
 
 
 def _evictable(b: Block) -> bool:
