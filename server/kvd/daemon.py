@@ -30,9 +30,10 @@ from kvd.core.errors import (
 from kvd.core.fairness import TenantQuota
 from kvd.core.invariants import check_pool
 from kvd.core.intent import IntentChange
-from kvd.core.pool import AdmitResult, Pool
+from kvd.core.admission import AdmitResult, Decision
+from kvd.core.pool import Pool
 from kvd.core.reservation import PoolReserver
-from kvd.core.transfer import MoveKind, TransferPlan
+from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer, TransferCancelled, measure_copy_bandwidth
 from kvd.events import EventBus
 from kvd.leases import LeaseTable
@@ -217,7 +218,7 @@ class Daemon:
                                             self.handoff_links.items() if source == pool]
 
     def _on_plan_done(self, plan: TransferPlan, stall_s: float) -> None:
-        if plan.reason == "access" and stall_s > 0:
+        if plan.reason is Reason.ACCESS and stall_s > 0:
             STALL_SECONDS.labels(plan.pool).observe(stall_s)
         events = self.events
         if not events.subscriptions:
@@ -290,7 +291,7 @@ class Daemon:
         result = rt.pool.admit(request_id, tenant=tenant or "default",
                                prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                                priority=priority, handoff_pool=handoff_pool)
-        if result.decision != "rejected":
+        if result.decision is not Decision.REJECTED:
             self.request_index[request_id] = rt
             self.leases.attach(lease, tenant or "default", request_id)
             rt.notify_queue()
@@ -300,7 +301,7 @@ class Daemon:
         for other in rt.pool.take_newly_admitted():
             self.events.publish("admission", pool=rt.pool.name, tenant=other.tenant,
                                 request_id=other.request_id, count=other.projected_pages,
-                                decision="admitted", reason="from the queue")
+                                decision=Decision.ADMITTED, reason="from the queue")
         return result
 
     async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
@@ -353,7 +354,7 @@ class Daemon:
         for other in admitted:
             self.events.publish("admission", pool=pool.name, tenant=other.tenant,
                                 request_id=other.request_id, count=other.projected_pages,
-                                decision="admitted", reason="from the queue")
+                                decision=Decision.ADMITTED, reason="from the queue")
 
     async def update_intents(self, changes: Sequence[IntentChange], scope: str | None = None
                              ) -> tuple[int, int]:
@@ -561,9 +562,8 @@ class Daemon:
         try:
             if blocks:
                 indices = [b.index for b in blocks]  # the engine's indices stay
-                plan = await dst.run(lambda: dst.pool.allocate(request_id, len(blocks),
-                                                               indices=indices))
-                plan.reason = "handoff"
+                plan = await dst.run(lambda: dst.pool.allocate(
+                    request_id, len(blocks), indices=indices, reason=Reason.HANDOFF))
                 dst._plans.add(plan)
                 for b in plan.blocks():
                     dst._inflight[b] = this
@@ -578,9 +578,9 @@ class Daemon:
             # and the reservation go.
             if plan is not None:
                 if demoted:  # victims' bytes are on host now: finish those moves only
-                    dst.pool.complete(TransferPlan(dst.pool.name, "handoff", plan.cause,
+                    dst.pool.complete(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
                                                    demotions=plan.demotions))
-                    dst.pool.abort(TransferPlan(dst.pool.name, "handoff", plan.cause,
+                    dst.pool.abort(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
                                                 allocated=plan.allocated))
                 else:
                     dst.pool.abort(plan)

@@ -17,6 +17,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvd.core.admission import Decision
+
 log = structlog.get_logger("kvd.metrics")
 
 REGISTRY = CollectorRegistry()
@@ -183,7 +185,7 @@ class KvdCollector(Collector):
             queue.add_metric([name], p["queue"])
             flight.add_metric([name], p["in_flight"])
             c = p["counters"]
-            for decision in ("admitted", "queued", "rejected"):
+            for decision in Decision:
                 adm.add_metric([name, decision], c[f"num_{decision}"])
             moves.add_metric([name, "device_to_host"], c["num_demotions"])
             moves.add_metric([name, "host_to_device"], c["num_promotions"])

@@ -16,7 +16,7 @@ from kvd.core.bandwidth import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
 from kvd.core.errors import BlocksInTransit, ResourceExhausted
 from kvd.core.pool import AccessResult, Pool
-from kvd.core.transfer import MoveKind, TransferPlan
+from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer
 from kvd.memory.copier import PageCopier, chunk_runs, plan_runs
 
@@ -308,7 +308,7 @@ class PoolRuntime:
         self._notify(plan, stall_s)
         if self._room_waiters:
             self._serve_room_waiters()
-        if plan.reason != "reserve" and not self._refilling:
+        if plan.reason is not Reason.RESERVE and not self._refilling:
             self._refill_soon()
         if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back
             run = self.start(self.pool.prefetch(pinned_out))
@@ -371,9 +371,9 @@ class PoolRuntime:
         """The plan as a job for the link: its class, who pays, and the caps it is under."""
         if any(m.block.decode_critical for m in plan.promotions):
             cls = TransferClass.CRITICAL
-        elif plan.reason in ("access", "allocate"):
+        elif plan.reason.on_demand:
             cls = TransferClass.ACCESS
-        elif plan.reason == "prefetch":
+        elif plan.reason is Reason.PREFETCH:
             cls = TransferClass.PREFETCH
         else:
             cls = TransferClass.WRITEBACK

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from kvd.core.transfer import Reason
+
 # The cause of an eviction the engine asked for itself (Evict), or of a prefetch's room.
 NO_REQUEST = ""
 # A request's account names at most this many other requests per counter (causes of its
@@ -24,7 +26,7 @@ class EvictionRecord:
     block_index: int
     evictor_request: str  # NO_REQUEST when no request caused it
     evictor_tenant: str
-    reason: str  # allocate, access, prefetch, evict
+    reason: Reason  # what made the plan that evicted it
     policy: str
 
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd.core.admission import AdmitResult, Decision, budget
 from kvd.core.attribution import NO_REQUEST, Attribution, EvictionRecord
-from kvd.core.bandwidth import TokenBucket
 from kvd.core.blocks import (
     Block,
     Request,
@@ -41,7 +41,7 @@ from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.reads import Reads
 from kvd.core.reservation import Reserver, Verdict
 from kvd.core.tier import TierPages
-from kvd.core.transfer import Move, MoveKind, TransferPlan
+from kvd.core.transfer import Move, MoveKind, Reason, TransferPlan
 
 
 def _after_reads(method):
@@ -57,14 +57,6 @@ def _after_reads(method):
         return method(self, *args, **kwargs)
 
     return wrapper
-
-
-@dataclass(slots=True)
-class AdmitResult:
-    decision: str  # "admitted", "queued", "rejected"
-    reason: str
-    queue_position: int
-    projected_pages: int
 
 
 @dataclass(slots=True)
@@ -269,13 +261,13 @@ class Pool:
             never = why if state is Verdict.NEVER else ""
         if never:
             self.counters.num_rejected += 1
-            return AdmitResult("rejected", never, 0, projected)
+            return AdmitResult(Decision.REJECTED, never, 0, projected)
         self._check_queue_share(tenant)
         now = self.clock.now()
         req = probe
         req.queued_at = now
         req.account = self.attribution.open(request_id, tenant)
-        self._budget(req, now)
+        budget(req, self.tenancy.quota(req.tenant), self.page_bytes, now)
         self.requests[request_id] = req
         self.queue[request_id] = req
         self.tenancy.queued_by_tenant[tenant] += projected
@@ -285,10 +277,10 @@ class Pool:
         admitted = self._admit_from_queue()
         if req in admitted:
             self._newly_admitted = [r for r in admitted if r is not req]
-            return AdmitResult("admitted", "", 0, projected)
+            return AdmitResult(Decision.ADMITTED, "", 0, projected)
         self._newly_admitted = admitted
         self.counters.num_queued += 1
-        return AdmitResult("queued", self._why_waiting(req), self.queue_position(request_id),
+        return AdmitResult(Decision.QUEUED, self._why_waiting(req), self.queue_position(request_id),
                            projected)
 
     def _check_queue_share(self, tenant: str) -> None:
@@ -302,16 +294,6 @@ class Pool:
                 f"admission queue of pool {self.name!r}: tenant {_short(tenant)} has {mine} "
                 f"request(s) waiting, its share of the {self.max_queue}-entry queue is "
                 f"{share}; retry after its requests finish")
-
-    def _budget(self, req: Request, now: float) -> None:
-        """Give a request the bandwidth buckets its tenant's quota asks for."""
-        quota = self.tenancy.quota(req.tenant)
-        if quota.request_bandwidth_cap:
-            rate = quota.request_bandwidth_cap
-            req.transfer_cap = TokenBucket(rate, max(rate / 10, self.page_bytes), now)
-        if quota.read_budget:  # a second's worth of reads may come at once
-            req.read_bucket = TokenBucket(quota.read_budget, max(quota.read_budget,
-                                                                 self.page_bytes), now)
 
     def take_newly_admitted(self) -> list[Request]:
         """Queued requests admitted as a side effect of the last admit() (rare)."""
@@ -466,8 +448,8 @@ class Pool:
         victims = self.policy.choose(want)
         if not victims or any(v.request.tenant not in over for v in victims):
             return None  # only what over-share tenants hold refills the reserve
-        return TransferPlan(self.name, "reserve", None,
-                            demotions=self._evict(len(victims), None, "reserve", False))
+        return TransferPlan(self.name, Reason.RESERVE, None,
+                            demotions=self._evict(len(victims), None, Reason.RESERVE, False))
 
     def _device_delta(self, req: Request, delta: int) -> None:
         req.num_device_blocks += delta
@@ -484,7 +466,8 @@ class Pool:
             f"{self.num_held} held by engines until their next call, the rest in transit"
         )
 
-    def _evict(self, num: int, cause: Request | None, reason: str, reassign: bool) -> list[Move]:
+    def _evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool
+               ) -> list[Move]:
         """Take num victims off the device tier: demote them to host, or drop those the engine
         can recompute when the host tier is full. Raises before changing anything."""
         victims = self.policy.choose(num, for_tenant=cause.tenant if cause else None)
@@ -523,7 +506,8 @@ class Pool:
                                   TierKind.NONE, -1, reassign))
         return moves
 
-    def _make_room(self, num: int, cause: Request | None, reason: str) -> tuple[list[int], list[Move]]:
+    def _make_room(self, num: int, cause: Request | None, reason: Reason
+                   ) -> tuple[list[int], list[Move]]:
         """Claim num device pages: free ones first (the reserve only up to the tenant's fair
         share), then victims' pages (which their incoming blocks may use once the demotions
         are copied)."""
@@ -547,11 +531,12 @@ class Pool:
     @_after_reads
     def allocate(self, request_id: str, num_blocks: int,
                  intent: dict[str, Any] | None = None,
-                 indices: Sequence[int] | None = None, holder: str = "") -> TransferPlan:
+                 indices: Sequence[int] | None = None, holder: str = "",
+                 reason: Reason = Reason.ALLOCATE) -> TransferPlan:
         """New blocks at the end of the request, each in a device page, with the intent the
         engine already knows (a pin in it is refused, like any pin, if it would overcommit).
         `indices` (increasing, past the last block) places them with gaps, as a handoff
-        keeps the block indices of the pool it came from."""
+        keeps the block indices of the pool it came from (its reason: Reason.HANDOFF)."""
         if num_blocks <= 0:
             raise InvalidArgument(f"num_blocks must be positive, got {num_blocks}")
         req = self._admitted(request_id)
@@ -579,9 +564,9 @@ class Pool:
                 f"request {request_id!r} grows past its {req.reserved_pages} reserved pages and "
                 f"pool {self.name!r} has {self.capacity_pages - self.reserved_pages} unreserved"
             )
-        pages, demotions = self._make_room(num_blocks, req, "allocate")
+        pages, demotions = self._make_room(num_blocks, req, reason)
         now = self.clock.now()
-        plan = TransferPlan(self.name, "allocate", req, demotions=demotions)
+        plan = TransferPlan(self.name, reason, req, demotions=demotions)
         for page, index in zip(pages, indices):
             while len(req.blocks) < index:
                 req.blocks.append(None)
@@ -649,7 +634,7 @@ class Pool:
         plan = None
         if missing:
             try:
-                plan = self._promote(req, missing, blocks, "access")
+                plan = self._promote(req, missing, blocks, Reason.ACCESS)
             except HostShort as short:
                 if short.possible <= 0:
                     raise
@@ -657,7 +642,7 @@ class Pool:
                 # the caller executes it and accesses again (the blocks brought in are then
                 # resident and protected). Reads are counted once, in the last round.
                 missing = missing[:short.possible]
-                plan = self._promote(req, missing, blocks, "access")
+                plan = self._promote(req, missing, blocks, Reason.ACCESS)
                 self.counters.num_misses += len(missing)
                 self.counters.num_decode_critical_misses += sum(b.decode_critical
                                                                 for b in missing)
@@ -803,7 +788,7 @@ class Pool:
         return self._admit_from_queue() if self.queue else []
 
     def _promote(
-        self, req: Request | None, missing: list[Block], keep: Iterable[Block], reason: str
+        self, req: Request | None, missing: list[Block], keep: Iterable[Block], reason: Reason
     ) -> TransferPlan:
         """A plan bringing `missing` to the device tier without evicting any of `keep`."""
         protected = [b for b in keep if b.tier is TierKind.DEVICE and b in self.policy]
@@ -891,7 +876,7 @@ class Pool:
         blocks = blocks[:room]
         while blocks:
             try:
-                plan = self._promote(None, blocks, (), "prefetch")
+                plan = self._promote(None, blocks, (), Reason.PREFETCH)
             except (ResourceExhausted, BlocksInTransit):  # fewer, or none until copies land
                 blocks = blocks[: len(blocks) // 2]
                 continue
@@ -987,7 +972,8 @@ class Pool:
         if num_pages > len(self.policy):
             raise self._no_room(num_pages)
         return TransferPlan(
-            self.name, "evict", None, demotions=self._evict(num_pages, None, "evict", False)
+            self.name, Reason.EVICT, None,
+            demotions=self._evict(num_pages, None, Reason.EVICT, False)
         )
 
     @_after_reads
@@ -1046,7 +1032,7 @@ class Pool:
                       queued_at=now, reserved_pages=projected, expires_at=now + ttl_s,
                       prompt_tokens=prompt_tokens, output_tokens=output_tokens)
         req.account = self.attribution.open(request_id, tenant)
-        self._budget(req, now)
+        budget(req, self.tenancy.quota(req.tenant), self.page_bytes, now)
         self.requests[request_id] = req
         self._reservations[request_id] = req
         self.reserved_pages += projected
@@ -1162,7 +1148,7 @@ class Pool:
                     b.request.account.num_recomputes += 1
             b.tier, b.page = TierKind.DEVICE, m.dst_page
             b.request.maybe_relocated = True
-            if plan.reason == "access" and b.deadline_at is not None and now > b.deadline_at:
+            if plan.reason is Reason.ACCESS and b.deadline_at is not None and now > b.deadline_at:
                 c.num_deadline_misses += 1
             self.policy.on_promoted(b)
             if _evictable(b):

@@ -15,6 +15,23 @@ from dataclasses import dataclass, field
 from kvd.core.blocks import Block, Request, TierKind
 
 
+class Reason(enum.StrEnum):
+    """Why a plan moves pages: the operation that made it. It decides the transfer's class
+    on the link (see PoolRuntime._job) and is what the eviction ledger and events name."""
+
+    ALLOCATE = "allocate"  # room for new blocks
+    ACCESS = "access"  # blocks an engine reads, brought back
+    PREFETCH = "prefetch"  # blocks asked for ahead of their read (intent, pins)
+    EVICT = "evict"  # the admin asked for pages
+    RESERVE = "reserve"  # the free reserve refilled from over-share tenants (fair policies)
+    HANDOFF = "handoff"  # a request's blocks arriving from its prefill pool
+
+    @property
+    def on_demand(self) -> bool:
+        """An engine waits on this plan's copies (its step, or its allocation)."""
+        return self in (Reason.ACCESS, Reason.ALLOCATE)
+
+
 class MoveKind(enum.Enum):
     DEMOTE = "demote"  # device -> host, bytes copied
     DROP = "drop"  # device -> nowhere; the engine recomputes it on next use
@@ -43,7 +60,7 @@ class TransferPlan:
     """What one operation moves. Empty plans complete at once, without a copy."""
 
     pool: str
-    reason: str  # "allocate", "access", "prefetch", "evict"
+    reason: Reason
     cause: Request | None
     demotions: list[Move] = field(default_factory=list)
     promotions: list[Move] = field(default_factory=list)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from kvd.core.admission import Decision
 from kvd.core.blocks import Block
 from kvd.core.intent import IntentChange
 from kvd_api.v1 import kvd_pb2 as pb
 
 DECISIONS = {
-    "admitted": pb.DECISION_ADMITTED,
-    "queued": pb.DECISION_QUEUED,
-    "rejected": pb.DECISION_REJECTED,
+    Decision.ADMITTED: pb.DECISION_ADMITTED,
+    Decision.QUEUED: pb.DECISION_QUEUED,
+    Decision.REJECTED: pb.DECISION_REJECTED,
 }
 
 
