@@ -17,7 +17,7 @@ from pathlib import Path
 import uvloop
 from rich.console import Console
 
-from kvd.core.fairness import jain_index
+from kvd_loadgen.measures import jain_index
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.local import LocalKvd

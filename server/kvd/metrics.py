@@ -264,7 +264,9 @@ def serve_metrics(address: str, daemon, loop):
     collector = KvdCollector(daemon, loop)
     try:
         REGISTRY.register(collector)
-    except ValueError:  # a second daemon in this process (tests): replace the collector
+    except ValueError:
+        # The names are registered already: a second daemon in one process (tests only).
+        # The first daemon's collector keeps answering; kvd itself runs one daemon.
         pass
     try:
         server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=REGISTRY)

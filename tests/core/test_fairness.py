@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvd.core.fairness import TenantQuota, effective_guarantees, jain_index, water_fill
+from kvd.core.fairness import TenantQuota, effective_guarantees, water_fill
 
 
 def test_equal_weights_split_evenly_and_unused_share_flows():
@@ -58,8 +58,3 @@ def test_water_fill_properties(demand, raw):
             q = quotas.get(t, TenantQuota())
             top = demand[t] if q.limit is None else min(demand[t], q.limit)
             assert share >= top - 1e-6
-
-
-def test_jain_index():
-    assert jain_index([1, 1, 1, 1]) == pytest.approx(1.0)
-    assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)

@@ -44,7 +44,7 @@ class RequestState(enum.Enum):
     RESERVED = "reserved"
 
 
-# Intent fields an update may carry, with the validation each needs. Names follow the
+# Intent fields an update may carry (core/intent.py checks their values). Names follow the
 # intent traces (shared/data/INTENT_TRACE_FORMAT.md).
 INTENT_INT_FIELDS = (
     "slack_us",
