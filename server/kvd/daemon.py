@@ -95,8 +95,7 @@ class Daemon:
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
         self.pools: dict[str, PoolRuntime] = {}
         # A prefill pool reserves its requests' decode pages in the others through this.
-        self._pool_by_name: dict[str, Pool] = {}
-        self._reserver = PoolReserver(self._pool_by_name, config.handoff_ttl_s)
+        self._reserver = PoolReserver(lambda name: self.pools[name].pool, config.handoff_ttl_s)
         self.leases = LeaseTable(self.clock, config.lease_ttl_s)
         self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
@@ -135,7 +134,6 @@ class Daemon:
             reserver=self._reserver,
             defer=record_later,
         )
-        self._pool_by_name[pc.name] = pool
         arenas = make_arenas(pc)
         chunk = max(self._chunk_bytes(pc.link_chunk, pc.link_bandwidth), pool.page_bytes)
         # A CUDA copy always goes through the stream in a worker; host copies of a few KiB

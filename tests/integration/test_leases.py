@@ -36,6 +36,17 @@ async def _used_pages(client) -> list[int]:
     return [t.used_pages for t in (await client.pool_stats()).pools[0].tiers]
 
 
+async def _until_used(client, pages: int, tries: int) -> int:
+    """Poll (every 50 ms, `tries` times at most) until `pages` pages are used; the last
+    count seen."""
+    for _ in range(tries):
+        used = sum(await _used_pages(client))
+        if used == pages:
+            return used
+        await asyncio.sleep(0.05)
+    return sum(await _used_pages(client))
+
+
 async def test_a_killed_client_gets_every_page_back(tmp_path):
     with LocalKvd(*SMALL, "--lease-ttl-s", "0.5", workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target) as survivor:
@@ -58,11 +69,7 @@ async def test_a_killed_client_gets_every_page_back(tmp_path):
                 assert sum(await _used_pages(survivor)) == 26
                 holder.send_signal(signal.SIGKILL)
                 holder.wait()
-                for _ in range(100):
-                    if sum(await _used_pages(survivor)) == 2:
-                        break
-                    await asyncio.sleep(0.05)
-                assert sum(await _used_pages(survivor)) == 2
+                assert await _until_used(survivor, 2, tries=100) == 2
             finally:
                 holder.kill()
             # Nothing else changed: the survivor's request is whole and readable.
@@ -103,11 +110,8 @@ async def test_a_stopped_client_with_an_open_stream_loses_its_pages(tmp_path):
             async with AsyncClient(kvd.target, lease="") as observer:
                 assert sum(await _used_pages(observer)) == 24
                 holder.send_signal(signal.SIGSTOP)
-                for _ in range(200):  # pings every 1 s, 1 s to answer, then the TTL
-                    if sum(await _used_pages(observer)) == 0:
-                        break
-                    await asyncio.sleep(0.05)
-                assert sum(await _used_pages(observer)) == 0
+                # pings every 1 s, 1 s to answer, then the TTL
+                assert await _until_used(observer, 0, tries=200) == 0
         finally:
             holder.kill()
             holder.wait()

@@ -15,15 +15,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd.core import intent as intents
 from kvd.core.admission import AdmitResult, Decision, budget
 from kvd.core.attribution import NO_REQUEST, Attribution, EvictionRecord
-from kvd.core.blocks import (
-    Block,
-    Request,
-    RequestState,
-    TierKind,
-)
-from kvd.core import intent as intents
+from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
 from kvd.core.errors import (
     AlreadyExists,
@@ -34,12 +29,12 @@ from kvd.core.errors import (
     NotFound,
     ResourceExhausted,
 )
-from kvd.core.intent import IntentChange
 from kvd.core.fairness import TenantQuota
-from kvd.core.tenancy import Tenancy
+from kvd.core.intent import IntentChange
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.reads import Reads
 from kvd.core.reservation import Reserver, Verdict
+from kvd.core.tenancy import Tenancy
 from kvd.core.tier import TierPages
 from kvd.core.transfer import Move, MoveKind, Reason, TransferPlan
 
@@ -138,7 +133,7 @@ class Pool:
         self.reserve_pages = (max(1, device_pages // 50) if reserve_pages is None
                               else reserve_pages)
         self._newly_admitted: list[Request] = []
-        self.tenancy = Tenancy(quotas, device_pages)
+        self.tenancy = Tenancy(quotas)
         self.policy: EvictionPolicy = make_policy(policy, clock, self.tenancy)
         self.tenancy.set_share_capacity(self._share_capacity())
         # Reserves pages in a request's handoff pool (None: this pool cannot hand off).
@@ -321,11 +316,10 @@ class Pool:
             state, why = self.reserver.state(req)
             if state is not Verdict.OK:
                 return why
-        quota = self.tenancy.quota(req.tenant)
-        if quota.limit is not None and (self.tenancy.reserved_by_tenant[req.tenant]
-                                        + req.projected_pages > quota.limit):
-            return (f"tenant {req.tenant!r} has {self.tenancy.reserved_by_tenant[req.tenant]} of its "
-                    f"{quota.limit}-page limit reserved; waits for its own requests to finish")
+        if self.tenancy.over_limit(req.tenant, req.projected_pages):
+            return (f"tenant {req.tenant!r} has {self.tenancy.reserved_by_tenant[req.tenant]} "
+                    f"of its {self.tenancy.quota(req.tenant).limit}-page limit reserved; waits "
+                    "for its own requests to finish")
         if not self._fits(req.projected_pages):
             return (f"needs {req.projected_pages} pages; {self.capacity_pages - self.reserved_pages}"
                     f" of {self.capacity_pages} are unreserved in pool {self.name!r}")
@@ -338,9 +332,7 @@ class Pool:
         return self.reserved_pages + pages <= self.capacity_pages
 
     def _can_admit(self, req: Request) -> bool:
-        quota = self.tenancy.quota(req.tenant)
-        if quota.limit is not None and (self.tenancy.reserved_by_tenant[req.tenant]
-                                        + req.projected_pages > quota.limit):
+        if self.tenancy.over_limit(req.tenant, req.projected_pages):
             return False
         if not (self._fits(req.projected_pages) and self._device_need(req) <= self._room_for(req)):
             return False
@@ -601,12 +593,11 @@ class Pool:
                 f"request {_short(req.request_id)} holds {req.num_live_blocks} pages and asks "
                 f"for {num_blocks} more: over tenant {req.tenant!r}'s per-request cap of "
                 f"{cap} pages in pool {self.name!r}")
-        if growth and quota.limit is not None and (
-                self.tenancy.reserved_by_tenant[req.tenant] + growth > quota.limit):
+        if growth and self.tenancy.over_limit(req.tenant, growth):
             raise ResourceExhausted(
                 f"tenant {req.tenant!r} is at its limit of {quota.limit} pages in pool "
-                f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); request "
-                f"{_short(req.request_id)} asks for {growth} more")
+                f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); "
+                f"request {_short(req.request_id)} asks for {growth} more")
 
     @_after_reads
     def access(self, request_id: str, indices: Sequence[int] | None,
@@ -1005,15 +996,16 @@ class Pool:
         never = self._never_fits(tenant, projected, tokens)
         if never:
             return Verdict.NEVER, f"handoff pool {self.name!r}: {never}"
-        quota = self.tenancy.quota(tenant)
-        if quota.limit is not None and self.tenancy.reserved_by_tenant[tenant] + projected > quota.limit:
-            return Verdict.WAIT, (f"handoff pool {self.name!r}: tenant {tenant!r} has "
-                            f"{self.tenancy.reserved_by_tenant[tenant]} of its {quota.limit}-page limit "
-                            "reserved")
+        if self.tenancy.over_limit(tenant, projected):
+            return Verdict.WAIT, (
+                f"handoff pool {self.name!r}: tenant {tenant!r} has "
+                f"{self.tenancy.reserved_by_tenant[tenant]} of its "
+                f"{self.tenancy.quota(tenant).limit}-page limit reserved")
         if not self._fits(projected):
-            return Verdict.WAIT, (f"handoff pool {self.name!r} cannot reserve {projected} pages: "
-                            f"{self.capacity_pages - self.reserved_pages} of "
-                            f"{self.capacity_pages} are unreserved")
+            return Verdict.WAIT, (
+                f"handoff pool {self.name!r} cannot reserve {projected} pages: "
+                f"{self.capacity_pages - self.reserved_pages} of {self.capacity_pages} are "
+                "unreserved")
         return Verdict.OK, ""
 
     @_after_reads

@@ -9,7 +9,7 @@ the one kvd runs, reserving in the pools of the same node.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from kvd.core.blocks import Request
@@ -37,20 +37,20 @@ class Reserver(Protocol):
 
 
 class PoolReserver:
-    """Reserves a prefill request's decode pages in its handoff pool, one of `pools` (the
-    node's pools by name; the mapping may grow after this is made)."""
+    """Reserves a prefill request's decode pages in its handoff pool, found by name with
+    `pool_of` (the node's pools)."""
 
-    def __init__(self, pools: Mapping[str, Pool], ttl_s: float) -> None:
-        self.pools = pools
+    def __init__(self, pool_of: Callable[[str], Pool], ttl_s: float) -> None:
+        self.pool_of = pool_of
         self.ttl_s = ttl_s
 
     def state(self, req: Request) -> tuple[Verdict, str]:
-        target = self.pools[req.handoff_pool]
+        target = self.pool_of(req.handoff_pool)
         projected = target.projected_pages(req.prompt_tokens, req.output_tokens)
         return target.reservation_state(req.tenant, projected,
                                         req.prompt_tokens + req.output_tokens)
 
     def reserve(self, req: Request) -> None:
-        self.pools[req.handoff_pool].reserve(
+        self.pool_of(req.handoff_pool).reserve(
             req.request_id, req.tenant, prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens, priority=req.priority, ttl_s=self.ttl_s)

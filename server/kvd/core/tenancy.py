@@ -17,11 +17,12 @@ _DEFAULT_QUOTA = TenantQuota()
 class Tenancy:
     """One pool's tenants. Counters are in pages (`waiting_by_tenant`: requests)."""
 
-    def __init__(self, quotas: dict[str, TenantQuota] | None, share_capacity: int) -> None:
+    def __init__(self, quotas: dict[str, TenantQuota] | None = None) -> None:
         self.quotas: dict[str, TenantQuota] = dict(quotas or {})
-        # The device pages fair shares divide (the pool's device tier, less the free reserve
-        # under a fair policy: the reserve is the buffer tenants below their share grow into).
-        self.share_capacity = share_capacity
+        # The device pages fair shares divide, set by the pool (its device tier, less the
+        # free reserve under a fair policy: the reserve is the buffer tenants below their
+        # share grow into).
+        self.share_capacity = 0
         self.device_by_tenant: Counter[str] = Counter()  # resident blocks
         self.reserved_by_tenant: Counter[str] = Counter()  # admitted requests' reservations
         self.queued_by_tenant: Counter[str] = Counter()  # queued requests' projected pages

@@ -11,6 +11,17 @@ from kvd.core.errors import PermissionDenied, Unauthenticated
 from kvd.leases import LEASE_METADATA
 
 
+def namespace(tenant: str) -> str:
+    """The prefix of a tenant's request ids inside kvd (see Caller.ns)."""
+    return f"{tenant}/"
+
+
+def unprefixed(text: str, ns: str) -> str:
+    """kvd's text as a caller whose ids are kept under `ns` names them: without the
+    namespace (ids are quoted, 'alpha/r1', in kvd's messages)."""
+    return text.replace("'" + ns, "'") if ns else text
+
+
 @dataclass(slots=True)
 class Caller:  # not frozen: made on every call, and a frozen dataclass is 3x slower to make
     tenant: str  # "" for the admin identity, which acts for no tenant in particular
@@ -31,7 +42,7 @@ class Caller:  # not frozen: made on every call, and a frozen dataclass is 3x sl
         """The prefix of this caller's request ids inside kvd: each tenant names its requests
         in a namespace of its own (so whether another tenant uses an id is not its to learn,
         and two tenants may use the same id); the admin names them whole, `<tenant>/<id>`."""
-        return "" if self.admin else f"{self.tenant}/"
+        return "" if self.admin else namespace(self.tenant)
 
     @property
     def scope(self) -> str | None:

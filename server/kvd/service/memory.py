@@ -18,7 +18,7 @@ from kvd.daemon import Daemon
 from kvd.events import KINDS
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.metrics import observe_rpc
-from kvd.service.auth import Authenticator
+from kvd.service.auth import Authenticator, namespace, unprefixed
 from kvd.service.gate import CallGate, StepTurns
 from kvd.service.register import MAX_STRING, WALK_BYTES, Malformed
 from kvd.service.status import local_message, status_of, unary
@@ -566,10 +566,9 @@ def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) ->
 
 def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.KvdError,
                 ns: str = "") -> None:
-    message = str(exc)
     reply.errors.append(
         pb.StepError(section=section, item_index=index, code=status_of(exc).value[0],
-                     message=message.replace("'" + ns, "'") if ns else message)
+                     message=unprefixed(str(exc), ns))
     )
 
 
@@ -608,7 +607,7 @@ def _redact(tenant: str, request_id: str, scope: str | None) -> str:
     sees its own without their namespace and other tenants' not at all."""
     if scope is None:
         return request_id
-    return request_id.removeprefix(f"{scope}/") if tenant == scope else ""
+    return request_id.removeprefix(namespace(scope)) if tenant == scope else ""
 
 
 def link_stats(link, daemon) -> pb.LinkStats:

@@ -11,6 +11,7 @@ import structlog
 
 from kvd.core import errors
 from kvd.metrics import observe_rpc
+from kvd.service.auth import unprefixed
 from kvd.service.register import Malformed
 
 log = structlog.get_logger("kvd.service")
@@ -35,11 +36,8 @@ def status_of(exc: errors.KvdError) -> grpc.StatusCode:
 
 
 def local_message(exc: errors.KvdError, caller) -> str:
-    """The error as its caller names things: a tenant's request ids without the namespace
-    kvd keeps them in (they are quoted, 'alpha/r1', in kvd's messages)."""
-    text = str(exc)
-    ns = caller.ns if caller is not None else ""
-    return text.replace("'" + ns, "'") if ns else text
+    """The error as its caller (None: not identified yet) names things."""
+    return unprefixed(str(exc), caller.ns if caller is not None else "")
 
 
 def unary(method: Callable) -> Callable:
