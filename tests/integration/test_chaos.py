@@ -186,7 +186,18 @@ class Engine:
             except EXPECTED:
                 pass  # a clean refusal (no room, over quota, refused handoff)
         for rid in sorted(self.requests):
-            await self.access(rid)
+            # Every request is read back whole before it goes. Under `fair` a tenant above
+            # its share may be refused for a moment (the host is full of blocks that cannot
+            # be recomputed, and the free reserve is kept for tenants below their share):
+            # a clean refusal, retried as an engine would, while the others finish.
+            for attempt in range(200):
+                try:
+                    await self.access(rid)
+                    break
+                except EXPECTED:
+                    if attempt == 199:
+                        raise
+                    await asyncio.sleep(0.02)
             await self.release(rid)
 
     async def evict(self, _=None) -> None:
