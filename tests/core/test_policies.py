@@ -53,6 +53,22 @@ def test_choose_is_atomic_and_exact(policy):
     assert policy.choose(3) is None
 
 
+def test_evict_skips_the_protected_and_changes_nothing_when_it_cannot(policy):
+    blocks = _blocks(6, rid="a") + _blocks(4, tenant="u", rid="b")
+    for i, b in enumerate(blocks):
+        b.last_access = float(i)
+        policy.insert(b)
+    order = policy.choose(len(blocks))
+    protected = set(order[:3])  # the three the policy would take first
+    assert policy.evict(8, protected=protected) is None
+    assert policy.choose(len(blocks)) == order and len(policy) == 10
+    victims = policy.evict(5, protected=protected)
+    assert len(victims) == 5 and not protected & set(victims)
+    assert all(v not in policy for v in victims) and len(policy) == 5
+    assert all(b in policy for b in protected)
+    assert policy.choose(3, protected=protected) is None
+
+
 def test_removed_blocks_are_never_chosen(policy):
     blocks = _blocks(50)
     for b in blocks:

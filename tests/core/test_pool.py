@@ -17,6 +17,7 @@ from kvd.core.errors import (
 )
 from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange
+from kvd.core.policies import policy_names
 
 from .conftest import PoolFactory, settle
 
@@ -441,3 +442,28 @@ def test_a_repeated_read_all_is_checked_again_once_anything_changed(make_pool):
     pool.release("b")
     assert pool.read_all(["b"]) == (["b"], [])  # gone: the general path says so
     assert pool.counters.num_accesses == 5 * 4 + 2 + 2  # each read answered at once counts
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_an_access_that_finds_no_room_leaves_the_eviction_order_as_it_was(make_pool, policy):
+    # The blocks an access reads are protected from its own evictions. They used to be taken
+    # out of the policy and put back around the call, so an access that failed for lack of
+    # room still moved them to the back of the eviction order (under lru: most recently used,
+    # though nothing was read).
+    pool = make_pool(device_pages=5, host_pages=16, policy=policy)
+    for rid, tokens in (("r", 48), ("u", 16), ("p", 48)):
+        pool.admit(rid, tenant="t", prompt_tokens=tokens, output_tokens=0)
+    settle(pool, pool.allocate("r", 2))
+    settle(pool, pool.evict(2))  # r's first two blocks go to the host tier
+    pool.clock.advance(1.0)
+    settle(pool, pool.allocate("r", 1))
+    pool.clock.advance(1.0)
+    settle(pool, pool.allocate("u", 1))
+    settle(pool, pool.allocate("p", 3, {"pin_requested": True}))
+    assert pool.device.num_free == 0 and len(pool.policy) == 2
+    order = pool.policy.choose(2)
+    with pytest.raises(ResourceExhausted, match="cannot free 2 device page"):
+        pool.access("r", None)  # needs 2 pages; only u's block is evictable
+    assert pool.policy.choose(2) == order
+    if policy == "lru":
+        assert [b.request.request_id for b in order] == ["r", "u"]

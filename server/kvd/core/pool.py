@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -458,11 +458,12 @@ class Pool:
             f"{self.num_held} held by engines until their next call, the rest in transit"
         )
 
-    def _evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool
-               ) -> list[Move]:
-        """Take num victims off the device tier: demote them to host, or drop those the engine
-        can recompute when the host tier is full. Raises before changing anything."""
-        victims = self.policy.choose(num, for_tenant=cause.tenant if cause else None)
+    def _evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
+               protected: Collection[Block] = ()) -> list[Move]:
+        """Take num victims (none of them protected) off the device tier: demote them to host,
+        or drop those the engine can recompute when the host tier is full. Raises before
+        changing anything: the policy's choice is looked at first and taken only after."""
+        victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
             if self.num_held or self.num_moving_blocks():
                 # Victims may come free when the copies finish, or when the engines holding
@@ -483,11 +484,10 @@ class Pool:
                 f"pool {self.name!r}: host tier full ({self.host.capacity} pages) and the "
                 "victims cannot be recomputed; free or release requests", demotable
             )
+        self.policy.take(victims)
         moves = []
         for i, victim in enumerate(victims):
             assert not victim.pinned, "a policy offered a pinned block"
-            self.policy.remove(victim)
-            self.policy.on_evicted(victim)
             victim.moving = True
             victim.request.num_moving_blocks += 1
             if i < num_host:
@@ -498,8 +498,8 @@ class Pool:
                                   TierKind.NONE, -1, reassign))
         return moves
 
-    def _make_room(self, num: int, cause: Request | None, reason: Reason
-                   ) -> tuple[list[int], list[Move]]:
+    def _make_room(self, num: int, cause: Request | None, reason: Reason,
+                   protected: Collection[Block] = ()) -> tuple[list[int], list[Move]]:
         """Claim num device pages: free ones first (the reserve only up to the tenant's fair
         share), then victims' pages (which their incoming blocks may use once the demotions
         are copied)."""
@@ -511,7 +511,8 @@ class Pool:
             free = spare + min(free - spare, headroom)
         short = num - free
         try:
-            demotions = self._evict(short, cause, reason, reassign=True) if short > 0 else []
+            demotions = (self._evict(short, cause, reason, True, protected) if short > 0
+                         else [])
         except HostShort as exc:
             raise HostShort(str(exc), free + exc.possible) from None
         pages = [self.device.take(None) for _ in range(num - len(demotions))]
@@ -782,14 +783,8 @@ class Pool:
         self, req: Request | None, missing: list[Block], keep: Iterable[Block], reason: Reason
     ) -> TransferPlan:
         """A plan bringing `missing` to the device tier without evicting any of `keep`."""
-        protected = [b for b in keep if b.tier is TierKind.DEVICE and b in self.policy]
-        for b in protected:
-            self.policy.remove(b)
-        try:
-            pages, demotions = self._make_room(len(missing), req, reason)
-        finally:
-            for b in protected:
-                self.policy.insert(b)
+        protected = {b for b in keep if b.tier is TierKind.DEVICE}
+        pages, demotions = self._make_room(len(missing), req, reason, protected)
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
         for block, page in zip(missing, pages):
             self.device.owner[page] = block

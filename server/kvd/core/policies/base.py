@@ -2,12 +2,18 @@
 
 A policy orders and chooses; the pool keeps the mechanism (free lists, accounting, copies).
 The pool tells the policy which device-tier blocks are evictable (resident, unpinned, not
-moving) with insert/remove, and asks it for victims with choose(n).
+moving) with insert/remove, and asks it for victims with evict(n, protected): the n first
+blocks in eviction order that are not protected (blocks the same operation is about to read),
+taken out of the policy, or None and nothing changed. As vLLM's offloading policies do, the
+protected set is an argument: protected blocks are never taken out and put back around a call,
+which would reorder them. choose() is the same decision without taking the victims, for a
+caller that must look at them before it commits (see Pool._evict).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import ClassVar
 
 from kvd.core.blocks import Block
@@ -56,13 +62,42 @@ class EvictionPolicy(ABC):
         """block's intent changed. Called only when held."""
 
     @abstractmethod
-    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
-        """n victims in eviction order, or None when fewer than n can be given.
+    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+        """The n first blocks in eviction order, or None when fewer than n are held. The first
+        n + 1 begin with the first n (the protected filter in choose relies on it).
 
         for_tenant is the tenant that needs the room (tenant-aware policies may take its own
-        pages even when it is within its guarantee). Changes nothing: the pool removes the
-        victims it takes.
-        """
+        pages even when it is within its guarantee). Changes no order."""
+
+    def choose(self, n: int, for_tenant: str | None = None,
+               protected: Collection[Block] = ()) -> list[Block] | None:
+        """n victims in eviction order, none of them protected, or None when fewer than n
+        can be given. Changes nothing. `protected` should be a set when it is large."""
+        if not protected:
+            return self._first(n, for_tenant)
+        shielded = sum(1 for b in protected if b in self)
+        if n > len(self) - shielded:
+            return None
+        if not shielded:
+            return self._first(n, for_tenant)
+        ranked = self._first(n + shielded, for_tenant)
+        if ranked is None:
+            return None
+        return [b for b in ranked if b not in protected][:n]
+
+    def evict(self, n: int, for_tenant: str | None = None,
+              protected: Collection[Block] = ()) -> list[Block] | None:
+        """choose(), and the victims leave the policy: all n, or None and nothing changed."""
+        victims = self.choose(n, for_tenant, protected)
+        if victims is not None:
+            self.take(victims)
+        return victims
+
+    def take(self, victims: list[Block]) -> None:
+        """The victims choose() gave leave the policy (they are being demoted or dropped)."""
+        for victim in victims:
+            self.remove(victim)
+            self.on_evicted(victim)
 
     @abstractmethod
     def __len__(self) -> int: ...

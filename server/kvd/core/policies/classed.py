@@ -125,7 +125,7 @@ class ClassedPolicy(EvictionPolicy):
                 members.push(block)
         return out
 
-    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > self._num:
             return None
         keys, classes = self._keys, self._classes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections import Counter, OrderedDict
+from collections.abc import Collection
 
 from kvd.core.blocks import Block, Request
 from kvd.core.clock import Clock
@@ -142,8 +143,20 @@ class FairPolicy(EvictionPolicy):
         sub = self._by_request.get(block.request)
         return sub is not None and block in sub
 
-    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
-        if n > self._num:
+    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+        return self.choose(n, for_tenant)
+
+    def choose(self, n: int, for_tenant: str | None = None,
+               protected: Collection[Block] = ()) -> list[Block] | None:
+        # Protected blocks still count in their tenant's usage but cannot be given: they start
+        # as unavailable, so no tenant or request is asked for pages it cannot give.
+        unavailable_by_tenant: Counter[str] = Counter()
+        unavailable_by_request: Counter[Request] = Counter()
+        for block in protected:
+            if block in self:
+                unavailable_by_tenant[block.request.tenant] += 1
+                unavailable_by_request[block.request] += 1
+        if n > self._num - unavailable_by_tenant.total():
             return None
         # First decide how many pages each request gives (usage falls as victims are taken,
         # so they spread), in batches that end where the order could change; then ask each
@@ -152,29 +165,30 @@ class FairPolicy(EvictionPolicy):
         taken_by_request: Counter[Request] = Counter()
         left = n
         while left:
-            paying = self._paying_tenant(taken_by_tenant, for_tenant)
+            paying = self._paying_tenant(taken_by_tenant, unavailable_by_tenant, for_tenant)
             if paying is None:
                 return None  # what is left is guaranteed to other tenants
             tenant, tenant_batch = paying
-            req, req_batch = self._by_size[tenant].largest(taken_by_request)
+            req, req_batch = self._by_size[tenant].largest(
+                taken_by_request + unavailable_by_request if protected else taken_by_request)
             k = max(1, min(left, tenant_batch, req_batch))
             taken_by_request[req] += k
             taken_by_tenant[tenant] += k
             left -= k
         victims: list[Block] = []
         for req, k in taken_by_request.items():
-            victims.extend(self._by_request[req].choose(k))
+            victims.extend(self._by_request[req].choose(k, protected=protected))
         return victims
 
-    def _paying_tenant(self, taken: Counter[str], for_tenant: str | None
-                       ) -> tuple[str, int] | None:
+    def _paying_tenant(self, taken: Counter[str], unavailable: Counter[str],
+                       for_tenant: str | None) -> tuple[str, int] | None:
         """The tenant most above its fair share pays, and how many pages it can give before
         another would. Another tenant pays for `for_tenant` only while it is above both its
         fair share and its guarantee; when none is, the tenant that needs the room pays with
         its own pages."""
         ranked = []
         for tenant, held in self._held_by_tenant.items():
-            evictable = held - taken[tenant]
+            evictable = held - taken[tenant] - unavailable[tenant]
             if evictable <= 0:
                 continue
             usage = self.tenancy.usage(tenant) - taken[tenant]

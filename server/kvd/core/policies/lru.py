@@ -34,7 +34,7 @@ class LruPolicy(EvictionPolicy):
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
 
-    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > len(self._order):
             return None
         if n == 1:

@@ -58,7 +58,7 @@ class RegretPolicy(EvictionPolicy):
     def reorder(self, block: Block) -> None:
         pass  # learns from evictions and reads, not from intent
 
-    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > len(self._level_of):
             return None
         window = self.window_s

@@ -81,7 +81,7 @@ class ReusePolicy(EvictionPolicy):
     def reorder(self, block: Block) -> None:
         pass  # learns from reads, not from intent
 
-    def choose(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
         if n > self._num:
             return None
         victims: list[Block] = []
