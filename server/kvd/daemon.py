@@ -445,7 +445,7 @@ class Daemon:
         for rt in self.pools.values():
             pool = rt.pool
             if any(r.handoff_pool == target for r in pool.queue.values()):
-                admitted = pool._admit_from_queue()
+                admitted = pool.admit_waiting()
                 self._publish_admitted(pool, admitted)
                 if admitted:
                     rt.notify_queue()
@@ -482,7 +482,7 @@ class Daemon:
         that goes away cancels it between chunks and it rolls back cleanly. The blocks the
         last message hands out are held for `holder` until its next call."""
         src = self.runtime_of(request_id, scope)
-        req = src.pool._admitted(request_id)
+        req = src.pool.get_admitted(request_id)
         target = target or req.handoff_pool
         if not target:
             raise FailedPrecondition(
@@ -705,7 +705,7 @@ class Daemon:
         if req.state is RequestState.ADMITTED:
             return True, 0, "", None
         position = rt.pool.queue_position(request_id)
-        return False, position, rt.pool._why_waiting(req), rt.queue_event(request_id, position)
+        return False, position, rt.pool.why_waiting(req), rt.queue_event(request_id, position)
 
     # ------------------------------------------------------------------ tenants
 
@@ -830,7 +830,7 @@ class Daemon:
         problems = []
         for rt in self.pools.values():
             await rt.quiesce(timeout_s=SELF_CHECK_WAIT_S)  # a slow link may still be busy
-            rt.pool.apply_reads()
+            rt.pool.snapshot()
             problems.extend(check_pool(rt.pool))
         return problems + self.check_stuck()
 

@@ -80,7 +80,7 @@ def _snapshot(daemon) -> dict:
     pools = []
     for name, rt in daemon.pools.items():
         pool = rt.pool
-        pool.apply_reads()  # the counters include the reads of the last steps
+        pool.snapshot()  # the counters include the reads of the last steps
         c = pool.counters
         att, ten = pool.attribution, pool.tenancy
         pools.append({

@@ -366,7 +366,7 @@ def test_read_all_answers_at_once_and_records_the_reads_before_any_decision(make
         make_pool.clock.advance(1.0)
     general, relocated = pool.read_all(["old", "gone"])
     assert general == ["gone"] and relocated == []
-    assert deferred == [pool.apply_reads]  # one call scheduled, nothing recorded yet
+    assert deferred == [pool.record_reads]  # one call scheduled, nothing recorded yet
     assert pool.counters.num_accesses == 0
     assert {b.last_access for b in pool.requests["old"].blocks} == {t0}
     pool.read_all(["old"])
@@ -409,7 +409,7 @@ def test_reads_recorded_together_leave_what_one_by_one_would(policy, steps):
             pool.read_all([rids[i] for i in read])
     assert later.counters.num_accesses == 0  # nothing recorded until asked
     assert now_.counters.num_accesses == 3 * sum(len(read) for _, read in steps)
-    later.apply_reads()
+    later.record_reads()
 
     def state(pool):
         blocks = [b for rid in rids for b in pool.requests[rid].blocks]

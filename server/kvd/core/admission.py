@@ -1,17 +1,24 @@
 """Admission (DESIGN.md, "What kvd decides": who gets in): a request is admitted when its
 projected pages fit the pool now, queued when they can fit later, rejected when they never
-can. The pool decides (Pool.admit) with its tenancy; this module holds the decision's
-vocabulary and the per-request budgets a tenant's quota gives at admission.
+can. `Admission` holds the queue, the pages reserved for admitted requests, and the decision;
+it reads the page table and the tenancy and changes neither. The pool (Pool.admit) validates
+the request and registers it.
 """
 
 from __future__ import annotations
 
 import enum
+import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvd.core.bandwidth import TokenBucket
-from kvd.core.blocks import Request
-from kvd.core.fairness import TenantQuota
+from kvd.core.blocks import Request, RequestState
+from kvd.core.clock import Clock
+from kvd.core.counters import PoolCounters
+from kvd.core.errors import ResourceExhausted, short_repr
+from kvd.core.pages import PageTable
+from kvd.core.reservation import Reserver, Verdict
+from kvd.core.tenancy import Tenancy
 
 
 class Decision(enum.StrEnum):
@@ -28,12 +35,233 @@ class AdmitResult:
     projected_pages: int  # prompt plus expected output, in pages
 
 
-def budget(req: Request, quota: TenantQuota, page_bytes: int, now: float) -> None:
-    """Give a request the bandwidth buckets its tenant's quota asks for: a cap on its
-    transfers, and a read budget (a second's worth of reads may come at once)."""
-    if quota.request_bandwidth_cap:
-        rate = quota.request_bandwidth_cap
-        req.transfer_cap = TokenBucket(rate, max(rate / 10, page_bytes), now)
-    if quota.read_budget:
-        req.read_bucket = TokenBucket(quota.read_budget, max(quota.read_budget, page_bytes),
-                                      now)
+class Admission:
+    """One pool's admission queue and reserved pages, and the decision of who goes next."""
+
+    def __init__(self, name: str, *, block_tokens: int, max_queue: int, clock: Clock,
+                 pages: PageTable, tenancy: Tenancy, counters: PoolCounters,
+                 reserver: Reserver | None) -> None:
+        self.name = name
+        self.block_tokens = block_tokens
+        self.max_queue = max_queue
+        self.clock = clock
+        self.pages = pages  # read only: room in the device tier
+        self.tenancy = tenancy
+        self.counters = counters
+        # Reserves pages in a request's handoff pool (None: this pool cannot hand off).
+        self.reserver = reserver
+        self.queue: OrderedDict[str, Request] = OrderedDict()
+        self.reserved_pages = 0
+        self._newly_admitted: list[Request] = []
+
+    def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
+        return math.ceil((prompt_tokens + output_tokens) / self.block_tokens)
+
+    # ------------------------------------------------------------------ the decision
+
+    def never_fits(self, tenant: str, projected: int, tokens: int) -> str:
+        """Why a request can never be admitted, or "" when it could be."""
+        device = self.pages.device.capacity
+        if projected > device:
+            return (f"needs {projected} pages ({tokens} tokens at {self.block_tokens} per page) "
+                    f"but the device tier of pool {self.name!r} holds {device}; "
+                    "it can never be resident")
+        quota = self.tenancy.quota(tenant)
+        cap = quota.request_cap(device)
+        if cap is not None and projected > cap:
+            return (f"needs {projected} pages, over tenant {tenant!r}'s per-request cap of "
+                    f"{cap} pages in pool {self.name!r}")
+        if quota.limit is not None and projected > quota.limit:
+            return (f"needs {projected} pages, over tenant {tenant!r}'s limit of {quota.limit} "
+                    f"pages in pool {self.name!r}")
+        return ""
+
+    def judge(self, req: Request) -> str:
+        """Why `req` (not yet queued) can never be admitted, or "" when it could be; a
+        request to be handed off also needs its handoff pool's word."""
+        tokens = req.prompt_tokens + req.output_tokens
+        never = self.never_fits(req.tenant, req.projected_pages, tokens)
+        if not never and req.handoff_pool:
+            state, why = self.reserver.state(req)
+            never = why if state is Verdict.NEVER else ""
+        if never:
+            self.counters.num_rejected += 1
+        return never
+
+    def check_queue_share(self, tenant: str) -> None:
+        """The admission queue is shared by weight: a tenant may fill it up to its weighted
+        share among the tenants waiting (itself included), so one tenant's flood of requests
+        waiting on its own limit never shuts another out. The queue as a whole stays within
+        twice max_queue."""
+        mine, share = self.tenancy.queue_share(tenant, self.max_queue)
+        if mine >= share or len(self.queue) >= 2 * self.max_queue:
+            raise ResourceExhausted(
+                f"admission queue of pool {self.name!r}: tenant {short_repr(tenant)} has {mine} "
+                f"request(s) waiting, its share of the {self.max_queue}-entry queue is "
+                f"{share}; retry after its requests finish")
+
+    def submit(self, req: Request) -> AdmitResult:
+        """Queue `req` and admit in fair order: it goes now only if it is first in line and
+        fits. Queued requests that go with it are kept for take_newly_admitted()."""
+        self.enqueue(req)
+        admitted = self.admit_from_queue()
+        if req in admitted:
+            self._newly_admitted = [r for r in admitted if r is not req]
+            return AdmitResult(Decision.ADMITTED, "", 0, req.projected_pages)
+        self._newly_admitted = admitted
+        self.counters.num_queued += 1
+        return AdmitResult(Decision.QUEUED, self.why_waiting(req),
+                           self.queue_position(req.request_id), req.projected_pages)
+
+    def take_newly_admitted(self) -> list[Request]:
+        """Queued requests admitted as a side effect of the last submit() (rare)."""
+        admitted, self._newly_admitted = self._newly_admitted, []
+        return admitted
+
+    def why_waiting(self, req: Request) -> str:
+        if req.handoff_pool:
+            state, why = self.reserver.state(req)
+            if state is not Verdict.OK:
+                return why
+        tenancy = self.tenancy
+        if tenancy.over_limit(req.tenant, req.projected_pages):
+            return (f"tenant {req.tenant!r} has {tenancy.reserved_by_tenant[req.tenant]} "
+                    f"of its {tenancy.quota(req.tenant).limit}-page limit reserved; waits "
+                    "for its own requests to finish")
+        capacity = self.pages.capacity_pages
+        if not self.fits(req.projected_pages):
+            return (f"needs {req.projected_pages} pages; {capacity - self.reserved_pages}"
+                    f" of {capacity} are unreserved in pool {self.name!r}")
+        where = ("free or held by tenants above their fair share" if self.pages.policy.fair
+                 else "free or evictable")
+        return (f"needs {self.device_need(req)} device pages; only {self.room_for(req)} are "
+                f"{where} ({self.pages.num_pinned} of {self.pages.device.capacity} pinned)")
+
+    def fits(self, pages: int) -> bool:
+        return self.reserved_pages + pages <= self.pages.capacity_pages
+
+    def can_admit(self, req: Request) -> bool:
+        if self.tenancy.over_limit(req.tenant, req.projected_pages):
+            return False
+        if not (self.fits(req.projected_pages) and self.device_need(req) <= self.room_for(req)):
+            return False
+        return not req.handoff_pool or self.reserver.state(req)[0] is Verdict.OK
+
+    def device_need(self, req: Request) -> int:
+        """Device pages a request must get to run. Under a fair policy: what its tenant's
+        fair share leaves room for (a request bigger than that streams the rest through the
+        host tier, evicting its own pages); otherwise all of it."""
+        if not self.pages.policy.fair:
+            return req.projected_pages
+        headroom = self.tenancy.headroom(req.tenant)
+        return min(req.projected_pages, max(0, headroom))
+
+    def room_for(self, req: Request) -> int:
+        """Device pages the request could have now: free ones, its own tenant's evictable
+        pages, and what other tenants hold above their fair share (and guarantee). Under an
+        intent-blind or non-fair policy every evictable page counts."""
+        pages = self.pages
+        room = pages.device.num_free
+        if not pages.policy.fair:
+            return room + len(pages.policy) + pages.num_held  # held: evictable in a moment
+        tenancy = self.tenancy
+        shares = tenancy.fair_shares()
+        for tenant, used in tenancy.device_by_tenant.items():
+            evictable = max(0, used - tenancy.pinned_by_tenant[tenant])
+            if tenant == req.tenant:
+                room += evictable
+                continue
+            keep = max(shares.get(tenant, 0.0), tenancy.quota(tenant).guaranteed)
+            room += max(0, min(evictable, int(used - keep + 1e-6)))  # shares are floats
+        return room
+
+    # ------------------------------------------------------------------ the queue
+
+    def enqueue(self, req: Request) -> None:
+        req.queued_at = self.clock.now()
+        self.queue[req.request_id] = req
+        self.tenancy.queued_by_tenant[req.tenant] += req.projected_pages
+        self.tenancy.waiting_by_tenant[req.tenant] += 1
+        self.tenancy.demand_changed()
+
+    def dequeue(self, req: Request) -> None:
+        del self.queue[req.request_id]
+        self.tenancy.queued_by_tenant[req.tenant] -= req.projected_pages
+        self.tenancy.waiting_by_tenant[req.tenant] -= 1
+        self.tenancy.demand_changed()
+
+    def admit_from_queue(self) -> list[Request]:
+        """Admit queued requests in fair order (the tenant furthest below its fair share
+        first, then arrival), stopping at the first that does not fit: a big request is not
+        starved by a stream of small ones behind it."""
+        admitted = []
+        while self.queue:
+            req = self._next_in_line()
+            if not self.can_admit(req):
+                break
+            self.dequeue(req)
+            self._admit_now(req)
+            admitted.append(req)
+        return admitted
+
+    def _admit_now(self, req: Request) -> None:
+        req.state = RequestState.ADMITTED
+        req.admitted_at = self.clock.now()
+        self.reserve(req, req.projected_pages)
+        self.counters.num_admitted += 1
+        if req.handoff_pool:
+            self.reserver.reserve(req)
+
+    def _next_in_line(self) -> Request:
+        if len(self.queue) == 1 or len({r.tenant for r in self.queue.values()}) == 1:
+            return next(iter(self.queue.values()))
+        return min(self.queue.values(), key=self._queue_key)
+
+    def _queue_key(self, req: Request) -> tuple[float, float]:
+        share = self.tenancy.fair_shares().get(req.tenant, 0.0)
+        return (self.tenancy.reserved_by_tenant[req.tenant] / max(share, 1e-9), req.queued_at)
+
+    def queue_positions(self) -> dict[str, int]:
+        """Every queued request's 1-based position, in one ordering of the queue."""
+        order = sorted(self.queue.values(), key=self._queue_key)
+        return {r.request_id: i for i, r in enumerate(order, 1)}
+
+    def queue_position(self, request_id: str) -> int:
+        """1-based position in the admission queue (in fair order), 0 when not queued."""
+        if request_id not in self.queue:
+            return 0
+        order = sorted(self.queue.values(), key=self._queue_key)
+        return 1 + next(i for i, r in enumerate(order) if r.request_id == request_id)
+
+    # ------------------------------------------------------------------ reserved pages
+
+    def reserve(self, req: Request, pages: int) -> None:
+        """`pages` more are reserved for req (at admission, or as it grows past them)."""
+        req.reserved_pages += pages
+        self.reserved_pages += pages
+        self.tenancy.reserved_by_tenant[req.tenant] += pages
+
+    def unreserve(self, req: Request) -> None:
+        """req is gone: what was reserved for it is free to reserve again."""
+        self.reserved_pages -= req.reserved_pages
+        self.tenancy.reserved_by_tenant[req.tenant] -= req.reserved_pages
+        req.reserved_pages = 0
+
+    def reservation_state(self, tenant: str, projected: int, tokens: int
+                          ) -> tuple[Verdict, str]:
+        """Whether a handoff reservation of `projected` pages could be made here, and if
+        not why."""
+        never = self.never_fits(tenant, projected, tokens)
+        if never:
+            return Verdict.NEVER, f"handoff pool {self.name!r}: {never}"
+        if self.tenancy.over_limit(tenant, projected):
+            return Verdict.WAIT, (
+                f"handoff pool {self.name!r}: tenant {tenant!r} has "
+                f"{self.tenancy.reserved_by_tenant[tenant]} of its "
+                f"{self.tenancy.quota(tenant).limit}-page limit reserved")
+        if not self.fits(projected):
+            capacity = self.pages.capacity_pages
+            return Verdict.WAIT, (
+                f"handoff pool {self.name!r} cannot reserve {projected} pages: "
+                f"{capacity - self.reserved_pages} of {capacity} are unreserved")
+        return Verdict.OK, ""

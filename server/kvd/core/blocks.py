@@ -177,3 +177,8 @@ class Request:
 
     def live_blocks(self) -> list[Block]:
         return [b for b in self.blocks if b is not None]
+
+
+def evictable(b: Block) -> bool:
+    """Whether a block belongs in its pool's policy: resident, still, unpinned, not held."""
+    return (b.tier is TierKind.DEVICE and not b.moving and not b.pinned and not b.held)

@@ -57,3 +57,8 @@ class BlocksInTransit(Exception):
     def __init__(self, blocks: list) -> None:
         super().__init__(f"{len(blocks)} block(s) in transit")
         self.blocks = blocks
+
+
+def short_repr(text: str, limit: int = 64) -> str:
+    """A repr of text for an error message, at most about `limit` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"

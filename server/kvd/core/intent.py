@@ -1,18 +1,34 @@
 """MemoryIntent: what an engine says about a block (DESIGN.md, "What kvd decides": the
 engine's intent), checked before anything changes and applied to the block.
 
-The pool applies a batch all or none (Pool.update_intents); this module holds what a
-single update means: which fields exist and their ranges, and whether a block is pinned
-once an update is applied.
+This module holds what a single update means (which fields exist and their ranges, whether
+a block is pinned once an update is applied) and `Intents`, which applies a batch all or none
+to a pool's blocks: pins counted against the device tier, the policy's order, and the
+prefetches the batch asks for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvd.core.blocks import INTENT_BOOL_FIELDS, INTENT_INT_FIELDS, Block, Phase, Priority
-from kvd.core.errors import InvalidArgument
+from kvd.core.blocks import (
+    INTENT_BOOL_FIELDS,
+    INTENT_INT_FIELDS,
+    Block,
+    Phase,
+    Priority,
+    Request,
+    TierKind,
+)
+from kvd.core.counters import PoolCounters
+from kvd.core.errors import BlocksInTransit, InvalidArgument, ResourceExhausted
+from kvd.core.requests import resolve
+from kvd.core.transfer import Reason, TransferPlan
+
+if TYPE_CHECKING:
+    from kvd.core.pages import PageTable
 
 # Costs must be non-negative; deadlines and slack may be negative (already overdue).
 _NON_NEGATIVE_FIELDS = frozenset(
@@ -74,3 +90,88 @@ def apply(block: Block, fields: dict[str, Any], now: float) -> None:
         else:
             setattr(block, name, value)
     block.refresh_flags()
+
+
+class Intents:
+    """Applies batches of intent updates to one pool's blocks. `admitted` finds a request
+    that may use pages (the pool's request table)."""
+
+    def __init__(self, pages: PageTable, counters: PoolCounters,
+                 admitted: Callable[[str], Request]) -> None:
+        self.pages = pages
+        self.counters = counters
+        self.admitted = admitted
+
+    def check(self, changes: Sequence[IntentChange], final: dict) -> None:
+        """Validate a slice of a batch without changing anything, adding each block's
+        pin-deciding state as the batch leaves it to `final`; check_pins(final) after the
+        last slice checks the batch's pins."""
+        self._resolve(changes, final)
+
+    def check_pins(self, final: dict) -> None:
+        """A batch whose blocks end in these states must not pin more than the device."""
+        pin_delta = sum(pinned_after(b, state) - b.pinned for b, state in final.items())
+        pages = self.pages
+        if pin_delta > 0 and pages.num_pinned + pin_delta > pages.device.capacity:
+            raise pages.overpinned(pin_delta)
+
+    def _resolve(self, changes: Sequence[IntentChange], final: dict) -> list:
+        # Each block's pin-deciding fields as the batch leaves them: a block named twice
+        # counts once, in its final state (an unpin repeated is one unpin).
+        resolved = []
+        for change in changes:
+            req = self.admitted(change.request_id)
+            (block,) = resolve(req, [change.block_index])
+            validate(change.fields)
+            state = final.setdefault(block, {})
+            for name in PIN_FIELDS:
+                if name in change.fields:
+                    state[name] = change.fields[name]
+            resolved.append((block, change))
+        return resolved
+
+    def update(self, changes: Sequence[IntentChange], now: float) -> TransferPlan | None:
+        """Apply a batch of intent updates (all or none) and return a prefetch plan for blocks
+        that asked for one or became pinned outside the device tier (None if nothing to do)."""
+        final: dict[Block, dict[str, Any]] = {}
+        resolved = self._resolve(changes, final)
+        self.check_pins(final)
+        pages = self.pages
+        policy = pages.policy
+        to_prefetch: list[Block] = []
+        for block, change in resolved:
+            was_pinned = block.pinned
+            apply(block, change.fields, now)
+            resident = (block.tier is TierKind.DEVICE and not block.moving
+                        and not block.held)
+            if block.pinned != was_pinned:
+                pages.add_pins(block.request.tenant, 1 if block.pinned else -1)
+                if resident:
+                    (policy.remove if block.pinned else policy.insert)(block)
+            elif resident and not block.pinned:
+                policy.reorder(block)
+            wants = change.prefetch or (block.pinned and not was_pinned)
+            if (wants and policy.uses_intent and block.tier is not TierKind.DEVICE
+                    and not block.moving):
+                if block not in to_prefetch:
+                    to_prefetch.append(block)
+        return self.prefetch(to_prefetch)
+
+    def prefetch(self, blocks: list[Block]) -> TransferPlan | None:
+        """Promote what fits of `blocks` ahead of their access; a hint, so no room is no
+        error."""
+        pages = self.pages
+        blocks = [b for b in blocks if b.tier is not TierKind.DEVICE and not b.moving]
+        room = pages.device.num_free + len(pages.policy)
+        # Pinned blocks first: a decode step is waiting on them.
+        blocks.sort(key=lambda b: not b.pinned)
+        blocks = blocks[:room]
+        while blocks:
+            try:
+                plan = pages.promote(None, blocks, (), Reason.PREFETCH)
+            except (ResourceExhausted, BlocksInTransit):  # fewer, or none until copies land
+                blocks = blocks[: len(blocks) // 2]
+                continue
+            self.counters.num_prefetches += len(blocks)
+            return plan
+        return None

@@ -1,5 +1,6 @@
-"""The read hot path: an engine step reads every block of its running requests
-(DESIGN.md, "What kvd decides": what a step's reads cost and record).
+"""The read path: an engine reads blocks of a request (access), and each step reads every
+block of its running requests (answer, the hot path) (DESIGN.md, "What kvd decides": what a
+step's reads cost and record).
 
 Most steps read requests whose blocks are all resident and still; such a read is answered
 from a few per-request counters, and recording it (recency for the policy, read metering,
@@ -11,10 +12,33 @@ order they came.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from kvd.core.blocks import Request, RequestState
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
+from kvd.core.counters import PoolCounters
+from kvd.core.errors import BlocksInTransit, HostShort
+from kvd.core.requests import resolve
+from kvd.core.tenancy import Tenancy
+from kvd.core.transfer import Reason, TransferPlan
+
+if TYPE_CHECKING:
+    from kvd.core.pages import PageTable
+
+
+@dataclass(slots=True)
+class AccessResult:
+    """blocks is None when the request's every block was read and already resident."""
+
+    blocks: list[Block] | None
+    plan: TransferPlan | None
+    request: Request
+    # The plan brings in only some of the missing blocks (the host tier cannot take all
+    # the victims at once): execute it and access again for the rest.
+    partial: bool = False
 
 
 class ReadRecord:
@@ -44,12 +68,18 @@ class LastRead:
 
 
 class Reads:
-    """One pool's answered, unrecorded reads. `requests` is the pool's request table (read
-    only here)."""
+    """One pool's answered, unrecorded reads, and their recording. `requests` is the pool's
+    request table (read only here); recording a read touches the blocks in the page table's
+    policy, and meters it for the tenancy and the counters."""
 
-    def __init__(self, requests: dict[str, Request], clock: Clock) -> None:
+    def __init__(self, requests: dict[str, Request], clock: Clock, *, pages: PageTable,
+                 tenancy: Tenancy, counters: PoolCounters, page_bytes: int) -> None:
         self._requests = requests
         self.clock = clock
+        self.pages = pages
+        self.tenancy = tenancy
+        self.counters = counters
+        self.page_bytes = page_bytes
         self.pending: list[ReadRecord] = []
         # The last answer given wholly at once, while nothing else happened to the pool
         # (the pool calls forget() before any other method): the same step again needs no
@@ -143,3 +173,103 @@ class Reads:
                     entry[3] += count
         return [(e[0], e[1], e[2], e[3]) for e in reversed(latest.values())
                 if e[0].state is admitted]
+
+    def access(self, req: Request, indices: Sequence[int] | None,
+               holder: str = "") -> AccessResult:
+        """The engine reads these blocks of an admitted request now (None: all of them).
+        Resident blocks are touched; the rest are promoted by the returned plan. With a
+        holder, the blocks are held for it from now on (see PageTable.hold_one)."""
+        pages = self.pages
+        if (indices is None and req.num_moving_blocks == 0
+                and req.num_device_blocks == req.num_live_blocks):
+            # The hot path: attention reads a resident request.
+            self.record(((req, self.clock.now(), None, 1),))
+            if holder:
+                for b in req.blocks:
+                    if b is not None:
+                        pages.hold_one(holder, b)
+            return AccessResult(None, None, req)
+        blocks = resolve(req, indices)
+        busy = [b for b in blocks if b.moving]
+        if busy:
+            raise BlocksInTransit(busy)
+        missing = [b for b in blocks if b.tier is not TierKind.DEVICE]
+        counters = self.counters
+        plan = None
+        if missing:
+            try:
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS)
+            except HostShort as short:
+                if short.possible <= 0:
+                    raise
+                # Swap in rounds: bring in what the host tier has room to swap out now;
+                # the caller executes it and accesses again (the blocks brought in are then
+                # resident and protected). Reads are counted once, in the last round.
+                missing = missing[:short.possible]
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS)
+                counters.num_misses += len(missing)
+                counters.num_decode_critical_misses += sum(b.decode_critical for b in missing)
+                return AccessResult(blocks, plan, req, partial=True)
+        now = self.clock.now()
+        policy = pages.policy
+        for b in blocks:
+            b.reuse_s = now - b.last_access
+            b.last_access = now
+            if b.decode_critical:
+                counters.num_decode_critical_accesses += 1
+                if b.moving:
+                    counters.num_decode_critical_misses += 1
+            if not b.moving and not b.pinned and not b.held:
+                policy.touch(b)
+        counters.num_accesses += len(blocks)
+        counters.num_misses += len(missing)
+        self.note(req, len(blocks), now)
+        if holder:
+            # Only once the access succeeded (an access waiting for room holds nothing, so
+            # waiters cannot hold each other up). The promoted blocks are not offered to the
+            # policy when their copy lands.
+            for b in blocks:
+                pages.hold_one(holder, b)
+        return AccessResult(blocks, plan, req)
+
+    def note_late(self, blocks: Iterable[Block]) -> None:
+        """An access had to wait for these blocks' promotion (already under way): misses."""
+        for b in blocks:
+            self.counters.num_misses += 1
+            if b.decode_critical:
+                self.counters.num_decode_critical_misses += 1
+
+    def record(self, reads) -> None:
+        """Every block of each request (all of them resident) was read `count` times, last at
+        `now` and before that at `before` (None: once): recency, the policy's order, and read
+        metering. `reads` is (request, now, before, count) in the order of the last reads, as
+        take() gives them."""
+        policy = self.pages.policy
+        tracks_reuse = policy.tracks_reuse
+        num_critical = num_blocks = 0
+        for req, now, before, count in reads:
+            critical = 0
+            for b in req.blocks:
+                if b is not None:
+                    if tracks_reuse:
+                        b.reuse_s = now - (b.last_access if before is None else before)
+                    b.last_access = now
+                    if b.decode_critical:
+                        critical += 1
+            num_critical += critical * count
+            num_read = req.num_live_blocks * count
+            num_blocks += num_read
+            self.note(req, num_read, now)
+        if policy.eager_touch:
+            touch_many = policy.touch_many
+            for read in reads:
+                touch_many(read[0].blocks)
+        self.counters.num_decode_critical_accesses += num_critical
+        self.counters.num_accesses += num_blocks
+
+    def note(self, req: Request, num_blocks: int, now: float) -> None:
+        """Attention read num_blocks of the request: meter them (and spend its read budget)."""
+        req.blocks_read += num_blocks
+        self.tenancy.blocks_read_by_tenant[req.tenant] += num_blocks
+        if req.read_bucket is not None:
+            req.read_bucket.consume(num_blocks * self.page_bytes, now)

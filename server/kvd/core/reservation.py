@@ -3,7 +3,9 @@ admitted to a prefill pool with a handoff pool is admitted only together with a 
 of its decode pages there, so no prefill is spent on a request decode cannot hold.
 
 The prefill pool asks through a `Reserver`, given at its construction; `PoolReserver` is
-the one kvd runs, reserving in the pools of the same node.
+the one kvd runs, reserving in the pools of the same node. The decode pool keeps what it was
+asked for in `Reservations`: requests that hold pages but no blocks until their handoff
+claims them, and the blocks a handoff copies out, held still meanwhile.
 """
 
 from __future__ import annotations
@@ -12,9 +14,17 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from kvd.core.blocks import Request
+from kvd.core.attribution import Attribution
+from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
+from kvd.core.clock import Clock
+from kvd.core.counters import PoolCounters
+from kvd.core.errors import AlreadyExists, BlocksInTransit, FailedPrecondition, ResourceExhausted
+from kvd.core.requests import RequestTable
+from kvd.core.tenancy import Tenancy
 
 if TYPE_CHECKING:
+    from kvd.core.admission import Admission
+    from kvd.core.pages import PageTable
     from kvd.core.pool import Pool
 
 
@@ -54,3 +64,106 @@ class PoolReserver:
         self.pool_of(req.handoff_pool).reserve(
             req.request_id, req.tenant, prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens, priority=req.priority, ttl_s=self.ttl_s)
+
+
+class Reservations:
+    """One pool's handoff reservations, and the blocks of its requests being handed off."""
+
+    def __init__(self, name: str, *, requests: RequestTable, admission: Admission,
+                 pages: PageTable, tenancy: Tenancy, attribution: Attribution,
+                 counters: PoolCounters, clock: Clock, page_bytes: int) -> None:
+        self.name = name
+        self.requests = requests
+        self.admission = admission
+        self.pages = pages
+        self.tenancy = tenancy
+        self.attribution = attribution
+        self.counters = counters
+        self.clock = clock
+        self.page_bytes = page_bytes
+        # Requests made by reserve() and not yet claimed (some may be gone: pruned lazily).
+        self._unclaimed: dict[str, Request] = {}
+
+    def reserve(self, request_id: str, tenant: str, *, prompt_tokens: int, output_tokens: int,
+                priority: int, ttl_s: float) -> Request:
+        """Hold the pages a request handed off from another pool will need (prompt plus
+        output): it holds no blocks until Handoff claims it, and lapses after ttl_s."""
+        if request_id in self.requests:
+            raise AlreadyExists(f"request {request_id!r} already exists in pool {self.name!r}")
+        projected = self.admission.projected_pages(prompt_tokens, output_tokens)
+        state, why = self.admission.reservation_state(tenant, projected,
+                                                      prompt_tokens + output_tokens)
+        if state is not Verdict.OK:
+            raise ResourceExhausted(why)
+        now = self.clock.now()
+        req = Request(request_id, tenant, self.name, priority, projected, RequestState.RESERVED,
+                      queued_at=now, expires_at=now + ttl_s,
+                      prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        req.account = self.attribution.open(request_id, tenant)
+        self.tenancy.budget(req, self.page_bytes, now)
+        self.requests[request_id] = req
+        self._unclaimed[request_id] = req
+        self.admission.reserve(req, projected)
+        self.tenancy.demand_changed()
+        return req
+
+    def claim(self, request_id: str) -> Request:
+        """A reservation becomes an admitted request (its handoff is starting)."""
+        req = self.requests.find(request_id)
+        if req.state is not RequestState.RESERVED:
+            raise FailedPrecondition(f"request {request_id!r} holds no reservation in pool "
+                                     f"{self.name!r}")
+        req.state = RequestState.ADMITTED
+        req.admitted_at = self.clock.now()
+        self.counters.num_admitted += 1
+        self._unclaimed.pop(request_id, None)
+        return req
+
+    def live(self) -> list[Request]:
+        """The requests reserve() made and nobody claimed or released yet (the rest are
+        pruned here: the expirer asks every second, and a scan of every request would cost
+        O(requests) each time)."""
+        live = []
+        for rid, req in list(self._unclaimed.items()):
+            if req.state is not RequestState.RESERVED or self.requests.get(rid) is not req:
+                del self._unclaimed[rid]
+            else:
+                live.append(req)
+        return live
+
+    def expired(self) -> list[str]:
+        now = self.clock.now()
+        return [r.request_id for r in self.live() if r.expires_at <= now]
+
+    def reserved_pages(self) -> int:
+        """Pages held for requests not yet handed off to this pool."""
+        return sum(r.reserved_pages for r in self.live())
+
+    def begin_handoff(self, req: Request) -> list[Block]:
+        """Hold a request's blocks still while they are copied to another pool: none may be
+        evicted, freed or moved until end_handoff."""
+        live = req.live_blocks()
+        busy = [b for b in live if b.moving]
+        if busy:
+            raise BlocksInTransit(busy)
+        dropped = [b.index for b in live if b.tier is TierKind.NONE]
+        if dropped:
+            raise FailedPrecondition(
+                f"blocks {dropped[:8]} of request {req.request_id!r} were dropped for the "
+                "engine to recompute; access them (and recompute) before the handoff")
+        policy = self.pages.policy
+        for b in live:
+            if b in policy:
+                policy.remove(b)
+            b.moving = True
+            req.num_moving_blocks += 1
+        return live
+
+    def end_handoff(self, blocks: list[Block]) -> None:
+        """The copy is over (done or abandoned): the blocks are as they were."""
+        policy = self.pages.policy
+        for b in blocks:
+            b.moving = False
+            b.request.num_moving_blocks -= 1
+            if evictable(b):
+                policy.insert(b)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from kvd.core.bandwidth import TokenBucket
+from kvd.core.blocks import Request
 from kvd.core.fairness import TenantQuota, water_fill
 
 _DEFAULT_QUOTA = TenantQuota()
@@ -38,6 +40,17 @@ class Tenancy:
     def set_quota(self, tenant: str, quota: TenantQuota) -> None:
         self.quotas[tenant] = quota
         self._shares = None
+
+    def budget(self, req: Request, page_bytes: int, now: float) -> None:
+        """Give a request the bandwidth buckets its tenant's quota asks for: a cap on its
+        transfers, and a read budget (a second's worth of reads may come at once)."""
+        quota = self.quota(req.tenant)
+        if quota.request_bandwidth_cap:
+            rate = quota.request_bandwidth_cap
+            req.transfer_cap = TokenBucket(rate, max(rate / 10, page_bytes), now)
+        if quota.read_budget:
+            req.read_bucket = TokenBucket(quota.read_budget,
+                                          max(quota.read_budget, page_bytes), now)
 
     def set_share_capacity(self, pages: int) -> None:
         self.share_capacity = pages

@@ -79,7 +79,7 @@ class AdminService(pb_grpc.AdminServicer):
         runtimes = ([self.daemon.runtime(request.pool)] if request.pool
                     else list(self.daemon.pools.values()))
         for rt in runtimes:
-            rt.pool.apply_reads()  # bytes_read includes the reads of the last steps
+            rt.pool.snapshot()  # bytes_read includes the reads of the last steps
         reqs = [r for rt in runtimes for r in rt.pool.requests.values()]
 
         def rt_of(r):
@@ -106,7 +106,7 @@ class AdminService(pb_grpc.AdminServicer):
 
 
 def tenant_info(tenant: str, pool, daemon) -> pb.TenantInfo:
-    pool.apply_reads()  # bytes_read includes the reads of the last steps
+    pool.snapshot()  # bytes_read includes the reads of the last steps
     quota = pool.tenancy.quota(tenant)
     att = pool.attribution
     moved = sum(link.sched.meter.by_tenant.get(tenant, 0) for link in daemon.links_of(pool.name))

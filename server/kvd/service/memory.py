@@ -633,7 +633,7 @@ def link_stats(link, daemon) -> pb.LinkStats:
 
 def pool_stats(rt, daemon) -> pb.PoolStats:
     pool = rt.pool
-    pool.apply_reads()  # the counters include the reads of the last steps
+    pool.snapshot()  # the counters include the reads of the last steps
     c = pool.counters
     tiers = []
     for tier, pages, key in ((pb.TIER_DEVICE, pool.device, "device"),

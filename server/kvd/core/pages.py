@@ -1,0 +1,397 @@
+"""Page tables and residency (DESIGN.md, "What kvd decides": which block leaves the device):
+a pool's two tiers, which block owns which page, and the moves between tiers.
+
+A block is in the device tier, the host tier, or nowhere (dropped for the engine to
+recompute). Moving it is planned here (a TransferPlan of Moves), copied by the runtime, and
+then made true here by complete() or undone by abort(). Which block leaves is the policy's
+decision (policies/); the page table asks it with the blocks the operation is about to read
+protected, and takes the victims only once nothing else can fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+
+from kvd.core.attribution import NO_REQUEST, Attribution, EvictionRecord
+from kvd.core.blocks import Block, Request, TierKind, evictable
+from kvd.core.clock import Clock
+from kvd.core.counters import PoolCounters
+from kvd.core.errors import BlocksInTransit, HostShort, ResourceExhausted
+from kvd.core.policies import EvictionPolicy, make_policy
+from kvd.core.tenancy import Tenancy
+from kvd.core.tier import TierPages
+from kvd.core.transfer import Move, MoveKind, Reason, TransferPlan
+
+
+class PageTable:
+    """One pool's pages: the tiers, the policy over the evictable device blocks, pins and
+    holds, and the transfer plans that move blocks between tiers."""
+
+    def __init__(self, name: str, *, page_bytes: int, device_pages: int, host_pages: int,
+                 policy: str, clock: Clock, tenancy: Tenancy, counters: PoolCounters,
+                 attribution: Attribution, requests: Mapping[str, Request],
+                 reserve_pages: int) -> None:
+        self.name = name
+        self.page_bytes = page_bytes
+        self.clock = clock
+        self.tenancy = tenancy
+        self.counters = counters
+        self.attribution = attribution
+        self.requests = requests  # read only: whether a held block's request still lives
+        self.device = TierPages(TierKind.DEVICE, device_pages)
+        self.host = TierPages(TierKind.HOST, host_pages)
+        self.policy: EvictionPolicy = make_policy(policy, clock, tenancy)
+        # Free device pages kept for tenants below their fair share (a watermark): under a fair
+        # policy, a tenant at or above its share evicts its own pages instead of spending them,
+        # and refill() tops them up from over-share tenants in the background.
+        self.reserve_pages = reserve_pages
+        self.num_pinned = 0
+        # Blocks handed to an engine that may still write or read their pages, by holder
+        # (a client's lease, a Step stream): (since when, blocks). See hold().
+        self._holds: dict[str, tuple[float, list[Block]]] = {}
+        self.num_held = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages admission may reserve: both tiers, less the transit headroom."""
+        return self.device.capacity + self.host.capacity - self.transit_headroom
+
+    @property
+    def transit_headroom(self) -> int:
+        """Host pages admission leaves unreserved. A promotion holds its host page until its
+        copy completes, so swapping a block in while another goes out needs a spare host page;
+        without one the victim would have to be dropped."""
+        return min(self.host.capacity, max(1, self.device.capacity // 8))
+
+    @property
+    def share_capacity(self) -> int:
+        """The device pages fair shares divide: under a fair policy the free reserve is
+        nobody's share, it is the buffer that lets tenants below their share grow without
+        waiting for a demotion."""
+        return self.device.capacity - (self.reserve_pages if self.policy.fair else 0)
+
+    def tier(self, kind: TierKind) -> TierPages:
+        return self.device if kind is TierKind.DEVICE else self.host
+
+    def num_moving_blocks(self) -> int:
+        return sum(r.num_moving_blocks for r in self.requests.values())
+
+    def no_room(self, needed: int) -> ResourceExhausted:
+        pinned = self.tenancy.pinned_by_tenant.most_common(5)
+        held = ", ".join(f"{t}: {n}" for t, n in pinned) or "none"
+        return ResourceExhausted(
+            f"pool {self.name!r}: cannot free {needed} device page(s): "
+            f"{self.device.num_free} free, {len(self.policy)} evictable, "
+            f"{self.num_pinned} of {self.device.capacity} pinned (by tenant: {held}), "
+            f"{self.num_held} held by engines until their next call, the rest in transit"
+        )
+
+    def overpinned(self, more: int) -> ResourceExhausted:
+        pinned = self.tenancy.pinned_by_tenant.most_common(5)
+        return ResourceExhausted(
+            f"pinning {more} more block(s) would exceed the device tier of pool "
+            f"{self.name!r}: {self.num_pinned} of {self.device.capacity} pages already pinned "
+            f"(by tenant: {', '.join(f'{t}: {n}' for t, n in pinned)})"
+        )
+
+    # ------------------------------------------------------------------ accounting
+
+    def device_delta(self, req: Request, delta: int) -> None:
+        req.num_device_blocks += delta
+        self.tenancy.device_by_tenant[req.tenant] += delta
+
+    def count_pin(self, block: Block, delta: int) -> None:
+        """A pinned block comes (delta 1) or goes (-1); an unpinned one counts nothing."""
+        if block.pinned:
+            self.add_pins(block.request.tenant, delta)
+
+    def add_pins(self, tenant: str, delta: int) -> None:
+        self.num_pinned += delta
+        self.tenancy.pinned_by_tenant[tenant] += delta
+
+    def note_peak(self) -> None:
+        used = self.device.num_used
+        if used > self.counters.peak_device_pages:
+            self.counters.peak_device_pages = used
+
+    def set_policy(self, name: str) -> str:
+        """Switch the eviction policy; the evictable blocks carry over, oldest access first
+        so order-based policies start from a sensible order."""
+        new = make_policy(name, self.clock, self.tenancy)
+        blocks = [b for b in self.device.owner if b is not None and evictable(b)]
+        blocks.sort(key=lambda b: b.last_access)
+        for block in blocks:
+            new.insert(block)
+        old, self.policy = self.policy, new
+        return old.name
+
+    # ------------------------------------------------------------------ room in the device tier
+
+    def evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
+              protected: Collection[Block] = ()) -> list[Move]:
+        """Take num victims (none of them protected) off the device tier: demote them to host,
+        or drop those the engine can recompute when the host tier is full. Raises before
+        changing anything: the policy's choice is looked at first and taken only after."""
+        victims = self.policy.choose(num, cause.tenant if cause else None, protected)
+        if victims is None:
+            if self.num_held or self.num_moving_blocks():
+                # Victims may come free when the copies finish, or when the engines holding
+                # pages call again (or their holds lapse).
+                raise BlocksInTransit([])
+            raise self.no_room(num)
+        num_host = self.host.num_free
+        if any(not v.recompute_ok for v in victims[num_host:]):
+            if self.num_moving_blocks():
+                # Host pages held by copies in flight come free when they finish.
+                raise BlocksInTransit([])
+            demotable = 0  # the victims that can go now: the host has room, or recompute
+            for i, v in enumerate(victims):
+                if i >= num_host and not v.recompute_ok:
+                    break
+                demotable += 1
+            raise HostShort(
+                f"pool {self.name!r}: host tier full ({self.host.capacity} pages) and the "
+                "victims cannot be recomputed; free or release requests", demotable
+            )
+        self.policy.take(victims)
+        moves = []
+        for i, victim in enumerate(victims):
+            assert not victim.pinned, "a policy offered a pinned block"
+            victim.moving = True
+            victim.request.num_moving_blocks += 1
+            if i < num_host:
+                moves.append(Move(victim, MoveKind.DEMOTE, TierKind.DEVICE, victim.page,
+                                  TierKind.HOST, self.host.take(victim), reassign))
+            else:
+                moves.append(Move(victim, MoveKind.DROP, TierKind.DEVICE, victim.page,
+                                  TierKind.NONE, -1, reassign))
+        return moves
+
+    def make_room(self, num: int, cause: Request | None, reason: Reason,
+                  protected: Collection[Block] = ()) -> tuple[list[int], list[Move]]:
+        """Claim num device pages: free ones first (the reserve only up to the tenant's fair
+        share), then victims' pages (which their incoming blocks may use once the demotions
+        are copied)."""
+        free = self.device.num_free
+        if self.policy.fair and cause is not None:
+            # The reserve is for growth up to one's fair share, not beyond it.
+            spare = max(0, free - self.reserve_pages)
+            headroom = max(0, self.tenancy.headroom(cause.tenant))
+            free = spare + min(free - spare, headroom)
+        short = num - free
+        try:
+            demotions = (self.evict(short, cause, reason, True, protected) if short > 0
+                         else [])
+        except HostShort as exc:
+            raise HostShort(str(exc), free + exc.possible) from None
+        pages = [self.device.take(None) for _ in range(num - len(demotions))]
+        pages.extend(m.src_page for m in demotions)
+        return pages, demotions
+
+    def promote(self, req: Request | None, missing: list[Block], keep: Iterable[Block],
+                reason: Reason) -> TransferPlan:
+        """A plan bringing `missing` to the device tier without evicting any of `keep`."""
+        protected = {b for b in keep if b.tier is TierKind.DEVICE}
+        pages, demotions = self.make_room(len(missing), req, reason, protected)
+        plan = TransferPlan(self.name, reason, req, demotions=demotions)
+        for block, page in zip(missing, pages):
+            self.device.owner[page] = block
+            block.moving = True
+            block.request.num_moving_blocks += 1
+            kind = MoveKind.PROMOTE if block.tier is TierKind.HOST else MoveKind.REMATERIALIZE
+            plan.promotions.append(
+                Move(block, kind, block.tier, block.page, TierKind.DEVICE, page, False)
+            )
+        return plan
+
+    def refill(self) -> TransferPlan | None:
+        """Under a fair policy, demote pages of tenants above their fair share until the free
+        reserve is whole again (None when it is, or nobody is over)."""
+        want = self.reserve_pages - self.device.num_free
+        if not self.policy.fair or want <= 0 or self.host.num_free <= self.transit_headroom:
+            return None
+        over = self.tenancy.over_share()
+        if not over:
+            return None
+        want = min(want, len(self.policy), self.host.num_free - self.transit_headroom)
+        victims = self.policy.choose(want)
+        if not victims or any(v.request.tenant not in over for v in victims):
+            return None  # only what over-share tenants hold refills the reserve
+        return TransferPlan(self.name, Reason.RESERVE, None,
+                            demotions=self.evict(len(victims), None, Reason.RESERVE, False))
+
+    def discard(self, block: Block) -> None:
+        """The block is gone (freed or released): its page, pin and hold go with it."""
+        req = block.request
+        if block.held:  # its holder's entry forgets it at end_holds
+            block.held = False
+            self.num_held -= 1
+        if block.tier is TierKind.DEVICE:
+            if block in self.policy:
+                self.policy.remove(block)
+            self.device.release(block.page)
+            self.device_delta(req, -1)
+        elif block.tier is TierKind.HOST:
+            self.host.release(block.page)
+        self.count_pin(block, -1)
+        req.blocks[block.index] = None
+        req.num_live_blocks -= 1
+        block.tier, block.page = TierKind.NONE, -1
+
+    # ------------------------------------------------------------------ holds
+
+    def hold_one(self, holder: str, block: Block) -> None:
+        """The engine was handed this block's page and may write or read it until its next
+        call: until then the block is not evictable, so no eviction can move its bytes
+        before the engine wrote them or give its page to another block under the engine's
+        feet. Held blocks leave the policy (as pinned ones do) but count as no pin."""
+        if block.held:
+            return
+        block.held = True
+        if block in self.policy:
+            self.policy.remove(block)
+        entry = self._holds.get(holder)
+        if entry is None:
+            entry = self._holds[holder] = (self.clock.now(), [])
+        entry[1].append(block)
+        self.num_held += 1
+
+    def hold(self, holder: str, blocks: Iterable[Block]) -> None:
+        """Hold blocks handed out by a reply other than allocate's or access's (a handoff's
+        last message) for the holder, until its next call."""
+        for b in blocks:
+            if b.tier is TierKind.DEVICE and not b.moving:
+                self.hold_one(holder, b)
+
+    def holds(self, holder: str) -> bool:
+        """Whether the holder has blocks held here."""
+        return holder in self._holds
+
+    def holders(self) -> dict[str, float]:
+        """Each holder with blocks held, and since when."""
+        return {h: since for h, (since, _) in self._holds.items()}
+
+    def end_holds(self, holder: str) -> bool:
+        """The holder called again (or went away): what it was handed is evictable again.
+        Returns whether it held anything."""
+        entry = self._holds.pop(holder, None)
+        if entry is None:
+            return False
+        for b in entry[1]:
+            if not b.held:
+                continue
+            b.held = False
+            self.num_held -= 1
+            req = b.request
+            if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b
+                    and evictable(b)):
+                self.policy.insert(b)
+        return True
+
+    # ------------------------------------------------------------------ transfers
+
+    def complete(self, plan: TransferPlan) -> list[Block]:
+        """The plan's bytes are copied: make the page table say so. Returns blocks pinned while
+        they were being demoted, which now want a prefetch."""
+        now = self.clock.now()
+        c = self.counters
+        if plan.demotions:
+            self._record_evictions(plan, now)
+        for m in plan.demotions:
+            b = m.block
+            b.moving = False
+            b.request.num_moving_blocks -= 1
+            b.epoch += 1
+            self.device_delta(b.request, -1)
+            if not m.src_reassigned:
+                self.device.release(m.src_page)
+            if m.kind is MoveKind.DROP:
+                b.tier, b.page = TierKind.NONE, -1
+                c.num_drops += 1
+            else:
+                b.tier, b.page = TierKind.HOST, m.dst_page
+                c.num_demotions += 1
+                c.bytes_moved += self.page_bytes
+        for m in plan.promotions:
+            b = m.block
+            b.moving = False
+            b.request.num_moving_blocks -= 1
+            b.epoch += 1
+            self.device_delta(b.request, 1)
+            if m.kind is MoveKind.PROMOTE:
+                self.host.release(m.src_page)
+                c.num_promotions += 1
+                c.bytes_moved += self.page_bytes
+            else:
+                # Its bytes were dropped: the page was zeroed (runtime), and every reply that
+                # hands it out says the engine must recompute it until the engine was told.
+                c.num_rematerializations += 1
+                c.num_lost_blocks += 1
+                b.lost = True
+                if b.request.account is not None:
+                    b.request.account.num_recomputes += 1
+            b.tier, b.page = TierKind.DEVICE, m.dst_page
+            b.request.maybe_relocated = True
+            if plan.reason is Reason.ACCESS and b.deadline_at is not None and now > b.deadline_at:
+                c.num_deadline_misses += 1
+            self.policy.on_promoted(b)
+            if evictable(b):
+                self.policy.insert(b)
+        for b in plan.allocated:
+            b.moving = False
+            b.request.num_moving_blocks -= 1
+            if evictable(b):
+                self.policy.insert(b)
+        self.note_peak()
+        return [m.block for m in plan.demotions if m.block.pinned]
+
+    def abort(self, plan: TransferPlan) -> None:
+        """The copy failed or was cancelled: put everything back as it was before the plan."""
+        victim_pages = {m.src_page for m in plan.demotions}
+        for m in plan.promotions:
+            if m.dst_page not in victim_pages:
+                self.device.release(m.dst_page)
+            m.block.moving = False
+            m.block.request.num_moving_blocks -= 1
+        for b in plan.allocated:
+            if b.page not in victim_pages:
+                self.device.release(b.page)
+            self.count_pin(b, -1)
+            if b.held:
+                b.held = False
+                self.num_held -= 1
+            req = b.request
+            req.num_moving_blocks -= 1
+            req.blocks[b.index] = None
+            req.num_live_blocks -= 1
+            self.device_delta(req, -1)
+            b.tier, b.page = TierKind.NONE, -1
+        for req in {id(b.request): b.request for b in plan.allocated}.values():
+            while req.blocks and req.blocks[-1] is None:  # indices nobody was told of
+                req.blocks.pop()
+        for m in plan.demotions:
+            b = m.block
+            b.moving = False
+            b.request.num_moving_blocks -= 1
+            self.device.owner[m.src_page] = b
+            if m.dst_tier is TierKind.HOST:
+                self.host.release(m.dst_page)
+            if evictable(b):  # it may have been pinned while in flight
+                self.policy.insert(b)
+
+    def _record_evictions(self, plan: TransferPlan, now: float) -> None:
+        cause = plan.cause
+        evictor_request = cause.request_id if cause else NO_REQUEST
+        evictor_tenant = cause.tenant if cause else NO_REQUEST
+        policy = self.policy.name
+        for m in plan.demotions:
+            b = m.block
+            record = EvictionRecord(now, self.name, b.request.request_id, b.request.tenant,
+                                    b.index, evictor_request, evictor_tenant, plan.reason, policy)
+            b.evicted_by = record
+            self.attribution.evicted(record)
+        self.counters.num_evictions += len(plan.demotions)
+        self.counters.evictions_by_reason[plan.reason] += len(plan.demotions)
+
