@@ -61,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo_hint:
         print(f"kvd: listening on unix://{config.socket}; in another terminal run `make demo`."
               " Ctrl-C stops kvd.", file=sys.stderr, flush=True)
-    from kvd.server import Server, StartupError
+    from kvd.daemon import Daemon, StartupError
 
     try:
-        return _run(Server(config).serve())
+        return _run(Daemon(config).serve())
     except StartupError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2

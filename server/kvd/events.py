@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvd.core.admission import Decision
+from kvd.core.blocks import Request
 from kvd.core.errors import ResourceExhausted
+from kvd.core.transfer import MoveKind, Reason, TransferPlan
 
 # Event watchers one tenant may have open at once.
 MAX_PER_OWNER = 16
@@ -89,3 +93,53 @@ class EventBus:
             lost, sub.lost = sub.lost, 0
             return Event(0, time.time(), "gap", lost=lost)
         return await sub.queue.get()
+
+
+class PlanEvents:
+    """What a pool runtime reports when a plan is done (given to it at construction): the
+    stall of an access, and eviction, recompute and promotion events."""
+
+    def __init__(self, bus: EventBus, stall_seconds: Callable[[str, float], None]) -> None:
+        self.bus = bus
+        self.stall_seconds = stall_seconds  # (pool, seconds): the stall histogram
+
+    def __call__(self, plan: TransferPlan, stall_s: float) -> None:
+            if plan.reason is Reason.ACCESS and stall_s > 0:
+                self.stall_seconds(plan.pool, stall_s)
+            events = self.bus
+            if not events.subscriptions:
+                return  # nobody watching: skip grouping the victims
+            cause = plan.cause
+            if plan.demotions:
+                victims: dict = {}
+                for m in plan.demotions:
+                    key = (m.block.request.request_id, m.block.request.tenant)
+                    victims[key] = victims.get(key, 0) + 1
+                for (rid, tenant), n in victims.items():
+                    events.publish("eviction", pool=plan.pool, tenant=tenant, request_id=rid,
+                                   count=n, reason=plan.reason,
+                                   cause_tenant=cause.tenant if cause else "",
+                                   cause_request=cause.request_id if cause else "")
+            lost: dict = {}
+            for m in plan.promotions:
+                if m.kind is MoveKind.REMATERIALIZE:
+                    key = (m.block.request.request_id, m.block.request.tenant)
+                    lost[key] = lost.get(key, 0) + 1
+            for (rid, tenant), n in lost.items():
+                # Blocks whose bytes were dropped came back as zeroed pages: the engine recomputes.
+                events.publish("recompute", pool=plan.pool, tenant=tenant, request_id=rid,
+                               count=n, reason=plan.reason)
+            if plan.promotions:
+                events.publish("promotion", pool=plan.pool,
+                               tenant=cause.tenant if cause else "",
+                               request_id=cause.request_id if cause else "",
+                               count=len(plan.promotions), reason=plan.reason,
+                               stall_s=f"{stall_s:.6f}")
+
+
+def publish_admitted(bus: EventBus, pool: str, admitted: list[Request]) -> None:
+    """Queued requests that were admitted (by a release, a quota, room coming free)."""
+    for other in admitted:
+        bus.publish("admission", pool=pool, tenant=other.tenant, request_id=other.request_id,
+                    count=other.projected_pages, decision=Decision.ADMITTED,
+                    reason="from the queue")

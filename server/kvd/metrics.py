@@ -75,10 +75,10 @@ def observe_rpc(method: str, code: str, seconds: float) -> None:
     RPC_SECONDS.observe((method, code), seconds)
 
 
-def _snapshot(daemon) -> dict:
+def _snapshot(node) -> dict:
     """Everything a scrape reports, read on the event loop (consistent, and race-free)."""
     pools = []
-    for name, rt in daemon.pools.items():
+    for name, rt in node.pools.items():
         pool = rt.pool
         pool.snapshot()  # the counters include the reads of the last steps
         c = pool.counters
@@ -91,9 +91,9 @@ def _snapshot(daemon) -> dict:
             "tiers": {"device": (pool.device.capacity, pool.device.num_used, pool.num_pinned),
                       "host": (pool.host.capacity, pool.host.num_used, 0)},
             "queue": len(pool.queue),
-            "in_flight": len(rt._plans),
+            "in_flight": rt.num_in_flight,
             "held": pool.num_held,
-            "stuck": len(daemon.stuck.get(name, ())),
+            "stuck": len(node.stuck.get(name, ())),
             "counters": {k: getattr(c, k) for k in (
                 "num_admitted", "num_queued", "num_rejected", "num_demotions",
                 "num_promotions", "num_drops", "num_prefetches", "num_lost_blocks",
@@ -108,21 +108,21 @@ def _snapshot(daemon) -> dict:
             "reads": {t: n * pool.page_bytes for t, n in ten.blocks_read_by_tenant.items()},
             "handoff_reserved": pool.handoff_reserved_pages(),
         })
-    now = daemon.clock.now()
-    links = [link.stats(now) for link in daemon.links()]
-    leases = daemon.leases
-    return {"pools": pools, "uptime_s": time.time() - daemon.started_at, "links": links,
-            "handoffs": dict(daemon.handoff_counts),
+    now = node.clock.now()
+    links = [link.stats(now) for link in node.links()]
+    leases = node.leases
+    return {"pools": pools, "uptime_s": time.time() - node.started_at, "links": links,
+            "handoffs": dict(node.handoff_counts),
             "leases": (len(leases.leases), leases.num_expired, leases.num_requests_released)}
 
 
 class KvdCollector(Collector):
-    def __init__(self, daemon, loop: asyncio.AbstractEventLoop) -> None:
-        self.daemon = daemon
+    def __init__(self, node, loop: asyncio.AbstractEventLoop) -> None:
+        self.node = node
         self.loop = loop
 
     async def _take(self) -> dict:
-        return _snapshot(self.daemon)
+        return _snapshot(self.node)
 
     def collect(self):
         s = asyncio.run_coroutine_threadsafe(self._take(), self.loop).result(timeout=5)
@@ -257,16 +257,16 @@ class KvdCollector(Collector):
         yield r
 
 
-def serve_metrics(address: str, daemon, loop):
+def serve_metrics(address: str, node, loop):
     """Expose /metrics on HOST:PORT; returns the HTTP server (or None when it cannot bind,
     which is logged: metrics are worth a warning, not a failed start)."""
     host, _, port = address.rpartition(":")
-    collector = KvdCollector(daemon, loop)
+    collector = KvdCollector(node, loop)
     try:
         REGISTRY.register(collector)
     except ValueError:
         # The names are registered already: a second daemon in one process (tests only).
-        # The first daemon's collector keeps answering; kvd itself runs one daemon.
+        # The first daemon's collector keeps answering; kvd itself runs one node.
         pass
     try:
         server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=REGISTRY)

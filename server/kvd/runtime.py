@@ -48,7 +48,8 @@ class PoolRuntime:
     """One pool, its arenas, and the transfers in flight."""
 
     def __init__(self, pool: Pool, arenas: dict, copier: PageCopier, link: Link,
-                 chunk_bytes: int = 256 * 1024) -> None:
+                 chunk_bytes: int = 256 * 1024,
+                 on_plan_done: Callable[[TransferPlan, float], None] | None = None) -> None:
         self.pool = pool
         self.arenas = arenas
         self.copier = copier
@@ -72,7 +73,8 @@ class PoolRuntime:
         self._orphans_seen: dict[Request, float] = {}
         # Plans in flight: their transfer, and when its bytes last moved (for stuck()).
         self._progress: dict[TransferPlan, list] = {}
-        self.on_plan_done: list[Callable[[TransferPlan, float], None]] = []
+        # Told of every plan done, with its stall (the node's events and stall metric).
+        self.on_plan_done = on_plan_done
 
     def queue_event(self, request_id: str, position: int) -> asyncio.Event:
         """An event set when the request's answer changes: admitted, gone, or a queue
@@ -113,6 +115,37 @@ class PoolRuntime:
     @property
     def busy(self) -> bool:
         return bool(self._plans)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Plans whose copies are under way."""
+        return len(self._plans)
+
+    async def begin_access(self, request_id: str, indices, holder: str = "") -> StartedAccess:
+        """An access with its copies started (unary Access and a Step's reads both come
+        here): done when the blocks were resident or the idle link copied them at once,
+        else `copying` runs on while the caller starts other work (StartedAccess.wait)."""
+        result = await self.access(request_id, indices, holder)
+        if result.plan is None:
+            return StartedAccess(self, result, None, 0.0)
+        run = self.start(result.plan)
+        if callable(run):
+            # A task, not a coroutine: a later access may wait on these blocks.
+            return StartedAccess(self, result, asyncio.ensure_future(run()), 0.0)
+        if run:
+            self.pool.record_stall(run, result.plan)
+        return StartedAccess(self, result, None, run)
+
+    def track(self, plan: TransferPlan, task: asyncio.Future) -> None:
+        """A plan made outside start() (a handoff's) is in flight in `task`: whoever needs
+        its blocks waits for it, and checks see it."""
+        self._plans.add(plan)
+        self.hold_for(plan.blocks(), task)
+
+    def hold_for(self, blocks: list[Block], task: asyncio.Future) -> None:
+        """Whoever needs these blocks waits for `task` (a handoff copying them)."""
+        for b in blocks:
+            self._inflight[b] = task
 
     async def access(self, request_id: str, indices, holder: str = "") -> AccessResult:
         """pool.access, waiting out transfers; an access that waited for its own blocks'
@@ -396,29 +429,31 @@ class PoolRuntime:
             await transfer.future
         except BaseException:
             self.pool.abort(plan)  # the copy failed: nothing moved
-            self._finish(plan)
+            self.finish(plan)
             raise
         self._zero_lost(plan)
         pinned_out = self.pool.complete(plan)
         stall_s = time.perf_counter() - started
         (plan.cause or _first_request(plan)).bytes_moved += transfer.job.bytes_total
-        self._finish(plan)
+        self.finish(plan)
         self._completed(plan, pinned_out, stall_s)
         return stall_s
 
-    def _finish(self, plan: TransferPlan) -> None:
-        self._finish_blocks(plan.blocks())
+    def finish(self, plan: TransferPlan) -> None:
+        """A plan is no longer in flight (completed or aborted)."""
+        self.finish_blocks(plan.blocks())
         self._plans.discard(plan)
         self._progress.pop(plan, None)
 
-    def _finish_blocks(self, blocks: list[Block]) -> None:
+    def finish_blocks(self, blocks: list[Block]) -> None:
+        """Nobody needs to wait for these blocks any more."""
         inflight = self._inflight
         for block in blocks:
             inflight.pop(block, None)
 
     def _notify(self, plan: TransferPlan, stall_s: float) -> None:
-        for listener in self.on_plan_done:
-            listener(plan, stall_s)
+        if self.on_plan_done is not None:
+            self.on_plan_done(plan, stall_s)
 
     async def quiesce(self, timeout_s: float | None = None) -> bool:
         """Wait until no transfer is in flight (for checks and shutdown), at most timeout_s.
@@ -439,6 +474,32 @@ class PoolRuntime:
     def close(self) -> None:
         for arena in self.arenas.values():
             arena.close()
+
+
+class StartedAccess:
+    """An access whose copies may still run: `result` is the pool's answer; `copying` the
+    task copying its plan (None: nothing left to copy, and `stall_s` was the wait)."""
+
+    __slots__ = ("copying", "result", "runtime", "stall_s")
+
+    def __init__(self, runtime: PoolRuntime, result: AccessResult,
+                 copying: asyncio.Future | None, stall_s: float) -> None:
+        self.runtime = runtime
+        self.result = result
+        self.copying = copying
+        self.stall_s = stall_s
+
+    @property
+    def page_bytes(self) -> int:
+        return self.runtime.pool.page_bytes
+
+    async def wait(self) -> float:
+        """Wait for the copies (if any) and record their stall; returns the whole stall."""
+        if self.copying is not None:
+            self.stall_s = await self.copying
+            self.copying = None
+            self.runtime.pool.record_stall(self.stall_s, self.result.plan)
+        return self.stall_s
 
 
 def _first_request(plan: TransferPlan) -> Request:

@@ -15,7 +15,7 @@ import pytest
 from kvd.config import Config, LinkConfig, PoolConfig
 from kvd.core.errors import KvdError
 from kvd.core.intent import IntentChange
-from kvd.daemon import Daemon
+from kvd.node import Node
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_client.arena import MappedPool
 
@@ -33,7 +33,7 @@ async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
         PoolConfig(name="decode", page_bytes=PAGE, block_tokens=16, device_pages=32,
                    host_pages=96, policy="lru", device_backend=backend)),
         links=(LinkConfig("default", "decode", chunk=2 * PAGE),))
-    daemon = Daemon(config)
+    daemon = Node(config)
     engines = {name: MappedPool(pb.ExportPoolResponse(page_bytes=PAGE, tiers=[
         pb.TierExport(tier=tier, num_pages=rt.arenas[key].num_pages,
                       shm_name=rt.arenas[key].export().shm_name)
@@ -89,7 +89,7 @@ async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
                         async for _ in progress:
                             break
                         await progress.aclose()
-                        await asyncio.gather(*daemon.handoffs_in_flight,
+                        await asyncio.gather(*daemon.handoffs.in_flight,
                                              return_exceptions=True)
                         counts["rolled_back"] += daemon.request_index[rid].pool.name == "default"
                     else:

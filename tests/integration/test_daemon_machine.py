@@ -34,7 +34,7 @@ from kvd.core.blocks import Priority, RequestState, TierKind
 from kvd.core.errors import KvdError
 from kvd.core.policies import policy_names
 from kvd.core.intent import IntentChange
-from kvd.daemon import Daemon
+from kvd.node import Node
 
 PAGE_BYTES = 64
 EXAMPLES = int(os.environ.get("KVD_MACHINE_EXAMPLES", "20"))
@@ -79,7 +79,7 @@ class DaemonMachine(RuleBasedStateMachine):
         self.holder = "engine"
 
     async def _make(self) -> Daemon:
-        return Daemon(self.config)
+        return Node(self.config)
 
     def teardown(self):
         if hasattr(self, "daemon"):
@@ -274,7 +274,7 @@ class DaemonMachine(RuleBasedStateMachine):
         for rt in self.daemon.pools.values():
             pool = rt.pool
             assert pool.num_pinned <= pool.device.capacity
-            assert not rt._plans and pool.num_moving_blocks() == 0, "left in transit"
+            assert rt.num_in_flight == 0 and pool.num_moving_blocks() == 0, "left in transit"
             cap = int(CAP_A * pool.device.capacity)
             for req in pool.requests.values():
                 if req.tenant == "a" and req.state is RequestState.ADMITTED:

@@ -113,11 +113,11 @@ async def test_second_handoff_of_a_request_cannot_wedge_it(tmp_path):
     waits for the request's blocks in transit, then the first is cancelled."""
     from kvd.config import load_config
     from kvd.core.errors import KvdError
-    from kvd.daemon import Daemon
+    from kvd.node import Node
 
     config = tmp_path / "kvd.toml"
     config.write_text(IN_PROCESS)
-    daemon = Daemon(load_config(config))
+    daemon = Node(load_config(config))
     try:
         daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=12 * 16,
                      output_tokens=16, priority=0, handoff_pool="decode")
@@ -156,12 +156,12 @@ async def test_blocks_in_transit_that_nothing_owns_are_reported(tmp_path, monkey
 
     import kvd.runtime
     from kvd.config import load_config
-    from kvd.daemon import Daemon
+    from kvd.node import Node
 
     monkeypatch.setattr(kvd.runtime, "ORPHANED_AFTER_S", 0.0)
     config = tmp_path / "kvd.toml"
     config.write_text(IN_PROCESS)
-    daemon = Daemon(load_config(config))
+    daemon = Node(load_config(config))
     try:
         daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=32, output_tokens=0,
                      priority=0)
@@ -225,14 +225,14 @@ async def test_a_handoff_whose_call_is_cancelled_while_writing_rolls_back(tmp_pa
     """The cancel came while kvd wrote a progress message: the handoff went on without an
     owner and moved the request the caller had given up on."""
     from kvd.config import load_config
-    from kvd.daemon import Daemon
+    from kvd.node import Node
     from kvd.service.auth import Authenticator
     from kvd.service.memory import MemoryService
     from kvd_api.v1 import kvd_pb2 as pb
 
     config = tmp_path / "kvd.toml"
     config.write_text(IN_PROCESS)
-    daemon = Daemon(load_config(config))
+    daemon = Node(load_config(config))
     service = MemoryService(daemon, Authenticator(daemon.config, daemon.leases))
     try:
         daemon.admit("r", tenant="slow", pool="prefill", prompt_tokens=64, output_tokens=0,
@@ -243,7 +243,7 @@ async def test_a_handoff_whose_call_is_cancelled_while_writing_rolls_back(tmp_pa
             await _serve_stream(service.Handoff, pb.HandoffRequest(request_id="r"), context)
         for _ in range(100):  # 4 blocks at 64 KiB/s: 1 s had it gone on
             await asyncio.sleep(0.05)
-            if "r" not in daemon._handing_off:
+            if not daemon.handoffs.under_way("r"):
                 break
         await asyncio.sleep(1.2)
         assert daemon.runtime_of("r").pool.name == "prefill"

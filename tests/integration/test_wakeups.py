@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 
 from kvd.config import Config, PoolConfig
-from kvd.daemon import Daemon
+from kvd.node import Node
 
 
 async def test_only_waiters_whose_answer_changed_wake():
-    daemon = Daemon(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+    daemon = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
         PoolConfig(model="tiny", device_pages=64, host_pages=0, max_queue=1024),)))
     try:
         daemon.set_quota("flood", "", limit=1)

@@ -19,7 +19,7 @@ from typing import Any
 from kvd.core import intent as intents
 from kvd.core.admission import Admission, AdmitResult, Decision
 from kvd.core.attribution import Attribution
-from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
+from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import (

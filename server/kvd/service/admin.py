@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvd.core import errors
 from kvd.core.policies import policy_names
-from kvd.daemon import Daemon
+from kvd.node import Node
 from kvd.service.auth import Authenticator
 from kvd.service.gate import CallGate
 from kvd.service.memory import link_stats
@@ -14,9 +14,9 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, daemon: Daemon, auth: Authenticator, drain,
+    def __init__(self, node: Node, auth: Authenticator, drain,
                  gate: CallGate | None = None) -> None:
-        self.daemon = daemon
+        self.node = node
         self.auth = auth
         self.gate = gate or CallGate(0)
         self._drain = drain
@@ -24,7 +24,7 @@ class AdminService(pb_grpc.AdminServicer):
     @unary
     async def SetPolicy(self, request, caller):
         self.auth.require_admin(caller)
-        previous = await self.daemon.set_policy(request.pool, request.policy)
+        previous = await self.node.set_policy(request.pool, request.policy)
         return pb.SetPolicyResponse(previous_policy=previous)
 
     @unary
@@ -34,7 +34,7 @@ class AdminService(pb_grpc.AdminServicer):
     @unary
     async def SelfCheck(self, request, caller):
         self.auth.require_admin(caller)
-        problems = await self.daemon.self_check()
+        problems = await self.node.self_check()
         return pb.SelfCheckResponse(ok=not problems, problems=problems)
 
     @unary
@@ -47,7 +47,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def ListTenants(self, request, caller):
         self.auth.require_admin(caller)
         return pb.ListTenantsResponse(
-            tenants=[tenant_info(t, p, self.daemon) for t, p in self.daemon.tenants(request.pool)])
+            tenants=[tenant_info(t, p, self.node) for t, p in self.node.tenants(request.pool)])
 
     @unary
     async def SetQuota(self, request, caller):
@@ -68,22 +68,22 @@ class AdminService(pb_grpc.AdminServicer):
                     "request_bandwidth_cap", "read_budget"):
             if key in changes and not changes[key]:
                 changes[key] = None
-        self.daemon.set_quota(request.tenant, request.pool, **changes)
+        self.node.set_quota(request.tenant, request.pool, **changes)
         return pb.SetQuotaResponse(tenants=[
-            tenant_info(t, p, self.daemon) for t, p in self.daemon.tenants(request.pool)
+            tenant_info(t, p, self.node) for t, p in self.node.tenants(request.pool)
             if t == request.tenant])
 
     @unary
     async def ListRequests(self, request, caller):
         self.auth.require_admin(caller)
-        runtimes = ([self.daemon.runtime(request.pool)] if request.pool
-                    else list(self.daemon.pools.values()))
+        runtimes = ([self.node.runtime(request.pool)] if request.pool
+                    else list(self.node.pools.values()))
         for rt in runtimes:
             rt.pool.snapshot()  # bytes_read includes the reads of the last steps
         reqs = [r for rt in runtimes for r in rt.pool.requests.values()]
 
         def rt_of(r):
-            return self.daemon.pools[r.pool]
+            return self.node.pools[r.pool]
 
         reqs.sort(key=lambda r: (-r.num_device_blocks, -r.num_live_blocks, r.request_id))
         return pb.ListRequestsResponse(requests=[
@@ -101,15 +101,15 @@ class AdminService(pb_grpc.AdminServicer):
     @unary
     async def ListLinks(self, request, caller):
         self.auth.require_admin(caller)
-        return pb.ListLinksResponse(links=[link_stats(link, self.daemon)
-                                           for link in self.daemon.links()])
+        return pb.ListLinksResponse(links=[link_stats(link, self.node)
+                                           for link in self.node.links()])
 
 
-def tenant_info(tenant: str, pool, daemon) -> pb.TenantInfo:
+def tenant_info(tenant: str, pool, node) -> pb.TenantInfo:
     pool.snapshot()  # bytes_read includes the reads of the last steps
     quota = pool.tenancy.quota(tenant)
     att = pool.attribution
-    moved = sum(link.sched.meter.by_tenant.get(tenant, 0) for link in daemon.links_of(pool.name))
+    moved = sum(link.sched.meter.by_tenant.get(tenant, 0) for link in node.links_of(pool.name))
     return pb.TenantInfo(
         tenant=tenant,
         pool=pool.name,

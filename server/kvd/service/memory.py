@@ -14,7 +14,7 @@ from kvd import __version__
 from kvd.core import errors
 from kvd.core.blocks import TierKind
 from kvd.core.pool import AccessResult
-from kvd.daemon import Daemon
+from kvd.node import Node
 from kvd.events import KINDS
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.metrics import observe_rpc
@@ -36,15 +36,15 @@ class MemoryService(pb_grpc.MemoryServicer):
     # read at a glance (see _reads_key).
     WITH_BYTES = ("Step",)
 
-    def __init__(self, daemon: Daemon, auth: Authenticator, gate: CallGate | None = None,
+    def __init__(self, node: Node, auth: Authenticator, gate: CallGate | None = None,
                  turns: StepTurns | None = None) -> None:
-        self.daemon = daemon
+        self.node = node
         self.auth = auth
         self.gate = gate or CallGate(0)
         self.turns = turns or StepTurns(0)
-        self.max_items = daemon.config.max_items_per_call
-        self.max_blocks = daemon.config.max_blocks_per_call
-        self.restricted = {p.name: frozenset(p.tenants) for p in daemon.config.pools
+        self.max_items = node.config.max_items_per_call
+        self.max_blocks = node.config.max_blocks_per_call
+        self.restricted = {p.name: frozenset(p.tenants) for p in node.config.pools
                            if p.tenants}
 
     def _may_use(self, pool: str, tenant: str) -> None:
@@ -63,10 +63,10 @@ class MemoryService(pb_grpc.MemoryServicer):
                 f"{num} {what} in one call; at most {limit} ({key}): split the batch")
 
     def end_holds(self, holder: str) -> None:
-        self.daemon.end_holds(holder)
+        self.node.end_holds(holder)
 
     def _page_bytes(self, request_id: str) -> int:
-        return self.daemon.runtime_of(request_id).pool.page_bytes
+        return self.node.runtime_of(request_id).pool.page_bytes
 
     @unary
     async def Admit(self, request, caller):
@@ -76,7 +76,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                 f"caller is tenant {caller.tenant!r}; it cannot admit for {tenant!r}")
         for pool in (request.pool or "default", request.handoff_pool):
             self._may_use(pool, tenant)
-        result = self.daemon.admit(
+        result = self.node.admit(
             caller.ns + request.request_id,
             tenant=tenant,
             lease=caller.lease,
@@ -96,7 +96,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def Allocate(self, request, caller):
         rid, ns = caller.ns + request.request_id, len(caller.ns)
-        blocks, stall_s = await self.daemon.allocate(rid, request.num_blocks,
+        blocks, stall_s = await self.node.allocate(rid, request.num_blocks,
                                                      intent_fields(request.intent),
                                                      caller.scope, holder=caller.holder)
         page_bytes = self._page_bytes(rid)
@@ -108,7 +108,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     async def Access(self, request, caller):
         self._bounded(len(request.block_indices), "block indices", blocks=True)
         rid, ns = caller.ns + request.request_id, len(caller.ns)
-        blocks, stall_s, promoted = await self.daemon.access(rid, indices(request),
+        blocks, stall_s, promoted = await self.node.access(rid, indices(request),
                                                              caller.scope, holder=caller.holder)
         page_bytes = self._page_bytes(rid)
         return pb.AccessResponse(
@@ -131,7 +131,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                 raise errors.InvalidArgument(
                     f"updates.request_id is longer than {MAX_STRING} characters")
             changes += [intent_change(u, caller.ns) for u in chunk]
-        applied, prefetched = await self.daemon.update_intents(changes, scope)
+        applied, prefetched = await self.node.update_intents(changes, scope)
         return pb.UpdateIntentsResponse(num_applied=applied, num_prefetched=prefetched)
 
     @unary
@@ -139,20 +139,20 @@ class MemoryService(pb_grpc.MemoryServicer):
         if not request.block_indices:
             raise errors.InvalidArgument("name at least one block to free")
         self._bounded(len(request.block_indices), "block indices", blocks=True)
-        freed = await self.daemon.free(caller.ns + request.request_id,
+        freed = await self.node.free(caller.ns + request.request_id,
                                        list(request.block_indices), caller.scope)
         return pb.FreeResponse(num_freed=freed)
 
     @unary
     async def Release(self, request, caller):
-        freed, _ = await self.daemon.release(caller.ns + request.request_id, caller.scope)
+        freed, _ = await self.node.release(caller.ns + request.request_id, caller.scope)
         return pb.ReleaseResponse(num_freed=freed)
 
     @unary
     async def Evict(self, request, caller):
         # Victims may belong to any tenant: only the admin identity may ask.
         self.auth.require_admin(caller)
-        moves = await self.daemon.evict(request.pool, request.num_pages)
+        moves = await self.node.evict(request.pool, request.num_pages)
         return pb.EvictResponse(
             evicted=[
                 pb.EvictedBlock(
@@ -166,7 +166,7 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def ExportPool(self, request, caller):
-        rt = self.daemon.runtime(request.pool)
+        rt = self.node.runtime(request.pool)
         if not caller.admin:  # the arenas are read and written whole: only its users
             self._may_use(rt.pool.name, caller.tenant)
         tiers = []
@@ -189,21 +189,21 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def GetPoolStats(self, request, caller):
         runtimes = (
-            [self.daemon.runtime(request.pool)] if request.pool else self.daemon.pools.values()
+            [self.node.runtime(request.pool)] if request.pool else self.node.pools.values()
         )
-        return pb.GetPoolStatsResponse(pools=[pool_stats(rt, self.daemon) for rt in runtimes],
-                                       uptime_s=time.time() - self.daemon.started_at,
+        return pb.GetPoolStatsResponse(pools=[pool_stats(rt, self.node) for rt in runtimes],
+                                       uptime_s=time.time() - self.node.started_at,
                                        version=__version__)
 
     @unary
     async def KeepAlive(self, request, caller):
         # Identifying the caller (in @unary) renewed its lease.
-        return pb.KeepAliveResponse(lease_ttl_s=self.daemon.leases.ttl_s,
+        return pb.KeepAliveResponse(lease_ttl_s=self.node.leases.ttl_s,
                                     leased=bool(caller.lease))
 
     @unary
     async def Explain(self, request, caller):
-        account, pool, active = self.daemon.explain(caller.ns + request.request_id,
+        account, pool, active = self.node.explain(caller.ns + request.request_id,
                                                     caller.scope)
         return explain_response(account, pool, active, caller.scope)
 
@@ -215,10 +215,10 @@ class MemoryService(pb_grpc.MemoryServicer):
                 raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
             rid = caller.ns + request.request_id
-            self.daemon.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
+            self.node.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
             last = None
             while True:
-                admitted, position, reason, changed = self.daemon.admission_state(
+                admitted, position, reason, changed = self.node.admission_state(
                     rid, caller.scope)
                 if admitted:
                     await context.write(pb.AdmissionUpdate(decision=pb.DECISION_ADMITTED))
@@ -231,7 +231,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                     await changed.wait()  # woken only when this request's answer changed
                 finally:
                     if not changed.is_set():  # cancelled: nothing left waiting for it
-                        rt = self.daemon.request_index.get(rid)
+                        rt = self.node.request_index.get(rid)
                         if rt is not None:
                             rt.forget_waiter(rid, changed)
         except errors.KvdError as exc:
@@ -240,11 +240,11 @@ class MemoryService(pb_grpc.MemoryServicer):
             # However the stream ended (cancelled while waiting or while writing), a client
             # that stopped waiting no longer wants its still-queued request.
             if caller is not None:
-                self.daemon.leases.stream_closed(caller.lease)
-                rt = self.daemon.request_index.get(rid)
+                self.node.leases.stream_closed(caller.lease)
+                rt = self.node.request_index.get(rid)
                 queued = rt.pool.queue.get(rid) if rt is not None else None
                 if not admitted and queued is not None and caller.may_touch(queued.tenant):
-                    await self.daemon.release(rid)
+                    await self.node.release(rid)
                     log.info("queued request withdrawn", request_id=rid)
 
     async def Handoff(self, request, context):
@@ -258,14 +258,14 @@ class MemoryService(pb_grpc.MemoryServicer):
             ns = len(caller.ns)
             if request.target_pool and not caller.admin:
                 self._may_use(request.target_pool, caller.tenant)
-            self.daemon.end_holds(caller.holder)  # its calls before are done
+            self.node.end_holds(caller.holder)  # its calls before are done
             # Closed however this handler ends, a cancel while writing included: the
             # handoff's owner is this call, and a caller that went away rolls it back now.
-            async with contextlib.aclosing(self.daemon.handoff(
+            async with contextlib.aclosing(self.node.handoff(
                     caller.ns + request.request_id, request.target_pool, caller.scope,
                     caller.holder)) as progress:
                 async for p in progress:
-                    page_bytes = self.daemon.runtime(p["pool"]).pool.page_bytes
+                    page_bytes = self.node.runtime(p["pool"]).pool.page_bytes
                     await context.write(pb.HandoffProgress(
                         request_id=p["request_id"][ns:], pool=p["pool"],
                         blocks_done=p["blocks_done"], blocks_total=p["blocks_total"],
@@ -301,7 +301,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                 tenants = [caller.tenant]
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
-        bus = self.daemon.events
+        bus = self.node.events
         try:
             sub = bus.subscribe(request.pools, tenants, request.kinds, request.buffer or 1024,
                                 owner="" if caller.admin else caller.tenant)
@@ -329,13 +329,13 @@ class MemoryService(pb_grpc.MemoryServicer):
             caller = self.auth.identify(context)
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
-        leases = self.daemon.leases
+        leases = self.node.leases
         leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds the lease
         # What one step hands out is held until the stream's next message (the engine's
         # forward pass in between writes and reads those pages).
         holder = f"stream:{id(context)}:{time.monotonic_ns()}"
-        daemon = self.daemon
-        daemon.end_holds(caller.holder)  # the client's unary calls before are done too
+        node = self.node
+        node.end_holds(caller.holder)  # the client's unary calls before are done too
         auth = self.auth
         generation = auth.generation
         turns, who = self.turns, caller.tenant or "admin"
@@ -390,7 +390,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                         auth.identify(context)
                     except errors.KvdError as exc:
                         await context.abort(status_of(exc), str(exc))
-                daemon.end_holds(holder)
+                node.end_holds(holder)
                 started = time.perf_counter()
                 reply = await self._step(step, caller.scope, _reads_key(data), holder,
                                          caller.ns)
@@ -402,7 +402,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         finally:
             if turn:
                 turns.gate.leave(who)
-            daemon.end_holds(holder)
+            node.end_holds(holder)
             leases.stream_closed(caller.lease)
 
     async def _step(self, step: pb.StepRequest, scope: str | None = None,
@@ -412,7 +412,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         A bad item is reported in `errors`; the rest of the step goes on. `reads_key`, when
         given, is equal for two steps only when their read_all lists are equal. `ns`: the
         namespace of the caller's request ids (see Caller.ns)."""
-        daemon = self.daemon
+        node = self.node
         reply = pb.StepResponse(step_id=step.step_id)
         cut = len(ns)
         read_all = [ns + r for r in step.read_all] if ns else step.read_all
@@ -429,28 +429,28 @@ class MemoryService(pb_grpc.MemoryServicer):
         stalled = False
         if _INTENTS in present:
             try:
-                await daemon.update_intents([intent_change(u, ns) for u in step.intents],
+                await node.update_intents([intent_change(u, ns) for u in step.intents],
                                             scope)
             except errors.KvdError as exc:
                 _step_error(reply, "intents", 0, exc, ns)
         for i, item in enumerate(step.frees if _FREES in present else ()):
             try:
-                await daemon.free(ns + item.request_id, list(item.block_indices), scope)
+                await node.free(ns + item.request_id, list(item.block_indices), scope)
             except errors.KvdError as exc:
                 _step_error(reply, "frees", i, exc, ns)
         for i, item in enumerate(step.releases if _RELEASES in present else ()):
             try:
-                await daemon.release(ns + item.request_id, scope)
+                await node.release(ns + item.request_id, scope)
             except errors.KvdError as exc:
                 _step_error(reply, "releases", i, exc, ns)
         for i, item in enumerate(step.allocations if _ALLOCATIONS in present else ()):
             try:
                 rid = ns + item.request_id
-                blocks, stall_s = await daemon.allocate(rid, item.num_blocks,
+                blocks, stall_s = await node.allocate(rid, item.num_blocks,
                                                         intent_fields(item.intent), scope,
                                                         holder=holder)
                 stalled |= stall_s > 0
-                page_bytes = daemon.runtime_of(rid).pool.page_bytes
+                page_bytes = node.runtime_of(rid).pool.page_bytes
                 reply.allocated.extend(handle(b, page_bytes, cut) for b in blocks)
             except errors.KvdError as exc:
                 _step_error(reply, "allocations", i, exc, ns)
@@ -465,37 +465,28 @@ class MemoryService(pb_grpc.MemoryServicer):
                    None if item.all_blocks else list(item.block_indices))
                   for i, item in enumerate(step.accesses if _ACCESSES in present else ())]
         pending = []
-        where = daemon.request_index
         for section, i, rid, idx in items:
             try:
-                rt = daemon.runtime_of(rid, scope) if scope is not None else (
-                    where.get(rid) or daemon.runtime_of(rid))
-                result = await rt.access(rid, idx, holder)
-                if result.plan is not None:
-                    run = rt.start(result.plan)
-                    if callable(run):
-                        # A task, not a coroutine: a later item may wait on these blocks.
-                        pending.append((section, i, rt, asyncio.ensure_future(run()), result))
-                        continue
-                    if run:
-                        rt.pool.record_stall(run, result.plan)
-                        stalled = True
-                if result.request.maybe_relocated:
-                    _relocated(reply, result, rt.pool.page_bytes, cut)
+                reading = await node.begin_access(rid, idx, scope, holder)
+                if reading.copying is not None:
+                    pending.append((section, i, reading))
+                    continue
+                stalled = stalled or reading.stall_s > 0
+                if reading.result.request.maybe_relocated:
+                    _relocated(reply, reading.result, reading.page_bytes, cut)
             except errors.KvdError as exc:
                 _step_error(reply, section, i, exc, ns)
-        for section, i, rt, task, result in pending:
+        for section, i, reading in pending:
             # The copies run concurrently in the worker pool; await them in turn.
             try:
-                stall_s = await task
+                await reading.wait()
             except Exception as exc:  # a failed copy: the plan was aborted
                 reply.errors.append(pb.StepError(section=section, item_index=i,
                                                  code=grpc.StatusCode.INTERNAL.value[0],
                                                  message=f"copy failed: {exc}"))
                 continue
-            rt.pool.record_stall(stall_s, result.plan)
             stalled = True
-            _relocated(reply, result, rt.pool.page_bytes, cut)
+            _relocated(reply, reading.result, reading.page_bytes, cut)
         if stalled:
             reply.stall_us = int((time.perf_counter() - started) * 1e6)
         return reply
@@ -503,16 +494,10 @@ class MemoryService(pb_grpc.MemoryServicer):
     def _read_all(self, request_ids, reply: pb.StepResponse, scope: str | None,
                   key: bytes | None = None, cut: int = 0) -> list[str]:
         """Answer the requests every pool can read at once (reporting relocated blocks);
-        return those that need the general access path (or get an error there). `key`
-        identifies request_ids (see Pool.read_all)."""
-        general = request_ids
-        for rt in self.daemon.pools.values():
-            general, relocated = rt.pool.read_all(general, scope, key)
-            key = None  # the next pool reads what this one left
-            for req in relocated:
-                _relocated(reply, AccessResult(None, None, req), rt.pool.page_bytes, cut)
-            if not general:
-                break
+        return those that need the general access path (or get an error there)."""
+        general, relocated = self.node.read_all(request_ids, scope, key)
+        for req, page_bytes in relocated:
+            _relocated(reply, AccessResult(None, None, req), page_bytes, cut)
         return general
 
 
@@ -610,11 +595,11 @@ def _redact(tenant: str, request_id: str, scope: str | None) -> str:
     return request_id.removeprefix(namespace(scope)) if tenant == scope else ""
 
 
-def link_stats(link, daemon) -> pb.LinkStats:
+def link_stats(link, node) -> pb.LinkStats:
     """A link's figures; weights and caps are those of the pool it leaves."""
-    now = daemon.clock.now()
+    now = node.clock.now()
     s = link.stats(now)
-    pool = daemon.runtime(link.source_pool).pool
+    pool = node.runtime(link.source_pool).pool
     tenants = []
     for tenant in sorted(set(s["by_tenant"]) | set(link.sched.capped_tenants())):
         cap = link.sched.tenant_cap(tenant)
@@ -631,7 +616,7 @@ def link_stats(link, daemon) -> pb.LinkStats:
         tenants=tenants)
 
 
-def pool_stats(rt, daemon) -> pb.PoolStats:
+def pool_stats(rt, node) -> pb.PoolStats:
     pool = rt.pool
     pool.snapshot()  # the counters include the reads of the last steps
     c = pool.counters
@@ -670,7 +655,7 @@ def pool_stats(rt, daemon) -> pb.PoolStats:
         num_prefetches=c.num_prefetches,
         num_accesses=c.num_accesses,
         num_misses=c.num_misses,
-        links=[link_stats(link, daemon) for link in daemon.links_of(pool.name)],
+        links=[link_stats(link, node) for link in node.links_of(pool.name)],
         bytes_read=sum(pool.tenancy.blocks_read_by_tenant.values()) * pool.page_bytes,
         handoff_reserved_pages=pool.handoff_reserved_pages(),
         num_admitted=c.num_admitted,

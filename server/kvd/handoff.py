@@ -1,0 +1,325 @@
+"""Handoff between pools (DESIGN.md, "What kvd decides": prefill and decode): a request's
+blocks are copied from its prefill pool to its decode pool under the pool->pool link's
+budget, all or nothing, keeping the engine's block indices; reservations no handoff claimed
+in time lapse; prefill requests queued for room in a decode pool go when it comes free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping
+
+import structlog
+
+from kvd.assembly import Links
+from kvd.config import Config
+from kvd.core.bandwidth import Job, TransferClass
+from kvd.core.blocks import Block, Request, RequestState, TierKind
+from kvd.core.clock import Clock
+from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvd.core.pool import Pool
+from kvd.core.transfer import Reason, TransferPlan
+from kvd.events import EventBus, publish_admitted
+from kvd.links import Transfer, TransferCancelled
+from kvd.memory.copier import chunk_runs, copy_between, page_runs
+from kvd.runtime import PoolRuntime
+
+log = structlog.get_logger("kvd.handoff")
+
+
+def _settle_handoff(task: asyncio.Task) -> None:
+    """A handoff whose caller went away failed or rolled back with nobody to tell: it was
+    logged and counted; mark its exception retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
+class Handoffs:
+    """A node's handoffs: those in flight, their counts, and the reservations they claim.
+    `pools` and `request_index` are the node's (a completed handoff moves the request's
+    entry to its new pool)."""
+
+    def __init__(self, config: Config, clock: Clock, pools: Mapping[str, PoolRuntime],
+                 request_index: dict[str, PoolRuntime], links: Links,
+                 events: EventBus) -> None:
+        self.config = config
+        self.clock = clock
+        self.pools = pools
+        self.request_index = request_index
+        self.links = links
+        self.events = events
+        self.in_flight: set[asyncio.Task] = set()
+        # Requests with a Handoff under way: a second one is refused at once (it used to
+        # start too, and claim a reservation the first had rolled back).
+        self._handing_off: set[str] = set()
+        self.counts: Counter = Counter()
+
+    def under_way(self, request_id: str) -> bool:
+        """Whether a handoff of the request is in flight."""
+        return request_id in self._handing_off
+
+    def runtime(self, pool: str) -> PoolRuntime:
+        try:
+            return self.pools[pool]
+        except KeyError:
+            raise NotFound(
+                f"no pool {pool!r}; this kvd has {', '.join(sorted(self.pools))}"
+            ) from None
+
+    def check_pair(self, src: PoolRuntime, dst: PoolRuntime) -> None:
+        if src is dst:
+            raise InvalidArgument(f"a request cannot hand off to its own pool {src.pool.name!r}")
+        a, b = src.pool, dst.pool
+        if (a.page_bytes, a.block_tokens) != (b.page_bytes, b.block_tokens):
+            raise FailedPrecondition(
+                f"pools {a.name!r} and {b.name!r} lay blocks out differently "
+                f"({a.page_bytes} vs {b.page_bytes} bytes, {a.block_tokens} vs "
+                f"{b.block_tokens} tokens a page): kvd hands off block for block"
+            )
+
+    def drop_reservation(self, pool: str, request_id: str) -> bool:
+        rt = self.pools.get(pool)
+        req = rt.pool.requests.get(request_id) if rt else None
+        if req is None or req.state is not RequestState.RESERVED:
+            return False
+        rt.pool.release(request_id)
+        self.kick_queues(pool)
+        return True
+
+    def kick_queues(self, target: str) -> None:
+        """Pages came free in `target`: prefill requests queued for a reservation there may
+        go now."""
+        for rt in self.pools.values():
+            pool = rt.pool
+            if any(r.handoff_pool == target for r in pool.queue.values()):
+                admitted = pool.admit_waiting()
+                publish_admitted(self.events, pool.name, admitted)
+                if admitted:
+                    rt.notify_queue()
+
+    def expire_reservations(self) -> int:
+        """Release decode reservations no handoff claimed in time (their prefill requests
+        stay; a later Handoff says the reservation lapsed)."""
+        expired = 0
+        for rt in list(self.pools.values()):
+            for request_id in rt.pool.expired_reservations():
+                tenant = rt.pool.requests[request_id].tenant
+                rt.pool.release(request_id)
+                expired += 1
+                self.counts["reservations_expired"] += 1
+                log.warning("handoff reservation expired", pool=rt.pool.name,
+                            request_id=request_id, tenant=tenant)
+                self.events.publish("handoff", pool=rt.pool.name, tenant=tenant,
+                                    request_id=request_id, reason="reservation expired")
+            if expired:
+                self.kick_queues(rt.pool.name)
+        return expired
+
+    async def handoff(self, src: PoolRuntime, request_id: str, target: str = "",
+                      holder: str = "") -> AsyncIterator[dict]:
+        """Copy a request's blocks to its handoff pool under the pool->pool link's budget,
+        yielding progress; all or nothing. The work runs in a task of its own, so a caller
+        that goes away cancels it between chunks and it rolls back cleanly. The blocks the
+        last message hands out are held for `holder` until its next call."""
+        req = src.pool.get_admitted(request_id)
+        target = target or req.handoff_pool
+        if not target:
+            raise FailedPrecondition(
+                f"request {request_id!r} was admitted without a handoff pool; name target_pool")
+        if req.handoff_pool and target != req.handoff_pool:
+            raise InvalidArgument(f"request {request_id!r} reserved pages in pool "
+                                  f"{req.handoff_pool!r}, not {target!r}")
+        dst = self.runtime(target)
+        self.check_pair(src, dst)
+        reservation = dst.pool.requests.get(request_id)
+        # Checked before anything is reserved: a refused second call must leave nothing.
+        if ((reservation is not None and reservation.state is not RequestState.RESERVED)
+                or request_id in self._handing_off):
+            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
+        if reservation is None:
+            # None made at admission (or it lapsed, or a handoff was rolled back): the
+            # target decides only now, and a refusal means the prefill was spent for nothing.
+            try:
+                dst.pool.reserve(request_id, req.tenant, prompt_tokens=req.prompt_tokens,
+                                 output_tokens=req.output_tokens, priority=req.priority,
+                                 ttl_s=self.config.handoff_ttl_s)
+            except ResourceExhausted as exc:
+                self.counts["refused"] += 1
+                had = ("its reservation lapsed or a handoff was rolled back"
+                       if req.handoff_pool else "it was admitted without a reservation")
+                raise ResourceExhausted(f"{exc}; {had}") from None
+            req.handoff_pool = target
+
+        progress: asyncio.Queue = asyncio.Queue()
+        cancel = asyncio.Event()
+        task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel, holder))
+        self._handing_off.add(request_id)
+        task.add_done_callback(lambda _: self._handing_off.discard(request_id))
+        self.in_flight.add(task)
+        task.add_done_callback(_settle_handoff)
+        task.add_done_callback(self.in_flight.discard)
+        try:
+            while True:
+                getter = asyncio.ensure_future(progress.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    item = getter.result()
+                    yield item
+                    if item["done"]:
+                        return
+                    continue
+                getter.cancel()
+                task.result()  # raises what failed the handoff
+                while not progress.empty():
+                    item = progress.get_nowait()
+                    yield item
+                return
+        finally:
+            if not task.done():
+                cancel.set()  # the caller went away: roll back between chunks
+                self.counts["cancelled"] += 1
+
+    async def _handoff(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
+                       progress: asyncio.Queue, cancel: asyncio.Event, holder: str) -> None:
+        request_id = req.request_id
+        blocks = await src.run(lambda: src.pool.begin_handoff(request_id),
+                               undo=src.pool.end_handoff)
+        this = asyncio.current_task()
+        src.hold_for(blocks, this)  # whoever needs these blocks waits for the handoff
+        try:
+            dst.pool.claim(request_id)  # gone if it lapsed meanwhile
+        except BaseException:
+            src.finish_blocks(blocks)
+            src.pool.end_handoff(blocks)
+            src.room_may_have_changed()
+            raise
+        plan = None
+        demoted = False
+        try:
+            if blocks:
+                indices = [b.index for b in blocks]  # the engine's indices stay
+                plan = await dst.run(lambda: dst.pool.allocate(
+                    request_id, len(blocks), indices=indices, reason=Reason.HANDOFF))
+                dst.track(plan, this)
+                if plan.demotions:  # room in the decode pool first, over its own link
+                    await self._copy_demotions(dst, plan)
+                demoted = True
+                await self._copy_handoff(src, dst, blocks, plan, progress, cancel)
+            if cancel.is_set():
+                raise TransferCancelled()
+        except BaseException as exc:
+            # All or nothing: the request stays whole in the prefill pool; the target pages
+            # and the reservation go.
+            if plan is not None:
+                if demoted:  # victims' bytes are on host now: finish those moves only
+                    dst.pool.complete(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
+                                                   demotions=plan.demotions))
+                    dst.pool.abort(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
+                                                allocated=plan.allocated))
+                else:
+                    dst.pool.abort(plan)
+                dst.finish(plan)
+            self._end_handoff(src, dst, request_id, blocks, release=dst.pool)
+            self.counts["failed" if not isinstance(exc, TransferCancelled)
+                                else "rolled_back"] += 1
+            log.info("handoff rolled back", request_id=request_id, source=src.pool.name,
+                     target=dst.pool.name, error=repr(exc))
+            self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
+                                request_id=request_id, reason=f"rolled back: {exc!r}")
+            raise
+        # Commit: the blocks live in the target; the prefill pages go.
+        if plan is not None:
+            dst.pool.complete(plan)
+            dst.finish(plan)
+        self._end_handoff(src, dst, request_id, blocks, release=src.pool)
+        self.request_index[request_id] = dst
+        self.counts["completed"] += 1
+        self.counts["bytes"] += len(blocks) * src.pool.page_bytes
+        dst_req = dst.pool.requests[request_id]
+        dst_req.bytes_moved += len(blocks) * src.pool.page_bytes
+        if holder:  # the engine reads what the last message hands it: nothing may move it
+            dst.pool.hold(holder, dst_req.live_blocks())
+        src.notify_queue()
+        self.events.publish("handoff", pool=dst.pool.name, tenant=req.tenant,
+                            request_id=request_id, count=len(blocks), reason="completed")
+        progress.put_nowait(self._progress(dst_req, len(blocks), len(blocks),
+                                           src.pool.page_bytes, finished=True))
+
+    def _end_handoff(self, src: PoolRuntime, dst: PoolRuntime, request_id: str,
+                     blocks: list[Block], release: Pool) -> None:
+        """The source blocks are free to move again; the request goes from `release` (the
+        target on a rollback, the source on commit); waiters for room in either may go."""
+        src.finish_blocks(blocks)
+        src.pool.end_handoff(blocks)
+        release.release(request_id)
+        src.room_may_have_changed()
+        dst.room_may_have_changed()
+        self.kick_queues(dst.pool.name)
+
+    @staticmethod
+    def _progress(req: Request, done: int, total: int, page_bytes: int,
+                  finished: bool = False) -> dict:
+        return {"request_id": req.request_id, "pool": req.pool, "blocks_done": done,
+                "blocks_total": total, "bytes_done": done * page_bytes,
+                "bytes_total": total * page_bytes, "done": finished,
+                "blocks": req.live_blocks() if finished else None}
+
+    def _handoff_job(self, req: Request, chunks: list[list[tuple]], page_bytes: int) -> Job:
+        """A handoff's copies wait on the link as an access does, under the request's cap."""
+        return Job(TransferClass.ACCESS, req.tenant, req.request_id,
+                   [sum(run[4] for run in chunk) * page_bytes for chunk in chunks],
+                   self.clock.now(),
+                   caps=(req.transfer_cap,) if req.transfer_cap is not None else ())
+
+    async def _copy_demotions(self, dst: PoolRuntime, plan: TransferPlan) -> None:
+        runs = page_runs((m.src_tier, m.src_page, m.dst_tier, m.dst_page)
+                         for m in plan.demotions if m.copies_bytes)
+        if not runs:
+            return
+        chunks = chunk_runs(runs, dst.chunk_pages)
+        job = self._handoff_job(plan.cause, chunks, dst.pool.page_bytes)
+        transfer = Transfer(job, chunks, dst.copier.copy_runs,
+                            asyncio.get_running_loop().create_future())
+        dst.link.submit(transfer)
+        await transfer.future
+
+    async def _copy_handoff(self, src: PoolRuntime, dst: PoolRuntime, blocks: list[Block],
+                            plan: TransferPlan, progress: asyncio.Queue,
+                            cancel: asyncio.Event) -> None:
+        link = self.links.handoff_link(src.pool.name, dst.pool.name)
+        src_arenas = {TierKind.DEVICE: src.arenas["device"], TierKind.HOST: src.arenas["host"]}
+        dst_device = dst.arenas["device"]
+        pairs = [(block.tier, block.page, TierKind.DEVICE, new.page)
+                 for block, new in zip(blocks, plan.allocated)]
+        chunk_pages = max(1, int(link.sched.quantum) // src.pool.page_bytes)
+        chunks = chunk_runs(page_runs(pairs), chunk_pages) if pairs else []
+        if not chunks:
+            return
+        page_bytes = src.pool.page_bytes
+        req = blocks[0].request
+        job = self._handoff_job(req, chunks, page_bytes)
+        total = len(blocks)
+        dst_req = dst.pool.requests[req.request_id]
+
+        def copy(runs):
+            for src_tier, src_page, _dst_tier, dst_page, num in runs:
+                copy_between(src_arenas[src_tier], src_page, dst_device, dst_page, num)
+
+        def on_chunk(j: Job):
+            pages = j.bytes_done // page_bytes
+            progress.put_nowait(self._progress(dst_req, pages, total, page_bytes))
+
+        transfer = Transfer(job, chunks, copy, asyncio.get_running_loop().create_future(),
+                            on_chunk=on_chunk)
+        link.submit(transfer)
+        canceller = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait({transfer.future, canceller},
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            canceller.cancel()
+        if not transfer.future.done():
+            link.cancel(transfer)
+        await transfer.future
+

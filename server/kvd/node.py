@@ -1,0 +1,466 @@
+"""The daemon's state: its pools, their arenas, and which pool each request lives in.
+
+The async operations here are what the gRPC servicers call; they know nothing of protobuf.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+
+from kvd.assembly import Links, apply_caps, build_pool
+from kvd.config import Config
+from kvd.core.admission import AdmitResult, Decision
+from kvd.core.attribution import RequestAccount
+from kvd.core.blocks import Block, Request, RequestState
+from kvd.core.clock import Clock, MonotonicClock
+from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
+from kvd.core.fairness import TenantQuota
+from kvd.core.intent import IntentChange
+from kvd.core.invariants import check_pool
+from kvd.core.pool import Pool
+from kvd.core.reservation import PoolReserver
+from kvd.events import EventBus, PlanEvents, publish_admitted
+from kvd.handoff import Handoffs
+from kvd.leases import LeaseTable
+from kvd.links import Link
+from kvd.metrics import STALL_SECONDS
+from kvd.runtime import PoolRuntime, StartedAccess
+
+# A batch of more intent updates than SLICED (an engine step's worth; ~5 us each) is
+# checked and applied a slice at a time, with the loop served in between.
+SLICED = 256
+INTENT_SLICE = 32
+CHECK_SLICE = 128
+
+log = structlog.get_logger("kvd.node")
+
+# A transfer whose bytes have not moved for this long is reported as stuck (a link capped
+# to a crawl can legitimately take seconds per chunk; nothing legitimate takes this long).
+STUCK_AFTER_S = 30.0
+# How long SelfCheck waits for transfers in flight to finish before checking anyway.
+SELF_CHECK_WAIT_S = 5.0
+
+
+class Node:
+    """A node's pools by name and its requests by id: the one thing the gRPC servicers call,
+    for Step as for unary calls."""
+
+    def __init__(self, config: Config, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.started_at = time.time()
+        self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
+        self.pools: dict[str, PoolRuntime] = {}
+        self.leases = LeaseTable(self.clock, config.lease_ttl_s)
+        self.events = EventBus()
+        self.request_index: dict[str, PoolRuntime] = {}
+        self.link_table = Links(config, self.clock, self._executor, self.pools)
+        self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
+                                 self.link_table, self.events)
+        # What check_stuck() last found, by pool (a metric, SelfCheck and a log line).
+        self.stuck: dict[str, list[str]] = {}
+        # A prefill pool reserves its requests' decode pages in the others through this.
+        reserver = PoolReserver(lambda name: self.pools[name].pool, config.handoff_ttl_s)
+        plan_events = PlanEvents(self.events,
+                                 lambda pool, s: STALL_SECONDS.labels(pool).observe(s))
+        try:
+            for pc in config.pools:
+                self.pools[pc.name] = build_pool(pc, config, self.clock, self.link_table,
+                                                 reserver, plan_events)
+            for lc in config.links:
+                self.link_table.handoff[(lc.source, lc.target)] = \
+                    self.link_table.build_handoff(lc)
+        except BaseException:
+            self.close()
+            raise
+        self.apply_tenants(config)
+
+    # ------------------------------------------------------------------ lookup
+
+    def runtime(self, pool: str) -> PoolRuntime:
+        try:
+            return self.pools[pool or "default"]
+        except KeyError:
+            raise NotFound(
+                f"no pool {pool!r}; this kvd has {', '.join(sorted(self.pools))}"
+            ) from None
+
+    def runtime_of(self, request_id: str, scope: str | None = None) -> PoolRuntime:
+        """The pool runtime of a request the caller may touch (scope: its tenant; None: any)."""
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        try:
+            rt = self.request_index[request_id]
+        except KeyError:
+            raise NotFound(f"no request {request_id!r}; admit it first") from None
+        if scope is not None and rt.pool.requests[request_id].tenant != scope:
+            # The same answer as for an id nobody holds: whether another tenant uses an id
+            # is not this caller's to learn.
+            raise NotFound(f"no request {request_id!r}; admit it first")
+        return rt
+
+    def request(self, request_id: str) -> Request:
+        return self.runtime_of(request_id).pool.get_request(request_id)
+
+    def links(self) -> list[Link]:
+        return self.link_table.all()
+
+    def links_of(self, pool: str) -> list[Link]:
+        """A pool's device<->host link and the handoff links leaving it."""
+        self.runtime(pool)  # NotFound for an unknown pool
+        return self.link_table.of(pool)
+
+    @property
+    def handoff_counts(self) -> Counter:
+        return self.handoffs.counts
+
+    # ------------------------------------------------------------------ engine operations
+
+    def admit(self, request_id: str, *, tenant: str, pool: str, prompt_tokens: int,
+              output_tokens: int, priority: int, lease: str = "",
+              handoff_pool: str = "") -> AdmitResult:
+        if request_id in self.request_index:
+            where = self.request_index[request_id].pool.name
+            raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
+        rt = self.runtime(pool)
+        if handoff_pool:
+            self.handoffs.check_pair(rt, self.runtime(handoff_pool))
+        result = rt.pool.admit(request_id, tenant=tenant or "default",
+                               prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                               priority=priority, handoff_pool=handoff_pool)
+        if result.decision is not Decision.REJECTED:
+            self.request_index[request_id] = rt
+            self.leases.attach(lease, tenant or "default", request_id)
+            rt.notify_queue()
+        self.events.publish("admission", pool=rt.pool.name, tenant=tenant or "default",
+                            request_id=request_id, count=result.projected_pages,
+                            decision=result.decision, reason=result.reason)
+        for other in rt.pool.take_newly_admitted():
+            self.events.publish("admission", pool=rt.pool.name, tenant=other.tenant,
+                                request_id=other.request_id, count=other.projected_pages,
+                                decision=Decision.ADMITTED, reason="from the queue")
+        return result
+
+    async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
+                       scope: str | None = None, holder: str = ""
+                       ) -> tuple[list[Block], float]:
+        """New blocks for a request; with a holder, held for it until its next call (the
+        engine writes them meanwhile)."""
+        rt = self.runtime_of(request_id, scope)
+        plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent,
+                                                     holder=holder))
+        stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
+        self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
+                            request_id=request_id, count=len(plan.allocated))
+        return plan.allocated, stall_s
+
+    async def access(self, request_id: str, indices: Sequence[int] | None,
+                     scope: str | None = None, holder: str = ""
+                     ) -> tuple[list[Block], float, int]:
+        """Read blocks now, waiting for those brought in: (blocks, stall, promoted)."""
+        started = await self.begin_access(request_id, indices, scope, holder)
+        stall_s = await started.wait()
+        result = started.result
+        promoted = len(result.plan.promotions) if result.plan else 0
+        blocks = result.blocks if result.blocks is not None else result.request.live_blocks()
+        return blocks, stall_s, promoted
+
+    async def begin_access(self, request_id: str, indices: Sequence[int] | None,
+                           scope: str | None = None, holder: str = "") -> StartedAccess:
+        """An access whose copies may run on while the caller starts others (a Step's
+        reads); StartedAccess.wait() finishes it."""
+        rt = self.request_index.get(request_id) if scope is None else None
+        if rt is None:
+            rt = self.runtime_of(request_id, scope)
+        return await rt.begin_access(request_id, indices, holder)
+
+    def read_all(self, request_ids: Sequence[str], scope: str | None,
+                 key: bytes | None = None) -> tuple[list[str], list[tuple[Request, int]]]:
+        """A step reads every block of these requests: each pool answers those it can at
+        once (see Pool.read_all). Returns the ids left for begin_access (or their error
+        there), and the requests read whose blocks moved since the engine was told, with
+        their pool's page size. `key` identifies request_ids (see Pool.read_all)."""
+        general = request_ids
+        relocated: list[tuple[Request, int]] = []
+        for rt in self.pools.values():
+            general, moved = rt.pool.read_all(general, scope, key)
+            key = None  # the next pool reads what this one left
+            if moved:
+                relocated += [(req, rt.pool.page_bytes) for req in moved]
+            if not general:
+                break
+        return general, relocated
+
+    def end_holds(self, holder: str) -> None:
+        """The holder called again, or went away: the pages it was handed are evictable."""
+        for rt in self.pools.values():
+            if not rt.pool.holds(holder):
+                continue
+            admitted = rt.pool.end_holds(holder)
+            rt.room_may_have_changed()
+            if admitted:
+                rt.notify_queue()
+                publish_admitted(self.events, rt.pool.name, admitted)
+
+    def lapse_holds(self, max_age_s: float) -> int:
+        """End holds older than max_age_s (a holder that never calls again): liveness over
+        the engine's claim on a page it was handed long ago."""
+        now = self.clock.now()
+        stale = {h for rt in self.pools.values()
+                 for h, since in rt.pool.holders().items() if now - since > max_age_s}
+        for holder in stale:
+            self.end_holds(holder)
+        return len(stale)
+
+    async def update_intents(self, changes: Sequence[IntentChange], scope: str | None = None
+                             ) -> tuple[int, int]:
+        """Apply updates grouped by pool. Validation of every group happens before any group
+        applies, so a bad item changes nothing."""
+        by_pool: dict[PoolRuntime, list[IntentChange]] = {}
+        sliced = len(changes) > SLICED
+        for i, change in enumerate(changes):
+            if sliced and i and i % CHECK_SLICE == 0:
+                await asyncio.sleep(0)
+            by_pool.setdefault(self.runtime_of(change.request_id, scope), []).append(change)
+        if sliced:
+            # A big batch is checked whole, then applied a slice at a time, with the loop
+            # served between slices: no call holds it for more than a fraction of a
+            # millisecond. (A slice that fails because another call changed things
+            # meanwhile leaves the slices before it applied.)
+            for rt, group in by_pool.items():
+                final: dict = {}
+                for start in range(0, len(group), CHECK_SLICE):
+                    await asyncio.sleep(0)
+                    rt.pool.check_intents(group[start:start + CHECK_SLICE], final)
+                rt.pool.check_pins(final)
+            plans = []
+            for rt, group in by_pool.items():
+                for start in range(0, len(group), INTENT_SLICE):
+                    await asyncio.sleep(0)
+                    plans.append((rt, rt.pool.update_intents(group[start:start + INTENT_SLICE])))
+        else:
+            plans = [(rt, rt.pool.update_intents(group)) for rt, group in by_pool.items()]
+        prefetched = 0
+        for rt, _ in plans:
+            rt.room_may_have_changed()  # an unpinned block may be a victim now
+        for rt, plan in plans:
+            if plan is not None:
+                prefetched += len(plan.promotions)
+                await rt.execute(plan)
+        return len(changes), prefetched
+
+    async def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
+                   ) -> int:
+        rt = self.runtime_of(request_id, scope)
+        freed = await rt.run(lambda: rt.pool.free(request_id, indices))
+        rt.room_may_have_changed()
+        return freed
+
+    async def release(self, request_id: str, scope: str | None = None
+                      ) -> tuple[int, list[Request]]:
+        rt = self.runtime_of(request_id, scope)
+        req = rt.pool.requests[request_id]
+        tenant = req.tenant
+        freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
+        rt.room_may_have_changed()
+        del self.request_index[request_id]
+        if req.handoff_pool:  # never handed off: its reservation goes too
+            self.handoffs.drop_reservation(req.handoff_pool, request_id)
+        if admitted or freed:
+            self.handoffs.kick_queues(rt.pool.name)
+        self.leases.detach(request_id)
+        rt.notify_queue()
+        self.events.publish("release", pool=rt.pool.name, tenant=tenant,
+                            request_id=request_id, count=freed)
+        publish_admitted(self.events, rt.pool.name, admitted)
+        return freed, admitted
+
+    async def expire_forever(self, period_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            self.handoffs.expire_reservations()
+            self.lapse_holds(self.config.hold_s)
+            self.check_stuck()
+
+    def handoff(self, request_id: str, target: str = "", scope: str | None = None,
+                holder: str = "") -> AsyncIterator[dict]:
+        """Copy a request's blocks to its handoff pool, yielding progress (see
+        Handoffs.handoff); the caller may touch only requests of `scope`."""
+        return self.handoffs.handoff(self.runtime_of(request_id, scope), request_id, target,
+                                     holder)
+
+    def explain(self, request_id: str, scope: str | None = None
+                ) -> tuple[RequestAccount, str, bool]:
+        """A request's account (active or recently released), its pool, and whether active."""
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        for rt in self.pools.values():
+            account = rt.pool.attribution.account(request_id)
+            if account is not None and (scope is None or account.tenant == scope):
+                return account, rt.pool.name, request_id in rt.pool.attribution.active
+        raise NotFound(f"kvd knows nothing of request {request_id!r} (never admitted, or "
+                       "released long ago)")
+
+    def admission_state(self, request_id: str, scope: str | None = None):
+        """(admitted?, queue position, reason, the event that fires on the next change)."""
+        rt = self.runtime_of(request_id, scope)
+        req = rt.pool.requests[request_id]
+        if req.state is RequestState.ADMITTED:
+            return True, 0, "", None
+        position = rt.pool.queue_position(request_id)
+        return False, position, rt.pool.why_waiting(req), rt.queue_event(request_id, position)
+
+    # ------------------------------------------------------------------ tenants
+
+    def apply_tenants(self, config: Config) -> None:
+        """Set every pool's quotas from the config (at start and on SIGHUP); tenants no
+        longer declared fall back to the default quota. Changes are logged."""
+        for rt in self.pools.values():
+            pool = rt.pool
+            quotas = {t.name: t.quota_for(pool.name, pool.page_bytes) for t in config.tenants}
+            promised = sum(q.guaranteed for q in quotas.values())
+            if promised > pool.device.capacity:
+                log.warning("guarantees overcommitted: scaled down proportionally",
+                            pool=pool.name, guaranteed_pages=promised,
+                            device_pages=pool.device.capacity,
+                            scale=round(pool.device.capacity / promised, 4))
+            for tenant in set(pool.tenancy.quotas) | set(quotas):
+                new = quotas.get(tenant, TenantQuota())
+                if pool.tenancy.quotas.get(tenant) != new:
+                    log.info("quota set", pool=pool.name, tenant=tenant, weight=new.weight,
+                             guaranteed=new.guaranteed, limit=new.limit)
+                    pool.set_quota(tenant, new)
+                    self.events.publish("quota", pool=pool.name, tenant=tenant,
+                                        weight=new.weight, guaranteed=new.guaranteed,
+                                        limit=new.limit or 0)
+            apply_caps(rt.link, pool, self.clock.now())
+            rt.notify_queue()
+        for (source, _), link in self.link_table.handoff.items():
+            apply_caps(link, self.runtime(source).pool, self.clock.now())
+
+    def set_quota(self, tenant: str, pool: str, **changes) -> list[str]:
+        """Change the given fields of a tenant's quota in one pool ("" = every pool); None
+        for limit or a per-request cap means none."""
+        if not tenant:
+            raise InvalidArgument("tenant must not be empty")
+        for key, value in changes.items():
+            # NaN passes every comparison and infinity is no quota: neither may reach the
+            # policies (or the log, which must stay JSON).
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidArgument(f"{key} must be a finite number, got {value}")
+        if "weight" in changes and not changes["weight"] > 0:
+            raise InvalidArgument("weight must be positive")
+        fraction = changes.get("max_request_fraction")
+        if fraction is not None and not 0 <= fraction <= 1:
+            raise InvalidArgument("max_request_fraction is 0..1")
+        runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
+        for rt in runtimes:
+            old = rt.pool.tenancy.quota(tenant)
+            new = dataclasses.replace(old)
+            for key, value in changes.items():
+                setattr(new, key, value)
+            if new.limit is not None and new.guaranteed > new.limit:
+                raise InvalidArgument(f"pool {rt.pool.name!r}: guaranteed ({new.guaranteed} "
+                                      f"pages) would be above limit ({new.limit} pages)")
+        for rt in runtimes:
+            old = rt.pool.tenancy.quota(tenant)
+            new = dataclasses.replace(old)
+            for key, value in changes.items():
+                setattr(new, key, value)
+            rt.pool.set_quota(tenant, new)
+            apply_caps(rt.link, rt.pool, self.clock.now())
+            rt.notify_queue()
+            self.events.publish("quota", pool=rt.pool.name, tenant=tenant, weight=new.weight,
+                                guaranteed=new.guaranteed, limit=new.limit or 0)
+            log.info("quota changed", pool=rt.pool.name, tenant=tenant, weight=new.weight,
+                     guaranteed=new.guaranteed, limit=new.limit,
+                     max_request_pages=new.max_request_pages,
+                     max_request_fraction=new.max_request_fraction)
+        return [rt.pool.name for rt in runtimes]
+
+    def tenants(self, pool: str = "") -> list[tuple[str, Pool]]:
+        """(tenant, pool) pairs known to each pool: declared or seen."""
+        runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
+        out = []
+        for rt in runtimes:
+            p = rt.pool
+            names = p.tenancy.names()
+            out += [(name, p) for name in sorted(names)]
+        return out
+
+    async def evict(self, pool: str, num_pages: int) -> list:
+        rt = self.runtime(pool)
+        # Victims in transit or held by engines come free soon: wait for them as any
+        # operation that needs room does.
+        plan = await rt.run(lambda: rt.pool.evict(num_pages))
+        await rt.execute(plan)
+        return plan.demotions
+
+    async def set_policy(self, pool: str, policy: str) -> str:
+        rt = self.runtime(pool)
+        previous = rt.pool.set_policy(policy)
+        log.info("policy changed", pool=rt.pool.name, policy=policy, previous=previous)
+        self.events.publish("policy", pool=rt.pool.name, policy=policy, previous=previous)
+        return previous
+
+    def check_stuck(self) -> list[str]:
+        """Transfers without progress for STUCK_AFTER_S, and blocks in transit that nothing
+        owns: logged when first found, kept for the metric and SelfCheck."""
+        found = []
+        for name, rt in self.pools.items():
+            problems = rt.stuck(STUCK_AFTER_S)
+            for problem in set(problems) - set(self.stuck.get(name, ())):
+                log.error("transfer stuck", pool=name, problem=problem)
+            self.stuck[name] = problems
+            found += problems
+        return found
+
+    async def self_check(self) -> list[str]:
+        problems = []
+        for rt in self.pools.values():
+            await rt.quiesce(timeout_s=SELF_CHECK_WAIT_S)  # a slow link may still be busy
+            rt.pool.snapshot()
+            problems.extend(check_pool(rt.pool))
+        return problems + self.check_stuck()
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait for transfers in flight, at most timeout_s in all; False: some still were."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        quiet = True
+        for rt in self.pools.values():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            quiet &= await rt.quiesce(left)
+        return quiet
+
+    def close(self) -> None:
+        for rt in self.pools.values():
+            rt.close()
+        self.pools.clear()
+        self._executor.shutdown(wait=True)
+
+    async def aclose(self, timeout_s: float = 5.0) -> None:
+        """Let transfers and handoffs in flight finish, at most timeout_s; then stop the
+        links (a copy already handed to a worker finishes: close() waits for the workers
+        before it unmaps the arenas)."""
+        deadline = time.monotonic() + timeout_s
+        quiet = await self.drain(timeout_s)
+        pending = {t for t in self.handoffs.in_flight if not t.done()}
+        if pending:
+            _, pending = await asyncio.wait(pending,
+                                            timeout=max(0.0, deadline - time.monotonic()))
+        if not quiet or pending:
+            log.error("shutting down with transfers still in flight; abandoning them",
+                      handoffs=len(pending), stuck=self.check_stuck())
+            for task in pending:
+                task.cancel()
+        for link in self.links():
+            await link.aclose()
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
