@@ -4,9 +4,11 @@ instead of status codes."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import os
 import socket
-import time
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -413,8 +415,29 @@ class StepStream:
         ))
 
 
-class Client(_Connection):
-    """The same calls, blocking, on a plain grpc channel."""
+class Client:
+    """The same calls as AsyncClient, blocking: derived from it (every public coroutine
+    becomes a blocking call, every async stream a blocking iterator), run on an event loop
+    of the client's own in a background thread, so the two cannot drift apart. The async
+    client's step_stream is left out: a blocking caller sends Steps with step()."""
+
+    _ASYNC_ONLY = frozenset({"step_stream", "close", "wait_ready"})
+
+    def __init__(self, target: str | None = None, **kw) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvd-client",
+                                        daemon=True)
+        self._thread.start()
+
+        async def connect() -> AsyncClient:
+            return AsyncClient(target, **kw)
+
+        try:
+            self._client = self._run(connect())
+        except BaseException:
+            self._stop()
+            raise
+        self.target = self._client.target
 
     def __enter__(self) -> Client:
         return self
@@ -422,130 +445,56 @@ class Client(_Connection):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self) -> None:
-        self.channel.close()
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def _call(self, method, request, timeout_s: float | None = None):
-        backoffs = self.retry.backoffs() if self.retry else iter(())
-        while True:
-            try:
-                return method(request, timeout=timeout_s or self.timeout_s,
-                              metadata=self.metadata, wait_for_ready=self.retry is not None)
-            except grpc.RpcError as err:
-                delay = _retry_delay(err, backoffs)
-            time.sleep(delay)
+    def _iterate(self, stream):
+        """A blocking iterator over an async stream; closing it early closes the stream
+        (which cancels the call)."""
+        async def step():
+            return await anext(stream)
+
+        try:
+            while True:
+                try:
+                    yield self._run(step())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(stream.aclose())
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._run(self._client.close())
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
-        grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        """Wait until the channel is connected; TimeoutError after timeout_s."""
+        self._run(self._client.wait_ready(timeout_s))
 
-    def health(self, service: str = "") -> str:
-        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
-    def admit(self, request_id: str, prompt_tokens: int, output_tokens: int = 0, **kw):
-        return self._call(self.memory.Admit,
-                          _Requests.admit(request_id, prompt_tokens, output_tokens, **kw))
+def _blocking(name: str, method):
+    if inspect.isasyncgenfunction(method):
+        @functools.wraps(method)
+        def stream(self, *args, **kwargs):
+            return self._iterate(getattr(self._client, name)(*args, **kwargs))
+        return stream
 
-    def allocate(self, request_id: str, num_blocks: int):
-        return self._call(self.memory.Allocate,
-                          pb.AllocateRequest(request_id=request_id, num_blocks=num_blocks))
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return self._run(getattr(self._client, name)(*args, **kwargs))
+    return call
 
-    def access(self, request_id: str, blocks: Sequence[int] | None = None):
-        return self._call(self.memory.Access, _access(request_id, blocks))
 
-    def update_intents(self, updates: Iterable[pb.IntentUpdate]):
-        return self._call(self.memory.UpdateIntents, pb.UpdateIntentsRequest(updates=list(updates)))
-
-    def free(self, request_id: str, blocks: Sequence[int]):
-        return self._call(self.memory.Free, pb.FreeRequest(request_id=request_id,
-                                                           block_indices=blocks))
-
-    def release(self, request_id: str):
-        return self._call(self.memory.Release, pb.ReleaseRequest(request_id=request_id))
-
-    def evict(self, num_pages: int, pool: str = ""):
-        return self._call(self.memory.Evict, pb.EvictRequest(pool=pool, num_pages=num_pages))
-
-    def export_pool(self, pool: str = ""):
-        return self._call(self.memory.ExportPool, pb.ExportPoolRequest(pool=pool))
-
-    def pool_stats(self, pool: str = ""):
-        return self._call(self.memory.GetPoolStats, pb.GetPoolStatsRequest(pool=pool))
-
-    def set_policy(self, policy: str, pool: str = ""):
-        return self._call(self.admin.SetPolicy, pb.SetPolicyRequest(pool=pool, policy=policy))
-
-    def self_check(self):
-        return self._call(self.admin.SelfCheck, pb.SelfCheckRequest())
-
-    def explain(self, request_id: str):
-        return self._call(self.memory.Explain, pb.ExplainRequest(request_id=request_id))
-
-    def list_tenants(self, pool: str = ""):
-        return list(self._call(self.admin.ListTenants, pb.ListTenantsRequest(pool=pool)).tenants)
-
-    def set_quota(self, tenant: str, pool: str = "", **fields):
-        return list(self._call(self.admin.SetQuota,
-                               pb.SetQuotaRequest(tenant=tenant, pool=pool, **fields)).tenants)
-
-    def watch_events(self, *, pools=(), tenants=(), kinds=(), buffer: int = 0):
-        """Iterate kvd's events as they happen (blocking)."""
-        call = self.memory.WatchEvents(
-            pb.WatchEventsRequest(pools=pools, tenants=tenants, kinds=kinds, buffer=buffer),
-            metadata=self.metadata)
-        try:
-            yield from call
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED:
-                raise from_rpc_error(err) from None
-        finally:
-            call.cancel()
-
-    def _stream(self, method, request, timeout_s: float | None):
-        """A server stream's messages (blocking); closing the generator cancels the call."""
-        call = method(request, timeout=timeout_s, metadata=self.metadata)
-        try:
-            yield from call
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        finally:
-            call.cancel()
-
-    def handoff(self, request_id: str, target_pool: str = "", timeout_s: float | None = None):
-        """Iterate HandoffProgress messages (blocking); closing early rolls it back."""
-        return self._stream(self.memory.Handoff, pb.HandoffRequest(
-            request_id=request_id, target_pool=target_pool), timeout_s)
-
-    def handoff_all(self, request_id: str, target_pool: str = "",
-                    timeout_s: float | None = None) -> pb.HandoffProgress:
-        """Hand a request off and return the final progress message (blocking)."""
-        last = None
-        for last in self.handoff(request_id, target_pool, timeout_s):
-            pass
-        return last
-
-    def keep_alive(self) -> pb.KeepAliveResponse:
-        """Renew this client's lease (any call does; this one does nothing else)."""
-        return self._call(self.memory.KeepAlive, pb.KeepAliveRequest())
-
-    def wait_admission(self, request_id: str, timeout_s: float | None = None):
-        """Iterate AdmissionUpdates until the request is admitted (blocking); stopping early
-        withdraws a still-queued request."""
-        return self._stream(self.memory.WaitAdmission,
-                            pb.WaitAdmissionRequest(request_id=request_id), timeout_s)
-
-    def list_links(self) -> list[pb.LinkStats]:
-        return list(self._call(self.admin.ListLinks, pb.ListLinksRequest()).links)
-
-    def list_requests(self, pool: str = "", limit: int = 0):
-        return list(self._call(self.admin.ListRequests,
-                               pb.ListRequestsRequest(pool=pool, limit=limit)).requests)
-
-    def list_policies(self) -> list[str]:
-        return list(self._call(self.admin.ListPolicies, pb.ListPoliciesRequest()).policies)
-
-    def drain(self) -> None:
-        self._call(self.admin.Drain, pb.DrainRequest())
+for _name, _method in vars(AsyncClient).items():
+    if (not _name.startswith("_") and _name not in Client._ASYNC_ONLY
+            and (inspect.iscoroutinefunction(_method) or inspect.isasyncgenfunction(_method))):
+        setattr(Client, _name, _blocking(_name, _method))
 
 
 intent_update = _intent_update

@@ -27,7 +27,7 @@ from kvd_client import AsyncClient, pb
 from kvd_client.client import intent_update
 from kvd_loadgen.engine import percentile
 from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.reporting import (
+from kvd_loadgen.scenario_report import (
     ScenarioReport,
     draw_utilisation,
     finish,

@@ -444,7 +444,7 @@ def run_scenarios() -> dict:
     from kvd_loadgen.data import data_dir, resolve_intent_trace
     from kvd_loadgen.replay import replay_profile
     from kvd_loadgen.request_trace import TraceRun, run_policy
-    from kvd_loadgen.request_traces import read_request_trace
+    from kvd_loadgen.trace_reader import read_request_trace
     from kvd_loadgen.whale_minnows import Scenario, run_all
 
     from kvd_loadgen import bandwidth_hog, disagg

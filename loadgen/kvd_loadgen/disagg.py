@@ -25,7 +25,7 @@ from rich.console import Console
 from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, pb
 from kvd_loadgen.engine import percentile
 from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.reporting import ScenarioReport, draw_utilisation, finish, sample_links
+from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, finish, sample_links
 
 LINK = "prefill->decode"
 BLOCK_TOKENS = 16  # the tiny model: 16 KiB pages

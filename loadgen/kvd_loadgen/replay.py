@@ -19,7 +19,7 @@ from kvd_loadgen.belady import belady_min
 from kvd_loadgen.data import INTENT_PROFILES, resolve_intent_trace
 from kvd_loadgen.intent_trace import IntentEvent, read_intent_trace
 from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.reporting import ScenarioReport, finish
+from kvd_loadgen.scenario_report import ScenarioReport, finish
 
 KVD_POLICIES = ("lru", "regret", "reuse", "intent", "deadline", "fair:intent")
 BLOCK_TOKENS = 16

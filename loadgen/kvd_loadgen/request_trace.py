@@ -20,8 +20,8 @@ from kvd_loadgen.measures import jain_index
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.reporting import finish, sample_links
-from kvd_loadgen.request_traces import TraceRequest, read_request_trace, tenant_rule
+from kvd_loadgen.scenario_report import finish, sample_links
+from kvd_loadgen.trace_reader import TraceRequest, read_request_trace, tenant_rule
 
 
 @dataclass
@@ -169,7 +169,7 @@ async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
 
 
 def run_cli(args) -> int:
-    from kvd_loadgen.report import build_report
+    from kvd_loadgen.request_trace_report import build_report
 
     page_bytes = args.page_bytes
     if args.model:

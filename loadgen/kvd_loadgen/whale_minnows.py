@@ -21,7 +21,7 @@ from kvd_loadgen.measures import jain_index
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.reporting import ScenarioReport, finish
+from kvd_loadgen.scenario_report import ScenarioReport, finish
 
 def tenant_names(s: Scenario) -> dict[str, str]:
     """Tenant -> its class: the whale, and the minnows split across minnow_tenants tenants."""

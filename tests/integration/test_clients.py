@@ -21,6 +21,12 @@ def test_the_sync_client_has_every_call_of_the_async_one():
 
     assert calls(AsyncClient) - ASYNC_ONLY <= calls(Client), (
         calls(AsyncClient) - ASYNC_ONLY - calls(Client))
+    # Derived, not copied: each blocking call takes what the async one takes and returns
+    # what it returns (a copied twin lacked keep_alive, wait_admission and return types).
+    for name in calls(AsyncClient) - ASYNC_ONLY:
+        sync, aio = inspect.signature(getattr(Client, name)), inspect.signature(
+            getattr(AsyncClient, name))
+        assert sync == aio, (name, sync, aio)
 
 
 def test_blocking_calls_work(kvd):
@@ -34,6 +40,7 @@ def test_blocking_calls_work(kvd):
         assert c.explain("r").tenant
         c.release("r")
         assert c.self_check().ok
+        assert "lru" in c.list_policies()
 
 
 async def test_wait_ready_keeps_its_timeout(tmp_path):

@@ -9,9 +9,9 @@ import pytest
 import uvloop
 
 from kvd_loadgen.data import data_dir
-from kvd_loadgen.report import write_report
+from kvd_loadgen.request_trace_report import write_report
 from kvd_loadgen.request_trace import TraceRun, run_policy
-from kvd_loadgen.request_traces import TraceError, read_request_trace, tenant_rule
+from kvd_loadgen.trace_reader import TraceError, read_request_trace, tenant_rule
 
 
 def test_both_formats_parse():

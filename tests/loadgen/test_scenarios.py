@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvd_loadgen import bandwidth_hog, disagg
-from kvd_loadgen.reporting import ScenarioReport, finish, utilisation_series
+from kvd_loadgen.scenario_report import ScenarioReport, finish, utilisation_series
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvd_loadgen.reporting import ScenarioReport, draw_utilisation
+from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation
 
 LINK = "default:device<->host"
 
