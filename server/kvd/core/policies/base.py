@@ -62,27 +62,25 @@ class EvictionPolicy(ABC):
         """block's intent changed. Called only when held."""
 
     @abstractmethod
-    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
-        """The n first blocks in eviction order, or None when fewer than n are held. The first
-        n + 1 begin with the first n (the protected filter in choose relies on it).
-
-        for_tenant is the tenant that needs the room (tenant-aware policies may take its own
-        pages even when it is within its guarantee). Changes no order."""
-
     def choose(self, n: int, for_tenant: str | None = None,
                protected: Collection[Block] = ()) -> list[Block] | None:
         """n victims in eviction order, none of them protected, or None when fewer than n
-        can be given. Changes nothing. `protected` should be a set when it is large."""
-        if not protected:
-            return self._first(n, for_tenant)
+        can be given. Changes nothing. `protected` should be a set when it is large.
+
+        for_tenant is the tenant that needs the room (tenant-aware policies may take its own
+        pages even when it is within its guarantee). A policy whose first n + 1 victims
+        begin with its first n may hand a protected call to choose_around."""
+
+    def choose_around(self, n: int, for_tenant: str | None,
+                      protected: Collection[Block]) -> list[Block] | None:
+        """choose() with protected blocks, for a policy whose order does not depend on n:
+        the first n + (protected blocks held) victims, less the protected."""
         shielded = sum(1 for b in protected if b in self)
         if n > len(self) - shielded:
             return None
-        if not shielded:
-            return self._first(n, for_tenant)
-        ranked = self._first(n + shielded, for_tenant)
-        if ranked is None:
-            return None
+        ranked = self.choose(n + shielded, for_tenant)
+        if ranked is None or not shielded:
+            return ranked
         return [b for b in ranked if b not in protected][:n]
 
     def evict(self, n: int, for_tenant: str | None = None,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from abc import abstractmethod
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
@@ -125,7 +125,10 @@ class ClassedPolicy(EvictionPolicy):
                 members.push(block)
         return out
 
-    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def choose(self, n: int, for_tenant: str | None = None,
+               protected: Collection[Block] = ()) -> list[Block] | None:
+        if protected:
+            return self.choose_around(n, for_tenant, protected)
         if n > self._num:
             return None
         keys, classes = self._keys, self._classes

@@ -20,6 +20,9 @@ from kvd.core.policies.base import EvictionPolicy
 from kvd.core.tenancy import Tenancy
 
 
+_NONE: Counter = Counter()  # no protected blocks (never written to)
+
+
 class _RequestsBySize:
     """One tenant's requests by how many evictable pages each has: a bucket per size (oldest
     arrival first) and the sizes in use, sorted."""
@@ -143,19 +146,18 @@ class FairPolicy(EvictionPolicy):
         sub = self._by_request.get(block.request)
         return sub is not None and block in sub
 
-    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
-        return self.choose(n, for_tenant)
-
     def choose(self, n: int, for_tenant: str | None = None,
                protected: Collection[Block] = ()) -> list[Block] | None:
         # Protected blocks still count in their tenant's usage but cannot be given: they start
         # as unavailable, so no tenant or request is asked for pages it cannot give.
-        unavailable_by_tenant: Counter[str] = Counter()
-        unavailable_by_request: Counter[Request] = Counter()
-        for block in protected:
-            if block in self:
-                unavailable_by_tenant[block.request.tenant] += 1
-                unavailable_by_request[block.request] += 1
+        unavailable_by_tenant: Counter[str] = _NONE
+        unavailable_by_request: Counter[Request] = _NONE
+        if protected:
+            unavailable_by_tenant, unavailable_by_request = Counter(), Counter()
+            for block in protected:
+                if block in self:
+                    unavailable_by_tenant[block.request.tenant] += 1
+                    unavailable_by_request[block.request] += 1
         if n > self._num - unavailable_by_tenant.total():
             return None
         # First decide how many pages each request gives (usage falls as victims are taken,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from itertools import islice
 
 from kvd.core.blocks import Block
@@ -34,7 +35,10 @@ class LruPolicy(EvictionPolicy):
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
 
-    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def choose(self, n: int, for_tenant: str | None = None,
+               protected: Collection[Block] = ()) -> list[Block] | None:
+        if protected:
+            return self.choose_around(n, for_tenant, protected)
         if n > len(self._order):
             return None
         if n == 1:

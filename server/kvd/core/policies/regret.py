@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
@@ -58,7 +59,10 @@ class RegretPolicy(EvictionPolicy):
     def reorder(self, block: Block) -> None:
         pass  # learns from evictions and reads, not from intent
 
-    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def choose(self, n: int, for_tenant: str | None = None,
+               protected: Collection[Block] = ()) -> list[Block] | None:
+        if protected:
+            return self.choose_around(n, for_tenant, protected)
         if n > len(self._level_of):
             return None
         window = self.window_s

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Collection
 from itertools import count
 
 from kvd.core.blocks import Block, Request
@@ -81,7 +82,10 @@ class ReusePolicy(EvictionPolicy):
     def reorder(self, block: Block) -> None:
         pass  # learns from reads, not from intent
 
-    def _first(self, n: int, for_tenant: str | None = None) -> list[Block] | None:
+    def choose(self, n: int, for_tenant: str | None = None,
+               protected: Collection[Block] = ()) -> list[Block] | None:
+        if protected:
+            return self.choose_around(n, for_tenant, protected)
         if n > self._num:
             return None
         victims: list[Block] = []
