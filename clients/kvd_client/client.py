@@ -131,10 +131,8 @@ class Tls:
         return grpc.ssl_channel_credentials(pem(self.ca), pem(self.key), pem(self.cert))
 
 
-class _Connection:
-    """What both clients hold: the target, call metadata (token, lease), a channel, stubs."""
-
-    _grpc = grpc
+class AsyncClient:
+    """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
 
     def __init__(self, target: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  token: str | None = None, lease: str | None = None,
@@ -147,21 +145,16 @@ class _Connection:
         tls = tls or (None if self.target.startswith("unix:") else Tls.from_env())
         options = _channel_options()
         if tls is None:
-            self.channel = self._grpc.insecure_channel(self.target, options=options)
+            self.channel = grpc.aio.insecure_channel(self.target, options=options)
         else:
             if tls.server_name:
                 options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self.channel = self._grpc.secure_channel(self.target, tls.credentials(),
+            self.channel = grpc.aio.secure_channel(self.target, tls.credentials(),
                                                      options=options)
         self.memory = pb_grpc.MemoryStub(self.channel)
         self.admin = pb_grpc.AdminStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-
-class AsyncClient(_Connection):
-    """kvd over grpc.aio. Use as `async with AsyncClient(target) as kvd: ...`."""
-
-    _grpc = grpc.aio
 
     async def __aenter__(self) -> AsyncClient:
         return self

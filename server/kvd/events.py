@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,38 +105,30 @@ class PlanEvents:
         self.stall_seconds = stall_seconds  # (pool, seconds): the stall histogram
 
     def __call__(self, plan: TransferPlan, stall_s: float) -> None:
-            if plan.reason is Reason.ACCESS and stall_s > 0:
-                self.stall_seconds(plan.pool, stall_s)
-            events = self.bus
-            if not events.subscriptions:
-                return  # nobody watching: skip grouping the victims
-            cause = plan.cause
-            if plan.demotions:
-                victims: dict = {}
-                for m in plan.demotions:
-                    key = (m.block.request.request_id, m.block.request.tenant)
-                    victims[key] = victims.get(key, 0) + 1
-                for (rid, tenant), n in victims.items():
-                    events.publish("eviction", pool=plan.pool, tenant=tenant, request_id=rid,
-                                   count=n, reason=plan.reason,
-                                   cause_tenant=cause.tenant if cause else "",
-                                   cause_request=cause.request_id if cause else "")
-            lost: dict = {}
-            for m in plan.promotions:
-                if m.kind is MoveKind.REMATERIALIZE:
-                    key = (m.block.request.request_id, m.block.request.tenant)
-                    lost[key] = lost.get(key, 0) + 1
-            for (rid, tenant), n in lost.items():
-                # Blocks whose bytes were dropped came back as zeroed pages: the engine recomputes.
-                events.publish("recompute", pool=plan.pool, tenant=tenant, request_id=rid,
-                               count=n, reason=plan.reason)
-            if plan.promotions:
-                events.publish("promotion", pool=plan.pool,
-                               tenant=cause.tenant if cause else "",
-                               request_id=cause.request_id if cause else "",
-                               count=len(plan.promotions), reason=plan.reason,
-                               stall_s=f"{stall_s:.6f}")
-
+        if plan.reason is Reason.ACCESS and stall_s > 0:
+            self.stall_seconds(plan.pool, stall_s)
+        bus = self.bus
+        if not bus.subscriptions:
+            return  # nobody watching: skip grouping the victims
+        cause = plan.cause
+        cause_tenant = cause.tenant if cause else ""
+        cause_request = cause.request_id if cause else ""
+        victims = Counter((m.block.request.request_id, m.block.request.tenant)
+                          for m in plan.demotions)
+        for (rid, tenant), n in victims.items():
+            bus.publish("eviction", pool=plan.pool, tenant=tenant, request_id=rid, count=n,
+                        reason=plan.reason, cause_tenant=cause_tenant,
+                        cause_request=cause_request)
+        # Blocks whose bytes were dropped came back as zeroed pages: the engine recomputes.
+        lost = Counter((m.block.request.request_id, m.block.request.tenant)
+                       for m in plan.promotions if m.kind is MoveKind.REMATERIALIZE)
+        for (rid, tenant), n in lost.items():
+            bus.publish("recompute", pool=plan.pool, tenant=tenant, request_id=rid, count=n,
+                        reason=plan.reason)
+        if plan.promotions:
+            bus.publish("promotion", pool=plan.pool, tenant=cause_tenant,
+                        request_id=cause_request, count=len(plan.promotions),
+                        reason=plan.reason, stall_s=f"{stall_s:.6f}")
 
 def publish_admitted(bus: EventBus, pool: str, admitted: list[Request]) -> None:
     """Queued requests that were admitted (by a release, a quota, room coming free)."""

@@ -17,13 +17,13 @@ from kvd.config import Config
 from kvd.core.bandwidth import Job, TransferClass
 from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
-from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvd.core.pool import Pool
 from kvd.core.transfer import Reason, TransferPlan
 from kvd.events import EventBus, publish_admitted
 from kvd.links import Transfer, TransferCancelled
 from kvd.memory.copier import chunk_runs, copy_between, page_runs
-from kvd.runtime import PoolRuntime
+from kvd.runtime import PoolRuntime, find_runtime
 
 log = structlog.get_logger("kvd.handoff")
 
@@ -60,12 +60,7 @@ class Handoffs:
         return request_id in self._handing_off
 
     def runtime(self, pool: str) -> PoolRuntime:
-        try:
-            return self.pools[pool]
-        except KeyError:
-            raise NotFound(
-                f"no pool {pool!r}; this kvd has {', '.join(sorted(self.pools))}"
-            ) from None
+        return find_runtime(self.pools, pool)
 
     def check_pair(self, src: PoolRuntime, dst: PoolRuntime) -> None:
         if src is dst:

@@ -32,7 +32,7 @@ from kvd.handoff import Handoffs
 from kvd.leases import LeaseTable
 from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
-from kvd.runtime import PoolRuntime, StartedAccess
+from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
 
 # A batch of more intent updates than SLICED (an engine step's worth; ~5 us each) is
 # checked and applied a slice at a time, with the loop served in between.
@@ -86,12 +86,7 @@ class Node:
     # ------------------------------------------------------------------ lookup
 
     def runtime(self, pool: str) -> PoolRuntime:
-        try:
-            return self.pools[pool or "default"]
-        except KeyError:
-            raise NotFound(
-                f"no pool {pool!r}; this kvd has {', '.join(sorted(self.pools))}"
-            ) from None
+        return find_runtime(self.pools, pool or "default")
 
     def runtime_of(self, request_id: str, scope: str | None = None) -> PoolRuntime:
         """The pool runtime of a request the caller may touch (scope: its tenant; None: any)."""
@@ -143,10 +138,7 @@ class Node:
         self.events.publish("admission", pool=rt.pool.name, tenant=tenant or "default",
                             request_id=request_id, count=result.projected_pages,
                             decision=result.decision, reason=result.reason)
-        for other in rt.pool.take_newly_admitted():
-            self.events.publish("admission", pool=rt.pool.name, tenant=other.tenant,
-                                request_id=other.request_id, count=other.projected_pages,
-                                decision=Decision.ADMITTED, reason="from the queue")
+        publish_admitted(self.events, rt.pool.name, rt.pool.take_newly_admitted())
         return result
 
     async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,

@@ -7,14 +7,14 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 import structlog
 
 from kvd.core.bandwidth import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
-from kvd.core.errors import BlocksInTransit, ResourceExhausted
+from kvd.core.errors import BlocksInTransit, NotFound, ResourceExhausted
 from kvd.core.pool import AccessResult, Pool
 from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer
@@ -111,10 +111,6 @@ class PoolRuntime:
             waiters[:] = [(p, e) for p, e in waiters if e is not event]
             if not waiters:
                 del self._queue_waiters[request_id]
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._plans)
 
     @property
     def num_in_flight(self) -> int:
@@ -474,6 +470,14 @@ class PoolRuntime:
     def close(self) -> None:
         for arena in self.arenas.values():
             arena.close()
+
+
+def find_runtime(pools: Mapping[str, PoolRuntime], name: str) -> PoolRuntime:
+    """The runtime of the pool called `name`, or NotFound listing the pools there are."""
+    try:
+        return pools[name]
+    except KeyError:
+        raise NotFound(f"no pool {name!r}; this kvd has {', '.join(sorted(pools))}") from None
 
 
 class StartedAccess:

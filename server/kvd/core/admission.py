@@ -84,8 +84,6 @@ class Admission:
         if not never and req.handoff_pool:
             state, why = self.reserver.state(req)
             never = why if state is Verdict.NEVER else ""
-        if never:
-            self.counters.num_rejected += 1
         return never
 
     def check_queue_share(self, tenant: str) -> None:
@@ -240,12 +238,14 @@ class Admission:
         req.reserved_pages += pages
         self.reserved_pages += pages
         self.tenancy.reserved_by_tenant[req.tenant] += pages
+        self.tenancy.demand_changed()
 
     def unreserve(self, req: Request) -> None:
         """req is gone: what was reserved for it is free to reserve again."""
         self.reserved_pages -= req.reserved_pages
         self.tenancy.reserved_by_tenant[req.tenant] -= req.reserved_pages
         req.reserved_pages = 0
+        self.tenancy.demand_changed()
 
     def reservation_state(self, tenant: str, projected: int, tokens: int
                           ) -> tuple[Verdict, str]:

@@ -24,7 +24,6 @@ from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import (
     AlreadyExists,
-    BlocksInTransit,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -35,7 +34,7 @@ from kvd.core.intent import IntentChange, Intents
 from kvd.core.pages import PageTable
 from kvd.core.policies import EvictionPolicy
 from kvd.core.reads import AccessResult, Reads
-from kvd.core.requests import RequestTable, resolve
+from kvd.core.requests import RequestTable, check_still, resolve
 from kvd.core.reservation import Reservations, Reserver
 from kvd.core.tenancy import Tenancy
 from kvd.core.tier import TierPages
@@ -53,7 +52,7 @@ def _after_reads(method):
     def wrapper(self, *args, **kwargs):
         reads = self.reads
         if reads.pending:
-            reads.record(reads.take())
+            self.record_reads()
         reads.forget()
         return method(self, *args, **kwargs)
 
@@ -195,6 +194,7 @@ class Pool:
                       output_tokens=output_tokens)
         never = self.admission.judge(req)
         if never:
+            self.counters.num_rejected += 1
             return AdmitResult(Decision.REJECTED, never, 0, projected)
         self.admission.check_queue_share(tenant)
         req.account = self.attribution.open(request_id, tenant)
@@ -295,7 +295,6 @@ class Pool:
             plan.allocated.append(block)
         if growth:
             self.admission.reserve(req, growth)
-            self.tenancy.demand_changed()
         pages.note_peak()
         return plan
 
@@ -416,9 +415,7 @@ class Pool:
         """Give back some blocks of a request; their indices stay unused."""
         req = self.get_admitted(request_id)
         blocks = resolve(req, indices)
-        busy = [b for b in blocks if b.moving]
-        if busy:
-            raise BlocksInTransit(busy)
+        check_still(blocks)
         for b in blocks:
             self.pages.discard(b)
         return len(blocks)
@@ -434,15 +431,12 @@ class Pool:
             del self.requests[request_id]
             return 0, self.admission.admit_from_queue()
         live = req.live_blocks()
-        busy = [b for b in live if b.moving]
-        if busy:
-            raise BlocksInTransit(busy)
+        check_still(live)
         for b in live:
             self.pages.discard(b)
         self.attribution.close(request_id)
         self.admission.unreserve(req)
         del self.requests[request_id]
-        self.tenancy.demand_changed()
         return len(live), self.admission.admit_from_queue()
 
     @_after_reads

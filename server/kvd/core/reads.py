@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import BlocksInTransit, HostShort
-from kvd.core.requests import resolve
+from kvd.core.errors import HostShort
+from kvd.core.requests import check_still, resolve
 from kvd.core.tenancy import Tenancy
 from kvd.core.transfer import Reason, TransferPlan
 
@@ -190,9 +190,7 @@ class Reads:
                         pages.hold_one(holder, b)
             return AccessResult(None, None, req)
         blocks = resolve(req, indices)
-        busy = [b for b in blocks if b.moving]
-        if busy:
-            raise BlocksInTransit(busy)
+        check_still(blocks)
         missing = [b for b in blocks if b.tier is not TierKind.DEVICE]
         counters = self.counters
         plan = None

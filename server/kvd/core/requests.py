@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvd.core.blocks import Block, Request, RequestState
-from kvd.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from kvd.core.errors import BlocksInTransit, FailedPrecondition, InvalidArgument, NotFound
 
 
 class RequestTable(dict[str, Request]):
@@ -61,3 +61,10 @@ def resolve(req: Request, indices: Sequence[int] | None) -> list[Block]:
     if len(set(indices)) != len(indices):
         raise InvalidArgument(f"duplicate block indices for request {req.request_id!r}")
     return blocks
+
+
+def check_still(blocks: list[Block]) -> None:
+    """BlocksInTransit (naming them, for the caller to wait on) if any block is moving."""
+    busy = [b for b in blocks if b.moving]
+    if busy:
+        raise BlocksInTransit(busy)

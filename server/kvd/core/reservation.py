@@ -18,8 +18,8 @@ from kvd.core.attribution import Attribution
 from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import AlreadyExists, BlocksInTransit, FailedPrecondition, ResourceExhausted
-from kvd.core.requests import RequestTable
+from kvd.core.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+from kvd.core.requests import RequestTable, check_still
 from kvd.core.tenancy import Tenancy
 
 if TYPE_CHECKING:
@@ -104,7 +104,6 @@ class Reservations:
         self.requests[request_id] = req
         self._unclaimed[request_id] = req
         self.admission.reserve(req, projected)
-        self.tenancy.demand_changed()
         return req
 
     def claim(self, request_id: str) -> Request:
@@ -143,9 +142,7 @@ class Reservations:
         """Hold a request's blocks still while they are copied to another pool: none may be
         evicted, freed or moved until end_handoff."""
         live = req.live_blocks()
-        busy = [b for b in live if b.moving]
-        if busy:
-            raise BlocksInTransit(busy)
+        check_still(live)
         dropped = [b.index for b in live if b.tier is TierKind.NONE]
         if dropped:
             raise FailedPrecondition(
