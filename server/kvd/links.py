@@ -140,21 +140,6 @@ class Link:
                 pass
             self._task = None
 
-    def stats(self, now: float) -> dict:
-        s = self.sched
-        return {
-            "name": s.name,
-            "capacity_bps": s.capacity_bps,
-            "burst_bytes": s.burst_bytes,
-            "scheduling": s.scheduling,
-            "bytes_total": s.meter.bytes_total,
-            "jobs_total": s.meter.jobs_total,
-            "busy_s": self.busy_s,
-            "bytes_last_s": s.meter.bytes_in_last(1, now),
-            "queues": s.queue_depths(),
-            "by_tenant": dict(s.meter.by_tenant),
-        }
-
 
 def _fail(transfer: Transfer, exc: BaseException) -> None:
     if not transfer.future.done():

@@ -8,7 +8,6 @@ Every metric is listed, one line each, in deploy/README.md.
 from __future__ import annotations
 
 import asyncio
-import time
 from bisect import bisect_left
 
 import structlog
@@ -18,6 +17,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvd.core.admission import Decision
+from kvd.stats import LinkFigures, NodeFigures, PoolFigures, node_figures
 
 log = structlog.get_logger("kvd.metrics")
 
@@ -75,186 +75,157 @@ def observe_rpc(method: str, code: str, seconds: float) -> None:
     RPC_SECONDS.observe((method, code), seconds)
 
 
-def _snapshot(node) -> dict:
-    """Everything a scrape reports, read on the event loop (consistent, and race-free)."""
-    pools = []
-    for name, rt in node.pools.items():
-        pool = rt.pool
-        pool.snapshot()  # the counters include the reads of the last steps
-        c = pool.counters
-        att, ten = pool.attribution, pool.tenancy
-        pools.append({
-            "pool": name,
-            "policy": pool.policy.name,
-            "page_bytes": pool.page_bytes,
-            "backends": {k: a.backend for k, a in rt.arenas.items()},
-            "tiers": {"device": (pool.device.capacity, pool.device.num_used, pool.num_pinned),
-                      "host": (pool.host.capacity, pool.host.num_used, 0)},
-            "queue": len(pool.queue),
-            "in_flight": rt.num_in_flight,
-            "held": pool.num_held,
-            "stuck": len(node.stuck.get(name, ())),
-            "counters": {k: getattr(c, k) for k in (
-                "num_admitted", "num_queued", "num_rejected", "num_demotions",
-                "num_promotions", "num_drops", "num_prefetches", "num_lost_blocks",
-                "num_decode_critical_accesses", "num_decode_critical_misses",
-                "num_deadline_misses", "stall_seconds_total")},
-            "evictions": dict(att.evictions_by_pair),
-            "stall_by_cause": dict(att.stall_s_by_cause),
-            "tenants": {t: (ten.device_by_tenant[t], ten.fair_share(t), ten.guaranteed(t),
-                            ten.quota(t).limit or 0, ten.reserved_by_tenant[t],
-                            ten.queued_by_tenant[t])
-                        for t in ten.names()},
-            "reads": {t: n * pool.page_bytes for t, n in ten.blocks_read_by_tenant.items()},
-            "handoff_reserved": pool.handoff_reserved_pages(),
-        })
-    now = node.clock.now()
-    links = [link.stats(now) for link in node.links()]
-    leases = node.leases
-    return {"pools": pools, "uptime_s": time.time() - node.started_at, "links": links,
-            "handoffs": dict(node.handoff_counts),
-            "leases": (len(leases.leases), leases.num_expired, leases.num_requests_released)}
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=labels)
 
 
 class KvdCollector(Collector):
+    """The node's figures (kvd.stats, the builder GetPoolStats and ListTenants use too), taken
+    on the event loop at scrape time, as Prometheus families."""
+
     def __init__(self, node, loop: asyncio.AbstractEventLoop) -> None:
         self.node = node
         self.loop = loop
 
-    async def _take(self) -> dict:
-        return _snapshot(self.node)
+    async def _take(self) -> NodeFigures:
+        return node_figures(self.node)
 
     def collect(self):
-        s = asyncio.run_coroutine_threadsafe(self._take(), self.loop).result(timeout=5)
-
-        def gauge(name, doc, labels):
-            return GaugeMetricFamily(name, doc, labels=labels)
-
-        def counter(name, doc, labels):
-            return CounterMetricFamily(name, doc, labels=labels)
-
-        up = gauge("kvd_uptime_seconds", "Seconds since kvd started", [])
-        up.add_metric([], s["uptime_s"])
+        figures = asyncio.run_coroutine_threadsafe(self._take(), self.loop).result(timeout=5)
+        up = _gauge("kvd_uptime_seconds", "Seconds since kvd started", [])
+        up.add_metric([], figures.uptime_s)
         yield up
-        info = gauge("kvd_pool_info", "A pool's policy, page size and tier backends (value 1)",
-                     ["pool", "policy", "page_bytes", "device_backend", "host_backend"])
-        pages = gauge("kvd_pool_pages", "Pages by pool, tier and state", ["pool", "tier", "state"])
-        queue = gauge("kvd_admission_queue_depth", "Requests waiting for admission", ["pool"])
-        flight = gauge("kvd_transfers_in_flight", "Transfer plans being copied", ["pool"])
-        adm = counter("kvd_admissions", "Admission decisions", ["pool", "decision"])
-        moves = counter("kvd_page_moves", "Pages moved between tiers", ["pool", "direction"])
-        moved = counter("kvd_moved_bytes", "Bytes copied between tiers", ["pool", "direction"])
-        drops = counter("kvd_drops", "Pages dropped for the engine to recompute", ["pool"])
-        lost = counter("kvd_lost_blocks", "Dropped blocks handed back zeroed, flagged for the "
-                       "engine to recompute", ["pool"])
-        stuck = gauge("kvd_stuck_transfers", "Transfers in flight without progress past the "
-                      "bound, or blocks in transit that nothing owns (should be 0)", ["pool"])
-        pre = counter("kvd_prefetches", "Blocks promoted ahead of their access", ["pool"])
-        dca = counter("kvd_decode_critical_accesses", "Reads of decode-critical blocks", ["pool"])
-        dcm = counter("kvd_decode_critical_misses",
-                      "Decode-critical reads that found the block off the device", ["pool"])
-        dlm = counter("kvd_deadline_misses", "Blocks made resident after their deadline",
-                      ["pool"])
-        stall = counter("kvd_stall_seconds_by_cause",
-                        "Memory stall of a tenant's requests, by the tenant whose evictions "
-                        "caused it", ["pool", "tenant", "cause_tenant"])
-        ev = counter("kvd_evictions", "Pages evicted from the device tier",
-                     ["pool", "policy", "victim_tenant", "cause_tenant"])
-        t_pages = gauge("kvd_tenant_device_pages", "Device pages a tenant holds",
-                        ["pool", "tenant"])
-        t_share = gauge("kvd_tenant_fair_share_pages", "A tenant's fair share of the device tier",
-                        ["pool", "tenant"])
-        t_guar = gauge("kvd_tenant_guaranteed_pages", "A tenant's guaranteed pages",
-                       ["pool", "tenant"])
-        t_lim = gauge("kvd_tenant_limit_pages", "A tenant's page limit (0: none)",
-                      ["pool", "tenant"])
-        t_res = gauge("kvd_tenant_reserved_pages", "Pages reserved by a tenant's requests",
-                      ["pool", "tenant"])
-        t_q = gauge("kvd_tenant_queued_pages", "Pages a tenant's queued requests ask for",
-                    ["pool", "tenant"])
-        for p in s["pools"]:
-            name = p["pool"]
-            info.add_metric([name, p["policy"], str(p["page_bytes"]), p["backends"]["device"],
-                             p["backends"]["host"]], 1)
-            for tier, (capacity, used, pinned) in p["tiers"].items():
-                pages.add_metric([name, tier, "used"], used)
-                pages.add_metric([name, tier, "free"], capacity - used)
-                if tier == "device":
-                    pages.add_metric([name, tier, "pinned"], pinned)
-                    pages.add_metric([name, tier, "held"], p["held"])
-            queue.add_metric([name], p["queue"])
-            flight.add_metric([name], p["in_flight"])
-            c = p["counters"]
-            for decision in Decision:
-                adm.add_metric([name, decision], c[f"num_{decision}"])
-            moves.add_metric([name, "device_to_host"], c["num_demotions"])
-            moves.add_metric([name, "host_to_device"], c["num_promotions"])
-            moved.add_metric([name, "device_to_host"], c["num_demotions"] * p["page_bytes"])
-            moved.add_metric([name, "host_to_device"], c["num_promotions"] * p["page_bytes"])
-            drops.add_metric([name], c["num_drops"])
-            lost.add_metric([name], c["num_lost_blocks"])
-            stuck.add_metric([name], p["stuck"])
-            pre.add_metric([name], c["num_prefetches"])
-            dca.add_metric([name], c["num_decode_critical_accesses"])
-            dcm.add_metric([name], c["num_decode_critical_misses"])
-            dlm.add_metric([name], c["num_deadline_misses"])
-            for (victim, cause), seconds in p["stall_by_cause"].items():
-                stall.add_metric([name, victim, cause or "(engine)"], seconds)
-            for (victim, cause, policy), n in p["evictions"].items():
-                ev.add_metric([name, policy, victim, cause or "(engine)"], n)
-            for tenant, (used, share, guaranteed, limit, reserved, queued) in p["tenants"].items():
-                t_pages.add_metric([name, tenant], used)
-                t_share.add_metric([name, tenant], share)
-                t_guar.add_metric([name, tenant], guaranteed)
-                t_lim.add_metric([name, tenant], limit)
-                t_res.add_metric([name, tenant], reserved)
-                t_q.add_metric([name, tenant], queued)
-        yield from (info, pages, queue, flight, adm, moves, moved, drops, lost, stuck, pre,
-                    dca, dcm, dlm,
-                    stall, ev, t_pages, t_share, t_guar, t_lim, t_res, t_q)
-        cap = gauge("kvd_link_capacity_bytes_per_second", "A link's configured or measured "
-                    "capacity", ["link", "scheduling"])
-        lbytes = counter("kvd_link_bytes", "Bytes a link moved, by the tenant that paid",
-                         ["link", "tenant"])
-        busy = counter("kvd_link_busy_seconds", "Seconds a link spent copying", ["link"])
-        lq = gauge("kvd_link_queued_transfers", "Transfers waiting on a link, by class",
-                   ["link", "transfer_class"])
-        lqb = gauge("kvd_link_queued_bytes", "Bytes waiting on a link, by class",
-                    ["link", "transfer_class"])
-        for link in s["links"]:
-            cap.add_metric([link["name"], link["scheduling"]], link["capacity_bps"])
-            for tenant, n in link["by_tenant"].items():
-                lbytes.add_metric([link["name"], tenant], n)
-            busy.add_metric([link["name"]], link["busy_s"])
-            for cls, (jobs, nbytes) in link["queues"].items():
-                lq.add_metric([link["name"], cls], jobs)
-                lqb.add_metric([link["name"], cls], nbytes)
-        reads = counter("kvd_read_bytes", "Attention reads engines reported (blocks accessed), "
-                        "in bytes", ["pool", "tenant"])
-        hres = gauge("kvd_handoff_reserved_pages", "Pages a pool holds for requests not yet "
-                     "handed off to it", ["pool"])
-        for p in s["pools"]:
-            for tenant, n in p["reads"].items():
-                reads.add_metric([p["pool"], tenant], n)
-            hres.add_metric([p["pool"]], p["handoff_reserved"])
-        hand = counter("kvd_handoffs", "Handoffs by outcome (completed, rolled_back, failed, "
-                       "refused, cancelled, reservations_expired)", ["outcome"])
-        for outcome, n in s["handoffs"].items():
-            if outcome != "bytes":
-                hand.add_metric([outcome], n)
-        hbytes = counter("kvd_handoff_bytes", "Bytes handed off between pools", [])
-        hbytes.add_metric([], s["handoffs"].get("bytes", 0))
-        yield from (cap, lbytes, busy, lq, lqb, reads, hres, hand, hbytes)
-        active, expired, released = s["leases"]
-        g = gauge("kvd_leases", "Client leases kvd is tracking", [])
-        g.add_metric([], active)
-        yield g
-        e = counter("kvd_lease_expirations", "Leases expired (their client went silent)", [])
-        e.add_metric([], expired)
-        yield e
-        r = counter("kvd_lease_released_requests", "Requests released by lease expiry", [])
-        r.add_metric([], released)
-        yield r
+        yield from _pool_families(figures.pools)
+        yield from _tenant_families(figures.pools)
+        yield from _link_families(figures.links)
+        yield from _node_families(figures)
+
+
+def _pool_families(pools: list[PoolFigures]):
+    info = _gauge("kvd_pool_info", "A pool's policy, page size and tier backends (value 1)",
+                  ["pool", "policy", "page_bytes", "device_backend", "host_backend"])
+    pages = _gauge("kvd_pool_pages", "Pages by pool, tier and state", ["pool", "tier", "state"])
+    queue = _gauge("kvd_admission_queue_depth", "Requests waiting for admission", ["pool"])
+    flight = _gauge("kvd_transfers_in_flight", "Transfer plans being copied", ["pool"])
+    adm = _counter("kvd_admissions", "Admission decisions", ["pool", "decision"])
+    moves = _counter("kvd_page_moves", "Pages moved between tiers", ["pool", "direction"])
+    moved = _counter("kvd_moved_bytes", "Bytes copied between tiers", ["pool", "direction"])
+    stuck = _gauge("kvd_stuck_transfers", "Transfers in flight without progress past the "
+                   "bound, or blocks in transit that nothing owns (should be 0)", ["pool"])
+    hres = _gauge("kvd_handoff_reserved_pages", "Pages a pool holds for requests not yet "
+                  "handed off to it", ["pool"])
+    # Counters of the core with one label, the pool: (family, PoolCounters field).
+    plain = [(_counter(name, doc, ["pool"]), field) for name, doc, field in (
+        ("kvd_drops", "Pages dropped for the engine to recompute", "num_drops"),
+        ("kvd_lost_blocks", "Dropped blocks handed back zeroed, flagged for the engine to "
+         "recompute", "num_lost_blocks"),
+        ("kvd_prefetches", "Blocks promoted ahead of their access", "num_prefetches"),
+        ("kvd_decode_critical_accesses", "Reads of decode-critical blocks",
+         "num_decode_critical_accesses"),
+        ("kvd_decode_critical_misses", "Decode-critical reads that found the block off the "
+         "device", "num_decode_critical_misses"),
+        ("kvd_deadline_misses", "Blocks made resident after their deadline",
+         "num_deadline_misses"))]
+    for p in pools:
+        name, c = p.name, p.counters
+        info.add_metric([name, p.policy, str(p.page_bytes), p.device.backend, p.host.backend], 1)
+        for tier in p.tiers:
+            label = tier.kind.name.lower()
+            pages.add_metric([name, label, "used"], tier.used)
+            pages.add_metric([name, label, "free"], tier.free)
+        pages.add_metric([name, "device", "pinned"], p.device.pinned)
+        pages.add_metric([name, "device", "held"], p.held_pages)
+        queue.add_metric([name], p.num_queued)
+        flight.add_metric([name], p.in_flight)
+        stuck.add_metric([name], p.stuck)
+        hres.add_metric([name], p.handoff_reserved_pages)
+        for decision in Decision:
+            adm.add_metric([name, decision], getattr(c, f"num_{decision}"))
+        for direction, n in (("device_to_host", c.num_demotions),
+                             ("host_to_device", c.num_promotions)):
+            moves.add_metric([name, direction], n)
+            moved.add_metric([name, direction], n * p.page_bytes)
+        for family, field in plain:
+            family.add_metric([name], getattr(c, field))
+    yield from (info, pages, queue, flight, adm, moves, moved, stuck, hres)
+    yield from (family for family, _ in plain)
+
+
+def _tenant_families(pools: list[PoolFigures]):
+    stall = _counter("kvd_stall_seconds_by_cause",
+                     "Memory stall of a tenant's requests, by the tenant whose evictions "
+                     "caused it", ["pool", "tenant", "cause_tenant"])
+    ev = _counter("kvd_evictions", "Pages evicted from the device tier",
+                  ["pool", "policy", "victim_tenant", "cause_tenant"])
+    reads = _counter("kvd_read_bytes", "Attention reads engines reported (blocks accessed), "
+                     "in bytes", ["pool", "tenant"])
+    labels = ["pool", "tenant"]
+    gauges = [(_gauge(name, doc, labels), field) for name, doc, field in (
+        ("kvd_tenant_device_pages", "Device pages a tenant holds", "device_pages"),
+        ("kvd_tenant_fair_share_pages", "A tenant's fair share of the device tier",
+         "fair_share_pages"),
+        ("kvd_tenant_guaranteed_pages", "A tenant's guaranteed pages", "guaranteed_pages"),
+        ("kvd_tenant_reserved_pages", "Pages reserved by a tenant's requests",
+         "reserved_pages"),
+        ("kvd_tenant_queued_pages", "Pages a tenant's queued requests ask for",
+         "queued_pages"))]
+    limit = _gauge("kvd_tenant_limit_pages", "A tenant's page limit (0: none)", labels)
+    for p in pools:
+        for (victim, cause), seconds in p.stall_by_cause.items():
+            stall.add_metric([p.name, victim, cause or "(engine)"], seconds)
+        for (victim, cause, policy), n in p.evictions.items():
+            ev.add_metric([p.name, policy, victim, cause or "(engine)"], n)
+        for t in p.tenants:
+            for family, field in gauges:
+                family.add_metric([p.name, t.tenant], getattr(t, field))
+            limit.add_metric([p.name, t.tenant], t.quota.limit or 0)
+            if t.bytes_read:
+                reads.add_metric([p.name, t.tenant], t.bytes_read)
+    yield from (stall, ev, reads, limit)
+    yield from (family for family, _ in gauges)
+
+
+def _link_families(links: list[LinkFigures]):
+    cap = _gauge("kvd_link_capacity_bytes_per_second", "A link's configured or measured "
+                 "capacity", ["link", "scheduling"])
+    lbytes = _counter("kvd_link_bytes", "Bytes a link moved, by the tenant that paid",
+                      ["link", "tenant"])
+    busy = _counter("kvd_link_busy_seconds", "Seconds a link spent copying", ["link"])
+    lq = _gauge("kvd_link_queued_transfers", "Transfers waiting on a link, by class",
+                ["link", "transfer_class"])
+    lqb = _gauge("kvd_link_queued_bytes", "Bytes waiting on a link, by class",
+                 ["link", "transfer_class"])
+    for link in links:
+        cap.add_metric([link.name, link.scheduling], link.capacity_bps)
+        for t in link.tenants:
+            if t.bytes:
+                lbytes.add_metric([link.name, t.tenant], t.bytes)
+        busy.add_metric([link.name], link.busy_s)
+        for cls, (jobs, nbytes) in link.queues.items():
+            lq.add_metric([link.name, cls], jobs)
+            lqb.add_metric([link.name, cls], nbytes)
+    yield from (cap, lbytes, busy, lq, lqb)
+
+
+def _node_families(figures: NodeFigures):
+    hand = _counter("kvd_handoffs", "Handoffs by outcome (completed, rolled_back, failed, "
+                    "refused, cancelled, reservations_expired)", ["outcome"])
+    for outcome, n in figures.handoffs.items():
+        if outcome != "bytes":
+            hand.add_metric([outcome], n)
+    hbytes = _counter("kvd_handoff_bytes", "Bytes handed off between pools", [])
+    hbytes.add_metric([], figures.handoffs.get("bytes", 0))
+    leases = _gauge("kvd_leases", "Client leases kvd is tracking", [])
+    leases.add_metric([], figures.leases_active)
+    expired = _counter("kvd_lease_expirations", "Leases expired (their client went silent)", [])
+    expired.add_metric([], figures.leases_expired)
+    released = _counter("kvd_lease_released_requests", "Requests released by lease expiry", [])
+    released.add_metric([], figures.lease_released_requests)
+    yield from (hand, hbytes, leases, expired, released)
 
 
 def serve_metrics(address: str, node, loop):

@@ -25,7 +25,6 @@ from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
 from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange
 from kvd.core.invariants import check_pool
-from kvd.core.pool import Pool
 from kvd.core.reservation import PoolReserver
 from kvd.events import EventBus, PlanEvents, publish_admitted
 from kvd.handoff import Handoffs
@@ -377,16 +376,6 @@ class Node:
                      max_request_pages=new.max_request_pages,
                      max_request_fraction=new.max_request_fraction)
         return [rt.pool.name for rt in runtimes]
-
-    def tenants(self, pool: str = "") -> list[tuple[str, Pool]]:
-        """(tenant, pool) pairs known to each pool: declared or seen."""
-        runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
-        out = []
-        for rt in runtimes:
-            p = rt.pool
-            names = p.tenancy.names()
-            out += [(name, p) for name in sorted(names)]
-        return out
 
     async def evict(self, pool: str, num_pages: int) -> list:
         rt = self.runtime(pool)

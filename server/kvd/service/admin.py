@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from kvd import stats
 from kvd.core import errors
 from kvd.core.policies import policy_names
 from kvd.node import Node
 from kvd.service.auth import Authenticator
 from kvd.service.gate import CallGate
-from kvd.service.memory import link_stats
+from kvd.service.convert import link_stats, tenant_info
 from kvd.service.status import unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
@@ -46,8 +47,7 @@ class AdminService(pb_grpc.AdminServicer):
     @unary
     async def ListTenants(self, request, caller):
         self.auth.require_admin(caller)
-        return pb.ListTenantsResponse(
-            tenants=[tenant_info(t, p, self.node) for t, p in self.node.tenants(request.pool)])
+        return pb.ListTenantsResponse(tenants=self._tenants(request.pool))
 
     @unary
     async def SetQuota(self, request, caller):
@@ -69,9 +69,7 @@ class AdminService(pb_grpc.AdminServicer):
             if key in changes and not changes[key]:
                 changes[key] = None
         self.node.set_quota(request.tenant, request.pool, **changes)
-        return pb.SetQuotaResponse(tenants=[
-            tenant_info(t, p, self.node) for t, p in self.node.tenants(request.pool)
-            if t == request.tenant])
+        return pb.SetQuotaResponse(tenants=self._tenants(request.pool, request.tenant))
 
     @unary
     async def ListRequests(self, request, caller):
@@ -101,35 +99,11 @@ class AdminService(pb_grpc.AdminServicer):
     @unary
     async def ListLinks(self, request, caller):
         self.auth.require_admin(caller)
-        return pb.ListLinksResponse(links=[link_stats(link, self.node)
+        return pb.ListLinksResponse(links=[link_stats(stats.link_figures(self.node, link))
                                            for link in self.node.links()])
 
-
-def tenant_info(tenant: str, pool, node) -> pb.TenantInfo:
-    pool.snapshot()  # bytes_read includes the reads of the last steps
-    quota = pool.tenancy.quota(tenant)
-    att = pool.attribution
-    moved = sum(link.sched.meter.by_tenant.get(tenant, 0) for link in node.links_of(pool.name))
-    return pb.TenantInfo(
-        tenant=tenant,
-        pool=pool.name,
-        weight=quota.weight,
-        guaranteed_pages=quota.guaranteed,
-        limit_pages=quota.limit or 0,
-        max_request_pages=quota.max_request_pages or 0,
-        max_request_fraction=quota.max_request_fraction or 0.0,
-        device_pages=pool.tenancy.device_by_tenant[tenant],
-        reserved_pages=pool.tenancy.reserved_by_tenant[tenant],
-        queued_pages=pool.tenancy.queued_by_tenant[tenant],
-        fair_share_pages=pool.tenancy.fair_share(tenant),
-        evictions_suffered=att.evictions_suffered[tenant],
-        evictions_caused=att.evictions_caused[tenant],
-        stalls_by_cause=[pb.TenantStallByCause(cause_tenant=cause, stall_seconds=secs)
-                         for (victim, cause), secs in att.stall_s_by_cause.most_common()
-                         if victim == tenant],
-        pinned_pages=pool.tenancy.pinned_by_tenant[tenant],
-        bytes_moved=moved,
-        bytes_read=pool.tenancy.blocks_read_by_tenant[tenant] * pool.page_bytes,
-        bandwidth_cap_bytes_per_s=quota.bandwidth_cap or 0.0,
-        read_budget_bytes_per_s=quota.read_budget or 0.0,
-    )
+    def _tenants(self, pool: str, tenant: str | None = None) -> list[pb.TenantInfo]:
+        """Each pool's tenants (one pool's, and only `tenant` when given)."""
+        runtimes = [self.node.runtime(pool)] if pool else list(self.node.pools.values())
+        return [tenant_info(t) for rt in runtimes
+                for t in stats.pool_figures(self.node, rt, tenant).tenants]

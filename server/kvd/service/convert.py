@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvd.core.admission import Decision
-from kvd.core.blocks import Block
+from kvd.core.blocks import Block, TierKind
 from kvd.core.intent import IntentChange
+from kvd.stats import LinkFigures, PoolFigures, TenantFigures
 from kvd_api.v1 import kvd_pb2 as pb
 
 DECISIONS = {
@@ -44,3 +45,56 @@ def handle(block: Block, page_bytes: int, ns: int = 0) -> pb.PageHandle:
 
 def indices(message) -> list[int] | None:
     return None if message.all_blocks else list(message.block_indices)
+
+
+_TIERS = {TierKind.DEVICE: pb.TIER_DEVICE, TierKind.HOST: pb.TIER_HOST}
+
+
+def link_stats(f: LinkFigures) -> pb.LinkStats:
+    return pb.LinkStats(
+        link=f.name, capacity_bytes_per_s=f.capacity_bps, burst_bytes=f.burst_bytes,
+        scheduling=f.scheduling, bytes_total=f.bytes_total, transfers_total=f.transfers_total,
+        utilisation=f.bytes_last_s / f.capacity_bps, busy_seconds=f.busy_s,
+        queues=[pb.LinkStats.Queue(transfer_class=cls, transfers=n, bytes=b)
+                for cls, (n, b) in f.queues.items()],
+        tenants=[pb.LinkStats.TenantBytes(tenant=t.tenant, bytes=t.bytes, weight=t.weight,
+                                          cap_bytes_per_s=t.cap_bytes_per_s)
+                 for t in f.tenants])
+
+
+def tenant_info(f: TenantFigures) -> pb.TenantInfo:
+    q = f.quota
+    return pb.TenantInfo(
+        tenant=f.tenant, pool=f.pool, weight=q.weight, guaranteed_pages=q.guaranteed,
+        limit_pages=q.limit or 0, max_request_pages=q.max_request_pages or 0,
+        max_request_fraction=q.max_request_fraction or 0.0,
+        device_pages=f.device_pages, reserved_pages=f.reserved_pages,
+        queued_pages=f.queued_pages, fair_share_pages=f.fair_share_pages,
+        evictions_suffered=f.evictions_suffered, evictions_caused=f.evictions_caused,
+        stalls_by_cause=[pb.TenantStallByCause(cause_tenant=cause, stall_seconds=secs)
+                         for cause, secs in f.stalls_by_cause],
+        pinned_pages=f.pinned_pages, bytes_moved=f.bytes_moved, bytes_read=f.bytes_read,
+        bandwidth_cap_bytes_per_s=q.bandwidth_cap or 0.0,
+        read_budget_bytes_per_s=q.read_budget or 0.0)
+
+
+def pool_stats(f: PoolFigures) -> pb.PoolStats:
+    c = f.counters
+    return pb.PoolStats(
+        pool=f.name, policy=f.policy, page_bytes=f.page_bytes, block_tokens=f.block_tokens,
+        tiers=[pb.TierStats(tier=_TIERS[t.kind], backend=t.backend, capacity_pages=t.capacity,
+                            used_pages=t.used, free_pages=t.free, pinned_pages=t.pinned)
+               for t in f.tiers],
+        num_requests=f.num_requests, num_queued=f.num_queued,
+        reserved_pages=f.reserved_pages, num_evictions=c.num_evictions,
+        num_demotions=c.num_demotions, num_promotions=c.num_promotions,
+        num_drops=c.num_drops, bytes_moved=c.bytes_moved,
+        num_decode_critical_accesses=c.num_decode_critical_accesses,
+        num_decode_critical_misses=c.num_decode_critical_misses,
+        num_deadline_misses=c.num_deadline_misses,
+        stall_seconds_total=c.stall_seconds_total, peak_device_pages=c.peak_device_pages,
+        num_prefetches=c.num_prefetches, num_accesses=c.num_accesses,
+        num_misses=c.num_misses, links=[link_stats(link) for link in f.links],
+        bytes_read=f.bytes_read, handoff_reserved_pages=f.handoff_reserved_pages,
+        num_admitted=c.num_admitted, num_lost_blocks=c.num_lost_blocks,
+        held_pages=f.held_pages)

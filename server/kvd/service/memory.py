@@ -12,10 +12,11 @@ import structlog
 
 from kvd import __version__
 from kvd.core import errors
-from kvd.core.blocks import TierKind
 from kvd.core.pool import AccessResult
 from kvd.node import Node
 from kvd.events import KINDS
+from kvd import stats
+from kvd.service import convert
 from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
 from kvd.metrics import observe_rpc
 from kvd.service.auth import Authenticator, namespace, unprefixed
@@ -191,7 +192,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         runtimes = (
             [self.node.runtime(request.pool)] if request.pool else self.node.pools.values()
         )
-        return pb.GetPoolStatsResponse(pools=[pool_stats(rt, self.node) for rt in runtimes],
+        return pb.GetPoolStatsResponse(pools=[convert.pool_stats(stats.pool_figures(self.node, rt))
+                                              for rt in runtimes],
                                        uptime_s=time.time() - self.node.started_at,
                                        version=__version__)
 
@@ -593,72 +595,3 @@ def _redact(tenant: str, request_id: str, scope: str | None) -> str:
     if scope is None:
         return request_id
     return request_id.removeprefix(namespace(scope)) if tenant == scope else ""
-
-
-def link_stats(link, node) -> pb.LinkStats:
-    """A link's figures; weights and caps are those of the pool it leaves."""
-    now = node.clock.now()
-    s = link.stats(now)
-    pool = node.runtime(link.source_pool).pool
-    tenants = []
-    for tenant in sorted(set(s["by_tenant"]) | set(link.sched.capped_tenants())):
-        cap = link.sched.tenant_cap(tenant)
-        tenants.append(pb.LinkStats.TenantBytes(
-            tenant=tenant, bytes=s["by_tenant"].get(tenant, 0), weight=pool.tenancy.quota(tenant).weight,
-            cap_bytes_per_s=cap.rate if cap else 0.0))
-    return pb.LinkStats(
-        link=s["name"], capacity_bytes_per_s=s["capacity_bps"], burst_bytes=s["burst_bytes"],
-        scheduling=s["scheduling"], bytes_total=s["bytes_total"],
-        transfers_total=s["jobs_total"], utilisation=s["bytes_last_s"] / s["capacity_bps"],
-        busy_seconds=s["busy_s"],
-        queues=[pb.LinkStats.Queue(transfer_class=cls, transfers=n, bytes=b)
-                for cls, (n, b) in s["queues"].items()],
-        tenants=tenants)
-
-
-def pool_stats(rt, node) -> pb.PoolStats:
-    pool = rt.pool
-    pool.snapshot()  # the counters include the reads of the last steps
-    c = pool.counters
-    tiers = []
-    for tier, pages, key in ((pb.TIER_DEVICE, pool.device, "device"),
-                             (pb.TIER_HOST, pool.host, "host")):
-        tiers.append(
-            pb.TierStats(
-                tier=tier,
-                backend=rt.arenas[key].backend,
-                capacity_pages=pages.capacity,
-                used_pages=pages.num_used,
-                free_pages=pages.num_free,
-                pinned_pages=pool.num_pinned if pages.kind is TierKind.DEVICE else 0,
-            )
-        )
-    return pb.PoolStats(
-        pool=pool.name,
-        policy=pool.policy.name,
-        page_bytes=pool.page_bytes,
-        block_tokens=pool.block_tokens,
-        tiers=tiers,
-        num_requests=len(pool.requests) - len(pool.queue),
-        num_queued=len(pool.queue),
-        reserved_pages=pool.reserved_pages,
-        num_evictions=c.num_evictions,
-        num_demotions=c.num_demotions,
-        num_promotions=c.num_promotions,
-        num_drops=c.num_drops,
-        bytes_moved=c.bytes_moved,
-        num_decode_critical_accesses=c.num_decode_critical_accesses,
-        num_decode_critical_misses=c.num_decode_critical_misses,
-        num_deadline_misses=c.num_deadline_misses,
-        stall_seconds_total=c.stall_seconds_total,
-        peak_device_pages=c.peak_device_pages,
-        num_prefetches=c.num_prefetches,
-        num_accesses=c.num_accesses,
-        num_misses=c.num_misses,
-        links=[link_stats(link, node) for link in node.links_of(pool.name)],
-        bytes_read=sum(pool.tenancy.blocks_read_by_tenant.values()) * pool.page_bytes,
-        handoff_reserved_pages=pool.handoff_reserved_pages(),
-        num_admitted=c.num_admitted,
-        num_lost_blocks=c.num_lost_blocks,
-        held_pages=pool.num_held,
-    )
