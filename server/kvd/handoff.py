@@ -14,7 +14,7 @@ import structlog
 
 from kvd.assembly import Links
 from kvd.config import Config
-from kvd.core.bandwidth import Job, TransferClass
+from kvd.core.jobs import Job, TransferClass
 from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
 from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from kvd.core.bandwidth import Job, LinkScheduler
+from kvd.core.bandwidth import LinkScheduler
+from kvd.core.jobs import Job
 from kvd.core.clock import Clock
 
 log = structlog.get_logger("kvd.links")

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import structlog
 
-from kvd.core.bandwidth import Job, TransferClass
+from kvd.core.jobs import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
 from kvd.core.errors import BlocksInTransit, NotFound, ResourceExhausted
 from kvd.core.pool import AccessResult, Pool

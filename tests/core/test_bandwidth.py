@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from kvd.core.bandwidth import Job, LinkScheduler, TokenBucket, TransferClass, split_chunks
+from kvd.core.bandwidth import LinkScheduler
+from kvd.core.jobs import Job, TokenBucket, TransferClass
 from kvd.core.clock import FakeClock
 
 MiB = 1 << 20
@@ -200,12 +201,6 @@ def test_can_start_now_only_on_an_idle_link_with_credit():
     assert sched.can_start_now(job(clock), clock.now())
     sched.submit(job(clock, tenant="q"))
     assert not sched.can_start_now(job(clock), clock.now())  # someone is waiting
-
-
-def test_split_chunks():
-    assert split_chunks(10, 100, 4) == [400, 400, 200]
-    assert split_chunks(8, 100, 4) == [400, 400]
-    assert split_chunks(0, 100, 4) == []
 
 
 def test_bad_arguments():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.core.blocks import TierKind
 from kvd.core.errors import ResourceExhausted
 from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange

@@ -78,7 +78,7 @@ class DaemonMachine(RuleBasedStateMachine):
         self.generation = 0
         self.holder = "engine"
 
-    async def _make(self) -> Daemon:
+    async def _make(self) -> Node:
         return Node(self.config)
 
     def teardown(self):

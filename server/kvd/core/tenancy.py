@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvd.core.bandwidth import TokenBucket
+from kvd.core.jobs import TokenBucket
 from kvd.core.blocks import Request
 from kvd.core.fairness import TenantQuota, water_fill
 
