@@ -6,10 +6,10 @@ from kvd import stats
 from kvd.core import errors
 from kvd.core.policies import policy_names
 from kvd.node import Node
-from kvd.service.auth import Authenticator
-from kvd.service.gate import CallGate
+from kvd.service.auth import Authenticator, Caller
 from kvd.service.convert import link_stats, tenant_info
-from kvd.service.status import unary
+from kvd.service.gate import CallGate
+from kvd.service.unary import unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -23,34 +23,36 @@ class AdminService(pb_grpc.AdminServicer):
         self._drain = drain
 
     @unary
-    async def SetPolicy(self, request, caller):
+    async def SetPolicy(self, request: pb.SetPolicyRequest, caller: Caller) -> pb.SetPolicyResponse:
         self.auth.require_admin(caller)
         previous = await self.node.set_policy(request.pool, request.policy)
         return pb.SetPolicyResponse(previous_policy=previous)
 
     @unary
-    async def ListPolicies(self, request, caller):
+    async def ListPolicies(self, request: pb.ListPoliciesRequest,
+                           caller: Caller) -> pb.ListPoliciesResponse:
         return pb.ListPoliciesResponse(policies=policy_names())
 
     @unary
-    async def SelfCheck(self, request, caller):
+    async def SelfCheck(self, request: pb.SelfCheckRequest, caller: Caller) -> pb.SelfCheckResponse:
         self.auth.require_admin(caller)
         problems = await self.node.self_check()
         return pb.SelfCheckResponse(ok=not problems, problems=problems)
 
     @unary
-    async def Drain(self, request, caller):
+    async def Drain(self, request: pb.DrainRequest, caller: Caller) -> pb.DrainResponse:
         self.auth.require_admin(caller)
         self._drain()
         return pb.DrainResponse()
 
     @unary
-    async def ListTenants(self, request, caller):
+    async def ListTenants(self, request: pb.ListTenantsRequest,
+                          caller: Caller) -> pb.ListTenantsResponse:
         self.auth.require_admin(caller)
         return pb.ListTenantsResponse(tenants=self._tenants(request.pool))
 
     @unary
-    async def SetQuota(self, request, caller):
+    async def SetQuota(self, request: pb.SetQuotaRequest, caller: Caller) -> pb.SetQuotaResponse:
         self.auth.require_admin(caller)
         # Only the fields the caller set change; limit 0 means "no limit".
         fields = {"weight": "weight", "guaranteed_pages": "guaranteed",
@@ -72,7 +74,8 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.SetQuotaResponse(tenants=self._tenants(request.pool, request.tenant))
 
     @unary
-    async def ListRequests(self, request, caller):
+    async def ListRequests(self, request: pb.ListRequestsRequest,
+                           caller: Caller) -> pb.ListRequestsResponse:
         self.auth.require_admin(caller)
         runtimes = ([self.node.runtime(request.pool)] if request.pool
                     else list(self.node.pools.values()))
@@ -97,7 +100,7 @@ class AdminService(pb_grpc.AdminServicer):
             for r in reqs[:request.limit or 100]])
 
     @unary
-    async def ListLinks(self, request, caller):
+    async def ListLinks(self, request: pb.ListLinksRequest, caller: Caller) -> pb.ListLinksResponse:
         self.auth.require_admin(caller)
         return pb.ListLinksResponse(links=[link_stats(stats.link_figures(self.node, link))
                                            for link in self.node.links()])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvd.core.admission import Decision
 from kvd.core.blocks import Block, TierKind
 from kvd.core.intent import IntentChange
+from kvd.service.auth import namespace
 from kvd.stats import LinkFigures, PoolFigures, TenantFigures
 from kvd_api.v1 import kvd_pb2 as pb
 
@@ -98,3 +99,41 @@ def pool_stats(f: PoolFigures) -> pb.PoolStats:
         bytes_read=f.bytes_read, handoff_reserved_pages=f.handoff_reserved_pages,
         num_admitted=c.num_admitted, num_lost_blocks=c.num_lost_blocks,
         held_pages=f.held_pages)
+
+
+def explain_response(account, pool: str, active: bool, scope: str | None = None
+                     ) -> pb.ExplainResponse:
+    """A request's account; a tenant (scope) sees other tenants' requests by tenant only."""
+    def cause(key):
+        return pb.Cause(tenant=key[0], request_id=_redact(key[0], key[1], scope))
+
+    return pb.ExplainResponse(
+        request_id=_redact(account.tenant, account.request_id, scope),
+        tenant=account.tenant,
+        pool=pool,
+        active=active,
+        stall_seconds=account.stall_s,
+        num_stalls=account.num_stalls,
+        stalls_by_cause=[pb.StallShare(cause=cause(k), stall_seconds=v)
+                         for k, v in account.stall_s_by_cause.most_common()],
+        evictions_suffered=[pb.EvictionCount(other=cause(k), count=v)
+                            for k, v in account.evictions_suffered.most_common()],
+        evictions_caused=[pb.EvictionCount(other=cause(k), count=v)
+                          for k, v in account.evictions_caused.most_common()],
+        num_recomputes=account.num_recomputes,
+    )
+
+
+def redacted(detail: dict, scope: str | None) -> dict:
+    if "cause_request" in detail and scope is not None:
+        return {**detail, "cause_request": _redact(detail["cause_tenant"],
+                                                   detail["cause_request"], scope)}
+    return detail
+
+
+def _redact(tenant: str, request_id: str, scope: str | None) -> str:
+    """A request id as this caller may see it: the admin (None) sees all, whole; a tenant
+    sees its own without their namespace and other tenants' not at all."""
+    if scope is None:
+        return request_id
+    return request_id.removeprefix(namespace(scope)) if tenant == scope else ""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+from kvd.core import errors
+
 
 class CallGate:
     def __init__(self, limit: int, limits: dict[str, int] | None = None) -> None:
@@ -105,3 +107,19 @@ class StepTurns:
             elif other != tenant:
                 return True
         return False
+
+
+class CallLimits:
+    """Work per call is bounded: a call with more items than max_items_per_call (or block
+    indices than max_blocks_per_call) is refused whole, before any of it is done."""
+
+    def __init__(self, max_items: int, max_blocks: int) -> None:
+        self.max_items = max_items
+        self.max_blocks = max_blocks
+
+    def check(self, num: int, what: str, blocks: bool = False) -> None:
+        limit, key = ((self.max_blocks, "max_blocks_per_call") if blocks
+                      else (self.max_items, "max_items_per_call"))
+        if num > limit:
+            raise errors.InvalidArgument(
+                f"{num} {what} in one call; at most {limit} ({key}): split the batch")

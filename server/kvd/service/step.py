@@ -1,0 +1,289 @@
+"""kvd.v1.Memory/Step: an engine's forward passes as one stream.
+
+Each message is one engine step (intents, frees, releases, allocations, then reads); its
+reply hands out the pages, reports blocks that moved, and lists the items that failed while
+the rest of the step went on. What one step hands out stays held until the stream's next
+message: the engine's forward pass in between writes and reads those pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import grpc
+
+from kvd.core import errors
+from kvd.core.reads import AccessResult
+from kvd.metrics import observe_rpc
+from kvd.node import Node
+from kvd.service.auth import Authenticator, Caller, unprefixed
+from kvd.service.convert import handle, intent_change, intent_fields
+from kvd.service.gate import CallLimits, StepTurns
+from kvd.service.register import MAX_STRING, WALK_BYTES, Malformed
+from kvd.service.status import status_of
+from kvd_api.v1 import kvd_pb2 as pb
+
+_FIELDS = pb.StepRequest.DESCRIPTOR.fields_by_name
+_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES, _READ_ALL = (
+    _FIELDS[name].number
+    for name in ("intents", "frees", "releases", "allocations", "accesses", "read_all"))
+_READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
+
+
+class _Turn:
+    """A tenant's turn at the loop, held by one stream while tenants compete: a tenant's only
+    active stream reads at once; one among several waits its turn."""
+
+    __slots__ = ("turns", "who", "held")
+
+    def __init__(self, turns: StepTurns, who: str) -> None:
+        self.turns = turns
+        self.who = who
+        self.held = False
+
+    def leave(self) -> None:
+        if self.held:
+            self.held = False
+            self.turns.gate.leave(self.who)
+
+
+class StepStreams:
+    """Serves Step streams for the Memory service."""
+
+    def __init__(self, node: Node, auth: Authenticator, turns: StepTurns,
+                 limits: CallLimits) -> None:
+        self.node = node
+        self.auth = auth
+        self.turns = turns
+        self.limits = limits
+
+    async def serve(self, request_iterator, context) -> None:
+        try:
+            caller = self.auth.identify(context)
+        except errors.KvdError as exc:
+            await context.abort(status_of(exc), str(exc))
+        node = self.node
+        node.leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds it
+        holder = f"stream:{id(context)}:{time.monotonic_ns()}"
+        node.end_holds(caller.holder)  # the client's unary calls before are done too
+        turn = _Turn(self.turns, caller.tenant or "admin")
+        messages = request_iterator.__aiter__()
+        generation = self.auth.generation
+        try:
+            while (message := await self._next(messages, caller, turn)) is not None:
+                data, step = message
+                await self._check(data, step, context)
+                if self.auth.generation != generation:  # identities reloaded: still valid?
+                    generation = self.auth.generation
+                    try:
+                        self.auth.identify(context)
+                    except errors.KvdError as exc:
+                        await context.abort(status_of(exc), str(exc))
+                node.end_holds(holder)
+                started = time.perf_counter()
+                reply = await self.step(step, caller.scope, _reads_key(data), holder,
+                                        caller.ns)
+                observe_rpc("Step", "OK", time.perf_counter() - started)
+                await context.write(reply)
+                turn.leave()
+        finally:
+            turn.leave()
+            node.end_holds(holder)
+            node.leases.stream_closed(caller.lease)
+
+    async def _next(self, messages, caller: Caller, turn: _Turn):
+        """The stream's next (bytes, message), or None at its end; taken in the tenant's
+        turn while tenants compete (a turn that stays idle goes to another stream)."""
+        turns = self.turns
+        if caller.admin or not (turns.contended(turn.who, time.monotonic())
+                                and turns.gate.busy(turn.who)):
+            try:
+                return await messages.__anext__()
+            except StopAsyncIteration:
+                return None
+        if not turns.gate.try_enter(turn.who):
+            await turns.gate.wait(turn.who)
+        turn.held = True
+        read = asyncio.ensure_future(messages.__anext__())
+        timer = asyncio.get_running_loop().call_later(turns.IDLE_S, turn.leave)
+        try:
+            return await read
+        except StopAsyncIteration:
+            return None
+        finally:
+            timer.cancel()
+            read.cancel()
+
+    async def _check(self, data: bytes, step, context) -> None:
+        """A malformed or oversized message ends the stream with its status."""
+        if type(step) is Malformed:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
+        limits = self.limits
+        # Fewer bytes can hold no more items or block indices, nor ids unwalked.
+        if len(data) > min(limits.max_items, limits.max_blocks, WALK_BYTES):
+            try:
+                if len(data) > WALK_BYTES:  # register.py walked the smaller ones
+                    _check_step_ids(step)
+                items, blocks = _step_items(step)
+                limits.check(items, "items (updates, frees, releases, allocations, "
+                             "accesses and reads)")
+                limits.check(blocks, "block indices", blocks=True)
+            except errors.KvdError as exc:
+                await context.abort(status_of(exc), str(exc))
+
+    async def step(self, step: pb.StepRequest, scope: str | None = None,
+                   reads_key: bytes | None = None, holder: str = "", ns: str = ""
+                   ) -> pb.StepResponse:
+        """One engine step: intents, frees, releases, allocations, accesses, in that order.
+        A bad item is reported in `errors`; the rest of the step goes on. `reads_key`, when
+        given, is equal for two steps only when their read_all lists are equal. `ns`: the
+        namespace of the caller's request ids (see Caller.ns)."""
+        reply = pb.StepResponse(step_id=step.step_id)
+        read_all = [ns + r for r in step.read_all] if ns else step.read_all
+        # Only the sections the step has: most steps are just read_all, and each look at an
+        # empty repeated field costs a wrapper object on the hot path.
+        present = {field.number for field, _ in step.ListFields()}
+        general = None  # read_all's requests left for the general path, once it has run
+        if present <= _READS_ONLY:  # nothing comes before read_all: run it now
+            general = (self._read_all(read_all, reply, scope, reads_key, len(ns))
+                       if present else ())
+            if not general:
+                return reply
+        started = time.perf_counter()
+        stalled = await self._writes(step, present, reply, scope, holder, ns)
+        if general is None:
+            general = (self._read_all(read_all, reply, scope, None, len(ns))
+                       if _READ_ALL in present else ())
+        items: list = []  # (section, index, request_id, block indices or None)
+        if general:
+            positions = {rid: i for i, rid in enumerate(read_all)}
+            items += [("read_all", positions[rid], rid, None) for rid in general]
+        items += [("accesses", i, ns + item.request_id,
+                   None if item.all_blocks else list(item.block_indices))
+                  for i, item in enumerate(step.accesses if _ACCESSES in present else ())]
+        stalled |= await self._reads(items, reply, scope, holder, ns)
+        if stalled:
+            reply.stall_us = int((time.perf_counter() - started) * 1e6)
+        return reply
+
+    async def _writes(self, step: pb.StepRequest, present: set[int], reply: pb.StepResponse,
+                      scope: str | None, holder: str, ns: str) -> bool:
+        """A step's intents, frees, releases and allocations; whether any of them stalled."""
+        node = self.node
+        stalled = False
+        if _INTENTS in present:
+            try:
+                await node.update_intents([intent_change(u, ns) for u in step.intents], scope)
+            except errors.KvdError as exc:
+                _step_error(reply, "intents", 0, exc, ns)
+        for i, item in enumerate(step.frees if _FREES in present else ()):
+            try:
+                await node.free(ns + item.request_id, list(item.block_indices), scope)
+            except errors.KvdError as exc:
+                _step_error(reply, "frees", i, exc, ns)
+        for i, item in enumerate(step.releases if _RELEASES in present else ()):
+            try:
+                await node.release(ns + item.request_id, scope)
+            except errors.KvdError as exc:
+                _step_error(reply, "releases", i, exc, ns)
+        for i, item in enumerate(step.allocations if _ALLOCATIONS in present else ()):
+            try:
+                rid = ns + item.request_id
+                blocks, stall_s = await node.allocate(rid, item.num_blocks,
+                                                      intent_fields(item.intent), scope,
+                                                      holder=holder)
+                stalled |= stall_s > 0
+                page_bytes = node.runtime_of(rid).pool.page_bytes
+                reply.allocated.extend(handle(b, page_bytes, len(ns)) for b in blocks)
+            except errors.KvdError as exc:
+                _step_error(reply, "allocations", i, exc, ns)
+        return stalled
+
+    async def _reads(self, items: list, reply: pb.StepResponse, scope: str | None,
+                     holder: str, ns: str) -> bool:
+        """The reads that need the general access path; whether any of them stalled."""
+        stalled = False
+        pending = []
+        for section, i, rid, idx in items:
+            try:
+                reading = await self.node.begin_access(rid, idx, scope, holder)
+                if reading.copying is not None:
+                    pending.append((section, i, reading))
+                    continue
+                stalled = stalled or reading.stall_s > 0
+                if reading.result.request.maybe_relocated:
+                    _relocated(reply, reading.result, reading.page_bytes, len(ns))
+            except errors.KvdError as exc:
+                _step_error(reply, section, i, exc, ns)
+        for section, i, reading in pending:
+            # The copies run concurrently in the worker pool; await them in turn.
+            try:
+                await reading.wait()
+            except Exception as exc:  # a failed copy: the plan was aborted
+                reply.errors.append(pb.StepError(section=section, item_index=i,
+                                                 code=grpc.StatusCode.INTERNAL.value[0],
+                                                 message=f"copy failed: {exc}"))
+                continue
+            stalled = True
+            _relocated(reply, reading.result, reading.page_bytes, len(ns))
+        return stalled
+
+    def _read_all(self, request_ids, reply: pb.StepResponse, scope: str | None,
+                  key: bytes | None = None, cut: int = 0) -> list[str]:
+        """Answer the requests every pool can read at once (reporting relocated blocks);
+        return those that need the general access path (or get an error there)."""
+        general, relocated = self.node.read_all(request_ids, scope, key)
+        for req, page_bytes in relocated:
+            _relocated(reply, AccessResult(None, None, req), page_bytes, cut)
+        return general
+
+
+def _check_step_ids(step: pb.StepRequest) -> None:
+    ids = itertools.chain((u.request_id for u in step.intents),
+                          (r.request_id for r in step.releases),
+                          (a.request_id for a in step.allocations), step.read_all,
+                          (f.request_id for f in step.frees),
+                          (a.request_id for a in step.accesses))
+    if any(len(i) > MAX_STRING for i in ids):
+        raise errors.InvalidArgument(f"a request_id is longer than {MAX_STRING} characters")
+
+
+def _step_items(step: pb.StepRequest) -> tuple[int, int]:
+    """A step's items (requests named, updates), and its block indices."""
+    items = (len(step.intents) + len(step.releases) + len(step.allocations)
+             + len(step.read_all) + len(step.frees) + len(step.accesses))
+    return items, (sum(len(f.block_indices) for f in step.frees)
+                   + sum(len(a.block_indices) for a in step.accesses))
+
+
+def _reads_key(data: bytes) -> bytes:
+    """A Step message's bytes without its step_id (field 1, a varint, which protobuf writes
+    first): equal for two steps that differ in nothing else, as an engine's steps that read
+    the same batch do. (A message written otherwise only misses the shortcut.)"""
+    if data[:1] != b"\x08":
+        return data
+    end = 1
+    while data[end] & 0x80:  # the varint's continuation bytes (the message parsed: complete)
+        end += 1
+    return data[end + 1:]
+
+
+def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) -> None:
+    """Report accessed blocks whose device page changed since the engine was last told."""
+    req = result.request
+    blocks = result.blocks if result.blocks is not None else req.live_blocks()
+    moved = [b for b in blocks if b.epoch != b.seen_epoch]
+    if moved:
+        reply.relocated.extend(handle(b, page_bytes, cut) for b in moved)
+    if len(blocks) == req.num_live_blocks:
+        req.maybe_relocated = False
+
+
+def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.KvdError,
+                ns: str = "") -> None:
+    reply.errors.append(
+        pb.StepError(section=section, item_index=index, code=status_of(exc).value[0],
+                     message=unprefixed(str(exc), ns))
+    )

@@ -1,0 +1,80 @@
+"""The wrapper every unary handler runs in: who calls, whose lease it renews, the client's
+call gate and the tenant's turn, the caller's earlier holds ended, domain errors turned into
+their gRPC status, and the call timed. Handlers get the request and the Caller, and return
+the response: they translate, nothing else."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from kvd.core import errors
+from kvd.metrics import observe_rpc
+from kvd.service.auth import Caller
+from kvd.service.register import Malformed
+from kvd.service.status import local_message, status_of
+
+Handler = Callable[[object, object, Caller], Awaitable[object]]
+
+
+def unary(method: Handler) -> Callable:
+    """A unary handler `method(self, request, caller)`: the caller identified once (who, and
+    whose lease, which the call renews), the client's call gate passed, domain errors turned
+    into their gRPC status, the call timed. Anything else is a bug: reported as INTERNAL by
+    grpc, and the daemon serves on."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def handler(self, request, context):
+        started = time.perf_counter()
+        code = "OK"
+        gate = self.gate
+        key = turn = None
+        in_call = caller = None
+        try:
+            caller = self.auth.identify(context)
+            if caller.lease and self.auth.leases is not None:
+                # A client waiting on kvd is not silent: its lease cannot lapse mid-call.
+                in_call = self.auth.leases
+                in_call.stream_opened(caller.lease, caller.tenant)
+            if gate.limit:
+                # A client is its lease (the client library sends one), else its address.
+                who = caller.lease or context.peer() or "?"
+                if not gate.try_enter(who):
+                    await gate.wait(who)
+                key = who
+            turns = getattr(self, "turns", None)
+            if (turns is not None and not caller.admin
+                    and turns.contended(caller.tenant, time.monotonic())):
+                # While tenants compete, a tenant's calls and Step messages share its turns
+                # (the operator's calls are not a tenant's and wait for none).
+                turn = caller.tenant
+                if not turns.gate.try_enter(turn):
+                    await turns.gate.wait(turn)
+            if type(request) is Malformed:
+                raise errors.InvalidArgument(request.message)
+            end_holds = getattr(self, "end_holds", None)
+            if end_holds is not None:  # the caller is done with what it was handed before
+                end_holds(caller.holder)
+            return await method(self, request, caller)
+        except errors.KvdError as exc:
+            status = status_of(exc)
+            code = status.name
+            await context.abort(status, local_message(exc, caller))
+        except (ValueError, OverflowError, TypeError) as exc:
+            # Out-of-range values that slipped past validation: the caller's input.
+            code = "INVALID_ARGUMENT"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}")
+        finally:
+            if in_call is not None:
+                in_call.stream_closed(caller.lease)
+            if turn is not None:
+                self.turns.gate.leave(turn)
+            if key is not None:
+                gate.leave(key)
+            observe_rpc(name, code, time.perf_counter() - started)
+
+    return handler
