@@ -91,7 +91,7 @@ class Handoffs:
                 admitted = pool.admit_waiting()
                 publish_admitted(self.events, pool.name, admitted)
                 if admitted:
-                    rt.notify_queue()
+                    rt.waiters.notify()
 
     def expire_reservations(self) -> int:
         """Release decode reservations no handoff claimed in time (their prefill requests
@@ -181,11 +181,11 @@ class Handoffs:
         blocks = await src.run(lambda: src.pool.begin_handoff(request_id),
                                undo=src.pool.end_handoff)
         this = asyncio.current_task()
-        src.hold_for(blocks, this)  # whoever needs these blocks waits for the handoff
+        src.transit.hold_for(blocks, this)  # whoever needs these blocks waits for the handoff
         try:
             dst.pool.claim(request_id)  # gone if it lapsed meanwhile
         except BaseException:
-            src.finish_blocks(blocks)
+            src.transit.finish_blocks(blocks)
             src.pool.end_handoff(blocks)
             src.room_may_have_changed()
             raise
@@ -196,7 +196,7 @@ class Handoffs:
                 indices = [b.index for b in blocks]  # the engine's indices stay
                 plan = await dst.run(lambda: dst.pool.allocate(
                     request_id, len(blocks), indices=indices, reason=Reason.HANDOFF))
-                dst.track(plan, this)
+                dst.transit.track(plan, this)
                 if plan.demotions:  # room in the decode pool first, over its own link
                     await self._copy_demotions(dst, plan)
                 demoted = True
@@ -214,7 +214,7 @@ class Handoffs:
                                                 allocated=plan.allocated))
                 else:
                     dst.pool.abort(plan)
-                dst.finish(plan)
+                dst.transit.finish(plan)
             self._end_handoff(src, dst, request_id, blocks, release=dst.pool)
             self.counts["failed" if not isinstance(exc, TransferCancelled)
                                 else "rolled_back"] += 1
@@ -226,7 +226,7 @@ class Handoffs:
         # Commit: the blocks live in the target; the prefill pages go.
         if plan is not None:
             dst.pool.complete(plan)
-            dst.finish(plan)
+            dst.transit.finish(plan)
         self._end_handoff(src, dst, request_id, blocks, release=src.pool)
         self.request_index[request_id] = dst
         self.counts["completed"] += 1
@@ -235,7 +235,7 @@ class Handoffs:
         dst_req.bytes_moved += len(blocks) * src.pool.page_bytes
         if holder:  # the engine reads what the last message hands it: nothing may move it
             dst.pool.hold(holder, dst_req.live_blocks())
-        src.notify_queue()
+        src.waiters.notify()
         self.events.publish("handoff", pool=dst.pool.name, tenant=req.tenant,
                             request_id=request_id, count=len(blocks), reason="completed")
         progress.put_nowait(self._progress(dst_req, len(blocks), len(blocks),
@@ -245,7 +245,7 @@ class Handoffs:
                      blocks: list[Block], release: Pool) -> None:
         """The source blocks are free to move again; the request goes from `release` (the
         target on a rollback, the source on commit); waiters for room in either may go."""
-        src.finish_blocks(blocks)
+        src.transit.finish_blocks(blocks)
         src.pool.end_handoff(blocks)
         release.release(request_id)
         src.room_may_have_changed()

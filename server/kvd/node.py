@@ -133,7 +133,7 @@ class Node:
         if result.decision is not Decision.REJECTED:
             self.request_index[request_id] = rt
             self.leases.attach(lease, tenant or "default", request_id)
-            rt.notify_queue()
+            rt.waiters.notify()
         self.events.publish("admission", pool=rt.pool.name, tenant=tenant or "default",
                             request_id=request_id, count=result.projected_pages,
                             decision=result.decision, reason=result.reason)
@@ -198,7 +198,7 @@ class Node:
             admitted = rt.pool.end_holds(holder)
             rt.room_may_have_changed()
             if admitted:
-                rt.notify_queue()
+                rt.waiters.notify()
                 publish_admitted(self.events, rt.pool.name, admitted)
 
     def lapse_holds(self, max_age_s: float) -> int:
@@ -268,7 +268,7 @@ class Node:
         if admitted or freed:
             self.handoffs.kick_queues(rt.pool.name)
         self.leases.detach(request_id)
-        rt.notify_queue()
+        rt.waiters.notify()
         self.events.publish("release", pool=rt.pool.name, tenant=tenant,
                             request_id=request_id, count=freed)
         publish_admitted(self.events, rt.pool.name, admitted)
@@ -307,7 +307,7 @@ class Node:
         if req.state is RequestState.ADMITTED:
             return True, 0, "", None
         position = rt.pool.queue_position(request_id)
-        return False, position, rt.pool.why_waiting(req), rt.queue_event(request_id, position)
+        return False, position, rt.pool.why_waiting(req), rt.waiters.event(request_id, position)
 
     # ------------------------------------------------------------------ tenants
 
@@ -333,7 +333,7 @@ class Node:
                                         weight=new.weight, guaranteed=new.guaranteed,
                                         limit=new.limit or 0)
             apply_caps(rt.link, pool, self.clock.now())
-            rt.notify_queue()
+            rt.waiters.notify()
         for (source, _), link in self.link_table.handoff.items():
             apply_caps(link, self.runtime(source).pool, self.clock.now())
 
@@ -368,7 +368,7 @@ class Node:
                 setattr(new, key, value)
             rt.pool.set_quota(tenant, new)
             apply_caps(rt.link, rt.pool, self.clock.now())
-            rt.notify_queue()
+            rt.waiters.notify()
             self.events.publish("quota", pool=rt.pool.name, tenant=tenant, weight=new.weight,
                                 guaranteed=new.guaranteed, limit=new.limit or 0)
             log.info("quota changed", pool=rt.pool.name, tenant=tenant, weight=new.weight,
@@ -397,7 +397,7 @@ class Node:
         owns: logged when first found, kept for the metric and SelfCheck."""
         found = []
         for name, rt in self.pools.items():
-            problems = rt.stuck(STUCK_AFTER_S)
+            problems = rt.transit.stuck(rt.pool.requests.values(), STUCK_AFTER_S)
             for problem in set(problems) - set(self.stuck.get(name, ())):
                 log.error("transfer stuck", pool=name, problem=problem)
             self.stuck[name] = problems
@@ -407,7 +407,7 @@ class Node:
     async def self_check(self) -> list[str]:
         problems = []
         for rt in self.pools.values():
-            await rt.quiesce(timeout_s=SELF_CHECK_WAIT_S)  # a slow link may still be busy
+            await rt.transit.quiesce(timeout_s=SELF_CHECK_WAIT_S)  # a slow link may still be busy
             rt.pool.snapshot()
             problems.extend(check_pool(rt.pool))
         return problems + self.check_stuck()
@@ -418,7 +418,7 @@ class Node:
         quiet = True
         for rt in self.pools.values():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            quiet &= await rt.quiesce(left)
+            quiet &= await rt.transit.quiesce(left)
         return quiet
 
     def close(self) -> None:

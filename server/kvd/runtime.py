@@ -4,8 +4,6 @@ transit, and measures stalls. The core decides; this module makes the bytes foll
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
@@ -14,15 +12,16 @@ import structlog
 
 from kvd.core.jobs import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
-from kvd.core.errors import BlocksInTransit, NotFound, ResourceExhausted
+from kvd.core.errors import BlocksInTransit, NotFound
 from kvd.core.pool import AccessResult, Pool
 from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer
 from kvd.memory.copier import PageCopier, chunk_runs, plan_runs
+from kvd.transit import InTransit
+from kvd.waiters import RETRY, AdmissionWaiters, RoomLine
 
 T = TypeVar("T")
 log = structlog.get_logger("kvd.runtime")
-_RETRY = object()  # a room waiter's own blocks are in transit: it waits for them, then retries
 
 
 # How long a step's reads may wait to be recorded. Off the reply's path, and the steps that
@@ -30,10 +29,6 @@ _RETRY = object()  # a room waiter's own blocks are in transit: it waits for the
 # cost of one. Nothing sees them late: every other pool operation, stats and metrics
 # included, records them first, whenever it comes.
 RECORD_READS_AFTER_S = 0.05
-# Blocks in transit with no owner for this long are stuck (see PoolRuntime.stuck).
-ORPHANED_AFTER_S = 1.0
-# WaitAdmission streams one request may have (each holds a little of kvd's memory).
-MAX_WAITERS = 8
 
 
 def record_later(fn: Callable[[], None]) -> None:
@@ -56,66 +51,12 @@ class PoolRuntime:
         # Every copy between this pool's tiers goes through its device<->host link.
         self.link = link
         self.chunk_pages = max(1, chunk_bytes // pool.page_bytes)
-        self._inflight: dict[Block, asyncio.Future] = {}
+        self.transit = InTransit(pool.name)
+        self.waiters = AdmissionWaiters(pool.queue_positions)
+        self.room_line = RoomLine()
         self._refilling = False
-        # Set (and dropped) whenever the admission queue may have changed; made only when a
-        # WaitAdmission stream waits, so admissions nobody watches make no event.
-        # WaitAdmission streams: request id -> (the position it was told, its event).
-        self._queue_waiters: dict[str, list[tuple[int, asyncio.Event]]] = {}
-        self._plans: set[TransferPlan] = set()
-        # Operations that found no device room while pages were in transit, in line for it:
-        # (rank, arrival, op, future). Served as transfers complete, best rank first.
-        self._room_waiters: list[tuple[int, int, Callable, asyncio.Future]] = []
-        self._arrivals = itertools.count()
-        # Since when some block waited on has been in transit with no owner (None: none).
-        self._unowned_since: float | None = None
-        # Requests with blocks in transit that no plan owns, since when (see stuck()).
-        self._orphans_seen: dict[Request, float] = {}
-        # Plans in flight: their transfer, and when its bytes last moved (for stuck()).
-        self._progress: dict[TransferPlan, list] = {}
         # Told of every plan done, with its stall (the node's events and stall metric).
         self.on_plan_done = on_plan_done
-
-    def queue_event(self, request_id: str, position: int) -> asyncio.Event:
-        """An event set when the request's answer changes: admitted, gone, or a queue
-        position other than `position` (the one its waiter has just told)."""
-        waiters = self._queue_waiters.setdefault(request_id, [])
-        if len(waiters) >= MAX_WAITERS:
-            raise ResourceExhausted(f"{len(waiters)} WaitAdmission streams wait on this "
-                                    f"request already; at most {MAX_WAITERS}")
-        event = asyncio.Event()
-        waiters.append((position, event))
-        return event
-
-    def notify_queue(self) -> None:
-        """The admission queue may have changed: wake the waiters whose answer did (one
-        ordering of the queue for all of them; the others sleep on)."""
-        if not self._queue_waiters:
-            return
-        positions = self.pool.queue_positions()
-        for request_id, waiters in list(self._queue_waiters.items()):
-            position = positions.get(request_id, 0)
-            keep = [(told, event) for told, event in waiters if told == position]
-            for told, event in waiters:
-                if told != position:
-                    event.set()
-            if keep:
-                self._queue_waiters[request_id] = keep
-            else:
-                del self._queue_waiters[request_id]
-
-    def forget_waiter(self, request_id: str, event: asyncio.Event) -> None:
-        """A waiter went away without being woken."""
-        waiters = self._queue_waiters.get(request_id)
-        if waiters is not None:
-            waiters[:] = [(p, e) for p, e in waiters if e is not event]
-            if not waiters:
-                del self._queue_waiters[request_id]
-
-    @property
-    def num_in_flight(self) -> int:
-        """Plans whose copies are under way."""
-        return len(self._plans)
 
     async def begin_access(self, request_id: str, indices, holder: str = "") -> StartedAccess:
         """An access with its copies started (unary Access and a Step's reads both come
@@ -131,17 +72,6 @@ class PoolRuntime:
         if run:
             self.pool.record_stall(run, result.plan)
         return StartedAccess(self, result, None, run)
-
-    def track(self, plan: TransferPlan, task: asyncio.Future) -> None:
-        """A plan made outside start() (a handoff's) is in flight in `task`: whoever needs
-        its blocks waits for it, and checks see it."""
-        self._plans.add(plan)
-        self.hold_for(plan.blocks(), task)
-
-    def hold_for(self, blocks: list[Block], task: asyncio.Future) -> None:
-        """Whoever needs these blocks waits for `task` (a handoff copying them)."""
-        for b in blocks:
-            self._inflight[b] = task
 
     async def access(self, request_id: str, indices, holder: str = "") -> AccessResult:
         """pool.access, waiting out transfers; an access that waited for its own blocks'
@@ -163,7 +93,7 @@ class PoolRuntime:
         late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
         critical = self._critical(request_id, indices)
         if busy.blocks:
-            await self.wait_for(busy.blocks)
+            await self.transit.wait_for(busy.blocks)
             busy = None
         result = await self.run(lambda: self.pool.access(request_id, indices, holder),
                                 critical, busy)
@@ -195,14 +125,12 @@ class PoolRuntime:
             busy = pending
         while True:
             if busy.blocks:
-                await self.wait_for(busy.blocks)
+                await self.transit.wait_for(busy.blocks)
             else:
-                rank = 0 if critical and self.link.sched.scheduling == "fair" else 1
-                future = asyncio.get_running_loop().create_future()
-                heapq.heappush(self._room_waiters,
-                               (rank, next(self._arrivals), op, future))
+                rank = 0 if critical and self.link.sched.serves_by_class else 1
+                future = self.room_line.join(op, rank)
                 if not self.pool.num_moving_blocks():
-                    self._serve_room_waiters()  # the transfer it waited for is done already
+                    self.room_line.serve()  # the transfer it waited for is done already
                 try:
                     result = await future
                 except asyncio.CancelledError:
@@ -212,7 +140,7 @@ class PoolRuntime:
                     if future.done() and not future.cancelled() and future.exception() is None:
                         self._orphaned(future.result(), undo)
                     raise
-                if result is not _RETRY:
+                if result is not RETRY:
                     return result
             try:
                 return op()
@@ -221,7 +149,7 @@ class PoolRuntime:
             busy = again
 
     def _orphaned(self, result, undo) -> None:
-        if result is _RETRY:
+        if result is RETRY:
             return
         if undo is not None:
             undo(result)
@@ -235,88 +163,8 @@ class PoolRuntime:
     def room_may_have_changed(self) -> None:
         """Pages came free or evictable (a release, a free, an unpin, a transfer done):
         serve the operations waiting for room."""
-        if self._room_waiters:
-            self._serve_room_waiters()
-
-    def _serve_room_waiters(self) -> None:
-        """Room may have come free: call waiting operations in line until one still finds
-        none."""
-        waiters = self._room_waiters
-        while waiters:
-            _, _, op, future = waiters[0]
-            if future.done():  # its caller gave up
-                heapq.heappop(waiters)
-                continue
-            try:
-                result = op()
-            except BlocksInTransit as busy:
-                if not busy.blocks:
-                    return  # still no room: the line waits for the next transfer
-                heapq.heappop(waiters)
-                future.set_result(_RETRY)
-                continue
-            except BaseException as exc:
-                heapq.heappop(waiters)
-                future.set_exception(exc)
-                continue
-            heapq.heappop(waiters)
-            future.set_result(result)
-
-    async def wait_for(self, blocks: list[Block]) -> None:
-        """Wait until these blocks' transfers finish (no blocks: until any transfer does)."""
-        if blocks:
-            futures = {f for b in blocks if (f := self._inflight.get(b)) is not None
-                       and not f.done()}
-        else:
-            futures = set(self._inflight.values())
-            if futures:
-                await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-                return
-        if futures:
-            await asyncio.wait(futures)
-        else:
-            # Moving but not yet registered (the planner's task registers it next), or, if
-            # that lasts, owned by nobody: a bug that stuck_blocks() reports. Never spin.
-            await asyncio.sleep(0.0005 if self._unowned_since is None else 0.05)
-            self._note_unowned(blocks)
-
-    def _note_unowned(self, blocks: list[Block]) -> None:
-        unowned = [b for b in blocks if b.moving and b not in self._inflight]
-        if not unowned:
-            self._unowned_since = None
-        elif self._unowned_since is None:
-            self._unowned_since = time.monotonic()
-
-    def stuck(self, bound_s: float) -> list[str]:
-        """What has been in flight without progress for longer than bound_s: blocks in
-        transit that no plan or handoff owns, and plans whose bytes stopped moving."""
-        now = time.monotonic()
-        problems = []
-        inflight = self._inflight
-        seen, self._orphans_seen = self._orphans_seen, {}
-        for req in self.pool.requests.values():
-            if not req.num_moving_blocks:
-                continue
-            orphans = [b for b in req.blocks if b is not None and b.moving
-                       and (b not in inflight or inflight[b].done())]
-            if not orphans:
-                continue
-            # A plan's blocks go unowned for an instant between its planning and its start:
-            # only what stays so is reported.
-            since = self._orphans_seen[req] = seen.get(req, now)
-            if now - since >= ORPHANED_AFTER_S:
-                problems.append(f"{self.pool.name}: {len(orphans)} block(s) of request "
-                                f"{req.request_id[:64]!r} in transit with no owner for "
-                                f"{now - since:.1f} s")
-        for plan, entry in self._progress.items():
-            transfer, done, since = entry
-            if transfer.job.bytes_done != done:
-                entry[1], entry[2] = transfer.job.bytes_done, now
-            elif now - since > bound_s:
-                problems.append(f"{self.pool.name}: a {plan.reason} plan moved no byte for "
-                                f"{now - since:.0f} s ({transfer.job.bytes_done} of "
-                                f"{transfer.job.bytes_total} bytes done)")
-        return problems
+        if self.room_line:
+            self.room_line.serve()
 
     def complete_now(self, plan: TransferPlan) -> float:
         """Complete a plan whose bytes are already where they belong."""
@@ -335,8 +183,8 @@ class PoolRuntime:
 
     def _completed(self, plan: TransferPlan, pinned_out: list[Block], stall_s: float) -> None:
         self._notify(plan, stall_s)
-        if self._room_waiters:
-            self._serve_room_waiters()
+        if self.room_line:
+            self.room_line.serve()
         if plan.reason is not Reason.RESERVE and not self._refilling:
             self._refill_soon()
         if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back
@@ -390,10 +238,7 @@ class PoolRuntime:
         # a cancelled stream) stops waiting, but the plan still finishes, so no page is ever
         # left half-moved or handed out while a thread still writes into it.
         task = asyncio.ensure_future(self._complete_when_copied(plan, transfer, started))
-        for block in plan.blocks():
-            self._inflight[block] = task
-        self._plans.add(plan)
-        self._progress[plan] = [transfer, 0, time.monotonic()]
+        self.transit.copying(plan, transfer, task)
         return lambda: asyncio.shield(task)
 
     def _job(self, plan: TransferPlan, chunks: list[list[tuple]]) -> Job:
@@ -425,44 +270,19 @@ class PoolRuntime:
             await transfer.future
         except BaseException:
             self.pool.abort(plan)  # the copy failed: nothing moved
-            self.finish(plan)
+            self.transit.finish(plan)
             raise
         self._zero_lost(plan)
         pinned_out = self.pool.complete(plan)
         stall_s = time.perf_counter() - started
         (plan.cause or _first_request(plan)).bytes_moved += transfer.job.bytes_total
-        self.finish(plan)
+        self.transit.finish(plan)
         self._completed(plan, pinned_out, stall_s)
         return stall_s
-
-    def finish(self, plan: TransferPlan) -> None:
-        """A plan is no longer in flight (completed or aborted)."""
-        self.finish_blocks(plan.blocks())
-        self._plans.discard(plan)
-        self._progress.pop(plan, None)
-
-    def finish_blocks(self, blocks: list[Block]) -> None:
-        """Nobody needs to wait for these blocks any more."""
-        inflight = self._inflight
-        for block in blocks:
-            inflight.pop(block, None)
 
     def _notify(self, plan: TransferPlan, stall_s: float) -> None:
         if self.on_plan_done is not None:
             self.on_plan_done(plan, stall_s)
-
-    async def quiesce(self, timeout_s: float | None = None) -> bool:
-        """Wait until no transfer is in flight (for checks and shutdown), at most timeout_s.
-        False: some still were."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            pending = {f for f in self._inflight.values() if not f.done()}
-            if not pending:
-                return True
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            await asyncio.wait(pending, timeout=left)
 
     async def aclose_link(self) -> None:
         await self.link.aclose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvd.service.memory import _reads_key
+from kvd.service.step import _reads_key
 from kvd_api.v1 import kvd_pb2 as pb
 
 IDS = st.lists(st.text(min_size=1, max_size=8), max_size=6)

@@ -154,11 +154,11 @@ async def test_blocks_in_transit_that_nothing_owns_are_reported(tmp_path, monkey
     and the log say so (and nothing waiting on them spins)."""
     from structlog.testing import capture_logs
 
-    import kvd.runtime
+    import kvd.transit
     from kvd.config import load_config
     from kvd.node import Node
 
-    monkeypatch.setattr(kvd.runtime, "ORPHANED_AFTER_S", 0.0)
+    monkeypatch.setattr(kvd.transit, "ORPHANED_AFTER_S", 0.0)
     config = tmp_path / "kvd.toml"
     config.write_text(IN_PROCESS)
     daemon = Node(load_config(config))
@@ -175,7 +175,7 @@ async def test_blocks_in_transit_that_nothing_owns_are_reported(tmp_path, monkey
         assert daemon.stuck["prefill"] and any(e["event"] == "transfer stuck" for e in logs)
         # A caller waiting on them sleeps between looks instead of spinning.
         rt = daemon.runtime("prefill")
-        waiter = asyncio.ensure_future(rt.wait_for([blocks[0]]))
+        waiter = asyncio.ensure_future(rt.transit.wait_for([blocks[0]]))
         await asyncio.sleep(0.2)
         assert waiter.done()
         blocks[0].moving = False

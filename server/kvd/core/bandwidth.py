@@ -94,6 +94,11 @@ class LinkScheduler:
         return self.queues.name
 
     @property
+    def serves_by_class(self) -> bool:
+        """Whether transfer classes order what goes first (fair does; fifo does not)."""
+        return isinstance(self.queues, FairQueues)
+
+    @property
     def burst_bytes(self) -> float:
         return self.pacer.burst
 

@@ -231,7 +231,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                     if not changed.is_set():  # cancelled: nothing left waiting for it
                         rt = self.node.request_index.get(rid)
                         if rt is not None:
-                            rt.forget_waiter(rid, changed)
+                            rt.waiters.forget(rid, changed)
         except errors.KvdError as exc:
             await context.abort(status_of(exc), local_message(exc, caller))
         finally:

@@ -1,0 +1,107 @@
+"""Who waits on a pool, and how they are woken: WaitAdmission streams for their request's
+answer, and operations that found no device room while pages were in transit."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from collections.abc import Callable
+
+from kvd.core.errors import BlocksInTransit, ResourceExhausted
+
+# WaitAdmission streams one request may have (each holds a little of kvd's memory).
+MAX_WAITERS = 8
+# What the room line hands a waiter whose own blocks are in transit: wait for them, retry.
+RETRY = object()
+
+
+class AdmissionWaiters:
+    """WaitAdmission streams: each sleeps on an event set only when its request's answer
+    changed (admitted, gone, or another queue position than the one it told)."""
+
+    def __init__(self, positions: Callable[[], dict[str, int]]) -> None:
+        self._positions = positions  # request id -> queue position, one ordering for all
+        # request id -> (the position it was told, its event).
+        self._waiters: dict[str, list[tuple[int, asyncio.Event]]] = {}
+
+    def event(self, request_id: str, position: int) -> asyncio.Event:
+        """An event set when the request's answer changes from `position` (the one its
+        waiter has just told)."""
+        waiters = self._waiters.setdefault(request_id, [])
+        if len(waiters) >= MAX_WAITERS:
+            raise ResourceExhausted(f"{len(waiters)} WaitAdmission streams wait on this "
+                                    f"request already; at most {MAX_WAITERS}")
+        event = asyncio.Event()
+        waiters.append((position, event))
+        return event
+
+    def notify(self) -> None:
+        """The admission queue may have changed: wake the waiters whose answer did (one
+        ordering of the queue for all of them; the others sleep on)."""
+        if not self._waiters:
+            return
+        positions = self._positions()
+        for request_id, waiters in list(self._waiters.items()):
+            position = positions.get(request_id, 0)
+            keep = [(told, event) for told, event in waiters if told == position]
+            for told, event in waiters:
+                if told != position:
+                    event.set()
+            if keep:
+                self._waiters[request_id] = keep
+            else:
+                del self._waiters[request_id]
+
+    def forget(self, request_id: str, event: asyncio.Event) -> None:
+        """A waiter went away without being woken."""
+        waiters = self._waiters.get(request_id)
+        if waiters is not None:
+            waiters[:] = [(p, e) for p, e in waiters if e is not event]
+            if not waiters:
+                del self._waiters[request_id]
+
+
+class RoomLine:
+    """Operations that found no device room while pages were in transit, in line for it:
+    served as transfers complete, best rank first, then in arrival order, so a stream of
+    later callers cannot take the room from under them."""
+
+    def __init__(self) -> None:
+        # (rank, arrival, op, future)
+        self._line: list[tuple[int, int, Callable, asyncio.Future]] = []
+        self._arrivals = itertools.count()
+
+    def __bool__(self) -> bool:
+        return bool(self._line)
+
+    def join(self, op: Callable, rank: int) -> asyncio.Future:
+        """Wait in line: the future gets op's result once it found room (or RETRY when the
+        op then waited on blocks in transit, or the op's exception)."""
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._line, (rank, next(self._arrivals), op, future))
+        return future
+
+    def serve(self) -> None:
+        """Room may have come free: call waiting operations in line until one still finds
+        none."""
+        line = self._line
+        while line:
+            _, _, op, future = line[0]
+            if future.done():  # its caller gave up
+                heapq.heappop(line)
+                continue
+            try:
+                result = op()
+            except BlocksInTransit as busy:
+                if not busy.blocks:
+                    return  # still no room: the line waits for the next transfer
+                heapq.heappop(line)
+                future.set_result(RETRY)
+                continue
+            except BaseException as exc:
+                heapq.heappop(line)
+                future.set_exception(exc)
+                continue
+            heapq.heappop(line)
+            future.set_result(result)
