@@ -6,8 +6,6 @@ The async operations here are what the gRPC servicers call; they know nothing of
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -15,37 +13,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from kvd.assembly import Links, apply_caps, build_pool
+from kvd.assembly import Links, build_pool
 from kvd.config import Config
 from kvd.core.admission import AdmitResult, Decision
 from kvd.core.attribution import RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
 from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
-from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange
-from kvd.core.invariants import check_pool
 from kvd.core.reservation import PoolReserver
 from kvd.events import EventBus, PlanEvents, publish_admitted
 from kvd.handoff import Handoffs
+from kvd import intent_batch
+from kvd.health import Health
 from kvd.leases import LeaseTable
+from kvd.quotas import Quotas
 from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
 from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
 
-# A batch of more intent updates than SLICED (an engine step's worth; ~5 us each) is
-# checked and applied a slice at a time, with the loop served in between.
-SLICED = 256
-INTENT_SLICE = 32
-CHECK_SLICE = 128
-
 log = structlog.get_logger("kvd.node")
-
-# A transfer whose bytes have not moved for this long is reported as stuck (a link capped
-# to a crawl can legitimately take seconds per chunk; nothing legitimate takes this long).
-STUCK_AFTER_S = 30.0
-# How long SelfCheck waits for transfers in flight to finish before checking anyway.
-SELF_CHECK_WAIT_S = 5.0
 
 
 class Node:
@@ -64,8 +51,7 @@ class Node:
         self.link_table = Links(config, self.clock, self._executor, self.pools)
         self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
                                  self.link_table, self.events)
-        # What check_stuck() last found, by pool (a metric, SelfCheck and a log line).
-        self.stuck: dict[str, list[str]] = {}
+        self.health = Health(self.pools)
         # A prefill pool reserves its requests' decode pages in the others through this.
         reserver = PoolReserver(lambda name: self.pools[name].pool, config.handoff_ttl_s)
         plan_events = PlanEvents(self.events,
@@ -80,6 +66,7 @@ class Node:
         except BaseException:
             self.close()
             raise
+        self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
         self.apply_tenants(config)
 
     # ------------------------------------------------------------------ lookup
@@ -213,40 +200,8 @@ class Node:
 
     async def update_intents(self, changes: Sequence[IntentChange], scope: str | None = None
                              ) -> tuple[int, int]:
-        """Apply updates grouped by pool. Validation of every group happens before any group
-        applies, so a bad item changes nothing."""
-        by_pool: dict[PoolRuntime, list[IntentChange]] = {}
-        sliced = len(changes) > SLICED
-        for i, change in enumerate(changes):
-            if sliced and i and i % CHECK_SLICE == 0:
-                await asyncio.sleep(0)
-            by_pool.setdefault(self.runtime_of(change.request_id, scope), []).append(change)
-        if sliced:
-            # A big batch is checked whole, then applied a slice at a time, with the loop
-            # served between slices: no call holds it for more than a fraction of a
-            # millisecond. (A slice that fails because another call changed things
-            # meanwhile leaves the slices before it applied.)
-            for rt, group in by_pool.items():
-                final: dict = {}
-                for start in range(0, len(group), CHECK_SLICE):
-                    await asyncio.sleep(0)
-                    rt.pool.check_intents(group[start:start + CHECK_SLICE], final)
-                rt.pool.check_pins(final)
-            plans = []
-            for rt, group in by_pool.items():
-                for start in range(0, len(group), INTENT_SLICE):
-                    await asyncio.sleep(0)
-                    plans.append((rt, rt.pool.update_intents(group[start:start + INTENT_SLICE])))
-        else:
-            plans = [(rt, rt.pool.update_intents(group)) for rt, group in by_pool.items()]
-        prefetched = 0
-        for rt, _ in plans:
-            rt.room_may_have_changed()  # an unpinned block may be a victim now
-        for rt, plan in plans:
-            if plan is not None:
-                prefetched += len(plan.promotions)
-                await rt.execute(plan)
-        return len(changes), prefetched
+        """Apply a batch of intent updates, all or none (see intent_batch.apply)."""
+        return await intent_batch.apply(changes, lambda rid: self.runtime_of(rid, scope))
 
     async def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
                    ) -> int:
@@ -312,70 +267,13 @@ class Node:
     # ------------------------------------------------------------------ tenants
 
     def apply_tenants(self, config: Config) -> None:
-        """Set every pool's quotas from the config (at start and on SIGHUP); tenants no
-        longer declared fall back to the default quota. Changes are logged."""
-        for rt in self.pools.values():
-            pool = rt.pool
-            quotas = {t.name: t.quota_for(pool.name, pool.page_bytes) for t in config.tenants}
-            promised = sum(q.guaranteed for q in quotas.values())
-            if promised > pool.device.capacity:
-                log.warning("guarantees overcommitted: scaled down proportionally",
-                            pool=pool.name, guaranteed_pages=promised,
-                            device_pages=pool.device.capacity,
-                            scale=round(pool.device.capacity / promised, 4))
-            for tenant in set(pool.tenancy.quotas) | set(quotas):
-                new = quotas.get(tenant, TenantQuota())
-                if pool.tenancy.quotas.get(tenant) != new:
-                    log.info("quota set", pool=pool.name, tenant=tenant, weight=new.weight,
-                             guaranteed=new.guaranteed, limit=new.limit)
-                    pool.set_quota(tenant, new)
-                    self.events.publish("quota", pool=pool.name, tenant=tenant,
-                                        weight=new.weight, guaranteed=new.guaranteed,
-                                        limit=new.limit or 0)
-            apply_caps(rt.link, pool, self.clock.now())
-            rt.waiters.notify()
-        for (source, _), link in self.link_table.handoff.items():
-            apply_caps(link, self.runtime(source).pool, self.clock.now())
+        """Every pool's quotas from the config (at start and on SIGHUP)."""
+        self.quotas.apply(config)
 
     def set_quota(self, tenant: str, pool: str, **changes) -> list[str]:
-        """Change the given fields of a tenant's quota in one pool ("" = every pool); None
-        for limit or a per-request cap means none."""
-        if not tenant:
-            raise InvalidArgument("tenant must not be empty")
-        for key, value in changes.items():
-            # NaN passes every comparison and infinity is no quota: neither may reach the
-            # policies (or the log, which must stay JSON).
-            if isinstance(value, float) and not math.isfinite(value):
-                raise InvalidArgument(f"{key} must be a finite number, got {value}")
-        if "weight" in changes and not changes["weight"] > 0:
-            raise InvalidArgument("weight must be positive")
-        fraction = changes.get("max_request_fraction")
-        if fraction is not None and not 0 <= fraction <= 1:
-            raise InvalidArgument("max_request_fraction is 0..1")
-        runtimes = [self.runtime(pool)] if pool else list(self.pools.values())
-        for rt in runtimes:
-            old = rt.pool.tenancy.quota(tenant)
-            new = dataclasses.replace(old)
-            for key, value in changes.items():
-                setattr(new, key, value)
-            if new.limit is not None and new.guaranteed > new.limit:
-                raise InvalidArgument(f"pool {rt.pool.name!r}: guaranteed ({new.guaranteed} "
-                                      f"pages) would be above limit ({new.limit} pages)")
-        for rt in runtimes:
-            old = rt.pool.tenancy.quota(tenant)
-            new = dataclasses.replace(old)
-            for key, value in changes.items():
-                setattr(new, key, value)
-            rt.pool.set_quota(tenant, new)
-            apply_caps(rt.link, rt.pool, self.clock.now())
-            rt.waiters.notify()
-            self.events.publish("quota", pool=rt.pool.name, tenant=tenant, weight=new.weight,
-                                guaranteed=new.guaranteed, limit=new.limit or 0)
-            log.info("quota changed", pool=rt.pool.name, tenant=tenant, weight=new.weight,
-                     guaranteed=new.guaranteed, limit=new.limit,
-                     max_request_pages=new.max_request_pages,
-                     max_request_fraction=new.max_request_fraction)
-        return [rt.pool.name for rt in runtimes]
+        """Change the given fields of a tenant's quota (see Quotas.set)."""
+        return self.quotas.set(tenant, [self.runtime(pool)] if pool
+                               else list(self.pools.values()), **changes)
 
     async def evict(self, pool: str, num_pages: int) -> list:
         rt = self.runtime(pool)
@@ -393,33 +291,18 @@ class Node:
         return previous
 
     def check_stuck(self) -> list[str]:
-        """Transfers without progress for STUCK_AFTER_S, and blocks in transit that nothing
-        owns: logged when first found, kept for the metric and SelfCheck."""
-        found = []
-        for name, rt in self.pools.items():
-            problems = rt.transit.stuck(rt.pool.requests.values(), STUCK_AFTER_S)
-            for problem in set(problems) - set(self.stuck.get(name, ())):
-                log.error("transfer stuck", pool=name, problem=problem)
-            self.stuck[name] = problems
-            found += problems
-        return found
+        return self.health.check_stuck()
+
+    @property
+    def stuck(self) -> dict[str, list[str]]:
+        """What check_stuck() last found, by pool."""
+        return self.health.stuck
 
     async def self_check(self) -> list[str]:
-        problems = []
-        for rt in self.pools.values():
-            await rt.transit.quiesce(timeout_s=SELF_CHECK_WAIT_S)  # a slow link may still be busy
-            rt.pool.snapshot()
-            problems.extend(check_pool(rt.pool))
-        return problems + self.check_stuck()
+        return await self.health.self_check()
 
     async def drain(self, timeout_s: float | None = None) -> bool:
-        """Wait for transfers in flight, at most timeout_s in all; False: some still were."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        quiet = True
-        for rt in self.pools.values():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            quiet &= await rt.transit.quiesce(left)
-        return quiet
+        return await self.health.drain(timeout_s)
 
     def close(self) -> None:
         for rt in self.pools.values():
