@@ -98,7 +98,7 @@ class Handoffs:
         stay; a later Handoff says the reservation lapsed)."""
         expired = 0
         for rt in list(self.pools.values()):
-            for request_id in rt.pool.expired_reservations():
+            for request_id in rt.pool.reservations.expired():
                 tenant = rt.pool.requests[request_id].tenant
                 rt.pool.release(request_id)
                 expired += 1
@@ -234,7 +234,7 @@ class Handoffs:
         dst_req = dst.pool.requests[request_id]
         dst_req.bytes_moved += len(blocks) * src.pool.page_bytes
         if holder:  # the engine reads what the last message hands it: nothing may move it
-            dst.pool.hold(holder, dst_req.live_blocks())
+            dst.pool.pages.hold(holder, dst_req.live_blocks())
         src.waiters.notify()
         self.events.publish("handoff", pool=dst.pool.name, tenant=req.tenant,
                             request_id=request_id, count=len(blocks), reason="completed")

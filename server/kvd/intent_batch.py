@@ -50,7 +50,7 @@ async def _apply_sliced(by_pool: dict[PoolRuntime, list[IntentChange]]) -> list:
         for start in range(0, len(group), CHECK_SLICE):
             await asyncio.sleep(0)
             rt.pool.check_intents(group[start:start + CHECK_SLICE], final)
-        rt.pool.check_pins(final)
+        rt.pool.intents.check_pins(final)
     plans = []
     for rt, group in by_pool.items():
         for start in range(0, len(group), INTENT_SLICE):

@@ -124,7 +124,7 @@ class Node:
         self.events.publish("admission", pool=rt.pool.name, tenant=tenant or "default",
                             request_id=request_id, count=result.projected_pages,
                             decision=result.decision, reason=result.reason)
-        publish_admitted(self.events, rt.pool.name, rt.pool.take_newly_admitted())
+        publish_admitted(self.events, rt.pool.name, rt.pool.admission.take_newly_admitted())
         return result
 
     async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
@@ -180,7 +180,7 @@ class Node:
     def end_holds(self, holder: str) -> None:
         """The holder called again, or went away: the pages it was handed are evictable."""
         for rt in self.pools.values():
-            if not rt.pool.holds(holder):
+            if not rt.pool.pages.holds(holder):
                 continue
             admitted = rt.pool.end_holds(holder)
             rt.room_may_have_changed()
@@ -193,7 +193,7 @@ class Node:
         the engine's claim on a page it was handed long ago."""
         now = self.clock.now()
         stale = {h for rt in self.pools.values()
-                 for h, since in rt.pool.holders().items() if now - since > max_age_s}
+                 for h, since in rt.pool.pages.holders().items() if now - since > max_age_s}
         for holder in stale:
             self.end_holds(holder)
         return len(stale)
@@ -261,8 +261,8 @@ class Node:
         req = rt.pool.requests[request_id]
         if req.state is RequestState.ADMITTED:
             return True, 0, "", None
-        position = rt.pool.queue_position(request_id)
-        return False, position, rt.pool.why_waiting(req), rt.waiters.event(request_id, position)
+        position = rt.pool.admission.queue_position(request_id)
+        return False, position, rt.pool.admission.why_waiting(req), rt.waiters.event(request_id, position)
 
     # ------------------------------------------------------------------ tenants
 

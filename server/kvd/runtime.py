@@ -52,7 +52,7 @@ class PoolRuntime:
         self.link = link
         self.chunk_pages = max(1, chunk_bytes // pool.page_bytes)
         self.transit = InTransit(pool.name)
-        self.waiters = AdmissionWaiters(pool.queue_positions)
+        self.waiters = AdmissionWaiters(pool.admission.queue_positions)
         self.room_line = RoomLine()
         self._refilling = False
         # Told of every plan done, with its stall (the node's events and stall metric).

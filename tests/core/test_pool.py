@@ -316,10 +316,10 @@ def test_queue_admits_the_tenant_furthest_below_its_share_first(make_pool):
     assert pool.admit("a2", tenant="a", prompt_tokens=16 * 2, output_tokens=0).decision == "queued"
     assert pool.admit("b2", tenant="b", prompt_tokens=16 * 2, output_tokens=0).decision == "queued"
     # a arrived first, but holds 6 pages against a fair share of 4; b holds 2 of its 4.
-    assert pool.queue_position("b2") == 1 and pool.queue_position("a2") == 2
+    assert pool.admission.queue_position("b2") == 1 and pool.admission.queue_position("a2") == 2
     _, admitted = pool.release("b1")  # room for one of them: b's, not first-come a's
     assert [r.request_id for r in admitted] == ["b2"]
-    assert pool.queue_position("a2") == 1
+    assert pool.admission.queue_position("a2") == 1
 
 
 def test_limits_and_per_request_caps_reject_or_queue(make_pool):

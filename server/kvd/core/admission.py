@@ -265,3 +265,19 @@ class Admission:
                 f"handoff pool {self.name!r} cannot reserve {projected} pages: "
                 f"{capacity - self.reserved_pages} of {capacity} are unreserved")
         return Verdict.OK, ""
+
+    def check_growth(self, req: Request, num_blocks: int, growth: int) -> None:
+        """Quotas hold on every page added after admission too: the request's cap on its
+        live blocks, the tenant's limit on the pages reserved for all its requests."""
+        quota = self.tenancy.quota(req.tenant)
+        cap = quota.request_cap(self.pages.device.capacity)
+        if cap is not None and req.num_live_blocks + num_blocks > cap:
+            raise ResourceExhausted(
+                f"request {short_repr(req.request_id)} holds {req.num_live_blocks} pages and "
+                f"asks for {num_blocks} more: over tenant {req.tenant!r}'s per-request cap of "
+                f"{cap} pages in pool {self.name!r}")
+        if growth and self.tenancy.over_limit(req.tenant, growth):
+            raise ResourceExhausted(
+                f"tenant {req.tenant!r} is at its limit of {quota.limit} pages in pool "
+                f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); "
+                f"request {short_repr(req.request_id)} asks for {growth} more")

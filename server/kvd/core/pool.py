@@ -27,7 +27,6 @@ from kvd.core.errors import (
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
-    short_repr,
 )
 from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange, Intents
@@ -202,22 +201,6 @@ class Pool:
         self.requests[request_id] = req
         return self.admission.submit(req)
 
-    def take_newly_admitted(self) -> list[Request]:
-        """Queued requests admitted as a side effect of the last admit() (rare)."""
-        return self.admission.take_newly_admitted()
-
-    def queue_positions(self) -> dict[str, int]:
-        """Every queued request's 1-based position, in one ordering of the queue."""
-        return self.admission.queue_positions()
-
-    def queue_position(self, request_id: str) -> int:
-        """1-based position in the admission queue (in fair order), 0 when not queued."""
-        return self.admission.queue_position(request_id)
-
-    def why_waiting(self, req: Request) -> str:
-        """Why a queued request is not admitted yet."""
-        return self.admission.why_waiting(req)
-
     @_after_reads
     def admit_waiting(self) -> list[Request]:
         """Admit what the queue lets in now (after a change outside the pool's calls)."""
@@ -268,7 +251,7 @@ class Pool:
         # Live blocks, not indices: a request that frees old blocks and allocates new ones
         # (a sliding window) stays within what it reserved.
         growth = max(0, req.num_live_blocks + num_blocks - req.reserved_pages)
-        self._check_quota_growth(req, num_blocks, growth)
+        self.admission.check_growth(req, num_blocks, growth)
         if growth and not self.admission.fits(growth):
             raise ResourceExhausted(
                 f"request {request_id!r} grows past its {req.reserved_pages} reserved pages and "
@@ -297,22 +280,6 @@ class Pool:
             self.admission.reserve(req, growth)
         pages.note_peak()
         return plan
-
-    def _check_quota_growth(self, req: Request, num_blocks: int, growth: int) -> None:
-        """Quotas hold on every page added after admission too: the request's cap on its
-        live blocks, the tenant's limit on the pages reserved for all its requests."""
-        quota = self.tenancy.quota(req.tenant)
-        cap = quota.request_cap(self.device.capacity)
-        if cap is not None and req.num_live_blocks + num_blocks > cap:
-            raise ResourceExhausted(
-                f"request {short_repr(req.request_id)} holds {req.num_live_blocks} pages and "
-                f"asks for {num_blocks} more: over tenant {req.tenant!r}'s per-request cap of "
-                f"{cap} pages in pool {self.name!r}")
-        if growth and self.tenancy.over_limit(req.tenant, growth):
-            raise ResourceExhausted(
-                f"tenant {req.tenant!r} is at its limit of {quota.limit} pages in pool "
-                f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); "
-                f"request {short_repr(req.request_id)} asks for {growth} more")
 
     @_after_reads
     def access(self, request_id: str, indices: Sequence[int] | None,
@@ -369,16 +336,6 @@ class Pool:
 
     # ------------------------------------------------------------------ holds
 
-    def hold(self, holder: str, blocks: Iterable[Block]) -> None:
-        """Hold blocks a reply hands out for the holder until its next call (PageTable.hold)."""
-        self.pages.hold(holder, blocks)
-
-    def holds(self, holder: str) -> bool:
-        return self.pages.holds(holder)
-
-    def holders(self) -> dict[str, float]:
-        return self.pages.holders()
-
     @_after_reads
     def end_holds(self, holder: str) -> list[Request]:
         """The holder called again (or went away): what it was handed is evictable again.
@@ -393,10 +350,6 @@ class Pool:
     def check_intents(self, changes: Sequence[IntentChange], final: dict) -> None:
         """Validate a slice of a batch without changing anything (see Intents.check)."""
         self.intents.check(changes, final)
-
-    def check_pins(self, final: dict) -> None:
-        """A batch whose blocks end in these states must not pin more than the device."""
-        self.intents.check_pins(final)
 
     @_after_reads
     def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
@@ -458,11 +411,6 @@ class Pool:
 
     # ------------------------------------------------------------------ disaggregation
 
-    def reservation_state(self, tenant: str, projected: int, tokens: int):
-        """Whether a handoff reservation of `projected` pages could be made here, and if
-        not why (a Verdict and a reason)."""
-        return self.admission.reservation_state(tenant, projected, tokens)
-
     @_after_reads
     def reserve(self, request_id: str, tenant: str, *, prompt_tokens: int, output_tokens: int,
                 priority: int, ttl_s: float) -> Request:
@@ -476,13 +424,6 @@ class Pool:
     def claim(self, request_id: str) -> Request:
         """A reservation becomes an admitted request (its handoff is starting)."""
         return self.reservations.claim(request_id)
-
-    def expired_reservations(self) -> list[str]:
-        return self.reservations.expired()
-
-    def handoff_reserved_pages(self) -> int:
-        """Pages held for requests not yet handed off to this pool."""
-        return self.reservations.reserved_pages()
 
     @_after_reads
     def begin_handoff(self, request_id: str) -> list[Block]:

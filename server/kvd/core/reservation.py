@@ -57,7 +57,7 @@ class PoolReserver:
     def state(self, req: Request) -> tuple[Verdict, str]:
         target = self.pool_of(req.handoff_pool)
         projected = target.projected_pages(req.prompt_tokens, req.output_tokens)
-        return target.reservation_state(req.tenant, projected,
+        return target.admission.reservation_state(req.tenant, projected,
                                         req.prompt_tokens + req.output_tokens)
 
     def reserve(self, req: Request) -> None:
