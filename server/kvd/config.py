@@ -6,121 +6,48 @@ schema (types, ranges, units) is checked by pydantic; a bad value is one line na
 
 from __future__ import annotations
 
-import math
-import re
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, TypeAdapter, ValidationError, with_config
+from pydantic import Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
+from kvd.config_values import (
+    DEFAULT_SOCKET,
+    MODEL_PRESETS,
+    SCHEMA,
+    Address,
+    Count,
+    FileMode,
+    Fraction,
+    Name,
+    NonNegative,
+    Positive,
+    PositiveInt,
+    PolicyName,
+    PositiveSizeOrAuto,
+    Quota,
+    Size,
+    bytes_of,
+    pages_of,
+)
 from kvd.core.errors import InvalidArgument
 from kvd.core.fairness import TenantQuota
-from kvd.core.policies import policy_names
-
-
-@dataclass(frozen=True, slots=True)
-class ModelPreset:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype_bytes: int
-
-    @property
-    def bytes_per_token(self) -> int:
-        # K and V for every layer and head.
-        return self.layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
-
-
-MODEL_PRESETS: dict[str, ModelPreset] = {
-    "llama-3-8b": ModelPreset(32, 8, 128, 2),
-    "llama-3-70b": ModelPreset(80, 8, 128, 2),
-    "mistral-7b": ModelPreset(32, 8, 128, 2),
-    "qwen2-7b": ModelPreset(28, 4, 128, 2),
-    # A toy model for tests and demos: 1 KiB per token.
-    "tiny": ModelPreset(2, 2, 64, 2),
-}
-
-DEFAULT_SOCKET = "/run/kvd/kvd.sock"
-
-
-# ---------------------------------------------------------------- value types
-# Every key is typed and range-checked by pydantic: numbers must be numbers ("30" is not 30),
-# finite, and in range; sizes and rates are numbers of bytes or strings with a unit.
-
-
-def _size(value: Any) -> Any:
-    try:
-        bytes_of(value)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
-    return value
-
-
-def _positive_size_or_auto(value: Any) -> Any:
-    if value != "auto" and bytes_of(_size(value)) <= 0:
-        raise ValueError("must be a positive size, or 'auto'")
-    return value
-
-
-def _quota(value: Any) -> Any:
-    try:
-        pages_of(value, 1)
-    except InvalidArgument as exc:
-        raise ValueError(str(exc)) from None
-    return value
-
-
-def _address(value: str) -> str:
-    """"" (none) or HOST:PORT with an explicit port (a missing one is not 443)."""
-    if value == "":
-        return value
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{value!r} is not HOST:PORT with a port in 0..65535")
-    return value
-
-
-def _policy(value: str) -> str:
-    if value not in policy_names():
-        raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(policy_names())}")
-    return value
-
-
-def _mode(value: int) -> int:
-    if not 0 <= value <= 0o777:
-        raise ValueError(f"{value} is not a file mode; write it in octal, e.g. 0o660")
-    return value
-
-
-_STRICT = {"strict": True}
-PositiveInt = Annotated[int, Field(gt=0, **_STRICT)]
-Count = Annotated[int, Field(ge=0, **_STRICT)]
-Positive = Annotated[float, Field(gt=0, **_STRICT)]  # seconds, milliseconds, weights
-NonNegative = Annotated[float, Field(ge=0, **_STRICT)]
-Fraction = Annotated[float, Field(ge=0, le=1, **_STRICT)]
-Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-Size = Annotated[int | float | str, AfterValidator(_size)]
-PositiveSizeOrAuto = Annotated[int | float | str, AfterValidator(_positive_size_or_auto)]
-Quota = Annotated[Annotated[int, Field(strict=True)] | str, AfterValidator(_quota)]
-Address = Annotated[str, AfterValidator(_address)]
-# Extra keys are typos; dataclass instances built in code are checked again by validate().
-_SCHEMA = ConfigDict(extra="forbid", allow_inf_nan=False, revalidate_instances="always")
 
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
-    __pydantic_config__ = _SCHEMA
+    __pydantic_config__ = SCHEMA
     name: Name = "default"
     model: str = "llama-3-8b"
     block_tokens: PositiveInt = 16
     page_bytes: Count = 0  # 0: block_tokens x the model's bytes per token
     device_pages: PositiveInt = 64
     host_pages: Count = 256
-    policy: Annotated[str, AfterValidator(_policy)] = "lru"
+    policy: PolicyName = "lru"
     device_backend: Literal["auto", "cupy", "host"] = "auto"
     gpu: Count = 0
     max_queue: PositiveInt = 1024
@@ -161,7 +88,7 @@ class PoolConfig:
 class LinkConfig:
     """A pool->pool link for handoff (`[[link]]` with source and target pools)."""
 
-    __pydantic_config__ = _SCHEMA
+    __pydantic_config__ = SCHEMA
     source: Name
     target: Name
     bandwidth: PositiveSizeOrAuto = "auto"
@@ -179,45 +106,10 @@ class LinkConfig:
             raise InvalidArgument(f"link {self.source}->{self.target}: a link joins two pools")
 
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def bytes_of(value: int | float | str) -> float:
-    """A size or a rate in bytes: a number, or a string with a unit ("200MiB", "1.5GB/s")."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise InvalidArgument(f"a size is bytes (a number) or a string like '200MiB/s', "
-                              f"got {value!r}")
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(f"a size must be a finite number >= 0, got {value}")
-        return float(value)
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*(?:/\s*s)?\s*", value)
-    unit = (match.group(2) or "b").lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise InvalidArgument(f"cannot read {value!r} as bytes; use e.g. 200MiB or 1GB/s")
-    return float(match.group(1)) * _UNITS[unit]
-
-
-def pages_of(value: int | str, page_bytes: int) -> int:
-    """A quota in pages: an int is pages; a string is bytes with a unit ("512MiB", "2GB"),
-    rounded up to whole pages."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InvalidArgument(f"a quota is pages (int) or bytes ('512MiB'), got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise InvalidArgument(f"a quota must be >= 0, got {value}")
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidArgument(f"cannot read {value!r} as a size; use e.g. 512MiB or 2GB")
-    return math.ceil(float(match.group(1)) * _UNITS[match.group(2).lower()] / page_bytes)
-
-
 _RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget")
 
 
-@with_config(_SCHEMA)
+@with_config(SCHEMA)
 class QuotaOverrides(TypedDict, total=False):
     """A tenant's quota keys under `[tenant.pools.NAME]`: they replace its defaults there."""
 
@@ -240,7 +132,7 @@ class TenantConfig:
     """A tenant: who it is (a bearer token), and its quota in every pool (with per-pool
     overrides under `pools`). Sizes are pages, or bytes with a unit."""
 
-    __pydantic_config__ = _SCHEMA
+    __pydantic_config__ = SCHEMA
     name: Name
     token: str = field(default="", repr=False)  # never logged
     weight: Positive = 1.0
@@ -287,7 +179,7 @@ class AuthConfig:
     unix peer's uid, so unix-socket callers without a token act as `unix_tenant` (the
     socket's 0660 permissions are the gate); TCP callers must present a token."""
 
-    __pydantic_config__ = _SCHEMA
+    __pydantic_config__ = SCHEMA
     admin_token: str = field(default="", repr=False)
     unix_tenant: str = "default"  # "": unix callers need a token too
     unix_admin: Annotated[bool, Field(strict=True)] = True  # unix callers may call admin
@@ -295,9 +187,9 @@ class AuthConfig:
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    __pydantic_config__ = _SCHEMA
+    __pydantic_config__ = SCHEMA
     socket: str = DEFAULT_SOCKET
-    socket_mode: Annotated[int, Field(strict=True), AfterValidator(_mode)] = 0o660
+    socket_mode: FileMode = 0o660
     socket_group: str = ""  # the group engines run as ("": kvd's own)
     tcp: Address = ""  # host:port; empty = no TCP listener
     # TLS on the TCP listener (PEM files, relative to the config file): the server's
