@@ -1,6 +1,8 @@
 """Typed Python client for kvd (async and sync), used by engines, kvctl and the load generator."""
 
-from kvd_client.client import AsyncClient, Client, RetryPolicy, StepStream, Tls, default_target
+from kvd_client.blocking import Client
+from kvd_client.client import AsyncClient, RetryPolicy, Tls, default_target
+from kvd_client.step_stream import StepStream
 from kvd_client.errors import (
     AbortedError,
     AlreadyExistsError,

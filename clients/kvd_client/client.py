@@ -1,14 +1,11 @@
-"""AsyncClient and Client: one method per kvd RPC, deadlines on every call, exceptions
-instead of status codes."""
+"""AsyncClient: one method per kvd RPC, deadlines on every call, exceptions instead of
+status codes. Client (kvd_client.blocking) offers the same calls blocking."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import inspect
 import os
 import socket
-import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -19,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
-from kvd_client.errors import UnavailableError, from_rpc_error
+from kvd_client.errors import from_rpc_error
+from kvd_client.step_stream import StepStream, access_request
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -53,12 +51,6 @@ def _intent_update(request_id: str, block_index: int, prefetch: bool = False, **
                    ) -> pb.IntentUpdate:
     return pb.IntentUpdate(request_id=request_id, block_index=block_index,
                            intent=pb.MemoryIntent(**fields), prefetch=prefetch)
-
-
-def _access(request_id: str, blocks: Sequence[int] | None) -> pb.AccessRequest:
-    if blocks is None:
-        return pb.AccessRequest(request_id=request_id, all_blocks=True)
-    return pb.AccessRequest(request_id=request_id, block_indices=blocks)
 
 
 class _Requests:
@@ -199,7 +191,7 @@ class AsyncClient:
 
     async def access(self, request_id: str, blocks: Sequence[int] | None = None
                      ) -> pb.AccessResponse:
-        return await self._call(self.memory.Access, _access(request_id, blocks))
+        return await self._call(self.memory.Access, access_request(request_id, blocks))
 
     async def update_intents(self, updates: Iterable[pb.IntentUpdate]) -> pb.UpdateIntentsResponse:
         return await self._call(self.memory.UpdateIntents,
@@ -311,183 +303,6 @@ class AsyncClient:
 
     def step_stream(self) -> StepStream:
         return StepStream(self)
-
-
-class StepStream:
-    """The engine's hot path: one StepRequest per engine step, one StepResponse back.
-
-        async with kvd.step_stream() as stream:
-            reply = await stream.step(accesses=[...], allocations=[...])
-    """
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-        self._call = None
-        self._next_id = 0
-
-    async def __aenter__(self) -> StepStream:
-        self._call = self._client.memory.Step(metadata=self._client.metadata)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        if self._call is not None:
-            try:
-                await self._call.done_writing()
-            except grpc.RpcError:
-                pass
-            self._call.cancel()
-            self._call = None
-
-    async def pipeline(self, requests, on_reply, window: int = 16) -> None:
-        """Send many steps without waiting for each reply (at most `window` outstanding);
-        on_reply(request, reply) is called for each, in order. Replies arrive in the order
-        the steps were sent: kvd applies them one after another."""
-        outstanding: asyncio.Queue = asyncio.Queue(window)
-
-        async def read_replies():
-            while True:
-                request = await outstanding.get()
-                if request is None:
-                    return
-                reply = await self._call.read()
-                if reply is grpc.aio.EOF:
-                    raise UnavailableError("kvd closed the Step stream")
-                result = on_reply(request, reply)
-                if asyncio.iscoroutine(result):
-                    await result
-
-        reader = asyncio.ensure_future(read_replies())
-        try:
-            for request in requests:
-                if not request.step_id:
-                    self._next_id += 1
-                    request.step_id = self._next_id
-                put = asyncio.ensure_future(outstanding.put(request))
-                await asyncio.wait({put, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if reader.done():
-                    put.cancel()
-                    reader.result()  # raises what the reader raised
-                    raise UnavailableError("Step stream reader stopped")
-                await self._call.write(request)
-            await outstanding.put(None)
-            await reader
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        finally:
-            if not reader.done():
-                reader.cancel()
-
-    async def send(self, request: pb.StepRequest) -> pb.StepResponse:
-        if not request.step_id:
-            self._next_id += 1
-            request.step_id = self._next_id
-        try:
-            await self._call.write(request)
-            reply = await self._call.read()
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
-        if reply is grpc.aio.EOF:
-            raise UnavailableError("kvd closed the Step stream")
-        return reply
-
-    async def step(self, *, intents=(), frees=(), releases=(), allocations=(), accesses=(),
-                   read_all=()) -> pb.StepResponse:
-        """Send one step. allocations: (request_id, n) pairs; accesses: (request_id, blocks or
-        None for all) pairs; frees: (request_id, blocks); releases and read_all: request ids
-        (read_all: every block of each is read, the fastest form)."""
-        return await self.send(pb.StepRequest(
-            read_all=list(read_all),
-            intents=list(intents),
-            frees=[pb.FreeRequest(request_id=r, block_indices=b) for r, b in frees],
-            releases=[pb.ReleaseRequest(request_id=r) for r in releases],
-            allocations=[pb.AllocateRequest(request_id=r, num_blocks=n) for r, n in allocations],
-            accesses=[_access(r, b) for r, b in accesses],
-        ))
-
-
-class Client:
-    """The same calls as AsyncClient, blocking: derived from it (every public coroutine
-    becomes a blocking call, every async stream a blocking iterator), run on an event loop
-    of the client's own in a background thread, so the two cannot drift apart. The async
-    client's step_stream is left out: a blocking caller sends Steps with step()."""
-
-    _ASYNC_ONLY = frozenset({"step_stream", "close", "wait_ready"})
-
-    def __init__(self, target: str | None = None, **kw) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvd-client",
-                                        daemon=True)
-        self._thread.start()
-
-        async def connect() -> AsyncClient:
-            return AsyncClient(target, **kw)
-
-        try:
-            self._client = self._run(connect())
-        except BaseException:
-            self._stop()
-            raise
-        self.target = self._client.target
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _iterate(self, stream):
-        """A blocking iterator over an async stream; closing it early closes the stream
-        (which cancels the call)."""
-        async def step():
-            return await anext(stream)
-
-        try:
-            while True:
-                try:
-                    yield self._run(step())
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(stream.aclose())
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._run(self._client.close())
-            self._stop()
-
-    def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    def wait_ready(self, timeout_s: float = 10.0) -> None:
-        """Wait until the channel is connected; TimeoutError after timeout_s."""
-        self._run(self._client.wait_ready(timeout_s))
-
-
-def _blocking(name: str, method):
-    if inspect.isasyncgenfunction(method):
-        @functools.wraps(method)
-        def stream(self, *args, **kwargs):
-            return self._iterate(getattr(self._client, name)(*args, **kwargs))
-        return stream
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        return self._run(getattr(self._client, name)(*args, **kwargs))
-    return call
-
-
-for _name, _method in vars(AsyncClient).items():
-    if (not _name.startswith("_") and _name not in Client._ASYNC_ONLY
-            and (inspect.iscoroutinefunction(_method) or inspect.isasyncgenfunction(_method))):
-        setattr(Client, _name, _blocking(_name, _method))
 
 
 intent_update = _intent_update

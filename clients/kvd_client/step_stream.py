@@ -1,0 +1,117 @@
+"""StepStream: the engine's hot path, one StepRequest per engine step on one stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import grpc
+
+from kvd_api.v1 import kvd_pb2 as pb
+from kvd_client.errors import UnavailableError, from_rpc_error
+
+if TYPE_CHECKING:
+    from kvd_client.client import AsyncClient
+
+
+def access_request(request_id: str, blocks: Sequence[int] | None) -> pb.AccessRequest:
+    """Read these blocks of a request (None: all of them)."""
+    if blocks is None:
+        return pb.AccessRequest(request_id=request_id, all_blocks=True)
+    return pb.AccessRequest(request_id=request_id, block_indices=blocks)
+
+
+class StepStream:
+    """The engine's hot path: one StepRequest per engine step, one StepResponse back.
+
+        async with kvd.step_stream() as stream:
+            reply = await stream.step(accesses=[...], allocations=[...])
+    """
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._call = None
+        self._next_id = 0
+
+    async def __aenter__(self) -> StepStream:
+        self._call = self._client.memory.Step(metadata=self._client.metadata)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._call is not None:
+            try:
+                await self._call.done_writing()
+            except grpc.RpcError:
+                pass
+            self._call.cancel()
+            self._call = None
+
+    async def pipeline(self, requests, on_reply, window: int = 16) -> None:
+        """Send many steps without waiting for each reply (at most `window` outstanding);
+        on_reply(request, reply) is called for each, in order. Replies arrive in the order
+        the steps were sent: kvd applies them one after another."""
+        outstanding: asyncio.Queue = asyncio.Queue(window)
+
+        async def read_replies():
+            while True:
+                request = await outstanding.get()
+                if request is None:
+                    return
+                reply = await self._call.read()
+                if reply is grpc.aio.EOF:
+                    raise UnavailableError("kvd closed the Step stream")
+                result = on_reply(request, reply)
+                if asyncio.iscoroutine(result):
+                    await result
+
+        reader = asyncio.ensure_future(read_replies())
+        try:
+            for request in requests:
+                if not request.step_id:
+                    self._next_id += 1
+                    request.step_id = self._next_id
+                put = asyncio.ensure_future(outstanding.put(request))
+                await asyncio.wait({put, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    put.cancel()
+                    reader.result()  # raises what the reader raised
+                    raise UnavailableError("Step stream reader stopped")
+                await self._call.write(request)
+            await outstanding.put(None)
+            await reader
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            if not reader.done():
+                reader.cancel()
+
+    async def send(self, request: pb.StepRequest) -> pb.StepResponse:
+        if not request.step_id:
+            self._next_id += 1
+            request.step_id = self._next_id
+        try:
+            await self._call.write(request)
+            reply = await self._call.read()
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        if reply is grpc.aio.EOF:
+            raise UnavailableError("kvd closed the Step stream")
+        return reply
+
+    async def step(self, *, intents=(), frees=(), releases=(), allocations=(), accesses=(),
+                   read_all=()) -> pb.StepResponse:
+        """Send one step. allocations: (request_id, n) pairs; accesses: (request_id, blocks or
+        None for all) pairs; frees: (request_id, blocks); releases and read_all: request ids
+        (read_all: every block of each is read, the fastest form)."""
+        return await self.send(pb.StepRequest(
+            read_all=list(read_all),
+            intents=list(intents),
+            frees=[pb.FreeRequest(request_id=r, block_indices=b) for r, b in frees],
+            releases=[pb.ReleaseRequest(request_id=r) for r in releases],
+            allocations=[pb.AllocateRequest(request_id=r, num_blocks=n) for r, n in allocations],
+            accesses=[access_request(r, b) for r, b in accesses],
+        ))
