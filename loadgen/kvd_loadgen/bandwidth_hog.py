@@ -15,10 +15,8 @@ read). The device<->host link is capped. Phases, each on a fresh daemon:
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import uvloop
 from rich.console import Console
@@ -26,13 +24,8 @@ from rich.console import Console
 from kvd_client import AsyncClient, pb
 from kvd_client.client import intent_update
 from kvd_loadgen.engine import percentile
-from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.scenario_report import (
-    ScenarioReport,
-    draw_utilisation,
-    finish,
-    sample_links,
-)
+from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd
+from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, finish
 
 LINK = "default:device<->host"
 PAGE = 16 * 1024  # the tiny model preset, 16 tokens a page
@@ -122,57 +115,51 @@ async def sensitive(c: AsyncClient, s: HogScenario, stop: asyncio.Event, waits: 
         await asyncio.sleep(max(0.0, s.sensitive_step_ms / 1000 - (time.perf_counter() - began)))
 
 
+async def _fill(c: AsyncClient, s: HogScenario, phase: str, backlogged: bool) -> None:
+    """The phase's requests: the hog's streams, and the sensitive tenant's (cold blocks it
+    reads now and then, or, backlogged, streams as big as the hog's)."""
+    for i in range(s.hog_streams):
+        await c.admit(f"hog{i}", s.hog_blocks * 16, 0, tenant="hog")
+        await c.allocate(f"hog{i}", s.hog_blocks)
+    if phase == "solo":  # the hog holds memory, and moves nothing
+        pins = s.device_pages - s.sensitive_room
+        await c.update_intents([
+            intent_update(f"hog{i // s.hog_blocks}", i % s.hog_blocks,
+                          pin_requested=True) for i in range(pins)])
+    if backlogged:  # the sensitive tenant streams as hard as the hog
+        for i in range(s.hog_streams):
+            await c.admit(f"bulk{i}", s.hog_blocks * 16, 0, tenant="sensitive")
+            await c.allocate(f"bulk{i}", s.hog_blocks)
+        return
+    for i in range(s.sensitive_requests):
+        rid = f"sensitive{i}"
+        await c.admit(rid, s.sensitive_blocks * 16, 0, tenant="sensitive")
+        await c.allocate(rid, s.sensitive_blocks)
+        await c.update_intents([intent_update(rid, b, priority=pb.PRIORITY_COLD)
+                                for b in range(s.sensitive_blocks)])
+
+
 async def run_phase(s: HogScenario, phase: str) -> dict:
     scheduling = "fifo" if "fifo" in phase else "fair"
     backlogged = phase.startswith("backlogged")
-    with tempfile.TemporaryDirectory(prefix="kvd-hog-") as tmp:
-        config = Path(tmp) / "kvd.toml"
-        config.write_text(kvd_config(s, scheduling))
-        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
-            async with AsyncClient(kvd.target, timeout_s=60) as c:
-                for i in range(s.hog_streams):
-                    await c.admit(f"hog{i}", s.hog_blocks * 16, 0, tenant="hog")
-                    await c.allocate(f"hog{i}", s.hog_blocks)
-                if phase == "solo":  # the hog holds memory, and moves nothing
-                    pins = s.device_pages - s.sensitive_room
-                    await c.update_intents([
-                        intent_update(f"hog{i // s.hog_blocks}", i % s.hog_blocks,
-                                      pin_requested=True) for i in range(pins)])
-                tenant_b = "sensitive"
-                if backlogged:  # the sensitive tenant streams as hard as the hog
-                    for i in range(s.hog_streams):
-                        await c.admit(f"bulk{i}", s.hog_blocks * 16, 0, tenant=tenant_b)
-                        await c.allocate(f"bulk{i}", s.hog_blocks)
-                else:
-                    for i in range(s.sensitive_requests):
-                        rid = f"sensitive{i}"
-                        await c.admit(rid, s.sensitive_blocks * 16, 0, tenant=tenant_b)
-                        await c.allocate(rid, s.sensitive_blocks)
-                        await c.update_intents([intent_update(rid, b, priority=pb.PRIORITY_COLD)
-                                                for b in range(s.sensitive_blocks)])
-                stop = asyncio.Event()
-                tasks = []
-                if phase != "solo":
-                    tasks += [asyncio.ensure_future(stream(c, f"hog{i}", s.hog_blocks,
-                                                           s.window, stop))
-                              for i in range(s.hog_streams)]
-                waits: list = []
-                if backlogged:
-                    tasks += [asyncio.ensure_future(stream(c, f"bulk{i}", s.hog_blocks,
-                                                           s.window, stop))
-                              for i in range(s.hog_streams)]
-                await asyncio.sleep(0.5)  # let queues form before measuring
-                start = time.monotonic()
-                samples: list = []
-                sampler = asyncio.ensure_future(sample_links(c, stop, start, samples))
-                if not backlogged:
-                    tasks.append(asyncio.ensure_future(sensitive(c, s, stop, waits)))
-                await asyncio.sleep(s.duration_s)
-                stop.set()
-                await sampler
-                await asyncio.gather(*tasks)
-                check = await c.self_check()
-                assert check.ok, list(check.problems)
+    async with local_kvd(kvd_config(s, scheduling), prefix="kvd-hog-", timeout_s=60) as (_, c):
+        await _fill(c, s, phase, backlogged)
+        samplers = Samplers(c)
+        stop = samplers.stopping
+        streams = [f"hog{i}" for i in range(s.hog_streams) if phase != "solo"]
+        if backlogged:
+            streams += [f"bulk{i}" for i in range(s.hog_streams)]
+        tasks = [asyncio.ensure_future(stream(c, rid, s.hog_blocks, s.window, stop))
+                 for rid in streams]
+        waits: list = []
+        await asyncio.sleep(0.5)  # let queues form before measuring
+        [samples] = samplers.start((link_sample, 0.25))
+        if not backlogged:
+            tasks.append(asyncio.ensure_future(sensitive(c, s, stop, waits)))
+        await asyncio.sleep(s.duration_s)
+        await samplers.stop()
+        await asyncio.gather(*tasks)
+        await assert_sound(c)
     first, last = samples[0], samples[-1]
     elapsed = last["t"] - first["t"]
     a, b = first["links"][LINK], last["links"][LINK]

@@ -14,18 +14,16 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import uvloop
 from rich.console import Console
 
 from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, pb
 from kvd_loadgen.engine import percentile
-from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, finish, sample_links
+from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd
+from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, finish
 
 LINK = "prefill->decode"
 BLOCK_TOKENS = 16  # the tiny model: 16 KiB pages
@@ -148,34 +146,27 @@ async def one_request(c: AsyncClient, s: DisaggScenario, rid: str, o: Outcome,
 async def run_mode(s: DisaggScenario, reserved: bool) -> dict:
     arrivals = s.arrivals()
     outcomes = [Outcome(p, out) for _, p, out in arrivals]
-    with tempfile.TemporaryDirectory(prefix="kvd-disagg-") as tmp:
-        config = Path(tmp) / "kvd.toml"
-        config.write_text(kvd_config(s))
-        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
-            async with AsyncClient(kvd.target, timeout_s=120) as c:
-                start = time.monotonic()
-                stop = asyncio.Event()
-                samples: list = []
-                sampler = asyncio.ensure_future(sample_links(c, stop, start, samples))
+    async with local_kvd(kvd_config(s), prefix="kvd-disagg-") as (_, c):
+        samplers = Samplers(c)
+        [samples] = samplers.start((link_sample, 0.25))
+        start = samplers.start_time
 
-                async def arrive(i: int) -> None:
-                    await asyncio.sleep(max(0.0, start + arrivals[i][0] - time.monotonic()))
-                    try:
-                        await one_request(c, s, f"r{i}", outcomes[i], reserved)
-                    except KvdClientError as exc:
-                        outcomes[i].errors.append(str(exc))
-                        try:  # as an engine would: give the request back
-                            await c.release(f"r{i}")
-                        except KvdClientError:
-                            pass
+        async def arrive(i: int) -> None:
+            await asyncio.sleep(max(0.0, start + arrivals[i][0] - time.monotonic()))
+            try:
+                await one_request(c, s, f"r{i}", outcomes[i], reserved)
+            except KvdClientError as exc:
+                outcomes[i].errors.append(str(exc))
+                try:  # as an engine would: give the request back
+                    await c.release(f"r{i}")
+                except KvdClientError:
+                    pass
 
-                await asyncio.gather(*(arrive(i) for i in range(len(arrivals))))
-                wall = time.monotonic() - start
-                stop.set()
-                await sampler
-                stats = {p.pool: p for p in (await c.pool_stats()).pools}
-                check = await c.self_check()
-                assert check.ok, list(check.problems)
+        await asyncio.gather(*(arrive(i) for i in range(len(arrivals))))
+        wall = time.monotonic() - start
+        await samplers.stop()
+        stats = {p.pool: p for p in (await c.pool_stats()).pools}
+        await assert_sound(c)
     link = next(x for x in stats["prefill"].links if x.link == LINK)
     handoffs = [o for o in outcomes if o.handoff_bytes]
     rates = [o.handoff_bytes / o.handoff_s for o in handoffs if o.handoff_s > 0]
@@ -208,20 +199,16 @@ async def run_mode(s: DisaggScenario, reserved: bool) -> dict:
 async def handoff_burst(s: DisaggScenario, requests: int = 4, blocks: int = 80) -> dict:
     """Prefill a few long requests, then hand them all off at once: the link's throughput
     when handoffs keep it busy, against its cap."""
-    with tempfile.TemporaryDirectory(prefix="kvd-disagg-") as tmp:
-        config = Path(tmp) / "kvd.toml"
-        config.write_text(kvd_config(s))
-        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
-            async with AsyncClient(kvd.target, timeout_s=120) as c:
-                for i in range(requests):
-                    reply = await c.admit(f"b{i}", blocks * BLOCK_TOKENS, BLOCK_TOKENS,
-                                          pool="prefill", handoff_pool="decode")
-                    assert reply.decision == pb.DECISION_ADMITTED, reply
-                    await c.allocate(f"b{i}", blocks)
-                started = time.perf_counter()
-                done = await asyncio.gather(*(c.handoff_all(f"b{i}") for i in range(requests)))
-                elapsed = time.perf_counter() - started
-                assert all(d.done for d in done)
+    async with local_kvd(kvd_config(s), prefix="kvd-disagg-") as (_, c):
+        for i in range(requests):
+            reply = await c.admit(f"b{i}", blocks * BLOCK_TOKENS, BLOCK_TOKENS,
+                                  pool="prefill", handoff_pool="decode")
+            assert reply.decision == pb.DECISION_ADMITTED, reply
+            await c.allocate(f"b{i}", blocks)
+        started = time.perf_counter()
+        done = await asyncio.gather(*(c.handoff_all(f"b{i}") for i in range(requests)))
+        elapsed = time.perf_counter() - started
+        assert all(d.done for d in done)
     moved = requests * blocks * 16 * 1024
     return {"requests": requests, "bytes": moved, "elapsed_s": elapsed,
             "mib_s": moved / elapsed / 2**20}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import uvloop
 
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -18,7 +17,7 @@ from kvd_client import AsyncClient, KvdClientError, pb
 from kvd_loadgen.belady import belady_min
 from kvd_loadgen.data import INTENT_PROFILES, resolve_intent_trace
 from kvd_loadgen.intent_trace import IntentEvent, read_intent_trace
-from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.scenario import local_kvd
 from kvd_loadgen.scenario_report import ScenarioReport, finish
 
 KVD_POLICIES = ("lru", "regret", "reuse", "intent", "deadline", "fair:intent")
@@ -262,12 +261,10 @@ async def replay_profile(path: Path, profile: str, policies, *, device_pages: in
     events = read_intent_trace(path)
     results = []
     if target is None:
-        with tempfile.TemporaryDirectory(prefix="kvd-replay-") as tmp:
-            config = Path(tmp) / "kvd.toml"
-            config.write_text(_config(policies, device_pages, host_pages, page_bytes))
-            with LocalKvd("--config", str(config), workdir=tmp) as kvd:
-                for policy in policies:
-                    results.append(await replay_events(kvd.target, policy, profile, events))
+        async with local_kvd(_config(policies, device_pages, host_pages, page_bytes),
+                             prefix="kvd-replay-") as (kvd, _):
+            for policy in policies:
+                results.append(await replay_events(kvd.target, policy, profile, events))
     else:
         for policy in policies:
             results.append(await replay_events(target, policy, profile, events,

@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import uvloop
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvd_loadgen.measures import jain_index
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
-from kvd_loadgen.local import LocalKvd
-from kvd_loadgen.scenario_report import finish, sample_links
+from kvd_loadgen.measures import jain_index
+from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd
+from kvd_loadgen.scenario_report import finish
 from kvd_loadgen.trace_reader import TraceRequest, read_request_trace, tenant_rule
 
 
@@ -48,116 +46,48 @@ def kvd_config(run: TraceRun, policy: str, tenants: list[str]) -> str:
         f"host_pages = {run.host_pages}\nmax_queue = 100000\n\n" + blocks)
 
 
-async def _sample(admin: AsyncClient, stop: asyncio.Event, start: float, out: list) -> None:
-    while not stop.is_set():
-        tenants = await admin.list_tenants()
-        stats = (await admin.pool_stats()).pools[0]
-        out.append({"t": time.monotonic() - start,
-                    "device_used": stats.tiers[0].used_pages,
-                    "host_used": stats.tiers[1].used_pages,
-                    "tenants": {t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
-                                if t.reserved_pages > 0}})
-        try:
-            await asyncio.wait_for(stop.wait(), 0.5)
-        except asyncio.TimeoutError:
-            pass
+async def _occupancy(admin: AsyncClient) -> dict:
+    """Pages in use, and each tenant with reserved pages: (device pages, fair share)."""
+    tenants = await admin.list_tenants()
+    stats = (await admin.pool_stats()).pools[0]
+    return {"device_used": stats.tiers[0].used_pages, "host_used": stats.tiers[1].used_pages,
+            "tenants": {t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
+                        if t.reserved_pages > 0}}
+
+
+def _arrivals(run: TraceRun, trace: list[TraceRequest]) -> list[SimRequest]:
+    """The trace as the engines' requests, each given its tenant by the run's rule."""
+    rule = tenant_rule(run.tenants)
+    return [SimRequest(r.request_id, r.prompt_tokens,
+                       min(max(r.output_tokens, 1), run.max_output_tokens), rule(r),
+                       r.arrival_s / run.speed) for r in trace]
 
 
 async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
                      progress: Progress | None = None) -> dict:
-    rule = tenant_rule(run.tenants)
-    by_tenant: dict[str, list[SimRequest]] = {}
-    arrivals = []
-    for r in trace:
-        sim = SimRequest(r.request_id, r.prompt_tokens,
-                         min(max(r.output_tokens, 1), run.max_output_tokens), rule(r),
-                         r.arrival_s / run.speed)
-        by_tenant.setdefault(sim.klass, []).append(sim)
-        arrivals.append(sim)
-    tenants = sorted(by_tenant)
-    with tempfile.TemporaryDirectory(prefix="kvd-trace-") as tmp:
-        config = Path(tmp) / "kvd.toml"
-        config.write_text(kvd_config(run, policy, tenants))
-        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
-            clients = {t: AsyncClient(kvd.target, token=f"{t}-token", timeout_s=120)
+    arrivals = _arrivals(run, trace)
+    tenants = sorted({sim.klass for sim in arrivals})
+    async with local_kvd(kvd_config(run, policy, tenants), prefix="kvd-trace-") as (kvd, admin):
+        clients = {t: AsyncClient(kvd.target, token=f"{t}-token", timeout_s=120)
+                   for t in tenants}
+        try:
+            engines = {t: Engine(clients[t], block_tokens=run.block_tokens,
+                                 step_s=run.step_ms / 1000, chunk_blocks=run.chunk_blocks)
                        for t in tenants}
-            admin = AsyncClient(kvd.target)
-            try:
-                engines = {t: Engine(clients[t], block_tokens=run.block_tokens,
-                                     step_s=run.step_ms / 1000, chunk_blocks=run.chunk_blocks)
-                           for t in tenants}
-                start = time.monotonic()
-                stop = asyncio.Event()
-                samples: list = []
-                sampler = asyncio.ensure_future(_sample(admin, stop, start, samples))
-                link_samples: list = []
-                link_sampler = asyncio.ensure_future(
-                    sample_links(admin, stop, start, link_samples, 0.5))
-                task = progress.add_task(policy, total=len(arrivals)) if progress else None
-
-                async def arrive(sim: SimRequest):
-                    await asyncio.sleep(max(0.0, start + sim.arrival_s - time.monotonic()))
-                    await engines[sim.klass].arrive(sim)
-
-                arrival_tasks = [asyncio.ensure_future(arrive(s)) for s in arrivals]
-                done = asyncio.Event()
-
-                async def watch():
-                    await asyncio.gather(*arrival_tasks)
-                    done.set()
-
-                watcher = asyncio.ensure_future(watch())
-
-                async def report_progress():
-                    while not stop.is_set():
-                        if progress:
-                            finished = sum(1 for s in arrivals
-                                           if s.finished_at or s.rejected)
-                            progress.update(task, completed=finished)
-                        await asyncio.sleep(0.25)
-
-                reporter = asyncio.ensure_future(report_progress())
-                await asyncio.gather(*(e.run(stop=done) for e in engines.values()))
-                await watcher
-                ended = time.monotonic()
-                stop.set()
-                await sampler
-                await link_sampler
-                await reporter
-                tenant_info = {t.tenant: t for t in await admin.list_tenants()}
-                stats = (await admin.pool_stats()).pools[0]
-                assert (await admin.self_check()).ok
-            finally:
-                for c in (*clients.values(), admin):
-                    await c.close()
-    classes = []
-    for t in tenants:
-        reqs, eng = by_tenant[t], engines[t]
-        decode = [x.stall_s * 1e3 for x in eng.stats.steps if not x.prefill]
-        waits = [r.admission_wait_s * 1e3 for r in reqs if r.admission_wait_s is not None]
-        prefill = [r.prefill_stall_s * 1e3 for r in reqs if r.prefilled]
-        ratios = [s["tenants"][t][0] / max(s["tenants"][t][1], 1e-9) for s in samples
-                  if t in s["tenants"]]
-        info = tenant_info.get(t)
-        classes.append({
-            "tenant": t, "requests": len(reqs),
-            "finished": sum(1 for r in reqs if r.finished_at),
-            "rejected": sum(1 for r in reqs if r.rejected),
-            "queued": sum(1 for r in reqs if r.queued),
-            "admission_wait_p50_ms": percentile(waits, 50),
-            "admission_wait_p99_ms": percentile(waits, 99),
-            "prefill_stall_p50_ms": percentile(prefill, 50),
-            "prefill_stall_p99_ms": percentile(prefill, 99),
-            "step_stall_p50_ms": percentile(decode, 50),
-            "step_stall_p95_ms": percentile(decode, 95),
-            "step_stall_p99_ms": percentile(decode, 99),
-            "step_stall_ms": decode,
-            "tokens": eng.stats.tokens,
-            "tokens_per_s": eng.stats.tokens / max(ended - start, 1e-9),
-            "evictions_suffered": info.evictions_suffered if info else 0,
-            "evictions_caused": info.evictions_caused if info else 0,
-            "mean_share_ratio": statistics.fmean(ratios) if ratios else 0.0,
-        })
+            samplers = Samplers(admin)
+            samples, link_samples = samplers.start((_occupancy, 0.5), (link_sample, 0.5))
+            start = samplers.start_time
+            await _play(arrivals, engines, start, progress and (progress, policy))
+            ended = time.monotonic()
+            await samplers.stop()
+            tenant_info = {t.tenant: t for t in await admin.list_tenants()}
+            stats = (await admin.pool_stats()).pools[0]
+            await assert_sound(admin)
+        finally:
+            for c in clients.values():
+                await c.close()
+    classes = [_tenant_figures(t, [a for a in arrivals if a.klass == t], engines[t],
+                               tenant_info.get(t), samples, ended - start) for t in tenants]
     jains = [jain_index([u / max(s, 1e-9) for u, s in x["tenants"].values()])
              for x in samples if len(x["tenants"]) > 1]
     return {"policy": policy, "wall_s": ended - start, "classes": classes,
@@ -166,6 +96,65 @@ async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
             "evictions": stats.num_evictions, "bytes_moved": stats.bytes_moved,
             "decode_critical_misses": stats.num_decode_critical_misses,
             "occupancy": samples, "links": link_samples}
+
+
+async def _play(arrivals: list[SimRequest], engines: dict[str, Engine], start: float,
+                progress: tuple[Progress, str] | None) -> None:
+    """Each request arrives at its time to its tenant's engine; the engines run until every
+    request has arrived and theirs have finished."""
+    done = asyncio.Event()
+    task = progress[0].add_task(progress[1], total=len(arrivals)) if progress else None
+
+    async def arrive(sim: SimRequest):
+        await asyncio.sleep(max(0.0, start + sim.arrival_s - time.monotonic()))
+        await engines[sim.klass].arrive(sim)
+
+    async def all_arrived():
+        await asyncio.gather(*(arrive(s) for s in arrivals))
+        done.set()
+
+    async def report_progress():
+        while progress:
+            finished = sum(1 for s in arrivals if s.finished_at or s.rejected)
+            progress[0].update(task, completed=finished)
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.ensure_future(all_arrived())
+    reporter = asyncio.ensure_future(report_progress())
+    try:
+        await asyncio.gather(*(e.run(stop=done) for e in engines.values()))
+        await watcher
+    finally:
+        reporter.cancel()
+
+
+def _tenant_figures(tenant: str, reqs: list[SimRequest], eng: Engine, info, samples: list,
+                    wall_s: float) -> dict:
+    """One tenant's results: admission, stalls, tokens, evictions, share of the device."""
+    decode = [x.stall_s * 1e3 for x in eng.stats.steps if not x.prefill]
+    waits = [r.admission_wait_s * 1e3 for r in reqs if r.admission_wait_s is not None]
+    prefill = [r.prefill_stall_s * 1e3 for r in reqs if r.prefilled]
+    ratios = [s["tenants"][tenant][0] / max(s["tenants"][tenant][1], 1e-9) for s in samples
+              if tenant in s["tenants"]]
+    return {
+        "tenant": tenant, "requests": len(reqs),
+        "finished": sum(1 for r in reqs if r.finished_at),
+        "rejected": sum(1 for r in reqs if r.rejected),
+        "queued": sum(1 for r in reqs if r.queued),
+        "admission_wait_p50_ms": percentile(waits, 50),
+        "admission_wait_p99_ms": percentile(waits, 99),
+        "prefill_stall_p50_ms": percentile(prefill, 50),
+        "prefill_stall_p99_ms": percentile(prefill, 99),
+        "step_stall_p50_ms": percentile(decode, 50),
+        "step_stall_p95_ms": percentile(decode, 95),
+        "step_stall_p99_ms": percentile(decode, 99),
+        "step_stall_ms": decode,
+        "tokens": eng.stats.tokens,
+        "tokens_per_s": eng.stats.tokens / max(wall_s, 1e-9),
+        "evictions_suffered": info.evictions_suffered if info else 0,
+        "evictions_caused": info.evictions_caused if info else 0,
+        "mean_share_ratio": statistics.fmean(ratios) if ratios else 0.0,
+    }
 
 
 def run_cli(args) -> int:

@@ -7,7 +7,6 @@ A scenario builds a ScenarioReport (tables, figures, verdict, data) and calls fi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import platform
 import time
@@ -147,25 +146,6 @@ def finish(report: ScenarioReport, console: Console, json_path: Path | None,
     if report_dir is not None:
         console.print(f"report: {report.write(Path(report_dir))}")
     return 0
-
-
-async def sample_links(client, stop: asyncio.Event, start: float, out: list,
-                       period_s: float = 0.25) -> None:
-    """Every period, each link's cumulative bytes (total and by tenant) and queue depth,
-    until stop: utilisation over time is the difference between samples."""
-    while not stop.is_set():
-        links = await client.list_links()
-        out.append({"t": time.monotonic() - start,
-                    "links": {link.link: {
-                        "capacity": link.capacity_bytes_per_s,
-                        "bytes": link.bytes_total,
-                        "tenants": {t.tenant: t.bytes for t in link.tenants},
-                        "queued": sum(q.transfers for q in link.queues)}
-                        for link in links}})
-        try:
-            await asyncio.wait_for(stop.wait(), period_s)
-        except asyncio.TimeoutError:
-            pass
 
 
 def utilisation_series(samples: list[dict], link: str) -> tuple[list[float], list[float]]:

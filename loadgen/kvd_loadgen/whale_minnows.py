@@ -9,18 +9,16 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import uvloop
 from rich.console import Console
 
-from kvd_loadgen.measures import jain_index
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
-from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.measures import jain_index
+from kvd_loadgen.scenario import Samplers, assert_sound, local_kvd
 from kvd_loadgen.scenario_report import ScenarioReport, finish
 
 def tenant_names(s: Scenario) -> dict[str, str]:
@@ -101,93 +99,84 @@ class ClassResult:
     mean_share_ratio: float  # device pages held / fair share, averaged over the run
 
 
-async def _sample_shares(admin: AsyncClient, stop: asyncio.Event, out: list[dict],
-                         names: dict[str, str]) -> None:
-    while not stop.is_set():
-        tenants = await admin.list_tenants()
-        out.append({t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
-                     if t.tenant in names and t.reserved_pages > 0})
-        try:
-            await asyncio.wait_for(stop.wait(), 0.1)
-        except asyncio.TimeoutError:
-            pass
-
-
 async def run_case(s: Scenario, policy: str, *, with_whales: bool) -> tuple[list, float]:
     """One run on a fresh kvd. Returns the per-class results and Jain's index."""
-    run = f"{policy}" if with_whales else "minnows alone"
-    with tempfile.TemporaryDirectory(prefix="kvd-wm-") as tmp:
-        config = Path(tmp) / "kvd.toml"
-        config.write_text(kvd_config(s, policy))
-        with LocalKvd("--config", str(config), workdir=tmp) as kvd:
-            names = tenant_names(s)
-            clients = {t: AsyncClient(kvd.target, token=f"{t}-token") for t in names}
-            async with AsyncClient(kvd.target) as admin:
-                step_s = s.step_ms / 1000
-                engines = {t: Engine(clients[t], block_tokens=s.block_tokens, step_s=step_s,
-                                     chunk_blocks=s.chunk_blocks) for t in names}
-                minnow_tenants = [t for t, k in names.items() if k == "minnows"]
-                requests = {t: [] for t in names}
-                if with_whales:
-                    requests["whale"] = [SimRequest(f"whale-{i}", s.whale_tokens,
-                                                    s.output_tokens, "whale")
-                                         for i in range(s.whales)]
-                for i in range(s.minnows):
-                    requests[minnow_tenants[i % len(minnow_tenants)]].append(
-                        SimRequest(f"minnow-{i}", s.minnow_tokens, s.output_tokens, "minnows"))
-                # The minnows are decoding when the whale arrives and prefills (seed 001's
-                # figure 2); both then decode side by side for the measured window.
-                await asyncio.gather(*(engines[t].arrive(r) for t in minnow_tenants
-                                       for r in requests[t]))
-                until = time.monotonic() + s.whale_delay_s + s.duration_s
-                runs = [asyncio.ensure_future(engines[t].run(until=until))
-                        for t in minnow_tenants]
-                stop = asyncio.Event()
-                samples: list[dict] = []
-                sampler = asyncio.ensure_future(_sample_shares(admin, stop, samples, names))
-                if requests["whale"]:
-                    await asyncio.sleep(s.whale_delay_s)
-                    await asyncio.gather(*(engines["whale"].arrive(r)
-                                           for r in requests["whale"]))
-                    runs.append(asyncio.ensure_future(engines["whale"].run(until=until)))
-                await asyncio.gather(*runs)
-                stop.set()
-                await sampler
-                tenants = {t.tenant: t for t in await admin.list_tenants()}
-                check = await admin.self_check()
-                assert check.ok, check.problems
+    names = tenant_names(s)
+    minnow_tenants = [t for t, k in names.items() if k == "minnows"]
+    requests: dict[str, list[SimRequest]] = {t: [] for t in names}
+    if with_whales:
+        requests["whale"] = [SimRequest(f"whale-{i}", s.whale_tokens, s.output_tokens, "whale")
+                             for i in range(s.whales)]
+    for i in range(s.minnows):
+        requests[minnow_tenants[i % len(minnow_tenants)]].append(
+            SimRequest(f"minnow-{i}", s.minnow_tokens, s.output_tokens, "minnows"))
+
+    async def shares(admin: AsyncClient) -> dict:
+        return {"shares": {t.tenant: (t.device_pages, t.fair_share_pages)
+                           for t in await admin.list_tenants()
+                           if t.tenant in names and t.reserved_pages > 0}}
+
+    async with local_kvd(kvd_config(s, policy), prefix="kvd-wm-") as (kvd, admin):
+        clients = {t: AsyncClient(kvd.target, token=f"{t}-token") for t in names}
+        try:
+            engines = {t: Engine(clients[t], block_tokens=s.block_tokens,
+                                 step_s=s.step_ms / 1000, chunk_blocks=s.chunk_blocks)
+                       for t in names}
+            # The minnows are decoding when the whale arrives and prefills (seed 001's
+            # figure 2); both then decode side by side for the measured window.
+            await asyncio.gather(*(engines[t].arrive(r) for t in minnow_tenants
+                                   for r in requests[t]))
+            until = time.monotonic() + s.whale_delay_s + s.duration_s
+            runs = [asyncio.ensure_future(engines[t].run(until=until)) for t in minnow_tenants]
+            samplers = Samplers(admin)
+            [samples] = samplers.start((shares, 0.1))
+            if requests["whale"]:
+                await asyncio.sleep(s.whale_delay_s)
+                await asyncio.gather(*(engines["whale"].arrive(r) for r in requests["whale"]))
+                runs.append(asyncio.ensure_future(engines["whale"].run(until=until)))
+            await asyncio.gather(*runs)
+            await samplers.stop()
+            tenants = {t.tenant: t for t in await admin.list_tenants()}
+            await assert_sound(admin)
+        finally:
             for c in clients.values():
                 await c.close()
-    results = []
-    for klass in ("whale", "minnows"):
-        members = [t for t, k in names.items() if k == klass and requests[t]]
-        if not members:
-            continue
-        steps = [x for t in members for x in engines[t].stats.steps]
-        stalls = [x.stall_s * 1e3 for x in steps if not x.prefill]
-        prefill = [x.stall_s * 1e3 for x in steps if x.prefill]
-        lat = [x.latency_s * 1e3 for x in steps if not x.prefill]
-        reqs = [r for t in members for r in requests[t]]
-        waits = [r.admission_wait_s * 1e3 for r in reqs if r.admission_wait_s is not None]
-        ratios = [sample[t][0] / max(sample[t][1], 1e-9)
-                  for sample in samples for t in members if t in sample]
-        infos = [tenants[t] for t in members if t in tenants]
-        results.append(ClassResult(
-            run=run, policy=policy, klass=klass, requests=len(reqs),
-            stall_p50_ms=percentile(stalls, 50), stall_p99_ms=percentile(stalls, 99),
-            prefill_stall_max_ms=max(prefill, default=0.0),
-            step_p50_ms=percentile(lat, 50), step_p99_ms=percentile(lat, 99),
-            tokens_per_s=sum(engines[t].stats.tokens_per_s for t in members),
-            evictions_suffered=sum(i.evictions_suffered for i in infos),
-            evictions_caused=sum(i.evictions_caused for i in infos),
-            admission_wait_p50_ms=percentile(waits, 50),
-            admission_wait_max_ms=max(waits, default=0.0),
-            mean_share_ratio=statistics.fmean(ratios) if ratios else 0.0,
-        ))
+    share_samples = [x["shares"] for x in samples]
+    run = f"{policy}" if with_whales else "minnows alone"
+    results = [_class_result(run, policy, klass, members, engines, requests, tenants,
+                             share_samples)
+               for klass in ("whale", "minnows")
+               if (members := [t for t, k in names.items() if k == klass and requests[t]])]
     # Jain's index over each tenant's memory share relative to its fair share, per sample.
     jains = [jain_index([used / max(share, 1e-9) for used, share in sample.values()])
-             for sample in samples if len(sample) > 1]
+             for sample in share_samples if len(sample) > 1]
     return results, statistics.fmean(jains) if jains else 1.0
+
+
+def _class_result(run: str, policy: str, klass: str, members: list[str], engines: dict,
+                  requests: dict, tenants: dict, samples: list[dict]) -> ClassResult:
+    """What one class of tenants (whales or minnows) saw in a run."""
+    steps = [x for t in members for x in engines[t].stats.steps]
+    stalls = [x.stall_s * 1e3 for x in steps if not x.prefill]
+    prefill = [x.stall_s * 1e3 for x in steps if x.prefill]
+    lat = [x.latency_s * 1e3 for x in steps if not x.prefill]
+    reqs = [r for t in members for r in requests[t]]
+    waits = [r.admission_wait_s * 1e3 for r in reqs if r.admission_wait_s is not None]
+    ratios = [sample[t][0] / max(sample[t][1], 1e-9)
+              for sample in samples for t in members if t in sample]
+    infos = [tenants[t] for t in members if t in tenants]
+    return ClassResult(
+        run=run, policy=policy, klass=klass, requests=len(reqs),
+        stall_p50_ms=percentile(stalls, 50), stall_p99_ms=percentile(stalls, 99),
+        prefill_stall_max_ms=max(prefill, default=0.0),
+        step_p50_ms=percentile(lat, 50), step_p99_ms=percentile(lat, 99),
+        tokens_per_s=sum(engines[t].stats.tokens_per_s for t in members),
+        evictions_suffered=sum(i.evictions_suffered for i in infos),
+        evictions_caused=sum(i.evictions_caused for i in infos),
+        admission_wait_p50_ms=percentile(waits, 50),
+        admission_wait_max_ms=max(waits, default=0.0),
+        mean_share_ratio=statistics.fmean(ratios) if ratios else 0.0,
+    )
 
 
 async def run_all(s: Scenario, policies=("lru", "fair:lru", "fair")) -> dict:
