@@ -209,6 +209,17 @@ def build_report(out: dict) -> ScenarioReport:
         f"two RPCs). Each phase runs {s.duration_s:g} s on a fresh daemon; weights "
         f"hog {s.hog_weight:g}, sensitive {s.sensitive_weight:g}.")
     r.data = out
+    _tables(r, s, ph)
+    _targets(r, s, ph)
+    _figures(r, s, ph)
+    return r
+
+
+def _weights(s: HogScenario) -> dict[str, float]:
+    return {"hog": s.hog_weight, "sensitive": s.sensitive_weight}
+
+
+def _tables(r: ScenarioReport, s: HogScenario, ph: dict) -> None:
     solo = ph["solo"]["wait_p99_ms"]
     rows = []
     for name in ("solo", "fifo", "fair"):
@@ -223,7 +234,7 @@ def build_report(out: dict) -> ScenarioReport:
             ["phase", "steps", "wait p50 / p99 ms", "p99 vs solo", "hog MiB/s",
              "sensitive MiB/s", "link use"], rows)
     rows = []
-    weights = {"hog": s.hog_weight, "sensitive": s.sensitive_weight}
+    weights = _weights(s)
     for name in ("backlogged fifo", "backlogged fair"):
         p = ph[name]
         total = sum(p["bytes_per_s"].values())
@@ -237,6 +248,11 @@ def build_report(out: dict) -> ScenarioReport:
     r.table("Both tenants backlogged: the link's split against the weights",
             ["phase", "tenant", "weight", "MiB/s", "share", "weighted share", "off by",
              "link use"], rows)
+
+
+def _targets(r: ScenarioReport, s: HogScenario, ph: dict) -> None:
+    solo = ph["solo"]["wait_p99_ms"]
+    weights = _weights(s)
     fair, bl = ph["fair"], ph["backlogged fair"]
     r.target("sensitive p99 wait with budgets <= 1.5x solo",
              fair["wait_p99_ms"] <= 1.5 * solo,
@@ -252,6 +268,8 @@ def build_report(out: dict) -> ScenarioReport:
              max(offs.values()) <= 0.10,
              ", ".join(f"{t} off by {o * 100:.1f}%" for t, o in offs.items()))
 
+
+def _figures(r: ScenarioReport, s: HogScenario, ph: dict) -> None:
     def cdf(pyplot):
         fig, ax = pyplot.subplots(figsize=(7, 3.5))
         for name in ("solo", "fifo", "fair"):
@@ -286,7 +304,6 @@ def build_report(out: dict) -> ScenarioReport:
              draw_utilisation({n: ph[n]["samples"] for n in PHASES}, lambda _: LINK,
                               "device<->host link utilisation"))
     r.figure("tenant_bytes", "Bytes per second by tenant, per phase", shares)
-    return r
 
 
 def run_cli(args) -> int:

@@ -19,9 +19,16 @@ from pathlib import Path
 import grpc
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from kvd_client import AsyncClient, pb
+from kvd_loadgen.bench_report import (
+    judge,
+    print_tables,
+    ratios_of,
+    results_markdown,
+    split_runs,
+)
+from kvd_loadgen.bench_scenarios import run_scenarios
 from kvd_loadgen.local import LocalKvd
 
 console = Console()
@@ -343,177 +350,21 @@ def run_bench(args) -> int:
             runs.append(uvloop.run(bench_pair(n_unary, n_stream, 64, 4)))
     with console.status("intent updates on the Step stream"):
         results["intent_updates"] = uvloop.run(bench_intent_updates())
-
-    def median_of(policy: str) -> dict:
-        return {key: statistics.median(run[policy][key] for run in runs)
-                for key in runs[0][policy]}
-    results["kvd"], results["kvd_intent"] = median_of("lru"), median_of("intent")
-    k = results["kvd"]
-    results["baseline"] = {
-        "empty_unary_rps": statistics.median(k.pop(f"empty_unary_rps_{m}")
-                                             for m in ("admit", "allocate", "access")),
-        "empty_unary_server_cpu_us": k.pop("empty_unary_server_cpu_us"),
-        "empty_pingpong_p50_us": k.pop("empty_pingpong_p50_us"),
-        "empty_pingpong_p99_us": k.pop("empty_pingpong_p99_us")}
-    k.update(step_requests=64, step_blocks_per_request=4)
-    results["rounds"] = rounds
-
-    def round_ratio(policy: str, key: str, base_key: str) -> float:
-        return statistics.median(run[policy][key] / run[policy][base_key] for run in runs)
+    results.update(split_runs(runs), rounds=rounds)
     with console.status("tier copies"):
         results["copies"] = bench_copies(num_pages=32 if quick else 128)
     with console.status("victim selection"):
         results["victims_us"] = bench_victims(
             sizes=(10_000, 100_000) if quick else (10_000, 1_000_000),
             churn=6_000 if quick else 30_000)
-    b, k, c, v = results["baseline"], results["kvd"], results["copies"], results["victims_us"]
-    ratios = {
-        "admit_vs_empty_unary": round_ratio("lru", "admit_rps", "empty_unary_rps_admit"),
-        "allocate_vs_empty_unary": round_ratio("lru", "allocate_rps",
-                                               "empty_unary_rps_allocate"),
-        "access_vs_empty_unary": round_ratio("lru", "access_rps", "empty_unary_rps_access"),
-        "step64_p50_vs_empty_pingpong": round_ratio("lru", "step_p50_us",
-                                                    "empty_pingpong_p50_us"),
-        "step64_intent_p50_vs_empty_pingpong": round_ratio("intent", "step_p50_us",
-                                                           "empty_pingpong_p50_us"),
-        "copy_vs_numpy_copyto": c["kvd_copy_gbps"] / c["numpy_copyto_gbps"],
-        "scattered_copy_vs_numpy_copyto": c["kvd_copy_scattered_gbps"] / c["numpy_copyto_gbps"],
-    }
-    sizes = sorted({int(key.split("@")[1]) for key in v})
-    for name in sorted({key.split("@")[0] for key in v}):
-        ratios[f"victim_{name}_{sizes[-1]}_vs_{sizes[0]}"] = (
-            v[f"{name}@{sizes[-1]}"] / v[f"{name}@{sizes[0]}"])
-    results["ratios"] = ratios
-    targets = {"admit_vs_empty_unary": (">=", 0.7), "allocate_vs_empty_unary": (">=", 0.7),
-               "access_vs_empty_unary": (">=", 0.7), "step64_p50_vs_empty_pingpong": ("<=", 1.3),
-               "copy_vs_numpy_copyto": (">=", 0.85)}
-    targets.update({k: ("<=", 2.0) for k in ratios if k.startswith("victim_")})
-    results["targets"] = {k: {"op": op, "value": val,
-                              "met": ratios[k] >= val if op == ">=" else ratios[k] <= val}
-                          for k, (op, val) in targets.items()}
-
-    table = Table(title="kvd bench (figures from this run)")
-    table.add_column("measure")
-    table.add_column("value", justify="right")
-    rows = [
-        ("empty unary RPC/s", f"{b['empty_unary_rps']:.0f}"),
-        ("empty unary server CPU us/call", f"{b['empty_unary_server_cpu_us']:.0f}"),
-        ("kvd Admit / Allocate / Access server CPU us/call",
-         f"{k['admit_server_cpu_us']:.0f} / {k['allocate_server_cpu_us']:.0f} / "
-         f"{k['access_server_cpu_us']:.0f}"),
-        ("kvd Admit RPC/s", f"{k['admit_rps']:.0f}"),
-        ("kvd Allocate RPC/s", f"{k['allocate_rps']:.0f}"),
-        ("kvd Access RPC/s", f"{k['access_rps']:.0f}"),
-        ("empty ping-pong p50 us", f"{b['empty_pingpong_p50_us']:.0f}"),
-        (f"kvd Step ({k['step_requests']} req x {k['step_blocks_per_request']} blocks, lru) "
-         "p50 us", f"{k['step_p50_us']:.0f}"),
-        ("kvd Step (same, intent policy) p50 us", f"{results['kvd_intent']['step_p50_us']:.0f}"),
-        ("intent updates/s on one Step stream (256 a message)",
-         f"{results['intent_updates']['intent_updates_per_s']:,.0f}"),
-        ("kvd page copies GB/s (page runs)", f"{c['kvd_copy_gbps']:.2f}"),
-        ("kvd page copies GB/s (scattered pages)", f"{c['kvd_copy_scattered_gbps']:.2f}"),
-        ("numpy.copyto GB/s", f"{c['numpy_copyto_gbps']:.2f}"),
-    ]
-    rows += [(f"victim selection us/victim: {key}", f"{val:.2f}") for key, val in v.items()]
-    for label, value in rows:
-        table.add_row(label, value)
-    console.print(table)
-    t = Table(title="ratios and targets")
-    for col in ("ratio", "value", "target", "met"):
-        t.add_column(col)
-    for key, val in ratios.items():
-        tgt = results["targets"].get(key)
-        if tgt is None:
-            t.add_row(key, f"{val:.2f}", "(reported)", "")
-        else:
-            t.add_row(key, f"{val:.2f}", f"{tgt['op']} {tgt['value']}",
-                      "yes" if tgt["met"] else "NO")
-    console.print(t)
+    results["ratios"] = ratios_of(results, runs)
+    results["targets"] = judge(results["ratios"])
+    print_tables(results, console)
     if not quick:
-        results["scenarios"] = run_scenarios()
+        results["scenarios"] = run_scenarios(console)
     write_json(args.json, results)
     if args.json is not None:
         path = args.json.with_name("RESULTS.md")
         path.write_text(results_markdown(results))
         console.print(f"wrote {args.json} and {path}")
     return 0
-
-
-def run_scenarios() -> dict:
-    """The load generator's scenarios at a small, fixed size (figures, not pass/fail)."""
-    from kvd_loadgen.data import data_dir, resolve_intent_trace
-    from kvd_loadgen.replay import replay_profile
-    from kvd_loadgen.request_trace import TraceRun, run_policy
-    from kvd_loadgen.trace_reader import read_request_trace
-    from kvd_loadgen.whale_minnows import Scenario, run_all
-
-    from kvd_loadgen import bandwidth_hog, disagg
-
-    out = {}
-    with console.status("scenario: bandwidth-hog (1.5 s a phase)"):
-        hog = uvloop.run(bandwidth_hog.run_all(bandwidth_hog.HogScenario(duration_s=1.5)))
-        out["bandwidth_hog"] = {k: v for k, v in
-                                bandwidth_hog.build_report(hog).json()["verdict"].items()}
-    with console.status("scenario: disagg (60 requests)"):
-        dis = uvloop.run(disagg.run_all(disagg.DisaggScenario(requests=60)))
-        out["disagg"] = {k: v for k, v in disagg.build_report(dis).json()["verdict"].items()}
-    with console.status("scenario: replay-intents balanced"):
-        rows = uvloop.run(replay_profile(resolve_intent_trace("balanced"), "balanced",
-                                         ("lru", "intent", "deadline"), device_pages=128,
-                                         host_pages=4096, page_bytes=4096))
-        out["replay_balanced_dc_misses"] = {r.policy: r.decode_critical_misses for r in rows}
-    with console.status("scenario: whale-minnows (1.5 s)"):
-        wm = uvloop.run(run_all(Scenario(duration_s=1.5)))
-        out["whale_minnows"] = wm["verdict"]
-    with console.status("scenario: request-trace (150 Mooncake requests)"):
-        path = data_dir() / "request-traces" / "mooncake_conversation_trace_head4000.jsonl"
-        run = TraceRun(trace=str(path), limit=150)
-        trace = read_request_trace(path, limit=150)
-        out["request_trace"] = {}
-        for policy in ("lru", "fair"):
-            r = uvloop.run(run_policy(run, policy, trace))
-            out["request_trace"][policy] = {
-                c["tenant"]: {k: c[k] for k in ("step_stall_p99_ms", "evictions_suffered",
-                                                "tokens_per_s")} for c in r["classes"]}
-    return out
-
-
-def results_markdown(results: dict) -> str:
-    m = results["machine"]
-    lines = ["# kvd benchmark results", "",
-             f"Measured by `make bench` on {m['machine']}, {m['cpus']} CPUs, Python "
-             f"{m['python']}, grpcio {m['grpcio']}, numpy {m['numpy']} ({m['platform']}); median "
-             f"of {results.get('rounds', 1)} alternating rounds against an empty gRPC server.",
-             "", "| ratio | value | target | met |", "|---|---:|---|---|"]
-    for key, value in results["ratios"].items():
-        target = results["targets"].get(key)
-        lines.append(f"| {key} | {value:.2f} | "
-                     + (f"{target['op']} {target['value']} | {'yes' if target['met'] else 'NO'} |"
-                        if target else "(reported) | |"))
-    b, k, c = results["baseline"], results["kvd"], results["copies"]
-    lines += ["", "| figure | value |", "|---|---:|",
-              f"| empty unary RPC/s | {b['empty_unary_rps']:.0f} |",
-              f"| kvd Admit / Allocate / Access RPC/s | {k['admit_rps']:.0f} / "
-              f"{k['allocate_rps']:.0f} / {k['access_rps']:.0f} |",
-              f"| empty ping-pong p50 µs | {b['empty_pingpong_p50_us']:.0f} |",
-              f"| kvd Step, 64 requests x 4 blocks, p50 µs (lru / intent) | "
-              f"{k['step_p50_us']:.0f} / {results['kvd_intent']['step_p50_us']:.0f} |",
-              f"| intent updates/s on one Step stream (256 a message, pipelined) | "
-              f"{results['intent_updates']['intent_updates_per_s']:,.0f} |",
-              f"| page copies GB/s (runs / scattered) vs numpy.copyto | "
-              f"{c['kvd_copy_gbps']:.2f} / {c['kvd_copy_scattered_gbps']:.2f} vs "
-              f"{c['numpy_copyto_gbps']:.2f} |"]
-    lines += [f"| victim selection µs: {key} | {val:.2f} |"
-              for key, val in results["victims_us"].items()]
-    scen = results.get("scenarios")
-    if scen:
-        lines += ["", "## Scenarios at a small, fixed size", "",
-                  f"- replay-intents balanced, decode-critical misses: "
-                  f"{scen['replay_balanced_dc_misses']}",
-                  f"- whale-minnows (1.5 s): {scen['whale_minnows']}",
-                  f"- request-trace (150 Mooncake requests): {scen['request_trace']}"]
-        for name in ("bandwidth_hog", "disagg"):
-            for target, v in scen.get(name, {}).items():
-                lines.append(f"- {name.replace('_', '-')}: {target}: "
-                             f"{'met' if v['met'] else 'NOT met'} ({v['measured']})")
-    return "\n".join(lines) + "\n"

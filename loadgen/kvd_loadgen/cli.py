@@ -65,19 +65,20 @@ def _request_trace(args) -> int:
     return run_cli(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="memory pressure against a running kvd, and a table")
     demo.add_argument("--target", required=True, help="unix:///path or host:port")
     demo.set_defaults(func=_demo)
 
+
+def _bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="control-plane and copy benchmarks")
     bench.add_argument("--json", type=Path, help="write figures to this file")
     bench.add_argument("--quick", action="store_true", help="fewer iterations")
     bench.set_defaults(func=_bench)
 
+
+def _replay_intents_parser(sub) -> None:
     replay = sub.add_parser("replay-intents", help="replay intent-event traces through kvd")
     replay.add_argument("trace", nargs="+",
                         help="trace files, profile names, or 'all' for the five profiles")
@@ -91,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     replay.set_defaults(func=_replay)
 
+
+def _whale_minnows_parser(sub) -> None:
     wm = sub.add_parser("whale-minnows", help="seed 000: one whale, forty minnows, lru vs fair")
     wm.add_argument("--whales", type=int, default=1)
     wm.add_argument("--whale-tokens", type=int, default=131072)
@@ -109,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     wm.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     wm.set_defaults(func=_whale_minnows)
 
+
+def _soak_parser(sub) -> None:
     soak = sub.add_parser("soak", help="many clients, mixed workload, minutes: leaks and drift")
     soak.add_argument("--clients", type=int, default=64)
     soak.add_argument("--duration-s", type=float, default=180.0)
@@ -117,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--json", type=Path)
     soak.set_defaults(func=_soak)
 
+
+def _request_trace_parser(sub) -> None:
     rt = sub.add_parser("request-trace", help="play a request trace (Mooncake or simulator)")
     rt.add_argument("trace", type=Path)
     rt.add_argument("--policy", default="lru,fair,deadline", help="a,b,c: one run each")
@@ -139,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     rt.set_defaults(func=_request_trace)
 
+
+def _bandwidth_hog_parser(sub) -> None:
     hog = sub.add_parser("bandwidth-hog",
                          help="seed 001: a hog's promotions beside a latency-sensitive tenant")
     hog.add_argument("--link-mib-s", type=float, default=16.0, help="the link's cap")
@@ -150,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     hog.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     hog.set_defaults(func=_bandwidth_hog)
 
+
+def _hostile_parser(sub) -> None:
     hos = sub.add_parser("hostile", help="a victim tenant's steps under another's flood, "
                          "against a control flooding a second kvd")
     hos.add_argument("--duration-s", type=float, default=6.0, help="per phase")
@@ -158,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     hos.add_argument("--json", type=Path)
     hos.set_defaults(func=_hostile)
 
+
+def _disagg_parser(sub) -> None:
     dis = sub.add_parser("disagg", help="prefill and decode pools, handoff, reservation")
     dis.add_argument("--requests", type=int, default=120)
     dis.add_argument("--link-mib-s", type=float, default=64.0, help="the handoff link's cap")
@@ -166,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     dis.add_argument("--json", type=Path)
     dis.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     dis.set_defaults(func=_disagg)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_demo_parser, _bench_parser, _replay_intents_parser, _whale_minnows_parser,
+                _soak_parser, _request_trace_parser, _bandwidth_hog_parser, _hostile_parser,
+                _disagg_parser):
+        add(sub)
     return p
 
 

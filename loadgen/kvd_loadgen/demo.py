@@ -63,15 +63,27 @@ async def run_demo(target: str, *, num_requests: int = 6, rounds: int = 3,
         finally:
             mapped.close()
 
+    _print_table(console, rows, num_requests, pages_each, device, rounds)
+    summary = _summary(console, before, after, rows)
+    return summary
+
+
+def _print_table(console: Console, rows: dict, num_requests: int, pages_each: int, device,
+                 rounds: int) -> None:
     table = Table(title=f"kvd demo: {num_requests} requests x {pages_each} pages on "
                         f"{device.capacity_pages} device pages ({device.backend}), "
                         f"{rounds} rounds of reads")
     for col in ("request", "pages", "admission", "promoted", "stall ms", "bytes intact"):
-        table.add_column(col, justify="right" if col in ("pages", "promoted", "stall ms") else "left")
+        table.add_column(col, justify="right" if col in ("pages", "promoted", "stall ms")
+                         else "left")
     for rid, row in rows.items():
         table.add_row(rid, str(row["pages"]), row["decision"], str(row["promoted"]),
                       f"{row['stall_ms']:.2f}", row["verified"])
     console.print(table)
+
+
+def _summary(console: Console, before, after, rows: dict) -> dict:
+    """What the demo moved and whether every byte read back was the byte written."""
     summary = {
         "evictions": after.num_evictions - before.num_evictions,
         "demotions": after.num_demotions - before.num_demotions,

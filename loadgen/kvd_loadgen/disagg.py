@@ -239,6 +239,13 @@ def build_report(out: dict) -> ScenarioReport:
         f"pages) over a link capped at {s.link_mib_s:g} MiB/s. Unreserved requests retry a "
         f"refused handoff for {s.patience_s:g} s, then give the prefill up.")
     r.data = out
+    _tables(r, s, m, out["burst"])
+    _targets(r, s, m, out["burst"])
+    _figures(r, m)
+    return r
+
+
+def _tables(r: ScenarioReport, s: DisaggScenario, m: dict, b: dict) -> None:
     rows = []
     for name in ("reserved", "unreserved"):
         x = m[name]
@@ -254,13 +261,15 @@ def build_report(out: dict) -> ScenarioReport:
              "wall s"], rows,
             [f"Handoff MiB/s is one handoff's bytes over its duration; the link's cap is "
              f"{s.link_mib_s:g} MiB/s."])
-    b = out["burst"]
     r.table("Handoffs keeping the link busy",
             ["requests", "MiB handed off", "seconds", "MiB/s", "link cap MiB/s", "of the cap"],
             [[b["requests"], f"{b['bytes'] / 2**20:.1f}", f"{b['elapsed_s']:.3f}",
               f"{b['mib_s']:.1f}", f"{s.link_mib_s:g}", f"{b['mib_s'] / s.link_mib_s:.0%}"]],
             ["All handed off at once, from prefill to an empty decode pool; the elapsed time "
              "includes the RPCs and the decode pool's allocations."])
+
+
+def _targets(r: ScenarioReport, s: DisaggScenario, m: dict, b: dict) -> None:
     res = m["reserved"]
     r.target("no prefill wasted with reservation", res["prefills_wasted"] == 0,
              f"{res['prefills_wasted']} wasted with reservation, "
@@ -274,6 +283,9 @@ def build_report(out: dict) -> ScenarioReport:
              b["mib_s"] <= allowed,
              f"{b['mib_s']:.1f} MiB/s with the link kept busy; cap {s.link_mib_s:g} MiB/s, "
              f"{allowed:.1f} with the burst over {b['elapsed_s'] * 1e3:.0f} ms")
+
+
+def _figures(r: ScenarioReport, m: dict) -> None:
     r.figure("link_utilisation", "prefill->decode link utilisation over time",
              draw_utilisation({n: m[n]["samples"] for n in m}, lambda _: LINK,
                               "prefill->decode link utilisation"))
@@ -291,7 +303,6 @@ def build_report(out: dict) -> ScenarioReport:
         return fig
 
     r.figure("outcomes", "Requests finished, queued, rejected and prefills wasted", outcomes)
-    return r
 
 
 def run_cli(args) -> int:

@@ -122,23 +122,24 @@ def peak_live_blocks(events: list[IntentEvent]) -> dict[str, int]:
     return peak
 
 
-async def replay_events(target: str, pool: str, profile: str, events: list[IntentEvent],
-                        prefix: str = "", window: int = 16) -> ReplayResult:
-    """Play one trace into one pool of a live kvd: each event is one logical step, sent as one
-    Step message (ALLOCATED -> allocation carrying the intent, ACCESSED -> intent + access,
-    MARKED_* and COMMITTED -> intent updates, PREFETCHED -> hint, FREED -> free).
+class _Steps:
+    """A trace as Step messages, and what kvd's replies to them ask for: a pin kvd refuses
+    is counted, and the other intent fields of its message are sent again without it."""
 
-    Events of one logical step go in one message. Steps are pipelined (up to `window` in
-    flight; kvd applies them in order). kvd numbers a
-    request's blocks in allocation order, so the replayer knows each block's index without
-    waiting. A pin kvd refuses (it would overcommit the device tier) is counted and the block's
-    other intent fields are re-sent without it, `window` steps later at most."""
-    blocks_per_request = peak_live_blocks(events)
-    refused = Counter()
-    fixes: list[pb.IntentUpdate] = []
-    started = time.perf_counter()
+    def __init__(self, events: list[IntentEvent], profile: str, prefix: str) -> None:
+        self.events = events
+        self.profile = profile
+        self.prefix = prefix
+        self.refused: Counter = Counter()
+        self.fixes: list[pb.IntentUpdate] = []  # updates to send again, without their pins
+        self._sent: list[list[IntentEvent]] = []  # each message's events, until its reply
 
-    def steps():
+    def messages(self):
+        for group, step in self._steps():
+            self._sent.append(group)
+            yield step
+
+    def _steps(self):
         """One Step message per logical step of the trace; a step is split only where an
         event touches a block allocated earlier in it (kvd applies intents before
         allocations within a message)."""
@@ -147,7 +148,7 @@ async def replay_events(target: str, pool: str, profile: str, events: list[Inten
         group: list[IntentEvent] = []
         step = pb.StepRequest()
         fresh: set[str] = set()  # objects allocated in the current message
-        for event in events:
+        for event in self.events:
             kind = event.event_type
             if kind in _OBSERVATIONS or (kind != "ALLOCATED" and event.object_id not in index):
                 continue  # the simulator's own outputs, or a block never allocated
@@ -155,10 +156,10 @@ async def replay_events(target: str, pool: str, profile: str, events: list[Inten
                 yield group, step
                 group, step, fresh = [], pb.StepRequest(), set()
             if not group:
-                step.intents.extend(fixes)
-                fixes.clear()
+                step.intents.extend(self.fixes)
+                self.fixes.clear()
             group.append(event)
-            rid = prefix + event.request_id
+            rid = self.prefix + event.request_id
             if kind == "ALLOCATED":
                 step.allocations.append(pb.AllocateRequest(request_id=rid, num_blocks=1,
                                                            intent=event_intent(event)))
@@ -179,28 +180,36 @@ async def replay_events(target: str, pool: str, profile: str, events: list[Inten
         if group:
             yield group, step
 
-    sent: list[list[IntentEvent]] = []
-
-    def messages():
-        for group, step in steps():
-            sent.append(group)
-            yield step
-
-    def on_reply(step: pb.StepRequest, reply: pb.StepResponse) -> None:
-        group = sent.pop(0)
+    def on_reply(self, step: pb.StepRequest, reply: pb.StepResponse) -> None:
+        group = self._sent.pop(0)
         for err in reply.errors:
             if err.section != "intents" or err.code != grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
-                raise RuntimeError(f"{profile} lines {group[0].line}-{group[-1].line}: "
+                raise RuntimeError(f"{self.profile} lines {group[0].line}-{group[-1].line}: "
                                    f"{err.section}: {err.message}")
-            refused["pin"] += 1  # the pin would overcommit the device tier: re-send without it
+            self.refused["pin"] += 1  # the pin would overcommit the device tier
             for update in step.intents:
                 fixed = pb.IntentUpdate()
                 fixed.CopyFrom(update)
                 fixed.intent.ClearField("pin_requested")
                 if fixed.intent.priority == pb.PRIORITY_DECODE_CRITICAL:
                     fixed.intent.ClearField("priority")
-                fixes.append(fixed)
+                self.fixes.append(fixed)
 
+
+async def replay_events(target: str, pool: str, profile: str, events: list[IntentEvent],
+                        prefix: str = "", window: int = 16) -> ReplayResult:
+    """Play one trace into one pool of a live kvd: each event is one logical step, sent as one
+    Step message (ALLOCATED -> allocation carrying the intent, ACCESSED -> intent + access,
+    MARKED_* and COMMITTED -> intent updates, PREFETCHED -> hint, FREED -> free).
+
+    Events of one logical step go in one message. Steps are pipelined (up to `window` in
+    flight; kvd applies them in order). kvd numbers a request's blocks in allocation order,
+    so the replayer knows each block's index without waiting. A pin kvd refuses (it would
+    overcommit the device tier) is counted and the block's other intent fields are re-sent
+    without it, `window` steps later at most."""
+    blocks_per_request = peak_live_blocks(events)
+    steps = _Steps(events, profile, prefix)
+    started = time.perf_counter()
     async with AsyncClient(target, timeout_s=60) as kvd:
         before = (await kvd.pool_stats(pool)).pools[0]
         for request_id, num_blocks in blocks_per_request.items():
@@ -209,9 +218,9 @@ async def replay_events(target: str, pool: str, profile: str, events: list[Inten
             if reply.decision != pb.DECISION_ADMITTED:
                 raise RuntimeError(f"{profile}: {request_id} not admitted: {reply.reason}")
         async with kvd.step_stream() as stream:
-            await stream.pipeline(messages(), on_reply, window=window)
-            if fixes:
-                await _send(stream, pb.StepRequest(intents=fixes), strict=True)
+            await stream.pipeline(steps.messages(), steps.on_reply, window=window)
+            if steps.fixes:
+                await _send(stream, pb.StepRequest(intents=steps.fixes), strict=True)
         for request_id in blocks_per_request:
             await kvd.release(prefix + request_id)
         after = (await kvd.pool_stats(pool)).pools[0]
@@ -232,7 +241,7 @@ async def replay_events(target: str, pool: str, profile: str, events: list[Inten
         bytes_moved=after.bytes_moved - before.bytes_moved,
         page_bytes=after.page_bytes,
         trace_block_bytes=events[0].intent["size_bytes"] if events else None,
-        pins_refused=sum(refused.values()),
+        pins_refused=sum(steps.refused.values()),
     )
 
 

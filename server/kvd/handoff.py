@@ -117,35 +117,7 @@ class Handoffs:
         yielding progress; all or nothing. The work runs in a task of its own, so a caller
         that goes away cancels it between chunks and it rolls back cleanly. The blocks the
         last message hands out are held for `holder` until its next call."""
-        req = src.pool.get_admitted(request_id)
-        target = target or req.handoff_pool
-        if not target:
-            raise FailedPrecondition(
-                f"request {request_id!r} was admitted without a handoff pool; name target_pool")
-        if req.handoff_pool and target != req.handoff_pool:
-            raise InvalidArgument(f"request {request_id!r} reserved pages in pool "
-                                  f"{req.handoff_pool!r}, not {target!r}")
-        dst = self.runtime(target)
-        self.check_pair(src, dst)
-        reservation = dst.pool.requests.get(request_id)
-        # Checked before anything is reserved: a refused second call must leave nothing.
-        if ((reservation is not None and reservation.state is not RequestState.RESERVED)
-                or request_id in self._handing_off):
-            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
-        if reservation is None:
-            # None made at admission (or it lapsed, or a handoff was rolled back): the
-            # target decides only now, and a refusal means the prefill was spent for nothing.
-            try:
-                dst.pool.reserve(request_id, req.tenant, prompt_tokens=req.prompt_tokens,
-                                 output_tokens=req.output_tokens, priority=req.priority,
-                                 ttl_s=self.config.handoff_ttl_s)
-            except ResourceExhausted as exc:
-                self.counts["refused"] += 1
-                had = ("its reservation lapsed or a handoff was rolled back"
-                       if req.handoff_pool else "it was admitted without a reservation")
-                raise ResourceExhausted(f"{exc}; {had}") from None
-            req.handoff_pool = target
-
+        req, dst = self._target(src, request_id, target)
         progress: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
         task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel, holder))
@@ -174,6 +146,40 @@ class Handoffs:
             if not task.done():
                 cancel.set()  # the caller went away: roll back between chunks
                 self.counts["cancelled"] += 1
+
+    def _target(self, src: PoolRuntime, request_id: str, target: str
+                ) -> tuple[Request, PoolRuntime]:
+        """The request and the pool it goes to, its reservation there made if it had none
+        (or lapsed); refused, leaving nothing, when it cannot be."""
+        req = src.pool.get_admitted(request_id)
+        target = target or req.handoff_pool
+        if not target:
+            raise FailedPrecondition(
+                f"request {request_id!r} was admitted without a handoff pool; name target_pool")
+        if req.handoff_pool and target != req.handoff_pool:
+            raise InvalidArgument(f"request {request_id!r} reserved pages in pool "
+                                  f"{req.handoff_pool!r}, not {target!r}")
+        dst = self.runtime(target)
+        self.check_pair(src, dst)
+        reservation = dst.pool.requests.get(request_id)
+        # Checked before anything is reserved: a refused second call must leave nothing.
+        if ((reservation is not None and reservation.state is not RequestState.RESERVED)
+                or request_id in self._handing_off):
+            raise FailedPrecondition(f"request {request_id!r} is being handed off already")
+        if reservation is None:
+            # None made at admission (or it lapsed, or a handoff was rolled back): the
+            # target decides only now, and a refusal means the prefill was spent for nothing.
+            try:
+                dst.pool.reserve(request_id, req.tenant, prompt_tokens=req.prompt_tokens,
+                                 output_tokens=req.output_tokens, priority=req.priority,
+                                 ttl_s=self.config.handoff_ttl_s)
+            except ResourceExhausted as exc:
+                self.counts["refused"] += 1
+                had = ("its reservation lapsed or a handoff was rolled back"
+                       if req.handoff_pool else "it was admitted without a reservation")
+                raise ResourceExhausted(f"{exc}; {had}") from None
+            req.handoff_pool = target
+        return req, dst
 
     async def _handoff(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
                        progress: asyncio.Queue, cancel: asyncio.Event, holder: str) -> None:
@@ -204,35 +210,46 @@ class Handoffs:
             if cancel.is_set():
                 raise TransferCancelled()
         except BaseException as exc:
-            # All or nothing: the request stays whole in the prefill pool; the target pages
-            # and the reservation go.
-            if plan is not None:
-                if demoted:  # victims' bytes are on host now: finish those moves only
-                    dst.pool.complete(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
-                                                   demotions=plan.demotions))
-                    dst.pool.abort(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
-                                                allocated=plan.allocated))
-                else:
-                    dst.pool.abort(plan)
-                dst.transit.finish(plan)
-            self._end_handoff(src, dst, request_id, blocks, release=dst.pool)
-            self.counts["failed" if not isinstance(exc, TransferCancelled)
-                                else "rolled_back"] += 1
-            log.info("handoff rolled back", request_id=request_id, source=src.pool.name,
-                     target=dst.pool.name, error=repr(exc))
-            self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
-                                request_id=request_id, reason=f"rolled back: {exc!r}")
+            self._roll_back(src, dst, req, blocks, plan, demoted, exc)
             raise
-        # Commit: the blocks live in the target; the prefill pages go.
+        self._commit(src, dst, req, blocks, plan, progress, holder)
+
+    def _roll_back(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
+                   blocks: list[Block], plan: TransferPlan | None, demoted: bool,
+                   exc: BaseException) -> None:
+        """All or nothing: the request stays whole in the prefill pool; the target pages and
+        the reservation go."""
+        if plan is not None:
+            if demoted:  # victims' bytes are on host now: finish those moves only
+                dst.pool.complete(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
+                                               demotions=plan.demotions))
+                dst.pool.abort(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
+                                            allocated=plan.allocated))
+            else:
+                dst.pool.abort(plan)
+            dst.transit.finish(plan)
+        self._end_handoff(src, dst, req.request_id, blocks, release=dst.pool)
+        self.counts["failed" if not isinstance(exc, TransferCancelled)
+                    else "rolled_back"] += 1
+        log.info("handoff rolled back", request_id=req.request_id, source=src.pool.name,
+                 target=dst.pool.name, error=repr(exc))
+        self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
+                            request_id=req.request_id, reason=f"rolled back: {exc!r}")
+
+    def _commit(self, src: PoolRuntime, dst: PoolRuntime, req: Request, blocks: list[Block],
+                plan: TransferPlan | None, progress: asyncio.Queue, holder: str) -> None:
+        """The blocks live in the target now; the prefill pages go."""
+        request_id = req.request_id
         if plan is not None:
             dst.pool.complete(plan)
             dst.transit.finish(plan)
         self._end_handoff(src, dst, request_id, blocks, release=src.pool)
         self.request_index[request_id] = dst
+        moved = len(blocks) * src.pool.page_bytes
         self.counts["completed"] += 1
-        self.counts["bytes"] += len(blocks) * src.pool.page_bytes
+        self.counts["bytes"] += moved
         dst_req = dst.pool.requests[request_id]
-        dst_req.bytes_moved += len(blocks) * src.pool.page_bytes
+        dst_req.bytes_moved += moved
         if holder:  # the engine reads what the last message hands it: nothing may move it
             dst.pool.pages.hold(holder, dst_req.live_blocks())
         src.waiters.notify()

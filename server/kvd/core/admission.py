@@ -22,6 +22,7 @@ from kvd.core.tenancy import Tenancy
 
 
 class Decision(enum.StrEnum):
+    """An admission answer: let in now, wait in the queue, or never (with a reason)."""
     ADMITTED = "admitted"
     QUEUED = "queued"  # waits in the pool's queue, in fair order across tenants
     REJECTED = "rejected"  # can never fit: bigger than the device tier, a cap or a limit
@@ -29,6 +30,8 @@ class Decision(enum.StrEnum):
 
 @dataclass(slots=True)
 class AdmitResult:
+    """What Admit answers: the decision, why, the queue position when queued, and the pages the
+    request is projected to hold."""
     decision: Decision
     reason: str  # why it waits or was rejected ("" when admitted)
     queue_position: int  # 1-based, in fair order; 0 when not queued
@@ -55,6 +58,7 @@ class Admission:
         self._newly_admitted: list[Request] = []
 
     def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
+        """Pages a request of these token counts holds at its end (whole blocks)."""
         return math.ceil((prompt_tokens + output_tokens) / self.block_tokens)
 
     # ------------------------------------------------------------------ the decision
@@ -117,6 +121,7 @@ class Admission:
         return admitted
 
     def why_waiting(self, req: Request) -> str:
+        """Why a queued request is not admitted yet, in words for the engine and the operator."""
         if req.handoff_pool:
             state, why = self.reserver.state(req)
             if state is not Verdict.OK:
@@ -136,9 +141,12 @@ class Admission:
                 f"{where} ({self.pages.num_pinned} of {self.pages.device.capacity} pinned)")
 
     def fits(self, pages: int) -> bool:
+        """Whether `pages` more can be reserved in the pool now."""
         return self.reserved_pages + pages <= self.pages.capacity_pages
 
     def can_admit(self, req: Request) -> bool:
+        """Whether a queued request can be admitted now (pool room, tenant limit, handoff
+        reservation)."""
         if self.tenancy.over_limit(req.tenant, req.projected_pages):
             return False
         if not (self.fits(req.projected_pages) and self.device_need(req) <= self.room_for(req)):
@@ -176,6 +184,7 @@ class Admission:
     # ------------------------------------------------------------------ the queue
 
     def enqueue(self, req: Request) -> None:
+        """Put a request in the admission queue and count it in its tenant's waiting demand."""
         req.queued_at = self.clock.now()
         self.queue[req.request_id] = req
         self.tenancy.queued_by_tenant[req.tenant] += req.projected_pages

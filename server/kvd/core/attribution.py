@@ -19,6 +19,8 @@ OTHERS = ("", "(others)")
 
 @dataclass(slots=True, frozen=True)
 class EvictionRecord:
+    """One eviction in the ledger: victim and evictor (tenant, request), the reason of the plan that
+    made it, and the policy that chose it."""
     at: float
     pool: str
     victim_request: str
@@ -62,12 +64,14 @@ class Attribution:
         self.evictions_by_pair: Counter[tuple[str, str, str]] = Counter()
 
     def open(self, request_id: str, tenant: str) -> RequestAccount:
+        """Start a request's account (at admission or reservation)."""
         account = RequestAccount(request_id, tenant)
         self.active[request_id] = account
         self.finished.pop(request_id, None)
         return account
 
     def close(self, request_id: str) -> None:
+        """The request ended: its account is kept a while for Explain, then forgotten."""
         account = self.active.pop(request_id, None)
         if account is None:
             return
@@ -76,9 +80,11 @@ class Attribution:
             self.finished.popitem(last=False)
 
     def account(self, request_id: str) -> RequestAccount | None:
+        """A request's account, active or recently closed (None: unknown)."""
         return self.active.get(request_id) or self.finished.get(request_id)
 
     def evicted(self, record: EvictionRecord) -> None:
+        """Record evictions: who lost the pages, who caused it, why, under which policy."""
         self.ledger.append(record)
         self.evictions_suffered[record.victim_tenant] += 1
         self.evictions_caused[record.evictor_tenant] += 1

@@ -43,6 +43,7 @@ class LinkMeter:
     history_s: int = 120
 
     def add(self, tenant: str, cls: TransferClass, nbytes: int, now: float) -> None:
+        """A chunk of `nbytes` of a tenant's transfer of class `cls` started now."""
         self.bytes_total += nbytes
         self.by_tenant[tenant] += nbytes
         self.by_class[cls] += nbytes
@@ -91,6 +92,7 @@ class LinkScheduler:
 
     @property
     def scheduling(self) -> str:
+        """The strategy's name: fair or fifo."""
         return self.queues.name
 
     @property
@@ -100,6 +102,7 @@ class LinkScheduler:
 
     @property
     def burst_bytes(self) -> float:
+        """Bytes the link may start at once after being idle (its pacer's burst)."""
         return self.pacer.burst
 
     def set_tenant_cap(self, tenant: str, rate: float | None, burst: float | None,
@@ -112,9 +115,11 @@ class LinkScheduler:
             self._caps[tenant] = TokenBucket(rate, burst or max(rate / 10, self.quantum), now)
 
     def tenant_cap(self, tenant: str) -> TokenBucket | None:
+        """A tenant's cap on this link (None: none)."""
         return self._caps.get(tenant)
 
     def capped_tenants(self) -> list[str]:
+        """Tenants with a cap on this link."""
         return list(self._caps)
 
     # ------------------------------------------------------------------ queueing
@@ -123,6 +128,7 @@ class LinkScheduler:
         return sum(self.queued_jobs.values())
 
     def submit(self, job: Job) -> None:
+        """Queue a job; its chunks go out as the strategy and the pacer allow."""
         if not job.chunks or any(c <= 0 for c in job.chunks):
             raise ValueError("a job needs chunks of positive size")
         self.queues.submit(job)
@@ -187,4 +193,5 @@ class LinkScheduler:
         return {c.name.lower(): (self.queued_jobs[c], self.queued_bytes[c]) for c in TransferClass}
 
     def tenants(self) -> Iterable[str]:
+        """Tenants this link has moved bytes for."""
         return self.meter.by_tenant.keys()

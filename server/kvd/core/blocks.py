@@ -38,6 +38,7 @@ class TierKind(enum.IntEnum):
 
 
 class RequestState(enum.Enum):
+    """Where a request stands: queued, admitted, or holding a handoff reservation."""
     QUEUED = "queued"
     ADMITTED = "admitted"
     # Pages held in a decode pool for a request still in prefill elsewhere (no blocks yet).
@@ -132,6 +133,7 @@ class Block:
 
     @property
     def key(self) -> str:
+        """The block's identity in events and logs: (request id, index)."""
         return f"{self.request.request_id}:{self.index}"
 
     def __repr__(self) -> str:
@@ -176,6 +178,7 @@ class Request:
     output_tokens: int = 0
 
     def live_blocks(self) -> list[Block]:
+        """The request's blocks that are not freed, in index order."""
         return [b for b in self.blocks if b is not None]
 
 

@@ -9,7 +9,8 @@ from typing import Protocol
 class Clock(Protocol):
     """Monotonic seconds."""
 
-    def now(self) -> float: ...
+    def now(self) -> float:
+        """Seconds on this clock's time line (only differences mean anything)."""
 
 
 class MonotonicClock:
@@ -29,6 +30,7 @@ class FakeClock:
         return self._now
 
     def advance(self, seconds: float) -> None:
+        """Move the test clock forward by `seconds`."""
         if seconds < 0:
             raise ValueError("a clock does not go back")
         self._now += seconds

@@ -30,6 +30,8 @@ class TenantQuota:
     read_budget: float | None = None
 
     def request_cap(self, device_pages: int) -> int | None:
+        """The per-request cap in pages on a device tier of `device_pages` (the smaller of the two
+        caps; None: none)."""
         caps = []
         if self.max_request_pages:
             caps.append(self.max_request_pages)

@@ -9,6 +9,7 @@ from typing import Any
 
 
 class TransferClass(enum.IntEnum):
+    """A transfer's class on the link: lower goes first (with aging, so none starves)."""
     CRITICAL = 0  # promotions of decode-critical blocks
     ACCESS = 1  # what an access, allocation or handoff waits on
     PREFETCH = 2  # ahead of an access
@@ -49,6 +50,7 @@ class TokenBucket:
         return now if self.level >= 0 else now + -self.level / self.rate
 
     def consume(self, nbytes: float, now: float) -> None:
+        """Take `nbytes` of credit now (the level may go negative: a debt)."""
         self._refill(now)
         self.level -= nbytes
 
@@ -73,12 +75,15 @@ class Job:
 
     @property
     def bytes_total(self) -> int:
+        """Bytes of all the job's chunks."""
         return sum(self.chunks)
 
     @property
     def done(self) -> bool:
+        """Whether every chunk has gone out."""
         return self.next_chunk >= len(self.chunks)
 
     @property
     def chunk_bytes(self) -> int:
+        """Bytes of the next chunk."""
         return self.chunks[self.next_chunk]

@@ -21,7 +21,8 @@ class LinkQueues(Protocol):
 
     name: str
 
-    def submit(self, job: Job) -> None: ...
+    def submit(self, job: Job) -> None:
+        """Queue a job behind those of its class and tenant (fifo: behind every job)."""
 
     def cancel(self, job: Job) -> bool:
         """Take a queued job off (False when it is not queued)."""
@@ -52,6 +53,7 @@ class FifoQueue:
         self._jobs: deque[Job] = deque()
 
     def submit(self, job: Job) -> None:
+        """Queue a job at the end."""
         self._jobs.append(job)
 
     def cancel(self, job: Job) -> bool:
@@ -95,6 +97,7 @@ class FairQueues:
         self._last_served: list[float] = [now for _ in TransferClass]
 
     def submit(self, job: Job) -> None:
+        """Queue a job behind those of its class and tenant."""
         queues = self._queues[job.cls]
         if job.tenant not in queues:
             queues[job.tenant] = deque()

@@ -73,12 +73,15 @@ class PageTable:
         return self.device.capacity - (self.reserve_pages if self.policy.fair else 0)
 
     def tier(self, kind: TierKind) -> TierPages:
+        """The pages of one tier."""
         return self.device if kind is TierKind.DEVICE else self.host
 
     def num_moving_blocks(self) -> int:
+        """Blocks in transit between tiers in this pool."""
         return sum(r.num_moving_blocks for r in self.requests.values())
 
     def no_room(self, needed: int) -> ResourceExhausted:
+        """The error for `num_pages` that no eviction can free (all pinned, held or moving)."""
         pinned = self.tenancy.pinned_by_tenant.most_common(5)
         held = ", ".join(f"{t}: {n}" for t, n in pinned) or "none"
         return ResourceExhausted(
@@ -89,6 +92,7 @@ class PageTable:
         )
 
     def overpinned(self, more: int) -> ResourceExhausted:
+        """The error for a pin that would pin more than the device tier holds."""
         pinned = self.tenancy.pinned_by_tenant.most_common(5)
         return ResourceExhausted(
             f"pinning {more} more block(s) would exceed the device tier of pool "
@@ -99,6 +103,8 @@ class PageTable:
     # ------------------------------------------------------------------ accounting
 
     def device_delta(self, req: Request, delta: int) -> None:
+        """A request's blocks on the device changed by `delta`: its and its tenant's counts
+        follow."""
         req.num_device_blocks += delta
         self.tenancy.device_by_tenant[req.tenant] += delta
 
@@ -108,10 +114,12 @@ class PageTable:
             self.add_pins(block.request.tenant, delta)
 
     def add_pins(self, tenant: str, delta: int) -> None:
+        """Pins changed by `delta` for a tenant: the pool's and the tenant's counts follow."""
         self.num_pinned += delta
         self.tenancy.pinned_by_tenant[tenant] += delta
 
     def note_peak(self) -> None:
+        """Keep the high-water mark of device pages in use."""
         used = self.device.num_used
         if used > self.counters.peak_device_pages:
             self.counters.peak_device_pages = used

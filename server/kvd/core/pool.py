@@ -118,42 +118,53 @@ class Pool:
 
     @property
     def policy(self) -> EvictionPolicy:
+        """The eviction policy that orders the device tier's evictable blocks."""
         return self.pages.policy
 
     @property
     def num_pinned(self) -> int:
+        """Device blocks pinned by intent (never evicted)."""
         return self.pages.num_pinned
 
     @property
     def num_held(self) -> int:
+        """Device blocks held for an engine until its next call."""
         return self.pages.num_held
 
     @property
     def reserved_pages(self) -> int:
+        """Pages reserved for admitted requests and handoff reservations."""
         return self.admission.reserved_pages
 
     @property
     def capacity_pages(self) -> int:
+        """Pages admission may reserve: both tiers, less the transit headroom."""
         return self.pages.capacity_pages
 
     @property
     def reserve_pages(self) -> int:
+        """Free device pages a fair policy keeps for tenants below their share."""
         return self.pages.reserve_pages
 
     @property
     def max_queue(self) -> int:
+        """Requests the admission queue holds at most."""
         return self.admission.max_queue
 
     def tier(self, kind: TierKind) -> TierPages:
+        """The pages of one tier."""
         return self.pages.tier(kind)
 
     def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
+        """Pages a request of these token counts holds at its end."""
         return self.admission.projected_pages(prompt_tokens, output_tokens)
 
     def num_moving_blocks(self) -> int:
+        """Blocks in transit between tiers."""
         return self.pages.num_moving_blocks()
 
     def get_request(self, request_id: str) -> Request:
+        """A request of this pool, queued or admitted, or NotFound."""
         return self.requests.find(request_id)
 
     def get_admitted(self, request_id: str) -> Request:

@@ -55,12 +55,14 @@ class PoolReserver:
         self.ttl_s = ttl_s
 
     def state(self, req: Request) -> tuple[Verdict, str]:
+        """Whether the handoff pool could reserve req's decode pages now, and if not why."""
         target = self.pool_of(req.handoff_pool)
         projected = target.projected_pages(req.prompt_tokens, req.output_tokens)
         return target.admission.reservation_state(req.tenant, projected,
                                         req.prompt_tokens + req.output_tokens)
 
     def reserve(self, req: Request) -> None:
+        """Reserve req's decode pages in its handoff pool."""
         self.pool_of(req.handoff_pool).reserve(
             req.request_id, req.tenant, prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens, priority=req.priority, ttl_s=self.ttl_s)
@@ -131,6 +133,7 @@ class Reservations:
         return live
 
     def expired(self) -> list[str]:
+        """Ids of reservations past their time to live."""
         now = self.clock.now()
         return [r.request_id for r in self.live() if r.expires_at <= now]
 

@@ -38,6 +38,7 @@ class Tenancy:
         return self.quotas.get(tenant) or _DEFAULT_QUOTA
 
     def set_quota(self, tenant: str, quota: TenantQuota) -> None:
+        """Set a tenant's quota; fair shares are computed again."""
         self.quotas[tenant] = quota
         self._shares = None
 
@@ -53,6 +54,7 @@ class Tenancy:
                                           max(quota.read_budget, page_bytes), now)
 
     def set_share_capacity(self, pages: int) -> None:
+        """The pages fair shares divide (the policy decides what counts)."""
         self.share_capacity = pages
         self._shares = None
 
@@ -70,6 +72,7 @@ class Tenancy:
         return self._shares
 
     def fair_share(self, tenant: str) -> float:
+        """A tenant's fair share in pages: weighted max-min over current demand."""
         return self.fair_shares().get(tenant, 0.0)
 
     def usage(self, tenant: str) -> int:
@@ -77,6 +80,7 @@ class Tenancy:
         return self.device_by_tenant[tenant]
 
     def guaranteed(self, tenant: str) -> int:
+        """A tenant's guaranteed pages, scaled down when guarantees overcommit the pool."""
         return self.quota(tenant).guaranteed
 
     def headroom(self, tenant: str) -> int:

@@ -22,10 +22,12 @@ class TierPages:
 
     @property
     def num_free(self) -> int:
+        """Pages on the free list."""
         return len(self._free)
 
     @property
     def num_used(self) -> int:
+        """Pages owned by a block."""
         return self.capacity - len(self._free)
 
     def take(self, block: Block) -> int:
@@ -36,6 +38,7 @@ class TierPages:
         return page
 
     def release(self, page: int) -> None:
+        """Give a page back to the free list."""
         if self._is_free[page]:
             raise AssertionError(f"{self.kind.name.lower()} page {page} released twice")
         self._is_free[page] = 1
@@ -43,7 +46,9 @@ class TierPages:
         self._free.append(page)
 
     def is_free(self, page: int) -> bool:
+        """Whether the page is on the free list."""
         return bool(self._is_free[page])
 
     def free_pages(self) -> list[int]:
+        """The free pages, in the order they will be handed out."""
         return list(self._free)

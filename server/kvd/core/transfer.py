@@ -33,6 +33,7 @@ class Reason(enum.StrEnum):
 
 
 class MoveKind(enum.Enum):
+    """What one move does to a block's bytes."""
     DEMOTE = "demote"  # device -> host, bytes copied
     DROP = "drop"  # device -> nowhere; the engine recomputes it on next use
     PROMOTE = "promote"  # host -> device, bytes copied
@@ -41,6 +42,7 @@ class MoveKind(enum.Enum):
 
 @dataclass(slots=True)
 class Move:
+    """One block's move between pages of the pool's tiers (or to nowhere, or back from nowhere)."""
     block: Block
     kind: MoveKind
     src_tier: TierKind
@@ -52,6 +54,7 @@ class Move:
 
     @property
     def copies_bytes(self) -> bool:
+        """Whether the move copies bytes (a drop or a rematerialisation copies none)."""
         return self.kind in (MoveKind.DEMOTE, MoveKind.PROMOTE)
 
 
@@ -68,6 +71,7 @@ class TransferPlan:
 
     @property
     def num_copies(self) -> int:
+        """Moves that copy bytes."""
         if not self.demotions and not self.promotions:
             return 0
         return sum(m.copies_bytes for m in self.demotions) + sum(
@@ -75,6 +79,7 @@ class TransferPlan:
         )
 
     def blocks(self) -> list[Block]:
+        """Every block the plan moves or allocates."""
         return (
             [m.block for m in self.demotions]
             + [m.block for m in self.promotions]

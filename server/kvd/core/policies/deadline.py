@@ -24,6 +24,8 @@ class DeadlinePolicy(ClassedPolicy):
     uses_intent = True
 
     def klass(self, block: Block) -> tuple:
+        """The block's class (smallest evicted first): the furthest deadline, then the furthest
+        target decode step, then the most slack, then intent and recompute cost."""
         due = block.deadline_at
         next_use = math.inf if due is None else math.floor(due / DEADLINE_RESOLUTION_S)
         target = block.target_decode_step if block.target_decode_step is not None else math.inf

@@ -37,4 +37,6 @@ class IntentPolicy(ClassedPolicy):
     uses_intent = True
 
     def klass(self, block: Block) -> tuple:
+        """The block's class from its intent (smallest evicted first): intent rank, then the
+        request's priority, then how costly it is to recompute."""
         return (intent_rank(block), block.request_priority, log_bucket(block.recompute_cost_us))

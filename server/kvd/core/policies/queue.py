@@ -21,6 +21,7 @@ from kvd.core.blocks import Block
 
 
 class BlockQueue:
+    """Blocks in insertion order with O(1) removal: the queue each policy class keeps."""
     __slots__ = ("_entries", "_head", "_live")
 
     def __init__(self) -> None:

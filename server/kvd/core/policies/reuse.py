@@ -23,6 +23,8 @@ from kvd.core.policies.base import EvictionPolicy
 
 
 class ReusePolicy(EvictionPolicy):
+    """Belady's MIN with learned next reads: victims from the request whose next read is
+    predicted furthest, its most recently read block first (see the module)."""
     name = "reuse"
     tracks_reuse = True
 

@@ -1,0 +1,149 @@
+"""What `kvd-loadgen bench` makes of its measurements: the ratios against the baselines, the
+targets each must meet, the tables it prints and the RESULTS.md it writes."""
+
+from __future__ import annotations
+
+import statistics
+
+from rich.console import Console
+from rich.table import Table
+
+# ratio -> (comparison, bound) it must meet; victim-selection scaling ratios are added below.
+TARGETS = {"admit_vs_empty_unary": (">=", 0.7), "allocate_vs_empty_unary": (">=", 0.7),
+           "access_vs_empty_unary": (">=", 0.7), "step64_p50_vs_empty_pingpong": ("<=", 1.3),
+           "copy_vs_numpy_copyto": (">=", 0.85)}
+VICTIM_SCALING_BOUND = 2.0
+
+
+def split_runs(runs: list[dict]) -> dict:
+    """The rounds' kvd figures (median over rounds) under lru and intent, and the empty
+    server's as the baseline."""
+    def median_of(policy: str) -> dict:
+        return {key: statistics.median(run[policy][key] for run in runs)
+                for key in runs[0][policy]}
+    k = median_of("lru")
+    baseline = {
+        "empty_unary_rps": statistics.median(k.pop(f"empty_unary_rps_{m}")
+                                             for m in ("admit", "allocate", "access")),
+        "empty_unary_server_cpu_us": k.pop("empty_unary_server_cpu_us"),
+        "empty_pingpong_p50_us": k.pop("empty_pingpong_p50_us"),
+        "empty_pingpong_p99_us": k.pop("empty_pingpong_p99_us")}
+    k.update(step_requests=64, step_blocks_per_request=4)
+    return {"kvd": k, "kvd_intent": median_of("intent"), "baseline": baseline}
+
+
+def ratios_of(results: dict, runs: list[dict]) -> dict[str, float]:
+    """kvd against the empty server (each round's ratio, median over rounds), copies against
+    numpy.copyto, and how victim selection scales from the smallest pool to the largest."""
+    def round_ratio(policy: str, key: str, base_key: str) -> float:
+        return statistics.median(run[policy][key] / run[policy][base_key] for run in runs)
+    c, v = results["copies"], results["victims_us"]
+    ratios = {
+        "admit_vs_empty_unary": round_ratio("lru", "admit_rps", "empty_unary_rps_admit"),
+        "allocate_vs_empty_unary": round_ratio("lru", "allocate_rps",
+                                               "empty_unary_rps_allocate"),
+        "access_vs_empty_unary": round_ratio("lru", "access_rps", "empty_unary_rps_access"),
+        "step64_p50_vs_empty_pingpong": round_ratio("lru", "step_p50_us",
+                                                    "empty_pingpong_p50_us"),
+        "step64_intent_p50_vs_empty_pingpong": round_ratio("intent", "step_p50_us",
+                                                           "empty_pingpong_p50_us"),
+        "copy_vs_numpy_copyto": c["kvd_copy_gbps"] / c["numpy_copyto_gbps"],
+        "scattered_copy_vs_numpy_copyto": c["kvd_copy_scattered_gbps"] / c["numpy_copyto_gbps"],
+    }
+    sizes = sorted({int(key.split("@")[1]) for key in v})
+    for name in sorted({key.split("@")[0] for key in v}):
+        ratios[f"victim_{name}_{sizes[-1]}_vs_{sizes[0]}"] = (
+            v[f"{name}@{sizes[-1]}"] / v[f"{name}@{sizes[0]}"])
+    return ratios
+
+
+def judge(ratios: dict[str, float]) -> dict[str, dict]:
+    """Each target: its bound and whether this run met it."""
+    targets = dict(TARGETS)
+    targets.update({k: ("<=", VICTIM_SCALING_BOUND) for k in ratios if k.startswith("victim_")})
+    return {k: {"op": op, "value": val,
+                "met": ratios[k] >= val if op == ">=" else ratios[k] <= val}
+            for k, (op, val) in targets.items()}
+
+
+def print_tables(results: dict, console: Console) -> None:
+    b, k, c = results["baseline"], results["kvd"], results["copies"]
+    table = Table(title="kvd bench (figures from this run)")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("empty unary RPC/s", f"{b['empty_unary_rps']:.0f}"),
+        ("empty unary server CPU us/call", f"{b['empty_unary_server_cpu_us']:.0f}"),
+        ("kvd Admit / Allocate / Access server CPU us/call",
+         f"{k['admit_server_cpu_us']:.0f} / {k['allocate_server_cpu_us']:.0f} / "
+         f"{k['access_server_cpu_us']:.0f}"),
+        ("kvd Admit RPC/s", f"{k['admit_rps']:.0f}"),
+        ("kvd Allocate RPC/s", f"{k['allocate_rps']:.0f}"),
+        ("kvd Access RPC/s", f"{k['access_rps']:.0f}"),
+        ("empty ping-pong p50 us", f"{b['empty_pingpong_p50_us']:.0f}"),
+        (f"kvd Step ({k['step_requests']} req x {k['step_blocks_per_request']} blocks, lru) "
+         "p50 us", f"{k['step_p50_us']:.0f}"),
+        ("kvd Step (same, intent policy) p50 us", f"{results['kvd_intent']['step_p50_us']:.0f}"),
+        ("intent updates/s on one Step stream (256 a message)",
+         f"{results['intent_updates']['intent_updates_per_s']:,.0f}"),
+        ("kvd page copies GB/s (page runs)", f"{c['kvd_copy_gbps']:.2f}"),
+        ("kvd page copies GB/s (scattered pages)", f"{c['kvd_copy_scattered_gbps']:.2f}"),
+        ("numpy.copyto GB/s", f"{c['numpy_copyto_gbps']:.2f}"),
+    ]
+    rows += [(f"victim selection us/victim: {key}", f"{val:.2f}")
+             for key, val in results["victims_us"].items()]
+    for label, value in rows:
+        table.add_row(label, value)
+    console.print(table)
+    t = Table(title="ratios and targets")
+    for col in ("ratio", "value", "target", "met"):
+        t.add_column(col)
+    for key, val in results["ratios"].items():
+        tgt = results["targets"].get(key)
+        if tgt is None:
+            t.add_row(key, f"{val:.2f}", "(reported)", "")
+        else:
+            t.add_row(key, f"{val:.2f}", f"{tgt['op']} {tgt['value']}",
+                      "yes" if tgt["met"] else "NO")
+    console.print(t)
+
+
+def results_markdown(results: dict) -> str:
+    m = results["machine"]
+    lines = ["# kvd benchmark results", "",
+             f"Measured by `make bench` on {m['machine']}, {m['cpus']} CPUs, Python "
+             f"{m['python']}, grpcio {m['grpcio']}, numpy {m['numpy']} ({m['platform']}); median "
+             f"of {results.get('rounds', 1)} alternating rounds against an empty gRPC server.",
+             "", "| ratio | value | target | met |", "|---|---:|---|---|"]
+    for key, value in results["ratios"].items():
+        target = results["targets"].get(key)
+        lines.append(f"| {key} | {value:.2f} | "
+                     + (f"{target['op']} {target['value']} | {'yes' if target['met'] else 'NO'} |"
+                        if target else "(reported) | |"))
+    b, k, c = results["baseline"], results["kvd"], results["copies"]
+    lines += ["", "| figure | value |", "|---|---:|",
+              f"| empty unary RPC/s | {b['empty_unary_rps']:.0f} |",
+              f"| kvd Admit / Allocate / Access RPC/s | {k['admit_rps']:.0f} / "
+              f"{k['allocate_rps']:.0f} / {k['access_rps']:.0f} |",
+              f"| empty ping-pong p50 µs | {b['empty_pingpong_p50_us']:.0f} |",
+              f"| kvd Step, 64 requests x 4 blocks, p50 µs (lru / intent) | "
+              f"{k['step_p50_us']:.0f} / {results['kvd_intent']['step_p50_us']:.0f} |",
+              f"| intent updates/s on one Step stream (256 a message, pipelined) | "
+              f"{results['intent_updates']['intent_updates_per_s']:,.0f} |",
+              f"| page copies GB/s (runs / scattered) vs numpy.copyto | "
+              f"{c['kvd_copy_gbps']:.2f} / {c['kvd_copy_scattered_gbps']:.2f} vs "
+              f"{c['numpy_copyto_gbps']:.2f} |"]
+    lines += [f"| victim selection µs: {key} | {val:.2f} |"
+              for key, val in results["victims_us"].items()]
+    scen = results.get("scenarios")
+    if scen:
+        lines += ["", "## Scenarios at a small, fixed size", "",
+                  f"- replay-intents balanced, decode-critical misses: "
+                  f"{scen['replay_balanced_dc_misses']}",
+                  f"- whale-minnows (1.5 s): {scen['whale_minnows']}",
+                  f"- request-trace (150 Mooncake requests): {scen['request_trace']}"]
+        for name in ("bandwidth_hog", "disagg"):
+            for target, v in scen.get(name, {}).items():
+                lines.append(f"- {name.replace('_', '-')}: {target}: "
+                             f"{'met' if v['met'] else 'NOT met'} ({v['measured']})")
+    return "\n".join(lines) + "\n"
