@@ -74,6 +74,10 @@ class Node:
     def runtime(self, pool: str) -> PoolRuntime:
         return find_runtime(self.pools, pool or "default")
 
+    def runtimes(self, pool: str = "") -> list[PoolRuntime]:
+        """The named pool's runtime, or every pool's ("")."""
+        return [self.runtime(pool)] if pool else list(self.pools.values())
+
     def runtime_of(self, request_id: str, scope: str | None = None) -> PoolRuntime:
         """The pool runtime of a request the caller may touch (scope: its tenant; None: any)."""
         if not request_id:
@@ -272,8 +276,7 @@ class Node:
 
     def set_quota(self, tenant: str, pool: str, **changes) -> list[str]:
         """Change the given fields of a tenant's quota (see Quotas.set)."""
-        return self.quotas.set(tenant, [self.runtime(pool)] if pool
-                               else list(self.pools.values()), **changes)
+        return self.quotas.set(tenant, self.runtimes(pool), **changes)
 
     async def evict(self, pool: str, num_pages: int) -> list:
         rt = self.runtime(pool)

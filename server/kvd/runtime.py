@@ -183,8 +183,7 @@ class PoolRuntime:
 
     def _completed(self, plan: TransferPlan, pinned_out: list[Block], stall_s: float) -> None:
         self._notify(plan, stall_s)
-        if self.room_line:
-            self.room_line.serve()
+        self.room_may_have_changed()
         if plan.reason is not Reason.RESERVE and not self._refilling:
             self._refill_soon()
         if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back

@@ -177,12 +177,11 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
         links=[link_figures(node, link) for link in node.links_of(pool.name)])
 
 
-def node_figures(node, pool: str = "") -> NodeFigures:
-    """Every pool's figures (or one pool's), the links, handoffs and leases."""
-    runtimes = [node.runtime(pool)] if pool else list(node.pools.values())
+def node_figures(node) -> NodeFigures:
+    """Every pool's figures, the links, handoffs and leases."""
     leases = node.leases
     return NodeFigures(
-        pools=[pool_figures(node, rt) for rt in runtimes],
+        pools=[pool_figures(node, rt) for rt in node.runtimes()],
         links=[link_figures(node, link) for link in node.links()],
         uptime_s=time.time() - node.started_at, handoffs=dict(node.handoff_counts),
         leases_active=len(leases.leases), leases_expired=leases.num_expired,

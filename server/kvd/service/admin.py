@@ -77,8 +77,7 @@ class AdminService(pb_grpc.AdminServicer):
     async def ListRequests(self, request: pb.ListRequestsRequest,
                            caller: Caller) -> pb.ListRequestsResponse:
         self.auth.require_admin(caller)
-        runtimes = ([self.node.runtime(request.pool)] if request.pool
-                    else list(self.node.pools.values()))
+        runtimes = self.node.runtimes(request.pool)
         for rt in runtimes:
             rt.pool.snapshot()  # bytes_read includes the reads of the last steps
         reqs = [r for rt in runtimes for r in rt.pool.requests.values()]
@@ -107,6 +106,5 @@ class AdminService(pb_grpc.AdminServicer):
 
     def _tenants(self, pool: str, tenant: str | None = None) -> list[pb.TenantInfo]:
         """Each pool's tenants (one pool's, and only `tenant` when given)."""
-        runtimes = [self.node.runtime(pool)] if pool else list(self.node.pools.values())
-        return [tenant_info(t) for rt in runtimes
+        return [tenant_info(t) for rt in self.node.runtimes(pool)
                 for t in stats.pool_figures(self.node, rt, tenant).tenants]

@@ -184,11 +184,8 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,
                            caller: Caller) -> pb.GetPoolStatsResponse:
-        runtimes = (
-            [self.node.runtime(request.pool)] if request.pool else self.node.pools.values()
-        )
         return pb.GetPoolStatsResponse(pools=[convert.pool_stats(stats.pool_figures(self.node, rt))
-                                              for rt in runtimes],
+                                              for rt in self.node.runtimes(request.pool)],
                                        uptime_s=time.time() - self.node.started_at,
                                        version=__version__)
 
