@@ -105,7 +105,8 @@ class Daemon:
             await self.node.aclose()  # the arenas' shared memory goes with it
             raise
 
-    async def _listen(self, loop) -> None:
+    def _grpc_server(self) -> grpc.aio.Server:
+        """The gRPC server with kvd's services on it, not yet bound."""
         self.auth = Authenticator(self.config, self.node.leases)
         # kvd pings its clients: one that stops answering (a stopped or partitioned engine
         # with a Step stream open) loses its connection, so its streams close and its lease
@@ -132,6 +133,10 @@ class Daemon:
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
+        return server
+
+    async def _listen(self, loop) -> None:
+        server = self._grpc_server()
         if self.config.socket:
             path = Path(self.config.socket)
             _prepare_socket_path(path)

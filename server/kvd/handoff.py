@@ -251,7 +251,7 @@ class Handoffs:
         dst_req = dst.pool.requests[request_id]
         dst_req.bytes_moved += moved
         if holder:  # the engine reads what the last message hands it: nothing may move it
-            dst.pool.pages.hold(holder, dst_req.live_blocks())
+            dst.pool.pages.holds.hold(holder, dst_req.live_blocks())
         src.waiters.notify()
         self.events.publish("handoff", pool=dst.pool.name, tenant=req.tenant,
                             request_id=request_id, count=len(blocks), reason="completed")

@@ -184,7 +184,7 @@ class Node:
     def end_holds(self, holder: str) -> None:
         """The holder called again, or went away: the pages it was handed are evictable."""
         for rt in self.pools.values():
-            if not rt.pool.pages.holds(holder):
+            if not rt.pool.pages.holds.has(holder):
                 continue
             admitted = rt.pool.end_holds(holder)
             rt.room_may_have_changed()
@@ -197,7 +197,7 @@ class Node:
         the engine's claim on a page it was handed long ago."""
         now = self.clock.now()
         stale = {h for rt in self.pools.values()
-                 for h, since in rt.pool.pages.holders().items() if now - since > max_age_s}
+                 for h, since in rt.pool.pages.holds.since().items() if now - since > max_age_s}
         for holder in stale:
             self.end_holds(holder)
         return len(stale)

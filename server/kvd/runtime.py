@@ -129,7 +129,7 @@ class PoolRuntime:
             else:
                 rank = 0 if critical and self.link.sched.serves_by_class else 1
                 future = self.room_line.join(op, rank)
-                if not self.pool.num_moving_blocks():
+                if not self.pool.pages.num_moving_blocks():
                     self.room_line.serve()  # the transfer it waited for is done already
                 try:
                     result = await future
@@ -193,7 +193,7 @@ class PoolRuntime:
 
     def _refill_soon(self) -> None:
         """Top up the fair policy's free reserve in the background, off every request's path."""
-        if self.pool.reserve_pages <= self.pool.device.num_free or not self.pool.policy.fair:
+        if self.pool.pages.reserve_pages <= self.pool.device.num_free or not self.pool.policy.fair:
             return
         self._refilling = True
 

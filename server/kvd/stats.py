@@ -167,7 +167,7 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
                          pool.host.num_used, 0),
         num_requests=len(pool.requests) - len(pool.queue), num_queued=len(pool.queue),
         reserved_pages=pool.reserved_pages,
-        handoff_reserved_pages=pool.reservations.reserved_pages(), held_pages=pool.num_held,
+        handoff_reserved_pages=pool.reservations.reserved_pages(), held_pages=pool.pages.holds.count,
         in_flight=len(rt.transit), stuck=len(node.stuck.get(pool.name, ())),
         counters=copy.deepcopy(pool.counters),
         evictions=dict(pool.attribution.evictions_by_pair),

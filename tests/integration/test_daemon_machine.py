@@ -274,7 +274,7 @@ class DaemonMachine(RuleBasedStateMachine):
         for rt in self.daemon.pools.values():
             pool = rt.pool
             assert pool.num_pinned <= pool.device.capacity
-            assert len(rt.transit) == 0 and pool.num_moving_blocks() == 0, "left in transit"
+            assert len(rt.transit) == 0 and pool.pages.num_moving_blocks() == 0, "left in transit"
             cap = int(CAP_A * pool.device.capacity)
             for req in pool.requests.values():
                 if req.tenant == "a" and req.state is RequestState.ADMITTED:

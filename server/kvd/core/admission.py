@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvd.core.blocks import Request, RequestState
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import ResourceExhausted, short_repr
+from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, short_repr
 from kvd.core.pages import PageTable
 from kvd.core.reservation import Reserver, Verdict
 from kvd.core.tenancy import Tenancy
@@ -169,7 +169,7 @@ class Admission:
         pages = self.pages
         room = pages.device.num_free
         if not pages.policy.fair:
-            return room + len(pages.policy) + pages.num_held  # held: evictable in a moment
+            return room + len(pages.policy) + pages.holds.count  # held: evictable in a moment
         tenancy = self.tenancy
         shares = tenancy.fair_shares()
         for tenant, used in tenancy.device_by_tenant.items():
@@ -274,6 +274,43 @@ class Admission:
                 f"handoff pool {self.name!r} cannot reserve {projected} pages: "
                 f"{capacity - self.reserved_pages} of {capacity} are unreserved")
         return Verdict.OK, ""
+
+    def new_request(self, request_id: str, tenant: str, prompt_tokens: int,
+                    output_tokens: int, priority: int, handoff_pool: str) -> Request:
+        """A request asking to be admitted (not yet judged), or the error that says what is
+        wrong with its arguments. With a handoff pool this pool only prefills: the request
+        holds the prompt's pages here; its output is decoded in the handoff pool."""
+        if not request_id:
+            raise InvalidArgument("request_id must not be empty")
+        if "\0" in request_id:
+            raise InvalidArgument("request_id must not contain NUL characters")
+        if prompt_tokens < 0 or output_tokens < 0:
+            raise InvalidArgument("token counts must be >= 0")
+        if prompt_tokens + output_tokens == 0:
+            raise InvalidArgument("a request needs at least one prompt or output token")
+        if handoff_pool:
+            if self.reserver is None:
+                raise FailedPrecondition(f"pool {self.name!r} cannot hand off")
+            if prompt_tokens == 0:
+                raise InvalidArgument("a request handed off after prefill needs prompt tokens")
+        projected = self.projected_pages(prompt_tokens, 0 if handoff_pool else output_tokens)
+        return Request(request_id, tenant, self.name, priority, projected, RequestState.QUEUED,
+                       handoff_pool=handoff_pool, prompt_tokens=prompt_tokens,
+                       output_tokens=output_tokens)
+
+    def growth(self, req: Request, num_blocks: int) -> int:
+        """Pages past its reservation that adding num_blocks makes the request hold (0 when
+        it stays within), or the error that says why it may not grow. Counted in live blocks,
+        not indices: a request that frees old blocks and allocates new ones (a sliding
+        window) stays within what it reserved."""
+        growth = max(0, req.num_live_blocks + num_blocks - req.reserved_pages)
+        self.check_growth(req, num_blocks, growth)
+        if growth and not self.fits(growth):
+            raise ResourceExhausted(
+                f"request {short_repr(req.request_id)} grows past its {req.reserved_pages} "
+                f"reserved pages and pool {self.name!r} has "
+                f"{self.pages.capacity_pages - self.reserved_pages} unreserved")
+        return growth
 
     def check_growth(self, req: Request, num_blocks: int, growth: int) -> None:
         """Quotas hold on every page added after admission too: the request's cap on its

@@ -94,7 +94,7 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
             tally.pinned += 1
             tally.pinned_by_tenant[req.tenant] += 1
         if b.tier is not TierKind.NONE and not b.moving:
-            if pool.tier(b.tier).owner[b.page] is not b:
+            if pool.pages.tier(b.tier).owner[b.page] is not b:
                 problems.append(f"{name}: {b} is not the owner of its page")
             if owners[id(b)] != 1:
                 problems.append(f"{name}: {b} owns {owners[id(b)]} pages")
@@ -113,8 +113,8 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
     if t.evictable != len(pool.policy):
         problems.append(f"{name}: policy holds {len(pool.policy)} blocks, "
                         f"{t.evictable} are evictable")
-    if t.held != pool.num_held:
-        problems.append(f"{name}: counts {pool.num_held} held blocks, has {t.held}")
+    if t.held != pool.pages.holds.count:
+        problems.append(f"{name}: counts {pool.pages.holds.count} held blocks, has {t.held}")
     if +t.reserved_by_tenant != +ten.reserved_by_tenant:
         problems.append(f"{name}: reserved-by-tenant counts are off")
     if +t.device_by_tenant != +ten.device_by_tenant:
@@ -129,6 +129,6 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
     if t.reserved != pool.reserved_pages:
         problems.append(f"{name}: reserved pages {pool.reserved_pages} != sum over requests "
                         f"{t.reserved}")
-    if pool.reserved_pages > pool.capacity_pages:
+    if pool.reserved_pages > pool.pages.capacity_pages:
         problems.append(f"{name}: {pool.reserved_pages} reserved pages exceed capacity "
-                        f"{pool.capacity_pages}")
+                        f"{pool.pages.capacity_pages}")

@@ -3,7 +3,7 @@ a pool's two tiers, which block owns which page, and the moves between tiers.
 
 A block is in the device tier, the host tier, or nowhere (dropped for the engine to
 recompute). Moving it is planned here (a TransferPlan of Moves), copied by the runtime, and
-then made true here by complete() or undone by abort(). Which block leaves is the policy's
+then made true by settle.complete() or undone by settle.abort(). Which block leaves is the policy's
 decision (policies/); the page table asks it with the blocks the operation is about to read
 protected, and takes the victims only once nothing else can fail.
 """
@@ -11,12 +11,15 @@ protected, and takes the victims only once nothing else can fail.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from typing import Any
 
-from kvd.core.attribution import NO_REQUEST, Attribution, EvictionRecord
+from kvd.core import intent as intents
+from kvd.core.attribution import Attribution
 from kvd.core.blocks import Block, Request, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import BlocksInTransit, HostShort, ResourceExhausted
+from kvd.core.holds import Holds
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tenancy import Tenancy
 from kvd.core.tier import TierPages
@@ -37,7 +40,7 @@ class PageTable:
         self.tenancy = tenancy
         self.counters = counters
         self.attribution = attribution
-        self.requests = requests  # read only: whether a held block's request still lives
+        self.requests = requests  # read only
         self.device = TierPages(TierKind.DEVICE, device_pages)
         self.host = TierPages(TierKind.HOST, host_pages)
         self.policy: EvictionPolicy = make_policy(policy, clock, tenancy)
@@ -46,10 +49,7 @@ class PageTable:
         # and refill() tops them up from over-share tenants in the background.
         self.reserve_pages = reserve_pages
         self.num_pinned = 0
-        # Blocks handed to an engine that may still write or read their pages, by holder
-        # (a client's lease, a Step stream): (since when, blocks). See hold().
-        self._holds: dict[str, tuple[float, list[Block]]] = {}
-        self.num_held = 0
+        self.holds = Holds(clock, requests, self.policy)
 
     # ------------------------------------------------------------------ queries
 
@@ -88,7 +88,7 @@ class PageTable:
             f"pool {self.name!r}: cannot free {needed} device page(s): "
             f"{self.device.num_free} free, {len(self.policy)} evictable, "
             f"{self.num_pinned} of {self.device.capacity} pinned (by tenant: {held}), "
-            f"{self.num_held} held by engines until their next call, the rest in transit"
+            f"{self.holds.count} held by engines until their next call, the rest in transit"
         )
 
     def overpinned(self, more: int) -> ResourceExhausted:
@@ -133,6 +133,7 @@ class PageTable:
         for block in blocks:
             new.insert(block)
         old, self.policy = self.policy, new
+        self.holds.policy = new
         return old.name
 
     # ------------------------------------------------------------------ room in the device tier
@@ -144,7 +145,7 @@ class PageTable:
         changing anything: the policy's choice is looked at first and taken only after."""
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
-            if self.num_held or self.num_moving_blocks():
+            if self.holds.count or self.num_moving_blocks():
                 # Victims may come free when the copies finish, or when the engines holding
                 # pages call again (or their holds lapse).
                 raise BlocksInTransit([])
@@ -230,12 +231,37 @@ class PageTable:
         return TransferPlan(self.name, Reason.RESERVE, None,
                             demotions=self.evict(len(victims), None, Reason.RESERVE, False))
 
+    def place(self, req: Request, page_numbers: list[int], indices: Iterable[int],
+              intent: dict[str, Any] | None, holder: str) -> list[Block]:
+        """New blocks of req at these indices, in these device pages (from make_room), moving
+        until the engine has written them, with the intent the engine already knows; held for
+        `holder` (when given), since the engine writes them next and nothing may take their
+        pages before."""
+        now = self.clock.now()
+        placed = []
+        for page, index in zip(page_numbers, indices):
+            while len(req.blocks) < index:
+                req.blocks.append(None)
+            block = Block(req, index, TierKind.DEVICE, page, moving=True,
+                          last_access=now, request_priority=req.priority)
+            req.num_moving_blocks += 1
+            if intent:
+                intents.apply(block, intent, now)
+                self.count_pin(block, 1)
+            self.device.owner[page] = block
+            req.blocks.append(block)
+            req.num_live_blocks += 1
+            if holder:
+                self.holds.hold_one(holder, block)
+            self.device_delta(req, 1)
+            placed.append(block)
+        self.note_peak()
+        return placed
+
     def discard(self, block: Block) -> None:
         """The block is gone (freed or released): its page, pin and hold go with it."""
         req = block.request
-        if block.held:  # its holder's entry forgets it at end_holds
-            block.held = False
-            self.num_held -= 1
+        self.holds.forget(block)
         if block.tier is TierKind.DEVICE:
             if block in self.policy:
                 self.policy.remove(block)
@@ -247,159 +273,3 @@ class PageTable:
         req.blocks[block.index] = None
         req.num_live_blocks -= 1
         block.tier, block.page = TierKind.NONE, -1
-
-    # ------------------------------------------------------------------ holds
-
-    def hold_one(self, holder: str, block: Block) -> None:
-        """The engine was handed this block's page and may write or read it until its next
-        call: until then the block is not evictable, so no eviction can move its bytes
-        before the engine wrote them or give its page to another block under the engine's
-        feet. Held blocks leave the policy (as pinned ones do) but count as no pin."""
-        if block.held:
-            return
-        block.held = True
-        if block in self.policy:
-            self.policy.remove(block)
-        entry = self._holds.get(holder)
-        if entry is None:
-            entry = self._holds[holder] = (self.clock.now(), [])
-        entry[1].append(block)
-        self.num_held += 1
-
-    def hold(self, holder: str, blocks: Iterable[Block]) -> None:
-        """Hold blocks handed out by a reply other than allocate's or access's (a handoff's
-        last message) for the holder, until its next call."""
-        for b in blocks:
-            if b.tier is TierKind.DEVICE and not b.moving:
-                self.hold_one(holder, b)
-
-    def holds(self, holder: str) -> bool:
-        """Whether the holder has blocks held here."""
-        return holder in self._holds
-
-    def holders(self) -> dict[str, float]:
-        """Each holder with blocks held, and since when."""
-        return {h: since for h, (since, _) in self._holds.items()}
-
-    def end_holds(self, holder: str) -> bool:
-        """The holder called again (or went away): what it was handed is evictable again.
-        Returns whether it held anything."""
-        entry = self._holds.pop(holder, None)
-        if entry is None:
-            return False
-        for b in entry[1]:
-            if not b.held:
-                continue
-            b.held = False
-            self.num_held -= 1
-            req = b.request
-            if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b
-                    and evictable(b)):
-                self.policy.insert(b)
-        return True
-
-    # ------------------------------------------------------------------ transfers
-
-    def complete(self, plan: TransferPlan) -> list[Block]:
-        """The plan's bytes are copied: make the page table say so. Returns blocks pinned while
-        they were being demoted, which now want a prefetch."""
-        now = self.clock.now()
-        c = self.counters
-        if plan.demotions:
-            self._record_evictions(plan, now)
-        for m in plan.demotions:
-            b = m.block
-            b.moving = False
-            b.request.num_moving_blocks -= 1
-            b.epoch += 1
-            self.device_delta(b.request, -1)
-            if not m.src_reassigned:
-                self.device.release(m.src_page)
-            if m.kind is MoveKind.DROP:
-                b.tier, b.page = TierKind.NONE, -1
-                c.num_drops += 1
-            else:
-                b.tier, b.page = TierKind.HOST, m.dst_page
-                c.num_demotions += 1
-                c.bytes_moved += self.page_bytes
-        for m in plan.promotions:
-            b = m.block
-            b.moving = False
-            b.request.num_moving_blocks -= 1
-            b.epoch += 1
-            self.device_delta(b.request, 1)
-            if m.kind is MoveKind.PROMOTE:
-                self.host.release(m.src_page)
-                c.num_promotions += 1
-                c.bytes_moved += self.page_bytes
-            else:
-                # Its bytes were dropped: the page was zeroed (runtime), and every reply that
-                # hands it out says the engine must recompute it until the engine was told.
-                c.num_rematerializations += 1
-                c.num_lost_blocks += 1
-                b.lost = True
-                if b.request.account is not None:
-                    b.request.account.num_recomputes += 1
-            b.tier, b.page = TierKind.DEVICE, m.dst_page
-            b.request.maybe_relocated = True
-            if plan.reason is Reason.ACCESS and b.deadline_at is not None and now > b.deadline_at:
-                c.num_deadline_misses += 1
-            self.policy.on_promoted(b)
-            if evictable(b):
-                self.policy.insert(b)
-        for b in plan.allocated:
-            b.moving = False
-            b.request.num_moving_blocks -= 1
-            if evictable(b):
-                self.policy.insert(b)
-        self.note_peak()
-        return [m.block for m in plan.demotions if m.block.pinned]
-
-    def abort(self, plan: TransferPlan) -> None:
-        """The copy failed or was cancelled: put everything back as it was before the plan."""
-        victim_pages = {m.src_page for m in plan.demotions}
-        for m in plan.promotions:
-            if m.dst_page not in victim_pages:
-                self.device.release(m.dst_page)
-            m.block.moving = False
-            m.block.request.num_moving_blocks -= 1
-        for b in plan.allocated:
-            if b.page not in victim_pages:
-                self.device.release(b.page)
-            self.count_pin(b, -1)
-            if b.held:
-                b.held = False
-                self.num_held -= 1
-            req = b.request
-            req.num_moving_blocks -= 1
-            req.blocks[b.index] = None
-            req.num_live_blocks -= 1
-            self.device_delta(req, -1)
-            b.tier, b.page = TierKind.NONE, -1
-        for req in {id(b.request): b.request for b in plan.allocated}.values():
-            while req.blocks and req.blocks[-1] is None:  # indices nobody was told of
-                req.blocks.pop()
-        for m in plan.demotions:
-            b = m.block
-            b.moving = False
-            b.request.num_moving_blocks -= 1
-            self.device.owner[m.src_page] = b
-            if m.dst_tier is TierKind.HOST:
-                self.host.release(m.dst_page)
-            if evictable(b):  # it may have been pinned while in flight
-                self.policy.insert(b)
-
-    def _record_evictions(self, plan: TransferPlan, now: float) -> None:
-        cause = plan.cause
-        evictor_request = cause.request_id if cause else NO_REQUEST
-        evictor_tenant = cause.tenant if cause else NO_REQUEST
-        policy = self.policy.name
-        for m in plan.demotions:
-            b = m.block
-            record = EvictionRecord(now, self.name, b.request.request_id, b.request.tenant,
-                                    b.index, evictor_request, evictor_tenant, plan.reason, policy)
-            b.evicted_by = record
-            self.attribution.evicted(record)
-        self.counters.num_evictions += len(plan.demotions)
-        self.counters.evictions_by_reason[plan.reason] += len(plan.demotions)
-

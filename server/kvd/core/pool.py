@@ -17,17 +17,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvd.core import intent as intents
+from kvd.core import settle
 from kvd.core.admission import Admission, AdmitResult, Decision
 from kvd.core.attribution import Attribution
 from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    ResourceExhausted,
-)
+from kvd.core.errors import AlreadyExists, InvalidArgument
 from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange, Intents
 from kvd.core.pages import PageTable
@@ -127,41 +123,9 @@ class Pool:
         return self.pages.num_pinned
 
     @property
-    def num_held(self) -> int:
-        """Device blocks held for an engine until its next call."""
-        return self.pages.num_held
-
-    @property
     def reserved_pages(self) -> int:
         """Pages reserved for admitted requests and handoff reservations."""
         return self.admission.reserved_pages
-
-    @property
-    def capacity_pages(self) -> int:
-        """Pages admission may reserve: both tiers, less the transit headroom."""
-        return self.pages.capacity_pages
-
-    @property
-    def reserve_pages(self) -> int:
-        """Free device pages a fair policy keeps for tenants below their share."""
-        return self.pages.reserve_pages
-
-    @property
-    def max_queue(self) -> int:
-        """Requests the admission queue holds at most."""
-        return self.admission.max_queue
-
-    def tier(self, kind: TierKind) -> TierPages:
-        """The pages of one tier."""
-        return self.pages.tier(kind)
-
-    def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
-        """Pages a request of these token counts holds at its end."""
-        return self.admission.projected_pages(prompt_tokens, output_tokens)
-
-    def num_moving_blocks(self) -> int:
-        """Blocks in transit between tiers."""
-        return self.pages.num_moving_blocks()
 
     def get_request(self, request_id: str) -> Request:
         """A request of this pool, queued or admitted, or NotFound."""
@@ -182,30 +146,14 @@ class Pool:
         With a handoff pool, this pool only prefills: it holds the prompt's pages, and the
         request is admitted only together with a reservation of prompt plus output pages in
         the handoff pool, so no prefill is spent on a request decode cannot hold."""
-        if not request_id:
-            raise InvalidArgument("request_id must not be empty")
-        if "\0" in request_id:
-            raise InvalidArgument("request_id must not contain NUL characters")
-        if prompt_tokens < 0 or output_tokens < 0:
-            raise InvalidArgument("token counts must be >= 0")
-        if prompt_tokens + output_tokens == 0:
-            raise InvalidArgument("a request needs at least one prompt or output token")
         if request_id in self.requests:
             raise AlreadyExists(f"request {request_id!r} already exists in pool {self.name!r}")
-        if handoff_pool:
-            if self.admission.reserver is None:
-                raise FailedPrecondition(f"pool {self.name!r} cannot hand off")
-            if prompt_tokens == 0:
-                raise InvalidArgument("a request handed off after prefill needs prompt tokens")
-        # A prefill pool holds the prompt only; the output is decoded in the handoff pool.
-        projected = self.projected_pages(prompt_tokens, 0 if handoff_pool else output_tokens)
-        req = Request(request_id, tenant, self.name, priority, projected, RequestState.QUEUED,
-                      handoff_pool=handoff_pool, prompt_tokens=prompt_tokens,
-                      output_tokens=output_tokens)
+        req = self.admission.new_request(request_id, tenant, prompt_tokens, output_tokens,
+                                         priority, handoff_pool)
         never = self.admission.judge(req)
         if never:
             self.counters.num_rejected += 1
-            return AdmitResult(Decision.REJECTED, never, 0, projected)
+            return AdmitResult(Decision.REJECTED, never, 0, req.projected_pages)
         self.admission.check_queue_share(tenant)
         req.account = self.attribution.open(request_id, tenant)
         self.tenancy.budget(req, self.page_bytes, self.clock.now())
@@ -259,37 +207,12 @@ class Pool:
                 f"cannot allocate {num_blocks} blocks at once: the device tier of pool "
                 f"{self.name!r} holds {self.device.capacity} pages"
             )
-        # Live blocks, not indices: a request that frees old blocks and allocates new ones
-        # (a sliding window) stays within what it reserved.
-        growth = max(0, req.num_live_blocks + num_blocks - req.reserved_pages)
-        self.admission.check_growth(req, num_blocks, growth)
-        if growth and not self.admission.fits(growth):
-            raise ResourceExhausted(
-                f"request {request_id!r} grows past its {req.reserved_pages} reserved pages and "
-                f"pool {self.name!r} has {self.capacity_pages - self.reserved_pages} unreserved"
-            )
+        growth = self.admission.growth(req, num_blocks)
         page_numbers, demotions = pages.make_room(num_blocks, req, reason)
-        now = self.clock.now()
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
-        for page, index in zip(page_numbers, indices):
-            while len(req.blocks) < index:
-                req.blocks.append(None)
-            block = Block(req, index, TierKind.DEVICE, page, moving=True,
-                          last_access=now, request_priority=req.priority)
-            req.num_moving_blocks += 1
-            if intent:
-                intents.apply(block, intent, now)
-                pages.count_pin(block, 1)
-            self.device.owner[page] = block
-            req.blocks.append(block)
-            req.num_live_blocks += 1
-            if holder:  # the engine writes it next: nothing may take its page before
-                pages.hold_one(holder, block)
-            pages.device_delta(req, 1)
-            plan.allocated.append(block)
+        plan.allocated = pages.place(req, page_numbers, indices, intent, holder)
         if growth:
             self.admission.reserve(req, growth)
-        pages.note_peak()
         return plan
 
     @_after_reads
@@ -351,7 +274,7 @@ class Pool:
     def end_holds(self, holder: str) -> list[Request]:
         """The holder called again (or went away): what it was handed is evictable again.
         Returns queued requests admitted now that those pages may be taken."""
-        if not self.pages.end_holds(holder):
+        if not self.pages.holds.end(holder):
             return []
         return self.admission.admit_from_queue() if self.queue else []
 
@@ -452,12 +375,12 @@ class Pool:
     def complete(self, plan: TransferPlan) -> list[Block]:
         """The plan's bytes are copied: make the page table say so. Returns blocks pinned while
         they were being demoted, which now want a prefetch."""
-        return self.pages.complete(plan)
+        return settle.complete(self.pages, plan)
 
     @_after_reads
     def abort(self, plan: TransferPlan) -> None:
         """The copy failed or was cancelled: put everything back as it was before the plan."""
-        self.pages.abort(plan)
+        settle.abort(self.pages, plan)
 
     def record_stall(self, seconds: float, plan: TransferPlan | None = None) -> None:
         """An access waited `seconds` for `plan`'s promotions: charge it to the evictions

@@ -178,7 +178,7 @@ class Reads:
                holder: str = "") -> AccessResult:
         """The engine reads these blocks of an admitted request now (None: all of them).
         Resident blocks are touched; the rest are promoted by the returned plan. With a
-        holder, the blocks are held for it from now on (see PageTable.hold_one)."""
+        holder, the blocks are held for it from now on (see Holds)."""
         pages = self.pages
         if (indices is None and req.num_moving_blocks == 0
                 and req.num_device_blocks == req.num_live_blocks):
@@ -187,7 +187,7 @@ class Reads:
             if holder:
                 for b in req.blocks:
                     if b is not None:
-                        pages.hold_one(holder, b)
+                        pages.holds.hold_one(holder, b)
             return AccessResult(None, None, req)
         blocks = resolve(req, indices)
         check_still(blocks)
@@ -227,7 +227,7 @@ class Reads:
             # waiters cannot hold each other up). The promoted blocks are not offered to the
             # policy when their copy lands.
             for b in blocks:
-                pages.hold_one(holder, b)
+                pages.holds.hold_one(holder, b)
         return AccessResult(blocks, plan, req)
 
     def note_late(self, blocks: Iterable[Block]) -> None:

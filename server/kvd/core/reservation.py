@@ -57,7 +57,7 @@ class PoolReserver:
     def state(self, req: Request) -> tuple[Verdict, str]:
         """Whether the handoff pool could reserve req's decode pages now, and if not why."""
         target = self.pool_of(req.handoff_pool)
-        projected = target.projected_pages(req.prompt_tokens, req.output_tokens)
+        projected = target.admission.projected_pages(req.prompt_tokens, req.output_tokens)
         return target.admission.reservation_state(req.tenant, projected,
                                         req.prompt_tokens + req.output_tokens)
 

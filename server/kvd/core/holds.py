@@ -1,0 +1,81 @@
+"""Holds: device blocks handed to an engine that may still write or read their pages.
+
+An engine is told a block's page (by allocate, access, or a handoff's last message) and then
+writes or reads it in its own time, until its next call to kvd. Until then the block must not
+be evicted: no demotion may copy its bytes before the engine wrote them, and no other block may
+be given its page under the engine's feet. A held block leaves the eviction policy, as a
+pinned one does, but counts as no pin; a holder's next call (or its lease lapsing) gives its
+blocks back to the policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from kvd.core.blocks import Block, Request, TierKind, evictable
+from kvd.core.clock import Clock
+from kvd.core.policies import EvictionPolicy
+
+
+class Holds:
+    """Blocks held by holder (a client's lease, a Step stream), and since when."""
+
+    def __init__(self, clock: Clock, requests: Mapping[str, Request],
+                 policy: EvictionPolicy) -> None:
+        self.clock = clock
+        self.requests = requests  # read only: whether a held block's request still lives
+        # The page table's policy; the page table sets it anew when it switches policy.
+        self.policy = policy
+        self._by_holder: dict[str, tuple[float, list[Block]]] = {}
+        self.count = 0  # blocks held now
+
+    def hold_one(self, holder: str, block: Block) -> None:
+        """Hold a device block for the holder until its next call."""
+        if block.held:
+            return
+        block.held = True
+        if block in self.policy:
+            self.policy.remove(block)
+        entry = self._by_holder.get(holder)
+        if entry is None:
+            entry = self._by_holder[holder] = (self.clock.now(), [])
+        entry[1].append(block)
+        self.count += 1
+
+    def hold(self, holder: str, blocks: Iterable[Block]) -> None:
+        """Hold the blocks of these that are settled in the device tier."""
+        for b in blocks:
+            if b.tier is TierKind.DEVICE and not b.moving:
+                self.hold_one(holder, b)
+
+    def forget(self, block: Block) -> None:
+        """The block is gone (freed or released): it is held no more. Its holder's entry
+        forgets it at end()."""
+        if block.held:
+            block.held = False
+            self.count -= 1
+
+    def has(self, holder: str) -> bool:
+        """Whether the holder has blocks held."""
+        return holder in self._by_holder
+
+    def since(self) -> dict[str, float]:
+        """Each holder with blocks held, and since when."""
+        return {h: since for h, (since, _) in self._by_holder.items()}
+
+    def end(self, holder: str) -> bool:
+        """The holder called again (or went away): what it was handed is evictable again.
+        Returns whether it held anything."""
+        entry = self._by_holder.pop(holder, None)
+        if entry is None:
+            return False
+        for b in entry[1]:
+            if not b.held:
+                continue
+            b.held = False
+            self.count -= 1
+            req = b.request
+            if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b
+                    and evictable(b)):
+                self.policy.insert(b)
+        return True
