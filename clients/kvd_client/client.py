@@ -189,6 +189,31 @@ class AsyncClient:
         return await self._call(self.memory.Allocate,
                                 pb.AllocateRequest(request_id=request_id, num_blocks=num_blocks))
 
+    async def lookup(self, namespace: str, keys: Sequence[bytes], pool: str = ""
+                     ) -> pb.LookupResponse:
+        """How many leading blocks of a prefix (its block keys, in order) kvd holds."""
+        return await self._call(self.memory.Lookup, pb.LookupRequest(
+            pool=pool, namespace=namespace, keys=list(keys)))
+
+    async def store(self, request_id: str, namespace: str, keys: Sequence[bytes]
+                    ) -> pb.StoreResponse:
+        """Pages for a request's prefix blocks; write the fresh ones, then commit them."""
+        return await self._call(self.memory.Store, pb.StoreRequest(
+            request_id=request_id, namespace=namespace, keys=list(keys)))
+
+    async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]
+                     ) -> pb.CommitResponse:
+        """The stored blocks under these keys are written: others may now find them."""
+        return await self._call(self.memory.Commit, pb.CommitRequest(
+            request_id=request_id, namespace=namespace, keys=list(keys)))
+
+    async def load(self, request_id: str, namespace: str, keys: Sequence[bytes]
+                   ) -> pb.LoadResponse:
+        """The pages of the leading run of these keys kvd holds, to copy from before the
+        next call."""
+        return await self._call(self.memory.Load, pb.LoadRequest(
+            request_id=request_id, namespace=namespace, keys=list(keys)))
+
     async def access(self, request_id: str, blocks: Sequence[int] | None = None
                      ) -> pb.AccessResponse:
         return await self._call(self.memory.Access, access_request(request_id, blocks))

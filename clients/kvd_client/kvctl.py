@@ -53,14 +53,17 @@ def status_table(stats: pb.GetPoolStatsResponse) -> Table:
 
 def tenants_table(tenants) -> Table:
     t = Table(title="tenants: usage vs fair share vs quota (device pages)")
-    for col in ("pool", "tenant", "weight", "device", "fair share", "guaranteed", "limit",
-                "reserved", "queued", "evictions suffered / caused", "stalled s (by whom)"):
+    for col in ("pool", "tenant", "weight", "device", "charged", "shared (saved)", "fair share",
+                "guaranteed", "limit", "reserved", "queued", "evictions suffered / caused",
+                "stalled s (by whom)"):
         t.add_column(col, justify="left" if col in ("pool", "tenant", "stalled s (by whom)")
                      else "right")
     for x in tenants:
         causes = ", ".join(f"{c.cause_tenant or '(engine)'}: {c.stall_seconds:.3f}"
                            for c in x.stalls_by_cause) or "-"
         t.add_row(x.pool, x.tenant, f"{x.weight:g}", f"{x.device_pages:,}",
+                  f"{x.charged_pages:,.1f}",
+                  f"{x.shared_pages:,} ({x.shared_saved_pages:,.1f})" if x.shared_pages else "-",
                   f"{x.fair_share_pages:,.1f}", f"{x.guaranteed_pages:,}",
                   f"{x.limit_pages:,}" if x.limit_pages else "none", f"{x.reserved_pages:,}",
                   f"{x.queued_pages:,}", f"{x.evictions_suffered:,} / {x.evictions_caused:,}",

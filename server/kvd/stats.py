@@ -48,6 +48,11 @@ class TenantFigures:
     stalls_by_cause: list[tuple[str, float]]
     bytes_moved: int
     bytes_read: int
+    # Device pages with a shared page counting 1/k to each of its k tenants; shared pages
+    # charged in part to this tenant, and what the split saves it.
+    charged_pages: float
+    shared_pages: int
+    shared_saved_pages: float
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,6 +140,7 @@ def link_figures(node, link) -> LinkFigures:
 def tenant_figures(node, pool: Pool, tenant: str) -> TenantFigures:
     """A tenant's standing in one pool. The pool's reads must be recorded (snapshot())."""
     ten, att = pool.tenancy, pool.attribution
+    shared, saved = pool.prefixes.shared_figures(tenant)
     return TenantFigures(
         tenant=tenant, pool=pool.name, quota=ten.quota(tenant),
         device_pages=ten.device_by_tenant[tenant],
@@ -149,7 +155,8 @@ def tenant_figures(node, pool: Pool, tenant: str) -> TenantFigures:
                          in att.stall_s_by_cause.most_common() if victim == tenant],
         bytes_moved=sum(link.sched.meter.by_tenant.get(tenant, 0)
                         for link in node.links_of(pool.name)),
-        bytes_read=ten.blocks_read_by_tenant[tenant] * pool.page_bytes)
+        bytes_read=ten.blocks_read_by_tenant[tenant] * pool.page_bytes,
+        charged_pages=ten.usage(tenant), shared_pages=shared, shared_saved_pages=saved)
 
 
 def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
@@ -165,9 +172,11 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
                            pool.device.num_used, pool.num_pinned),
         host=TierFigures(TierKind.HOST, rt.arenas["host"].backend, pool.host.capacity,
                          pool.host.num_used, 0),
-        num_requests=len(pool.requests) - len(pool.queue), num_queued=len(pool.queue),
+        num_requests=len(pool.requests) - len(pool.queue) - pool.prefixes.num_keepers,
+        num_queued=len(pool.queue),
         reserved_pages=pool.reserved_pages,
-        handoff_reserved_pages=pool.reservations.reserved_pages(), held_pages=pool.pages.holds.count,
+        handoff_reserved_pages=pool.reservations.reserved_pages(),
+        held_pages=pool.pages.holds.count,
         in_flight=len(rt.transit), stuck=len(node.stuck.get(pool.name, ())),
         counters=copy.deepcopy(pool.counters),
         evictions=dict(pool.attribution.evictions_by_pair),

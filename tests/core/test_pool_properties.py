@@ -28,6 +28,8 @@ from kvd.core.intent import IntentChange
 from kvd.core.pool import Pool
 
 REQUEST_IDS = st.sampled_from(["r0", "r1", "r2", "r3"])
+NAMESPACES = st.sampled_from(["m", "m|salt"])
+KEYS = [b"h%d" % i for i in range(10)]
 INTENT = st.fixed_dictionaries(
     {},
     optional={
@@ -48,8 +50,10 @@ def fingerprint(pool: Pool):
     return (
         pool.device.num_free, pool.host.num_free, pool.reserved_pages, pool.num_pinned,
         len(pool.policy), len(pool.requests), len(pool.queue),
-        tuple(sorted((r.request_id, r.num_live_blocks, len(r.blocks), r.num_device_blocks)
-                     for r in pool.requests.values())),
+        tuple(sorted((r.request_id, r.num_live_blocks, len(r.blocks), r.num_device_blocks,
+                      len(r.shared)) for r in pool.requests.values())),
+        tuple(sorted((k, b.committed) for k, b in pool.pages.named.items())),
+        tuple(sorted(pool.tenancy.shared_adjust.items())),
     )
 
 
@@ -123,6 +127,25 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(rid=REQUEST_IDS, blocks=st.lists(st.integers(0, 8), min_size=1, max_size=3))
     def free(self, rid, blocks):
         self._do(lambda: self.pool.free(rid, blocks))
+
+    @rule(rid=REQUEST_IDS, ns=NAMESPACES, start=st.integers(0, 6), n=st.integers(0, 4),
+          commit=st.booleans())
+    def store(self, rid, ns, start, n, commit):
+        """Prefixes from one chain of keys, so requests share their leading blocks."""
+        keys = KEYS[start:start + n]
+        if self._do(lambda: self.pool.store(rid, ns, keys)[0]) is not None and commit:
+            self._do(lambda: self.pool.commit(rid, ns, keys))
+
+    @rule(rid=REQUEST_IDS, ns=NAMESPACES, n=st.integers(1, 8), holder=st.sampled_from("ab"))
+    def load(self, rid, ns, n, holder):
+        run = self._do(lambda: self.pool.load(rid, ns, KEYS[:n], holder))
+        if run is not None:
+            assert [b.name for b in run] == [(ns, k) for k in KEYS[:len(run)]]
+            assert all(b.committed and b.held and b.tier is not TierKind.NONE for b in run)
+
+    @rule(holder=st.sampled_from("ab"))
+    def end_holds(self, holder):
+        self._do(lambda: self.pool.end_holds(holder))
 
     @rule(rid=REQUEST_IDS)
     def release(self, rid):

@@ -41,6 +41,7 @@ EXAMPLES = int(os.environ.get("KVD_MACHINE_EXAMPLES", "20"))
 STEPS = int(os.environ.get("KVD_MACHINE_STEPS", "50"))
 REQUESTS = [f"r{i}" for i in range(6)]
 TENANTS = ("a", "b")
+PREFIX_KEYS = [b"key%d" % i for i in range(8)]
 LIMIT_B = 0.5  # tenant b may hold at most half the pool's device pages
 CAP_A = 0.75  # tenant a's requests at most three quarters of it
 
@@ -179,6 +180,41 @@ class DaemonMachine(RuleBasedStateMachine):
             b.lost = False  # the reply told the engine (as the service's handle() does)
         self.check_read(blocks, lost)
 
+    def tier_pages(self, block):
+        rt = self.daemon.runtime(block.request.pool)
+        return rt.arenas["device" if block.tier is TierKind.DEVICE else "host"].pages
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), start=st.integers(0, 4), n=st.integers(1, 4), commit=st.booleans())
+    def store(self, data, start, n, commit):
+        """Prefix blocks from one chain of keys: requests share their leading blocks."""
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        keys = PREFIX_KEYS[start:start + n]
+        try:
+            blocks, fresh, _ = self.run(self.daemon.store(rid, "m", keys, holder=self.holder))
+        except KvdError:
+            return
+        for b, new, key in zip(blocks, fresh, keys):
+            assert b.name == ("m", key) and not (new and b.committed)
+            if new:
+                assert b.tier is TierKind.DEVICE
+                self.tier_pages(b)[b.page] = pattern(key.hex(), 0, 0)
+        if commit:
+            self.loop.run_until_complete(self.daemon.commit(rid, "m", keys))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), n=st.integers(1, 8))
+    def load(self, data, n):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        try:
+            blocks = self.run(self.daemon.load(rid, "m", PREFIX_KEYS[:n], holder=self.holder))
+        except KvdError:
+            return
+        for b, key in zip(blocks, PREFIX_KEYS):
+            assert b.name == ("m", key) and b.tier is not TierKind.NONE
+            assert np.array_equal(self.tier_pages(b)[b.page], pattern(key.hex(), 0, 0)), \
+                f"{b}: shared bytes differ from what was written"
+
     @precondition(lambda self: self.live)
     @rule(data=st.data(), pin=st.booleans(), priority=st.sampled_from(list(Priority)[1:]),
           twice=st.booleans())
@@ -277,8 +313,10 @@ class DaemonMachine(RuleBasedStateMachine):
             assert len(rt.transit) == 0 and pool.pages.num_moving_blocks() == 0, "left in transit"
             cap = int(CAP_A * pool.device.capacity)
             for req in pool.requests.values():
-                if req.tenant == "a" and req.state is RequestState.ADMITTED:
-                    assert req.num_live_blocks <= max(cap, req.projected_pages), req
+                if (req.tenant == "a" and req.state is RequestState.ADMITTED
+                        and not req.keeper):
+                    held = req.num_live_blocks + len(req.shared)
+                    assert held <= max(cap, req.projected_pages), req
         # The engine's view and kvd's agree: every block it wrote is still known.
         for (rid, index) in self.written:
             req = self._request(rid)

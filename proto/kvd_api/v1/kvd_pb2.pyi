@@ -233,6 +233,76 @@ class ReleaseResponse(_message.Message):
     num_freed: int
     def __init__(self, num_freed: _Optional[int] = ...) -> None: ...
 
+class LookupRequest(_message.Message):
+    __slots__ = ("pool", "namespace", "keys")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("num_hit", "tiers")
+    NUM_HIT_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    num_hit: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, num_hit: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("request_id", "namespace", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class StoreResponse(_message.Message):
+    __slots__ = ("handles", "fresh", "stall_us")
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
+    STALL_US_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[PageHandle]
+    fresh: _containers.RepeatedScalarFieldContainer[bool]
+    stall_us: int
+    def __init__(self, handles: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ..., fresh: _Optional[_Iterable[bool]] = ..., stall_us: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("request_id", "namespace", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("num_committed",)
+    NUM_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    num_committed: int
+    def __init__(self, num_committed: _Optional[int] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("request_id", "namespace", "keys")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedCompositeFieldContainer[PageHandle]
+    def __init__(self, handles: _Optional[_Iterable[_Union[PageHandle, _Mapping]]] = ...) -> None: ...
+
 class EvictRequest(_message.Message):
     __slots__ = ("pool", "num_pages")
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -671,7 +741,7 @@ class TenantStallByCause(_message.Message):
     def __init__(self, cause_tenant: _Optional[str] = ..., stall_seconds: _Optional[float] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
-    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "device_pages", "reserved_pages", "queued_pages", "fair_share_pages", "evictions_suffered", "evictions_caused", "stalls_by_cause", "pinned_pages", "bytes_moved", "bytes_read", "bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s")
+    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "device_pages", "reserved_pages", "queued_pages", "fair_share_pages", "evictions_suffered", "evictions_caused", "stalls_by_cause", "pinned_pages", "bytes_moved", "bytes_read", "bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s", "charged_pages", "shared_pages", "shared_saved_pages")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -691,6 +761,9 @@ class TenantInfo(_message.Message):
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     READ_BUDGET_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    CHARGED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_SAVED_PAGES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     pool: str
     weight: float
@@ -710,7 +783,10 @@ class TenantInfo(_message.Message):
     bytes_read: int
     bandwidth_cap_bytes_per_s: float
     read_budget_bytes_per_s: float
-    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., evictions_caused: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[TenantStallByCause, _Mapping]]] = ..., pinned_pages: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ...) -> None: ...
+    charged_pages: float
+    shared_pages: int
+    shared_saved_pages: float
+    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., evictions_caused: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[TenantStallByCause, _Mapping]]] = ..., pinned_pages: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ..., charged_pages: _Optional[float] = ..., shared_pages: _Optional[int] = ..., shared_saved_pages: _Optional[float] = ...) -> None: ...
 
 class ListTenantsResponse(_message.Message):
     __slots__ = ("tenants",)

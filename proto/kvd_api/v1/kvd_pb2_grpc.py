@@ -65,6 +65,26 @@ class MemoryStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvd.v1.Memory/Lookup',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.LookupResponse.FromString,
+                _registered_method=True)
+        self.Store = channel.unary_unary(
+                '/kvd.v1.Memory/Store',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.StoreRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.StoreResponse.FromString,
+                _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvd.v1.Memory/Commit',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/kvd.v1.Memory/Load',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.LoadResponse.FromString,
+                _registered_method=True)
         self.Evict = channel.unary_unary(
                 '/kvd.v1.Memory/Evict',
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.EvictRequest.SerializeToString,
@@ -147,6 +167,30 @@ class MemoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Store(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,6 +285,26 @@ def add_MemoryServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ReleaseRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.LookupRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.LookupResponse.SerializeToString,
+            ),
+            'Store': grpc.unary_unary_rpc_method_handler(
+                    servicer.Store,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.StoreRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.StoreResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.CommitRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.CommitResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.LoadRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.LoadResponse.SerializeToString,
             ),
             'Evict': grpc.unary_unary_rpc_method_handler(
                     servicer.Evict,
@@ -451,6 +515,114 @@ class Memory:
             '/kvd.v1.Memory/Release',
             kvd__api_dot_v1_dot_kvd__pb2.ReleaseRequest.SerializeToString,
             kvd__api_dot_v1_dot_kvd__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Memory/Lookup',
+            kvd__api_dot_v1_dot_kvd__pb2.LookupRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Store(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Memory/Store',
+            kvd__api_dot_v1_dot_kvd__pb2.StoreRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.StoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Memory/Commit',
+            kvd__api_dot_v1_dot_kvd__pb2.CommitRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Memory/Load',
+            kvd__api_dot_v1_dot_kvd__pb2.LoadRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.LoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -178,7 +178,7 @@ class Admission:
                 room += evictable
                 continue
             keep = max(shares.get(tenant, 0.0), tenancy.quota(tenant).guaranteed)
-            room += max(0, min(evictable, int(used - keep + 1e-6)))  # shares are floats
+            room += max(0, min(evictable, int(tenancy.usage(tenant) - keep + 1e-6)))
         return room
 
     # ------------------------------------------------------------------ the queue
@@ -303,7 +303,8 @@ class Admission:
         it stays within), or the error that says why it may not grow. Counted in live blocks,
         not indices: a request that frees old blocks and allocates new ones (a sliding
         window) stays within what it reserved."""
-        growth = max(0, req.num_live_blocks + num_blocks - req.reserved_pages)
+        growth = max(0, req.num_live_blocks + len(req.shared) + num_blocks
+                     - req.reserved_pages)
         self.check_growth(req, num_blocks, growth)
         if growth and not self.fits(growth):
             raise ResourceExhausted(
@@ -317,9 +318,10 @@ class Admission:
         live blocks, the tenant's limit on the pages reserved for all its requests."""
         quota = self.tenancy.quota(req.tenant)
         cap = quota.request_cap(self.pages.device.capacity)
-        if cap is not None and req.num_live_blocks + num_blocks > cap:
+        held = req.num_live_blocks + len(req.shared)
+        if cap is not None and held + num_blocks > cap:
             raise ResourceExhausted(
-                f"request {short_repr(req.request_id)} holds {req.num_live_blocks} pages and "
+                f"request {short_repr(req.request_id)} holds {held} pages and "
                 f"asks for {num_blocks} more: over tenant {req.tenant!r}'s per-request cap of "
                 f"{cap} pages in pool {self.name!r}")
         if growth and self.tenancy.over_limit(req.tenant, growth):

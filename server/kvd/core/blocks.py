@@ -122,6 +122,13 @@ class Block:
     held: bool = False
     # The eviction that last put this block out of the device tier (an EvictionRecord).
     evicted_by: Any = None
+    # A shared prefix block (see prefix.py): its name (namespace, the engine's block hash),
+    # the requests using it by tenant, the tenants its page is charged to (1/k each), and
+    # whether the engine has said its bytes are written (only then can a lookup find it).
+    name: tuple[str, bytes] | None = None
+    users: dict[str, int] | None = None
+    payers: tuple[str, ...] = ()
+    committed: bool = True
 
     def refresh_flags(self) -> None:
         """DECODE_CRITICAL implies pinned: a decode step depends on the block. An access to
@@ -176,6 +183,11 @@ class Request:
     expires_at: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    # Shared prefix blocks this request uses (owned by a keeper, see prefix.py), and whether
+    # this request is itself a keeper: the owner of one tenant's shared blocks, which lives
+    # as long as the pool and is never admitted, queued or named by an engine.
+    shared: list[Block] = field(default_factory=list)
+    keeper: bool = False
 
     def live_blocks(self) -> list[Block]:
         """The request's blocks that are not freed, in index order."""

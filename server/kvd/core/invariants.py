@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 from dataclasses import dataclass, field
 
 from kvd.core.blocks import Request, RequestState, TierKind
@@ -34,7 +35,43 @@ def check_pool(pool: Pool) -> list[str]:
     for req in pool.requests.values():
         _check_request(pool, req, owners, tally, problems)
     _check_totals(pool, tally, problems)
+    _check_shared(pool, problems)
     return problems
+
+
+def _check_shared(pool: Pool, problems: list[str]) -> None:
+    """Named blocks: each filed in its keeper under its name, its users those of the live
+    requests, its cost split among its payers exactly as the tenancy's figures say."""
+    name = pool.name
+    named = pool.pages.named
+    users: Counter = Counter()
+    for req in pool.requests.values():
+        if req.keeper:
+            for b in req.live_blocks():
+                if b.name is None or named.get(b.name) is not b:
+                    problems.append(f"{name}: keeper {req.tenant!r} has {b}, not by name")
+            continue
+        for b in req.shared:
+            if named.get(b.name) is b:
+                users[id(b), req.tenant] += 1
+    adjust: Counter = Counter()
+    for key, b in named.items():
+        keeper = b.request
+        if (b.name != key or not keeper.keeper or b.tier is TierKind.NONE
+                or keeper.blocks[b.index] is not b):
+            problems.append(f"{name}: {b} is filed under {key!r} but is not kept there")
+        have = {t: n for (i, t), n in users.items() if i == id(b)}
+        if have != b.users:
+            problems.append(f"{name}: {b} counts users {b.users}, has {have}")
+        if b.users and b.payers != tuple(sorted(b.users)):
+            problems.append(f"{name}: {b} is charged to {b.payers}, used by {sorted(b.users)}")
+        if b.tier is TierKind.DEVICE and b.payers != (keeper.tenant,):
+            adjust[keeper.tenant] -= 1
+            for t in b.payers:
+                adjust[t] += Fraction(1, len(b.payers))
+    if {t: v for t, v in adjust.items() if v} != dict(pool.tenancy.shared_adjust):
+        problems.append(f"{name}: shared pages split {dict(pool.tenancy.shared_adjust)}, "
+                        f"their payers say {dict(adjust)}")
 
 
 def _check_pages(pool: Pool, problems: list[str]) -> Counter:

@@ -50,6 +50,8 @@ class PageTable:
         self.reserve_pages = reserve_pages
         self.num_pinned = 0
         self.holds = Holds(clock, requests, self.policy)
+        # Shared prefix blocks by (namespace, key): see prefix.py.
+        self.named: dict[tuple[str, bytes], Block] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -102,11 +104,14 @@ class PageTable:
 
     # ------------------------------------------------------------------ accounting
 
-    def device_delta(self, req: Request, delta: int) -> None:
-        """A request's blocks on the device changed by `delta`: its and its tenant's counts
-        follow."""
+    def device_delta(self, block: Block, delta: int) -> None:
+        """The block came to (delta 1) or left (-1) the device tier: its request's and its
+        tenant's counts follow, and a shared block's cost is split among its payers."""
+        req = block.request
         req.num_device_blocks += delta
         self.tenancy.device_by_tenant[req.tenant] += delta
+        if block.payers:
+            self.tenancy.split(req.tenant, block.payers, delta)
 
     def count_pin(self, block: Block, delta: int) -> None:
         """A pinned block comes (delta 1) or goes (-1); an unpinned one counts nothing."""
@@ -151,6 +156,9 @@ class PageTable:
                 raise BlocksInTransit([])
             raise self.no_room(num)
         num_host = self.host.num_free
+        last = max((i for i, v in enumerate(victims) if not v.recompute_ok), default=-1)
+        if last >= num_host:
+            num_host += self.reclaim_host(last + 1 - num_host)
         if any(not v.recompute_ok for v in victims[num_host:]):
             if self.num_moving_blocks():
                 # Host pages held by copies in flight come free when they finish.
@@ -177,6 +185,19 @@ class PageTable:
                 moves.append(Move(victim, MoveKind.DROP, TierKind.DEVICE, victim.page,
                                   TierKind.NONE, -1, reassign))
         return moves
+
+    def reclaim_host(self, num: int) -> int:
+        """Let go of num shared blocks nobody uses from the host tier, least recently read
+        first, so a victim the engine cannot recompute can be demoted there. All or none:
+        returns num, or 0 when there are fewer."""
+        kept = [b for b in self.host.owner if b is not None and b.name is not None
+                and not b.users and not b.held and not b.moving]
+        if len(kept) < num:
+            return 0
+        kept.sort(key=lambda b: b.last_access)
+        for b in kept[:num]:
+            self.discard(b)
+        return num
 
     def make_room(self, num: int, cause: Request | None, reason: Reason,
                   protected: Collection[Block] = ()) -> tuple[list[int], list[Move]]:
@@ -253,7 +274,7 @@ class PageTable:
             req.num_live_blocks += 1
             if holder:
                 self.holds.hold_one(holder, block)
-            self.device_delta(req, 1)
+            self.device_delta(block, 1)
             placed.append(block)
         self.note_peak()
         return placed
@@ -266,10 +287,12 @@ class PageTable:
             if block in self.policy:
                 self.policy.remove(block)
             self.device.release(block.page)
-            self.device_delta(req, -1)
+            self.device_delta(block, -1)
         elif block.tier is TierKind.HOST:
             self.host.release(block.page)
         self.count_pin(block, -1)
         req.blocks[block.index] = None
         req.num_live_blocks -= 1
         block.tier, block.page = TierKind.NONE, -1
+        if block.name is not None and self.named.get(block.name) is block:
+            del self.named[block.name]

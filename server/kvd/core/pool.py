@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvd.core import intent as intents
-from kvd.core import settle
+from kvd.core import prefix, settle
 from kvd.core.admission import Admission, AdmitResult, Decision
 from kvd.core.attribution import Attribution
 from kvd.core.blocks import Block, Request, RequestState, TierKind
@@ -28,6 +28,7 @@ from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange, Intents
 from kvd.core.pages import PageTable
 from kvd.core.policies import EvictionPolicy
+from kvd.core.prefix import Prefixes
 from kvd.core.reads import AccessResult, Reads
 from kvd.core.requests import RequestTable, check_still, resolve
 from kvd.core.reservation import Reservations, Reserver
@@ -105,6 +106,8 @@ class Pool:
         # How recording the reads is put off (the runtime's event loop; None: at once).
         self.defer = defer
         self.intents = Intents(self.pages, self.counters, self.get_admitted)
+        self.prefixes = Prefixes(name, requests=self.requests, pages=self.pages,
+                                 admission=self.admission, tenancy=self.tenancy)
         self.reservations = Reservations(
             name, requests=self.requests, admission=self.admission, pages=self.pages,
             tenancy=self.tenancy, attribution=self.attribution, counters=self.counters,
@@ -295,6 +298,30 @@ class Pool:
         """Promote what fits of `blocks` ahead of their access; a hint, so no room is no error."""
         return self.intents.prefetch(blocks)
 
+    # ------------------------------------------------------------------ shared prefix blocks
+
+    def lookup(self, namespace: str, keys: Sequence[bytes]) -> list[Block]:
+        """The leading run of keys the pool holds (see Prefixes.lookup)."""
+        prefix.check_keys(namespace, keys)
+        return self.prefixes.lookup(namespace, keys)
+
+    @_after_reads
+    def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
+              holder: str = "") -> tuple[TransferPlan, list[Block]]:
+        """Blocks under these keys for the request, new ones to write (see Prefixes.store)."""
+        return self.prefixes.store(self.get_admitted(request_id), namespace, keys, holder)
+
+    @_after_reads
+    def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]) -> int:
+        """The engine wrote these stored blocks (see Prefixes.commit)."""
+        return self.prefixes.commit(self.get_admitted(request_id), namespace, keys)
+
+    @_after_reads
+    def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
+             holder: str = "") -> list[Block]:
+        """The leading run of these keys, for the request to read (see Prefixes.load)."""
+        return self.prefixes.load(self.get_admitted(request_id), namespace, keys, holder)
+
     # ------------------------------------------------------------------ giving back
 
     @_after_reads
@@ -318,9 +345,10 @@ class Pool:
             del self.requests[request_id]
             return 0, self.admission.admit_from_queue()
         live = req.live_blocks()
-        check_still(live)
+        check_still(live + self.prefixes.unused(req))
         for b in live:
             self.pages.discard(b)
+        self.prefixes.end_uses(req)
         self.attribution.close(request_id)
         self.admission.unreserve(req)
         del self.requests[request_id]

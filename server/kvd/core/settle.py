@@ -22,12 +22,14 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
         b.moving = False
         b.request.num_moving_blocks -= 1
         b.epoch += 1
-        pages.device_delta(b.request, -1)
+        pages.device_delta(b, -1)
         if not m.src_reassigned:
             pages.device.release(m.src_page)
         if m.kind is MoveKind.DROP:
             b.tier, b.page = TierKind.NONE, -1
             c.num_drops += 1
+            if b.name is not None:  # a shared block without bytes is no use to anyone
+                pages.discard(b)
         else:
             b.tier, b.page = TierKind.HOST, m.dst_page
             c.num_demotions += 1
@@ -37,7 +39,7 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
         b.moving = False
         b.request.num_moving_blocks -= 1
         b.epoch += 1
-        pages.device_delta(b.request, 1)
+        pages.device_delta(b, 1)
         if m.kind is MoveKind.PROMOTE:
             pages.host.release(m.src_page)
             c.num_promotions += 1
@@ -83,8 +85,12 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
         req.num_moving_blocks -= 1
         req.blocks[b.index] = None
         req.num_live_blocks -= 1
-        pages.device_delta(req, -1)
+        pages.device_delta(b, -1)
         b.tier, b.page = TierKind.NONE, -1
+        if b.name is not None:
+            del pages.named[b.name]
+            if plan.cause is not None:
+                plan.cause.shared = [s for s in plan.cause.shared if s is not b]
     for req in {id(b.request): b.request for b in plan.allocated}.values():
         while req.blocks and req.blocks[-1] is None:  # indices nobody was told of
             req.blocks.pop()

@@ -8,6 +8,7 @@ policy read them from here, never from the pool.
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 
 from kvd.core.jobs import TokenBucket
 from kvd.core.blocks import Request
@@ -25,7 +26,11 @@ class Tenancy:
         # free reserve under a fair policy: the reserve is the buffer tenants below their
         # share grow into).
         self.share_capacity = 0
-        self.device_by_tenant: Counter[str] = Counter()  # resident blocks
+        self.device_by_tenant: Counter[str] = Counter()  # resident blocks, by owner
+        # Shared blocks' cost moved from their owner to the tenants using them, 1/k each for
+        # k tenants (exact fractions, so moving and moving back leaves nothing behind):
+        # a tenant's device usage is device_by_tenant + shared_adjust.
+        self.shared_adjust: Counter[str] = Counter()
         self.reserved_by_tenant: Counter[str] = Counter()  # admitted requests' reservations
         self.queued_by_tenant: Counter[str] = Counter()  # queued requests' projected pages
         self.waiting_by_tenant: Counter[str] = Counter()  # queued requests, not pages
@@ -75,9 +80,31 @@ class Tenancy:
         """A tenant's fair share in pages: weighted max-min over current demand."""
         return self.fair_shares().get(tenant, 0.0)
 
-    def usage(self, tenant: str) -> int:
-        """Device pages the tenant's blocks hold."""
-        return self.device_by_tenant[tenant]
+    def usage(self, tenant: str) -> float:
+        """Device pages the tenant's blocks hold, a shared page counting 1/k to each of the
+        k tenants using it."""
+        adjust = self.shared_adjust.get(tenant)
+        used = self.device_by_tenant[tenant]
+        return used + float(adjust) if adjust else used
+
+    def usages(self) -> dict[str, float]:
+        """usage() of every tenant holding device pages."""
+        return {t: self.usage(t) for t in set(self.device_by_tenant) | set(self.shared_adjust)
+                if self.usage(t)}
+
+    def split(self, owner: str, payers: tuple[str, ...], sign: int) -> None:
+        """A shared device page owned by `owner` comes (sign 1) or goes (-1) for `payers`:
+        its cost moves from the owner to them, 1/k each."""
+        if payers == (owner,):
+            return
+        adjust = self.shared_adjust
+        adjust[owner] -= sign
+        part = Fraction(sign, len(payers))
+        for tenant in payers:
+            adjust[tenant] += part
+        for tenant in (owner, *payers):
+            if not adjust[tenant]:
+                del adjust[tenant]
 
     def guaranteed(self, tenant: str) -> int:
         """A tenant's guaranteed pages, scaled down when guarantees overcommit the pool."""
@@ -85,11 +112,11 @@ class Tenancy:
 
     def headroom(self, tenant: str) -> int:
         """Device pages the tenant may still take before it reaches its fair share."""
-        return int(self.fair_share(tenant) + 1e-6) - self.device_by_tenant[tenant]
+        return int(self.fair_share(tenant) - self.usage(tenant) + 1e-6)
 
     def over_share(self) -> list[str]:
         """Tenants holding more device pages than their fair share and their guarantee."""
-        return [t for t, used in self.device_by_tenant.items()
+        return [t for t, used in self.usages().items()
                 if used > max(self.fair_share(t), self.guaranteed(t)) + 1e-6]
 
     def over_limit(self, tenant: str, more: int) -> bool:

@@ -80,7 +80,7 @@ class AdminService(pb_grpc.AdminServicer):
         runtimes = self.node.runtimes(request.pool)
         for rt in runtimes:
             rt.pool.snapshot()  # bytes_read includes the reads of the last steps
-        reqs = [r for rt in runtimes for r in rt.pool.requests.values()]
+        reqs = [r for rt in runtimes for r in rt.pool.requests.values() if not r.keeper]
 
         def rt_of(r):
             return self.node.pools[r.pool]

@@ -44,6 +44,20 @@ def handle(block: Block, page_bytes: int, ns: int = 0) -> pb.PageHandle:
     )
 
 
+def shared_handle(block: Block, page_bytes: int, request_id: str,
+                  position: int) -> pb.PageHandle:
+    """A shared block's page, addressed by the caller's request and the key's position."""
+    return pb.PageHandle(
+        request_id=request_id,
+        block_index=position,
+        pool=block.request.pool,
+        tier=int(block.tier),
+        page_index=block.page,
+        offset_bytes=block.page * page_bytes,
+        length_bytes=page_bytes,
+    )
+
+
 def indices(message) -> list[int] | None:
     return None if message.all_blocks else list(message.block_indices)
 
@@ -76,7 +90,8 @@ def tenant_info(f: TenantFigures) -> pb.TenantInfo:
                          for cause, secs in f.stalls_by_cause],
         pinned_pages=f.pinned_pages, bytes_moved=f.bytes_moved, bytes_read=f.bytes_read,
         bandwidth_cap_bytes_per_s=q.bandwidth_cap or 0.0,
-        read_budget_bytes_per_s=q.read_budget or 0.0)
+        read_budget_bytes_per_s=q.read_budget or 0.0, charged_pages=f.charged_pages,
+        shared_pages=f.shared_pages, shared_saved_pages=f.shared_saved_pages)
 
 
 def pool_stats(f: PoolFigures) -> pb.PoolStats:

@@ -17,7 +17,14 @@ from kvd.metrics import observe_rpc
 from kvd.node import Node
 from kvd.service import convert
 from kvd.service.auth import Authenticator, Caller
-from kvd.service.convert import DECISIONS, handle, indices, intent_change, intent_fields
+from kvd.service.convert import (
+    DECISIONS,
+    handle,
+    indices,
+    intent_change,
+    intent_fields,
+    shared_handle,
+)
 from kvd.service.gate import CallGate, CallLimits, StepTurns
 from kvd.service.register import MAX_STRING, Malformed
 from kvd.service.status import local_message, status_of
@@ -109,6 +116,43 @@ class MemoryService(pb_grpc.MemoryServicer):
             stall_us=int(stall_s * 1e6),
             num_promoted=promoted,
         )
+
+    @unary
+    async def Lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
+        self.limits.check(len(request.keys), "block keys", blocks=True)
+        pool = request.pool or "default"
+        self._may_use(pool, caller.tenant or "default")
+        run = self.node.lookup(pool, request.namespace, list(request.keys))
+        return pb.LookupResponse(num_hit=len(run), tiers=[int(b.tier) for b in run])
+
+    @unary
+    async def Store(self, request: pb.StoreRequest, caller: Caller) -> pb.StoreResponse:
+        self.limits.check(len(request.keys), "block keys", blocks=True)
+        rid = caller.ns + request.request_id
+        blocks, fresh, stall_s = await self.node.store(
+            rid, request.namespace, list(request.keys), caller.scope, holder=caller.holder)
+        page_bytes = self._page_bytes(rid)
+        return pb.StoreResponse(
+            handles=[shared_handle(b, page_bytes, request.request_id, i)
+                     for i, b in enumerate(blocks)],
+            fresh=fresh, stall_us=int(stall_s * 1e6))
+
+    @unary
+    async def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitResponse:
+        self.limits.check(len(request.keys), "block keys", blocks=True)
+        n = await self.node.commit(caller.ns + request.request_id, request.namespace,
+                                   list(request.keys), caller.scope)
+        return pb.CommitResponse(num_committed=n)
+
+    @unary
+    async def Load(self, request: pb.LoadRequest, caller: Caller) -> pb.LoadResponse:
+        self.limits.check(len(request.keys), "block keys", blocks=True)
+        rid = caller.ns + request.request_id
+        blocks = await self.node.load(rid, request.namespace, list(request.keys),
+                                      caller.scope, holder=caller.holder)
+        page_bytes = self._page_bytes(rid)
+        return pb.LoadResponse(handles=[shared_handle(b, page_bytes, request.request_id, i)
+                                        for i, b in enumerate(blocks)])
 
     @unary
     async def UpdateIntents(self, request: pb.UpdateIntentsRequest,

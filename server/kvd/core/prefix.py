@@ -1,0 +1,221 @@
+"""Shared prefix blocks (DESIGN.md, "What kvd decides": who pays for a shared page).
+
+Engines name a prefix block by a chained hash of its tokens (vLLM's block hashes, SGLang's
+radix keys, Mooncake's hash_ids) within a namespace of model and cache salt, and share it
+between every request with that prefix. kvd stores such a block once, under its name, and
+keeps it after the requests using it end, for the next request that asks.
+
+A named block belongs to a keeper: one request per tenant that owns what that tenant stored,
+never admitted or named by an engine. Keeping the blocks in a request lets every decision
+below (the policy, the moves between tiers, attribution) treat them as any other block. The
+requests using a block hold it in their `shared` list and count it in their footprint
+(admission reserved their prompt's pages). Its page is charged to the tenants using it, 1/k
+each for k tenants (Tenancy.split); once nobody uses it, to those who used it last, so a
+tenant over its share loses its kept prefixes first. A block nobody uses is the cheapest to
+lose: named blocks may always be dropped (the engine recomputes a miss), and when the host
+tier is short those in it are let go first (PageTable.reclaim_host).
+
+A block stored is invisible to lookups until the engine that wrote it commits it; one never
+committed goes when its last user does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvd.core.admission import Admission
+from kvd.core.blocks import Block, Request, RequestState, TierKind
+from kvd.core.errors import InvalidArgument
+from kvd.core.pages import PageTable
+from kvd.core.tenancy import Tenancy
+from kvd.core.transfer import Reason, TransferPlan
+
+# Keepers' request ids: a NUL cannot be in an engine's request id, so none can collide.
+KEEPER_PREFIX = "\0kept/"
+MAX_KEY_BYTES = 256
+
+
+def check_keys(namespace: str, keys: Sequence[bytes]) -> None:
+    """InvalidArgument unless the keys are non-empty, short, and distinct."""
+    if len(namespace) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"namespace is longer than {MAX_KEY_BYTES} characters")
+    if not keys:
+        raise InvalidArgument("no block keys given")
+    for k in keys:
+        if not k or len(k) > MAX_KEY_BYTES:
+            raise InvalidArgument(f"a block key must be 1..{MAX_KEY_BYTES} bytes")
+    if len(set(keys)) != len(keys):
+        raise InvalidArgument("block keys repeat within one call")
+
+
+class Prefixes:
+    """One pool's named blocks: the index by name, the keepers, and the users."""
+
+    def __init__(self, pool: str, *, requests: dict[str, Request], pages: PageTable,
+                 admission: Admission, tenancy: Tenancy) -> None:
+        self.pool = pool
+        self.requests = requests
+        self.pages = pages
+        self.admission = admission
+        self.tenancy = tenancy
+        self.num_keepers = 0
+
+    @property
+    def named(self) -> dict[tuple[str, bytes], Block]:
+        """Every named block by (namespace, key); the page table keeps it (see discard)."""
+        return self.pages.named
+
+    def lookup(self, namespace: str, keys: Sequence[bytes]) -> list[Block]:
+        """The leading run of keys kvd holds committed bytes for, in order."""
+        run = []
+        named = self.named
+        for k in keys:
+            b = named.get((namespace, k))
+            if b is None or not b.committed:
+                break
+            run.append(b)
+        return run
+
+    def store(self, req: Request, namespace: str, keys: Sequence[bytes],
+              holder: str) -> tuple[TransferPlan, list[Block]]:
+        """Blocks for these keys, used by req: those kvd has, and new device pages for the
+        rest (in plan.allocated, held for `holder`: the engine writes them, then commits).
+        All or nothing."""
+        check_keys(namespace, keys)
+        named = self.named
+        found = [named.get((namespace, k)) for k in keys]
+        fresh = [k for k, b in zip(keys, found) if b is None]
+        used = {id(b) for b in req.shared}
+        new_uses = sum(1 for b in found if b is None or id(b) not in used)
+        growth = self.admission.growth(req, new_uses)
+        pages = self.pages
+        page_numbers, demotions = pages.make_room(len(fresh), req, Reason.ALLOCATE)
+        plan = TransferPlan(self.pool, Reason.ALLOCATE, req, demotions=demotions)
+        keeper = self.keeper(req.tenant)
+        start = len(keeper.blocks)
+        plan.allocated = pages.place(keeper, page_numbers, range(start, start + len(fresh)),
+                                     None, holder)
+        made = iter(plan.allocated)
+        blocks = []
+        for k, b in zip(keys, found):
+            if b is None:
+                b = next(made)
+                b.name, b.committed, b.recompute_ok = (namespace, k), False, True
+                b.users, b.payers = {}, (req.tenant,)
+                named[b.name] = b
+            if id(b) not in used:
+                self._use(req, b)
+            blocks.append(b)
+        if growth:
+            self.admission.reserve(req, growth)
+        return plan, blocks
+
+    def commit(self, req: Request, namespace: str, keys: Sequence[bytes]) -> int:
+        """The engine wrote these blocks: lookups find them from now on. Returns how many
+        were not committed before."""
+        check_keys(namespace, keys)
+        used = {id(b) for b in req.shared}
+        blocks = []
+        for k in keys:
+            b = self.named.get((namespace, k))
+            if b is None or id(b) not in used:
+                raise InvalidArgument(
+                    f"request {req.request_id!r} did not store block key {k.hex()[:32]!r}")
+            blocks.append(b)
+        newly = sum(1 for b in blocks if not b.committed)
+        for b in blocks:
+            b.committed = True
+        return newly
+
+    def load(self, req: Request, namespace: str, keys: Sequence[bytes],
+             holder: str) -> list[Block]:
+        """The leading run of these keys kvd holds, used by req and held for `holder` until
+        its next call, so the engine can copy them in, in whichever tier they are (both are
+        mapped). A block being moved ends the run: the engine recomputes the rest."""
+        check_keys(namespace, keys)
+        run = []
+        for b in self.lookup(namespace, keys):
+            if b.moving:
+                break
+            run.append(b)
+        used = {id(b) for b in req.shared}
+        growth = self.admission.growth(req, sum(1 for b in run if id(b) not in used))
+        for b in run:
+            if id(b) not in used:
+                self._use(req, b)
+            if holder:
+                self.pages.holds.hold_one(holder, b)
+        if growth:
+            self.admission.reserve(req, growth)
+        return run
+
+    def unused(self, req: Request) -> list[Block]:
+        """Blocks that go when req ends: those it stored and never committed that no one
+        else uses (so the caller can check they are still)."""
+        return [b for b in req.shared
+                if not b.committed and self.named.get(b.name) is b
+                and sum(b.users.values()) == b.users.get(req.tenant, 0) == 1]
+
+    def end_uses(self, req: Request) -> None:
+        """req ends: it uses its shared blocks no more. A block still used by others is
+        charged to them; one nobody uses stays, charged to its last users, unless it was
+        never committed."""
+        for b in req.shared:
+            n = b.users.get(req.tenant, 0) - 1
+            if n > 0:
+                b.users[req.tenant] = n
+            else:
+                b.users.pop(req.tenant, None)
+            if self.named.get(b.name) is not b:
+                continue  # already let go
+            if not b.users and not b.committed:
+                self.pages.discard(b)
+            else:
+                self._recharge(b)
+        req.shared.clear()
+
+    def keeper(self, tenant: str) -> Request:
+        """The request that owns the tenant's named blocks (made on first use)."""
+        rid = KEEPER_PREFIX + tenant
+        keeper = self.requests.get(rid)
+        if keeper is None:
+            keeper = Request(rid, tenant, self.pool, 0, 0, RequestState.ADMITTED, keeper=True)
+            self.requests[rid] = keeper
+            self.num_keepers += 1
+        elif len(keeper.blocks) > 2 * keeper.num_live_blocks + 64:
+            self._compact(keeper)
+        return keeper
+
+    def shared_figures(self, tenant: str) -> tuple[int, float]:
+        """(shared device pages charged in part to the tenant, the pages the split saves
+        it): a page with k payers saves each of them 1 - 1/k."""
+        shared, saved = 0, 0.0
+        for b in self.named.values():
+            if b.tier is TierKind.DEVICE and tenant in b.payers and len(b.payers) > 1:
+                shared += 1
+                saved += 1 - 1 / len(b.payers)
+        return shared, saved
+
+    def _use(self, req: Request, b: Block) -> None:
+        b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
+        req.shared.append(b)
+        self._recharge(b)
+
+    def _recharge(self, b: Block) -> None:
+        """Charge b to the tenants using it now (or, when none does, to its last payers)."""
+        payers = tuple(sorted(b.users)) or b.payers
+        if payers == b.payers:
+            return
+        if b.tier is TierKind.DEVICE:
+            owner = b.request.tenant
+            self.tenancy.split(owner, b.payers, -1)
+            self.tenancy.split(owner, payers, 1)
+        b.payers = payers
+
+    @staticmethod
+    def _compact(keeper: Request) -> None:
+        """Close the holes blocks let go of left in a keeper's block list."""
+        live = keeper.live_blocks()
+        for i, b in enumerate(live):
+            b.index = i
+        keeper.blocks = live

@@ -1,0 +1,148 @@
+"""Shared prefix blocks in one pool: named once, used by many requests, kept after they end,
+their cost split between the tenants using them (invariants checked after every test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.core.blocks import TierKind
+from kvd.core.errors import InvalidArgument, ResourceExhausted
+
+from .conftest import settle
+
+NS = "llama|salt"
+KEYS = [b"k%d" % i for i in range(8)]
+
+
+def _admit(pool, rid, tenant="t", tokens=64):
+    assert pool.admit(rid, tenant=tenant, prompt_tokens=tokens, output_tokens=0).decision \
+        == "admitted"
+
+
+def _stored(pool, rid, keys, commit=True):
+    plan, blocks = pool.store(rid, NS, keys)
+    settle(pool, plan)
+    if commit:
+        pool.commit(rid, NS, keys)
+    return plan, blocks
+
+
+def test_a_block_is_stored_once_and_found_by_every_request_with_its_prefix(make_pool):
+    pool = make_pool(device_pages=8, host_pages=8)
+    _admit(pool, "a")
+    plan, blocks = _stored(pool, "a", KEYS[:3])
+    assert len(plan.allocated) == 3 and all(b.tier is TierKind.DEVICE for b in blocks)
+    _admit(pool, "b")
+    assert [b.name[1] for b in pool.lookup(NS, KEYS[:4])] == KEYS[:3]
+    assert pool.lookup("other model", KEYS[:3]) == []  # namespaces do not mix
+    plan, again = pool.store("b", NS, KEYS[:4])  # three found, one new
+    settle(pool, plan)
+    assert again[:3] == blocks and len(plan.allocated) == 1
+    assert pool.device.num_used == 4
+
+
+def test_a_stored_block_is_invisible_until_committed_and_goes_if_never_committed(make_pool):
+    pool = make_pool()
+    _admit(pool, "a")
+    _stored(pool, "a", KEYS[:2], commit=False)
+    assert pool.lookup(NS, KEYS[:2]) == []
+    pool.commit("a", NS, KEYS[:1])
+    assert len(pool.lookup(NS, KEYS[:2])) == 1
+    pool.release("a")
+    assert len(pool.lookup(NS, KEYS[:2])) == 1  # kept: committed
+    assert pool.device.num_used == 1  # the uncommitted one went with its request
+
+
+def test_kept_blocks_outlive_their_requests_and_are_loaded_by_the_next(make_pool):
+    pool = make_pool()
+    _admit(pool, "a")
+    _stored(pool, "a", KEYS[:3])
+    pool.release("a")
+    _admit(pool, "b")
+    run = pool.load("b", NS, KEYS[:5], holder="engine")
+    assert [b.name[1] for b in run] == KEYS[:3]
+    assert all(b.held for b in run)  # protected while the engine copies them
+    assert not any(b in pool.policy for b in run)
+    pool.end_holds("engine")
+    assert all(b in pool.policy for b in run)
+
+
+def test_commit_of_a_key_the_request_did_not_store_is_refused(make_pool):
+    pool = make_pool()
+    _admit(pool, "a")
+    _admit(pool, "b")
+    _stored(pool, "a", KEYS[:1], commit=False)
+    with pytest.raises(InvalidArgument, match="did not store"):
+        pool.commit("b", NS, KEYS[:1])
+
+
+@pytest.mark.parametrize("keys", [[], [b""], [b"x" * 300], [b"a", b"a"]])
+def test_bad_keys_are_refused_without_a_change(make_pool, keys):
+    pool = make_pool()
+    _admit(pool, "a")
+    with pytest.raises(InvalidArgument):
+        pool.store("a", NS, keys)
+    assert pool.device.num_used == 0 and pool.pages.named == {}
+
+
+def test_shared_blocks_count_in_the_requests_footprint(make_pool):
+    pool = make_pool(device_pages=8, host_pages=8)
+    _admit(pool, "a", tokens=32)  # two pages reserved
+    _stored(pool, "a", KEYS[:2])
+    before = pool.reserved_pages
+    # Using a third block takes a page past its reservation: it must fit the pool.
+    _stored(pool, "a", KEYS[2:3])
+    assert pool.reserved_pages == before + 1
+    pool.tenancy.quotas["t"] = pool.tenancy.quota("t").__class__(limit=3)
+    with pytest.raises(ResourceExhausted, match="limit"):
+        pool.store("a", NS, KEYS[3:4])
+
+
+def test_a_page_shared_by_k_tenants_counts_one_kth_to_each(make_pool):
+    pool = make_pool(device_pages=8, host_pages=8, policy="fair")
+    _admit(pool, "a", tenant="x")
+    _stored(pool, "a", KEYS[:3])
+    assert pool.tenancy.usage("x") == 3
+    _admit(pool, "b", tenant="y")
+    pool.load("b", NS, KEYS[:2])
+    assert pool.tenancy.usage("x") == pytest.approx(1 + 2 / 2)
+    assert pool.tenancy.usage("y") == pytest.approx(1.0)
+    _admit(pool, "c", tenant="z")
+    pool.load("c", NS, KEYS[:1])
+    assert pool.tenancy.usage("x") == pytest.approx(1 + 1 / 2 + 1 / 3)
+    assert pool.tenancy.usage("z") == pytest.approx(1 / 3)
+    pool.release("a")  # x uses them no more: y and z pay for what they use
+    assert pool.tenancy.usage("x") == pytest.approx(1)  # kept, charged to its last user
+    assert pool.tenancy.usage("y") == pytest.approx(1 / 2 + 1)
+    pool.release("b")
+    pool.release("c")
+    # Nobody uses them: each stays charged to its last users.
+    assert sum(pool.tenancy.usage(t) for t in "xyz") == pytest.approx(3)
+
+
+def test_kept_blocks_give_way_on_the_host_to_a_victim_that_cannot_be_recomputed(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4)
+    for i in range(2):  # fill the host with kept blocks nobody uses
+        _admit(pool, f"a{i}", tokens=32)
+        _stored(pool, f"a{i}", KEYS[2 * i:2 * i + 2])
+        settle(pool, pool.evict(2))
+        pool.release(f"a{i}")
+    assert pool.host.num_free == 0 and len(pool.lookup(NS, KEYS[:4])) == 4
+    _admit(pool, "b", tokens=32)
+    settle(pool, pool.allocate("b", 2))
+    _admit(pool, "c", tokens=32)
+    plan = settle(pool, pool.allocate("c", 1))  # b's block must be demoted, not dropped
+    assert [m.kind.name for m in plan.demotions] == ["DEMOTE"]
+    assert plan.demotions[0].block.request.request_id == "b"
+    assert len(pool.lookup(NS, KEYS[:4])) == 0  # the oldest kept block went
+
+
+def test_a_failed_store_leaves_no_name_behind(make_pool):
+    pool = make_pool(device_pages=2, host_pages=4)
+    _admit(pool, "a", tokens=32)
+    settle(pool, pool.allocate("a", 2))
+    _admit(pool, "b", tokens=32)
+    plan, _ = pool.store("b", NS, KEYS[:2])  # demotes a's blocks first
+    pool.abort(plan)
+    assert pool.pages.named == {} and pool.lookup(NS, KEYS[:2]) == []
+    assert pool.requests["b"].shared == []

@@ -1,0 +1,85 @@
+"""Shared prefix blocks over real gRPC, with the engine side writing distinct bytes through
+its own mapping of kvd's arenas and checking them on every load: stored once, found and
+loaded by another tenant's request, kept after its writer ended, moved between tiers by real
+copies, and charged 1/k to the k tenants using it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from kvd_client import InvalidArgumentError, pb
+from kvd_client.arena import MappedPool
+
+NS = "tiny|"
+KEYS = [hashlib.sha256(b"%d" % i).digest() for i in range(6)]
+
+
+def _fill(page: np.ndarray, key: bytes) -> None:
+    page[:] = np.frombuffer((key * (len(page) // len(key) + 1))[:len(page)], np.uint8)
+
+
+def _holds(page: np.ndarray, key: bytes) -> bool:
+    expected = np.frombuffer((key * (len(page) // len(key) + 1))[:len(page)], np.uint8)
+    return bool(np.array_equal(page, expected))
+
+
+async def _store_and_write(client, arena, rid, keys):
+    reply = await client.store(rid, NS, keys)
+    for h, fresh, key in zip(reply.handles, reply.fresh, keys):
+        if fresh:
+            _fill(arena.page(h), key)
+    await client.commit(rid, NS, keys)
+    return reply
+
+
+async def test_a_prefix_written_by_one_tenant_is_loaded_intact_by_another(client):
+    arena = MappedPool(await client.export_pool())
+    try:
+        await client.admit("writer", prompt_tokens=16 * 4, tenant="x")
+        first = await _store_and_write(client, arena, "writer", KEYS[:4])
+        assert list(first.fresh) == [True] * 4
+        await client.admit("reader", prompt_tokens=16 * 6, tenant="y")
+        found = await client.lookup(NS, KEYS)
+        assert found.num_hit == 4 and set(found.tiers) == {pb.TIER_DEVICE}
+        loaded = await client.load("reader", NS, KEYS)
+        assert len(loaded.handles) == 4
+        assert all(_holds(arena.page(h), k) for h, k in zip(loaded.handles, KEYS))
+        # Both tenants use the four pages: each is charged half.
+        tenants = {t.tenant: t for t in await client.list_tenants()}
+        assert tenants["x"].charged_pages == pytest.approx(2)
+        assert tenants["y"].charged_pages == pytest.approx(2)
+        assert tenants["y"].shared_pages == 4 and tenants["y"].shared_saved_pages == 2
+        # The reader stores the rest of its prompt: only the two new keys are fresh.
+        more = await _store_and_write(client, arena, "reader", KEYS)
+        assert list(more.fresh) == [False] * 4 + [True] * 2
+        await client.release("writer")
+        await client.release("reader")
+        # Kept after both ended; pushed to the host tier by another request's pages...
+        await client.admit("big", prompt_tokens=16 * 8, tenant="z")
+        await client.allocate("big", 8)
+        found = await client.lookup(NS, KEYS)
+        assert found.num_hit == 6 and pb.TIER_HOST in found.tiers
+        # ...and still byte-exact there.
+        await client.admit("late", prompt_tokens=16 * 6, tenant="y")
+        loaded = await client.load("late", NS, KEYS)
+        assert len(loaded.handles) == 6
+        assert all(_holds(arena.page(h), k) for h, k in zip(loaded.handles, KEYS))
+        await client.release("late")
+        await client.release("big")
+    finally:
+        arena.close()
+
+
+async def test_bad_prefix_calls_get_a_clear_status(client):
+    await client.admit("r", prompt_tokens=32)
+    with pytest.raises(InvalidArgumentError, match="repeat"):
+        await client.store("r", NS, [KEYS[0], KEYS[0]])
+    with pytest.raises(InvalidArgumentError, match="1..256 bytes"):
+        await client.load("r", NS, [b""])
+    with pytest.raises(InvalidArgumentError, match="did not store"):
+        await client.commit("r", NS, KEYS[:1])
+    assert (await client.lookup(NS, KEYS)).num_hit == 0
+    await client.release("r")
