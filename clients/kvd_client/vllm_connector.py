@@ -1,0 +1,329 @@
+"""kvd as the KV tier below vLLM's own cache: a vLLM KV connector (KVConnectorBase_V1).
+
+Load it with
+
+    KVTransferConfig(kv_connector="KvdConnector",
+                     kv_connector_module_path="kvd_client.vllm_connector", kv_role="kv_both",
+                     kv_connector_extra_config={"kvd_target": "unix:///run/kvd/kvd.sock"})
+
+(`pip install 'kvd[vllm]'`). Extra config: `kvd_target`, `kvd_token` (or its file,
+`kvd_token_file`), `kvd_pool` ("default"), `kvd_tenant` (the tenant of requests that name
+none).
+
+Scheduler side: every request is admitted in kvd with its prompt and expected output; its
+prefix blocks, named by vLLM's own block hashes within a namespace of the model and the
+request's cache salt, are looked up in kvd and their tokens reported as an external hit.
+A request admitted by no one (kvd's budget for its tenant is spent) is told to wait: the
+connector answers None until kvd admits it. On finish the request is released in kvd; the
+blocks it stored stay there for the next request with that prefix. Tenant and intent come
+from the request: `kv_transfer_params={"kvd": {"tenant": ..., "pin": ...}}` and its
+priority.
+
+Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds one vLLM
+block of every layer, layer after layer. Hit blocks are copied from kvd's pages into vLLM's
+KV tensors before the forward pass; blocks the pass computed are copied into pages kvd
+stores under their hash, then committed. Both are byte copies between the engine's tensors
+and kvd's mapped arenas; on a GPU the copy goes through a pinned staging buffer on a CUDA
+stream of its own.
+
+kvd going away never stops the engine: a failed call is logged, the request is served
+without kvd (recomputed), and the next request tries again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvd_client import Client, KvdClientError, pb
+from kvd_client.arena import MappedPool
+
+log = logging.getLogger("kvd.vllm")
+
+
+@dataclass
+class _Transfer:
+    """Blocks of one request to load from or save to kvd: their keys and vLLM block ids."""
+
+    request_id: str
+    namespace: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):
+    loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows: its namespace, block ids, and how many of its
+    prompt blocks are in kvd (loaded or saved)."""
+
+    namespace: str
+    keys: list[bytes]
+    num_prompt_blocks: int
+    block_ids: list[int] = field(default_factory=list)
+    num_in_kvd: int = 0
+    pending_load: _Transfer | None = None
+
+
+class KvdConnector(KVConnectorBase_V1):
+    """vLLM's KV connector onto kvd (see the module's docstring)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        token = extra.get("kvd_token")
+        if token is None and extra.get("kvd_token_file"):
+            token = Path(extra["kvd_token_file"]).read_text().strip()
+        self.client = Client(extra.get("kvd_target"), token=token, timeout_s=5)
+        self.pool = extra.get("kvd_pool", "")
+        self.default_tenant = extra.get("kvd_tenant", "")
+        self.block_size = vllm_config.cache_config.block_size
+        self.model = str(vllm_config.model_config.model)
+        # Scheduler side.
+        self.tracked: dict[str, _Tracked] = {}
+        self._loads: list[_Transfer] = []  # planned since the last step's metadata
+        # Worker side.
+        self.layers: list[torch.Tensor] = []
+        self.arena: MappedPool | None = None
+        self.load_errors: set[int] = set()
+        self.stream = None
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        tracked = self.tracked.get(rid)
+        if tracked is None:
+            admitted = self._admit(request)
+            if admitted is None:
+                return None, False  # kvd queued it: vLLM asks again later
+            if not admitted:
+                return 0, False
+            tracked = self.tracked[rid]
+        prompt = len(request.prompt_token_ids or ())
+        try:
+            hit = self.client.lookup(tracked.namespace, tracked.keys, pool=self.pool).num_hit
+        except KvdClientError as exc:
+            log.warning("kvd lookup failed, computing %s: %s", rid, exc)
+            return 0, False
+        # vLLM computes at least the prompt's last token itself.
+        hit_tokens = min(hit * self.block_size, (prompt - 1) // self.block_size
+                         * self.block_size)
+        first = num_computed_tokens // self.block_size
+        last = hit_tokens // self.block_size
+        if last <= first:
+            return 0, False
+        tracked.pending_load = _Transfer(rid, tracked.namespace, tracked.keys[first:last],
+                                         list(range(first, last)))
+        return hit_tokens - num_computed_tokens, False
+
+    def _admit(self, request: Any) -> bool | None:
+        """Admit the request in kvd: True, False (kvd cannot take it: serve it without), or
+        None (queued: wait)."""
+        rid = request.request_id
+        params = (request.kv_transfer_params or {}).get("kvd", {})
+        tenant = params.get("tenant", self.default_tenant)
+        prompt = len(request.prompt_token_ids or ())
+        sampling = getattr(request, "sampling_params", None)
+        output = getattr(sampling, "max_tokens", None) or 0
+        try:
+            reply = self.client.admit(rid, prompt_tokens=prompt, output_tokens=output,
+                                      tenant=tenant, pool=self.pool,
+                                      priority=int(getattr(request, "priority", 0) or 0))
+        except KvdClientError as exc:
+            if "already exists" in str(exc):  # queued before: is it in now?
+                return self._admitted_since(request)
+            log.warning("kvd admission failed, serving %s without kvd: %s", rid, exc)
+            return False
+        if reply.decision == pb.DECISION_QUEUED:
+            return None
+        if reply.decision != pb.DECISION_ADMITTED:
+            return False
+        self._track(request)
+        return True
+
+    def _admitted_since(self, request: Any) -> bool | None:
+        """A request kvd queued: admitted now (tracked from here), or still waiting."""
+        try:  # a Store of no keys: FAILED_PRECONDITION while queued, else INVALID_ARGUMENT
+            self.client.store(request.request_id, "", [])
+        except KvdClientError as exc:
+            if "queued" in str(exc):
+                return None
+            if "no block keys" not in str(exc):
+                return False
+        self._track(request)
+        return True
+
+    def _track(self, request: Any) -> None:
+        salt = getattr(request, "cache_salt", None) or ""
+        prompt = len(request.prompt_token_ids or ())
+        self.tracked[request.request_id] = _Tracked(
+            namespace=f"{self.model}|{self.block_size}|{salt}",
+            keys=[bytes(h) for h in request.block_hashes],
+            num_prompt_blocks=prompt // self.block_size)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        tracked = self.tracked.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.block_ids = list(blocks.get_block_ids()[0])
+        load, tracked.pending_load = tracked.pending_load, None
+        if load is not None and num_external_tokens > 0:
+            positions = load.block_ids[:num_external_tokens // self.block_size]
+            load.keys = load.keys[:len(positions)]
+            load.block_ids = [tracked.block_ids[i] for i in positions]
+            tracked.num_in_kvd = positions[-1] + 1 if positions else tracked.num_in_kvd
+            self._loads.append(load)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta = KvdConnectorMetadata(loads=list(self._loads))
+        self._loads.clear()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._plan_save(meta, new.req_id, new.num_computed_tokens + scheduled[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            tracked = self.tracked.get(rid)
+            new_ids = cached.new_block_ids[i]
+            if tracked is not None and new_ids is not None:
+                if rid in cached.resumed_req_ids:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            self._plan_save(meta, rid, cached.num_computed_tokens[i] + scheduled[rid])
+        return meta
+
+    def _plan_save(self, meta: KvdConnectorMetadata, rid: str, computed: int) -> None:
+        """Save the prompt blocks this step completes that kvd does not have yet."""
+        tracked = self.tracked.get(rid)
+        if tracked is None:
+            return
+        full = min(computed // self.block_size, tracked.num_prompt_blocks, len(tracked.keys),
+                   len(tracked.block_ids))
+        if full > tracked.num_in_kvd:
+            positions = range(tracked.num_in_kvd, full)
+            meta.saves.append(_Transfer(rid, tracked.namespace,
+                                        [tracked.keys[i] for i in positions],
+                                        [tracked.block_ids[i] for i in positions]))
+            tracked.num_in_kvd = full
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        if self.tracked.pop(request.request_id, None) is not None:
+            try:
+                self.client.release(request.request_id)
+            except KvdClientError as exc:
+                log.warning("kvd release of %s failed: %s", request.request_id, exc)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layers = [kv_caches[name] for name in sorted(kv_caches)]
+        for t in self.layers:
+            if not t[0].is_contiguous():
+                raise ValueError("kvd's connector needs each block contiguous in its layer "
+                                 f"(got shape {tuple(t.shape)}, strides {t.stride()})")
+        export = self.client.export_pool(self.pool)
+        block_bytes = sum(t[0].numel() * t.element_size() for t in self.layers)
+        if export.page_bytes != block_bytes:
+            raise ValueError(
+                f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
+                f"one vLLM block of every layer is {block_bytes}: start kvd with "
+                f"page_bytes = {block_bytes}")
+        self.arena = MappedPool(export)
+        if self.layers[0].is_cuda:
+            self.stream = torch.cuda.Stream()
+            self.staging = torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def _page(self, handle: pb.PageHandle) -> torch.Tensor:
+        return torch.from_numpy(self.arena.page(handle))
+
+    def _views(self, block_id: int) -> list[torch.Tensor]:
+        """Block `block_id` of every layer, as bytes."""
+        return [t[block_id].reshape(-1).view(torch.uint8) for t in self.layers]
+
+    def _copy_in(self, page: torch.Tensor, block_id: int) -> None:
+        src = page
+        if self.stream is not None:
+            self.staging.copy_(page)
+            src = self.staging
+        offset = 0
+        for dst in self._views(block_id):
+            dst.copy_(src[offset:offset + dst.numel()], non_blocking=self.stream is not None)
+            offset += dst.numel()
+
+    def _copy_out(self, block_id: int, page: torch.Tensor) -> None:
+        dst = self.staging if self.stream is not None else page
+        offset = 0
+        for src in self._views(block_id):
+            dst[offset:offset + src.numel()].copy_(src)
+            offset += src.numel()
+        if dst is not page:
+            page.copy_(dst)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        for load in meta.loads:
+            try:
+                reply = self.client.load(load.request_id, load.namespace, load.keys)
+                handles = list(reply.handles)
+            except KvdClientError as exc:
+                log.warning("kvd load for %s failed, recomputing: %s", load.request_id, exc)
+                handles = []
+            context = (torch.cuda.stream(self.stream) if self.stream is not None
+                       else contextlib.nullcontext())
+            with context:
+                for handle, block_id in zip(handles, load.block_ids):
+                    self._copy_in(self._page(handle), block_id)
+            self.load_errors.update(load.block_ids[len(handles):])
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv copies every layer before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # wait_for_save copies whole blocks once every layer is computed
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self.stream is not None and meta.saves:
+            torch.cuda.current_stream().synchronize()
+        for save in meta.saves:
+            try:
+                reply = self.client.store(save.request_id, save.namespace, save.keys)
+                written = []
+                for handle, fresh, key, block_id in zip(reply.handles, reply.fresh,
+                                                        save.keys, save.block_ids):
+                    if fresh:
+                        self._copy_out(block_id, self._page(handle))
+                        written.append(key)
+                if written:
+                    self.client.commit(save.request_id, save.namespace, written)
+            except KvdClientError as exc:
+                log.warning("kvd save for %s failed: %s", save.request_id, exc)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+

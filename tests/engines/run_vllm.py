@@ -1,0 +1,50 @@
+"""One vLLM engine run against kvd, in a process of its own (as a fresh engine is): the tiny
+random-weight Llama beside this file, kvd's connector, token-id prompts. Prints one JSON line:
+each prompt's output tokens and cached tokens, and the seconds the run took.
+
+    python run_vllm.py KVD_TARGET PROMPTS_JSON [KV_TRANSFER_PARAMS_JSON]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+MODEL = Path(__file__).resolve().parent / "tiny_llama"
+BLOCK_SIZE = 32  # the CPU backend's block size must be a multiple of 32
+
+
+def main() -> None:
+    target, prompts = sys.argv[1], json.loads(sys.argv[2])
+    params = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    started = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
+              enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
+              kv_transfer_config=KVTransferConfig(
+                  kv_connector="KvdConnector", kv_role="kv_both",
+                  kv_connector_module_path="kvd_client.vllm_connector",
+                  kv_connector_extra_config={"kvd_target": target, "kvd_tenant": "engine"}))
+    ready = time.monotonic()
+    sampling = SamplingParams(max_tokens=8, temperature=0,
+                              extra_args=None)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                           sampling, use_tqdm=False,
+                           **({"kv_transfer_params": params} if params else {}))
+    print("KVD_RESULT " + json.dumps({
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "cached": [o.num_cached_tokens for o in outputs],
+        "start_s": ready - started, "run_s": time.monotonic() - ready,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
