@@ -137,10 +137,15 @@ def link_figures(node, link) -> LinkFigures:
         queues=sched.queue_depths(), tenants=tenants)
 
 
-def tenant_figures(node, pool: Pool, tenant: str) -> TenantFigures:
-    """A tenant's standing in one pool. The pool's reads must be recorded (snapshot())."""
+def tenant_figures(node, pool: Pool, tenant: str,
+                   shared_figures: dict[str, tuple[int, float]] | None = None
+                   ) -> TenantFigures:
+    """A tenant's standing in one pool. The pool's reads must be recorded (snapshot()).
+    `shared_figures`: the pool's Prefixes.shared_figures(), when the caller has them."""
     ten, att = pool.tenancy, pool.attribution
-    shared, saved = pool.prefixes.shared_figures(tenant)
+    if shared_figures is None:
+        shared_figures = pool.prefixes.shared_figures()
+    shared, saved = shared_figures.get(tenant, (0, 0.0))
     return TenantFigures(
         tenant=tenant, pool=pool.name, quota=ten.quota(tenant),
         device_pages=ten.device_by_tenant[tenant],
@@ -165,6 +170,7 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
     pool = rt.pool.snapshot()
     ten = pool.tenancy
     names = sorted(t for t in ten.names() if tenants in (None, t))
+    shared = pool.prefixes.shared_figures()
     return PoolFigures(
         name=pool.name, policy=pool.policy.name, page_bytes=pool.page_bytes,
         block_tokens=pool.block_tokens,
@@ -182,7 +188,7 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
         evictions=dict(pool.attribution.evictions_by_pair),
         stall_by_cause=dict(pool.attribution.stall_s_by_cause),
         bytes_read=sum(ten.blocks_read_by_tenant.values()) * pool.page_bytes,
-        tenants=[tenant_figures(node, pool, t) for t in names],
+        tenants=[tenant_figures(node, pool, t, shared) for t in names],
         links=[link_figures(node, link) for link in node.links_of(pool.name)])
 
 

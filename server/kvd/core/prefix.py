@@ -186,15 +186,17 @@ class Prefixes:
             self._compact(keeper)
         return keeper
 
-    def shared_figures(self, tenant: str) -> tuple[int, float]:
-        """(shared device pages charged in part to the tenant, the pages the split saves
-        it): a page with k payers saves each of them 1 - 1/k."""
-        shared, saved = 0, 0.0
+    def shared_figures(self) -> dict[str, tuple[int, float]]:
+        """Per tenant: (shared device pages charged in part to it, the pages the split saves
+        it); a page with k payers saves each of them 1 - 1/k. One walk for every tenant."""
+        figures: dict[str, tuple[int, float]] = {}
         for b in self.named.values():
-            if b.tier is TierKind.DEVICE and tenant in b.payers and len(b.payers) > 1:
-                shared += 1
-                saved += 1 - 1 / len(b.payers)
-        return shared, saved
+            k = len(b.payers)
+            if b.tier is TierKind.DEVICE and k > 1:
+                for tenant in b.payers:
+                    shared, saved = figures.get(tenant, (0, 0.0))
+                    figures[tenant] = (shared + 1, saved + 1 - 1 / k)
+        return figures
 
     def _use(self, req: Request, b: Block) -> None:
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1

@@ -89,8 +89,9 @@ class Tenancy:
 
     def usages(self) -> dict[str, float]:
         """usage() of every tenant holding device pages."""
-        return {t: self.usage(t) for t in set(self.device_by_tenant) | set(self.shared_adjust)
-                if self.usage(t)}
+        usages = {t: self.usage(t)
+                  for t in set(self.device_by_tenant) | set(self.shared_adjust)}
+        return {t: used for t, used in usages.items() if used}
 
     def split(self, owner: str, payers: tuple[str, ...], sign: int) -> None:
         """A shared device page owned by `owner` comes (sign 1) or goes (-1) for `payers`:

@@ -46,16 +46,11 @@ def handle(block: Block, page_bytes: int, ns: int = 0) -> pb.PageHandle:
 
 def shared_handle(block: Block, page_bytes: int, request_id: str,
                   position: int) -> pb.PageHandle:
-    """A shared block's page, addressed by the caller's request and the key's position."""
-    return pb.PageHandle(
-        request_id=request_id,
-        block_index=position,
-        pool=block.request.pool,
-        tier=int(block.tier),
-        page_index=block.page,
-        offset_bytes=block.page * page_bytes,
-        length_bytes=page_bytes,
-    )
+    """A shared block's page, addressed by the caller's request and the key's position
+    (not its keeper's request and index)."""
+    h = handle(block, page_bytes)
+    h.request_id, h.block_index = request_id, position
+    return h
 
 
 def indices(message) -> list[int] | None:
