@@ -170,9 +170,10 @@ class Handoffs:
             # None made at admission (or it lapsed, or a handoff was rolled back): the
             # target decides only now, and a refusal means the prefill was spent for nothing.
             try:
-                dst.pool.reserve(request_id, req.tenant, prompt_tokens=req.prompt_tokens,
-                                 output_tokens=req.output_tokens, priority=req.priority,
-                                 ttl_s=self.config.handoff_ttl_s)
+                dst.pool.reservations.reserve(
+                    request_id, req.tenant, prompt_tokens=req.prompt_tokens,
+                    output_tokens=req.output_tokens, priority=req.priority,
+                    ttl_s=self.config.handoff_ttl_s)
             except ResourceExhausted as exc:
                 self.counts["refused"] += 1
                 had = ("its reservation lapsed or a handoff was rolled back"
@@ -184,15 +185,15 @@ class Handoffs:
     async def _handoff(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
                        progress: asyncio.Queue, cancel: asyncio.Event, holder: str) -> None:
         request_id = req.request_id
-        blocks = await src.run(lambda: src.pool.begin_handoff(request_id),
-                               undo=src.pool.end_handoff)
+        blocks = await src.run(lambda: src.pool.reservations.begin_handoff(request_id),
+                               undo=src.pool.reservations.end_handoff)
         this = asyncio.current_task()
         src.transit.hold_for(blocks, this)  # whoever needs these blocks waits for the handoff
         try:
-            dst.pool.claim(request_id)  # gone if it lapsed meanwhile
+            dst.pool.reservations.claim(request_id)  # gone if it lapsed meanwhile
         except BaseException:
             src.transit.finish_blocks(blocks)
-            src.pool.end_handoff(blocks)
+            src.pool.reservations.end_handoff(blocks)
             src.room_may_have_changed()
             raise
         plan = None
@@ -263,7 +264,7 @@ class Handoffs:
         """The source blocks are free to move again; the request goes from `release` (the
         target on a rollback, the source on commit); waiters for room in either may go."""
         src.transit.finish_blocks(blocks)
-        src.pool.end_handoff(blocks)
+        src.pool.reservations.end_handoff(blocks)
         release.release(request_id)
         src.room_may_have_changed()
         dst.room_may_have_changed()

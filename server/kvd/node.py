@@ -31,6 +31,7 @@ from kvd.quotas import Quotas
 from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
 from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
+from kvd.shared import SharedBlocks
 
 log = structlog.get_logger("kvd.node")
 
@@ -67,6 +68,7 @@ class Node:
             self.close()
             raise
         self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
+        self.shared = SharedBlocks(self.runtime, self.runtime_of)
         self.apply_tenants(config)
 
     # ------------------------------------------------------------------ lookup
@@ -143,35 +145,6 @@ class Node:
         self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
                             request_id=request_id, count=len(plan.allocated))
         return plan.allocated, stall_s
-
-    def lookup(self, pool: str, namespace: str, keys: Sequence[bytes]) -> list[Block]:
-        """The leading run of these prefix keys a pool holds (see Prefixes.lookup)."""
-        rt = self.runtime(pool)
-        return rt.pool.lookup(namespace, keys)
-
-    async def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
-                    scope: str | None = None, holder: str = ""
-                    ) -> tuple[list[Block], list[bool], float]:
-        """Shared blocks under these keys for a request: (blocks, fresh per key, stall).
-        Fresh ones are new pages, held for the holder, which writes them and commits."""
-        rt = self.runtime_of(request_id, scope)
-        plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
-                                                          holder))
-        stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
-        fresh = {id(b) for b in plan.allocated}
-        return blocks, [id(b) in fresh for b in blocks], stall_s
-
-    async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes],
-                     scope: str | None = None) -> int:
-        """The engine wrote these stored blocks: lookups find them from now on."""
-        rt = self.runtime_of(request_id, scope)
-        return await rt.run(lambda: rt.pool.commit(request_id, namespace, keys))
-
-    async def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
-                   scope: str | None = None, holder: str = "") -> list[Block]:
-        """The leading run of these keys, held for the holder to copy from."""
-        rt = self.runtime_of(request_id, scope)
-        return await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder))
 
     async def access(self, request_id: str, indices: Sequence[int] | None,
                      scope: str | None = None, holder: str = ""
@@ -295,7 +268,8 @@ class Node:
         if req.state is RequestState.ADMITTED:
             return True, 0, "", None
         position = rt.pool.admission.queue_position(request_id)
-        return False, position, rt.pool.admission.why_waiting(req), rt.waiters.event(request_id, position)
+        why = rt.pool.admission.why_waiting(req)
+        return False, position, why, rt.waiters.event(request_id, position)
 
     # ------------------------------------------------------------------ tenants
 

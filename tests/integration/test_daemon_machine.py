@@ -191,7 +191,7 @@ class DaemonMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         keys = PREFIX_KEYS[start:start + n]
         try:
-            blocks, fresh, _ = self.run(self.daemon.store(rid, "m", keys, holder=self.holder))
+            blocks, fresh, _ = self.run(self.daemon.shared.store(rid, "m", keys, holder=self.holder))
         except KvdError:
             return
         for b, new, key in zip(blocks, fresh, keys):
@@ -200,14 +200,14 @@ class DaemonMachine(RuleBasedStateMachine):
                 assert b.tier is TierKind.DEVICE
                 self.tier_pages(b)[b.page] = pattern(key.hex(), 0, 0)
         if commit:
-            self.loop.run_until_complete(self.daemon.commit(rid, "m", keys))
+            self.loop.run_until_complete(self.daemon.shared.commit(rid, "m", keys))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 8))
     def load(self, data, n):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         try:
-            blocks = self.run(self.daemon.load(rid, "m", PREFIX_KEYS[:n], holder=self.holder))
+            blocks = self.run(self.daemon.shared.load(rid, "m", PREFIX_KEYS[:n], holder=self.holder))
         except KvdError:
             return
         for b, key in zip(blocks, PREFIX_KEYS):

@@ -10,7 +10,7 @@ protected, and takes the victims only once nothing else can fail.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvd.core import intent as intents
@@ -18,7 +18,7 @@ from kvd.core.attribution import Attribution
 from kvd.core.blocks import Block, Request, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import BlocksInTransit, HostShort, ResourceExhausted
+from kvd.core.errors import BlocksInTransit, HostShort, InvalidArgument, ResourceExhausted
 from kvd.core.holds import Holds
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tenancy import Tenancy
@@ -198,6 +198,26 @@ class PageTable:
         for b in kept[:num]:
             self.discard(b)
         return num
+
+    def check_new(self, req: Request, num: int, indices: Sequence[int] | None,
+                  intent: Mapping[str, Any] | None) -> Sequence[int]:
+        """Refuse num new blocks of req at `indices` (None: after its last) that could never
+        be placed: indices not increasing past its blocks, a bad intent, a pin that would
+        overcommit the device tier, more blocks than the tier holds. Returns the indices."""
+        if indices is None:
+            indices = range(len(req.blocks), len(req.blocks) + num)
+        elif (len(indices) != num or (indices and indices[0] < len(req.blocks))
+              or any(b <= a for a, b in zip(indices, indices[1:]))):
+            raise InvalidArgument("indices must be increasing and past the request's blocks")
+        if intent:
+            intents.validate(intent)
+            if intents.pinned_after(Block(req, -1, TierKind.NONE, -1), intent):
+                if self.num_pinned + num > self.device.capacity:
+                    raise self.overpinned(num)
+        if num > self.device.capacity:
+            raise InvalidArgument(f"cannot allocate {num} blocks at once: the device tier of "
+                                  f"pool {self.name!r} holds {self.device.capacity} pages")
+        return indices
 
     def make_room(self, num: int, cause: Request | None, reason: Reason,
                   protected: Collection[Block] = ()) -> tuple[list[int], list[Move]]:

@@ -12,15 +12,13 @@ anything.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvd.core import intent as intents
 from kvd.core import prefix, settle
 from kvd.core.admission import Admission, AdmitResult, Decision
 from kvd.core.attribution import Attribution
-from kvd.core.blocks import Block, Request, RequestState, TierKind
+from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import AlreadyExists, InvalidArgument
@@ -29,7 +27,7 @@ from kvd.core.intent import IntentChange, Intents
 from kvd.core.pages import PageTable
 from kvd.core.policies import EvictionPolicy
 from kvd.core.prefix import Prefixes
-from kvd.core.reads import AccessResult, Reads
+from kvd.core.reads import AccessResult, Reads, after_reads
 from kvd.core.requests import RequestTable, check_still, resolve
 from kvd.core.reservation import Reservations, Reserver
 from kvd.core.tenancy import Tenancy
@@ -37,22 +35,6 @@ from kvd.core.tier import TierPages
 from kvd.core.transfer import Reason, TransferPlan
 
 __all__ = ["AccessResult", "Pool", "PoolCounters"]
-
-
-def _after_reads(method):
-    """The pool method first records the reads read_all() left pending, so every decision
-    sees them (see read_all). It may change what read_all() can answer at once: forget the
-    last answer."""
-
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        reads = self.reads
-        if reads.pending:
-            self.record_reads()
-        reads.forget()
-        return method(self, *args, **kwargs)
-
-    return wrapper
 
 
 class Pool:
@@ -111,7 +93,7 @@ class Pool:
         self.reservations = Reservations(
             name, requests=self.requests, admission=self.admission, pages=self.pages,
             tenancy=self.tenancy, attribution=self.attribution, counters=self.counters,
-            clock=clock, page_bytes=page_bytes)
+            clock=clock, page_bytes=page_bytes, reads=self.reads)
 
     # ------------------------------------------------------------------ queries
 
@@ -140,7 +122,7 @@ class Pool:
 
     # ------------------------------------------------------------------ admission
 
-    @_after_reads
+    @after_reads
     def admit(self, request_id: str, *, tenant: str, prompt_tokens: int, output_tokens: int,
               priority: int = 0, handoff_pool: str = "") -> AdmitResult:
         """ADMITTED when the request's projected pages fit the pool now, QUEUED when they can
@@ -163,18 +145,18 @@ class Pool:
         self.requests[request_id] = req
         return self.admission.submit(req)
 
-    @_after_reads
+    @after_reads
     def admit_waiting(self) -> list[Request]:
         """Admit what the queue lets in now (after a change outside the pool's calls)."""
         return self.admission.admit_from_queue()
 
-    @_after_reads
+    @after_reads
     def set_quota(self, tenant: str, quota: TenantQuota) -> list[Request]:
         """Change a tenant's quota now; returns queued requests it let in."""
         self.tenancy.set_quota(tenant, quota)
         return self.admission.admit_from_queue()
 
-    @_after_reads
+    @after_reads
     def refill_plan(self) -> TransferPlan | None:
         """Under a fair policy, a plan demoting pages of tenants above their fair share until
         the free reserve is whole again (None when it is, or nobody is over)."""
@@ -182,7 +164,7 @@ class Pool:
 
     # ------------------------------------------------------------------ engine operations
 
-    @_after_reads
+    @after_reads
     def allocate(self, request_id: str, num_blocks: int,
                  intent: dict[str, Any] | None = None,
                  indices: Sequence[int] | None = None, holder: str = "",
@@ -194,22 +176,8 @@ class Pool:
         if num_blocks <= 0:
             raise InvalidArgument(f"num_blocks must be positive, got {num_blocks}")
         req = self.get_admitted(request_id)
-        if indices is None:
-            indices = range(len(req.blocks), len(req.blocks) + num_blocks)
-        elif (len(indices) != num_blocks or (indices and indices[0] < len(req.blocks))
-              or any(b <= a for a, b in zip(indices, indices[1:]))):
-            raise InvalidArgument("indices must be increasing and past the request's blocks")
         pages = self.pages
-        if intent:
-            intents.validate(intent)
-            if intents.pinned_after(Block(req, -1, TierKind.NONE, -1), intent):
-                if pages.num_pinned + num_blocks > self.device.capacity:
-                    raise pages.overpinned(num_blocks)
-        if num_blocks > self.device.capacity:
-            raise InvalidArgument(
-                f"cannot allocate {num_blocks} blocks at once: the device tier of pool "
-                f"{self.name!r} holds {self.device.capacity} pages"
-            )
+        indices = pages.check_new(req, num_blocks, indices, intent)
         growth = self.admission.growth(req, num_blocks)
         page_numbers, demotions = pages.make_room(num_blocks, req, reason)
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
@@ -218,7 +186,7 @@ class Pool:
             self.admission.reserve(req, growth)
         return plan
 
-    @_after_reads
+    @after_reads
     def access(self, request_id: str, indices: Sequence[int] | None,
                holder: str = "") -> AccessResult:
         """The engine reads these blocks now (None: all of them): see Reads.access."""
@@ -229,21 +197,10 @@ class Pool:
 
     def read_all(self, request_ids: Sequence[str], tenant: str | None = None,
                  key: bytes | None = None) -> tuple[list[str], list[Request]]:
-        """The engine step's hot path: every block of each request is read now. Requests whose
-        blocks are all resident are answered here from a few per-request counters; the rest
-        are returned for the general path (access), as are requests whose blocks moved since
-        the engine was told, and requests of other tenants than `tenant` (None: any), where
-        they get their error.
-
-        Recording the reads (recency for the policy, read metering, counters) is per block and
-        nothing in the reply depends on it, so it is put off: through `defer` (the runtime
-        records them a little after the reply has gone, with the reads of the steps that came
-        meanwhile), and in any case before any other pool method, so every decision sees the
-        reads in the order they came.
-
-        `key`, when given, stands for request_ids in telling a repeated read: bytes that are
-        equal only for equal lists (the Step message without its id); else the ids are
-        joined."""
+        """The engine step's hot path: every block of each request is read now (see
+        Reads.answer). Recording the reads is put off: through `defer` (the runtime records
+        them a little after the reply has gone), and in any case before any other pool method
+        (after_reads), so every decision sees the reads in the order they came."""
         general, relocated, first = self.reads.answer(request_ids, tenant, key)
         if first:
             if self.defer is None:
@@ -253,27 +210,23 @@ class Pool:
         return general, relocated
 
     def record_reads(self) -> None:
-        """Record the reads read_all() answered (a no-op when there are none). Only a read
-        budget is charged late: at the last read rather than each (the refill of that moment
-        is lost, never gained)."""
-        reads = self.reads.take()
-        if reads:
-            self.reads.record(reads)
+        """Record the reads read_all() answered (see Reads.record_pending)."""
+        self.reads.record_pending()
 
-    @_after_reads
+    @after_reads
     def snapshot(self) -> Pool:
         """The pool with every answered read recorded, for a reader of its figures (stats,
         metrics, the admin's listings): the counters then include the last steps' reads."""
         return self
 
-    @_after_reads
+    @after_reads
     def note_late(self, blocks: Iterable[Block]) -> None:
         """An access had to wait for these blocks' promotion (already under way): misses."""
         self.reads.note_late(blocks)
 
     # ------------------------------------------------------------------ holds
 
-    @_after_reads
+    @after_reads
     def end_holds(self, holder: str) -> list[Request]:
         """The holder called again (or went away): what it was handed is evictable again.
         Returns queued requests admitted now that those pages may be taken."""
@@ -283,17 +236,17 @@ class Pool:
 
     # ------------------------------------------------------------------ intents
 
-    @_after_reads
+    @after_reads
     def check_intents(self, changes: Sequence[IntentChange], final: dict) -> None:
         """Validate a slice of a batch without changing anything (see Intents.check)."""
         self.intents.check(changes, final)
 
-    @_after_reads
+    @after_reads
     def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
         """Apply a batch of intent updates, all or none (see Intents.update)."""
         return self.intents.update(changes, self.clock.now())
 
-    @_after_reads
+    @after_reads
     def prefetch(self, blocks: list[Block]) -> TransferPlan | None:
         """Promote what fits of `blocks` ahead of their access; a hint, so no room is no error."""
         return self.intents.prefetch(blocks)
@@ -305,18 +258,18 @@ class Pool:
         prefix.check_keys(namespace, keys)
         return self.prefixes.lookup(namespace, keys)
 
-    @_after_reads
+    @after_reads
     def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
               holder: str = "") -> tuple[TransferPlan, list[Block]]:
         """Blocks under these keys for the request, new ones to write (see Prefixes.store)."""
         return self.prefixes.store(self.get_admitted(request_id), namespace, keys, holder)
 
-    @_after_reads
+    @after_reads
     def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]) -> int:
         """The engine wrote these stored blocks (see Prefixes.commit)."""
         return self.prefixes.commit(self.get_admitted(request_id), namespace, keys)
 
-    @_after_reads
+    @after_reads
     def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
              holder: str = "") -> list[Block]:
         """The leading run of these keys, for the request to read (see Prefixes.load)."""
@@ -324,7 +277,7 @@ class Pool:
 
     # ------------------------------------------------------------------ giving back
 
-    @_after_reads
+    @after_reads
     def free(self, request_id: str, indices: Sequence[int]) -> int:
         """Give back some blocks of a request; their indices stay unused."""
         req = self.get_admitted(request_id)
@@ -334,7 +287,7 @@ class Pool:
             self.pages.discard(b)
         return len(blocks)
 
-    @_after_reads
+    @after_reads
     def release(self, request_id: str) -> tuple[int, list[Request]]:
         """Give back a whole request (queued or admitted). Returns the number of blocks freed
         and the queued requests admitted because of it."""
@@ -354,7 +307,7 @@ class Pool:
         del self.requests[request_id]
         return len(live), self.admission.admit_from_queue()
 
-    @_after_reads
+    @after_reads
     def evict(self, num_pages: int) -> TransferPlan:
         """Demote num_pages victims now (the engine asked for room): all or none."""
         if num_pages <= 0:
@@ -364,48 +317,22 @@ class Pool:
         return TransferPlan(self.name, Reason.EVICT, None,
                             demotions=self.pages.evict(num_pages, None, Reason.EVICT, False))
 
-    @_after_reads
+    @after_reads
     def set_policy(self, name: str) -> str:
         """Switch the eviction policy at run time; the evictable blocks carry over."""
         old = self.pages.set_policy(name)
         self.tenancy.set_share_capacity(self.pages.share_capacity)
         return old
 
-    # ------------------------------------------------------------------ disaggregation
-
-    @_after_reads
-    def reserve(self, request_id: str, tenant: str, *, prompt_tokens: int, output_tokens: int,
-                priority: int, ttl_s: float) -> Request:
-        """Hold the pages a request handed off from another pool will need (see
-        Reservations.reserve)."""
-        return self.reservations.reserve(request_id, tenant, prompt_tokens=prompt_tokens,
-                                         output_tokens=output_tokens, priority=priority,
-                                         ttl_s=ttl_s)
-
-    @_after_reads
-    def claim(self, request_id: str) -> Request:
-        """A reservation becomes an admitted request (its handoff is starting)."""
-        return self.reservations.claim(request_id)
-
-    @_after_reads
-    def begin_handoff(self, request_id: str) -> list[Block]:
-        """Hold a request's blocks still while they are copied to another pool."""
-        return self.reservations.begin_handoff(self.get_admitted(request_id))
-
-    @_after_reads
-    def end_handoff(self, blocks: list[Block]) -> None:
-        """The copy is over (done or abandoned): the blocks are as they were."""
-        self.reservations.end_handoff(blocks)
-
     # ------------------------------------------------------------------ transfers
 
-    @_after_reads
+    @after_reads
     def complete(self, plan: TransferPlan) -> list[Block]:
         """The plan's bytes are copied: make the page table say so. Returns blocks pinned while
         they were being demoted, which now want a prefetch."""
         return settle.complete(self.pages, plan)
 
-    @_after_reads
+    @after_reads
     def abort(self, plan: TransferPlan) -> None:
         """The copy failed or was cancelled: put everything back as it was before the plan."""
         settle.abort(self.pages, plan)

@@ -12,8 +12,8 @@ order they came.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
-
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,19 @@ class AccessResult:
     # The plan brings in only some of the missing blocks (the host tier cannot take all
     # the victims at once): execute it and access again for the rest.
     partial: bool = False
+
+
+def after_reads(method):
+    """The method, of a room holding its pool's `reads`, first records the reads the hot path
+    left pending, so every decision sees them (see Pool.read_all). It may change what answer()
+    can give at once: the last answer is forgotten."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.reads.settle()
+        return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class ReadRecord:
@@ -138,6 +151,20 @@ class Reads:
 
     def forget(self) -> None:
         """The pool is about to change: the last answer may no longer hold."""
+        self._last = None
+
+    def record_pending(self) -> None:
+        """Record the reads answered so far (a no-op when there are none). Only a read budget
+        is charged late: at the last read rather than each (the refill of that moment is
+        lost, never gained)."""
+        if self.pending:
+            self.record(self.take())
+
+    def settle(self) -> None:
+        """Before any other call on the pool: the pending reads recorded, the last answer
+        forgotten."""
+        if self.pending:
+            self.record(self.take())
         self._last = None
 
     def take(self) -> list[tuple[Request, float, float | None, int]]:

@@ -19,6 +19,7 @@ from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+from kvd.core.reads import Reads, after_reads
 from kvd.core.requests import RequestTable, check_still
 from kvd.core.tenancy import Tenancy
 
@@ -63,7 +64,7 @@ class PoolReserver:
 
     def reserve(self, req: Request) -> None:
         """Reserve req's decode pages in its handoff pool."""
-        self.pool_of(req.handoff_pool).reserve(
+        self.pool_of(req.handoff_pool).reservations.reserve(
             req.request_id, req.tenant, prompt_tokens=req.prompt_tokens,
             output_tokens=req.output_tokens, priority=req.priority, ttl_s=self.ttl_s)
 
@@ -73,8 +74,9 @@ class Reservations:
 
     def __init__(self, name: str, *, requests: RequestTable, admission: Admission,
                  pages: PageTable, tenancy: Tenancy, attribution: Attribution,
-                 counters: PoolCounters, clock: Clock, page_bytes: int) -> None:
+                 counters: PoolCounters, clock: Clock, page_bytes: int, reads: Reads) -> None:
         self.name = name
+        self.reads = reads
         self.requests = requests
         self.admission = admission
         self.pages = pages
@@ -86,6 +88,7 @@ class Reservations:
         # Requests made by reserve() and not yet claimed (some may be gone: pruned lazily).
         self._unclaimed: dict[str, Request] = {}
 
+    @after_reads
     def reserve(self, request_id: str, tenant: str, *, prompt_tokens: int, output_tokens: int,
                 priority: int, ttl_s: float) -> Request:
         """Hold the pages a request handed off from another pool will need (prompt plus
@@ -108,6 +111,7 @@ class Reservations:
         self.admission.reserve(req, projected)
         return req
 
+    @after_reads
     def claim(self, request_id: str) -> Request:
         """A reservation becomes an admitted request (its handoff is starting)."""
         req = self.requests.find(request_id)
@@ -141,9 +145,11 @@ class Reservations:
         """Pages held for requests not yet handed off to this pool."""
         return sum(r.reserved_pages for r in self.live())
 
-    def begin_handoff(self, req: Request) -> list[Block]:
+    @after_reads
+    def begin_handoff(self, request_id: str) -> list[Block]:
         """Hold a request's blocks still while they are copied to another pool: none may be
         evicted, freed or moved until end_handoff."""
+        req = self.requests.admitted(request_id, self.admission.queue)
         live = req.live_blocks()
         check_still(live)
         dropped = [b.index for b in live if b.tier is TierKind.NONE]
@@ -159,6 +165,7 @@ class Reservations:
             req.num_moving_blocks += 1
         return live
 
+    @after_reads
     def end_handoff(self, blocks: list[Block]) -> None:
         """The copy is over (done or abandoned): the blocks are as they were."""
         policy = self.pages.policy

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import grpc
-import structlog
 
 from kvd import __version__, stats
 from kvd.core import errors
-from kvd.events import KINDS
-from kvd.metrics import observe_rpc
 from kvd.node import Node
 from kvd.service import convert
 from kvd.service.auth import Authenticator, Caller
@@ -26,17 +22,12 @@ from kvd.service.convert import (
     shared_handle,
 )
 from kvd.service.gate import CallGate, CallLimits, StepTurns
-from kvd.service.register import MAX_STRING, Malformed
-from kvd.service.status import local_message, status_of
+from kvd.service.register import MAX_STRING
 from kvd.service.step import StepStreams
+from kvd.service.streams import Streams
 from kvd.service.unary import unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
-
-log = structlog.get_logger("kvd.service")
-
-# Events kvd keeps for one watcher that does not read (about 600 bytes each).
-MAX_EVENT_BUFFER = 16384
 
 
 class MemoryService(pb_grpc.MemoryServicer):
@@ -53,6 +44,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits = CallLimits(node.config.max_items_per_call,
                                  node.config.max_blocks_per_call)
         self.steps = StepStreams(node, auth, self.turns, self.limits)
+        self.streams = Streams(node, auth, self._may_use)
         self.restricted = {p.name: frozenset(p.tenants) for p in node.config.pools
                            if p.tenants}
 
@@ -122,14 +114,14 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits.check(len(request.keys), "block keys", blocks=True)
         pool = request.pool or "default"
         self._may_use(pool, caller.tenant or "default")
-        run = self.node.lookup(pool, request.namespace, list(request.keys))
+        run = self.node.shared.lookup(pool, request.namespace, list(request.keys))
         return pb.LookupResponse(num_hit=len(run), tiers=[int(b.tier) for b in run])
 
     @unary
     async def Store(self, request: pb.StoreRequest, caller: Caller) -> pb.StoreResponse:
         self.limits.check(len(request.keys), "block keys", blocks=True)
         rid = caller.ns + request.request_id
-        blocks, fresh, stall_s = await self.node.store(
+        blocks, fresh, stall_s = await self.node.shared.store(
             rid, request.namespace, list(request.keys), caller.scope, holder=caller.holder)
         page_bytes = self._page_bytes(rid)
         return pb.StoreResponse(
@@ -140,7 +132,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitResponse:
         self.limits.check(len(request.keys), "block keys", blocks=True)
-        n = await self.node.commit(caller.ns + request.request_id, request.namespace,
+        n = await self.node.shared.commit(caller.ns + request.request_id, request.namespace,
                                    list(request.keys), caller.scope)
         return pb.CommitResponse(num_committed=n)
 
@@ -148,7 +140,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     async def Load(self, request: pb.LoadRequest, caller: Caller) -> pb.LoadResponse:
         self.limits.check(len(request.keys), "block keys", blocks=True)
         rid = caller.ns + request.request_id
-        blocks = await self.node.load(rid, request.namespace, list(request.keys),
+        blocks = await self.node.shared.load(rid, request.namespace, list(request.keys),
                                       caller.scope, holder=caller.holder)
         page_bytes = self._page_bytes(rid)
         return pb.LoadResponse(handles=[shared_handle(b, page_bytes, request.request_id, i)
@@ -247,123 +239,14 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     async def WaitAdmission(self, request: pb.WaitAdmissionRequest,
                             context: grpc.aio.ServicerContext) -> None:
-        caller = None
-        admitted = False
-        try:
-            if type(request) is Malformed:
-                raise errors.InvalidArgument(request.message)
-            caller = self.auth.identify(context)
-            rid = caller.ns + request.request_id
-            self.node.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
-            last = None
-            while True:
-                admitted, position, reason, changed = self.node.admission_state(
-                    rid, caller.scope)
-                if admitted:
-                    await context.write(pb.AdmissionUpdate(decision=pb.DECISION_ADMITTED))
-                    return
-                if position != last:
-                    last = position
-                    await context.write(pb.AdmissionUpdate(
-                        decision=pb.DECISION_QUEUED, queue_position=position, reason=reason))
-                try:
-                    await changed.wait()  # woken only when this request's answer changed
-                finally:
-                    if not changed.is_set():  # cancelled: nothing left waiting for it
-                        rt = self.node.request_index.get(rid)
-                        if rt is not None:
-                            rt.waiters.forget(rid, changed)
-        except errors.KvdError as exc:
-            await context.abort(status_of(exc), local_message(exc, caller))
-        finally:
-            # However the stream ended (cancelled while waiting or while writing), a client
-            # that stopped waiting no longer wants its still-queued request.
-            if caller is not None:
-                self.node.leases.stream_closed(caller.lease)
-                rt = self.node.request_index.get(rid)
-                queued = rt.pool.queue.get(rid) if rt is not None else None
-                if not admitted and queued is not None and caller.may_touch(queued.tenant):
-                    await self.node.release(rid)
-                    log.info("queued request withdrawn", request_id=rid)
+        await self.streams.wait_admission(request, context)
 
     async def Handoff(self, request: pb.HandoffRequest, context: grpc.aio.ServicerContext) -> None:
-        started = time.perf_counter()
-        code = "OK"
-        caller = None
-        try:
-            if type(request) is Malformed:
-                raise errors.InvalidArgument(request.message)
-            caller = self.auth.identify(context)
-            ns = len(caller.ns)
-            if request.target_pool and not caller.admin:
-                self._may_use(request.target_pool, caller.tenant)
-            self.node.end_holds(caller.holder)  # its calls before are done
-            # Closed however this handler ends, a cancel while writing included: the
-            # handoff's owner is this call, and a caller that went away rolls it back now.
-            async with contextlib.aclosing(self.node.handoff(
-                    caller.ns + request.request_id, request.target_pool, caller.scope,
-                    caller.holder)) as progress:
-                async for p in progress:
-                    page_bytes = self.node.runtime(p["pool"]).pool.page_bytes
-                    await context.write(pb.HandoffProgress(
-                        request_id=p["request_id"][ns:], pool=p["pool"],
-                        blocks_done=p["blocks_done"], blocks_total=p["blocks_total"],
-                        bytes_done=p["bytes_done"], bytes_total=p["bytes_total"],
-                        done=p["done"],
-                        handles=[handle(b, page_bytes, ns) for b in p["blocks"] or ()]))
-        except errors.KvdError as exc:
-            code = status_of(exc).name
-            await context.abort(status_of(exc), local_message(exc, caller))
-        except Exception as exc:  # the copy failed: rolled back, nothing half-moved
-            code = "ABORTED"
-            log.error("handoff failed", request_id=request.request_id, error=repr(exc))
-            await context.abort(grpc.StatusCode.ABORTED,
-                                f"handoff failed and was rolled back: {exc!r}")
-        finally:
-            observe_rpc("Handoff", code, time.perf_counter() - started)
+        await self.streams.handoff(request, context)
 
     async def WatchEvents(self, request: pb.WatchEventsRequest,
                           context: grpc.aio.ServicerContext) -> None:
-        try:
-            if type(request) is Malformed:
-                raise errors.InvalidArgument(request.message)
-            caller = self.auth.identify(context)
-            if request.buffer > MAX_EVENT_BUFFER:
-                raise errors.InvalidArgument(f"buffer is at most {MAX_EVENT_BUFFER} events, "
-                                             f"got {request.buffer}")
-            unknown = set(request.kinds) - set(KINDS)
-            if unknown:
-                raise errors.InvalidArgument(f"unknown event kinds {sorted(unknown)}; "
-                                             f"choose from {', '.join(KINDS)}")
-            tenants = list(request.tenants)
-            if not caller.admin:  # a tenant watches its own requests only
-                if tenants and tenants != [caller.tenant]:
-                    raise errors.PermissionDenied("a tenant may watch only its own events")
-                tenants = [caller.tenant]
-        except errors.KvdError as exc:
-            await context.abort(status_of(exc), str(exc))
-        bus = self.node.events
-        try:
-            sub = bus.subscribe(request.pools, tenants, request.kinds, request.buffer or 1024,
-                                owner="" if caller.admin else caller.tenant)
-        except errors.KvdError as exc:
-            await context.abort(status_of(exc), str(exc))
-        generation = self.auth.generation
-        ns = len(caller.ns)  # a tenant sees only its own requests' events: their ids unprefixed
-        try:
-            while True:
-                e = await bus.next(sub)
-                if self.auth.generation != generation:
-                    generation = self.auth.generation
-                    try:
-                        self.auth.identify(context)
-                    except errors.KvdError as exc:
-                        await context.abort(status_of(exc), str(exc))
-                await context.write(pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
-                               tenant=e.tenant, request_id=e.request_id[ns:], count=e.count,
-                               detail=convert.redacted(e.detail, caller.scope), lost=e.lost))
-        finally:
-            bus.unsubscribe(sub)
+        await self.streams.watch_events(request, context)
 
     async def Step(self, request_iterator: AsyncIterator[tuple[bytes, pb.StepRequest]],
                    context: grpc.aio.ServicerContext) -> None:

@@ -1,0 +1,49 @@
+"""Shared prefix blocks at the node: the engine's calls on blocks named by key (look up,
+store, commit, load), each run on the pool that holds the request (see core/prefix.py for
+what a pool does with them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvd.core.blocks import Block
+from kvd.runtime import PoolRuntime
+
+
+class SharedBlocks:
+    """The node's entry to its pools' shared prefix blocks. `runtime` finds a pool by name,
+    `runtime_of` the pool of a request the caller may touch (see Node)."""
+
+    def __init__(self, runtime: Callable[[str], PoolRuntime],
+                 runtime_of: Callable[[str, str | None], PoolRuntime]) -> None:
+        self.runtime = runtime
+        self.runtime_of = runtime_of
+
+    def lookup(self, pool: str, namespace: str, keys: Sequence[bytes]) -> list[Block]:
+        """The leading run of these prefix keys a pool holds (see Prefixes.lookup)."""
+        rt = self.runtime(pool)
+        return rt.pool.lookup(namespace, keys)
+
+    async def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
+                    scope: str | None = None, holder: str = ""
+                    ) -> tuple[list[Block], list[bool], float]:
+        """Shared blocks under these keys for a request: (blocks, fresh per key, stall).
+        Fresh ones are new pages, held for the holder, which writes them and commits."""
+        rt = self.runtime_of(request_id, scope)
+        plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
+                                                          holder))
+        stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
+        fresh = {id(b) for b in plan.allocated}
+        return blocks, [id(b) in fresh for b in blocks], stall_s
+
+    async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes],
+                     scope: str | None = None) -> int:
+        """The engine wrote these stored blocks: lookups find them from now on."""
+        rt = self.runtime_of(request_id, scope)
+        return await rt.run(lambda: rt.pool.commit(request_id, namespace, keys))
+
+    async def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
+                   scope: str | None = None, holder: str = "") -> list[Block]:
+        """The leading run of these keys, held for the holder to copy from."""
+        rt = self.runtime_of(request_id, scope)
+        return await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder))
