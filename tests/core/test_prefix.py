@@ -146,3 +146,23 @@ def test_a_failed_store_leaves_no_name_behind(make_pool):
     pool.abort(plan)
     assert pool.pages.named == {} and pool.lookup(NS, KEYS[:2]) == []
     assert pool.requests["b"].shared == []
+
+
+@pytest.mark.parametrize("policy", ["lru", "fair"])
+def test_a_store_never_evicts_the_blocks_it_hands_back(make_pool, policy):
+    # With the host tier full, a victim is dropped (a named block may be recomputed) and a
+    # dropped named block is let go. A store that chose a block it had found as the victim
+    # of its own new pages handed that block back without a page.
+    pool = make_pool(device_pages=2, host_pages=1, policy=policy, reserve_pages=0)
+    for rid, key in (("f", KEYS[5]), ("a", KEYS[0]), ("b", KEYS[1])):
+        _admit(pool, rid, tokens=16)
+        _stored(pool, rid, [key])
+        pool.release(rid)
+        if rid == "f":
+            settle(pool, pool.evict(1))  # the host tier is full now
+        pool.clock.advance(1.0)  # KEYS[0] is the least recently used of the two on device
+    _admit(pool, "c", tokens=32)
+    plan, blocks = _stored(pool, "c", [KEYS[0], KEYS[2]])
+    assert all(b.tier is TierKind.DEVICE and b.page >= 0 for b in blocks)
+    assert [b.name[1] for b in pool.lookup(NS, [KEYS[0], KEYS[2]])] == [KEYS[0], KEYS[2]]
+    assert [m.block.name[1] for m in plan.demotions] == [KEYS[1]]

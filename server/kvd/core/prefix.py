@@ -89,7 +89,9 @@ class Prefixes:
         new_uses = sum(1 for b in found if b is None or id(b) not in used)
         growth = self.admission.growth(req, new_uses)
         pages = self.pages
-        page_numbers, demotions = pages.make_room(len(fresh), req, Reason.ALLOCATE)
+        # The blocks found are handed back: none may be a victim of the new pages' room.
+        page_numbers, demotions = pages.make_room(
+            len(fresh), req, Reason.ALLOCATE, [b for b in found if b is not None])
         plan = TransferPlan(self.pool, Reason.ALLOCATE, req, demotions=demotions)
         keeper = self.keeper(req.tenant)
         start = len(keeper.blocks)
