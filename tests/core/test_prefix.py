@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.core.blocks import TierKind
-from kvd.core.errors import InvalidArgument, ResourceExhausted
+from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 
 from .conftest import settle
 
@@ -166,3 +166,22 @@ def test_a_store_never_evicts_the_blocks_it_hands_back(make_pool, policy):
     assert all(b.tier is TierKind.DEVICE and b.page >= 0 for b in blocks)
     assert [b.name[1] for b in pool.lookup(NS, [KEYS[0], KEYS[2]])] == [KEYS[0], KEYS[2]]
     assert [m.block.name[1] for m in plan.demotions] == [KEYS[1]]
+
+
+def test_a_block_dropped_before_its_commit_says_so(make_pool):
+    # Its holder called again (the hold ended) and the host tier was full: the stored block
+    # was dropped before the engine committed it. The commit must say to store it again,
+    # not that the request never stored it.
+    pool = make_pool(device_pages=2, host_pages=1, reserve_pages=0)
+    _admit(pool, "f", tokens=16)
+    _stored(pool, "f", [KEYS[5]])
+    pool.release("f")
+    settle(pool, pool.evict(1))  # the host tier is full now
+    _admit(pool, "a", tokens=16)
+    _stored(pool, "a", [KEYS[0]], commit=False)
+    settle(pool, pool.evict(1))
+    with pytest.raises(FailedPrecondition, match="store it again"):
+        pool.commit("a", NS, [KEYS[0]])
+    with pytest.raises(InvalidArgument, match="did not store"):
+        pool.commit("a", NS, [KEYS[1]])
+    pool.release("a")

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from kvd.core.admission import Admission
 from kvd.core.blocks import Block, Request, RequestState, TierKind
-from kvd.core.errors import InvalidArgument
+from kvd.core.errors import FailedPrecondition, InvalidArgument
 from kvd.core.pages import PageTable
 from kvd.core.tenancy import Tenancy
 from kvd.core.transfer import Reason, TransferPlan
@@ -121,6 +121,12 @@ class Prefixes:
         for k in keys:
             b = self.named.get((namespace, k))
             if b is None or id(b) not in used:
+                if any(u.name == (namespace, k) for u in req.shared):
+                    # Its holder called again before committing, and the block was dropped.
+                    raise FailedPrecondition(
+                        f"block key {k.hex()[:32]!r} of request {req.request_id!r} was "
+                        "evicted before it was committed (its hold ended with the holder's "
+                        "next call); store it again")
                 raise InvalidArgument(
                     f"request {req.request_id!r} did not store block key {k.hex()[:32]!r}")
             blocks.append(b)
