@@ -185,3 +185,22 @@ def test_a_block_dropped_before_its_commit_says_so(make_pool):
     with pytest.raises(InvalidArgument, match="did not store"):
         pool.commit("a", NS, [KEYS[1]])
     pool.release("a")
+
+
+def test_a_full_host_tier_lets_its_oldest_kept_block_go_for_a_newer_one(make_pool):
+    # Else the host tier keeps the first kept blocks demoted forever and drops every later
+    # one: a prefix cache that stops learning once full.
+    pool = make_pool(device_pages=2, host_pages=1, reserve_pages=0)
+    _admit(pool, "f", tokens=16)
+    _stored(pool, "f", [KEYS[5]])
+    pool.release("f")
+    settle(pool, pool.evict(1))  # the host tier is full of an old kept block
+    pool.clock.advance(1.0)
+    _admit(pool, "a", tokens=32)
+    _stored(pool, "a", KEYS[:2])
+    pool.release("a")
+    plan = settle(pool, pool.evict(1))
+    (move,) = plan.demotions
+    assert move.block.tier is TierKind.HOST and move.block.name[1] in KEYS[:2]
+    assert pool.lookup(NS, [KEYS[5]]) == []  # the old one went
+    assert len(pool.lookup(NS, KEYS[:2])) == 2  # both new ones are still in kvd

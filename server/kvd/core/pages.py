@@ -172,6 +172,8 @@ class PageTable:
                 f"pool {self.name!r}: host tier full ({self.host.capacity} pages) and the "
                 "victims cannot be recomputed; free or release requests", demotable
             )
+        if len(victims) > num_host:
+            num_host += self._turn_over_host(victims[num_host:])
         self.policy.take(victims)
         moves = []
         for i, victim in enumerate(victims):
@@ -185,6 +187,22 @@ class PageTable:
                 moves.append(Move(victim, MoveKind.DROP, TierKind.DEVICE, victim.page,
                                   TierKind.NONE, -1, reassign))
         return moves
+
+    def _turn_over_host(self, dropping: list[Block]) -> int:
+        """Victims about to be dropped for want of host room take the host pages of kept
+        blocks nobody uses that were read longer ago than they were, oldest first (else
+        the host tier would keep the first blocks demoted forever, and drop every later
+        one). Returns the host pages made free."""
+        kept = sorted((b for b in self.host.owner if b is not None and b.name is not None
+                       and not b.users and not b.held and not b.moving),
+                      key=lambda b: b.last_access)
+        freed = 0
+        for victim, old in zip(dropping, kept):
+            if old.last_access >= victim.last_access:
+                break
+            self.discard(old)
+            freed += 1
+        return freed
 
     def reclaim_host(self, num: int) -> int:
         """Let go of num shared blocks nobody uses from the host tier, least recently read
