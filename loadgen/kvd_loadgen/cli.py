@@ -141,6 +141,9 @@ def _request_trace_parser(sub) -> None:
     rt.add_argument("--host-pages", type=int, default=40000)
     rt.add_argument("--step-ms", type=float, default=20.0)
     rt.add_argument("--max-output-tokens", type=int, default=128)
+    rt.add_argument("--no-share", action="store_true",
+                    help="ignore the trace's prefix blocks (hash_ids): every prompt's blocks "
+                         "are its own")
     rt.add_argument("--skip-bad", action="store_true", help="leave out bad lines")
     rt.add_argument("--json", type=Path)
     rt.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")

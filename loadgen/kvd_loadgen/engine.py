@@ -4,6 +4,11 @@ Each engine step sends one Step message for every running request: allocations f
 and for sequences that cross a block boundary, reads of every block (attention), releases of
 finished requests. Requests bigger than `chunk_blocks` are read in chunks within the step, as
 an engine that streams a long context through a smaller device share does.
+
+A request with block keys (its prompt's prefix blocks, named as an engine's prefix cache names
+them) shares them: on admission the engine looks the keys up, loads the leading run kvd holds
+(a prefix hit, not recomputed) and stores the rest for the next request with that prefix;
+only the blocks its decoding adds are its own.
 """
 
 from __future__ import annotations
@@ -13,7 +18,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_client import (
+    AsyncClient,
+    FailedPreconditionError,
+    KvdClientError,
+    ResourceExhaustedError,
+    pb,
+)
 
 
 @dataclass(slots=True)
@@ -32,8 +43,10 @@ class SimRequest:
     queued: bool = False
     prefill_stall_s: float = 0.0  # the stall of the step that allocated its prompt
     generated: int = 0
-    num_blocks: int = 0
+    num_blocks: int = 0  # its own blocks (decode), past its shared prompt blocks
     prefilled: bool = False
+    keys: tuple[bytes, ...] = ()  # shared prompt blocks (empty: the prompt's blocks are own)
+    hit_blocks: int = 0  # of `keys`, the leading run kvd held on arrival
 
     @property
     def admission_wait_s(self) -> float | None:
@@ -67,8 +80,10 @@ class Engine:
     """Runs requests through kvd at a steady step pace."""
 
     def __init__(self, client: AsyncClient, *, block_tokens: int, step_s: float,
-                 chunk_blocks: int = 256, pool: str = "", tenant: str = "") -> None:
+                 chunk_blocks: int = 256, pool: str = "", tenant: str = "",
+                 namespace: str = "") -> None:
         self.client = client
+        self.namespace = namespace  # of the requests' block keys
         self.block_tokens = block_tokens
         self.step_s = step_s
         self.chunk_blocks = chunk_blocks
@@ -97,7 +112,30 @@ class Engine:
                 if update.decision == pb.DECISION_ADMITTED:
                     break
         req.admitted_at = time.monotonic()
+        if req.keys:
+            await self._share_prompt(req)
         self.running.append(req)
+
+    async def _share_prompt(self, req: SimRequest) -> None:
+        """The prompt's blocks through kvd's shared blocks: the leading run kvd holds is
+        loaded (a hit), the others stored and committed (this stand-in writes no bytes).
+        Storing may wait for room like an allocation; its stall is the prefill's."""
+        rid, ns, keys = req.request_id, self.namespace, list(req.keys)
+        req.hit_blocks = (await self.client.lookup(ns, keys, pool=self.pool)).num_hit
+        if req.hit_blocks:
+            await self.client.load(rid, ns, keys[:req.hit_blocks])
+        try:
+            stored = await self.client.store(rid, ns, keys)
+        except ResourceExhaustedError:
+            req.keys = ()  # no room to keep them: the prompt's blocks are its own
+            return
+        fresh = [k for k, f in zip(keys, stored.fresh) if f]
+        if fresh:
+            try:
+                await self.client.commit(rid, ns, fresh)
+            except FailedPreconditionError:
+                pass  # this client's other calls ended the hold and they were dropped: unsaved
+        req.prefill_stall_s += stored.stall_us / 1e6
 
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
@@ -109,14 +147,16 @@ class Engine:
         decoded = []
         allocations = []  # (request, blocks) per allocation item, in order
         for req in self.running:
+            shared = len(req.keys)
             prompt_blocks = self._blocks_for(req.prompt_tokens)
             if not req.prefilled:
                 req.prefilled = True
                 prefill.append(req)
-            elif req.num_blocks >= prompt_blocks:  # decoding: one token per step
+            elif req.num_blocks + shared >= prompt_blocks:  # decoding: one token per step
                 req.generated += 1
                 decoded.append(req)
-            need = self._blocks_for(req.prompt_tokens + req.generated) - req.num_blocks
+            need = (self._blocks_for(req.prompt_tokens + req.generated) - shared
+                    - req.num_blocks)
             while need > 0:  # chunked prefill: a prompt bigger than a chunk goes in pieces
                 n = min(need, self.alloc_chunk)
                 step.allocations.append(pb.AllocateRequest(request_id=req.request_id,
@@ -199,7 +239,7 @@ class Engine:
                                                    len(self.running), len(reply.errors),
                                                    bool(prefill)))
                 for req in prefill:
-                    req.prefill_stall_s = reply.stall_us / 1e6
+                    req.prefill_stall_s += reply.stall_us / 1e6
 
                 if finished:
                     await stream.send(pb.StepRequest(

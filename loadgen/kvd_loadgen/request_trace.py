@@ -1,12 +1,19 @@
 """`kvd-loadgen request-trace TRACE`: play a request trace against a live kvd as engines with
 continuous batching would, under one or more policies on fresh daemons, and report per
 tenant: admission wait, time-to-first-token's memory part, per-step stall, evictions, tokens
-per second, fairness; with a markdown report and plots."""
+per second, fairness; with a markdown report and plots.
+
+A trace with prefix blocks (Mooncake's `hash_ids`) is played with them as shared block keys,
+as an engine's prefix cache names blocks: requests with a common prefix share its pages, kept
+after they end. Then each tenant's prefix hit rate, the pages it shares and what the split of
+their cost saves it are reported too; the `lru` policy is then a plain LRU prefix cache, what
+an engine does alone."""
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -35,6 +42,13 @@ class TraceRun:
     step_ms: float = 20.0
     chunk_blocks: int = 256
     max_output_tokens: int = 128  # longer outputs are cut, to keep the run minutes long
+    share: bool = True  # a trace's prefix blocks (hash_ids) are shared block keys
+
+
+# The namespace of the trace's block keys (one model, no salt), and the tokens in a block
+# Mooncake's hash_ids name.
+NAMESPACE = "trace"
+MOONCAKE_BLOCK_TOKENS = 512
 
 
 def kvd_config(run: TraceRun, policy: str, tenants: list[str]) -> str:
@@ -52,7 +66,8 @@ async def _occupancy(admin: AsyncClient) -> dict:
     stats = (await admin.pool_stats()).pools[0]
     return {"device_used": stats.tiers[0].used_pages, "host_used": stats.tiers[1].used_pages,
             "tenants": {t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
-                        if t.reserved_pages > 0}}
+                        if t.reserved_pages > 0},
+            "shared": {t.tenant: (t.shared_pages, t.shared_saved_pages) for t in tenants}}
 
 
 def _arrivals(run: TraceRun, trace: list[TraceRequest]) -> list[SimRequest]:
@@ -60,7 +75,8 @@ def _arrivals(run: TraceRun, trace: list[TraceRequest]) -> list[SimRequest]:
     rule = tenant_rule(run.tenants)
     return [SimRequest(r.request_id, r.prompt_tokens,
                        min(max(r.output_tokens, 1), run.max_output_tokens), rule(r),
-                       r.arrival_s / run.speed) for r in trace]
+                       r.arrival_s / run.speed,
+                       keys=tuple(r.block_keys) if run.share else ()) for r in trace]
 
 
 async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
@@ -72,7 +88,8 @@ async def run_policy(run: TraceRun, policy: str, trace: list[TraceRequest],
                    for t in tenants}
         try:
             engines = {t: Engine(clients[t], block_tokens=run.block_tokens,
-                                 step_s=run.step_ms / 1000, chunk_blocks=run.chunk_blocks)
+                                 step_s=run.step_ms / 1000, chunk_blocks=run.chunk_blocks,
+                                 namespace=NAMESPACE)
                        for t in tenants}
             samplers = Samplers(admin)
             samples, link_samples = samplers.start((_occupancy, 0.5), (link_sample, 0.5))
@@ -110,8 +127,10 @@ async def _play(arrivals: list[SimRequest], engines: dict[str, Engine], start: f
         await engines[sim.klass].arrive(sim)
 
     async def all_arrived():
-        await asyncio.gather(*(arrive(s) for s in arrivals))
-        done.set()
+        try:
+            await asyncio.gather(*(arrive(s) for s in arrivals))
+        finally:
+            done.set()  # an arrival that failed stops the run (raised below), not hangs it
 
     async def report_progress():
         while progress:
@@ -136,6 +155,8 @@ def _tenant_figures(tenant: str, reqs: list[SimRequest], eng: Engine, info, samp
     prefill = [r.prefill_stall_s * 1e3 for r in reqs if r.prefilled]
     ratios = [s["tenants"][tenant][0] / max(s["tenants"][tenant][1], 1e-9) for s in samples
               if tenant in s["tenants"]]
+    keyed = [r for r in reqs if r.keys or r.hit_blocks]
+    shared = [s["shared"][tenant] for s in samples if tenant in s.get("shared", {})]
     return {
         "tenant": tenant, "requests": len(reqs),
         "finished": sum(1 for r in reqs if r.finished_at),
@@ -154,6 +175,15 @@ def _tenant_figures(tenant: str, reqs: list[SimRequest], eng: Engine, info, samp
         "evictions_suffered": info.evictions_suffered if info else 0,
         "evictions_caused": info.evictions_caused if info else 0,
         "mean_share_ratio": statistics.fmean(ratios) if ratios else 0.0,
+        # Shared prefix blocks: keys found on arrival over keys asked for; pages of blocks
+        # the tenant's requests use with others', and the pages that split saves it
+        # (means over the run's samples).
+        "prefix_blocks": sum(len(r.keys) for r in keyed),
+        "prefix_hit_blocks": sum(r.hit_blocks for r in keyed),
+        "prefix_hit_rate": (sum(r.hit_blocks for r in keyed)
+                            / max(1, sum(len(r.keys) for r in keyed))),
+        "shared_pages_mean": statistics.fmean(x[0] for x in shared) if shared else 0.0,
+        "shared_saved_pages_mean": statistics.fmean(x[1] for x in shared) if shared else 0.0,
     }
 
 
@@ -169,8 +199,14 @@ def run_cli(args) -> int:
                    tenants=args.tenants, block_tokens=args.block_tokens,
                    page_bytes=page_bytes,
                    device_pages=args.device_pages, host_pages=args.host_pages,
-                   step_ms=args.step_ms, max_output_tokens=args.max_output_tokens)
+                   step_ms=args.step_ms, max_output_tokens=args.max_output_tokens,
+                   share=not args.no_share)
     trace = read_request_trace(args.trace, skip_bad=args.skip_bad, limit=args.limit)
+    if run.share and run.block_tokens != MOONCAKE_BLOCK_TOKENS and any(
+            r.block_keys for r in trace):
+        print(f"kvd-loadgen: the trace's hash_ids name {MOONCAKE_BLOCK_TOKENS}-token blocks; "
+              f"use --block-tokens {MOONCAKE_BLOCK_TOKENS} or --no-share", file=sys.stderr)
+        return 2
     console = Console(width=max(Console().width, 140))
     results = []
     with Progress(TextColumn("{task.description}"), BarColumn(),

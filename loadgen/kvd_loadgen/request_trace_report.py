@@ -40,6 +40,16 @@ def build_report(out: dict) -> ScenarioReport:
                  ["policy", "tenant", "finished / rejected / queued", "admission wait p99 ms",
                   "TTFT memory p99 ms", "step stall p50 / p95 / p99 ms", "evictions suffered",
                   "tokens/s"], rows)
+    if any(c.get("prefix_blocks") for r in results for c in r["classes"]):
+        report.table(
+            "Shared prefix blocks per tenant and policy (hit rate: blocks found on arrival "
+            "over blocks asked for; shared and saved: mean pages over the run)",
+            ["policy", "tenant", "prefix hit rate", "hit / asked blocks", "pages shared",
+             "pages saved by the split"],
+            [[r["policy"], c["tenant"], f"{c['prefix_hit_rate']:.1%}",
+              f"{c['prefix_hit_blocks']:,} / {c['prefix_blocks']:,}",
+              f"{c['shared_pages_mean']:.1f}", f"{c['shared_saved_pages_mean']:.1f}"]
+             for r in results for c in r["classes"]])
     report.table("Per policy",
                  ["policy", "total tokens/s", "Jain (memory share / fair share)", "evictions",
                   "bytes moved"],

@@ -22,6 +22,13 @@ class TraceRequest:
     line: int
     fields: dict
 
+    @property
+    def block_keys(self) -> list[bytes]:
+        """The prompt's prefix blocks as kvd block keys: Mooncake's `hash_ids` (one per
+        512-token block, equal for equal prefixes across requests), 8 bytes each; none for
+        a trace without them."""
+        return [h.to_bytes(8, "big") for h in self.fields.get("hash_ids", ())]
+
 
 def _int(row: dict, key: str, minimum: int = 0) -> int:
     value = row.get(key)
@@ -34,8 +41,11 @@ def _parse(row: dict, number: int) -> TraceRequest:
     if not isinstance(row, dict):
         raise ValueError("not a JSON object")
     if "input_length" in row:  # Mooncake
-        if not isinstance(row.get("hash_ids", []), list):
-            raise ValueError("hash_ids must be a list")
+        hash_ids = row.get("hash_ids", [])
+        if not isinstance(hash_ids, list) or not all(
+                isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 2**64
+                for h in hash_ids):
+            raise ValueError("hash_ids must be a list of integers in [0, 2**64)")
         return TraceRequest(f"req-{number}", _int(row, "timestamp") / 1000,
                             _int(row, "input_length", 1), _int(row, "output_length"),
                             number, row)
