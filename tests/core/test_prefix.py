@@ -204,3 +204,23 @@ def test_a_full_host_tier_lets_its_oldest_kept_block_go_for_a_newer_one(make_poo
     assert move.block.tier is TierKind.HOST and move.block.name[1] in KEYS[:2]
     assert pool.lookup(NS, [KEYS[5]]) == []  # the old one went
     assert len(pool.lookup(NS, KEYS[:2])) == 2  # both new ones are still in kvd
+
+
+def test_a_store_never_lets_go_of_a_kept_host_block_it_found(make_pool):
+    # The host tier turning over (or reclaiming room) must spare the blocks the store is
+    # about to hand back, wherever they are.
+    pool = make_pool(device_pages=2, host_pages=1, reserve_pages=0)
+    _admit(pool, "f", tokens=16)
+    _stored(pool, "f", [KEYS[5]])
+    pool.release("f")
+    settle(pool, pool.evict(1))  # KEYS[5] is in the host tier, the oldest kept block
+    pool.clock.advance(1.0)
+    _admit(pool, "a", tokens=32)
+    _stored(pool, "a", KEYS[:2])
+    pool.release("a")
+    pool.clock.advance(1.0)
+    _admit(pool, "c", tokens=32)
+    plan, blocks = _stored(pool, "c", [KEYS[5], KEYS[2]])
+    assert blocks[0].tier is TierKind.HOST and blocks[0].page >= 0
+    assert all(b.page >= 0 for b in blocks)
+    assert len(pool.lookup(NS, [KEYS[5], KEYS[2]])) == 2

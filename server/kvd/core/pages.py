@@ -158,7 +158,7 @@ class PageTable:
         num_host = self.host.num_free
         last = max((i for i, v in enumerate(victims) if not v.recompute_ok), default=-1)
         if last >= num_host:
-            num_host += self.reclaim_host(last + 1 - num_host)
+            num_host += self.reclaim_host(last + 1 - num_host, protected)
         if any(not v.recompute_ok for v in victims[num_host:]):
             if self.num_moving_blocks():
                 # Host pages held by copies in flight come free when they finish.
@@ -173,7 +173,7 @@ class PageTable:
                 "victims cannot be recomputed; free or release requests", demotable
             )
         if len(victims) > num_host:
-            num_host += self._turn_over_host(victims[num_host:])
+            num_host += self._turn_over_host(victims[num_host:], protected)
         self.policy.take(victims)
         moves = []
         for i, victim in enumerate(victims):
@@ -188,14 +188,12 @@ class PageTable:
                                   TierKind.NONE, -1, reassign))
         return moves
 
-    def _turn_over_host(self, dropping: list[Block]) -> int:
+    def _turn_over_host(self, dropping: list[Block], protected: Collection[Block]) -> int:
         """Victims about to be dropped for want of host room take the host pages of kept
         blocks nobody uses that were read longer ago than they were, oldest first (else
         the host tier would keep the first blocks demoted forever, and drop every later
-        one). Returns the host pages made free."""
-        kept = sorted((b for b in self.host.owner if b is not None and b.name is not None
-                       and not b.users and not b.held and not b.moving),
-                      key=lambda b: b.last_access)
+        one). None of `protected` goes. Returns the host pages made free."""
+        kept = sorted(self._unused_kept_host(protected), key=lambda b: b.last_access)
         freed = 0
         for victim, old in zip(dropping, kept):
             if old.last_access >= victim.last_access:
@@ -204,12 +202,18 @@ class PageTable:
             freed += 1
         return freed
 
-    def reclaim_host(self, num: int) -> int:
+    def _unused_kept_host(self, protected: Collection[Block]) -> list[Block]:
+        """Kept blocks in the host tier nobody uses, holds or moves, and not `protected`
+        (blocks the caller is about to hand back)."""
+        keep = {id(b) for b in protected}
+        return [b for b in self.host.owner if b is not None and b.name is not None
+                and not b.users and not b.held and not b.moving and id(b) not in keep]
+
+    def reclaim_host(self, num: int, protected: Collection[Block] = ()) -> int:
         """Let go of num shared blocks nobody uses from the host tier, least recently read
         first, so a victim the engine cannot recompute can be demoted there. All or none:
         returns num, or 0 when there are fewer."""
-        kept = [b for b in self.host.owner if b is not None and b.name is not None
-                and not b.users and not b.held and not b.moving]
+        kept = self._unused_kept_host(protected)
         if len(kept) < num:
             return 0
         kept.sort(key=lambda b: b.last_access)
