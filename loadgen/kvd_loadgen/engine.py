@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvd_client import (
+    AbortedError,
     AsyncClient,
     FailedPreconditionError,
     KvdClientError,
@@ -129,6 +130,8 @@ class Engine:
         except ResourceExhaustedError:
             req.keys = ()  # no room to keep them: the prompt's blocks are its own
             return
+        except AbortedError:
+            return  # this client's other calls ended the holds meanwhile: unsaved
         fresh = [k for k, f in zip(keys, stored.fresh) if f]
         if fresh:
             try:

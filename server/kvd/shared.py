@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvd.core.blocks import Block
+from kvd.core.blocks import Block, TierKind
+from kvd.core.errors import Aborted
 from kvd.runtime import PoolRuntime
 
 
@@ -33,6 +34,12 @@ class SharedBlocks:
         plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
                                                           holder))
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
+        if any(b.tier is TierKind.NONE for b in blocks):
+            # Let go while the room was being made: the holder ended its hold with another
+            # call meanwhile. The request keeps what it stored; a second store finds it.
+            raise Aborted("blocks found for this store were evicted while it waited for "
+                          "room (another call by the same holder ended their hold); store "
+                          "again")
         fresh = {id(b) for b in plan.allocated}
         return blocks, [id(b) in fresh for b in blocks], stall_s
 

@@ -224,3 +224,18 @@ def test_a_store_never_lets_go_of_a_kept_host_block_it_found(make_pool):
     assert blocks[0].tier is TierKind.HOST and blocks[0].page >= 0
     assert all(b.page >= 0 for b in blocks)
     assert len(pool.lookup(NS, [KEYS[5], KEYS[2]])) == 2
+
+
+def test_a_store_holds_the_blocks_it_found_until_the_holders_next_call(make_pool):
+    # Else another request's room could evict a found block, which the store's reply then
+    # hands back without a page.
+    pool = make_pool()
+    _admit(pool, "a")
+    _stored(pool, "a", KEYS[:2])
+    pool.release("a")
+    _admit(pool, "b")
+    plan, blocks = pool.store("b", NS, KEYS[:3], holder="engine")
+    settle(pool, plan)
+    assert all(b.held and b not in pool.policy for b in blocks)
+    pool.end_holds("engine")
+    assert all(not b.held and b in pool.policy for b in blocks)

@@ -107,6 +107,10 @@ class Prefixes:
                 named[b.name] = b
             if id(b) not in used:
                 self._use(req, b)
+            if holder and not b.moving and b.tier is not TierKind.NONE:
+                # Found or new, the block is the engine's to read or write until its next
+                # call: nothing lets it go meanwhile.
+                pages.holds.hold_one(holder, b)
             blocks.append(b)
         if growth:
             self.admission.reserve(req, growth)
