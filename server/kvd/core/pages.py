@@ -110,6 +110,8 @@ class PageTable:
         req = block.request
         req.num_device_blocks += delta
         self.tenancy.device_by_tenant[req.tenant] += delta
+        if req.keeper:
+            self.tenancy.kept_changed(req.tenant, delta)
         if block.payers:
             self.tenancy.split(req.tenant, block.payers, delta)
 

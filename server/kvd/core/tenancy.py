@@ -27,6 +27,7 @@ class Tenancy:
         # share grow into).
         self.share_capacity = 0
         self.device_by_tenant: Counter[str] = Counter()  # resident blocks, by owner
+        self.kept_by_tenant: Counter[str] = Counter()  # resident kept prefix blocks, by owner
         # Shared blocks' cost moved from their owner to the tenants using them, 1/k each for
         # k tenants (exact fractions, so moving and moving back leaves nothing behind):
         # a tenant's device usage is device_by_tenant + shared_adjust.
@@ -63,16 +64,25 @@ class Tenancy:
         self.share_capacity = pages
         self._shares = None
 
+    def kept_changed(self, tenant: str, delta: int) -> None:
+        """A kept prefix page of the tenant came to (1) or left (-1) the device tier. Kept
+        pages are demand too: else a tenant with no request running has no share, and its
+        kept prefixes would be the first to go while another tenant floods the pool."""
+        self.kept_by_tenant[tenant] += delta
+        self._shares = None
+
     def demand_changed(self) -> None:
         """Reserved or queued pages changed: fair shares are recomputed when next asked."""
         self._shares = None
 
     def fair_shares(self) -> dict[str, float]:
-        """Each tenant's fair share of the device tier, over current demand (reserved plus
-        queued pages): weighted max-min with guarantees and limits."""
+        """Each tenant's fair share of the device tier, over current demand (reserved,
+        queued and kept prefix pages): weighted max-min with guarantees and limits."""
         if self._shares is None:
-            reserved, queued = self.reserved_by_tenant, self.queued_by_tenant
-            demand = {t: float(reserved[t] + queued[t]) for t in set(reserved) | set(queued)}
+            reserved, queued, kept = (self.reserved_by_tenant, self.queued_by_tenant,
+                                      self.kept_by_tenant)
+            demand = {t: float(reserved[t] + queued[t] + kept[t])
+                      for t in set(reserved) | set(queued) | set(kept)}
             self._shares = water_fill(self.share_capacity, demand, self.quotas)
         return self._shares
 
