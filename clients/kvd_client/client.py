@@ -31,6 +31,9 @@ def _channel_options() -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        # kvd is a local daemon: once it is back after a restart, a client reconnects
+        # within two seconds (gRPC's default backoff grows to two minutes).
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
 
 

@@ -26,14 +26,18 @@ stores under their hash, then committed. Both are byte copies between the engine
 and kvd's mapped arenas; on a GPU the copy goes through a pinned staging buffer on a CUDA
 stream of its own.
 
-kvd going away never stops the engine: a failed call is logged, the request is served
-without kvd (recomputed), and the next request tries again.
+kvd going away never stops the engine: a failed call is logged and the request is served
+without kvd (recomputed). While kvd does not answer, the connector leaves it alone for a
+second at a time (`kvd_retry_s`) rather than stall the scheduler on every request. A kvd that
+restarted has new arenas: the worker maps them, and bytes copied while it could not tell
+which kvd answered are neither committed nor used (see `_check_kvd`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +49,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvd_client import Client, KvdClientError, pb
+from kvd_client import (
+    Client,
+    DeadlineExceededError,
+    KvdClientError,
+    UnavailableError,
+    pb,
+)
 from kvd_client.arena import MappedPool
 
 log = logging.getLogger("kvd.vllm")
@@ -90,7 +100,10 @@ class KvdConnector(KVConnectorBase_V1):
         token = extra.get("kvd_token")
         if token is None and extra.get("kvd_token_file"):
             token = Path(extra["kvd_token_file"]).read_text().strip()
-        self.client = Client(extra.get("kvd_target"), token=token, timeout_s=5)
+        self.client = Client(extra.get("kvd_target"), token=token,
+                             timeout_s=float(extra.get("kvd_timeout_s", 2.0)))
+        self.retry_s = float(extra.get("kvd_retry_s", 1.0))
+        self._away_until = 0.0  # kvd did not answer: calls skipped until then
         self.pool = extra.get("kvd_pool", "")
         self.default_tenant = extra.get("kvd_tenant", "")
         self.block_size = vllm_config.cache_config.block_size
@@ -122,6 +135,7 @@ class KvdConnector(KVConnectorBase_V1):
             hit = self.client.lookup(tracked.namespace, tracked.keys, pool=self.pool).num_hit
         except KvdClientError as exc:
             log.warning("kvd lookup failed, computing %s: %s", rid, exc)
+            self._note_failure(exc)
             return 0, False
         # vLLM computes at least the prompt's last token itself.
         hit_tokens = min(hit * self.block_size, (prompt - 1) // self.block_size
@@ -143,6 +157,8 @@ class KvdConnector(KVConnectorBase_V1):
         prompt = len(request.prompt_token_ids or ())
         sampling = getattr(request, "sampling_params", None)
         output = getattr(sampling, "max_tokens", None) or 0
+        if self._away():
+            return False
         try:
             reply = self.client.admit(rid, prompt_tokens=prompt, output_tokens=output,
                                       tenant=tenant, pool=self.pool,
@@ -151,6 +167,7 @@ class KvdConnector(KVConnectorBase_V1):
             if "already exists" in str(exc):  # queued before: is it in now?
                 return self._admitted_since(request)
             log.warning("kvd admission failed, serving %s without kvd: %s", rid, exc)
+            self._note_failure(exc)
             return False
         if reply.decision == pb.DECISION_QUEUED:
             return None
@@ -158,6 +175,14 @@ class KvdConnector(KVConnectorBase_V1):
             return False
         self._track(request)
         return True
+
+    def _away(self) -> bool:
+        """kvd did not answer a moment ago: leave it alone until `retry_s` has passed."""
+        return time.monotonic() < self._away_until
+
+    def _note_failure(self, exc: KvdClientError) -> None:
+        if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+            self._away_until = time.monotonic() + self.retry_s
 
     def _admitted_since(self, request: Any) -> bool | None:
         """A request kvd queued: admitted now (tracked from here), or still waiting."""
@@ -227,11 +252,12 @@ class KvdConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        if self.tracked.pop(request.request_id, None) is not None:
+        if self.tracked.pop(request.request_id, None) is not None and not self._away():
             try:
                 self.client.release(request.request_id)
             except KvdClientError as exc:
                 log.warning("kvd release of %s failed: %s", request.request_id, exc)
+                self._note_failure(exc)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -250,9 +276,30 @@ class KvdConnector(KVConnectorBase_V1):
                 f"one vLLM block of every layer is {block_bytes}: start kvd with "
                 f"page_bytes = {block_bytes}")
         self.arena = MappedPool(export)
+        self.arena_names = _arena_names(export)
         if self.layers[0].is_cuda:
             self.stream = torch.cuda.Stream()
             self.staging = torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True)
+
+    def _check_kvd(self) -> bool | None:
+        """Whether the kvd answering now is the one whose arenas are mapped: True; False when
+        kvd restarted (its new arenas are mapped now, but what the caller did since its last
+        check, pages handed out or bytes copied, may belong to either); None when kvd does
+        not answer."""
+        if self._away():
+            return None
+        try:
+            export = self.client.export_pool(self.pool)
+        except KvdClientError as exc:
+            self._note_failure(exc)
+            return None
+        names = _arena_names(export)
+        if names == self.arena_names:
+            return True
+        log.warning("kvd restarted: mapping its new arenas")
+        self.arena.close()
+        self.arena, self.arena_names = MappedPool(export), names
+        return False
 
     def _page(self, handle: pb.PageHandle) -> torch.Tensor:
         return torch.from_numpy(self.arena.page(handle))
@@ -282,21 +329,32 @@ class KvdConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
+        if not meta.loads:
+            return
+        # Bytes copied from kvd's arenas count only if the same kvd answered before the
+        # loads and after the copies (a kvd that restarted between has other arenas).
+        answered = self._check_kvd() is not None
+        copied = []
         for load in meta.loads:
-            try:
-                reply = self.client.load(load.request_id, load.namespace, load.keys)
-                handles = list(reply.handles)
-            except KvdClientError as exc:
-                log.warning("kvd load for %s failed, recomputing: %s", load.request_id, exc)
-                handles = []
+            handles = []
+            if answered:
+                try:
+                    handles = list(self.client.load(load.request_id, load.namespace,
+                                                    load.keys).handles)
+                except KvdClientError as exc:
+                    log.warning("kvd load for %s failed, recomputing: %s", load.request_id,
+                                exc)
             context = (torch.cuda.stream(self.stream) if self.stream is not None
                        else contextlib.nullcontext())
             with context:
                 for handle, block_id in zip(handles, load.block_ids):
                     self._copy_in(self._page(handle), block_id)
+            copied.extend(load.block_ids[:len(handles)])
             self.load_errors.update(load.block_ids[len(handles):])
         if self.stream is not None:
             self.stream.synchronize()
+        if copied and self._check_kvd() is not True:
+            self.load_errors.update(copied)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv copies every layer before the forward pass
@@ -307,8 +365,12 @@ class KvdConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if self.stream is not None and meta.saves:
+        if not meta.saves:
+            return
+        if self.stream is not None:
             torch.cuda.current_stream().synchronize()
+        if self._check_kvd() is None:
+            return  # kvd is away: these blocks go unsaved
         for save in meta.saves:
             try:
                 reply = self.client.store(save.request_id, save.namespace, save.keys)
@@ -318,7 +380,9 @@ class KvdConnector(KVConnectorBase_V1):
                     if fresh:
                         self._copy_out(block_id, self._page(handle))
                         written.append(key)
-                if written:
+                # Committed only if the kvd that handed out the pages is the one mapped:
+                # else the bytes went to the arenas of a kvd that is gone.
+                if written and self._check_kvd() is True:
                     self.client.commit(save.request_id, save.namespace, written)
             except KvdClientError as exc:
                 log.warning("kvd save for %s failed: %s", save.request_id, exc)
@@ -327,3 +391,8 @@ class KvdConnector(KVConnectorBase_V1):
         errors, self.load_errors = self.load_errors, set()
         return errors
 
+
+def _arena_names(export: pb.ExportPoolResponse) -> tuple[bytes, ...]:
+    """A kvd's arenas by name: shared-memory names and CUDA IPC handles are new each time
+    kvd starts."""
+    return tuple(t.shm_name.encode() + t.cuda_ipc_handle for t in export.tiers)
