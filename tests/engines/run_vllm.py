@@ -1,8 +1,13 @@
 """One vLLM engine run against kvd, in a process of its own (as a fresh engine is): the tiny
-random-weight Llama beside this file, kvd's connector, token-id prompts. Prints one JSON line:
-each prompt's output tokens and cached tokens, and the seconds the run took.
+random-weight Llama beside this file, kvd's connector, token-id prompts.
 
-    python run_vllm.py KVD_TARGET PROMPTS_JSON [KV_TRANSFER_PARAMS_JSON]
+    python run_vllm.py KVD_TARGET SPEC_JSON
+
+SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params or null,
+...]}, ...], "pause": false}. The batches run one after the other in the same engine; after
+each it prints one line, `KVD_RESULT {json}`: each prompt's output tokens and cached tokens,
+the seconds the engine took to start and the batch to run. With "pause", it then waits for a
+line on stdin before the next batch (the test changes kvd meanwhile).
 """
 
 from __future__ import annotations
@@ -18,8 +23,7 @@ BLOCK_SIZE = 32  # the CPU backend's block size must be a multiple of 32
 
 
 def main() -> None:
-    target, prompts = sys.argv[1], json.loads(sys.argv[2])
-    params = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+    target, spec = sys.argv[1], json.loads(sys.argv[2])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.monotonic()
     from vllm import LLM, SamplingParams
@@ -33,17 +37,25 @@ def main() -> None:
                   kv_connector="KvdConnector", kv_role="kv_both",
                   kv_connector_module_path="kvd_client.vllm_connector",
                   kv_connector_extra_config={"kvd_target": target, "kvd_tenant": "engine"}))
-    ready = time.monotonic()
-    sampling = SamplingParams(max_tokens=8, temperature=0,
-                              extra_args=None)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                           sampling, use_tqdm=False,
-                           **({"kv_transfer_params": params} if params else {}))
-    print("KVD_RESULT " + json.dumps({
-        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-        "cached": [o.num_cached_tokens for o in outputs],
-        "start_s": ready - started, "run_s": time.monotonic() - ready,
-    }), flush=True)
+    start_s = time.monotonic() - started
+    batches = spec["batches"]
+    for i, batch in enumerate(batches):
+        prompts = batch["prompts"]
+        params = batch.get("params") or [None] * len(prompts)
+        ran = time.monotonic()
+        # One SamplingParams per prompt: kv_transfer_params (the tenant) is per request.
+        sampling = [SamplingParams(max_tokens=8, temperature=0,
+                                   extra_args={"kv_transfer_params": p} if p else None)
+                    for p in params]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                               sampling, use_tqdm=False)
+        print("KVD_RESULT " + json.dumps({
+            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+            "cached": [o.num_cached_tokens for o in outputs],
+            "start_s": start_s, "run_s": time.monotonic() - ran,
+        }), flush=True)
+        if spec.get("pause") and i + 1 < len(batches):
+            sys.stdin.readline()
 
 
 if __name__ == "__main__":

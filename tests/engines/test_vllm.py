@@ -6,14 +6,17 @@ cache empty: whatever prefix it does not compute came from kvd.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from kvd_client import Client, pb
+from kvd_client import AsyncClient, Client, pb
 from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
@@ -24,19 +27,58 @@ RUNNER = Path(__file__).resolve().parent / "run_vllm.py"
 PAGE_BYTES = 2 * 32 * 128 * 2
 KVD = ("--page-bytes", str(PAGE_BYTES), "--block-tokens", "32", "--device-pages", "64",
        "--host-pages", "128")
-SHARED = list(range(10, 74))  # two blocks every prompt shares
-PROMPTS = [SHARED + list(range(100 + 40 * i, 140 + 40 * i)) for i in range(3)]
+
+
+def prompts(first: int, count: int = 3) -> list[list[int]]:
+    """`count` prompts of 104 tokens sharing their first two blocks, unlike any other set."""
+    shared = list(range(first, first + 64))
+    return [shared + [(first + 64 + 40 * i + j) % 500 + 10 for j in range(40)]
+            for i in range(count)]
+
+
+PROMPTS = prompts(10)
+
+
+class Engine:
+    """An engine process running batches of prompts (see run_vllm.py); with pause, it waits
+    for go() between batches."""
+
+    def __init__(self, target: str, batches: list[dict], pause: bool = False) -> None:
+        spec = json.dumps({"batches": batches, "pause": pause})
+        self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+
+    def result(self, timeout_s: float = 240) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.lines.append(line)
+            if line.startswith("KVD_RESULT "):
+                return json.loads(line.removeprefix("KVD_RESULT "))
+        self.proc.kill()
+        raise AssertionError("engine ended without a result:\n"
+                             + "".join(self.lines)[-2000:] + self.proc.stderr.read()[-4000:])
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
 
 
 def engine_run(target: str, prompts, params=None) -> dict:
-    args = [sys.executable, str(RUNNER), target, json.dumps(prompts)]
-    if params is not None:
-        args.append(json.dumps(params))
-    done = subprocess.run(args, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = [line for line in done.stdout.splitlines() if line.startswith("KVD_RESULT ")]
-    assert results, (done.stdout + done.stderr)[-4000:]
-    return json.loads(results[-1].removeprefix("KVD_RESULT "))
+    engine = Engine(target, [{"prompts": prompts, "params": params}])
+    try:
+        return engine.result()
+    finally:
+        engine.close()
 
 
 @pytest.mark.timeout(600)  # three engine starts of ~30 s each
@@ -62,3 +104,131 @@ def test_a_fresh_engine_takes_its_prefix_from_kvd_and_computes_the_same_tokens(t
     assert second["cached"] == [96, 96, 96]
     assert second["tokens"] == first["tokens"]
     assert spoiled["cached"] == [96, 96, 96] and spoiled["tokens"] != first["tokens"]
+
+
+@pytest.mark.timeout(600)  # two engine starts of ~30 s each
+def test_the_engine_serves_through_a_kvd_restart_and_then_uses_the_new_kvd(tmp_path):
+    before, away, after = prompts(100), prompts(200), prompts(300)
+    kvd = LocalKvd(*KVD, workdir=tmp_path).start()
+    engine = Engine(kvd.target, [{"prompts": before}, {"prompts": away}, {"prompts": after}],
+                    pause=True)
+    try:
+        first = engine.result()
+        with Client(kvd.target) as c:
+            assert c.pool_stats().pools[0].tiers[0].used_pages == 5
+        kvd.stop()  # kvd goes away mid-run
+        engine.go()
+        served = engine.result()  # computed without kvd
+        kvd = LocalKvd(*KVD, workdir=tmp_path).start()  # a new, empty kvd on the same socket
+        time.sleep(3.5)  # the client's reconnect backoff (2 s) and the connector's pause (1 s)
+        engine.go()
+        back = engine.result()
+    finally:
+        engine.close()
+    try:
+        with Client(kvd.target) as c:
+            stats = c.pool_stats().pools[0]
+        # The new kvd was used: the last batch's blocks were stored in it...
+        assert stats.tiers[0].used_pages == 5
+        # ...through its own arenas, not the old kvd's: a fresh engine loads them and
+        # computes the same tokens.
+        fresh = engine_run(kvd.target, after)
+    finally:
+        kvd.stop()
+    print(f"\nbefore: {first}\naway: {served}\nback: {back}\nfresh: {fresh}")
+    assert all(len(t) == 8 for t in served["tokens"])
+    assert fresh["cached"] == [96, 96, 96] and fresh["tokens"] == back["tokens"]
+
+
+def watch_admissions(target: str) -> list[tuple[str, str, str]]:
+    """(request id, decision, reason) of every admission event kvd publishes, collected on
+    a thread of its own while the test runs."""
+    seen: list[tuple[str, str, str]] = []
+
+    async def watch():
+        try:
+            async with AsyncClient(target) as c:
+                async for e in c.watch_events(kinds=["admission"]):
+                    seen.append((e.request_id, e.detail["decision"].lower(),
+                                 e.detail["reason"]))
+        except Exception:  # kvd stopped at the end of the test
+            pass
+
+    threading.Thread(target=lambda: asyncio.run(watch()), daemon=True).start()
+    time.sleep(0.5)  # subscribed before the engine starts
+    return seen
+
+
+# The engine's tenant may hold at most 5 pages: one request (104 prompt + 8 output tokens,
+# 4 pages) at a time.
+LIMITED = f"""
+[[pool]]
+name = "default"
+policy = "fair"
+page_bytes = {PAGE_BYTES}
+block_tokens = 32
+device_pages = 64
+host_pages = 128
+
+[[tenant]]
+name = "engine"
+limit = 5
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_request_waits_while_its_tenants_kvd_budget_is_spent_then_runs(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.write_text(LIMITED)
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        seen = watch_admissions(kvd.target)
+        ran = engine_run(kvd.target, prompts(100, 2))
+        time.sleep(0.5)
+    print(f"\nrun: {ran}\nadmissions: {seen}")
+    assert all(len(t) == 8 for t in ran["tokens"])
+    queued = [rid for rid, decision, _ in seen if "queued" in decision]
+    assert len(queued) == 1  # the second waited in kvd's queue while the first ran...
+    assert (queued[0], "from the queue") in [(rid, reason) for rid, _, reason in seen]
+
+
+# Two tenants of equal weight: a fair share of 8 device pages each; the host tier is too
+# small to keep what the device tier lets go.
+TWO_TENANTS = f"""
+[[pool]]
+name = "default"
+policy = "fair"
+page_bytes = {PAGE_BYTES}
+block_tokens = 32
+device_pages = 16
+host_pages = 2
+
+[[tenant]]
+name = "a"
+
+[[tenant]]
+name = "b"
+"""
+
+
+@pytest.mark.timeout(600)
+def test_the_tenant_over_its_share_loses_its_kept_prefixes_first(tmp_path):
+    config = tmp_path / "kvd.toml"
+    config.write_text(TWO_TENANTS)
+    quiet = [prompts(100 + 40 * i, 1)[0] for i in range(2)]  # 3 blocks each, none shared
+    greedy = [prompts(200 + 40 * i, 1)[0] for i in range(6)]
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        engine = Engine(kvd.target, [
+            {"prompts": quiet, "params": [{"kvd": {"tenant": "b"}}] * len(quiet)},
+            {"prompts": greedy, "params": [{"kvd": {"tenant": "a"}}] * len(greedy)}])
+        try:
+            runs = [engine.result(), engine.result()]
+        finally:
+            engine.close()
+        with Client(kvd.target) as c:
+            tenants = {t.tenant: t for t in c.list_tenants()}
+    print(f"\nruns: {runs}\ntenants: {tenants}")
+    a, b = tenants["a"], tenants["b"]
+    # a stored 18 pages into a device tier of 16: what went was a's own, b's 6 survive.
+    assert a.evictions_suffered > 0
+    assert b.evictions_suffered == 0 and b.device_pages == 6
+    assert a.device_pages <= 16 - 6
