@@ -27,6 +27,14 @@ def _stored(pool, rid, keys, commit=True):
     return plan, blocks
 
 
+def _fill_host_with_a_kept_block(pool):
+    """KEYS[5], stored, kept, and demoted: the one-page host tier is full of it."""
+    _admit(pool, "f", tokens=16)
+    _stored(pool, "f", [KEYS[5]])
+    pool.release("f")
+    settle(pool, pool.evict(1))
+
+
 def test_a_block_is_stored_once_and_found_by_every_request_with_its_prefix(make_pool):
     pool = make_pool(device_pages=8, host_pages=8)
     _admit(pool, "a")
@@ -173,10 +181,7 @@ def test_a_block_dropped_before_its_commit_says_so(make_pool):
     # was dropped before the engine committed it. The commit must say to store it again,
     # not that the request never stored it.
     pool = make_pool(device_pages=2, host_pages=1, reserve_pages=0)
-    _admit(pool, "f", tokens=16)
-    _stored(pool, "f", [KEYS[5]])
-    pool.release("f")
-    settle(pool, pool.evict(1))  # the host tier is full now
+    _fill_host_with_a_kept_block(pool)
     _admit(pool, "a", tokens=16)
     _stored(pool, "a", [KEYS[0]], commit=False)
     settle(pool, pool.evict(1))
@@ -191,10 +196,7 @@ def test_a_full_host_tier_lets_its_oldest_kept_block_go_for_a_newer_one(make_poo
     # Else the host tier keeps the first kept blocks demoted forever and drops every later
     # one: a prefix cache that stops learning once full.
     pool = make_pool(device_pages=2, host_pages=1, reserve_pages=0)
-    _admit(pool, "f", tokens=16)
-    _stored(pool, "f", [KEYS[5]])
-    pool.release("f")
-    settle(pool, pool.evict(1))  # the host tier is full of an old kept block
+    _fill_host_with_a_kept_block(pool)
     pool.clock.advance(1.0)
     _admit(pool, "a", tokens=32)
     _stored(pool, "a", KEYS[:2])
@@ -210,10 +212,7 @@ def test_a_store_never_lets_go_of_a_kept_host_block_it_found(make_pool):
     # The host tier turning over (or reclaiming room) must spare the blocks the store is
     # about to hand back, wherever they are.
     pool = make_pool(device_pages=2, host_pages=1, reserve_pages=0)
-    _admit(pool, "f", tokens=16)
-    _stored(pool, "f", [KEYS[5]])
-    pool.release("f")
-    settle(pool, pool.evict(1))  # KEYS[5] is in the host tier, the oldest kept block
+    _fill_host_with_a_kept_block(pool)
     pool.clock.advance(1.0)
     _admit(pool, "a", tokens=32)
     _stored(pool, "a", KEYS[:2])
