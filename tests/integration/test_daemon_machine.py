@@ -191,7 +191,8 @@ class DaemonMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         keys = PREFIX_KEYS[start:start + n]
         try:
-            blocks, fresh, _ = self.run(self.daemon.shared.store(rid, "m", keys, holder=self.holder))
+            shared = self.daemon.shared
+            blocks, fresh, _ = self.run(shared.store(rid, "m", keys, holder=self.holder))
         except KvdError:
             return
         for b, new, key in zip(blocks, fresh, keys):
@@ -207,7 +208,8 @@ class DaemonMachine(RuleBasedStateMachine):
     def load(self, data, n):
         rid = data.draw(st.sampled_from(sorted(self.live)))
         try:
-            blocks = self.run(self.daemon.shared.load(rid, "m", PREFIX_KEYS[:n], holder=self.holder))
+            blocks = self.run(self.daemon.shared.load(rid, "m", PREFIX_KEYS[:n],
+                                                      holder=self.holder))
         except KvdError:
             return
         for b, key in zip(blocks, PREFIX_KEYS):
