@@ -89,7 +89,9 @@ def explain_table(e: pb.ExplainResponse) -> Table:
                     f"{'active' if e.active else 'released'}): stalled {e.stall_seconds:.4f} s "
                     f"over {e.num_stalls} access(es)"
                     + (f"; {e.num_recomputes} block(s) dropped and handed back to recompute"
-                       if e.num_recomputes else ""))
+                       if e.num_recomputes else ""),
+              caption=_shares_line("it", e.request_shares)
+              + _shares_line(f"tenant {e.tenant}", e.tenant_shares))
     t.add_column("because of")
     t.add_column("stalled s", justify="right")
     t.add_column("evicted us", justify="right")
@@ -105,6 +107,14 @@ def explain_table(e: pb.ExplainResponse) -> Table:
         who = f"{tenant}/{rid}" if tenant or rid else "(the engine itself)"
         t.add_row(who, f"{secs:.4f}", str(suffered), str(caused))
     return t
+
+
+def _shares_line(who: str, s: pb.Shares) -> str:
+    if not s.num_blocks:
+        return ""
+    return (f"{who} uses {s.num_blocks} shared prefix block(s), {s.shared_pages} of them in "
+            f"device pages shared with other tenants; charged {s.charged_pages:.2f} device "
+            f"page(s), {s.saved_pages:.2f} saved by the split\n")
 
 
 def links_table(links) -> Table:

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import structlog
 
@@ -21,6 +22,7 @@ from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
 from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
 from kvd.core.intent import IntentChange
+from kvd.core.prefix import Shares
 from kvd.core.reservation import PoolReserver
 from kvd.events import EventBus, PlanEvents, publish_admitted
 from kvd.handoff import Handoffs
@@ -34,6 +36,18 @@ from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
 from kvd.shared import SharedBlocks
 
 log = structlog.get_logger("kvd.node")
+
+
+@dataclass(slots=True)
+class Explained:
+    """What Explain answers: a request's account, its pool, whether it is active, and what
+    shared blocks cost it and its tenant."""
+
+    account: RequestAccount
+    pool: str
+    active: bool
+    request_shares: Shares
+    tenant_shares: Shares
 
 
 class Node:
@@ -249,15 +263,22 @@ class Node:
         return self.handoffs.handoff(self.runtime_of(request_id, scope), request_id, target,
                                      holder)
 
-    def explain(self, request_id: str, scope: str | None = None
-                ) -> tuple[RequestAccount, str, bool]:
-        """A request's account (active or recently released), its pool, and whether active."""
+    def explain(self, request_id: str, scope: str | None = None) -> Explained:
+        """A request's account (active or recently released), its pool, whether active, and
+        what shared blocks cost it and its tenant."""
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
         for rt in self.pools.values():
-            account = rt.pool.attribution.account(request_id)
+            pool = rt.pool
+            account = pool.attribution.account(request_id)
             if account is not None and (scope is None or account.tenant == scope):
-                return account, rt.pool.name, request_id in rt.pool.attribution.active
+                pool = pool.snapshot()
+                req = pool.requests.get(request_id)
+                active = request_id in pool.attribution.active
+                return Explained(
+                    account, pool.name, active,
+                    pool.prefixes.request_shares(req) if active and req else Shares(),
+                    pool.prefixes.tenant_shares(account.tenant))
         raise NotFound(f"kvd knows nothing of request {request_id!r} (never admitted, or "
                        "released long ago)")
 

@@ -86,3 +86,17 @@ def test_changes_and_exit_codes(busy_kvd):
     assert bad_policy.returncode == 1 and "choose one of" in bad_policy.stderr
     gone = kvctl("unix:///nonexistent/kvd.sock", "status")
     assert gone.returncode == 3 and "cannot reach kvd" in gone.stderr
+
+
+def test_explain_says_what_shared_prefixes_cost(kvd):
+    with Client(kvd.target, lease="") as client:
+        client.admit("w", 64, tenant="x")
+        client.store("w", "ns", [b"k1", b"k2"])
+        client.commit("w", "ns", [b"k1", b"k2"])
+        client.admit("r", 64, tenant="y")
+        client.load("r", "ns", [b"k1", b"k2"])
+        shown = kvctl(kvd.target, "explain", "r").stdout
+        assert "it uses 2 shared prefix block(s), 2 of them" in " ".join(shown.split()), shown
+        assert "charged 1.00 device page(s), 1.00 saved" in " ".join(shown.split()), shown
+        client.release("w")
+        client.release("r")

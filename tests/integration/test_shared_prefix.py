@@ -52,6 +52,14 @@ async def test_a_prefix_written_by_one_tenant_is_loaded_intact_by_another(client
         assert tenants["x"].charged_pages == pytest.approx(2)
         assert tenants["y"].charged_pages == pytest.approx(2)
         assert tenants["y"].shared_pages == 4 and tenants["y"].shared_saved_pages == 2
+        # Explain says the same of the reader and its tenant.
+        shares = (await client.explain("reader")).request_shares
+        assert (shares.num_blocks, shares.shared_pages) == (4, 4)
+        assert (shares.charged_pages, shares.saved_pages) == (pytest.approx(2),
+                                                              pytest.approx(2))
+        tenant = (await client.explain("writer")).tenant_shares
+        assert (tenant.num_blocks, tenant.shared_pages) == (4, 4)
+        assert tenant.charged_pages == pytest.approx(2)
         # The reader stores the rest of its prompt: only the two new keys are fresh.
         more = await _store_and_write(client, arena, "reader", KEYS)
         assert list(more.fresh) == [False] * 4 + [True] * 2

@@ -667,7 +667,7 @@ class EvictionCount(_message.Message):
     def __init__(self, other: _Optional[_Union[Cause, _Mapping]] = ..., count: _Optional[int] = ...) -> None: ...
 
 class ExplainResponse(_message.Message):
-    __slots__ = ("request_id", "tenant", "pool", "active", "stall_seconds", "num_stalls", "stalls_by_cause", "evictions_suffered", "evictions_caused", "num_recomputes")
+    __slots__ = ("request_id", "tenant", "pool", "active", "stall_seconds", "num_stalls", "stalls_by_cause", "evictions_suffered", "evictions_caused", "num_recomputes", "request_shares", "tenant_shares")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
@@ -678,6 +678,8 @@ class ExplainResponse(_message.Message):
     EVICTIONS_SUFFERED_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_CAUSED_FIELD_NUMBER: _ClassVar[int]
     NUM_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_SHARES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SHARES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     pool: str
@@ -688,7 +690,21 @@ class ExplainResponse(_message.Message):
     evictions_suffered: _containers.RepeatedCompositeFieldContainer[EvictionCount]
     evictions_caused: _containers.RepeatedCompositeFieldContainer[EvictionCount]
     num_recomputes: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., active: _Optional[bool] = ..., stall_seconds: _Optional[float] = ..., num_stalls: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[StallShare, _Mapping]]] = ..., evictions_suffered: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., evictions_caused: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., num_recomputes: _Optional[int] = ...) -> None: ...
+    request_shares: Shares
+    tenant_shares: Shares
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., active: _Optional[bool] = ..., stall_seconds: _Optional[float] = ..., num_stalls: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[StallShare, _Mapping]]] = ..., evictions_suffered: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., evictions_caused: _Optional[_Iterable[_Union[EvictionCount, _Mapping]]] = ..., num_recomputes: _Optional[int] = ..., request_shares: _Optional[_Union[Shares, _Mapping]] = ..., tenant_shares: _Optional[_Union[Shares, _Mapping]] = ...) -> None: ...
+
+class Shares(_message.Message):
+    __slots__ = ("num_blocks", "shared_pages", "charged_pages", "saved_pages")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CHARGED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SAVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    shared_pages: int
+    charged_pages: float
+    saved_pages: float
+    def __init__(self, num_blocks: _Optional[int] = ..., shared_pages: _Optional[int] = ..., charged_pages: _Optional[float] = ..., saved_pages: _Optional[float] = ...) -> None: ...
 
 class SetPolicyRequest(_message.Message):
     __slots__ = ("pool", "policy")

@@ -22,6 +22,7 @@ committed goes when its last user does.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvd.core.admission import Admission
 from kvd.core.blocks import Block, Request, RequestState, TierKind
@@ -46,6 +47,18 @@ def check_keys(namespace: str, keys: Sequence[bytes]) -> None:
             raise InvalidArgument(f"a block key must be 1..{MAX_KEY_BYTES} bytes")
     if len(set(keys)) != len(keys):
         raise InvalidArgument("block keys repeat within one call")
+
+
+@dataclass(slots=True)
+class Shares:
+    """What shared blocks cost a request or a tenant: the blocks it uses, the device pages
+    among them shared with other tenants, the pages charged to it, and what the 1/k split
+    saves it (1 - 1/k for each shared page)."""
+
+    num_blocks: int = 0
+    shared_pages: int = 0
+    charged_pages: float = 0.0
+    saved_pages: float = 0.0
 
 
 class Prefixes:
@@ -209,6 +222,25 @@ class Prefixes:
                     shared, saved = figures.get(tenant, (0, 0.0))
                     figures[tenant] = (shared + 1, saved + 1 - 1 / k)
         return figures
+
+    def request_shares(self, req: Request) -> Shares:
+        """The shared blocks req uses now, and their cost to it."""
+        shares = Shares(num_blocks=len(req.shared))
+        for b in req.shared:
+            k = len(b.payers)
+            if b.tier is TierKind.DEVICE and req.tenant in b.payers:
+                shares.charged_pages += 1 / k
+                if k > 1:
+                    shares.shared_pages += 1
+                    shares.saved_pages += 1 - 1 / k
+        return shares
+
+    def tenant_shares(self, tenant: str) -> Shares:
+        """The named blocks the tenant uses now, the device pages charged to it (its own
+        and its part of shared ones), and what the split saves it."""
+        shared, saved = self.shared_figures().get(tenant, (0, 0.0))
+        in_use = sum(1 for b in self.named.values() if tenant in b.users)
+        return Shares(in_use, shared, self.tenancy.usage(tenant), saved)
 
     def _use(self, req: Request, b: Block) -> None:
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1

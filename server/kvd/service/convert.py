@@ -111,17 +111,18 @@ def pool_stats(f: PoolFigures) -> pb.PoolStats:
         held_pages=f.held_pages)
 
 
-def explain_response(account, pool: str, active: bool, scope: str | None = None
-                     ) -> pb.ExplainResponse:
+def explain_response(explained, scope: str | None = None) -> pb.ExplainResponse:
     """A request's account; a tenant (scope) sees other tenants' requests by tenant only."""
+    account = explained.account
+
     def cause(key):
         return pb.Cause(tenant=key[0], request_id=_redact(key[0], key[1], scope))
 
     return pb.ExplainResponse(
         request_id=_redact(account.tenant, account.request_id, scope),
         tenant=account.tenant,
-        pool=pool,
-        active=active,
+        pool=explained.pool,
+        active=explained.active,
         stall_seconds=account.stall_s,
         num_stalls=account.num_stalls,
         stalls_by_cause=[pb.StallShare(cause=cause(k), stall_seconds=v)
@@ -131,7 +132,14 @@ def explain_response(account, pool: str, active: bool, scope: str | None = None
         evictions_caused=[pb.EvictionCount(other=cause(k), count=v)
                           for k, v in account.evictions_caused.most_common()],
         num_recomputes=account.num_recomputes,
+        request_shares=_shares(explained.request_shares),
+        tenant_shares=_shares(explained.tenant_shares),
     )
+
+
+def _shares(s) -> pb.Shares:
+    return pb.Shares(num_blocks=s.num_blocks, shared_pages=s.shared_pages,
+                     charged_pages=s.charged_pages, saved_pages=s.saved_pages)
 
 
 def redacted(detail: dict, scope: str | None) -> dict:

@@ -233,9 +233,8 @@ class MemoryService(pb_grpc.MemoryServicer):
 
     @unary
     async def Explain(self, request: pb.ExplainRequest, caller: Caller) -> pb.ExplainResponse:
-        account, pool, active = self.node.explain(caller.ns + request.request_id,
-                                                    caller.scope)
-        return convert.explain_response(account, pool, active, caller.scope)
+        explained = self.node.explain(caller.ns + request.request_id, caller.scope)
+        return convert.explain_response(explained, caller.scope)
 
     async def WaitAdmission(self, request: pb.WaitAdmissionRequest,
                             context: grpc.aio.ServicerContext) -> None:
