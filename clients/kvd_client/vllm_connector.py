@@ -23,8 +23,8 @@ Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds
 block of every layer, layer after layer. Hit blocks are copied from kvd's pages into vLLM's
 KV tensors before the forward pass; blocks the pass computed are copied into pages kvd
 stores under their hash, then committed. Both are byte copies between the engine's tensors
-and kvd's mapped arenas; on a GPU the copy goes through a pinned staging buffer on a CUDA
-stream of its own.
+and kvd's mapped arenas (kvd_client.block_copy); on a GPU they run on a CUDA stream of their
+own, through page-locked staging for pages in host memory.
 
 kvd going away never stops the engine: a failed call is logged and the request is served
 without kvd (recomputed). While kvd does not answer, the connector leaves it alone for a
@@ -35,7 +35,6 @@ which kvd answered are neither committed nor used (see `_check_kvd`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from kvd_client import (
     pb,
 )
 from kvd_client.arena import MappedPool
+from kvd_client.block_copy import BlockCopier, as_tensor
 
 log = logging.getLogger("kvd.vllm")
 
@@ -112,10 +112,9 @@ class KvdConnector(KVConnectorBase_V1):
         self.tracked: dict[str, _Tracked] = {}
         self._loads: list[_Transfer] = []  # planned since the last step's metadata
         # Worker side.
-        self.layers: list[torch.Tensor] = []
+        self.copier: BlockCopier | None = None
         self.arena: MappedPool | None = None
         self.load_errors: set[int] = set()
-        self.stream = None
 
     # ------------------------------------------------------------------ scheduler side
 
@@ -263,13 +262,9 @@ class KvdConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layers = [kv_caches[name] for name in sorted(kv_caches)]
-        for t in self.layers:
-            if not t[0].is_contiguous():
-                raise ValueError("kvd's connector needs each block contiguous in its layer "
-                                 f"(got shape {tuple(t.shape)}, strides {t.stride()})")
+        self.copier = BlockCopier([kv_caches[name] for name in sorted(kv_caches)])
         export = self.client.export_pool(self.pool)
-        block_bytes = sum(t[0].numel() * t.element_size() for t in self.layers)
+        block_bytes = self.copier.block_bytes
         if export.page_bytes != block_bytes:
             raise ValueError(
                 f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
@@ -277,9 +272,6 @@ class KvdConnector(KVConnectorBase_V1):
                 f"page_bytes = {block_bytes}")
         self.arena = MappedPool(export)
         self.arena_names = _arena_names(export)
-        if self.layers[0].is_cuda:
-            self.stream = torch.cuda.Stream()
-            self.staging = torch.empty(block_bytes, dtype=torch.uint8, pin_memory=True)
 
     def _check_kvd(self) -> bool | None:
         """Whether the kvd answering now is the one whose arenas are mapped: True; False when
@@ -302,30 +294,7 @@ class KvdConnector(KVConnectorBase_V1):
         return False
 
     def _page(self, handle: pb.PageHandle) -> torch.Tensor:
-        return torch.from_numpy(self.arena.page(handle))
-
-    def _views(self, block_id: int) -> list[torch.Tensor]:
-        """Block `block_id` of every layer, as bytes."""
-        return [t[block_id].reshape(-1).view(torch.uint8) for t in self.layers]
-
-    def _copy_in(self, page: torch.Tensor, block_id: int) -> None:
-        src = page
-        if self.stream is not None:
-            self.staging.copy_(page)
-            src = self.staging
-        offset = 0
-        for dst in self._views(block_id):
-            dst.copy_(src[offset:offset + dst.numel()], non_blocking=self.stream is not None)
-            offset += dst.numel()
-
-    def _copy_out(self, block_id: int, page: torch.Tensor) -> None:
-        dst = self.staging if self.stream is not None else page
-        offset = 0
-        for src in self._views(block_id):
-            dst[offset:offset + src.numel()].copy_(src)
-            offset += src.numel()
-        if dst is not page:
-            page.copy_(dst)
+        return as_tensor(self.arena.page(handle))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -344,15 +313,10 @@ class KvdConnector(KVConnectorBase_V1):
                 except KvdClientError as exc:
                     log.warning("kvd load for %s failed, recomputing: %s", load.request_id,
                                 exc)
-            context = (torch.cuda.stream(self.stream) if self.stream is not None
-                       else contextlib.nullcontext())
-            with context:
-                for handle, block_id in zip(handles, load.block_ids):
-                    self._copy_in(self._page(handle), block_id)
+            self.copier.load([(self._page(handle), block_id)
+                              for handle, block_id in zip(handles, load.block_ids)])
             copied.extend(load.block_ids[:len(handles)])
             self.load_errors.update(load.block_ids[len(handles):])
-        if self.stream is not None:
-            self.stream.synchronize()
         if copied and self._check_kvd() is not True:
             self.load_errors.update(copied)
 
@@ -367,19 +331,17 @@ class KvdConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not meta.saves:
             return
-        if self.stream is not None:
-            torch.cuda.current_stream().synchronize()
         if self._check_kvd() is None:
             return  # kvd is away: these blocks go unsaved
         for save in meta.saves:
             try:
                 reply = self.client.store(save.request_id, save.namespace, save.keys)
-                written = []
-                for handle, fresh, key, block_id in zip(reply.handles, reply.fresh,
-                                                        save.keys, save.block_ids):
-                    if fresh:
-                        self._copy_out(block_id, self._page(handle))
-                        written.append(key)
+                fresh = [(key, block_id, handle) for handle, is_fresh, key, block_id
+                         in zip(reply.handles, reply.fresh, save.keys, save.block_ids)
+                         if is_fresh]
+                self.copier.save([(block_id, self._page(handle))
+                                  for _, block_id, handle in fresh])
+                written = [key for key, _, _ in fresh]
                 # Committed only if the kvd that handed out the pages is the one mapped:
                 # else the bytes went to the arenas of a kvd that is gone.
                 if written and self._check_kvd() is True:
