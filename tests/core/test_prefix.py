@@ -238,3 +238,27 @@ def test_a_store_holds_the_blocks_it_found_until_the_holders_next_call(make_pool
     assert all(b.held and b not in pool.policy for b in blocks)
     pool.end_holds("engine")
     assert all(not b.held and b in pool.policy for b in blocks)
+
+
+def test_kept_prefixes_filling_a_tenants_share_leave_its_requests_the_free_reserve(make_pool):
+    # Under fair, kept prefixes are demand: two tenants whose kept blocks fill the device
+    # are each at their fair share. Their new requests must still grow into the free
+    # reserve without waiting on a demotion (the kept blocks nobody uses are cache), and
+    # the reserve's refill takes that cache back, not the running request's pages.
+    pool = make_pool(device_pages=10, host_pages=16, policy="fair", reserve_pages=2)
+    for tenant, keys in (("a", KEYS[:4]), ("b", KEYS[4:8])):
+        _admit(pool, f"w-{tenant}", tenant=tenant)
+        _stored(pool, f"w-{tenant}", keys)
+        pool.release(f"w-{tenant}")
+    assert pool.device.num_free == 2
+    assert pool.tenancy.headroom("a") == 0
+    _admit(pool, "r", tenant="a", tokens=32)
+    plan = pool.allocate("r", 2)
+    assert plan.demotions == []  # from the reserve: no copy to wait for
+    settle(pool, plan)
+    refill = pool.refill_plan()
+    assert refill is not None and len(refill.demotions) == 2
+    assert all(m.block.name is not None and not m.block.users for m in refill.demotions)
+    settle(pool, refill)
+    assert pool.device.num_free == 2
+    assert pool.requests["r"].num_device_blocks == 2

@@ -55,6 +55,7 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
             if named.get(b.name) is b:
                 users[id(b), req.tenant] += 1
     adjust: Counter = Counter()
+    idle: Counter = Counter()
     for key, b in named.items():
         keeper = b.request
         if (b.name != key or not keeper.keeper or b.tier is TierKind.NONE
@@ -69,9 +70,15 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
             adjust[keeper.tenant] -= 1
             for t in b.payers:
                 adjust[t] += Fraction(1, len(b.payers))
+        if b.tier is TierKind.DEVICE and not b.users:
+            for t in b.payers:
+                idle[t] += Fraction(1, len(b.payers))
     if {t: v for t, v in adjust.items() if v} != dict(pool.tenancy.shared_adjust):
         problems.append(f"{name}: shared pages split {dict(pool.tenancy.shared_adjust)}, "
                         f"their payers say {dict(adjust)}")
+    if {t: v for t, v in idle.items() if v} != dict(pool.tenancy.idle_kept):
+        problems.append(f"{name}: idle kept pages {dict(pool.tenancy.idle_kept)}, "
+                        f"the blocks say {dict(idle)}")
 
 
 def _check_pages(pool: Pool, problems: list[str]) -> Counter:

@@ -114,6 +114,8 @@ class PageTable:
             self.tenancy.kept_changed(req.tenant, delta)
         if block.payers:
             self.tenancy.split(req.tenant, block.payers, delta)
+            if not block.users:
+                self.tenancy.idle_changed(block.payers, delta)
 
     def count_pin(self, block: Block, delta: int) -> None:
         """A pinned block comes (delta 1) or goes (-1); an unpinned one counts nothing."""
@@ -146,10 +148,11 @@ class PageTable:
     # ------------------------------------------------------------------ room in the device tier
 
     def evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
-              protected: Collection[Block] = ()) -> list[Move]:
+              protected: Collection[Block] = (), host_room: int | None = None) -> list[Move]:
         """Take num victims (none of them protected) off the device tier: demote them to host,
-        or drop those the engine can recompute when the host tier is full. Raises before
-        changing anything: the policy's choice is looked at first and taken only after."""
+        or drop those the engine can recompute when the host tier is full (or has no more
+        than `host_room` pages for them). Raises before changing anything: the policy's
+        choice is looked at first and taken only after."""
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
             if self.holds.count or self.num_moving_blocks():
@@ -157,7 +160,8 @@ class PageTable:
                 # pages call again (or their holds lapse).
                 raise BlocksInTransit([])
             raise self.no_room(num)
-        num_host = self.host.num_free
+        num_host = self.host.num_free if host_room is None else min(host_room,
+                                                                     self.host.num_free)
         last = max((i for i, v in enumerate(victims) if not v.recompute_ok), default=-1)
         if last >= num_host:
             num_host += self.reclaim_host(last + 1 - num_host, protected)
@@ -252,7 +256,7 @@ class PageTable:
         if self.policy.fair and cause is not None:
             # The reserve is for growth up to one's fair share, not beyond it.
             spare = max(0, free - self.reserve_pages)
-            headroom = max(0, self.tenancy.headroom(cause.tenant))
+            headroom = max(0, self.tenancy.reserve_headroom(cause.tenant))
             free = spare + min(free - spare, headroom)
         short = num - free
         try:
@@ -281,20 +285,31 @@ class PageTable:
         return plan
 
     def refill(self) -> TransferPlan | None:
-        """Under a fair policy, demote pages of tenants above their fair share until the free
-        reserve is whole again (None when it is, or nobody is over)."""
+        """Under a fair policy, demote pages of tenants above their fair share, or kept
+        prefixes nobody uses, until the free reserve is whole again (None when it is, or
+        there are none). With the host tier full
+        (of kept prefixes, typically), victims the engine can recompute still go: the host
+        turns over for them or they are dropped, as they would be on the path of the next
+        allocation, which then finds the reserve whole instead of waiting."""
         want = self.reserve_pages - self.device.num_free
-        if not self.policy.fair or want <= 0 or self.host.num_free <= self.transit_headroom:
+        if not self.policy.fair or want <= 0:
             return None
-        over = self.tenancy.over_share()
-        if not over:
+        over = set(self.tenancy.over_share())
+        victims = self.policy.choose(min(want, len(self.policy)))
+        if not victims or any(v.request.tenant not in over and not _idle_kept(v)
+                              for v in victims):
+            return None  # only what over-share tenants hold, or idle cache, refills it
+        room = max(0, self.host.num_free - self.transit_headroom)
+        # Past the host's room, only victims that need no host page.
+        num = next((i for i, v in enumerate(victims) if i >= room and not v.recompute_ok),
+                   len(victims))
+        if num == 0:
             return None
-        want = min(want, len(self.policy), self.host.num_free - self.transit_headroom)
-        victims = self.policy.choose(want)
-        if not victims or any(v.request.tenant not in over for v in victims):
-            return None  # only what over-share tenants hold refills the reserve
-        return TransferPlan(self.name, Reason.RESERVE, None,
-                            demotions=self.evict(len(victims), None, Reason.RESERVE, False))
+        try:
+            demotions = self.evict(num, None, Reason.RESERVE, False, host_room=room)
+        except (HostShort, BlocksInTransit):
+            return None  # the policy chose otherwise the second time: the next refill tries
+        return TransferPlan(self.name, Reason.RESERVE, None, demotions=demotions)
 
     def place(self, req: Request, page_numbers: list[int], indices: Iterable[int],
               intent: dict[str, Any] | None, holder: str) -> list[Block]:
@@ -340,3 +355,8 @@ class PageTable:
         block.tier, block.page = TierKind.NONE, -1
         if block.name is not None and self.named.get(block.name) is block:
             del self.named[block.name]
+
+
+def _idle_kept(block: Block) -> bool:
+    """A kept prefix block no request uses: cache."""
+    return block.name is not None and not block.users

@@ -118,6 +118,7 @@ class Prefixes:
                 b.name, b.committed, b.recompute_ok = (namespace, k), False, True
                 b.users, b.payers = {}, (req.tenant,)
                 named[b.name] = b
+                self.tenancy.idle_changed(b.payers, 1)  # until _use below
             if id(b) not in used:
                 self._use(req, b)
             if holder and not b.moving and b.tier is not TierKind.NONE:
@@ -193,6 +194,8 @@ class Prefixes:
                 b.users.pop(req.tenant, None)
             if self.named.get(b.name) is not b:
                 continue  # already let go
+            if not b.users and b.tier is TierKind.DEVICE:
+                self.tenancy.idle_changed(b.payers, 1)
             if not b.users and not b.committed:
                 self.pages.discard(b)
             else:
@@ -243,6 +246,8 @@ class Prefixes:
         return Shares(in_use, shared, self.tenancy.usage(tenant), saved)
 
     def _use(self, req: Request, b: Block) -> None:
+        if not b.users and b.tier is TierKind.DEVICE:
+            self.tenancy.idle_changed(b.payers, -1)
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
         req.shared.append(b)
         self._recharge(b)

@@ -32,6 +32,9 @@ class Tenancy:
         # k tenants (exact fractions, so moving and moving back leaves nothing behind):
         # a tenant's device usage is device_by_tenant + shared_adjust.
         self.shared_adjust: Counter[str] = Counter()
+        # Device pages of kept prefix blocks nobody uses, by the tenants they are charged to
+        # (1/k each, as the split): cache, not working set (see reserve_headroom).
+        self.idle_kept: Counter[str] = Counter()
         self.reserved_by_tenant: Counter[str] = Counter()  # admitted requests' reservations
         self.queued_by_tenant: Counter[str] = Counter()  # queued requests' projected pages
         self.waiting_by_tenant: Counter[str] = Counter()  # queued requests, not pages
@@ -117,6 +120,16 @@ class Tenancy:
             if not adjust[tenant]:
                 del adjust[tenant]
 
+    def idle_changed(self, payers: tuple[str, ...], sign: int) -> None:
+        """A kept block charged to `payers` became (1) or stopped being (-1) an idle device
+        page: in the device tier, named, used by no request."""
+        idle = self.idle_kept
+        part = Fraction(sign, len(payers))
+        for tenant in payers:
+            idle[tenant] += part
+            if not idle[tenant]:
+                del idle[tenant]
+
     def guaranteed(self, tenant: str) -> int:
         """A tenant's guaranteed pages, scaled down when guarantees overcommit the pool."""
         return self.quota(tenant).guaranteed
@@ -124,6 +137,14 @@ class Tenancy:
     def headroom(self, tenant: str) -> int:
         """Device pages the tenant may still take before it reaches its fair share."""
         return int(self.fair_share(tenant) - self.usage(tenant) + 1e-6)
+
+    def reserve_headroom(self, tenant: str) -> int:
+        """Device pages the tenant's requests may take from the free reserve: up to its fair
+        share, its idle kept prefixes not counted. They are cache that the reserve's refill
+        takes back in the background; counting them would leave a tenant whose kept
+        prefixes fill its share waiting on a demotion for every page its requests grow by."""
+        idle = self.idle_kept.get(tenant)
+        return int(self.fair_share(tenant) - self.usage(tenant) + float(idle or 0) + 1e-6)
 
     def over_share(self) -> list[str]:
         """Tenants holding more device pages than their fair share and their guarantee."""
