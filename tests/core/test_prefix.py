@@ -7,6 +7,7 @@ import pytest
 
 from kvd.core.blocks import TierKind
 from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.core.fairness import TenantQuota
 
 from .conftest import settle
 
@@ -262,3 +263,22 @@ def test_kept_prefixes_filling_a_tenants_share_leave_its_requests_the_free_reser
     settle(pool, refill)
     assert pool.device.num_free == 2
     assert pool.requests["r"].num_device_blocks == 2
+
+
+def test_a_tenant_charged_half_a_shared_page_is_not_taken_below_its_guarantee(make_pool):
+    # Tenant g owns two pages and is charged half of a page it shares with s: 2.5 pages
+    # against a guarantee of 2. An eviction for no one may not take one of its own pages
+    # (it would leave 1.5); the unguaranteed tenant's page goes instead. Found by the pool
+    # state machine.
+    pool = make_pool(device_pages=6, host_pages=8, policy="fair",
+                     quotas={"g": TenantQuota(guaranteed=2)})
+    _admit(pool, "s1", tenant="s")
+    _stored(pool, "s1", [KEYS[0]])
+    _admit(pool, "g1", tenant="g")
+    _stored(pool, "g1", KEYS[:3])  # KEYS[0] found (shared), two new ones g owns
+    _admit(pool, "o1", tenant="o", tokens=16)
+    settle(pool, pool.allocate("o1", 1))
+    assert pool.tenancy.usage("g") == pytest.approx(2.5)
+    plan = pool.evict(1)
+    assert [m.block.request.tenant for m in plan.demotions] == ["o"]
+    settle(pool, plan)

@@ -197,10 +197,11 @@ class FairPolicy(EvictionPolicy):
             share = max(self.tenancy.fair_share(tenant), 1e-9)
             floor = 0.0
             if tenant != for_tenant:
-                floor = self.tenancy.guaranteed(tenant)
-                if for_tenant is not None:
-                    floor = max(floor, share)
-                if usage <= floor + 1e-6:
+                guaranteed = self.tenancy.guaranteed(tenant)
+                floor = max(guaranteed, share) if for_tenant is not None else guaranteed
+                # Pages go whole: a tenant charged for part of a shared page can be above
+                # its guarantee by less than the page it would give.
+                if usage <= floor + 1e-6 or usage - 1 < guaranteed - 1e-6:
                     continue
             ranked.append((usage / share, tenant, usage, share, evictable, floor))
         if not ranked:
