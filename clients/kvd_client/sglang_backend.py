@@ -1,0 +1,253 @@
+"""kvd as SGLang's HiCache L3 store: a HiCacheStorage backend (`pip install 'kvd[sglang]'`).
+
+Start SGLang with
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvd",
+        "module_path": "kvd_client.sglang_backend", "class_name": "KvdStorage",
+        "interface_v1": 1, "kvd_target": "unix:///run/kvd/kvd.sock"}'
+
+Extra config: `kvd_target`, `kvd_token` (or its file, `kvd_token_file`), `kvd_pool`
+("default"), `kvd_tenant` (when kvd identifies tenants by name rather than by token),
+`kvd_namespace` (default: the model, and the tensor-parallel shard unless the model is MLA,
+whose KV every rank holds alike), `kvd_timeout_s`.
+
+SGLang names each page of its host pool by a chained hash of its tokens; those names are kvd's
+shared prefix blocks, one kvd page per SGLang page (kvd's page_bytes must equal the bytes of
+one host page: the backend says the right figure if not). With `interface_v1` the copies are
+zero-copy in SGLang's sense: straight between the host pool's pages (their addresses from
+`get_page_buffer_meta`) and kvd's mapped arenas, segment after segment (K then V for an MHA
+model), the same bytes the generic get/set path moves as one flat page, so either path reads
+what the other wrote. Pages SGLang backs up stay in kvd after the call for any instance with
+the same namespace; kvd's policy decides which go when memory is short, and a page it let go
+is a miss for SGLang (batch_exists counts the leading run kvd still holds).
+
+Only page keys reach a backend, no request: each call is made under a short-lived kvd request
+of the configured tenant, which kvd admits (or refuses while the tenant's budget is spent: the
+call then fails, and SGLang recomputes or keeps the page on its host tier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import logging
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kvd_client import Client, KvdClientError, pb
+from kvd_client.arena import MappedPool
+
+log = logging.getLogger("kvd.sglang")
+
+# A page's bytes in kvd, as (address, size) segments of the host pool.
+Segments = list[tuple[int, int]]
+
+
+class _NotAdmitted(Exception):
+    """kvd queued or refused the call's request."""
+
+
+class KvdStorage(HiCacheStorage):
+    """SGLang's HiCache storage on kvd's shared prefix blocks (see the module's docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None
+                 ) -> None:
+        extra = dict(storage_config.extra_config or {})
+        token = extra.get("kvd_token")
+        if token is None and extra.get("kvd_token_file"):
+            token = Path(extra["kvd_token_file"]).read_text().strip()
+        self.client = Client(extra.get("kvd_target"), token=token,
+                             timeout_s=float(extra.get("kvd_timeout_s", 5.0)))
+        self.pool = extra.get("kvd_pool", "")
+        self.tenant = extra.get("kvd_tenant", "")
+        shard = "" if storage_config.is_mla_model else (
+            f"|tp{storage_config.tp_rank}/{storage_config.tp_size}"
+            f"|pp{storage_config.pp_rank}/{storage_config.pp_size}")
+        self.namespace = extra.get("kvd_namespace") or (
+            f"sglang|{storage_config.model_name or ''}{shard}")
+        self._ids = (f"sglang-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
+        self.arena: MappedPool | None = None
+        self.page_tokens = 0
+        self.page_bytes = 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self.page_tokens = mem_pool_host.page_size
+        first = torch.arange(self.page_tokens, dtype=torch.int64)
+        self.page_bytes = sum(size for _, size in self._segments(first)[0])
+        export = self.client.export_pool(self.pool)
+        if export.page_bytes != self.page_bytes:
+            raise ValueError(
+                f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
+                f"one SGLang host page is {self.page_bytes}: start kvd with "
+                f"page_bytes = {self.page_bytes}")
+        self.arena = MappedPool(export)
+
+    def _segments(self, host_indices: torch.Tensor) -> list[Segments]:
+        """Each page's (address, size) segments in the host pool, in page order."""
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        num_pages = len(host_indices) // self.page_tokens
+        per_page = len(ptrs) // max(num_pages, 1)
+        return [list(zip(ptrs[i * per_page:(i + 1) * per_page],
+                         sizes[i * per_page:(i + 1) * per_page]))
+                for i in range(num_pages)]
+
+    # ------------------------------------------------------------------ kvd
+
+    @contextlib.contextmanager
+    def _request(self, num_pages: int) -> Iterator[str]:
+        """A kvd request for one call's pages, released after it."""
+        rid = next(self._ids)
+        reply = self.client.admit(rid, prompt_tokens=num_pages * self.page_tokens,
+                                  tenant=self.tenant, pool=self.pool)
+        try:
+            if reply.decision != pb.DECISION_ADMITTED:
+                raise _NotAdmitted(reply.reason or pb.Decision.Name(reply.decision))
+            yield rid
+        finally:
+            self.client.release(rid)
+
+    def _copy(self, handle: pb.PageHandle, segments: Segments, into_kvd: bool) -> None:
+        """Copy one page between kvd's arena and the host pool's segments."""
+        page = self.arena.page(handle)
+        kvd_ptr = page.ctypes.data if hasattr(page, "ctypes") else page.data.ptr
+        copy = ctypes.memmove if hasattr(page, "ctypes") else _cuda_copy
+        offset = 0
+        for ptr, size in segments:
+            if into_kvd:
+                copy(kvd_ptr + offset, ptr, size)
+            else:
+                copy(ptr, kvd_ptr + offset, size)
+            offset += size
+
+    def _set(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        """Store each page under its key (pages kvd has already are not written again)."""
+        if not keys:
+            return []
+        first = _first_of_each(keys)
+        names = [keys[i].encode() for i in first]
+        try:
+            with self._request(len(first)) as rid:
+                reply = self.client.store(rid, self.namespace, names)
+                written = []
+                for handle, fresh, i in zip(reply.handles, reply.fresh, first):
+                    if fresh:
+                        self._copy(handle, pages[i], into_kvd=True)
+                        written.append(keys[i].encode())
+                if written:
+                    self.client.commit(rid, self.namespace, written)
+        except (KvdClientError, _NotAdmitted) as exc:
+            log.warning("kvd: storing %d page(s) failed: %s", len(keys), exc)
+            return [False] * len(keys)
+        return [True] * len(keys)
+
+    def _get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        """Copy the leading run of keys kvd holds into their pages."""
+        if not keys:
+            return []
+        keys = keys[:_leading_distinct(keys)]  # a run is one chain: it ends at a repeat
+        try:
+            with self._request(len(keys)) as rid:
+                reply = self.client.load(rid, self.namespace, [k.encode() for k in keys])
+                for handle, segments in zip(reply.handles, pages):
+                    self._copy(handle, segments, into_kvd=False)
+                found = len(reply.handles)
+        except (KvdClientError, _NotAdmitted) as exc:
+            log.warning("kvd: loading %d page(s) failed: %s", len(keys), exc)
+            found = 0
+        return [i < found for i in range(len(pages))]
+
+    # ------------------------------------------------------------------ zero-copy (v1)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        pages = self._segments(host_indices)
+        return self._get(keys, pages) + [False] * (len(keys) - len(pages))
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        return self._set(keys, self._segments(host_indices))
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        if not keys:
+            return 0
+        try:
+            return self.client.lookup(self.namespace, [k.encode() for k in keys],
+                                      pool=self.pool).num_hit
+        except KvdClientError as exc:
+            log.warning("kvd: lookup failed, counting misses: %s", exc)
+            return 0
+
+    # ------------------------------------------------------------------ generic
+
+    def get(self, key: str, target_location: torch.Tensor | None = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        targets = [t if t is not None else self.mem_pool_host.get_dummy_flat_data_page()
+                   for t in (target_locations or [None] * len(keys))]
+        found = self._get(keys, [_flat(t) for t in targets])
+        return [t if ok else None for t, ok in zip(targets, found)]
+
+    def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: list[torch.Tensor] | None = None,
+                  target_locations: Any = None, target_sizes: Any = None) -> bool:
+        values = [v.contiguous() for v in values or ()]
+        return all(self._set(keys, [_flat(v) for v in values]))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def close(self) -> None:
+        if self.arena is not None:
+            self.arena.close()
+        self.client.close()
+
+
+def _flat(tensor: torch.Tensor) -> Segments:
+    """A whole flat page tensor as one segment."""
+    if not tensor.is_contiguous():
+        raise ValueError("kvd needs a contiguous page tensor")
+    return [(tensor.data_ptr(), tensor.numel() * tensor.element_size())]
+
+
+def _first_of_each(keys: Sequence[str]) -> list[int]:
+    """The positions of each key's first occurrence (kvd takes each key once a call)."""
+    seen: set[str] = set()
+    first = []
+    for i, k in enumerate(keys):
+        if k not in seen:
+            seen.add(k)
+            first.append(i)
+    return first
+
+
+def _leading_distinct(keys: Sequence[str]) -> int:
+    """How many keys come before the first repeated one."""
+    seen: set[str] = set()
+    for i, k in enumerate(keys):
+        if k in seen:
+            return i
+        seen.add(k)
+    return len(keys)
+
+
+def _cuda_copy(dst: int, src: int, size: int) -> None:
+    """A copy where one side is kvd's GPU arena (CUDA works out the direction)."""
+    import cupy
+
+    cupy.cuda.runtime.memcpy(dst, src, size, cupy.cuda.runtime.memcpyDefault)

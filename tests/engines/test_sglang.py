@@ -1,0 +1,163 @@
+"""kvd as SGLang's HiCache L3 store, through SGLang's own classes on the CPU: the real device
+and host KV pools (MHATokenToKVPool, MHATokenToKVPoolHost in the page-first layout its
+zero-copy path needs) and the real StorageBackendFactory loading kvd's backend as a
+"dynamic" backend, against a real kvd process. The full SGLang engine needs CUDA; these
+are the classes it drives the backend through.
+
+SGLang imports torchvision, whose registry builds cannot load beside the CPU PyTorch of
+this tier: a stand-in module (stand_ins/torchvision) is put first on the path before SGLang
+is imported. Nothing used here calls it.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "stand_ins"))
+warnings.filterwarnings("ignore", message="Only CUDA")
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvd_client import Client  # noqa: E402
+from kvd_loadgen.local import LocalKvd  # noqa: E402
+
+PAGE_TOKENS, HEADS, HEAD_DIM, LAYERS = 16, 2, 32, 2
+# One SGLang page: K and V, every layer, 16 tokens x 2 heads x 32 x bf16.
+PAGE_BYTES = 2 * LAYERS * PAGE_TOKENS * HEADS * HEAD_DIM * 2
+
+
+def kvd(tmp_path, device_pages=32, host_pages=64, page_bytes=PAGE_BYTES):
+    return LocalKvd("--page-bytes", str(page_bytes), "--block-tokens", str(PAGE_TOKENS),
+                    "--device-pages", str(device_pages), "--host-pages", str(host_pages),
+                    workdir=tmp_path)
+
+
+def host_pool(pages: int = 32) -> MHATokenToKVPoolHost:
+    device = MHATokenToKVPool(pages * PAGE_TOKENS, PAGE_TOKENS, torch.bfloat16, HEADS,
+                              HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
+    return MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0,
+                                PAGE_TOKENS, "page_first", pin_memory=False,
+                                device_capacity_tokens=device.size, start_layer=0,
+                                end_layer=LAYERS)
+
+
+def backend(target: str, pool: MHATokenToKVPoolHost, model: str = "tiny", v1: bool = True):
+    """kvd's backend as SGLang's cache controller makes it: the factory, then the pool."""
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name=model,
+        extra_config={"backend_name": "kvd", "module_path": "kvd_client.sglang_backend",
+                      "class_name": "KvdStorage", "interface_v1": int(v1),
+                      "kvd_target": target})
+    storage = StorageBackendFactory.create_backend("dynamic", config, pool)
+    storage.register_mem_pool_host(pool)
+    return storage
+
+
+def written_pages(pool: MHATokenToKVPoolHost, num_pages: int, seed: int) -> torch.Tensor:
+    """Host indices of num_pages new pages, filled with distinct random bytes."""
+    indices = pool.alloc(num_pages * PAGE_TOKENS)
+    gen = torch.Generator().manual_seed(seed)
+    pool.kv_buffer.view(torch.int16)[:, indices] = torch.randint(
+        -2**15, 2**15, pool.kv_buffer[:, indices].shape, generator=gen, dtype=torch.int16)
+    return indices
+
+
+def page(pool: MHATokenToKVPoolHost, indices: torch.Tensor, i: int) -> bytes:
+    start = int(indices[i * PAGE_TOKENS])
+    return pool.get_data_page(start, flat=True).view(torch.uint8).numpy().tobytes()
+
+
+def keys(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:04d}" for i in range(n)]
+
+
+def test_pages_round_trip_through_kvd_zero_copy_and_generic(tmp_path):
+    with kvd(tmp_path) as k:
+        pool = host_pool()
+        storage = backend(k.target, pool)
+        src = written_pages(pool, 4, seed=1)
+        names = keys("a", 4)
+        assert storage.batch_exists(names) == 0
+        assert storage.batch_set_v1(names, src) == [True] * 4
+        assert storage.batch_exists(names) == 4
+        dst = pool.alloc(4 * PAGE_TOKENS)
+        assert storage.batch_get_v1(names, dst) == [True] * 4
+        for i in range(4):
+            assert page(pool, dst, i) == page(pool, src, i), f"page {i} came back wrong"
+        # The generic path reads the same bytes as one flat page, and writes what v1 reads.
+        flat = storage.get(names[2], pool.get_dummy_flat_data_page())
+        assert flat.view(torch.uint8).numpy().tobytes() == page(pool, src, 2)
+        more = written_pages(pool, 1, seed=2)
+        assert storage.set("b0000", pool.get_data_page(int(more[0]), flat=True))
+        again = pool.alloc(PAGE_TOKENS)
+        assert storage.batch_get_v1(["b0000"], again) == [True]
+        assert page(pool, again, 0) == page(pool, more, 0)
+        # Pages kvd has are not written twice: storing them again changes nothing.
+        with Client(k.target) as c:
+            used = c.pool_stats().pools[0].tiers[0].used_pages
+            assert storage.batch_set_v1(names, src) == [True] * 4
+            assert c.pool_stats().pools[0].tiers[0].used_pages == used == 5
+        storage.close()
+
+
+def test_a_run_of_hits_stops_at_the_first_page_kvd_lacks(tmp_path):
+    with kvd(tmp_path) as k:
+        pool = host_pool()
+        storage = backend(k.target, pool)
+        names = keys("a", 3)
+        storage.batch_set_v1(names, written_pages(pool, 3, seed=3))
+        asked = names[:2] + ["missing"] + names[2:]
+        assert storage.batch_exists(asked) == 2
+        dst = pool.alloc(4 * PAGE_TOKENS)
+        assert storage.batch_get_v1(asked, dst) == [True, True, False, False]
+        assert not storage.exists("missing") and storage.exists(names[2])
+        storage.close()
+
+
+def test_pages_kvds_policy_let_go_are_misses(tmp_path):
+    # 8 device and 8 host pages: three batches of 8 pages cannot all stay.
+    with kvd(tmp_path, device_pages=8, host_pages=8) as k:
+        pool = host_pool(64)
+        storage = backend(k.target, pool)
+        batches = [keys(f"{b}-", 8) for b in "xyz"]
+        for n, names in enumerate(batches):
+            assert storage.batch_set_v1(names, written_pages(pool, 8, seed=10 + n)) == [True] * 8
+        assert storage.batch_exists(batches[-1]) == 8  # the newest stay
+        assert storage.batch_exists(batches[0]) == 0  # the oldest went first
+        dst = pool.alloc(8 * PAGE_TOKENS)
+        assert storage.batch_get_v1(batches[0], dst) == [False] * 8
+        storage.close()
+
+
+def test_two_sglang_instances_share_prefixes_through_kvd(tmp_path):
+    with kvd(tmp_path) as k:
+        pool_a, pool_b = host_pool(), host_pool()
+        a, b = backend(k.target, pool_a), backend(k.target, pool_b, v1=False)
+        src = written_pages(pool_a, 5, seed=4)
+        names = keys("shared", 5)
+        assert a.batch_set_v1(names, src) == [True] * 5
+        assert b.batch_exists(names) == 5  # the other instance sees them
+        got = b.batch_get(names, [pool_b.get_dummy_flat_data_page() for _ in names])
+        for i, flat in enumerate(got):
+            assert flat.view(torch.uint8).numpy().tobytes() == page(pool_a, src, i)
+        # Another model is another namespace: nothing is shared with it.
+        assert backend(k.target, host_pool(), model="other").batch_exists(names) == 0
+        a.close()
+        b.close()
+
+
+def test_a_kvd_whose_pages_do_not_fit_sglangs_says_the_right_size(tmp_path):
+    with kvd(tmp_path, page_bytes=4096) as k:
+        with pytest.raises(ValueError, match=f"page_bytes = {PAGE_BYTES}"):
+            backend(k.target, host_pool())
