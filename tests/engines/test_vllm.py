@@ -7,7 +7,10 @@ cache empty: whatever prefix it does not compute came from kvd.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -45,9 +48,12 @@ class Engine:
 
     def __init__(self, target: str, batches: list[dict], pause: bool = False) -> None:
         spec = json.dumps({"batches": batches, "pause": pause})
+        # A session of its own: killing it takes vLLM's engine-core and worker processes
+        # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
         self.lines: list[str] = []
 
     def result(self, timeout_s: float = 240) -> dict:
@@ -59,7 +65,7 @@ class Engine:
             self.lines.append(line)
             if line.startswith("KVD_RESULT "):
                 return json.loads(line.removeprefix("KVD_RESULT "))
-        self.proc.kill()
+        self.kill()
         raise AssertionError("engine ended without a result:\n"
                              + "".join(self.lines)[-2000:] + self.proc.stderr.read()[-4000:])
 
@@ -67,9 +73,13 @@ class Engine:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
+    def kill(self) -> None:
+        """The runner and every process it started."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        self.kill()
         self.proc.wait()
 
 
