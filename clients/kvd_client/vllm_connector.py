@@ -16,8 +16,10 @@ request's cache salt, are looked up in kvd and their tokens reported as an exter
 A request admitted by no one (kvd's budget for its tenant is spent) is told to wait: the
 connector answers None until kvd admits it. On finish the request is released in kvd; the
 blocks it stored stay there for the next request with that prefix. Tenant and intent come
-from the request: `kv_transfer_params={"kvd": {"tenant": ..., "pin": ...}}` and its
-priority.
+from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ...}}`, the
+priority falling back to vLLM's own. (`pin` and `deadline_ms` there are not applied yet:
+kvd's intents address a request's own blocks, and every block this connector keeps in kvd
+is a shared prefix block.)
 
 Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds one vLLM
 block of every layer, layer after layer. Hit blocks are copied from kvd's pages into vLLM's
@@ -161,7 +163,8 @@ class KvdConnector(KVConnectorBase_V1):
         try:
             reply = self.client.admit(rid, prompt_tokens=prompt, output_tokens=output,
                                       tenant=tenant, pool=self.pool,
-                                      priority=int(getattr(request, "priority", 0) or 0))
+                                      priority=int(params.get(
+                                          "priority", getattr(request, "priority", 0) or 0)))
         except KvdClientError as exc:
             if "already exists" in str(exc):  # queued before: is it in now?
                 return self._admitted_since(request)
