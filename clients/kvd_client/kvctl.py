@@ -53,9 +53,10 @@ def status_table(stats: pb.GetPoolStatsResponse) -> Table:
 
 def tenants_table(tenants) -> Table:
     t = Table(title="tenants: usage vs fair share vs quota (device pages)")
+    gpu = any(x.engine_gpu_blocks for x in tenants)
     for col in ("pool", "tenant", "weight", "device", "charged", "shared (saved)", "fair share",
                 "guaranteed", "limit", "reserved", "queued", "evictions suffered / caused",
-                "stalled s (by whom)"):
+                "stalled s (by whom)") + (("engine GPU blocks",) if gpu else ()):
         t.add_column(col, justify="left" if col in ("pool", "tenant", "stalled s (by whom)")
                      else "right")
     for x in tenants:
@@ -67,7 +68,7 @@ def tenants_table(tenants) -> Table:
                   f"{x.fair_share_pages:,.1f}", f"{x.guaranteed_pages:,}",
                   f"{x.limit_pages:,}" if x.limit_pages else "none", f"{x.reserved_pages:,}",
                   f"{x.queued_pages:,}", f"{x.evictions_suffered:,} / {x.evictions_caused:,}",
-                  causes)
+                  causes, *((f"{x.engine_gpu_blocks:,.1f}",) if gpu else ()))
     return t
 
 

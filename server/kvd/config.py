@@ -106,6 +106,31 @@ class LinkConfig:
             raise InvalidArgument(f"link {self.source}->{self.target}: a link joins two pools")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineEventsConfig:
+    """An engine whose KV cache events kvd follows (`[[engine]]`): its ZMQ publisher
+    (vLLM's or SGLang's), the replay socket beside it, and the tenant its blocks count to
+    where kvd keeps nothing under their hashes. `bind`: kvd binds the endpoint and the
+    engine connects (vLLM connects to a plain tcp://HOST:PORT)."""
+
+    __pydantic_config__ = SCHEMA
+    name: Name
+    endpoint: str
+    replay_endpoint: str = ""
+    topic: str = ""
+    bind: bool = False
+    tenant: str = ""
+
+    def validate(self) -> None:
+        for key, value in (("endpoint", self.endpoint),
+                           ("replay_endpoint", self.replay_endpoint)):
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise InvalidArgument(f"engine {self.name!r}: {key} must be tcp://, ipc:// "
+                                      f"or inproc:// (got {value!r})")
+        if not self.endpoint:
+            raise InvalidArgument(f"engine {self.name!r}: endpoint is empty")
+
+
 _RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget")
 
 
@@ -227,6 +252,7 @@ class Config:
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
     tenants: tuple[TenantConfig, ...] = ()
     links: tuple[LinkConfig, ...] = ()
+    engines: tuple[EngineEventsConfig, ...] = ()
     auth: AuthConfig = field(default_factory=AuthConfig)
     path: str = ""  # the file it came from (SIGHUP re-reads it)
 
@@ -262,11 +288,17 @@ class Config:
             raise InvalidArgument("two [[link]] entries join the same pools")
         for link in self.links:
             link.validate(self.pools)
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"engine names must be unique, got {names}")
+        for engine in self.engines:
+            engine.validate()
 
 
 _CONFIG = TypeAdapter(Config)
 # Where a schema error is, in the file's own words.
-_SECTIONS = {"pools": "[[pool]]", "tenants": "[[tenant]]", "links": "[[link]]", "auth": "[auth]"}
+_SECTIONS = {"pools": "[[pool]]", "tenants": "[[tenant]]", "links": "[[link]]",
+             "engines": "[[engine]]", "auth": "[auth]"}
 
 
 def _where(loc: tuple) -> str:
@@ -298,7 +330,8 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-_SERVER_KEYS = set(Config.__dataclass_fields__) - {"pools", "tenants", "links", "auth", "path"}
+_SERVER_KEYS = set(Config.__dataclass_fields__) - {"pools", "tenants", "links", "engines",
+                                                    "auth", "path"}
 
 
 def load_config(path: str | Path | None) -> Config:
@@ -335,7 +368,7 @@ def _entries(data: dict, section: str) -> list[dict]:
 
 
 def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
-    unknown = set(data) - {"server", "pool", "tenant", "auth", "link"}
+    unknown = set(data) - {"server", "pool", "tenant", "auth", "link", "engine"}
     if unknown:
         raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
     server = data.get("server", {})
@@ -357,7 +390,7 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
             server[key] = str(base / server[key])  # absolute stays absolute
     config = _checked(lambda: _CONFIG.validate_python({
         **server, "pools": pools, "tenants": tenants, "links": _entries(data, "link"),
-        "auth": auth}))
+        "engines": _entries(data, "engine"), "auth": auth}))
     config.validate()
     return config
 

@@ -100,6 +100,10 @@ class Daemon:
         except KvdError as exc:
             raise StartupError(str(exc)) from None
         try:
+            try:
+                self.node.engines.start()  # before listening: a bad endpoint stops the start
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
             await self._listen(loop)
         except BaseException:
             await self.node.aclose()  # the arenas' shared memory goes with it

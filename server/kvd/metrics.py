@@ -226,6 +226,30 @@ def _node_families(figures: NodeFigures):
     released = _counter("kvd_lease_released_requests", "Requests released by lease expiry", [])
     released.add_metric([], figures.lease_released_requests)
     yield from (hand, hbytes, leases, expired, released)
+    yield from _engine_families(figures.engines)
+
+
+def _engine_families(engines):
+    """The engines kvd follows by their KV cache events."""
+    blocks = _gauge("kvd_engine_blocks", "Blocks an engine holds, by medium, as its KV cache "
+                    "events say", ["engine", "medium"])
+    gpu = _gauge("kvd_engine_gpu_blocks", "Blocks on an engine's GPU by tenant (a block kvd "
+                 "keeps under the same hash counts 1/k to each of its k tenants)",
+                 ["engine", "tenant"])
+    batches = _counter("kvd_engine_event_batches", "KV event batches applied, by how they "
+                       "came (live, replayed) and batches lost (the publisher no longer had "
+                       "them) or undecodable (bad)", ["engine", "outcome"])
+    events = _counter("kvd_engine_events", "KV cache events applied", ["engine"])
+    for e in engines:
+        for medium, n in e.blocks_by_medium.items():
+            blocks.add_metric([e.name, medium], n)
+        for tenant, n in e.gpu_blocks_by_tenant.items():
+            gpu.add_metric([e.name, tenant], n)
+        for outcome, n in (("live", e.batches - e.replayed), ("replayed", e.replayed),
+                           ("lost", e.lost), ("bad", e.bad)):
+            batches.add_metric([e.name, outcome], n)
+        events.add_metric([e.name], e.events)
+    yield from (blocks, gpu, batches, events)
 
 
 def serve_metrics(address: str, node, loop):

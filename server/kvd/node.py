@@ -28,6 +28,7 @@ from kvd.events import EventBus, PlanEvents, publish_admitted
 from kvd.handoff import Handoffs
 from kvd import intent_batch
 from kvd.health import Health
+from kvd.kv_events import EngineEvents, hash_key
 from kvd.leases import LeaseTable
 from kvd.quotas import Quotas
 from kvd.links import Link
@@ -67,6 +68,7 @@ class Node:
         self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
                                  self.link_table, self.events)
         self.health = Health(self.pools)
+        self.engines = EngineEvents(config.engines)
         # A prefill pool reserves its requests' decode pages in the others through this.
         reserver = PoolReserver(lambda name: self.pools[name].pool, config.handoff_ttl_s)
         plan_events = PlanEvents(self.events,
@@ -337,11 +339,18 @@ class Node:
         self.pools.clear()
         self._executor.shutdown(wait=True)
 
+    def block_owners(self) -> dict[int, tuple[str, ...]]:
+        """Every kept prefix block's hash (as engines publish it) and the tenants it is
+        charged to: what attributes an engine's GPU blocks (kvd.kv_events)."""
+        return {hash_key(key): b.payers for rt in self.pools.values()
+                for (_, key), b in rt.pool.pages.named.items()}
+
     async def aclose(self, timeout_s: float = 5.0) -> None:
         """Let transfers and handoffs in flight finish, at most timeout_s; then stop the
         links (a copy already handed to a worker finishes: close() waits for the workers
         before it unmaps the arenas)."""
         deadline = time.monotonic() + timeout_s
+        await self.engines.aclose()
         quiet = await self.drain(timeout_s)
         pending = {t for t in self.handoffs.in_flight if not t.done()}
         if pending:

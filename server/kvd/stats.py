@@ -16,6 +16,7 @@ from kvd.core.blocks import TierKind
 from kvd.core.counters import PoolCounters
 from kvd.core.fairness import TenantQuota
 from kvd.core.pool import Pool
+from kvd.kv_events import gpu_blocks_by_tenant
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,6 +54,9 @@ class TenantFigures:
     charged_pages: float
     shared_pages: int
     shared_saved_pages: float
+    # Blocks on the GPUs of the engines kvd follows (node-wide; kvd.kv_events), a block kvd
+    # keeps under the same hash counting 1/k to each of its k tenants.
+    engine_gpu_blocks: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,6 +112,20 @@ class PoolFigures:
 
 
 @dataclass(slots=True, frozen=True)
+class EngineFigures:
+    """An engine kvd follows by its KV cache events."""
+
+    name: str
+    blocks_by_medium: dict[str, int]
+    gpu_blocks_by_tenant: dict[str, float]
+    batches: int
+    events: int
+    replayed: int
+    lost: int
+    bad: int
+
+
+@dataclass(slots=True, frozen=True)
 class NodeFigures:
     pools: list[PoolFigures]
     links: list[LinkFigures]
@@ -116,6 +134,7 @@ class NodeFigures:
     leases_active: int
     leases_expired: int
     lease_released_requests: int
+    engines: list[EngineFigures]
 
 
 def link_figures(node, link) -> LinkFigures:
@@ -138,8 +157,8 @@ def link_figures(node, link) -> LinkFigures:
 
 
 def tenant_figures(node, pool: Pool, tenant: str,
-                   shared_figures: dict[str, tuple[int, float]] | None = None
-                   ) -> TenantFigures:
+                   shared_figures: dict[str, tuple[int, float]] | None = None,
+                   engine_gpu: dict[str, float] | None = None) -> TenantFigures:
     """A tenant's standing in one pool. The pool's reads must be recorded (snapshot()).
     `shared_figures`: the pool's Prefixes.shared_figures(), when the caller has them."""
     ten, att = pool.tenancy, pool.attribution
@@ -161,7 +180,9 @@ def tenant_figures(node, pool: Pool, tenant: str,
         bytes_moved=sum(link.sched.meter.by_tenant.get(tenant, 0)
                         for link in node.links_of(pool.name)),
         bytes_read=ten.blocks_read_by_tenant[tenant] * pool.page_bytes,
-        charged_pages=ten.usage(tenant), shared_pages=shared, shared_saved_pages=saved)
+        charged_pages=ten.usage(tenant), shared_pages=shared, shared_saved_pages=saved,
+        engine_gpu_blocks=(engine_gpu if engine_gpu is not None
+                           else engine_gpu_by_tenant(node)).get(tenant, 0.0))
 
 
 def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
@@ -171,6 +192,7 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
     ten = pool.tenancy
     names = sorted(t for t in ten.names() if tenants in (None, t))
     shared = pool.prefixes.shared_figures()
+    gpu = engine_gpu_by_tenant(node)
     return PoolFigures(
         name=pool.name, policy=pool.policy.name, page_bytes=pool.page_bytes,
         block_tokens=pool.block_tokens,
@@ -188,8 +210,23 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
         evictions=dict(pool.attribution.evictions_by_pair),
         stall_by_cause=dict(pool.attribution.stall_s_by_cause),
         bytes_read=sum(ten.blocks_read_by_tenant.values()) * pool.page_bytes,
-        tenants=[tenant_figures(node, pool, t, shared) for t in names],
+        tenants=[tenant_figures(node, pool, t, shared, gpu) for t in names],
         links=[link_figures(node, link) for link in node.links_of(pool.name)])
+
+
+def engine_gpu_by_tenant(node) -> dict[str, float]:
+    """Every followed engine's GPU blocks per tenant (empty when kvd follows none)."""
+    if not node.engines.residency:
+        return {}
+    return node.engines.gpu_by_tenant(node.block_owners())
+
+
+def engine_figures(node) -> list[EngineFigures]:
+    owners = node.block_owners() if node.engines.residency else {}
+    return [EngineFigures(res.engine, dict(res.by_medium()), gpu_blocks_by_tenant(res, owners),
+                          res.num_batches, res.num_events, res.num_replayed, res.num_lost,
+                          res.num_bad)
+            for res in node.engines.residency.values()]
 
 
 def node_figures(node) -> NodeFigures:
@@ -200,4 +237,5 @@ def node_figures(node) -> NodeFigures:
         links=[link_figures(node, link) for link in node.links()],
         uptime_s=time.time() - node.started_at, handoffs=dict(node.handoff_counts),
         leases_active=len(leases.leases), leases_expired=leases.num_expired,
-        lease_released_requests=leases.num_requests_released)
+        lease_released_requests=leases.num_requests_released,
+        engines=engine_figures(node))

@@ -86,7 +86,8 @@ def tenant_info(f: TenantFigures) -> pb.TenantInfo:
         pinned_pages=f.pinned_pages, bytes_moved=f.bytes_moved, bytes_read=f.bytes_read,
         bandwidth_cap_bytes_per_s=q.bandwidth_cap or 0.0,
         read_budget_bytes_per_s=q.read_budget or 0.0, charged_pages=f.charged_pages,
-        shared_pages=f.shared_pages, shared_saved_pages=f.shared_saved_pages)
+        shared_pages=f.shared_pages, shared_saved_pages=f.shared_saved_pages,
+        engine_gpu_blocks=f.engine_gpu_blocks)
 
 
 def pool_stats(f: PoolFigures) -> pb.PoolStats:

@@ -1,0 +1,158 @@
+"""A running kvd follows an engine's KV cache events ([[engine]] in its config): what the
+engine holds on its GPU shows per tenant in ListTenants and in /metrics, a batch lost on the
+way comes back through the replay socket, and a bad [[engine]] entry is one line and exit 2.
+
+The publisher here speaks the wire format of vLLM's and SGLang's ZmqEventPublisher (typed
+from vllm/distributed/kv_events.py, vLLM 0.32: frames (topic, 8-byte big-endian sequence,
+msgpack [ts, [events], dp_rank]), events maps tagged by "type", a ROUTER answering a start
+sequence with the batches from there and then sequence -1). The engine tier runs the real
+publishers of both packages."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import urllib.request
+
+import msgpack
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvd_client import AsyncClient
+from kvd_loadgen.local import LocalKvd
+
+from .test_startup import kvd as run_kvd, one_line
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Publisher:
+    """An engine's event publisher: PUB on `endpoint`, ROUTER for replay; `lose` sends a
+    batch to the replay buffer only, as if the network had dropped it."""
+
+    def __init__(self, endpoint: str, replay: str) -> None:
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(endpoint)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(replay)
+        self.sent: list[tuple[int, bytes]] = []
+        self.replays = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._lock = threading.Lock()
+        self._thread.start()
+
+    def publish(self, events: list[dict], lose: bool = False) -> None:
+        payload = msgpack.packb([time.time(), events, 0])
+        with self._lock:
+            seq = len(self.sent)
+            self.sent.append((seq, payload))
+            if not lose:
+                self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def _serve_replay(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            client, _, start = self.router.recv_multipart()
+            self.replays += 1
+            with self._lock:
+                for seq, payload in self.sent:
+                    if seq >= int.from_bytes(start, "big"):
+                        self.router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"),
+                                                    payload])
+                self.router.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+def stored(hashes, medium="GPU") -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": [], "block_size": 16, "lora_id": None, "medium": medium}
+
+
+def _samples(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+async def _until(cond, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not await cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_an_engines_gpu_blocks_count_to_the_tenants_kvd_charges_for_them(tmp_path):
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"tcp://127.0.0.1:{_free_port()}"
+    port = _free_port()
+    config = tmp_path / "kvd.toml"
+    config.write_text(
+        '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 16\nhost_pages = 16\n'
+        '[[tenant]]\nname = "x"\ntoken = "x-token"\n[[tenant]]\nname = "y"\ntoken = "y-token"\n'
+        f'[[engine]]\nname = "gpu0"\nendpoint = "{endpoint}"\n'
+        f'replay_endpoint = "{replay}"\ntenant = "y"\n[auth]\nadmin_token = "admin-token"\n')
+    publisher = Publisher(endpoint, replay)
+    try:
+        with LocalKvd("--config", str(config), "--metrics", f"127.0.0.1:{port}",
+                      workdir=tmp_path) as kvd:
+            async with AsyncClient(kvd.target, token="x-token") as x:
+                # x keeps two prefix blocks in kvd; the engine then holds them on its GPU
+                # (vLLM publishes a bytes hash as its low 64 bits), and one kvd knows
+                # nothing of, which counts to the engine's tenant, y.
+                keys = [bytes([i]) * 32 for i in (1, 2)]
+                await x.admit("r", prompt_tokens=32)
+                await x.store("r", "ns", keys)
+                await x.commit("r", "ns", keys)
+                hashes = [int.from_bytes(k, "big") & (2**64 - 1) for k in keys]
+                publisher.publish([stored(hashes)])
+                publisher.publish([stored([7]), stored([8], medium="CPU")])
+                publisher.publish([{"type": "BlockRemoved", "block_hashes": [hashes[1]],
+                                    "medium": "GPU"}], lose=True)
+                publisher.publish([stored([9])])
+
+                async def caught_up():
+                    s = _samples(port)
+                    return s.get(("kvd_engine_event_batches_total",
+                                  (("engine", "gpu0"), ("outcome", "replayed")))) is not None \
+                        and s[("kvd_engine_blocks", (("engine", "gpu0"), ("medium", "GPU")))] \
+                        == 3
+
+                await _until(caught_up)
+            async with AsyncClient(kvd.target, token="admin-token") as admin:
+                gpu = {t.tenant: t.engine_gpu_blocks for t in await admin.list_tenants()}
+            samples = _samples(port)
+    finally:
+        publisher.close()
+    # On the GPU: hashes[0] (x's, in kvd), 7 and 9 (unknown to kvd: y's); hashes[1] was
+    # removed by the batch lost on the way and brought back by replay.
+    assert gpu == {"x": 1.0, "y": 2.0}
+    assert samples[("kvd_engine_gpu_blocks", (("engine", "gpu0"), ("tenant", "x")))] == 1
+    assert samples[("kvd_engine_blocks", (("engine", "gpu0"), ("medium", "CPU")))] == 1
+    assert samples[("kvd_engine_event_batches_total",
+                    (("engine", "gpu0"), ("outcome", "lost")))] == 0
+    assert publisher.replays >= 1
+
+
+def test_a_bad_engine_entry_is_one_line_and_exit_2(tmp_path):
+    one_line(run_kvd(config='[server]\nsocket = "k.sock"\n[[engine]]\nname = "e"\n'
+                            'endpoint = "http://x"\n', tmp_path=tmp_path),
+             "endpoint must be tcp://, ipc:// or inproc://")
+    one_line(run_kvd(config='[server]\nsocket = "k.sock"\n[[engine]]\nname = "e"\n'
+                            'endpoint = "tcp://256.0.0.1:1"\nbind = true\n',
+                     tmp_path=tmp_path), "engine 'e': cannot bind")
