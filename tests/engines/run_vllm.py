@@ -4,7 +4,8 @@ random-weight Llama beside this file, kvd's connector, token-id prompts.
     python run_vllm.py KVD_TARGET SPEC_JSON
 
 SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params or null,
-...]}, ...], "pause": false}. The batches run one after the other in the same engine; after
+...]}, ...], "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
+publishes its KV cache events there)}. The batches run one after the other in the same engine; after
 each it prints one line, `KVD_RESULT {json}`: each prompt's output tokens and cached tokens,
 the seconds the engine took to start and the batch to run. With "pause", it then waits for a
 line on stdin before the next batch (the test changes kvd meanwhile).
@@ -27,10 +28,14 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.monotonic()
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True,
+    events = spec.get("kv_events")
+    kv_events = (KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                endpoint=events[0], replay_endpoint=events[1])
+                 if events else None)
+    llm = LLM(model=str(MODEL), kv_events_config=kv_events, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
               enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
               kv_transfer_config=KVTransferConfig(

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -46,8 +47,9 @@ class Engine:
     """An engine process running batches of prompts (see run_vllm.py); with pause, it waits
     for go() between batches."""
 
-    def __init__(self, target: str, batches: list[dict], pause: bool = False) -> None:
-        spec = json.dumps({"batches": batches, "pause": pause})
+    def __init__(self, target: str, batches: list[dict], pause: bool = False,
+                 kv_events: tuple[str, str] | None = None) -> None:
+        spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events})
         # A session of its own: killing it takes vLLM's engine-core and worker processes
         # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
@@ -242,3 +244,35 @@ def test_the_tenant_over_its_share_loses_its_kept_prefixes_first(tmp_path):
     assert a.evictions_suffered > 0
     assert b.evictions_suffered == 0 and b.device_pages == 6
     assert a.device_pages <= 16 - 6
+
+
+@pytest.mark.timeout(300)
+def test_kvd_follows_a_running_engines_gpu_blocks_by_its_kv_events(tmp_path):
+    # vLLM connects its PUB socket to a plain tcp:// address: kvd binds it on loopback;
+    # vLLM binds its replay socket, here an ipc:// path.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint, replay = f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/replay"
+    config = tmp_path / "kvd.toml"
+    config.write_text(
+        f'[[pool]]\npage_bytes = {PAGE_BYTES}\nblock_tokens = 32\ndevice_pages = 64\n'
+        f'host_pages = 128\n[[engine]]\nname = "vllm"\nendpoint = "{endpoint}"\n'
+        f'replay_endpoint = "{replay}"\nbind = true\ntenant = "other"\n')
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        engine = Engine(kvd.target, [{"prompts": PROMPTS}], kv_events=(endpoint, replay))
+        try:
+            run = engine.result()
+            with Client(kvd.target) as c:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    gpu = {t.tenant: t.engine_gpu_blocks for t in c.list_tenants()}
+                    if gpu.get("engine"):
+                        break
+                    time.sleep(0.2)
+        finally:
+            engine.close()
+    print(f"\nrun: {run}\nGPU blocks by tenant, from the engine's events: {gpu}")
+    # The five full blocks of the three prompts (two shared, one each) are on the engine's
+    # GPU, and kvd keeps each under the same hash for tenant "engine": all count to it.
+    assert gpu.get("engine") == 5 and not gpu.get("other")
