@@ -249,6 +249,10 @@ class Config:
     eviction_ledger: Count = 20_000  # eviction records kept per pool (bounded memory)
     explain_keep: Count = 2_000  # released requests Explain still knows, per pool
     metrics: Address = "127.0.0.1:9464"  # Prometheus exposition address; "" for none
+    # kvd's own tiers as KV cache events in vLLM's and SGLang's format (kvd.tier_events):
+    # the PUB endpoint kvd binds ("" for none) and the replay socket beside it.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
     pools: tuple[PoolConfig, ...] = field(default_factory=lambda: (PoolConfig(),))
     tenants: tuple[TenantConfig, ...] = ()
     links: tuple[LinkConfig, ...] = ()
@@ -288,6 +292,13 @@ class Config:
             raise InvalidArgument("two [[link]] entries join the same pools")
         for link in self.links:
             link.validate(self.pools)
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, key)
+            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise InvalidArgument(f"{key} must be tcp://, ipc:// or inproc:// "
+                                      f"(got {value!r})")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise InvalidArgument("kv_events_replay_endpoint needs kv_events_endpoint")
         names = [e.name for e in self.engines]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"engine names must be unique, got {names}")

@@ -24,6 +24,7 @@ from kvd import __version__, sdnotify
 from kvd.config import Config, load_config
 from kvd.core.errors import KvdError
 from kvd.node import Node
+from kvd.tier_events import TierEventPublisher
 from kvd.metrics import serve_metrics
 from kvd.service.admin import AdminService
 from kvd.service.gate import CallGate, StepTurns
@@ -79,6 +80,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._num_signals = 0
         self.addresses: list[str] = []
+        self._tier_events: TierEventPublisher | None = None
 
     async def serve(self) -> int:
         await self.start()
@@ -100,12 +102,19 @@ class Daemon:
         except KvdError as exc:
             raise StartupError(str(exc)) from None
         try:
-            try:
-                self.node.engines.start()  # before listening: a bad endpoint stops the start
+            try:  # before listening: a bad endpoint stops the start
+                self.node.engines.start()
+                if self.config.kv_events_endpoint:
+                    self._tier_events = TierEventPublisher(
+                        self.node, self.config.kv_events_endpoint,
+                        self.config.kv_events_replay_endpoint)
+                    self._tier_events.start()
             except ValueError as exc:
                 raise StartupError(str(exc)) from None
             await self._listen(loop)
         except BaseException:
+            if self._tier_events is not None:
+                self._tier_events.close()
             await self.node.aclose()  # the arenas' shared memory goes with it
             raise
 
@@ -227,6 +236,8 @@ class Daemon:
             self._expirer.cancel()
         if getattr(self, "_metrics_server", None) is not None:
             self._metrics_server.shutdown()
+        if self._tier_events is not None:
+            self._tier_events.close()
         if self._grpc is not None:
             await self._grpc.stop(self.config.grace_s)
         if self.node is not None:

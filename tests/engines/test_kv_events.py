@@ -100,3 +100,45 @@ def test_bytes_hashes_fold_to_the_ints_vllm_publishes():
 
     h = bytes(range(32))
     assert hash_key(h) == maybe_convert_block_hash(h)
+
+
+def test_vllms_own_decoder_reads_what_kvd_publishes(tmp_path):
+    # kvd's tiers in the engines' format: vLLM's msgspec decoder of KVEventBatch (what a
+    # KV-aware router reading vLLM's stream uses) takes kvd's batches as they are.
+    import msgspec
+    import zmq
+
+    from kvd_client import Client
+    from kvd_loadgen.local import LocalKvd
+
+    endpoint = f"ipc://{tmp_path}/kvd-ev"
+    config = tmp_path / "kvd.toml"
+    config.write_text(f'[server]\nkv_events_endpoint = "{endpoint}"\n'
+                      '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 8\n'
+                      'host_pages = 8\n')
+    decoder = msgspec.msgpack.Decoder(type=vllm_events.KVEventBatch)
+    keys = [bytes([i]) * 32 for i in range(1, 4)]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+            sub.connect(endpoint)
+            time.sleep(0.3)  # the SUB joins before kvd has anything to say
+            with Client(kvd.target) as c:
+                c.admit("r", prompt_tokens=48)
+                c.store("r", "ns", keys)
+                c.commit("r", "ns", keys)
+            assert sub.poll(10_000), "kvd published nothing"
+            _topic, seq, payload = sub.recv_multipart()
+            batch = decoder.decode(payload)
+    finally:
+        sub.close(0)
+        ctx.term()
+    assert int.from_bytes(seq, "big") == 0
+    [event] = batch.events
+    assert isinstance(event, vllm_events.BlockStored)
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    assert sorted(event.block_hashes) == sorted(maybe_convert_block_hash(k) for k in keys)
+    assert event.medium == "CPU" and event.block_size == 16

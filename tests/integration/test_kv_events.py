@@ -20,7 +20,7 @@ import msgpack
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvd_client import AsyncClient
+from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
 from .test_startup import kvd as run_kvd, one_line
@@ -156,3 +156,48 @@ def test_a_bad_engine_entry_is_one_line_and_exit_2(tmp_path):
     one_line(run_kvd(config='[server]\nsocket = "k.sock"\n[[engine]]\nname = "e"\n'
                             'endpoint = "tcp://256.0.0.1:1"\nbind = true\n',
                      tmp_path=tmp_path), "engine 'e': cannot bind")
+
+
+async def test_kvd_publishes_what_it_keeps_in_the_engines_event_format(tmp_path):
+    # kvd's own stream, followed by kvd's own subscriber (the engine tier reads it with
+    # vLLM's decoder): the kept prefix blocks, stored and then let go under pressure.
+    from kvd.kv_events import Residency, Subscriber, hash_key
+
+    endpoint, replay = f"ipc://{tmp_path}/kvd-ev", f"ipc://{tmp_path}/kvd-replay"
+    config = tmp_path / "kvd.toml"
+    config.write_text(
+        f'[server]\nkv_events_endpoint = "{endpoint}"\n'
+        f'kv_events_replay_endpoint = "{replay}"\n'
+        '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 8\nhost_pages = 4\n')
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        res = Residency("kvd")
+        sub = Subscriber(res, endpoint, replay)
+        task = asyncio.ensure_future(sub.run())
+        try:
+            async with AsyncClient(kvd.target) as c:
+                keys = [bytes([i]) * 16 for i in range(6)]
+                await c.admit("w", prompt_tokens=16 * 6)
+                await c.store("w", "ns", keys)
+                await c.commit("w", "ns", keys[:5])  # the sixth is never published
+                await c.release("w")
+
+                async def held_as_published():
+                    held = (await c.lookup("ns", keys)).num_hit
+                    return res.blocks and set(res.blocks) == {hash_key(k) for k in keys[:held]}
+
+                await _until(held_as_published)
+                assert set(res.blocks.values()) == {"CPU"}  # no GPU here
+                # Another request's pages push the kept blocks out of both tiers.
+                admitted = await c.admit("big", prompt_tokens=16 * 8)
+                assert admitted.decision == pb.DECISION_ADMITTED, admitted
+                await c.allocate("big", 8)
+                assert (await c.lookup("ns", keys)).num_hit < 5
+
+                async def gone():
+                    return len(res.blocks) < 5 and await held_as_published()
+
+                await _until(gone)
+                await c.release("big")
+        finally:
+            task.cancel()
+    assert res.num_lost == 0 and res.num_bad == 0

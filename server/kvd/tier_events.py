@@ -1,0 +1,135 @@
+"""kvd's own tiers as KV cache events, in the wire format of vLLM's and SGLang's publishers
+(see kvd.kv_events), so a KV-aware router that reads theirs (Dynamo's, for one) can route
+on what kvd holds with no new code.
+
+What is published: the committed prefix blocks kvd keeps, by the hash engines publish for
+them (the key's low 64 bits, as vLLM folds its block hashes), with kvd's tier as the medium:
+"GPU" for a device tier in GPU memory, "CPU" for host memory (the host tier, and a device
+tier that stands in for a GPU). Every interval kvd compares what it holds with what it last
+published and sends the difference as one batch: `BlockStored` for blocks that came to a
+medium, `BlockRemoved` for those that left one. Batches are numbered; the last ones are kept
+for the replay socket, which answers a start sequence with the batches from there and then
+sequence -1, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict, deque
+
+import msgpack
+import structlog
+import zmq
+import zmq.asyncio
+
+from kvd.core.blocks import TierKind
+from kvd.kv_events import END_SEQ, hash_key
+
+log = structlog.get_logger("kvd.tier_events")
+
+
+class TierEventPublisher:
+    """Publishes a node's kept prefix blocks as KV cache events (see the module)."""
+
+    def __init__(self, node, endpoint: str, replay_endpoint: str = "", topic: str = "",
+                 interval_s: float = 0.1, buffer_batches: int = 10_000) -> None:
+        self.node = node
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.interval_s = interval_s
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self.published: dict[int, str] = {}  # hash -> medium, as last published
+        self.seq = 0
+        self.ctx = zmq.asyncio.Context.instance()
+        self._pub = self._router = None
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Bind the sockets (a bad endpoint raises ValueError) and publish from now on."""
+        try:
+            self._pub = self.ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self.endpoint)
+            if self.replay_endpoint:
+                self._router = self.ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(self.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"cannot publish KV events on {self.endpoint}"
+                             f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}"
+                             f": {exc}") from None
+        self._task = asyncio.ensure_future(self._run())
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._router = None
+
+    def holdings(self) -> dict[int, str]:
+        """What kvd holds now: each committed kept block's hash and medium."""
+        held = {}
+        for rt in self.node.pools.values():
+            device = "GPU" if rt.arenas["device"].backend == "cupy" else "CPU"
+            for (_, key), b in rt.pool.pages.named.items():
+                if b.committed and b.tier is not TierKind.NONE:
+                    held[hash_key(key)] = device if b.tier is TierKind.DEVICE else "CPU"
+        return held
+
+    def events(self) -> list[dict]:
+        """What changed since the last batch, as events (the published view follows)."""
+        now = self.holdings()
+        before = self.published
+        stored: dict[str, list[int]] = defaultdict(list)
+        removed: dict[str, list[int]] = defaultdict(list)
+        for h, medium in before.items():
+            if now.get(h) != medium:
+                removed[medium].append(h)
+        for h, medium in now.items():
+            if before.get(h) != medium:
+                stored[medium].append(h)
+        self.published = now
+        block_tokens = next(iter(self.node.pools.values())).pool.block_tokens
+        return ([{"type": "BlockRemoved", "block_hashes": hs, "medium": m}
+                 for m, hs in removed.items()]
+                + [{"type": "BlockStored", "block_hashes": hs, "parent_block_hash": None,
+                    "token_ids": [], "block_size": block_tokens, "lora_id": None,
+                    "medium": m, "lora_name": None} for m, hs in stored.items()])
+
+    def publish(self, events: list[dict]) -> None:
+        payload = msgpack.packb([time.time(), events])
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        self._pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                events = self.events()
+                if events:
+                    self.publish(events)
+                if self._router is not None:
+                    await self._serve_replays()
+            except Exception as exc:  # keep publishing: a router can replay what it missed
+                log.error("tier_events_failed", error=str(exc))
+            await asyncio.sleep(self.interval_s)
+
+    async def _serve_replays(self) -> None:
+        while await self._router.poll(0):
+            frames = await self._router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            for seq, payload in self.buffer:
+                if seq >= first:
+                    await self._router.send_multipart(
+                        [client, b"", self.topic, seq.to_bytes(8, "big"), payload])
+            await self._router.send_multipart(
+                [client, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
