@@ -109,26 +109,35 @@ class LinkConfig:
 @dataclass(frozen=True, slots=True)
 class EngineEventsConfig:
     """An engine whose KV cache events kvd follows (`[[engine]]`): its ZMQ publisher
-    (vLLM's or SGLang's), the replay socket beside it, and the tenant its blocks count to
-    where kvd keeps nothing under their hashes. `bind`: kvd binds the endpoint and the
-    engine connects (vLLM connects to a plain tcp://HOST:PORT)."""
+    (vLLM's or SGLang's) and the replay socket beside it, or TensorRT-LLM's events URL; and
+    the tenant its blocks count to where kvd keeps nothing under their hashes. `bind`: kvd
+    binds the endpoint and the engine connects (vLLM connects to a plain tcp://HOST:PORT)."""
 
     __pydantic_config__ = SCHEMA
     name: Name
-    endpoint: str
+    endpoint: str = ""
     replay_endpoint: str = ""
     topic: str = ""
     bind: bool = False
     tenant: str = ""
+    # TensorRT-LLM instead: trtllm-serve's /kv_cache_events, polled every poll_s.
+    url: str = ""
+    poll_s: Positive = 0.1
 
     def validate(self) -> None:
+        if bool(self.url) == bool(self.endpoint):
+            raise InvalidArgument(f"engine {self.name!r}: give either endpoint (vLLM, SGLang) "
+                                  "or url (TensorRT-LLM's /kv_cache_events)")
+        if self.url:
+            if not self.url.startswith(("http://", "https://")):
+                raise InvalidArgument(f"engine {self.name!r}: url must be http:// or "
+                                      f"https:// (got {self.url!r})")
+            return
         for key, value in (("endpoint", self.endpoint),
                            ("replay_endpoint", self.replay_endpoint)):
             if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 raise InvalidArgument(f"engine {self.name!r}: {key} must be tcp://, ipc:// "
                                       f"or inproc:// (got {value!r})")
-        if not self.endpoint:
-            raise InvalidArgument(f"engine {self.name!r}: endpoint is empty")
 
 
 _RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget")

@@ -1,5 +1,5 @@
-"""What each engine holds on its GPU, from its KV cache events (vLLM's and SGLang's ZMQ
-publishers, which share one wire format).
+"""What each engine holds on its GPU, from its KV cache events: vLLM's and SGLang's ZMQ
+publishers, which share one wire format, and TensorRT-LLM's /kv_cache_events (polled).
 
 A publisher sends three frames per batch: topic, sequence number (8 bytes, big-endian) and a
 msgpack payload `[timestamp, [events], dp_rank?]`; events are maps tagged by `type`
@@ -72,7 +72,7 @@ class Residency:
                 medium = event.get("medium")
                 for h in event.get("block_hashes") or ():
                     key = hash_key(h)
-                    if blocks.get(key, medium) == medium:
+                    if medium is None or blocks.get(key) == medium:  # None: wherever it is
                         blocks.pop(key, None)
             elif kind == "AllBlocksCleared":
                 blocks.clear()
@@ -211,12 +211,13 @@ class EngineEvents:
 
     def __init__(self, engines: Iterable[Any]) -> None:
         self.residency: dict[str, Residency] = {}
-        self.subscribers: dict[str, Subscriber] = {}
+        self.subscribers: dict[str, Subscriber | TrtllmPoller] = {}
         for e in engines:
             res = Residency(e.name, e.tenant)
             self.residency[e.name] = res
-            self.subscribers[e.name] = Subscriber(res, e.endpoint, e.replay_endpoint,
-                                                  e.topic, e.bind)
+            self.subscribers[e.name] = (
+                TrtllmPoller(res, e.url, e.poll_s) if e.url
+                else Subscriber(res, e.endpoint, e.replay_endpoint, e.topic, e.bind))
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
@@ -241,3 +242,89 @@ class EngineEvents:
         for res in self.residency.values():
             total.update(gpu_blocks_by_tenant(res, owners))
         return dict(total)
+
+
+# ---------------------------------------------------------------------- TensorRT-LLM
+
+# TensorRT-LLM's cache levels: 0 is the primary pool (GPU memory), 1 the secondary (host).
+TRTLLM_MEDIA = {0: "GPU", 1: "CPU"}
+
+
+def from_trtllm(items: Iterable[Any]) -> list[dict]:
+    """TensorRT-LLM's KV cache events (KVCacheEventSerializer's JSON, as trtllm-serve's
+    /kv_cache_events returns them) as the events Residency applies. `created` (the pools'
+    sizes) and priority changes tell kvd nothing of where blocks are."""
+    events: list[dict] = []
+    for item in items:
+        data = item.get("data") if isinstance(item, dict) else None
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind == "stored":
+            for block in data.get("blocks") or ():
+                events.append({"type": "BlockStored", "block_hashes": [block["block_hash"]],
+                               "medium": TRTLLM_MEDIA.get(block.get("cache_level", 0), "CPU")})
+        elif kind == "removed":
+            events.append({"type": "BlockRemoved", "block_hashes": data.get("block_hashes")
+                           or [], "medium": None})
+        elif kind == "updated" and isinstance(data.get("cache_level"), dict):
+            level = data["cache_level"]
+            events.append({"type": "BlockRemoved", "block_hashes": [data["block_hash"]],
+                           "medium": None})
+            events.append({"type": "BlockStored", "block_hashes": [data["block_hash"]],
+                           "medium": TRTLLM_MEDIA.get(level.get("new_value"), "CPU")})
+    return events
+
+
+class TrtllmPoller:
+    """Follows a TensorRT-LLM server by polling its `/kv_cache_events` (each call drains the
+    events queued since the last). Event ids are consecutive: a gap is counted as lost (the
+    server keeps no replay); a `removed` for a block kvd never saw stored changes nothing."""
+
+    def __init__(self, residency: Residency, url: str, poll_s: float = 0.1,
+                 timeout_s: float = 2.0) -> None:
+        self.residency = residency
+        self.url = url
+        self.poll_s = poll_s
+        self.timeout_s = timeout_s
+        self.last_id = -1
+        self.applied = asyncio.Event()
+
+    def open(self) -> None:
+        """Nothing to open: each poll is a request of its own."""
+
+    def _fetch(self) -> list[Any]:
+        import json
+        import urllib.request
+
+        request = urllib.request.Request(self.url, data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+            return json.loads(reply.read() or b"[]")
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                items = await loop.run_in_executor(None, self._fetch)
+            except Exception as exc:  # the server restarting, or not up yet
+                log.debug("trtllm_events_unreachable", engine=self.residency.engine,
+                          error=str(exc))
+                items = []
+            if isinstance(items, list) and items:
+                self.receive(items)
+            await asyncio.sleep(self.poll_s)
+
+    def receive(self, items: list[Any]) -> None:
+        res = self.residency
+        items = sorted((i for i in items if isinstance(i, dict)
+                        and isinstance(i.get("event_id"), int)),
+                       key=lambda i: i["event_id"])
+        fresh = [i for i in items if i["event_id"] > self.last_id]
+        if fresh and self.last_id >= 0 and fresh[0]["event_id"] > self.last_id + 1:
+            res.num_lost += fresh[0]["event_id"] - self.last_id - 1
+        for i, j in zip(fresh, fresh[1:]):
+            res.num_lost += j["event_id"] - i["event_id"] - 1
+        if not fresh:
+            return
+        res.apply(from_trtllm(fresh))
+        self.last_id = fresh[-1]["event_id"]
+        res.num_batches += 1
+        self.applied.set()

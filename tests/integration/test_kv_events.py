@@ -156,6 +156,14 @@ def test_a_bad_engine_entry_is_one_line_and_exit_2(tmp_path):
     one_line(run_kvd(config='[server]\nsocket = "k.sock"\n[[engine]]\nname = "e"\n'
                             'endpoint = "tcp://256.0.0.1:1"\nbind = true\n',
                      tmp_path=tmp_path), "engine 'e': cannot bind")
+    one_line(run_kvd(config='[server]\nsocket = "k.sock"\n[[engine]]\nname = "e"\n'
+                            'endpoint = "ipc://x"\nurl = "http://127.0.0.1:1/kv_cache_events"\n',
+                     tmp_path=tmp_path), "give either endpoint (vLLM, SGLang) or url")
+    one_line(run_kvd(config='[server]\nsocket = "k.sock"\n[[engine]]\nname = "e"\n'
+                            'url = "127.0.0.1:8000"\n', tmp_path=tmp_path),
+             "url must be http:// or https://")
+    one_line(run_kvd(config='[server]\nsocket = "k.sock"\nkv_events_endpoint = "5558"\n',
+                     tmp_path=tmp_path), "kv_events_endpoint must be tcp://")
 
 
 async def test_kvd_publishes_what_it_keeps_in_the_engines_event_format(tmp_path):
