@@ -334,6 +334,87 @@ async def bench_intent_updates(messages: int = 300, per_message: int = 256) -> d
             "intent_updates_per_message": per_message}
 
 
+def bench_kv_events(batches: int = 2000, per_batch: int = 64, lose_every: int = 50) -> dict:
+    """KV cache events a running kvd applies per second from an engine's publisher (the
+    wire format of vLLM's and SGLang's), with one batch in `lose_every` kept off the PUB
+    socket (as the network would drop it) and recovered from the replay socket."""
+    import msgpack
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="kvd-events-") as tmp:
+        endpoint, replay = f"ipc://{tmp}/pub", f"ipc://{tmp}/replay"
+        ctx = zmq.Context()
+        pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        pub.bind(endpoint)
+        router.bind(replay)
+        config = Path(tmp) / "kvd.toml"
+        config.write_text('[[pool]]\nmodel = "tiny"\ndevice_pages = 64\nhost_pages = 64\n'
+                          f'[[engine]]\nname = "e"\nendpoint = "{endpoint}"\n'
+                          f'replay_endpoint = "{replay}"\n')
+        port = _free_port()
+        try:
+            with LocalKvd("--config", str(config), "--metrics", f"127.0.0.1:{port}"):
+                time.sleep(0.5)  # the SUB joins (a miss would only add a replay)
+                sent = []
+                started = time.perf_counter()
+                for seq in range(batches):
+                    events = [{"type": "BlockStored", "block_hashes": [seq * per_batch + i],
+                               "medium": "GPU"} for i in range(per_batch)]
+                    payload = msgpack.packb([time.time(), events, 0])
+                    sent.append(payload)
+                    if seq % lose_every != lose_every - 1:
+                        pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+                    while router.poll(0):
+                        client, _, start = router.recv_multipart()
+                        for s in range(int.from_bytes(start, "big"), len(sent)):
+                            router.send_multipart([client, b"", b"", s.to_bytes(8, "big"),
+                                                   sent[s]])
+                        router.send_multipart([client, b"", b"",
+                                               (-1).to_bytes(8, "big", signed=True), b""])
+                applied = replayed = 0
+                while applied < batches:
+                    while router.poll(0):  # the last lost batch shows only when it is asked
+                        client, _, start = router.recv_multipart()
+                        for s in range(int.from_bytes(start, "big"), len(sent)):
+                            router.send_multipart([client, b"", b"", s.to_bytes(8, "big"),
+                                                   sent[s]])
+                        router.send_multipart([client, b"", b"",
+                                               (-1).to_bytes(8, "big", signed=True), b""])
+                    applied, replayed = _event_batches(port)
+                    if time.perf_counter() - started > 120:
+                        break
+                    time.sleep(0.005)
+                elapsed = time.perf_counter() - started
+        finally:
+            pub.close(0)
+            router.close(0)
+            ctx.term()
+    return {"kv_events_per_s": applied * per_batch / elapsed, "kv_event_batches": applied,
+            "kv_event_batches_replayed": replayed,
+            "kv_event_batches_dropped": batches // lose_every}
+
+
+def _event_batches(port: int) -> tuple[int, int]:
+    """(batches applied, of them replayed) from kvd's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    outcomes = {s.labels.get("outcome"): s.value
+                for f in text_string_to_metric_families(text.decode())
+                for s in f.samples if s.name == "kvd_engine_event_batches_total"}
+    return int(outcomes.get("live", 0) + outcomes.get("replayed", 0)), int(
+        outcomes.get("replayed", 0))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_bench(args) -> int:
     from kvd_loadgen.cli import write_json
 
@@ -350,6 +431,8 @@ def run_bench(args) -> int:
             runs.append(uvloop.run(bench_pair(n_unary, n_stream, 64, 4)))
     with console.status("intent updates on the Step stream"):
         results["intent_updates"] = uvloop.run(bench_intent_updates())
+    with console.status("engines' KV cache events into kvd"):
+        results["kv_events"] = bench_kv_events(batches=500 if quick else 2000)
     results.update(split_runs(runs), rounds=rounds)
     with console.status("tier copies"):
         results["copies"] = bench_copies(num_pages=32 if quick else 128)

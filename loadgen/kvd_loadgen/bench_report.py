@@ -86,6 +86,10 @@ def print_tables(results: dict, console: Console) -> None:
         ("kvd Step (same, intent policy) p50 us", f"{results['kvd_intent']['step_p50_us']:.0f}"),
         ("intent updates/s on one Step stream (256 a message)",
          f"{results['intent_updates']['intent_updates_per_s']:,.0f}"),
+        ("engine KV cache events applied/s (64 a batch; batches dropped / replayed)",
+         f"{results['kv_events']['kv_events_per_s']:,.0f} "
+         f"({results['kv_events']['kv_event_batches_dropped']} / "
+         f"{results['kv_events']['kv_event_batches_replayed']})"),
         ("kvd page copies GB/s (page runs)", f"{c['kvd_copy_gbps']:.2f}"),
         ("kvd page copies GB/s (scattered pages)", f"{c['kvd_copy_scattered_gbps']:.2f}"),
         ("numpy.copyto GB/s", f"{c['numpy_copyto_gbps']:.2f}"),
@@ -130,6 +134,10 @@ def results_markdown(results: dict) -> str:
               f"{k['step_p50_us']:.0f} / {results['kvd_intent']['step_p50_us']:.0f} |",
               f"| intent updates/s on one Step stream (256 a message, pipelined) | "
               f"{results['intent_updates']['intent_updates_per_s']:,.0f} |",
+              f"| engine KV cache events applied/s, 64 a batch (batches dropped on the way / "
+              f"recovered by replay) | {results['kv_events']['kv_events_per_s']:,.0f} "
+              f"({results['kv_events']['kv_event_batches_dropped']} / "
+              f"{results['kv_events']['kv_event_batches_replayed']}) |",
               f"| page copies GB/s (runs / scattered) vs numpy.copyto | "
               f"{c['kvd_copy_gbps']:.2f} / {c['kvd_copy_scattered_gbps']:.2f} vs "
               f"{c['numpy_copyto_gbps']:.2f} |"]
