@@ -261,6 +261,8 @@ def bench_victims(sizes=(10_000, 1_000_000), churn: int = 20_000) -> dict:
     class OneTenant:
         """fair over one tenant: it always pays (the cost measured is the machinery)."""
 
+        engine_held: dict = {}
+
         def usage(self, tenant):
             return 2 * max(sizes)
 

@@ -257,6 +257,15 @@ class Node:
             self.handoffs.expire_reservations()
             self.lapse_holds(self.config.hold_s)
             self.check_stuck()
+            self.note_engine_holdings()
+
+    def note_engine_holdings(self) -> None:
+        """What each tenant holds on the followed engines' GPUs, for the fair order."""
+        if not self.engines.residency:
+            return
+        held = self.engines.gpu_by_tenant(self.block_owners())
+        for rt in self.pools.values():
+            rt.pool.tenancy.engine_held = held
 
     def handoff(self, request_id: str, target: str = "", scope: str | None = None,
                 holder: str = "") -> AsyncIterator[dict]:

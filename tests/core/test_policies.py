@@ -12,10 +12,11 @@ from kvd.core.policies import make_policy, policy_names
 class FakeTenancy:
     """Usage is what the test says; every tenant's fair share is 1 page."""
 
-    def __init__(self, usage=None, shares=None, guaranteed=None):
+    def __init__(self, usage=None, shares=None, guaranteed=None, engine_held=None):
         self._usage = usage or {}
         self._shares = shares or {}
         self._guaranteed = guaranteed or {}
+        self.engine_held = engine_held or {}
 
     def usage(self, tenant):
         return self._usage.get(tenant, 100)
@@ -217,6 +218,21 @@ def test_fair_spreads_victims_as_usage_falls():
     by_tenant = [v.request.tenant for v in victims]
     # a is 1.2x its share, so it pays until level with b; then they alternate.
     assert by_tenant[:2] == ["a", "a"] and by_tenant.count("b") >= 2
+
+
+def test_fair_makes_the_tenant_holding_more_on_the_engines_gpus_pay_first():
+    # Equal in kvd's device tier, both over their shares; "e" also holds 6 blocks on the
+    # engines' GPUs (from their KV events): it pays first, until it falls to the other's
+    # ratio; what each holds in kvd still decides how far it may be taken.
+    tenancy = FakeTenancy(usage={"e": 8, "q": 8}, shares={"e": 4, "q": 4},
+                          engine_held={"e": 6})
+    policy = make_policy("fair", FakeClock(), tenancy=tenancy)
+    for b in _blocks(8, tenant="e", rid="re") + _blocks(8, tenant="q", rid="rq"):
+        policy.insert(b)
+    victims = policy.choose(4)
+    assert [v.request.tenant for v in victims] == ["e"] * 4
+    tenancy.engine_held = {}
+    assert policy.choose(1)[0].request.tenant in ("e", "q")  # a tie without it
 
 
 def test_fair_never_takes_guaranteed_pages_for_another_tenant():

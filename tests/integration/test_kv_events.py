@@ -217,3 +217,47 @@ async def test_kvd_publishes_what_it_keeps_in_the_engines_event_format(tmp_path)
         finally:
             task.cancel()
     assert res.num_lost == 0 and res.num_bad == 0
+
+
+async def test_the_tenant_holding_more_on_the_engines_gpu_pays_first_in_kvd(tmp_path):
+    # x and y keep four prefix pages each in a fair pool (the ninth page is its free
+    # reserve), at their shares. The
+    # engine's events say x's four are on its GPU too: an eviction takes x's page, where
+    # without them the tie would go to y.
+    endpoint = f"ipc://{tmp_path}/ev"
+    port = _free_port()
+    config = tmp_path / "kvd.toml"
+    config.write_text(
+        '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 9\nhost_pages = 16\n'
+        'policy = "fair"\n'
+        '[[tenant]]\nname = "x"\ntoken = "x-token"\n[[tenant]]\nname = "y"\ntoken = "y-token"\n'
+        f'[[engine]]\nname = "gpu0"\nendpoint = "{endpoint}"\n[auth]\nadmin_token = "a"\n')
+    publisher = Publisher(endpoint, f"ipc://{tmp_path}/replay")
+    try:
+        with LocalKvd("--config", str(config), "--metrics", f"127.0.0.1:{port}",
+                      workdir=tmp_path) as kvd:
+            keys = {}
+            for tenant in ("x", "y"):
+                async with AsyncClient(kvd.target, token=f"{tenant}-token") as c:
+                    keys[tenant] = [f"{tenant}{i}".encode() * 8 for i in range(4)]
+                    await c.admit("r", prompt_tokens=64)
+                    await c.store("r", "ns", keys[tenant])
+                    await c.commit("r", "ns", keys[tenant])
+                    await c.release("r")
+            hashes = [int.from_bytes(k, "big") & (2**64 - 1) for k in keys["x"]]
+
+            async def seen():
+                publisher.publish([stored(hashes)])  # until the SUB socket has joined
+                return _samples(port).get(("kvd_engine_gpu_blocks", (("engine", "gpu0"),
+                                                                     ("tenant", "x")))) == 4
+
+            await _until(seen)
+            await asyncio.sleep(0.6)  # the node passes it to the pools within a period
+            async with AsyncClient(kvd.target, token="a") as admin:
+                before = {t.tenant: t.device_pages for t in await admin.list_tenants()}
+                await admin.evict(1)
+                after = {t.tenant: t.device_pages for t in await admin.list_tenants()}
+    finally:
+        publisher.close()
+    assert before["x"] == before["y"] == 4
+    assert (after["x"], after["y"]) == (3, 4)

@@ -35,6 +35,9 @@ class Tenancy:
         # Device pages of kept prefix blocks nobody uses, by the tenants they are charged to
         # (1/k each, as the split): cache, not working set (see reserve_headroom).
         self.idle_kept: Counter[str] = Counter()
+        # Blocks each tenant holds on the GPUs of the engines kvd follows (kvd.kv_events),
+        # set by the node as their events come: who pays first in the fair order.
+        self.engine_held: dict[str, float] = {}
         self.reserved_by_tenant: Counter[str] = Counter()  # admitted requests' reservations
         self.queued_by_tenant: Counter[str] = Counter()  # queued requests' projected pages
         self.waiting_by_tenant: Counter[str] = Counter()  # queued requests, not pages

@@ -189,8 +189,9 @@ class FairPolicy(EvictionPolicy):
         fair share and its guarantee; when none is, the tenant that needs the room pays with
         its own pages."""
         ranked = []
-        for tenant, held in self._held_by_tenant.items():
-            evictable = held - taken[tenant] - unavailable[tenant]
+        engine_held = self.tenancy.engine_held
+        for tenant, owned in self._held_by_tenant.items():
+            evictable = owned - taken[tenant] - unavailable[tenant]
             if evictable <= 0:
                 continue
             usage = self.tenancy.usage(tenant) - taken[tenant]
@@ -203,12 +204,15 @@ class FairPolicy(EvictionPolicy):
                 # its guarantee by less than the page it would give.
                 if usage <= floor + 1e-6 or usage - 1 < guaranteed - 1e-6:
                     continue
-            ranked.append((usage / share, tenant, usage, share, evictable, floor))
+            # The order counts what the tenant holds on the engines' GPUs too: of two
+            # tenants over their shares here, the one holding more there pays first.
+            held = usage + engine_held.get(tenant, 0.0)
+            ranked.append((held / share, tenant, usage, share, evictable, floor, held))
         if not ranked:
             return None
         ranked.sort(reverse=True)
-        ratio, tenant, usage, share, evictable, floor = ranked[0]
+        ratio, tenant, usage, share, evictable, floor, held = ranked[0]
         batch = min(evictable, int(usage - floor) if floor else evictable)
         if len(ranked) > 1:  # until it falls to the next tenant's ratio
-            batch = min(batch, int(usage - ranked[1][0] * share) + 1)
+            batch = min(batch, int(held - ranked[1][0] * share) + 1)
         return tenant, max(1, batch)
