@@ -366,22 +366,10 @@ def bench_kv_events(batches: int = 2000, per_batch: int = 64, lose_every: int = 
                     sent.append(payload)
                     if seq % lose_every != lose_every - 1:
                         pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
-                    while router.poll(0):
-                        client, _, start = router.recv_multipart()
-                        for s in range(int.from_bytes(start, "big"), len(sent)):
-                            router.send_multipart([client, b"", b"", s.to_bytes(8, "big"),
-                                                   sent[s]])
-                        router.send_multipart([client, b"", b"",
-                                               (-1).to_bytes(8, "big", signed=True), b""])
+                    _serve_replays(router, sent)
                 applied = replayed = 0
                 while applied < batches:
-                    while router.poll(0):  # the last lost batch shows only when it is asked
-                        client, _, start = router.recv_multipart()
-                        for s in range(int.from_bytes(start, "big"), len(sent)):
-                            router.send_multipart([client, b"", b"", s.to_bytes(8, "big"),
-                                                   sent[s]])
-                        router.send_multipart([client, b"", b"",
-                                               (-1).to_bytes(8, "big", signed=True), b""])
+                    _serve_replays(router, sent)  # kvd asks for the last lost one when quiet
                     applied, replayed = _event_batches(port)
                     if time.perf_counter() - started > 120:
                         break
@@ -394,6 +382,16 @@ def bench_kv_events(batches: int = 2000, per_batch: int = 64, lose_every: int = 
     return {"kv_events_per_s": applied * per_batch / elapsed, "kv_event_batches": applied,
             "kv_event_batches_replayed": replayed,
             "kv_event_batches_dropped": batches // lose_every}
+
+
+def _serve_replays(router, sent: list[bytes]) -> None:
+    """Answer the replay requests waiting, as vLLM's publisher does: every batch from the
+    start asked, then sequence -1."""
+    while router.poll(0):
+        client, _, start = router.recv_multipart()
+        for seq in range(int.from_bytes(start, "big"), len(sent)):
+            router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), sent[seq]])
+        router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
 
 def _event_batches(port: int) -> tuple[int, int]:
