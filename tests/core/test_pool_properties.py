@@ -96,14 +96,17 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.complete(self.pending.pop())
 
     def _check_guarantees(self, plan):
-        """No tenant was taken below its guarantee to make room for another tenant: in the
-        pages charged to it (a shared page 1/k to each of its k tenants)."""
+        """No tenant was taken below its guarantee to make room for another tenant, in the
+        pages charged to it (a shared page 1/k to each of its k tenants), counting the
+        victims it owns. (A shared page is chosen among its owner's: a tenant using
+        another's shared page loses its part of it when the owner pays.)"""
         evictor = plan.cause.tenant if plan.cause else None
         taken = Counter()
         for m in plan.demotions:
             b = m.block
-            for tenant in b.payers or (b.request.tenant,):
-                taken[tenant] += 1 / len(b.payers or (b.request.tenant,))
+            owner, payers = b.request.tenant, b.payers or (b.request.tenant,)
+            if owner in payers:
+                taken[owner] += 1 / len(payers)
         for tenant, n in taken.items():
             if tenant != evictor:
                 # Victims still count as on the device until the plan completes.
