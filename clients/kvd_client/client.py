@@ -198,11 +198,12 @@ class AsyncClient:
         return await self._call(self.memory.Lookup, pb.LookupRequest(
             pool=pool, namespace=namespace, keys=list(keys)))
 
-    async def store(self, request_id: str, namespace: str, keys: Sequence[bytes]
-                    ) -> pb.StoreResponse:
-        """Pages for a request's prefix blocks; write the fresh ones, then commit them."""
+    async def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
+                    intent: pb.MemoryIntent | None = None) -> pb.StoreResponse:
+        """Pages for a request's prefix blocks; write the fresh ones, then commit them.
+        `intent`: a pin (while the request uses them) or a deadline for the blocks."""
         return await self._call(self.memory.Store, pb.StoreRequest(
-            request_id=request_id, namespace=namespace, keys=list(keys)))
+            request_id=request_id, namespace=namespace, keys=list(keys), intent=intent))
 
     async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]
                      ) -> pb.CommitResponse:
@@ -210,12 +211,12 @@ class AsyncClient:
         return await self._call(self.memory.Commit, pb.CommitRequest(
             request_id=request_id, namespace=namespace, keys=list(keys)))
 
-    async def load(self, request_id: str, namespace: str, keys: Sequence[bytes]
-                   ) -> pb.LoadResponse:
+    async def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
+                   intent: pb.MemoryIntent | None = None) -> pb.LoadResponse:
         """The pages of the leading run of these keys kvd holds, to copy from before the
-        next call."""
+        next call. `intent`: as for store."""
         return await self._call(self.memory.Load, pb.LoadRequest(
-            request_id=request_id, namespace=namespace, keys=list(keys)))
+            request_id=request_id, namespace=namespace, keys=list(keys), intent=intent))
 
     async def access(self, request_id: str, blocks: Sequence[int] | None = None
                      ) -> pb.AccessResponse:

@@ -16,10 +16,9 @@ request's cache salt, are looked up in kvd and their tokens reported as an exter
 A request admitted by no one (kvd's budget for its tenant is spent) is told to wait: the
 connector answers None until kvd admits it. On finish the request is released in kvd; the
 blocks it stored stay there for the next request with that prefix. Tenant and intent come
-from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ...}}`, the
-priority falling back to vLLM's own. (`pin` and `deadline_ms` there are not applied yet:
-kvd's intents address a request's own blocks, and every block this connector keeps in kvd
-is a shared prefix block.)
+from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ..., "pin": ...,
+"deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the request's
+prefix blocks in kvd's device tier while it runs, a deadline says when it needs them.
 
 Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds one vLLM
 block of every layer, layer after layer. Hit blocks are copied from kvd's pages into vLLM's
@@ -71,6 +70,7 @@ class _Transfer:
     namespace: str
     keys: list[bytes]
     block_ids: list[int]
+    intent: pb.MemoryIntent | None = None  # the request's pin and deadline for them
 
 
 @dataclass
@@ -87,6 +87,7 @@ class _Tracked:
     namespace: str
     keys: list[bytes]
     num_prompt_blocks: int
+    intent: pb.MemoryIntent | None = None
     block_ids: list[int] = field(default_factory=list)
     num_in_kvd: int = 0
     pending_load: _Transfer | None = None
@@ -146,7 +147,7 @@ class KvdConnector(KVConnectorBase_V1):
         if last <= first:
             return 0, False
         tracked.pending_load = _Transfer(rid, tracked.namespace, tracked.keys[first:last],
-                                         list(range(first, last)))
+                                         list(range(first, last)), tracked.intent)
         return hit_tokens - num_computed_tokens, False
 
     def _admit(self, request: Any) -> bool | None:
@@ -201,10 +202,11 @@ class KvdConnector(KVConnectorBase_V1):
     def _track(self, request: Any) -> None:
         salt = getattr(request, "cache_salt", None) or ""
         prompt = len(request.prompt_token_ids or ())
+        params = (request.kv_transfer_params or {}).get("kvd", {})
         self.tracked[request.request_id] = _Tracked(
             namespace=f"{self.model}|{self.block_size}|{salt}",
             keys=[bytes(h) for h in request.block_hashes],
-            num_prompt_blocks=prompt // self.block_size)
+            num_prompt_blocks=prompt // self.block_size, intent=block_intent(params))
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -249,7 +251,8 @@ class KvdConnector(KVConnectorBase_V1):
             positions = range(tracked.num_in_kvd, full)
             meta.saves.append(_Transfer(rid, tracked.namespace,
                                         [tracked.keys[i] for i in positions],
-                                        [tracked.block_ids[i] for i in positions]))
+                                        [tracked.block_ids[i] for i in positions],
+                                        tracked.intent))
             tracked.num_in_kvd = full
 
     def request_finished(self, request: Any, block_ids: list[int]
@@ -312,7 +315,7 @@ class KvdConnector(KVConnectorBase_V1):
             if answered:
                 try:
                     handles = list(self.client.load(load.request_id, load.namespace,
-                                                    load.keys).handles)
+                                                    load.keys, load.intent).handles)
                 except KvdClientError as exc:
                     log.warning("kvd load for %s failed, recomputing: %s", load.request_id,
                                 exc)
@@ -338,7 +341,8 @@ class KvdConnector(KVConnectorBase_V1):
             return  # kvd is away: these blocks go unsaved
         for save in meta.saves:
             try:
-                reply = self.client.store(save.request_id, save.namespace, save.keys)
+                reply = self.client.store(save.request_id, save.namespace, save.keys,
+                                          save.intent)
                 fresh = [(key, block_id, handle) for handle, is_fresh, key, block_id
                          in zip(reply.handles, reply.fresh, save.keys, save.block_ids)
                          if is_fresh]
@@ -355,6 +359,18 @@ class KvdConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+
+def block_intent(params: dict) -> pb.MemoryIntent | None:
+    """A request's `kvd` transfer params as the intent for its prefix blocks in kvd: `pin`
+    (held in kvd's device tier while the request runs) and `deadline_ms` (when it needs
+    them)."""
+    fields = {}
+    if params.get("pin"):
+        fields["pin_requested"] = True
+    if params.get("deadline_ms") is not None:
+        fields["deadline_us"] = int(float(params["deadline_ms"]) * 1000)
+    return pb.MemoryIntent(**fields) if fields else None
 
 
 def _arena_names(export: pb.ExportPoolResponse) -> tuple[bytes, ...]:

@@ -26,13 +26,13 @@ class SharedBlocks:
         return rt.pool.lookup(namespace, keys)
 
     async def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
-                    scope: str | None = None, holder: str = ""
+                    scope: str | None = None, holder: str = "", intent: dict | None = None
                     ) -> tuple[list[Block], list[bool], float]:
         """Shared blocks under these keys for a request: (blocks, fresh per key, stall).
         Fresh ones are new pages, held for the holder, which writes them and commits."""
         rt = self.runtime_of(request_id, scope)
         plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
-                                                          holder))
+                                                          holder, intent))
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         if any(b.tier is TierKind.NONE for b in blocks):
             # Let go while the room was being made: the holder ended its hold with another
@@ -50,7 +50,9 @@ class SharedBlocks:
         return await rt.run(lambda: rt.pool.commit(request_id, namespace, keys))
 
     async def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
-                   scope: str | None = None, holder: str = "") -> list[Block]:
+                   scope: str | None = None, holder: str = "", intent: dict | None = None
+                   ) -> list[Block]:
         """The leading run of these keys, held for the holder to copy from."""
         rt = self.runtime_of(request_id, scope)
-        return await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder))
+        return await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder,
+                                                 intent))

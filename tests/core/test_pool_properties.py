@@ -46,6 +46,12 @@ INTENT = st.fixed_dictionaries(
 )
 
 
+# What a request may say of the shared blocks it uses; a priority is refused there.
+SHARED_INTENT = st.none() | st.fixed_dictionaries(
+    {}, optional={"pin_requested": st.booleans(),
+                  "deadline_us": st.integers(-10_000, 10_000_000)}) | st.just({"priority": 3})
+
+
 def fingerprint(pool: Pool):
     return (
         pool.device.num_free, pool.host.num_free, pool.reserved_pages, pool.num_pinned,
@@ -137,16 +143,24 @@ class PoolMachine(RuleBasedStateMachine):
         self._do(lambda: self.pool.free(rid, blocks))
 
     @rule(rid=REQUEST_IDS, ns=NAMESPACES, start=st.integers(0, 6), n=st.integers(0, 4),
-          commit=st.booleans())
-    def store(self, rid, ns, start, n, commit):
+          commit=st.booleans(), intent=SHARED_INTENT)
+    def store(self, rid, ns, start, n, commit, intent):
         """Prefixes from one chain of keys, so requests share their leading blocks."""
         keys = KEYS[start:start + n]
-        if self._do(lambda: self.pool.store(rid, ns, keys)[0]) is not None and commit:
+        stored = self._do(lambda: self.pool.store(rid, ns, keys, intent=intent)[0])
+        if stored is not None and intent and intent.get("pin_requested"):
+            named = self.pool.pages.named
+            assert all(named[(ns, k)].pinned for k in keys if (ns, k) in named), \
+                "a block stored with a pin is not pinned"
+        if stored is not None and commit:
             self._do(lambda: self.pool.commit(rid, ns, keys))
 
-    @rule(rid=REQUEST_IDS, ns=NAMESPACES, n=st.integers(1, 8), holder=st.sampled_from("ab"))
-    def load(self, rid, ns, n, holder):
-        run = self._do(lambda: self.pool.load(rid, ns, KEYS[:n], holder))
+    @rule(rid=REQUEST_IDS, ns=NAMESPACES, n=st.integers(1, 8), holder=st.sampled_from("ab"),
+          intent=SHARED_INTENT)
+    def load(self, rid, ns, n, holder, intent):
+        run = self._do(lambda: self.pool.load(rid, ns, KEYS[:n], holder, intent))
+        if run is not None and intent and intent.get("pin_requested"):
+            assert all(b.pinned for b in run), "a block loaded with a pin is not pinned"
         if run is not None:
             assert [b.name for b in run] == [(ns, k) for k in KEYS[:len(run)]]
             assert all(b.committed and b.held and b.tier is not TierKind.NONE for b in run)

@@ -282,3 +282,57 @@ def test_a_tenant_charged_half_a_shared_page_is_not_taken_below_its_guarantee(ma
     plan = pool.evict(1)
     assert [m.block.request.tenant for m in plan.demotions] == ["o"]
     settle(pool, plan)
+
+
+def test_a_pin_on_a_shared_block_holds_while_any_request_that_asked_uses_it(make_pool):
+    pool = make_pool(device_pages=8, host_pages=8)
+    _admit(pool, "a", tenant="x")
+    plan, blocks = pool.store("a", NS, KEYS[:2], intent={"pin_requested": True})
+    settle(pool, plan)
+    pool.commit("a", NS, KEYS[:2])
+    assert all(b.pinned for b in blocks) and pool.num_pinned == 2
+    assert not any(b in pool.policy for b in blocks)
+    _admit(pool, "b", tenant="y")
+    pool.load("b", NS, KEYS[:2], intent={"pin_requested": True})
+    pool.release("a")
+    assert all(b.pinned for b in blocks)  # b still pins them
+    pool.release("b")
+    assert not any(b.pinned for b in blocks) and pool.num_pinned == 0
+    assert all(b in pool.policy for b in blocks)  # kept, and evictable again
+
+
+def test_a_pin_that_would_overcommit_the_device_changes_nothing(make_pool):
+    pool = make_pool(device_pages=4, host_pages=8)
+    _admit(pool, "a")
+    _stored(pool, "a", KEYS[:2])
+    pool.release("a")
+    _admit(pool, "p", tokens=16 * 3)  # three pinned pages: one kept block goes to host
+    settle(pool, pool.allocate("p", 3, intent={"pin_requested": True}))
+    _admit(pool, "b", tokens=16)
+    before = (pool.num_pinned, [b.pinned for b in pool.lookup(NS, KEYS[:2])])
+    with pytest.raises(ResourceExhausted, match="pinning 2 more"):
+        pool.load("b", NS, KEYS[:2], intent={"pin_requested": True})
+    assert (pool.num_pinned, [b.pinned for b in pool.lookup(NS, KEYS[:2])]) == before
+    assert pool.requests["b"].shared == []
+
+
+def test_the_earliest_deadline_on_a_shared_block_stands(make_pool):
+    pool = make_pool()
+    _admit(pool, "a")
+    plan, (block,) = pool.store("a", NS, KEYS[:1], intent={"deadline_us": 5_000_000})
+    settle(pool, plan)
+    pool.commit("a", NS, KEYS[:1])
+    soon = block.deadline_at
+    _admit(pool, "b")
+    pool.load("b", NS, KEYS[:1], intent={"deadline_us": 9_000_000})
+    assert block.deadline_at == soon
+    pool.load("b", NS, KEYS[:1], intent={"deadline_us": 1_000_000})
+    assert block.deadline_at < soon
+
+
+def test_shared_blocks_refuse_an_intent_that_is_not_theirs(make_pool):
+    pool = make_pool()
+    _admit(pool, "a")
+    with pytest.raises(InvalidArgument, match="shared blocks take only"):
+        pool.store("a", NS, KEYS[:1], intent={"priority": 3})
+    assert pool.lookup(NS, KEYS[:1]) == [] and pool.requests["a"].shared == []

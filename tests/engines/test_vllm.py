@@ -276,3 +276,22 @@ def test_kvd_follows_a_running_engines_gpu_blocks_by_its_kv_events(tmp_path):
     # The five full blocks of the three prompts (two shared, one each) are on the engine's
     # GPU, and kvd keeps each under the same hash for tenant "engine": all count to it.
     assert gpu.get("engine") == 5 and not gpu.get("other")
+
+
+@pytest.mark.timeout(300)
+def test_a_requests_pin_and_deadline_reach_kvd_and_go_with_it(tmp_path):
+    # {"pin": true, "deadline_ms": ...} in kv_transfer_params: the connector stores the
+    # prompt's blocks with that intent (kvd would refuse an intent it does not take, and
+    # nothing would be stored); the pins go when vLLM finishes the requests.
+    from kvd_client.vllm_connector import block_intent
+
+    assert block_intent({"pin": True, "deadline_ms": 250}) == pb.MemoryIntent(
+        pin_requested=True, deadline_us=250_000)
+    assert block_intent({"tenant": "x"}) is None
+    params = [{"kvd": {"pin": True, "deadline_ms": 250}}] * len(PROMPTS)
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        run = engine_run(kvd.target, PROMPTS, params)
+        with Client(kvd.target) as c:
+            device = c.pool_stats().pools[0].tiers[0]
+    print(f"\nrun: {run}")
+    assert device.used_pages == 5 and device.pinned_pages == 0

@@ -91,3 +91,25 @@ async def test_bad_prefix_calls_get_a_clear_status(client):
         await client.commit("r", NS, KEYS[:1])
     assert (await client.lookup(NS, KEYS)).num_hit == 0
     await client.release("r")
+
+
+async def test_a_requests_pin_holds_its_shared_blocks_until_it_ends(client):
+    await client.admit("a", prompt_tokens=16 * 3)
+    await client.store("a", NS, KEYS[:3], intent=pb.MemoryIntent(pin_requested=True))
+    await client.commit("a", NS, KEYS[:3])
+    await client.admit("b", prompt_tokens=16 * 2)
+    await client.load("b", NS, KEYS[:2], intent=pb.MemoryIntent(pin_requested=True,
+                                                                deadline_us=500_000))
+
+    async def pinned():
+        return (await client.pool_stats()).pools[0].tiers[0].pinned_pages
+
+    assert await pinned() == 3
+    await client.release("a")
+    assert await pinned() == 2  # b still pins its two
+    await client.release("b")
+    assert await pinned() == 0
+    await client.admit("c", prompt_tokens=16)
+    with pytest.raises(InvalidArgumentError, match="shared blocks take only"):
+        await client.load("c", NS, KEYS, intent=pb.MemoryIntent(priority=pb.PRIORITY_HOT))
+    await client.release("c")

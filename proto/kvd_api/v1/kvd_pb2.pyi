@@ -252,14 +252,16 @@ class LookupResponse(_message.Message):
     def __init__(self, num_hit: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class StoreRequest(_message.Message):
-    __slots__ = ("request_id", "namespace", "keys")
+    __slots__ = ("request_id", "namespace", "keys", "intent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    INTENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    intent: MemoryIntent
+    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., intent: _Optional[_Union[MemoryIntent, _Mapping]] = ...) -> None: ...
 
 class StoreResponse(_message.Message):
     __slots__ = ("handles", "fresh", "stall_us")
@@ -288,14 +290,16 @@ class CommitResponse(_message.Message):
     def __init__(self, num_committed: _Optional[int] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("request_id", "namespace", "keys")
+    __slots__ = ("request_id", "namespace", "keys", "intent")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    INTENT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    intent: MemoryIntent
+    def __init__(self, request_id: _Optional[str] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., intent: _Optional[_Union[MemoryIntent, _Mapping]] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("handles",)

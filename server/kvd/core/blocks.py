@@ -129,6 +129,8 @@ class Block:
     users: dict[str, int] | None = None
     payers: tuple[str, ...] = ()
     committed: bool = True
+    # Requests using it that asked for it pinned (Prefixes.use_intent): pinned while any is.
+    pin_users: int = 0
 
     def refresh_flags(self) -> None:
         """DECODE_CRITICAL implies pinned: a decode step depends on the block. An access to
@@ -187,6 +189,7 @@ class Request:
     # this request is itself a keeper: the owner of one tenant's shared blocks, which lives
     # as long as the pool and is never admitted, queued or named by an engine.
     shared: list[Block] = field(default_factory=list)
+    pinned_shared: list[Block] = field(default_factory=list)  # of those, the ones it pins
     keeper: bool = False
 
     def live_blocks(self) -> list[Block]:

@@ -45,7 +45,12 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
     name = pool.name
     named = pool.pages.named
     users: Counter = Counter()
+    pinners: Counter = Counter()
     for req in pool.requests.values():
+        for b in req.pinned_shared:
+            pinners[id(b)] += 1
+            if b not in req.shared:
+                problems.append(f"{name}: {req.request_id!r} pins {b}, which it does not use")
         if req.keeper:
             for b in req.live_blocks():
                 if b.name is None or named.get(b.name) is not b:
@@ -64,6 +69,9 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
         have = {t: n for (i, t), n in users.items() if i == id(b)}
         if have != b.users:
             problems.append(f"{name}: {b} counts users {b.users}, has {have}")
+        if b.pin_users != pinners[id(b)] or b.pin_requested != bool(b.pin_users):
+            problems.append(f"{name}: {b} has {b.pin_users} pinning users (pin "
+                            f"{b.pin_requested}), its requests say {pinners[id(b)]}")
         if b.users and b.payers != tuple(sorted(b.users)):
             problems.append(f"{name}: {b} is charged to {b.payers}, used by {sorted(b.users)}")
         if b.tier is TierKind.DEVICE and b.payers != (keeper.tenant,):

@@ -260,9 +260,11 @@ class Pool:
 
     @after_reads
     def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
-              holder: str = "") -> tuple[TransferPlan, list[Block]]:
+              holder: str = "", intent: dict | None = None
+              ) -> tuple[TransferPlan, list[Block]]:
         """Blocks under these keys for the request, new ones to write (see Prefixes.store)."""
-        return self.prefixes.store(self.get_admitted(request_id), namespace, keys, holder)
+        return self.prefixes.store(self.get_admitted(request_id), namespace, keys, holder,
+                                   intent)
 
     @after_reads
     def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]) -> int:
@@ -271,9 +273,10 @@ class Pool:
 
     @after_reads
     def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
-             holder: str = "") -> list[Block]:
+             holder: str = "", intent: dict | None = None) -> list[Block]:
         """The leading run of these keys, for the request to read (see Prefixes.load)."""
-        return self.prefixes.load(self.get_admitted(request_id), namespace, keys, holder)
+        return self.prefixes.load(self.get_admitted(request_id), namespace, keys, holder,
+                                  intent)
 
     # ------------------------------------------------------------------ giving back
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvd.core import intent as intents
 from kvd.core.admission import Admission
 from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.errors import FailedPrecondition, InvalidArgument
@@ -34,6 +35,21 @@ from kvd.core.transfer import Reason, TransferPlan
 # Keepers' request ids: a NUL cannot be in an engine's request id, so none can collide.
 KEEPER_PREFIX = "\0kept/"
 MAX_KEY_BYTES = 256
+# What a request may say of the shared blocks it uses: they are other requests' too, so only
+# what holds per user (a pin, held while any user asks for it) or can only make a block
+# matter more (the earliest deadline stands).
+SHARED_INTENT_FIELDS = frozenset({"pin_requested", "deadline_us"})
+
+
+def check_intent(intent: dict | None) -> None:
+    """InvalidArgument unless the intent is one shared blocks take."""
+    if not intent:
+        return
+    other = set(intent) - SHARED_INTENT_FIELDS
+    if other:
+        raise InvalidArgument(f"shared blocks take only {', '.join(sorted(SHARED_INTENT_FIELDS))}"
+                              f" in an intent (got {', '.join(sorted(other))})")
+    intents.validate(intent)
 
 
 def check_keys(namespace: str, keys: Sequence[bytes]) -> None:
@@ -90,14 +106,16 @@ class Prefixes:
         return run
 
     def store(self, req: Request, namespace: str, keys: Sequence[bytes],
-              holder: str) -> tuple[TransferPlan, list[Block]]:
+              holder: str, intent: dict | None = None) -> tuple[TransferPlan, list[Block]]:
         """Blocks for these keys, used by req: those kvd has, and new device pages for the
-        rest (in plan.allocated, held for `holder`: the engine writes them, then commits).
-        All or nothing."""
+        rest (in plan.allocated, held for `holder`: the engine writes them, then commits),
+        with the request's intent for them (see use_intent). All or nothing."""
         check_keys(namespace, keys)
+        check_intent(intent)
         named = self.named
         found = [named.get((namespace, k)) for k in keys]
         fresh = [k for k, b in zip(keys, found) if b is None]
+        self._check_pins(req, found, intent)
         used = {id(b) for b in req.shared}
         new_uses = sum(1 for b in found if b is None or id(b) not in used)
         growth = self.admission.growth(req, new_uses)
@@ -128,6 +146,7 @@ class Prefixes:
             blocks.append(b)
         if growth:
             self.admission.reserve(req, growth)
+        self.use_intent(req, blocks, intent)
         return plan, blocks
 
     def commit(self, req: Request, namespace: str, keys: Sequence[bytes]) -> int:
@@ -154,16 +173,19 @@ class Prefixes:
         return newly
 
     def load(self, req: Request, namespace: str, keys: Sequence[bytes],
-             holder: str) -> list[Block]:
+             holder: str, intent: dict | None = None) -> list[Block]:
         """The leading run of these keys kvd holds, used by req and held for `holder` until
         its next call, so the engine can copy them in, in whichever tier they are (both are
-        mapped). A block being moved ends the run: the engine recomputes the rest."""
+        mapped), with the request's intent for them (see use_intent). A block being moved
+        ends the run: the engine recomputes the rest."""
         check_keys(namespace, keys)
+        check_intent(intent)
         run = []
         for b in self.lookup(namespace, keys):
             if b.moving:
                 break
             run.append(b)
+        self._check_pins(req, run, intent)
         used = {id(b) for b in req.shared}
         growth = self.admission.growth(req, sum(1 for b in run if id(b) not in used))
         for b in run:
@@ -173,6 +195,7 @@ class Prefixes:
                 self.pages.holds.hold_one(holder, b)
         if growth:
             self.admission.reserve(req, growth)
+        self.use_intent(req, run, intent)
         return run
 
     def unused(self, req: Request) -> list[Block]:
@@ -185,7 +208,12 @@ class Prefixes:
     def end_uses(self, req: Request) -> None:
         """req ends: it uses its shared blocks no more. A block still used by others is
         charged to them; one nobody uses stays, charged to its last users, unless it was
-        never committed."""
+        never committed. Its pins go (a block stays pinned while another user pins it)."""
+        for b in req.pinned_shared:
+            b.pin_users -= 1
+            if not b.pin_users and self.named.get(b.name) is b:
+                self._set_pin(b, False)
+        req.pinned_shared.clear()
         for b in req.shared:
             n = b.users.get(req.tenant, 0) - 1
             if n > 0:
@@ -225,6 +253,52 @@ class Prefixes:
                     shared, saved = figures.get(tenant, (0, 0.0))
                     figures[tenant] = (shared + 1, saved + 1 - 1 / k)
         return figures
+
+    def _check_pins(self, req: Request, blocks: Sequence[Block | None],
+                    intent: dict | None) -> None:
+        """Before any change: the pins this call would add must fit the device tier (None
+        in `blocks`: a block the call makes, pinned once made)."""
+        if not intent or not intent.get("pin_requested"):
+            return
+        mine = {id(b) for b in req.pinned_shared}
+        more = sum(1 for b in blocks if b is None or (not b.pinned and id(b) not in mine))
+        pages = self.pages
+        if more and pages.num_pinned + more > pages.device.capacity:
+            raise pages.overpinned(more)
+
+    def use_intent(self, req: Request, blocks: Sequence[Block], intent: dict | None) -> None:
+        """What req says of the shared blocks it uses: a pin holds while req (or another
+        user that pinned it) uses the block; a deadline stands unless an earlier one does."""
+        if not intent:
+            return
+        now = self.pages.clock.now()
+        pin = intent.get("pin_requested")
+        deadline_us = intent.get("deadline_us")
+        mine = {id(b) for b in req.pinned_shared}
+        for b in blocks:
+            if pin and id(b) not in mine:
+                req.pinned_shared.append(b)
+                b.pin_users += 1
+                if b.pin_users == 1:
+                    self._set_pin(b, True)
+            if deadline_us is not None and (b.deadline_at is None
+                                            or now + deadline_us / 1e6 < b.deadline_at):
+                intents.apply(b, {"deadline_us": deadline_us}, now)
+                if self._resident(b) and not b.pinned:
+                    self.pages.policy.reorder(b)
+
+    def _set_pin(self, b: Block, on: bool) -> None:
+        was = b.pinned
+        b.pin_requested = on
+        b.refresh_flags()
+        if b.pinned != was:
+            self.pages.add_pins(b.request.tenant, 1 if b.pinned else -1)
+            if self._resident(b):
+                (self.pages.policy.remove if b.pinned else self.pages.policy.insert)(b)
+
+    @staticmethod
+    def _resident(b: Block) -> bool:
+        return b.tier is TierKind.DEVICE and not b.moving and not b.held
 
     def request_shares(self, req: Request) -> Shares:
         """The shared blocks req uses now, and their cost to it."""

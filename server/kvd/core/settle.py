@@ -92,6 +92,8 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
     named = {id(b) for b in plan.allocated if b.name is not None}
     if named and plan.cause is not None:  # the storer uses them no more
         plan.cause.shared = [b for b in plan.cause.shared if id(b) not in named]
+        plan.cause.pinned_shared = [b for b in plan.cause.pinned_shared
+                                    if id(b) not in named]
     for req in {id(b.request): b.request for b in plan.allocated}.values():
         while req.blocks and req.blocks[-1] is None:  # indices nobody was told of
             req.blocks.pop()

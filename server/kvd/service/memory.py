@@ -122,7 +122,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits.check(len(request.keys), "block keys", blocks=True)
         rid = caller.ns + request.request_id
         blocks, fresh, stall_s = await self.node.shared.store(
-            rid, request.namespace, list(request.keys), caller.scope, holder=caller.holder)
+            rid, request.namespace, list(request.keys), caller.scope, holder=caller.holder,
+            intent=intent_fields(request.intent))
         page_bytes = self._page_bytes(rid)
         return pb.StoreResponse(
             handles=[shared_handle(b, page_bytes, request.request_id, i)
@@ -141,7 +142,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits.check(len(request.keys), "block keys", blocks=True)
         rid = caller.ns + request.request_id
         blocks = await self.node.shared.load(rid, request.namespace, list(request.keys),
-                                      caller.scope, holder=caller.holder)
+                                             caller.scope, holder=caller.holder,
+                                             intent=intent_fields(request.intent))
         page_bytes = self._page_bytes(rid)
         return pb.LoadResponse(handles=[shared_handle(b, page_bytes, request.request_id, i)
                                         for i, b in enumerate(blocks)])
