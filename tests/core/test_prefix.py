@@ -336,3 +336,21 @@ def test_shared_blocks_refuse_an_intent_that_is_not_theirs(make_pool):
     with pytest.raises(InvalidArgument, match="shared blocks take only"):
         pool.store("a", NS, KEYS[:1], intent={"priority": 3})
     assert pool.lookup(NS, KEYS[:1]) == [] and pool.requests["a"].shared == []
+
+
+def test_taking_over_a_kept_block_counts_before_room_is_made(make_pool):
+    # g (guaranteed 2) keeps three prefix pages filling the device. o stores a prefix whose
+    # first block is one of g's: that page is o's to pay for from then on, so g would hold
+    # 2, no page above its guarantee, and o's new page has no room: refused, nothing
+    # changed. (Found by the pool state machine: room was made from g's pages first, and
+    # the page o took over then left g with 1.)
+    pool = make_pool(device_pages=3, host_pages=8, policy="fair",
+                     quotas={"g": TenantQuota(guaranteed=2)})
+    _admit(pool, "w", tenant="g", tokens=48)
+    _stored(pool, "w", KEYS[:3])
+    pool.release("w")
+    _admit(pool, "o1", tenant="o", tokens=32)
+    with pytest.raises(ResourceExhausted, match="cannot free 1 device page"):
+        pool.store("o1", NS, KEYS[2:4])
+    assert pool.tenancy.usage("g") == 3 and pool.tenancy.usage("o") == 0
+    assert pool.requests["o1"].shared == [] and pool.tenancy.idle_kept["g"] == 3

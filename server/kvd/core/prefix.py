@@ -120,9 +120,22 @@ class Prefixes:
         new_uses = sum(1 for b in found if b is None or id(b) not in used)
         growth = self.admission.growth(req, new_uses)
         pages = self.pages
-        # The blocks found are handed back: none may be a victim of the new pages' room.
-        page_numbers, demotions = pages.make_room(
-            len(fresh), req, Reason.ALLOCATE, [b for b in found if b is not None])
+        # The blocks found are req's from now on, their cost split with its tenant before
+        # room is made: the fair order must see who pays for what once the store is done
+        # (else a tenant whose kept block req takes over could be taken below its
+        # guarantee for the new pages). Undone if there is no room.
+        taken_over = [(b, b.payers) for b in found if b is not None and id(b) not in used]
+        for b, _ in taken_over:
+            self._use(req, b)
+            used.add(id(b))
+        try:
+            # The blocks found are handed back: none may be a victim of the new pages' room.
+            page_numbers, demotions = pages.make_room(
+                len(fresh), req, Reason.ALLOCATE, [b for b in found if b is not None])
+        except BaseException:
+            for b, payers in reversed(taken_over):
+                self._unuse(req, b, payers)
+            raise
         plan = TransferPlan(self.pool, Reason.ALLOCATE, req, demotions=demotions)
         keeper = self.keeper(req.tenant)
         start = len(keeper.blocks)
@@ -325,6 +338,23 @@ class Prefixes:
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
         req.shared.append(b)
         self._recharge(b)
+
+    def _unuse(self, req: Request, b: Block, payers: tuple[str, ...]) -> None:
+        """Undo the last _use(req, b), b charged to `payers` again."""
+        n = b.users[req.tenant] - 1
+        if n:
+            b.users[req.tenant] = n
+        else:
+            del b.users[req.tenant]
+        req.shared.pop()
+        if b.payers != payers:
+            if b.tier is TierKind.DEVICE:
+                owner = b.request.tenant
+                self.tenancy.split(owner, b.payers, -1)
+                self.tenancy.split(owner, payers, 1)
+            b.payers = payers
+        if not b.users and b.tier is TierKind.DEVICE:
+            self.tenancy.idle_changed(b.payers, 1)
 
     def _recharge(self, b: Block) -> None:
         """Charge b to the tenants using it now (or, when none does, to its last payers)."""
