@@ -133,11 +133,14 @@ class EngineEventsConfig:
                 raise InvalidArgument(f"engine {self.name!r}: url must be http:// or "
                                       f"https:// (got {self.url!r})")
             return
-        for key, value in (("endpoint", self.endpoint),
-                           ("replay_endpoint", self.replay_endpoint)):
-            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise InvalidArgument(f"engine {self.name!r}: {key} must be tcp://, ipc:// "
-                                      f"or inproc:// (got {value!r})")
+        for key in ("endpoint", "replay_endpoint"):
+            _check_zmq_endpoint(f"engine {self.name!r}: {key}", getattr(self, key))
+
+
+def _check_zmq_endpoint(what: str, value: str) -> None:
+    """InvalidArgument unless value is empty or a ZMQ endpoint kvd can bind or connect."""
+    if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise InvalidArgument(f"{what} must be tcp://, ipc:// or inproc:// (got {value!r})")
 
 
 _RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read_budget")
@@ -302,10 +305,7 @@ class Config:
         for link in self.links:
             link.validate(self.pools)
         for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-            value = getattr(self, key)
-            if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
-                raise InvalidArgument(f"{key} must be tcp://, ipc:// or inproc:// "
-                                      f"(got {value!r})")
+            _check_zmq_endpoint(key, getattr(self, key))
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise InvalidArgument("kv_events_replay_endpoint needs kv_events_endpoint")
         names = [e.name for e in self.engines]
