@@ -30,7 +30,6 @@ import zmq.asyncio
 log = structlog.get_logger("kvd.kv_events")
 
 END_SEQ = -1
-GPU_MEDIA = frozenset({"GPU", None})  # vLLM leaves medium out for its GPU blocks
 MASK_64 = (1 << 64) - 1
 
 Hash = int | bytes
@@ -46,11 +45,12 @@ def hash_key(h: Hash) -> int:
 
 @dataclass(slots=True)
 class Residency:
-    """One engine's blocks by medium, as its events say; and how the stream went."""
+    """One engine's blocks and the media each is in, as its events say (a block offloaded
+    to host memory while still on the GPU is in both); and how the stream went."""
 
     engine: str
     tenant: str = ""  # for blocks kvd keeps nothing under
-    blocks: dict[int, str | None] = field(default_factory=dict)  # hash -> medium
+    blocks: dict[int, set[str]] = field(default_factory=dict)  # hash -> media
     last_seq: int = -1
     num_batches: int = 0
     num_events: int = 0
@@ -65,23 +65,30 @@ class Residency:
             self.num_events += 1
             kind = event.get("type") if isinstance(event, dict) else None
             if kind == "BlockStored":
-                medium = event.get("medium")
+                medium = event.get("medium") or "GPU"  # vLLM leaves it out for its GPU
                 for h in event.get("block_hashes") or ():
-                    blocks[hash_key(h)] = medium
+                    blocks.setdefault(hash_key(h), set()).add(medium)
             elif kind == "BlockRemoved":
                 medium = event.get("medium")
                 for h in event.get("block_hashes") or ():
                     key = hash_key(h)
-                    if medium is None or blocks.get(key) == medium:  # None: wherever it is
-                        blocks.pop(key, None)
+                    media = blocks.get(key)
+                    if media is None:
+                        continue
+                    if medium is None:  # wherever it is
+                        media.clear()
+                    else:
+                        media.discard(medium)
+                    if not media:
+                        del blocks[key]
             elif kind == "AllBlocksCleared":
                 blocks.clear()
 
     def by_medium(self) -> Counter[str]:
-        return Counter("GPU" if m is None else m for m in self.blocks.values())
+        return Counter(m for media in self.blocks.values() for m in media)
 
     def gpu_hashes(self) -> list[int]:
-        return [h for h, m in self.blocks.items() if m in GPU_MEDIA]
+        return [h for h, media in self.blocks.items() if "GPU" in media]
 
 
 def decode(payload: bytes) -> list[Any]:

@@ -85,7 +85,7 @@ async def test_the_real_publishers_events_are_followed_and_gaps_replayed(engine,
         publisher.publish(vllm_batch([m.BlockRemoved(block_hashes=[5], medium="CPU")], m))
         await _wait(lambda: res.last_seq == 4)
         assert res.num_replayed >= 2 and res.num_lost == 0
-        assert res.blocks == {1: "GPU", 3: "GPU", 4: "GPU", 6: "CPU"}
+        assert res.blocks == {1: {"GPU"}, 3: {"GPU"}, 4: {"GPU"}, 6: {"CPU"}}
         assert sorted(res.gpu_hashes()) == [1, 3, 4]
         publisher.publish(vllm_batch([m.AllBlocksCleared()], m))
         await _wait(lambda: res.last_seq == 5)

@@ -202,7 +202,7 @@ async def test_kvd_publishes_what_it_keeps_in_the_engines_event_format(tmp_path)
                     return res.blocks and set(res.blocks) == {hash_key(k) for k in keys[:held]}
 
                 await _until(held_as_published)
-                assert set(res.blocks.values()) == {"CPU"}  # no GPU here
+                assert set(res.by_medium()) == {"CPU"}  # no GPU here
                 # Another request's pages push the kept blocks out of both tiers.
                 admitted = await c.admit("big", prompt_tokens=16 * 8)
                 assert admitted.decision == pb.DECISION_ADMITTED, admitted
@@ -261,3 +261,16 @@ async def test_the_tenant_holding_more_on_the_engines_gpu_pays_first_in_kvd(tmp_
         publisher.close()
     assert before["x"] == before["y"] == 4
     assert (after["x"], after["y"]) == (3, 4)
+
+
+def test_a_block_offloaded_while_still_on_the_gpu_is_in_both_media():
+    # vLLM's CPU offloading stores a copy (BlockStored, medium CPU) and keeps the GPU one.
+    from kvd.kv_events import Residency
+
+    res = Residency("e")
+    res.apply([stored([1, 2]), stored([1], medium="CPU")])
+    assert sorted(res.gpu_hashes()) == [1, 2] and res.by_medium() == {"GPU": 2, "CPU": 1}
+    res.apply([{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}])
+    assert res.blocks == {1: {"CPU"}, 2: {"GPU"}}
+    res.apply([{"type": "BlockRemoved", "block_hashes": [1, 2], "medium": None}])
+    assert res.blocks == {}

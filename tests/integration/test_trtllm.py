@@ -90,11 +90,11 @@ def test_trtllm_events_become_the_blocks_an_engine_holds():
     res = Residency("trt")
     res.apply(from_trtllm([CREATED, stored(1, [11, 12, 13]), offloaded(2, 12),
                            removed(3, [13]), stored(4, [2**64 + 5], level=1)]))
-    assert res.blocks == {11: "GPU", 12: "CPU", 5: "CPU"}  # hashes as 64-bit values
+    assert res.blocks == {11: {"GPU"}, 12: {"CPU"}, 5: {"CPU"}}  # hashes as 64-bit values
     poller = TrtllmPoller(res, "http://unused")
     poller.receive([stored(5, [21]), stored(8, [22])])  # 6 and 7 never came
     poller.receive([stored(8, [22])])  # a repeat changes nothing
-    assert res.num_lost == 2 and res.blocks[21] == "GPU" and poller.last_id == 8
+    assert res.num_lost == 2 and res.blocks[21] == {"GPU"} and poller.last_id == 8
 
 
 async def test_kvd_polls_a_trtllm_server_and_counts_its_gpu_blocks(tmp_path):
