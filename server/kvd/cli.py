@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from kvd import __version__
 from kvd.config import MODEL_PRESETS, load_config, override_default_pool
 from kvd.core.errors import InvalidArgument
 from kvd.core.policies import policy_names
@@ -14,6 +15,7 @@ from kvd.log import configure_logging
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvd", description="KV-cache memory daemon for LLM serving")
+    p.add_argument("--version", action="version", version=f"kvd {__version__}")
     p.add_argument("--config", help="TOML config file (default: the embedded default)")
     p.add_argument("--socket", help="unix socket path to listen on ('' for none)")
     p.add_argument("--tcp", help="also listen on HOST:PORT")

@@ -81,6 +81,8 @@ class Daemon:
         self._num_signals = 0
         self.addresses: list[str] = []
         self._tier_events: TierEventPublisher | None = None
+        self._metrics_server = None
+        self._ready = False  # serving and not draining: /readyz
 
     async def serve(self) -> int:
         await self.start()
@@ -115,6 +117,9 @@ class Daemon:
         except BaseException:
             if self._tier_events is not None:
                 self._tier_events.close()
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
             await self.node.aclose()  # the arenas' shared memory goes with it
             raise
 
@@ -149,6 +154,14 @@ class Daemon:
         return server
 
     async def _listen(self, loop) -> None:
+        self._metrics_server = None
+        if self.config.metrics:  # first: a port in use stops the start before gRPC serves
+            try:
+                self._metrics_server = serve_metrics(self.config.metrics, self.node, loop,
+                                                     lambda: self._ready)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics on {self.config.metrics}: {exc} "
+                                   '(metrics = "" runs without)') from None
         server = self._grpc_server()
         if self.config.socket:
             path = Path(self.config.socket)
@@ -168,9 +181,7 @@ class Daemon:
         self._grpc = server
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._metrics_server = None
-        if self.config.metrics:
-            self._metrics_server, _ = serve_metrics(self.config.metrics, self.node, loop)
+        self._ready = True
         self._reaper = asyncio.ensure_future(self.node.leases.reap_forever(
             self.node.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4)),
             self.node.events))
@@ -227,6 +238,7 @@ class Daemon:
 
     async def shutdown(self) -> None:
         sdnotify.notify("STOPPING=1\nSTATUS=draining")
+        self._ready = False
         await self.health.enter_graceful_shutdown()
         if getattr(self, "_watchdog", None) is not None:
             self._watchdog.cancel()
@@ -234,12 +246,13 @@ class Daemon:
             self._reaper.cancel()
         if getattr(self, "_expirer", None) is not None:
             self._expirer.cancel()
-        if getattr(self, "_metrics_server", None) is not None:
-            self._metrics_server.shutdown()
         if self._tier_events is not None:
             self._tier_events.close()
         if self._grpc is not None:
             await self._grpc.stop(self.config.grace_s)
+        if self._metrics_server is not None:  # up until the drain is done
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         if self.node is not None:
             await self.node.aclose()
         if self.config.socket:

@@ -8,10 +8,14 @@ Every metric is listed, one line each, in deploy/README.md.
 from __future__ import annotations
 
 import asyncio
+import threading
 from bisect import bisect_left
+from collections.abc import Callable
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -252,9 +256,42 @@ def _engine_families(engines):
     yield from (blocks, gpu, batches, events)
 
 
-def serve_metrics(address: str, node, loop):
-    """Expose /metrics on HOST:PORT; returns the HTTP server (or None when it cannot bind,
-    which is logged: metrics are worth a warning, not a failed start)."""
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # every scrape and probe would be a log line
+        pass
+
+
+def http_app(ready: Callable[[], bool]):
+    """/metrics (Prometheus exposition), /healthz (the process answers), /readyz (kvd is
+    serving and not draining: 200, else 503); 404 for any other path."""
+    metrics = make_wsgi_app(REGISTRY)
+
+    def app(environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return metrics(environ, start_response)
+        if path == "/healthz":
+            status, body = "200 OK", b"ok\n"
+        elif path == "/readyz":
+            status, body = (("200 OK", b"ready\n") if ready()
+                            else ("503 Service Unavailable", b"not ready\n"))
+        else:
+            status, body = "404 Not Found", b"not found: kvd serves /metrics, /healthz, /readyz\n"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8"),
+                                ("Content-Length", str(len(body)))])
+        return [body]
+
+    return app
+
+
+def serve_metrics(address: str, node, loop, ready: Callable[[], bool]):
+    """Serve http_app on HOST:PORT in a thread of its own; returns the server. Raises
+    OSError when it cannot listen: an operator who asked for metrics gets them or an error
+    (metrics = "" runs without)."""
     host, _, port = address.rpartition(":")
     collector = KvdCollector(node, loop)
     try:
@@ -264,10 +301,11 @@ def serve_metrics(address: str, node, loop):
         # The first daemon's collector keeps answering; kvd itself runs one node.
         pass
     try:
-        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=REGISTRY)
-    except OSError as exc:
-        log.warning("metrics disabled: cannot listen", address=address, error=str(exc))
+        server = make_server(host or "0.0.0.0", int(port), http_app(ready),
+                             _ThreadingServer, handler_class=_QuietHandler)
+    except OSError:
         REGISTRY.unregister(collector)
-        return None, None
+        raise
+    threading.Thread(target=server.serve_forever, name="kvd-metrics", daemon=True).start()
     log.info("metrics listening", address=f"http://{host}:{server.server_port}/metrics")
-    return server, collector
+    return server

@@ -6,11 +6,12 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvd_client import AsyncClient
+from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
 from .conftest import SMALL
@@ -102,3 +103,51 @@ def test_loop_histogram_exposes_what_prometheus_clients_histogram_would():
 
     assert samples(ours) == samples(theirs)
     assert samples(ours)[("h_seconds_bucket", (("le", "0.001"), ("method", "A")))] == 4
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+async def test_health_and_readiness_beside_the_metrics_until_the_drain_ends(tmp_path):
+    import asyncio
+    import signal
+
+    port = _free_port()
+    with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", "--grace-s", "3",
+                  workdir=tmp_path) as kvd:
+        assert _get(port, "/healthz") == (200, "ok\n")
+        assert _get(port, "/readyz") == (200, "ready\n")
+        status, body = _get(port, "/nothing")
+        assert status == 404 and "/metrics, /healthz, /readyz" in body
+        async with AsyncClient(kvd.target) as client:
+            async with client.step_stream() as stream:  # open: the drain waits for it
+                await stream.send(pb.StepRequest())
+                kvd.proc.send_signal(signal.SIGTERM)
+                for _ in range(100):
+                    if _get(port, "/readyz")[0] == 503:
+                        break
+                    await asyncio.sleep(0.02)
+                # Draining: not ready, still alive, and the metrics still answer.
+                assert _get(port, "/readyz") == (503, "not ready\n")
+                assert _get(port, "/healthz")[0] == 200
+                assert "kvd_uptime_seconds" in _get(port, "/metrics")[1]
+        kvd.proc.wait(timeout=10)
+
+
+def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
+    from .test_startup import kvd as run_kvd, one_line
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        port = busy.getsockname()[1]
+        one_line(run_kvd("--socket", "k.sock", "--metrics", f"127.0.0.1:{port}",
+                         tmp_path=tmp_path), f"cannot serve metrics on 127.0.0.1:{port}")
+    finally:
+        busy.close()

@@ -104,3 +104,11 @@ async def test_a_bad_reload_keeps_the_running_config(tmp_path):
             assert a.weight == 2.0
             assert (await c.admit("r", 16)).decision == pb.DECISION_ADMITTED
         assert proc.proc.poll() is None
+
+
+def test_kvd_says_its_version():
+    from kvd import __version__
+
+    result = subprocess.run([sys.executable, "-m", "kvd", "--version"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == f"kvd {__version__}"
