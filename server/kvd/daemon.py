@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvd import __version__, sdnotify
 from kvd.config import Config, load_config
@@ -148,9 +148,7 @@ class Daemon:
         add_service(server, AdminService(self.node, self.auth, self.request_stop, self.gate),
                     services["Admin"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        _serve_reflection(server, (*SERVICE_NAMES, health.SERVICE_NAME))
         return server
 
     async def _listen(self, loop) -> None:
@@ -258,6 +256,21 @@ class Daemon:
         if self.config.socket:
             Path(self.config.socket).unlink(missing_ok=True)
         log.info("kvd stopped")
+
+
+# Reflection as current clients ask for it first (grpcurl, IDEs) and as older ones do:
+# grpcio-reflection serves v1alpha only; v1's messages are the same on the wire.
+REFLECTION_SERVICES = ("grpc.reflection.v1.ServerReflection", reflection.SERVICE_NAME)
+
+
+def _serve_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> None:
+    servicer = reflection.aio.ReflectionServicer((*service_names, *REFLECTION_SERVICES))
+    handlers = {"ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)}
+    for name in REFLECTION_SERVICES:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
 def _tls_credentials(config: Config) -> grpc.ServerCredentials | None:

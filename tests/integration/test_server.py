@@ -58,7 +58,19 @@ async def test_a_generic_client_discovers_services_by_reflection(kvd):
         names = set()
         async for reply in call:
             names |= {s.name for s in reply.list_services_response.service}
-        assert {"kvd.v1.Memory", "kvd.v1.Admin", "grpc.health.v1.Health"} <= names
+        assert {"kvd.v1.Memory", "kvd.v1.Admin", "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection"} <= names
+        # grpc.reflection.v1, which current grpcurl and IDEs ask for first (same messages).
+        v1 = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        described = set()
+        async for reply in v1(iter([reflection_pb2.ServerReflectionRequest(
+                file_containing_symbol="kvd.v1.Memory")])):
+            assert not reply.HasField("error_response"), reply.error_response
+            described |= {len(f) for f in reply.file_descriptor_response.file_descriptor_proto}
+        assert described and all(described)
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "kvd.v1.Memory"):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
