@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import time
+from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
@@ -169,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl", description="Look at and steer a running kvd.")
     p.add_argument("--target", default=None, help=f"kvd address (default: {default_target()})")
     p.add_argument("--token", default=None, help="bearer token (default: $KVD_TOKEN)")
+    p.add_argument("--token-file", default=None,
+                   help="read the bearer token from this file (keeps it off the command line)")
+    p.add_argument("--json", action="store_true", dest="json_all",
+                   help="JSON instead of tables (also accepted after the command)")
     p.add_argument("--tls-ca", default=None,
                    help="TLS to a TCP target: the CA's PEM file (default: $KVD_TLS_CA)")
     p.add_argument("--tls-cert", default=None, help="client certificate for mTLS (PEM)")
@@ -220,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.json = getattr(args, "json", False) or args.json_all
+    if args.token_file:
+        try:
+            args.token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            print(f"kvctl: cannot read --token-file {args.token_file}: {exc}", file=sys.stderr)
+            return 2
     console = Console()
     out = Console(width=max(console.width, 160))
     try:
@@ -277,6 +289,8 @@ def _run(args, client: Client, out: Console) -> int:
         previous = client.set_policy(args.policy, args.pool).previous_policy
         out.print(f"policy: {previous} -> {args.policy}")
     elif cmd == "events":
+        for pool in args.pools:  # a misspelt pool is an error, not an endless silence
+            client.pool_stats(pool)
         stream = client.watch_events(pools=args.pools, tenants=args.tenants, kinds=args.kinds)
         for n, event in enumerate(stream, start=1):
             if args.json:

@@ -100,3 +100,18 @@ def test_explain_says_what_shared_prefixes_cost(kvd):
         assert "charged 1.00 device page(s), 1.00 saved" in " ".join(shown.split()), shown
         client.release("w")
         client.release("r")
+
+
+def test_json_before_the_command_token_file_and_a_misspelt_pool(kvd, tmp_path):
+    status = kvctl(kvd.target, "--json", "status")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["pools"][0]["pool"] == "default"
+    token = tmp_path / "token"
+    token.write_text("not-a-token\n")
+    # The file's token is sent: this kvd knows no tokens, so it is refused, not ignored.
+    refused = kvctl(kvd.target, "--token-file", str(token), "status")
+    assert refused.returncode != 0 and "token" in refused.stderr.lower(), refused.stderr
+    missing = kvctl(kvd.target, "--token-file", str(tmp_path / "none"), "status")
+    assert missing.returncode == 2 and "cannot read --token-file" in missing.stderr
+    events = kvctl(kvd.target, "events", "--pool", "nopool", "--count", "1")
+    assert events.returncode == 1 and "nopool" in events.stderr, events.stderr
