@@ -147,6 +147,15 @@ def _top(client: Client, console: Console, interval_s: float, count: int | None)
         grid.add_row(requests_table(busiest, "busiest requests (device pages)"))
         return grid
 
+    if not console.is_terminal:  # a pipe or a log: one full view per refresh, as `top -b`
+        n = 0
+        while count is None or n < count:
+            if n:
+                time.sleep(interval_s)
+            console.print(render())
+            sys.stdout.flush()
+            n += 1
+        return
     with Live(render(), console=console, refresh_per_second=4, screen=False) as live:
         n = 1
         while count is None or n < count:

@@ -77,7 +77,7 @@ def read_request_trace(path: str | Path, *, skip_bad: bool = False,
             except (ValueError, json.JSONDecodeError) as exc:
                 if not skip_bad:
                     raise TraceError(f"{path}:{number}: {exc}") from None
-            if limit is not None and len(out) >= limit:
+            if limit and len(out) >= limit:  # None or 0: all
                 break
     out.sort(key=lambda r: (r.arrival_s, r.line))
     return out

@@ -115,3 +115,15 @@ def test_json_before_the_command_token_file_and_a_misspelt_pool(kvd, tmp_path):
     assert missing.returncode == 2 and "cannot read --token-file" in missing.stderr
     events = kvctl(kvd.target, "events", "--pool", "nopool", "--count", "1")
     assert events.returncode == 1 and "nopool" in events.stderr, events.stderr
+
+
+def test_top_without_a_terminal_prints_its_view(busy_kvd):
+    # Piped (no terminal), `kvctl top` printed nothing unless given --count.
+    proc = subprocess.Popen([KVCTL, "--target", busy_kvd.target, "top", "--interval-s", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=3)  # it runs until stopped, as top does
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    assert out.count("busiest requests") >= 2, out  # a view every refresh

@@ -24,6 +24,15 @@ def test_both_formats_parse():
     assert next(r for r in sample if r.request_id == "short").output_tokens == 64
 
 
+def test_a_limit_of_zero_reads_every_request(tmp_path):
+    # `request-trace --limit 0` says "0: all"; it read one request.
+    path = tmp_path / "t.jsonl"
+    row = {"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1]}
+    path.write_text("\n".join(json.dumps({**row, "timestamp": i}) for i in range(5)))
+    assert len(read_request_trace(path, limit=0)) == 5
+    assert len(read_request_trace(path, limit=2)) == 2
+
+
 def test_bad_lines_are_errors_with_their_line_unless_skipped(tmp_path):
     path = tmp_path / "t.jsonl"
     good = {"timestamp": 0, "input_length": 100, "output_length": 5, "hash_ids": [1]}
