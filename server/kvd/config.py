@@ -137,6 +137,11 @@ class EngineEventsConfig:
             _check_zmq_endpoint(f"engine {self.name!r}: {key}", getattr(self, key))
 
 
+def _check_unique(kind: str, names: list[str]) -> None:
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"{kind} names must be unique, got {names}")
+
+
 def _check_zmq_endpoint(what: str, value: str) -> None:
     """InvalidArgument unless value is empty or a ZMQ endpoint kvd can bind or connect."""
     if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
@@ -285,14 +290,10 @@ class Config:
             raise InvalidArgument("tls_client_ca needs tls_cert and tls_key")
         if self.tls_cert and not self.tcp:
             raise InvalidArgument("TLS is for the TCP listener: set tcp too")
-        names = [p.name for p in self.pools]
-        if len(set(names)) != len(names):
-            raise InvalidArgument(f"pool names must be unique, got {names}")
+        _check_unique("pool", [p.name for p in self.pools])
         for pool in self.pools:
             pool.validate()
-        names = [t.name for t in self.tenants]
-        if len(set(names)) != len(names):
-            raise InvalidArgument(f"tenant names must be unique, got {names}")
+        _check_unique("tenant", [t.name for t in self.tenants])
         tokens = [t.token for t in self.tenants if t.token] + (
             [self.auth.admin_token] if self.auth.admin_token else [])
         if len(set(tokens)) != len(tokens):
@@ -308,9 +309,7 @@ class Config:
             _check_zmq_endpoint(key, getattr(self, key))
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise InvalidArgument("kv_events_replay_endpoint needs kv_events_endpoint")
-        names = [e.name for e in self.engines]
-        if len(set(names)) != len(names):
-            raise InvalidArgument(f"engine names must be unique, got {names}")
+        _check_unique("engine", [e.name for e in self.engines])
         for engine in self.engines:
             engine.validate()
 

@@ -140,14 +140,8 @@ async def test_health_and_readiness_beside_the_metrics_until_the_drain_ends(tmp_
 
 
 def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
-    from .test_startup import kvd as run_kvd, one_line
+    from .test_startup import busy_port, kvd as run_kvd, one_line
 
-    busy = socket.socket()
-    busy.bind(("127.0.0.1", 0))
-    busy.listen()
-    try:
-        port = busy.getsockname()[1]
+    with busy_port() as port:
         one_line(run_kvd("--socket", "k.sock", "--metrics", f"127.0.0.1:{port}",
                          tmp_path=tmp_path), f"cannot serve metrics on 127.0.0.1:{port}")
-    finally:
-        busy.close()

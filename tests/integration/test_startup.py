@@ -5,6 +5,7 @@ keeps the running config."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -61,16 +62,22 @@ def test_bad_config_values_are_one_line_and_exit_2(tmp_path, server, expect):
     one_line(kvd(config=f"[server]\nsocket = 'k.sock'\n{server}\n", tmp_path=tmp_path), expect)
 
 
-def test_start_up_failures_are_one_line_and_exit_2(tmp_path):
+@contextlib.contextmanager
+def busy_port():
+    """A loopback port something else is listening on."""
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
     busy.listen()
     try:
-        port = busy.getsockname()[1]
-        one_line(kvd("--socket", "", "--tcp", f"127.0.0.1:{port}", "--device-pages", "4",
-                     "--host-pages", "4", tmp_path=tmp_path), "cannot listen on")
+        yield busy.getsockname()[1]
     finally:
         busy.close()
+
+
+def test_start_up_failures_are_one_line_and_exit_2(tmp_path):
+    with busy_port() as port:
+        one_line(kvd("--socket", "", "--tcp", f"127.0.0.1:{port}", "--device-pages", "4",
+                     "--host-pages", "4", tmp_path=tmp_path), "cannot listen on")
     (tmp_path / "file").write_text("")
     one_line(kvd("--socket", str(tmp_path / "file" / "k.sock"), tmp_path=tmp_path),
              "cannot create the socket's directory")
