@@ -185,14 +185,15 @@ def tenant_figures(node, pool: Pool, tenant: str,
                            else engine_gpu_by_tenant(node)).get(tenant, 0.0))
 
 
-def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
+def pool_figures(node, rt, tenants: str | None = None,
+                 engine_gpu: dict[str, float] | None = None) -> PoolFigures:
     """A pool's figures, its reads of the last steps included, with those of every tenant
     the pool knows (declared or seen), or only of `tenants` when given."""
     pool = rt.pool.snapshot()
     ten = pool.tenancy
     names = sorted(t for t in ten.names() if tenants in (None, t))
     shared = pool.prefixes.shared_figures()
-    gpu = engine_gpu_by_tenant(node)
+    gpu = engine_gpu if engine_gpu is not None else engine_gpu_by_tenant(node)
     return PoolFigures(
         name=pool.name, policy=pool.policy.name, page_bytes=pool.page_bytes,
         block_tokens=pool.block_tokens,
@@ -214,15 +215,15 @@ def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
         links=[link_figures(node, link) for link in node.links_of(pool.name)])
 
 
-def engine_gpu_by_tenant(node) -> dict[str, float]:
-    """Every followed engine's GPU blocks per tenant (empty when kvd follows none)."""
+def engine_gpu_by_tenant(node, owners: dict | None = None) -> dict[str, float]:
+    """Every followed engine's GPU blocks per tenant (empty when kvd follows none);
+    `owners`: node.block_owners(), when the caller has it."""
     if not node.engines.residency:
         return {}
-    return node.engines.gpu_by_tenant(node.block_owners())
+    return node.engines.gpu_by_tenant(owners if owners is not None else node.block_owners())
 
 
-def engine_figures(node) -> list[EngineFigures]:
-    owners = node.block_owners() if node.engines.residency else {}
+def engine_figures(node, owners: dict) -> list[EngineFigures]:
     return [EngineFigures(res.engine, dict(res.by_medium()), gpu_blocks_by_tenant(res, owners),
                           res.num_batches, res.num_events, res.num_replayed, res.num_lost,
                           res.num_bad)
@@ -232,10 +233,13 @@ def engine_figures(node) -> list[EngineFigures]:
 def node_figures(node) -> NodeFigures:
     """Every pool's figures, the links, handoffs and leases."""
     leases = node.leases
+    # The kept blocks are walked once for every pool's figures and the engines'.
+    owners = node.block_owners() if node.engines.residency else {}
+    gpu = engine_gpu_by_tenant(node, owners)
     return NodeFigures(
-        pools=[pool_figures(node, rt) for rt in node.runtimes()],
+        pools=[pool_figures(node, rt, engine_gpu=gpu) for rt in node.runtimes()],
         links=[link_figures(node, link) for link in node.links()],
         uptime_s=time.time() - node.started_at, handoffs=dict(node.handoff_counts),
         leases_active=len(leases.leases), leases_expired=leases.num_expired,
         lease_released_requests=leases.num_requests_released,
-        engines=engine_figures(node))
+        engines=engine_figures(node, owners))
