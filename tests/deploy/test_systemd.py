@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,28 @@ def test_the_unit_verifies(tmp_path):
                  "PrivateTmp=yes", "User=kvd", "LimitMEMLOCK=infinity",
                  "DeviceAllow=/dev/nvidiactl rw"):
         assert line in text, line
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_the_unit_is_hardened_to_ok(tmp_path):
+    """`systemd-analyze security` rates the unit OK (exposure <= 3.9 of 10) and names no
+    dangerous capability, system call group or namespace left open."""
+    kvd = Path(sys.executable).with_name("kvd")
+    unit = tmp_path / "kvd.service"
+    unit.write_text(UNIT.read_text().replace("/usr/bin/kvd", str(kvd)))
+    result = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager",
+                             "--threshold=39", str(unit)], capture_output=True, text=True)
+    report = result.stdout + result.stderr
+    score = re.search(r"Overall exposure level for kvd.service: ([0-9.]+) (\w+)", report)
+    assert score is not None, report
+    assert float(score.group(1)) <= 3.9, report
+    assert result.returncode == 0, report  # --threshold: systemd's own check of the same
+    failing = {line.split()[1] for line in report.splitlines() if line.startswith("✗")}
+    for setting in ("CapabilityBoundingSet=~CAP_SYS_ADMIN", "SystemCallFilter=~@privileged",
+                    "RestrictNamespaces=~user", "ProtectClock=", "ProtectKernelLogs=",
+                    "ProtectHostname="):
+        assert setting not in failing, report
+    assert "DeviceAllow=char-nvidia-caps r" in UNIT.read_text()  # MIG instances
 
 
 def test_ready_watchdog_and_stopping_are_sent(tmp_path):
