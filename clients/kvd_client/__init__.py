@@ -7,6 +7,7 @@ from kvd_client.errors import (
     AbortedError,
     AlreadyExistsError,
     DeadlineExceededError,
+    DrainingError,
     FailedPreconditionError,
     InvalidArgumentError,
     KvdClientError,
@@ -20,7 +21,7 @@ from kvd_client.session import EngineSession, Recovery
 from kvd_api.v1 import kvd_pb2 as pb
 
 __all__ = [
-    "AbortedError", "AlreadyExistsError", "AsyncClient", "Client", "DeadlineExceededError",
+    "AbortedError", "AlreadyExistsError", "AsyncClient", "Client", "DeadlineExceededError", "DrainingError",
     "EngineSession", "Recovery", "RetryPolicy",
     "FailedPreconditionError", "InvalidArgumentError", "KvdClientError", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "StepStream", "Tls", "UnauthenticatedError",

@@ -50,6 +50,15 @@ class UnavailableError(KvdClientError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DrainingError(UnavailableError):
+    """kvd is stopping: it ended this call (an open stream) or refused it. Retryable as any
+    UNAVAILABLE: a restarted kvd, or another replica, answers the retry."""
+
+
+# The message kvd ends open streams with when it drains (kvd.service.register.DRAINING).
+DRAINING = "kvd is draining"
+
+
 class DeadlineExceededError(KvdClientError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -69,6 +78,11 @@ _BY_CODE = {
 
 
 def from_rpc_error(err: grpc.RpcError) -> KvdClientError:
-    code = err.code()
+    return from_status(err.code(), err.details() or "")
+
+
+def from_status(code: grpc.StatusCode, details: str) -> KvdClientError:
+    if code == grpc.StatusCode.UNAVAILABLE and details == DRAINING:
+        return DrainingError(DRAINING)
     cls = _BY_CODE.get(code, KvdClientError)
-    return cls(err.details() or "", code)
+    return cls(details, code)

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from kvd_client import Client, KvdClientError, Tls, UnavailableError, default_target, pb
+from kvd_client import (Client, DrainingError, KvdClientError, Tls, UnavailableError,
+                        default_target, pb)
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         with Client(args.target, token=args.token, timeout_s=args.timeout_s,
                     lease="", tls=tls) as client:
             return _run(args, client, out)
+    except DrainingError:
+        print(f"kvctl: kvd at {args.target or default_target()} is draining (stopping)",
+              file=sys.stderr)
+        return EXIT_UNREACHABLE
     except UnavailableError as exc:
         print(f"kvctl: cannot reach kvd at {args.target or default_target()}: {exc.details}",
               file=sys.stderr)

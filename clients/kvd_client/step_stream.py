@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from kvd_api.v1 import kvd_pb2 as pb
-from kvd_client.errors import UnavailableError, from_rpc_error
+from kvd_client.errors import KvdClientError, UnavailableError, from_rpc_error, from_status
 
 if TYPE_CHECKING:
     from kvd_client.client import AsyncClient
@@ -83,11 +83,21 @@ class StepStream:
                 await self._call.write(request)
             await outstanding.put(None)
             await reader
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        except (grpc.RpcError, asyncio.InvalidStateError) as err:
+            raise await self._ended(err) from None
         finally:
             if not reader.done():
                 reader.cancel()
+
+    async def _ended(self, err: Exception) -> KvdClientError:
+        """Why the stream ended. A write to a stream kvd already closed fails with grpc's
+        own words ("RPC already finished", INTERNAL): the status kvd closed it with says
+        why (kvd is draining, the stream was malformed...)."""
+        if self._call.done():
+            return from_status(await self._call.code(), await self._call.details() or "")
+        if isinstance(err, grpc.RpcError):
+            return from_rpc_error(err)
+        return UnavailableError(str(err))
 
     async def send(self, request: pb.StepRequest) -> pb.StepResponse:
         if not request.step_id:
@@ -96,8 +106,8 @@ class StepStream:
         try:
             await self._call.write(request)
             reply = await self._call.read()
-        except grpc.RpcError as err:
-            raise from_rpc_error(err) from None
+        except (grpc.RpcError, asyncio.InvalidStateError) as err:
+            raise await self._ended(err) from None
         if reply is grpc.aio.EOF:
             raise UnavailableError("kvd closed the Step stream")
         return reply

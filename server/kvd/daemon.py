@@ -12,6 +12,7 @@ import signal
 import socket
 import stat
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from kvd.service.admin import AdminService
 from kvd.service.gate import CallGate, StepTurns
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
-from kvd.service.register import add_service
+from kvd.service.register import OpenStreams, add_service
 from kvd_api.v1 import kvd_pb2
 
 log = structlog.get_logger("kvd.daemon")
@@ -71,11 +72,23 @@ def check_shared_memory(config: Config, shm: str = "/dev/shm") -> None:
             "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory at /dev/shm)")
 
 
+class _Health(health.aio.HealthServicer):
+    """grpc's health service, whose Watch streams end at a drain as kvd's own do."""
+
+    def __init__(self, streams: OpenStreams) -> None:
+        super().__init__()
+        self._watch = streams.serve(super().Watch)
+
+    async def Watch(self, request, context):
+        await self._watch(request, context)
+
+
 class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.node: Node | None = None
-        self.health = health.aio.HealthServicer()
+        self.streams = OpenStreams()
+        self.health = _Health(self.streams)
         self._grpc: grpc.aio.Server | None = None
         self._stop = asyncio.Event()
         self._num_signals = 0
@@ -143,8 +156,10 @@ class Daemon:
         self.gate = CallGate(self.config.max_calls_per_client)
         self.turns = StepTurns(self.config.step_turns_per_tenant)
         self.turns.configure({t.name: t.weight for t in self.config.tenants})
-        add_service(server, MemoryService(self.node, self.auth, self.gate, self.turns),
-                    services["Memory"], with_bytes=MemoryService.WITH_BYTES)
+        add_service(server, MemoryService(self.node, self.auth, self.gate, self.turns,
+                                          self.streams),
+                    services["Memory"], with_bytes=MemoryService.WITH_BYTES,
+                    streams=self.streams, finish=MemoryService.FINISH_AT_DRAIN)
         add_service(server, AdminService(self.node, self.auth, self.request_stop, self.gate),
                     services["Admin"])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -247,7 +262,15 @@ class Daemon:
         if self._tier_events is not None:
             self._tier_events.close()
         if self._grpc is not None:
-            await self._grpc.stop(self.config.grace_s)
+            # New calls are refused from here; open streams are told kvd is draining and
+            # end; the stop is done when the unary calls in flight are (grace_s at most).
+            stopping = asyncio.ensure_future(self._grpc.stop(self.config.grace_s))
+            await asyncio.sleep(0)
+            ended = self.streams.drain()
+            started = time.monotonic()
+            await stopping
+            log.info("drained", streams_ended=ended,
+                     seconds=round(time.monotonic() - started, 3))
         if self._metrics_server is not None:  # up until the drain is done
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

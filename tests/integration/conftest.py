@@ -7,6 +7,16 @@ import pytest
 from kvd_client import AsyncClient
 from kvd_loadgen.local import LocalKvd
 
+def slow_link_kvd(tmp_path, *args: str) -> LocalKvd:
+    """A kvd (not started) whose device<->host link moves 8 pages (64 KiB) a second: a read
+    of 8 blocks off the device waits a second on it."""
+    config = tmp_path / "slow-link.toml"
+    config.write_text('[[pool]]\nname = "default"\npage_bytes = 8192\ndevice_pages = 8\n'
+                      'host_pages = 32\nlink_bandwidth = "64KiB/s"\nlink_burst = 8192\n'
+                      'link_chunk = 8192\n')
+    return LocalKvd("--config", str(config), *args, workdir=tmp_path)
+
+
 SMALL = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8", "--host-pages", "32")
 
 

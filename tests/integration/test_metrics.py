@@ -3,7 +3,9 @@ in an exposition a real Prometheus parser accepts."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import signal
 import socket
 import subprocess
 import urllib.error
@@ -14,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL
+from .conftest import SMALL, slow_link_kvd
 
 
 def _free_port() -> int:
@@ -114,19 +116,21 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 
 async def test_health_and_readiness_beside_the_metrics_until_the_drain_ends(tmp_path):
-    import asyncio
-    import signal
 
     port = _free_port()
-    with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", "--grace-s", "3",
-                  workdir=tmp_path) as kvd:
+    with slow_link_kvd(tmp_path, "--metrics", f"127.0.0.1:{port}", "--grace-s", "10") as kvd:
         assert _get(port, "/healthz") == (200, "ok\n")
         assert _get(port, "/readyz") == (200, "ready\n")
         status, body = _get(port, "/nothing")
         assert status == 404 and "/metrics, /healthz, /readyz" in body
         async with AsyncClient(kvd.target) as client:
-            async with client.step_stream() as stream:  # open: the drain waits for it
-                await stream.send(pb.StepRequest())
+            await client.admit("r", 64)
+            async with client.step_stream() as stream:
+                await stream.step(allocations=[("r", 8)])
+                await stream.step(allocations=[("r", 8)])  # r's first 8 go to the host
+                # A read kvd serves for a second (the slow link): the drain waits for it.
+                pending = asyncio.ensure_future(stream.step(accesses=[("r", list(range(8)))]))
+                await asyncio.sleep(0.2)
                 kvd.proc.send_signal(signal.SIGTERM)
                 for _ in range(100):
                     if _get(port, "/readyz")[0] == 503:
@@ -136,7 +140,9 @@ async def test_health_and_readiness_beside_the_metrics_until_the_drain_ends(tmp_
                 assert _get(port, "/readyz") == (503, "not ready\n")
                 assert _get(port, "/healthz")[0] == 200
                 assert "kvd_uptime_seconds" in _get(port, "/metrics")[1]
-        kvd.proc.wait(timeout=10)
+                assert kvd.proc.poll() is None
+                assert not (await pending).errors
+        assert kvd.proc.wait(timeout=10) == 0
 
 
 def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):

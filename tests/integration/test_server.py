@@ -6,15 +6,18 @@ import asyncio
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvd_client import AsyncClient, Client
+from kvd_client import AsyncClient, Client, DrainingError
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL
+from .conftest import SMALL, slow_link_kvd
 
 
 async def test_sigterm_drains_reports_not_serving_and_exits_zero(tmp_path):
@@ -34,18 +37,74 @@ async def test_sigterm_drains_reports_not_serving_and_exits_zero(tmp_path):
         kvd.stop()
 
 
-async def test_in_flight_step_stream_finishes_during_drain(tmp_path):
-    kvd = LocalKvd(*SMALL, "--grace-s", "5", workdir=tmp_path).start()
+async def test_a_drain_ends_open_streams_at_once_saying_kvd_is_draining(tmp_path):
+    """Engines keep a Step and an events stream open all the time: a stop must not wait
+    its whole grace period for them. Each is told "kvd is draining" (UNAVAILABLE, which
+    retry policies wait out) and kvd exits well inside the grace period."""
+    kvd = LocalKvd(*SMALL, "--grace-s", "30", workdir=tmp_path).start()
+    try:
+        async with AsyncClient(kvd.target) as client:
+            await client.admit("r", 64)
+            async def watch():
+                async for _ in client.watch_events():
+                    pass
+
+            events = asyncio.ensure_future(watch())
+            async with client.step_stream() as stream:
+                reply = await stream.step(allocations=[("r", 4)])
+                assert not reply.errors
+                await asyncio.sleep(0.2)  # the events stream is open on the server
+                started = time.monotonic()
+                kvd.proc.send_signal(signal.SIGTERM)
+                with pytest.raises(DrainingError) as ended:  # once kvd took the signal
+                    while time.monotonic() - started < 10:
+                        await asyncio.wait_for(stream.step(accesses=[("r", None)]), 10)
+                        await asyncio.sleep(0.02)
+                assert ended.value.details == "kvd is draining"
+                with pytest.raises(DrainingError):
+                    await asyncio.wait_for(events, 10)
+            code = await asyncio.to_thread(kvd.proc.wait, 20)
+        assert code == 0
+        assert time.monotonic() - started < 10  # not the 30 s grace period
+        assert '"drained"' in kvd.log() and '"streams_ended": 2' in kvd.log()
+    finally:
+        kvd.stop()
+
+
+async def test_a_step_being_served_when_the_drain_starts_gets_its_reply(tmp_path):
+    """A Step message kvd is serving finishes and is answered; the stream ends after it."""
+    kvd = slow_link_kvd(tmp_path, "--grace-s", "30").start()
     try:
         async with AsyncClient(kvd.target) as client:
             await client.admit("r", 64)
             async with client.step_stream() as stream:
-                await stream.step(allocations=[("r", 4)])
+                await stream.step(allocations=[("r", 8)])
+                await stream.step(allocations=[("r", 8)])  # r's first 8 go to the host
+                pending = asyncio.ensure_future(stream.step(accesses=[("r", list(range(8)))]))
+                await asyncio.sleep(0.3)  # kvd is serving it, waiting on the link
                 kvd.proc.send_signal(signal.SIGTERM)
-                # The open stream keeps working within the grace period.
-                reply = await stream.step(accesses=[("r", None)])
+                reply = await asyncio.wait_for(pending, 20)
                 assert not reply.errors
+                assert reply.stall_us > 500_000  # it did wait on the link, past the signal
+                with pytest.raises(DrainingError):
+                    await asyncio.wait_for(stream.step(accesses=[("r", [0])]), 10)
         assert await asyncio.to_thread(kvd.proc.wait, 20) == 0
+    finally:
+        kvd.stop()
+
+
+def test_kvctl_says_kvd_is_draining_not_that_it_cannot_be_reached(tmp_path):
+    kvd = LocalKvd(*SMALL, "--grace-s", "30", workdir=tmp_path).start()
+    try:
+        kvctl = [str(Path(sys.executable).with_name("kvctl")), "--target", kvd.target]
+        events = subprocess.Popen([*kvctl, "events"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        time.sleep(1.0)
+        kvd.proc.send_signal(signal.SIGTERM)
+        _, err = events.communicate(timeout=20)
+        assert "is draining" in err, err
+        assert "cannot reach" not in err, err
+        assert kvd.proc.wait(20) == 0
     finally:
         kvd.stop()
 

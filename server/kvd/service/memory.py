@@ -22,7 +22,7 @@ from kvd.service.convert import (
     shared_handle,
 )
 from kvd.service.gate import CallGate, CallLimits, StepTurns
-from kvd.service.register import MAX_STRING
+from kvd.service.register import MAX_STRING, OpenStreams
 from kvd.service.step import StepStreams
 from kvd.service.streams import Streams
 from kvd.service.unary import unary
@@ -34,16 +34,19 @@ class MemoryService(pb_grpc.MemoryServicer):
     # Methods whose handler gets (bytes, message) pairs: a Step's bytes tell a repeated
     # read at a glance (see _reads_key).
     WITH_BYTES = ("Step",)
+    # A handoff in flight is work a drain lets finish (a cut one rolls back): the other
+    # streams are ended at once, a Step stream after the message it is serving.
+    FINISH_AT_DRAIN = ("Handoff",)
 
     def __init__(self, node: Node, auth: Authenticator, gate: CallGate | None = None,
-                 turns: StepTurns | None = None) -> None:
+                 turns: StepTurns | None = None, streams: OpenStreams | None = None) -> None:
         self.node = node
         self.auth = auth
         self.gate = gate or CallGate(0)
         self.turns = turns or StepTurns(0)
         self.limits = CallLimits(node.config.max_items_per_call,
                                  node.config.max_blocks_per_call)
-        self.steps = StepStreams(node, auth, self.turns, self.limits)
+        self.steps = StepStreams(node, auth, self.turns, self.limits, streams or OpenStreams())
         self.streams = Streams(node, auth, self._may_use)
         self.restricted = {p.name: frozenset(p.tenants) for p in node.config.pools
                            if p.tenants}

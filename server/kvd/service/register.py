@@ -7,6 +7,9 @@ size is bounded where they enter."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
+
 import grpc
 from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor
@@ -27,6 +30,52 @@ _FACTORIES = {
     (True, False): grpc.stream_unary_rpc_method_handler,
     (True, True): grpc.stream_stream_rpc_method_handler,
 }
+
+# What a stream open when kvd stops is told (UNAVAILABLE): the client's retry policy waits
+# for kvd to come back, and what it prints says why.
+DRAINING = "kvd is draining"
+
+
+class OpenStreams:
+    """The streams being served (Step, WatchEvents, WaitAdmission, Handoff). Engines keep a
+    Step stream and an events stream open all the time: at a stop, waiting for them to end
+    would wait out the whole grace period. drain() ends each with UNAVAILABLE "kvd is
+    draining" (their handlers' own clean-up runs as for a client that went away); unary calls
+    in flight finish."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task] = set()
+        # Streams in the middle of a message (a Step being served): drain() lets each finish
+        # it and reply; the stream ends when it looks for its next message.
+        self.working: set[asyncio.Task] = set()
+        self.draining = False
+
+    def serve(self, handler):
+        @functools.wraps(handler)
+        async def served(request, context):
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            task = asyncio.current_task()
+            self.tasks.add(task)
+            try:
+                await handler(request, context)
+            except asyncio.CancelledError:
+                if not self.draining or context.done():
+                    raise  # the client went away (or the stream already ended)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            finally:
+                self.tasks.discard(task)
+
+        return served
+
+    def drain(self) -> int:
+        """End every open stream (those working, after their message); how many there
+        were."""
+        self.draining = True
+        for task in self.tasks - self.working:
+            task.cancel()
+        return len(self.tasks)
+
 
 class Malformed:
     """A request whose bytes did not decode."""
@@ -83,9 +132,12 @@ def _safe_with_bytes(parse, walk_limit: float = float("inf")):
     return deserialize
 
 
-def add_service(server: grpc.aio.Server, servicer, service, with_bytes=()) -> None:
+def add_service(server: grpc.aio.Server, servicer, service, with_bytes=(),
+                streams: OpenStreams | None = None, finish=()) -> None:
     """Serve every method of `service` (a ServiceDescriptor) from `servicer`; the methods
-    named in `with_bytes` get each request's bytes with it."""
+    named in `with_bytes` get each request's bytes with it; its streaming methods' calls are
+    kept in `streams` (ended at a drain), except those named in `finish`, which a drain lets
+    finish as it does unary calls."""
     handlers = {}
     for method in service.methods:
         request = message_factory.GetMessageClass(method.input_type)
@@ -93,7 +145,11 @@ def add_service(server: grpc.aio.Server, servicer, service, with_bytes=()) -> No
         factory = _FACTORIES[(method.client_streaming, method.server_streaming)]
         parse = _safe_with_bytes if method.name in with_bytes else _safe
         walk_limit = WALK_LIMIT.get(method.name, float("inf"))
-        handlers[method.name] = factory(getattr(servicer, method.name),
+        served = getattr(servicer, method.name)
+        streaming = method.client_streaming or method.server_streaming
+        if streams is not None and streaming and method.name not in finish:
+            served = streams.serve(served)
+        handlers[method.name] = factory(served,
                                         request_deserializer=parse(request.FromString,
                                                                    walk_limit),
                                         response_serializer=response.SerializeToString)

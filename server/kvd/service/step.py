@@ -9,6 +9,7 @@ message: the engine's forward pass in between writes and reads those pages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 
@@ -21,7 +22,7 @@ from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller, unprefixed
 from kvd.service.convert import handle, intent_change, intent_fields
 from kvd.service.gate import CallLimits, StepTurns
-from kvd.service.register import MAX_STRING, WALK_BYTES, Malformed
+from kvd.service.register import DRAINING, MAX_STRING, WALK_BYTES, Malformed, OpenStreams
 from kvd.service.status import status_of
 from kvd_api.v1 import kvd_pb2 as pb
 
@@ -30,6 +31,10 @@ _INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES, _READ_ALL = (
     _FIELDS[name].number
     for name in ("intents", "frees", "releases", "allocations", "accesses", "read_all"))
 _READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
+
+
+# A stream that was serving a message when the drain began waits this long for its next.
+DRAIN_LAST_READ_S = 1.0
 
 
 class _Turn:
@@ -53,7 +58,8 @@ class StepStreams:
     """Serves Step streams for the Memory service."""
 
     def __init__(self, node: Node, auth: Authenticator, turns: StepTurns,
-                 limits: CallLimits) -> None:
+                 limits: CallLimits, streams: OpenStreams) -> None:
+        self.streams = streams
         self.node = node
         self.auth = auth
         self.turns = turns
@@ -71,8 +77,11 @@ class StepStreams:
         turn = _Turn(self.turns, caller.tenant or "admin")
         messages = request_iterator.__aiter__()
         generation = self.auth.generation
+        streams = self.streams
+        task = asyncio.current_task()
         try:
             while (message := await self._next(messages, caller, turn)) is not None:
+                streams.working.add(task)  # a drain lets this message finish
                 data, step = message
                 await self._check(data, step, context)
                 if self.auth.generation != generation:  # identities reloaded: still valid?
@@ -88,7 +97,16 @@ class StepStreams:
                 observe_rpc("Step", "OK", time.perf_counter() - started)
                 await context.write(reply)
                 turn.leave()
+                streams.working.discard(task)
+                if streams.draining:
+                    # Told with the answer to its next message, which an engine in step
+                    # sends at once: ended while it writes, its client would see grpc's
+                    # "Internal error from Core" instead.
+                    with contextlib.suppress(asyncio.TimeoutError, StopAsyncIteration):
+                        await asyncio.wait_for(messages.__anext__(), DRAIN_LAST_READ_S)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         finally:
+            streams.working.discard(task)
             turn.leave()
             node.end_holds(holder)
             node.leases.stream_closed(caller.lease)
