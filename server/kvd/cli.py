@@ -9,7 +9,7 @@ import sys
 from kvd import __version__
 from kvd.config import MODEL_PRESETS, load_config, override_default_pool
 from kvd.core.errors import InvalidArgument
-from kvd.core.policies import policy_names
+from kvd.core.policies import accepted_policy_names
 from kvd.log import configure_logging
 
 
@@ -25,13 +25,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl-s", type=float,
                    help="release a silent client's requests after this many seconds")
     p.add_argument("--metrics", help="Prometheus exposition HOST:PORT ('' for none)")
+    p.add_argument("--health", help="gRPC health checks only, in clear, on HOST:PORT (for "
+                   "Kubernetes grpc: probes; '' for none)")
     g = p.add_argument_group("default pool (the first pool of the config)")
     g.add_argument("--model", choices=sorted(MODEL_PRESETS))
     g.add_argument("--block-tokens", type=int)
     g.add_argument("--page-bytes", type=int, help="overrides model x block tokens")
     g.add_argument("--device-pages", type=int)
     g.add_argument("--host-pages", type=int)
-    g.add_argument("--policy", choices=policy_names())
+    g.add_argument("--policy", choices=accepted_policy_names())
     g.add_argument("--device-backend", choices=["auto", "cupy", "host"])
     p.add_argument("--demo-hint", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             k: v for k, v in (("socket", args.socket), ("tcp", args.tcp),
                               ("log_format", args.log_format), ("log_level", args.log_level),
                               ("grace_s", args.grace_s), ("lease_ttl_s", args.lease_ttl_s),
-                              ("metrics", args.metrics)) if v is not None
+                              ("metrics", args.metrics), ("health", args.health))
+            if v is not None
         }
         from dataclasses import replace
 

@@ -266,6 +266,11 @@ class Config:
     eviction_ledger: Count = 20_000  # eviction records kept per pool (bounded memory)
     explain_keep: Count = 2_000  # released requests Explain still knows, per pool
     metrics: Address = "127.0.0.1:9464"  # Prometheus exposition address; "" for none
+    # A plaintext gRPC listener serving grpc.health.v1 only, for probes that speak neither
+    # TLS nor unix sockets (Kubernetes' grpc: probes); "" for none.
+    health: Address = ""
+    # How often kvd checks its own bookkeeping (kvd_self_check_problems); 0: only on demand.
+    self_check_s: NonNegative = 60.0
     # kvd's own tiers as KV cache events in vLLM's and SGLang's format (kvd.tier_events):
     # the PUB endpoint kvd binds ("" for none) and the replay socket beside it.
     kv_events_endpoint: str = ""

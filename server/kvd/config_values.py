@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ConfigDict, Field
 
 from kvd.core.errors import InvalidArgument
-from kvd.core.policies import policy_names
+from kvd.core.policies import accepted_policy_names
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +75,9 @@ def _address(value: str) -> str:
 
 
 def _policy(value: str) -> str:
-    if value not in policy_names():
-        raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(policy_names())}")
+    if value not in accepted_policy_names():
+        raise ValueError(f"unknown policy {value!r}; choose one of "
+                         f"{', '.join(accepted_policy_names())}")
     return value
 
 

@@ -95,6 +95,7 @@ class Daemon:
         self.addresses: list[str] = []
         self._tier_events: TierEventPublisher | None = None
         self._metrics_server = None
+        self._health_grpc: grpc.aio.Server | None = None
         self._ready = False  # serving and not draining: /readyz
 
     async def serve(self) -> int:
@@ -133,6 +134,8 @@ class Daemon:
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
                 self._metrics_server.server_close()
+            if self._health_grpc is not None:
+                await self._health_grpc.stop(0)
             await self.node.aclose()  # the arenas' shared memory goes with it
             raise
 
@@ -176,6 +179,13 @@ class Daemon:
                 raise StartupError(f"cannot serve metrics on {self.config.metrics}: {exc} "
                                    '(metrics = "" runs without)') from None
         server = self._grpc_server()
+        if self.config.health:
+            # Health only, in clear: Kubernetes' grpc: probes speak neither TLS nor unix.
+            self._health_grpc = grpc.aio.server(options=GRPC_OPTIONS)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_grpc)
+            port = _bind(self._health_grpc, self.config.health)
+            await self._health_grpc.start()
+            log.info("health listening", address=f"{self.config.health.rsplit(':', 1)[0]}:{port}")
         if self.config.socket:
             path = Path(self.config.socket)
             _prepare_socket_path(path)
@@ -200,6 +210,8 @@ class Daemon:
             self.node.events))
         self._expirer = asyncio.ensure_future(self.node.expire_forever(
             max(0.05, min(1.0, self.config.handoff_ttl_s / 4, self.config.hold_s / 4))))
+        self._checker = (asyncio.ensure_future(self.node.health.check_forever(
+            self.config.self_check_s)) if self.config.self_check_s else None)
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()
@@ -259,6 +271,8 @@ class Daemon:
             self._reaper.cancel()
         if getattr(self, "_expirer", None) is not None:
             self._expirer.cancel()
+        if getattr(self, "_checker", None) is not None:
+            self._checker.cancel()
         if self._tier_events is not None:
             self._tier_events.close()
         if self._grpc is not None:
@@ -271,6 +285,8 @@ class Daemon:
             await stopping
             log.info("drained", streams_ended=ended,
                      seconds=round(time.monotonic() - started, 3))
+        if self._health_grpc is not None:  # NOT_SERVING until the end, as /readyz
+            await self._health_grpc.stop(0)
         if self._metrics_server is not None:  # up until the drain is done
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

@@ -3,6 +3,7 @@ and the core's invariants (SelfCheck); and waiting for transfers to finish (drai
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import structlog
@@ -17,6 +18,8 @@ log = structlog.get_logger("kvd.health")
 STUCK_AFTER_S = 30.0
 # How long SelfCheck waits for transfers in flight to finish before checking anyway.
 SELF_CHECK_WAIT_S = 5.0
+# How long the periodic self-check waits for a pool's transfers before trying next round.
+PERIODIC_WAIT_S = 0.5
 
 
 class Health:
@@ -24,6 +27,10 @@ class Health:
         self.pools = pools
         # What check_stuck() last found, by pool (a metric, SelfCheck and a log line).
         self.stuck: dict[str, list[str]] = {}
+        # The periodic self-check: problems its last run found, by pool (a metric and an
+        # alert), and its runs by result (ok, failed, skipped: transfers were in flight).
+        self.problems: dict[str, int] = {}
+        self.runs = {"ok": 0, "failed": 0, "skipped": 0}
 
     def check_stuck(self) -> list[str]:
         """Transfers without progress for STUCK_AFTER_S, and blocks in transit that nothing
@@ -46,6 +53,23 @@ class Health:
             rt.pool.snapshot()
             problems.extend(check_pool(rt.pool))
         return problems + self.check_stuck()
+
+    async def check_forever(self, period_s: float) -> None:
+        """Every period_s, each pool's invariants, where its transfers let it be checked
+        within a moment (a pool that is busy copying is checked at the next round)."""
+        while True:
+            await asyncio.sleep(period_s)
+            for name, rt in self.pools.items():
+                if not await rt.transit.quiesce(timeout_s=PERIODIC_WAIT_S):
+                    self.runs["skipped"] += 1
+                    continue
+                rt.pool.snapshot()
+                problems = check_pool(rt.pool)  # no await since quiesce: a still state
+                if problems and not self.problems.get(name):
+                    log.error("self-check failed", pool=name, problems=problems[:20],
+                              count=len(problems))
+                self.problems[name] = len(problems)
+                self.runs["failed" if problems else "ok"] += 1
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         """Wait for transfers in flight, at most timeout_s in all; False: some still were."""

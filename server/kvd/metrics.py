@@ -8,6 +8,7 @@ Every metric is listed, one line each, in deploy/README.md.
 from __future__ import annotations
 
 import asyncio
+import platform
 import threading
 from bisect import bisect_left
 from collections.abc import Callable
@@ -15,7 +16,10 @@ from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+import grpc
+from google import protobuf
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
+                               CollectorRegistry, Histogram, Info, make_wsgi_app)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -26,6 +30,21 @@ from kvd.stats import LinkFigures, NodeFigures, PoolFigures, node_figures
 log = structlog.get_logger("kvd.metrics")
 
 REGISTRY = CollectorRegistry()
+# The standard collectors: process_* (CPU, resident memory, open files, start time),
+# python_info, python_gc_*.
+for _standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+    REGISTRY.register(_standard)
+
+
+def _build_info() -> dict[str, str]:
+    from kvd import __version__
+
+    return {"version": __version__, "python_version": platform.python_version(),
+            "grpc_version": grpc.__version__, "protobuf_version": protobuf.__version__}
+
+
+Info("kvd_build", "kvd's version and the versions it runs on (value 1)",
+     registry=REGISTRY).info(_build_info())
 STALL_SECONDS = Histogram(
     "kvd_stall_seconds", "Memory stall of one access (waiting for promotions)", ["pool"],
     registry=REGISTRY,
@@ -118,6 +137,8 @@ def _pool_families(pools: list[PoolFigures]):
     adm = _counter("kvd_admissions", "Admission decisions", ["pool", "decision"])
     moves = _counter("kvd_page_moves", "Pages moved between tiers", ["pool", "direction"])
     moved = _counter("kvd_moved_bytes", "Bytes copied between tiers", ["pool", "direction"])
+    problems = _gauge("kvd_self_check_problems", "Problems the last periodic self-check "
+                      "found in a pool's bookkeeping (0: sound)", ["pool"])
     stuck = _gauge("kvd_stuck_transfers", "Transfers in flight without progress past the "
                    "bound, or blocks in transit that nothing owns (should be 0)", ["pool"])
     hres = _gauge("kvd_handoff_reserved_pages", "Pages a pool holds for requests not yet "
@@ -146,6 +167,7 @@ def _pool_families(pools: list[PoolFigures]):
         queue.add_metric([name], p.num_queued)
         flight.add_metric([name], p.in_flight)
         stuck.add_metric([name], p.stuck)
+        problems.add_metric([name], p.self_check_problems)
         hres.add_metric([name], p.handoff_reserved_pages)
         for decision in Decision:
             adm.add_metric([name, decision], getattr(c, f"num_{decision}"))
@@ -155,12 +177,12 @@ def _pool_families(pools: list[PoolFigures]):
             moved.add_metric([name, direction], n * p.page_bytes)
         for family, field in plain:
             family.add_metric([name], getattr(c, field))
-    yield from (info, pages, queue, flight, adm, moves, moved, stuck, hres)
+    yield from (info, pages, queue, flight, adm, moves, moved, stuck, problems, hres)
     yield from (family for family, _ in plain)
 
 
 def _tenant_families(pools: list[PoolFigures]):
-    stall = _counter("kvd_stall_seconds_by_cause",
+    stall = _counter("kvd_tenant_stall_seconds",
                      "Memory stall of a tenant's requests, by the tenant whose evictions "
                      "caused it", ["pool", "tenant", "cause_tenant"])
     ev = _counter("kvd_evictions", "Pages evicted from the device tier",
@@ -229,7 +251,11 @@ def _node_families(figures: NodeFigures):
     expired.add_metric([], figures.leases_expired)
     released = _counter("kvd_lease_released_requests", "Requests released by lease expiry", [])
     released.add_metric([], figures.lease_released_requests)
-    yield from (hand, hbytes, leases, expired, released)
+    runs = _counter("kvd_self_check_runs", "Periodic self-checks by result (ok, failed; "
+                    "skipped: the pool was copying)", ["result"])
+    for result, n in figures.self_check_runs.items():
+        runs.add_metric([result], n)
+    yield from (hand, hbytes, leases, expired, released, runs)
     yield from _engine_families(figures.engines)
 
 

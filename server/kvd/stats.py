@@ -97,6 +97,7 @@ class PoolFigures:
     held_pages: int
     in_flight: int
     stuck: int
+    self_check_problems: int  # the periodic self-check's last finding
     counters: PoolCounters
     # (victim tenant, cause tenant, policy) -> pages evicted.
     evictions: dict[tuple[str, str, str], int]
@@ -135,6 +136,7 @@ class NodeFigures:
     leases_expired: int
     lease_released_requests: int
     engines: list[EngineFigures]
+    self_check_runs: dict[str, int]  # result -> runs
 
 
 def link_figures(node, link) -> LinkFigures:
@@ -207,6 +209,7 @@ def pool_figures(node, rt, tenants: str | None = None,
         handoff_reserved_pages=pool.reservations.reserved_pages(),
         held_pages=pool.pages.holds.count,
         in_flight=len(rt.transit), stuck=len(node.stuck.get(pool.name, ())),
+        self_check_problems=node.health.problems.get(pool.name, 0),
         counters=copy.deepcopy(pool.counters),
         evictions=dict(pool.attribution.evictions_by_pair),
         stall_by_cause=dict(pool.attribution.stall_s_by_cause),
@@ -242,4 +245,4 @@ def node_figures(node) -> NodeFigures:
         uptime_s=time.time() - node.started_at, handoffs=dict(node.handoff_counts),
         leases_active=len(leases.leases), leases_expired=leases.num_expired,
         lease_released_requests=leases.num_requests_released,
-        engines=engine_figures(node, owners))
+        engines=engine_figures(node, owners), self_check_runs=dict(node.health.runs))

@@ -4,15 +4,20 @@ in an exposition a real Prometheus parser accepts."""
 from __future__ import annotations
 
 import asyncio
+import platform
 import shutil
 import signal
 import socket
 import subprocess
+import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd import __version__
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
@@ -40,6 +45,7 @@ def _value(samples, name, **labels):
 
 async def test_metrics_after_a_workload(tmp_path):
     port = _free_port()
+    launched = time.time()
     with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target) as client:
             for rid in ("a", "b", "c"):  # 12 blocks on 8 device pages: evictions
@@ -74,6 +80,18 @@ async def test_metrics_after_a_workload(tmp_path):
                   transfer_class="critical") == 0
     assert _value(samples, "kvd_read_bytes_total", pool="default", tenant="t1") == \
         4 * stats.page_bytes  # "a" read its 4 blocks once
+    # Stalls by cause, the unit before _total as Prometheus names go.
+    assert _value(samples, "kvd_tenant_stall_seconds_total", pool="default", tenant="t1",
+                  cause_tenant="t2") > 0
+    assert "kvd_stall_seconds_by_cause" not in text
+    # The standard process and build-info series, of kvd's own process.
+    assert 1e6 < _value(samples, "process_resident_memory_bytes") < 2**34
+    started = _value(samples, "process_start_time_seconds")
+    assert launched - 2 <= started <= time.time()  # kvd's start, not this test's process
+    info = [dict(lbl) for (n, lbl), v in samples.items() if n == "kvd_build_info" and v == 1]
+    assert info and info[0]["version"] == __version__
+    assert info[0]["python_version"] == platform.python_version()
+    assert ("python_info" in {n for n, _ in samples})
     promtool = shutil.which("promtool")
     if promtool:  # Debian's prometheus package, where it is installed
         check = subprocess.run([promtool, "check", "metrics"], input=text, text=True,
@@ -151,3 +169,80 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
     with busy_port() as port:
         one_line(run_kvd("--socket", "k.sock", "--metrics", f"127.0.0.1:{port}",
                          tmp_path=tmp_path), f"cannot serve metrics on 127.0.0.1:{port}")
+
+
+async def test_the_periodic_self_check_reports_broken_bookkeeping(tmp_path):
+    """kvd checks its own invariants every self_check_s: 0 problems on a sound pool, then the
+    count (the KvdSelfCheckFailing alert) once a tenant's figures no longer add up."""
+    from kvd.config import config_from_dict
+    from kvd.metrics import _node_families, _pool_families
+    from kvd.node import Node
+    from kvd.stats import node_figures
+
+    node = Node(config_from_dict({"server": {"self_check_s": 0.05}, "pool": [
+        {"name": "default", "page_bytes": 4096, "device_pages": 8, "host_pages": 8}]}))
+    checker = asyncio.ensure_future(node.health.check_forever(0.05))
+    try:
+        node.admit("r", tenant="t", pool="default", prompt_tokens=64, output_tokens=0,
+                   priority=0)
+        await node.allocate("r", 4)
+        await asyncio.sleep(0.3)
+
+        def scrape():
+            figures = node_figures(node)
+            families = {f.name: f for f in (*_pool_families(figures.pools),
+                                            *_node_families(figures))}
+            problems = {s.labels["pool"]: s.value
+                        for s in families["kvd_self_check_problems"].samples}
+            runs = {s.labels["result"]: s.value for s in families["kvd_self_check_runs"].samples}
+            return problems, runs
+
+        problems, runs = scrape()
+        assert problems == {"default": 0} and runs["ok"] >= 2 and runs["failed"] == 0
+        node.runtime("default").pool.tenancy.device_by_tenant["t"] += 3  # figures now lie
+        await asyncio.sleep(0.3)
+        problems, runs = scrape()
+        assert problems["default"] > 0 and runs["failed"] >= 1
+    finally:
+        checker.cancel()
+        await asyncio.wait_for(node.aclose(), 10)
+
+
+async def test_kubernetes_grpc_probes_get_health_on_the_health_listener(tmp_path):
+    """`health = HOST:PORT`: grpc.health.v1 alone, in clear, for Kubernetes' grpc: probes;
+    NOT_SERVING once kvd drains; nothing of kvd's API there."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import grpc
+
+    port = _free_port()
+    kvd = slow_link_kvd(tmp_path, "--health", f"127.0.0.1:{port}", "--grace-s", "10").start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest())
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stats = channel.unary_unary("/kvd.v1.Memory/GetPoolStats",
+                                        request_serializer=pb.GetPoolStatsRequest.SerializeToString,
+                                        response_deserializer=pb.GetPoolStatsResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stats(pb.GetPoolStatsRequest())
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            async with AsyncClient(kvd.target) as client:
+                await client.admit("r", 64)
+                async with client.step_stream() as stream:
+                    await stream.step(allocations=[("r", 8)])
+                    await stream.step(allocations=[("r", 8)])
+                    pending = asyncio.ensure_future(
+                        stream.step(accesses=[("r", list(range(8)))]))
+                    await asyncio.sleep(0.2)
+                    kvd.proc.send_signal(signal.SIGTERM)
+                    for _ in range(100):
+                        reply = await health.Check(health_pb2.HealthCheckRequest())
+                        if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                    assert not (await pending).errors
+        assert kvd.proc.wait(timeout=10) == 0
+    finally:
+        kvd.stop()

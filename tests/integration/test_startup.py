@@ -119,3 +119,13 @@ def test_kvd_says_its_version():
     result = subprocess.run([sys.executable, "-m", "kvd", "--version"], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == f"kvd {__version__}"
+
+
+def test_every_policy_the_config_accepts_is_a_choice_of_the_flag():
+    """`fair:reuse` (what `fair` is) is accepted by the config and by --policy alike."""
+    from kvd.cli import build_parser
+    from kvd.config import config_from_dict
+
+    config = config_from_dict({"pool": [{"name": "p", "policy": "fair:reuse"}]})
+    assert config.pools[0].policy == "fair:reuse"
+    assert build_parser().parse_args(["--policy", "fair:reuse"]).policy == "fair:reuse"

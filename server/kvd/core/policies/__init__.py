@@ -20,8 +20,14 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 
 
 def policy_names() -> list[str]:
-    """Every name make_policy accepts: the base policies, and fair over each of them."""
+    """Every distinct policy: the base policies, and fair over each of them."""
     return sorted(POLICIES) + ["fair"] + [f"fair:{b}" for b in sorted(POLICIES) if b != FAIR_BASE]
+
+
+def accepted_policy_names() -> list[str]:
+    """Every name make_policy accepts: the distinct policies, and "fair:reuse", which is
+    "fair" spelt out."""
+    return policy_names() + [f"fair:{FAIR_BASE}"]
 
 
 # fair's default page order inside a request: the learned next use, which suits attention's
@@ -36,7 +42,7 @@ def make_policy(name: str, clock: Clock, tenancy: Tenancy | None = None) -> Evic
     cls = POLICIES.get(base)
     if cls is None:
         raise InvalidArgument(
-            f"unknown eviction policy {name!r}; choose one of {', '.join(policy_names())}"
+            f"unknown eviction policy {name!r}; choose one of {', '.join(accepted_policy_names())}"
         )
     if not fair:
         return cls(clock)
