@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from kvd import __version__
-from kvd.config import MODEL_PRESETS, load_config, override_default_pool
+from kvd.config import MODEL_PRESETS, load_config, log_created_tokens, override_default_pool
 from kvd.core.errors import InvalidArgument
 from kvd.core.policies import accepted_policy_names
 from kvd.log import configure_logging
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, create_tokens=True)
         server_changes = {
             k: v for k, v in (("socket", args.socket), ("tcp", args.tcp),
                               ("log_format", args.log_format), ("log_level", args.log_level),
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_format, config.log_level)
+    log_created_tokens()
     if args.demo_hint:
         print(f"kvd: listening on unix://{config.socket}; in another terminal run `make demo`."
               " Ctrl-C stops kvd.", file=sys.stderr, flush=True)

@@ -6,12 +6,15 @@ schema (types, ranges, units) is checked by pydantic; a bad value is one line na
 
 from __future__ import annotations
 
+import os
+import secrets
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import structlog
 from pydantic import Field, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict  # pydantic needs this one before Python 3.12
 
@@ -358,29 +361,92 @@ _SERVER_KEYS = set(Config.__dataclass_fields__) - {"pools", "tenants", "links", 
                                                     "auth", "path"}
 
 
-def load_config(path: str | Path | None) -> Config:
-    """The config from a TOML file, or the embedded default when path is None."""
+def load_config(path: str | Path | None, create_tokens: bool = False) -> Config:
+    """The config from a TOML file, or the embedded default when path is None.
+    create_tokens: a token file the config names that does not exist yet is created (the
+    daemon's start and reload; see _secret)."""
     if path is None:
         return Config()
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"cannot read config {path}: {exc}") from exc
-    return replace(config_from_dict(data, base=Path(path).parent), path=str(path))
+    return replace(config_from_dict(data, base=Path(path).parent, create_tokens=create_tokens),
+                   path=str(path))
 
 
-def _secret(entry: dict, key: str, base: Path | None) -> str:
-    """A token given inline (`token`) or in a file (`token_file`, relative to the config)."""
-    file_key = f"{key}_file"
-    if file_key in entry:
-        path = Path(str(entry.pop(file_key)))
-        if base is not None and not path.is_absolute():
-            path = base / path
-        try:
-            entry[key] = path.read_text().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"cannot read {file_key} {path}: {exc}") from exc
+# Tokens kvd creates: 32 random bytes, URL-safe (43 characters).
+TOKEN_BYTES = 32
+# Token files created at this start or reload, (key, path, mode), for the log once it is set
+# up (log_created_tokens).
+CREATED_TOKENS: list[tuple[str, str, str]] = []
+
+
+def log_created_tokens() -> None:
+    while CREATED_TOKENS:
+        key, path, mode = CREATED_TOKENS.pop(0)
+        structlog.get_logger("kvd.config").warning(
+            "created a token file at first start; give it to the callers it names",
+            key=key, path=path, mode=mode)
+
+
+def _secret(entry: dict, key: str, base: Path | None, create: bool = False,
+            mode: int = 0o640, where: str = "") -> str:
+    """A token given inline (`token`), in an environment variable (`token_env`: a Kubernetes
+    Secret, a systemd credential), or in a file (`token_file`). A relative file is found
+    beside the config, else in $STATE_DIRECTORY (systemd's StateDirectory=). With `create`,
+    a file found in neither is created at first start with a new random token, beside the
+    config if kvd may write there, else in $STATE_DIRECTORY, and the log says where."""
+    given = [k for k in (key, f"{key}_env", f"{key}_file") if k in entry]
+    if len(given) > 1:
+        raise InvalidArgument(f"{where}{' and '.join(given)}: give one")
+    env_key, file_key = f"{key}_env", f"{key}_file"
+    if env_key in entry:
+        name = str(entry.pop(env_key))
+        value = os.environ.get(name, "").strip()
+        if not value:
+            raise InvalidArgument(f"{where}{env_key}: the environment variable {name} is "
+                                  "not set")
+        entry[key] = value
+    elif file_key in entry:
+        entry[key] = _token_from_file(Path(str(entry.pop(file_key))), f"{where}{file_key}",
+                                      base, create, mode)
     return entry.get(key, "")
+
+
+def _token_from_file(path: Path, file_key: str, base: Path | None, create: bool,
+                     mode: int) -> str:
+    places = [path] if path.is_absolute() else [
+        (base or Path.cwd()) / path,
+        *([Path(os.environ["STATE_DIRECTORY"]) / path] if os.environ.get("STATE_DIRECTORY")
+          else [])]
+    for place in places:
+        try:
+            return place.read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"cannot read {file_key} {place}: {exc}") from exc
+    if not create:
+        raise InvalidArgument(f"cannot read {file_key} {places[0]}: no such file")
+    token = secrets.token_urlsafe(TOKEN_BYTES)
+    problems = []
+    for place in places:
+        try:
+            place.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(place, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        except OSError as exc:
+            problems.append(f"{place}: {exc.strerror}")
+            continue
+        with os.fdopen(fd, "w") as out:
+            out.write(token + "\n")
+        CREATED_TOKENS.append((file_key, str(place), oct(mode)))
+        return token
+    raise InvalidArgument(
+        f"{file_key} {places[0]} does not exist and kvd cannot create it "
+        f"({'; '.join(problems)}): create it (any secret string), run kvd where it may write "
+        "there or with $STATE_DIRECTORY set, or give the token in an environment variable "
+        f"with {file_key.rsplit(' ', 1)[-1].removesuffix('_file')}_env")
 
 
 def _entries(data: dict, section: str) -> list[dict]:
@@ -391,7 +457,8 @@ def _entries(data: dict, section: str) -> list[dict]:
     return [dict(e) for e in entries]
 
 
-def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
+def config_from_dict(data: dict[str, Any], base: Path | None = None,
+                     create_tokens: bool = False) -> Config:
     unknown = set(data) - {"server", "pool", "tenant", "auth", "link", "engine"}
     if unknown:
         raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
@@ -404,9 +471,11 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None) -> Config:
         raise InvalidArgument(f"unknown [server] keys: {', '.join(sorted(unknown))}")
     tenants = _entries(data, "tenant")
     for entry in tenants:
-        _secret(entry, "token", base)
+        # A tenant's engines read its token: the group (the engines') may read it.
+        _secret(entry, "token", base, create_tokens, 0o640,
+                f"[[tenant]] {entry.get('name', '')!r}: ")
     auth = dict(auth)
-    _secret(auth, "admin_token", base)
+    _secret(auth, "admin_token", base, create_tokens, 0o600, "[auth] ")
     pools = _entries(data, "pool") if "pool" in data else [{}]
     server = dict(server)
     for key in ("tls_cert", "tls_key", "tls_client_ca"):

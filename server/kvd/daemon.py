@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvd import __version__, sdnotify
-from kvd.config import Config, load_config
+from kvd.config import Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
 from kvd.node import Node
 from kvd.tier_events import TierEventPublisher
@@ -238,7 +238,8 @@ class Daemon:
             log.warning("reload ignored: kvd runs on its embedded default, not a file")
             return
         try:
-            fresh = load_config(self.config.path)
+            fresh = load_config(self.config.path, create_tokens=True)
+            log_created_tokens()
         except KvdError as exc:
             log.error("reload failed; keeping the running config", error=str(exc))
             return
