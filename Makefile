@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_DIR := $(CURDIR)/run
 
-.PHONY: run demo test test-engines proto bench replay soak clean
+.PHONY: run demo test tools test-engines proto bench replay soak clean
 
 # The engine tier's own environment: the CPU build of PyTorch on this project's machines
 # (pip takes it from disk), a CPU build of vLLM, SGLang's Python package (its memory pools
@@ -34,8 +34,21 @@ run: $(STAMP) ## start kvd in the foreground on the embedded default (host memor
 demo: $(STAMP) ## in another terminal: create memory pressure against a running kvd and show what happened
 	$(BIN)/kvd-loadgen demo --target unix://$(RUN_DIR)/kvd.sock
 
-test: $(STAMP) ## the whole test suite (the engines have a tier of their own)
+test: $(STAMP) tools ## the whole test suite (the engines have a tier of their own)
 	$(BIN)/python -m pytest -q --ignore=tests/engines
+
+# promtool (Debian's prometheus package) checks and unit-tests the alert rules. Installed
+# where this machine lets `make` do it (root with apt); elsewhere those tests say why they skip.
+tools:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing promtool (Debian's prometheus package)"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	    { apt-get update -qq >/dev/null 2>&1 && \
+	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } || \
+	    echo "could not install promtool: the alert-rule tests will skip"; \
+	  else echo "no promtool and no root apt: the alert-rule tests will skip"; fi; }
 
 $(ENGINES_STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or PYTHON=...)"; exit 1; }
