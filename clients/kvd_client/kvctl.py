@@ -12,20 +12,55 @@ import sys
 import time
 from pathlib import Path
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from kvd.config_values import bytes_of
+from kvd.core.errors import KvdError
 from kvd_client import (Client, DrainingError, KvdClientError, Tls, UnavailableError,
                         default_target, pb)
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 
 
+_INT64 = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
+                    FieldDescriptor.TYPE_SINT64, FieldDescriptor.TYPE_FIXED64,
+                    FieldDescriptor.TYPE_SFIXED64})
+
+
 def _json(message) -> dict:
-    return MessageToDict(message, preserving_proto_field_name=True,
+    """A message as JSON data, 64-bit integers as numbers (protobuf's JSON mapping writes
+    them as strings, which jq and most tools then compare as text)."""
+    data = MessageToDict(message, preserving_proto_field_name=True,
                          always_print_fields_with_no_presence=True)
+    _numbers(message, data)
+    return data
+
+
+def _numbers(message, data: dict) -> None:
+    for field in message.DESCRIPTOR.fields:
+        if field.name not in data:
+            continue
+        value = data[field.name]
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:
+                entry = field.message_type.fields_by_name["value"]
+                if entry.type in _INT64:
+                    data[field.name] = {k: int(v) for k, v in value.items()}
+                elif entry.type == FieldDescriptor.TYPE_MESSAGE:
+                    source = getattr(message, field.name)
+                    for key, item in value.items():
+                        _numbers(source[key], item)
+            elif field.is_repeated:
+                for sub, item in zip(getattr(message, field.name), value):
+                    _numbers(sub, item)
+            else:
+                _numbers(getattr(message, field.name), value)
+        elif field.type in _INT64:
+            data[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
 
 
 def _mib(pages: int, page_bytes: int) -> str:
@@ -165,6 +200,26 @@ def _top(client: Client, console: Console, interval_s: float, count: int | None)
             n += 1
 
 
+def _quota_size(text: str) -> tuple[str, int]:
+    """A guarantee or a limit: pages ("4096"), or bytes with a unit ("8GiB", "512MB") as
+    the config takes them."""
+    if text.strip().isdigit():
+        return "pages", int(text)
+    try:
+        return "bytes", int(bytes_of(text))
+    except KvdError:
+        raise argparse.ArgumentTypeError(
+            f"not pages or a size: {text!r} (e.g. 4096 pages, or 8GiB)") from None
+
+
+def _rate(text: str) -> float:
+    """Bytes per second: a number, or with a unit ("8GiB/s", "500MB")."""
+    try:
+        return bytes_of(text)
+    except KvdError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 8GiB/s)") from None
+
+
 def _finite(text: str) -> float:
     """A number kvd can act on: not NaN, not infinite, not negative."""
     try:
@@ -206,20 +261,28 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("explain", help="how long a request stalled on memory, because of whom")
     c.add_argument("request_id")
     c.add_argument("--json", action="store_true")
-    c = sub.add_parser("set-quota", help="change a tenant's quota (only what you name)")
+    c = sub.add_parser(
+        "set-quota", help="change a tenant's quota (only what you name)",
+        description="Change a tenant's quota, only the fields named. The change stands over "
+        "the config until --reset, a reload (SIGHUP) included.")
     c.add_argument("tenant")
     c.add_argument("--pool", default="", help="default: every pool")
     c.add_argument("--weight", type=_finite)
-    c.add_argument("--guaranteed", type=int, dest="guaranteed_pages")
-    c.add_argument("--limit", type=int, dest="limit_pages", help="pages; 0 for none")
+    c.add_argument("--guaranteed", type=_quota_size,
+                   help="pages, or a size: 4096, 8GiB (rounded up to whole pages)")
+    c.add_argument("--limit", type=_quota_size, help="pages or a size; 0 for none")
     c.add_argument("--max-request-pages", type=int)
     c.add_argument("--max-request-fraction", type=_finite)
-    c.add_argument("--bandwidth-cap", type=_finite, dest="bandwidth_cap_bytes_per_s",
-                   help="bytes/s over each link; 0 for none")
-    c.add_argument("--request-bandwidth-cap", type=_finite,
-                   dest="request_bandwidth_cap_bytes_per_s", help="bytes/s; 0 for none")
-    c.add_argument("--read-budget", type=_finite, dest="read_budget_bytes_per_s",
-                   help="bytes/s of attention reads a request; 0 for none")
+    c.add_argument("--bandwidth-cap", type=_rate, dest="bandwidth_cap_bytes_per_s",
+                   help="over each link: bytes/s or e.g. 8GiB/s; 0 for none")
+    c.add_argument("--request-bandwidth-cap", type=_rate,
+                   dest="request_bandwidth_cap_bytes_per_s", help="e.g. 2GiB/s; 0 for none")
+    c.add_argument("--read-budget", type=_rate, dest="read_budget_bytes_per_s",
+                   help="attention reads a request, e.g. 100GiB/s; 0 for none")
+    c.add_argument("--create", action="store_true",
+                   help="the tenant is new to kvd (without it, an unknown name is an error)")
+    c.add_argument("--reset", action="store_true",
+                   help="drop the runtime changes: the config's quota applies again")
     c = sub.add_parser("set-policy", help="switch a pool's eviction policy")
     c.add_argument("policy")
     c.add_argument("--pool", default="")
@@ -229,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pool", action="append", default=[], dest="pools")
     c.add_argument("--count", type=int, default=None, help="stop after this many events")
     c.add_argument("--json", action="store_true", help="one JSON object per line")
+    c = sub.add_parser("self-check", help="check kvd's bookkeeping now (exit 1 if broken)")
+    c.add_argument("--json", action="store_true")
     sub.add_parser("drain", help="stop kvd gracefully (NOT_SERVING, finish in-flight calls)")
     return p
 
@@ -289,16 +354,28 @@ def _run(args, client: Client, out: Console) -> int:
         _show(args, out, client.explain(args.request_id), explain_table)
     elif cmd == "set-quota":
         fields = {k: getattr(args, k) for k in (
-            "weight", "guaranteed_pages", "limit_pages", "max_request_pages",
-            "max_request_fraction", "bandwidth_cap_bytes_per_s",
-            "request_bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s")
-            if getattr(args, k) is not None}
-        if not fields:
+            "weight", "max_request_pages", "max_request_fraction",
+            "bandwidth_cap_bytes_per_s", "request_bandwidth_cap_bytes_per_s",
+            "read_budget_bytes_per_s") if getattr(args, k) is not None}
+        for quota in ("guaranteed", "limit"):
+            if getattr(args, quota) is not None:
+                unit, value = getattr(args, quota)
+                fields[f"{quota}_{unit}"] = value
+        if not fields and not args.reset:
             print("kvctl: name at least one of --weight --guaranteed --limit "
                   "--max-request-pages --max-request-fraction --bandwidth-cap "
-                  "--request-bandwidth-cap --read-budget", file=sys.stderr)
+                  "--request-bandwidth-cap --read-budget, or --reset", file=sys.stderr)
             return EXIT_USAGE
-        out.print(tenants_table(client.set_quota(args.tenant, args.pool, **fields)))
+        tenants = client.set_quota(args.tenant, args.pool, create=args.create,
+                                   reset=args.reset, **fields)
+        _show(args, out, tenants, tenants_table)
+    elif cmd == "self-check":
+        problems = list(client.self_check().problems)
+        if args.json:
+            print(json.dumps({"problems": problems}, indent=2))
+        else:
+            out.print("\n".join(problems) if problems else "kvd's bookkeeping is sound")
+        return EXIT_REFUSED if problems else 0
     elif cmd == "set-policy":
         previous = client.set_policy(args.policy, args.pool).previous_policy
         out.print(f"policy: {previous} -> {args.policy}")

@@ -12,7 +12,7 @@ import structlog
 from kvd.assembly import Links, apply_caps
 from kvd.config import Config
 from kvd.core.clock import Clock
-from kvd.core.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument, NotFound
 from kvd.core.fairness import TenantQuota
 from kvd.events import EventBus
 from kvd.runtime import PoolRuntime
@@ -27,13 +27,37 @@ class Quotas:
         self.links = links
         self.events = events
         self.clock = clock
+        # SetQuota's changes, (tenant, pool) -> fields: they stand over the config until a
+        # SetQuota(reset) drops them, a reload (SIGHUP) included.
+        self.overrides: dict[tuple[str, str], dict] = {}
+        self.config: Config | None = None
+
+    def known(self) -> set[str]:
+        """Tenants kvd knows: configured, or holding, reserving or queueing in a pool."""
+        names = {t.name for t in self.config.tenants} if self.config else set()
+        for rt in self.pools.values():
+            names |= rt.pool.tenancy.names()
+        return names
 
     def apply(self, config: Config) -> None:
-        """Set every pool's quotas from the config; tenants no longer declared fall back to
-        the default quota. Changes are logged."""
+        """Set every pool's quotas from the config, with SetQuota's changes over it; tenants
+        no longer declared fall back to the default quota. Changes are logged."""
+        self.config = config
         for rt in self.pools.values():
             pool = rt.pool
             quotas = {t.name: t.quota_for(pool.name, pool.page_bytes) for t in config.tenants}
+            for (tenant, name), fields in list(self.overrides.items()):
+                if name != pool.name:
+                    continue
+                kept = dataclasses.replace(quotas.get(tenant, TenantQuota()), **fields)
+                if kept.limit is not None and kept.guaranteed > kept.limit:
+                    log.warning("runtime quota change dropped: it no longer fits the config",
+                                pool=pool.name, tenant=tenant, changes=fields)
+                    del self.overrides[(tenant, name)]
+                    continue
+                log.info("runtime quota change kept over the config", pool=pool.name,
+                         tenant=tenant, changes=fields)
+                quotas[tenant] = kept
             promised = sum(q.guaranteed for q in quotas.values())
             if promised > pool.device.capacity:
                 log.warning("guarantees overcommitted: scaled down proportionally",
@@ -51,11 +75,30 @@ class Quotas:
         for (source, _), link in self.links.handoff.items():
             apply_caps(link, self.pools[source].pool, self.clock.now())
 
-    def set(self, tenant: str, runtimes: list[PoolRuntime], **changes) -> list[str]:
+    def set(self, tenant: str, runtimes: list[PoolRuntime], create: bool = False,
+            reset: bool = False, **changes) -> list[str]:
         """Change the given fields of a tenant's quota in these pools, all or none; None for
-        limit or a per-request cap means none. Returns the pools' names."""
+        limit or a per-request cap means none; guaranteed_bytes and limit_bytes are rounded
+        up to each pool's pages. The changes stand over the config until `reset` drops
+        them. A tenant kvd does not know is refused unless `create`. Returns the pools'
+        names."""
         if not tenant:
             raise InvalidArgument("tenant must not be empty")
+        if reset:
+            if tenant not in self.known():
+                raise NotFound(f"no tenant {tenant!r}")
+            if changes:
+                raise InvalidArgument("reset drops the runtime changes: give no fields with it")
+            for rt in runtimes:
+                self.overrides.pop((tenant, rt.pool.name), None)
+            if self.config is not None:
+                self.apply(self.config)
+            log.info("runtime quota changes dropped", tenant=tenant,
+                     pools=[rt.pool.name for rt in runtimes])
+            return [rt.pool.name for rt in runtimes]
+        for unit in ("guaranteed", "limit"):
+            if f"{unit}_bytes" in changes and unit in changes:
+                raise InvalidArgument(f"{unit}: give pages or bytes, not both")
         for key, value in changes.items():
             # NaN passes every comparison and infinity is no quota: neither may reach the
             # policies (or the log, which must stay JSON).
@@ -66,13 +109,19 @@ class Quotas:
         fraction = changes.get("max_request_fraction")
         if fraction is not None and not 0 <= fraction <= 1:
             raise InvalidArgument("max_request_fraction is 0..1")
-        new = {rt: dataclasses.replace(rt.pool.tenancy.quota(tenant), **changes)
+        per_pool = {rt: _in_pages(changes, rt.pool.page_bytes) for rt in runtimes}
+        new = {rt: dataclasses.replace(rt.pool.tenancy.quota(tenant), **per_pool[rt])
                for rt in runtimes}
         for rt, quota in new.items():  # every pool checked before any changes
             if quota.limit is not None and quota.guaranteed > quota.limit:
                 raise InvalidArgument(f"pool {rt.pool.name!r}: guaranteed ({quota.guaranteed} "
                                       f"pages) would be above limit ({quota.limit} pages)")
+        if tenant not in self.known() and not create:
+            known = ", ".join(sorted(self.known())) or "none"
+            raise NotFound(f"no tenant {tenant!r} (known: {known}); set create to give a "
+                           "quota to a tenant kvd has not seen yet")
         for rt, quota in new.items():
+            self.overrides.setdefault((tenant, rt.pool.name), {}).update(per_pool[rt])
             self._publish(rt, tenant, quota)
             apply_caps(rt.link, rt.pool, self.clock.now())
             rt.waiters.notify()
@@ -87,3 +136,14 @@ class Quotas:
         rt.pool.set_quota(tenant, quota)
         self.events.publish("quota", pool=rt.pool.name, tenant=tenant, weight=quota.weight,
                             guaranteed=quota.guaranteed, limit=quota.limit or 0)
+
+
+def _in_pages(changes: dict, page_bytes: int) -> dict:
+    """The changes with sizes in bytes turned into this pool's pages (rounded up; a limit of
+    0 bytes is no limit, as 0 pages is)."""
+    out = {k: v for k, v in changes.items() if not k.endswith("_bytes")}
+    if "guaranteed_bytes" in changes:
+        out["guaranteed"] = math.ceil(changes["guaranteed_bytes"] / page_bytes)
+    if "limit_bytes" in changes:
+        out["limit"] = math.ceil(changes["limit_bytes"] / page_bytes) or None
+    return out

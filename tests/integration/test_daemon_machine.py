@@ -290,7 +290,7 @@ class DaemonMachine(RuleBasedStateMachine):
     @rule(tenant=st.sampled_from(TENANTS), limit=st.integers(1, 40))
     def lower_or_raise_limit(self, tenant, limit):
         """Quotas change at run time: what is admitted stays, growth past it is refused."""
-        self.daemon.set_quota(tenant, "", limit=limit)
+        self.daemon.set_quota(tenant, "", limit=limit, create=True)
 
     # ------------------------------------------------------------------ bookkeeping
 

@@ -62,7 +62,7 @@ def test_requests_top_and_explain(busy_kvd):
     top = kvctl(busy_kvd.target, "top", "--count", "1")
     assert top.returncode == 0 and "busiest requests" in top.stdout
     explain = json.loads(kvctl(busy_kvd.target, "explain", "a", "--json").stdout)
-    assert explain["tenant"] == "t1" and int(explain["num_stalls"]) == 1  # uint64: a string
+    assert explain["tenant"] == "t1" and explain["num_stalls"] == 1
     causes = {s["cause"]["request_id"] for s in explain["stalls_by_cause"]}
     assert causes == {"c"}  # c's allocation pushed a out; reading a back stalled on it
     assert "because of" in kvctl(busy_kvd.target, "explain", "a").stdout
@@ -127,3 +127,73 @@ def test_top_without_a_terminal_prints_its_view(busy_kvd):
         proc.kill()
         out, _ = proc.communicate()
     assert out.count("busiest requests") >= 2, out  # a view every refresh
+
+
+def test_json_gives_64_bit_integers_as_numbers_not_strings(busy_kvd):
+    """protobuf's JSON mapping writes int64 and uint64 as strings; jq would compare them
+    as text."""
+    explain = json.loads(kvctl(busy_kvd.target, "explain", "a", "--json").stdout)
+    assert type(explain["num_stalls"]) is int and type(explain["num_recomputes"]) is int
+    assert explain["evictions_suffered"]
+    assert all(type(e["count"]) is int for e in explain["evictions_suffered"])
+    (link,) = json.loads(kvctl(busy_kvd.target, "--json", "links").stdout)
+    assert type(link["bytes_total"]) is int and link["bytes_total"] > 0
+    assert all(type(t["bytes"]) is int for t in link["tenants"])
+    status = json.loads(kvctl(busy_kvd.target, "status", "--json").stdout)
+    assert type(status["pools"][0]["num_evictions"]) is int
+
+
+def test_set_quota_refuses_a_misspelt_tenant_and_takes_sizes_with_units(busy_kvd):
+    typo = kvctl(busy_kvd.target, "set-quota", "t22", "--weight", "2")
+    assert typo.returncode == 1 and "no tenant 't22' (known: t1, t2)" in typo.stderr
+    tenants = json.loads(kvctl(busy_kvd.target, "tenants", "--json").stdout)
+    assert "t22" not in {t["tenant"] for t in tenants}
+    created = kvctl(busy_kvd.target, "set-quota", "t3", "--weight", "2", "--create")
+    assert created.returncode == 0, created.stderr
+    page = json.loads(kvctl(busy_kvd.target, "status", "--json").stdout)["pools"][0][
+        "page_bytes"]
+    sized = kvctl(busy_kvd.target, "--json", "set-quota", "t2", "--guaranteed", "3KiB",
+                  "--limit", "1MiB", "--bandwidth-cap", "8GiB/s")
+    assert sized.returncode == 0, sized.stderr
+    (t2,) = json.loads(sized.stdout)
+    assert t2["guaranteed_pages"] == -(-3 * 1024 // page)  # rounded up to whole pages
+    assert t2["limit_pages"] == -(-(2**20) // page)
+    assert t2["bandwidth_cap_bytes_per_s"] == 8 * 2**30
+    bad = kvctl(busy_kvd.target, "set-quota", "t2", "--guaranteed", "8 gigs")
+    assert bad.returncode == 2 and "e.g. 4096 pages, or 8GiB" in bad.stderr
+
+
+def test_a_runtime_quota_outlives_a_reload_until_reset(tmp_path):
+    import signal
+    import time
+
+    from kvd_loadgen.local import LocalKvd
+
+    config = tmp_path / "kvd.toml"
+    config.write_text('[[pool]]\nname = "default"\nmodel = "tiny"\ndevice_pages = 16\n'
+                      'host_pages = 16\n[[tenant]]\nname = "chat"\nweight = 2\n')
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        def weight() -> float:
+            tenants = json.loads(kvctl(kvd.target, "tenants", "--json").stdout)
+            return next(t["weight"] for t in tenants if t["tenant"] == "chat")
+
+        assert kvctl(kvd.target, "set-quota", "chat", "--weight", "5").returncode == 0
+        kvd.proc.send_signal(signal.SIGHUP)
+        for _ in range(100):
+            if '"config reloaded"' in kvd.log():
+                break
+            time.sleep(0.05)
+        assert '"runtime quota change kept over the config"' in kvd.log()
+        assert weight() == 5.0  # the reload did not silently revert it
+        reset = kvctl(kvd.target, "set-quota", "chat", "--reset")
+        assert reset.returncode == 0, reset.stderr
+        assert weight() == 2.0  # the config's again
+        kvd.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert weight() == 2.0
+
+
+def test_self_check(busy_kvd):
+    checked = kvctl(busy_kvd.target, "self-check")
+    assert checked.returncode == 0 and "sound" in checked.stdout
+    assert json.loads(kvctl(busy_kvd.target, "self-check", "--json").stdout) == {"problems": []}

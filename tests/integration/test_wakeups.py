@@ -14,7 +14,7 @@ async def test_only_waiters_whose_answer_changed_wake():
     daemon = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
         PoolConfig(model="tiny", device_pages=64, host_pages=0, max_queue=1024),)))
     try:
-        daemon.set_quota("flood", "", limit=1)
+        daemon.set_quota("flood", "", limit=1, create=True)
         daemon.admit("f0", tenant="flood", pool="", prompt_tokens=16, output_tokens=0,
                      priority=0)
         waits = []

@@ -817,7 +817,7 @@ class ListTenantsResponse(_message.Message):
     def __init__(self, tenants: _Optional[_Iterable[_Union[TenantInfo, _Mapping]]] = ...) -> None: ...
 
 class SetQuotaRequest(_message.Message):
-    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "bandwidth_cap_bytes_per_s", "request_bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s")
+    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "bandwidth_cap_bytes_per_s", "request_bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s", "guaranteed_bytes", "limit_bytes", "create", "reset")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -828,6 +828,10 @@ class SetQuotaRequest(_message.Message):
     BANDWIDTH_CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     REQUEST_BANDWIDTH_CAP_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     READ_BUDGET_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     pool: str
     weight: float
@@ -838,7 +842,11 @@ class SetQuotaRequest(_message.Message):
     bandwidth_cap_bytes_per_s: float
     request_bandwidth_cap_bytes_per_s: float
     read_budget_bytes_per_s: float
-    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., request_bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ...) -> None: ...
+    guaranteed_bytes: int
+    limit_bytes: int
+    create: bool
+    reset: bool
+    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., request_bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ..., guaranteed_bytes: _Optional[int] = ..., limit_bytes: _Optional[int] = ..., create: _Optional[bool] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class SetQuotaResponse(_message.Message):
     __slots__ = ("tenants",)

@@ -60,7 +60,8 @@ class AdminService(pb_grpc.AdminServicer):
                   "max_request_fraction": "max_request_fraction",
                   "bandwidth_cap_bytes_per_s": "bandwidth_cap",
                   "request_bandwidth_cap_bytes_per_s": "request_bandwidth_cap",
-                  "read_budget_bytes_per_s": "read_budget"}
+                  "read_budget_bytes_per_s": "read_budget",
+                  "guaranteed_bytes": "guaranteed_bytes", "limit_bytes": "limit_bytes"}
         changes = {key: getattr(request, name) for name, key in fields.items()
                    if request.HasField(name)}
         for key in ("bandwidth_cap", "request_bandwidth_cap", "read_budget"):
@@ -70,7 +71,8 @@ class AdminService(pb_grpc.AdminServicer):
                     "request_bandwidth_cap", "read_budget"):
             if key in changes and not changes[key]:
                 changes[key] = None
-        self.node.set_quota(request.tenant, request.pool, **changes)
+        self.node.set_quota(request.tenant, request.pool, create=request.create,
+                            reset=request.reset, **changes)
         return pb.SetQuotaResponse(tenants=self._tenants(request.pool, request.tenant))
 
     @unary
