@@ -11,9 +11,25 @@ from pathlib import Path
 
 
 def _demo(args) -> int:
+    from kvd_client import KvdClientError, UnavailableError
     from kvd_loadgen.demo import run_demo
 
-    summary = uvloop.run(run_demo(args.target))
+    token = args.token
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            print(f"kvd-loadgen demo: cannot read --token-file: {exc}", file=sys.stderr)
+            return 2
+    try:
+        summary = uvloop.run(run_demo(args.target, token=token, tenant=args.tenant))
+    except UnavailableError as exc:
+        print(f"kvd-loadgen demo: cannot reach kvd at {args.target} ({exc.details}); is it "
+              "running? `make run` starts one", file=sys.stderr)
+        return 3
+    except KvdClientError as exc:
+        print(f"kvd-loadgen demo: kvd refused: {exc}", file=sys.stderr)
+        return 1
     return 0 if summary["all_intact"] else 1
 
 
@@ -68,6 +84,10 @@ def _request_trace(args) -> int:
 def _demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="memory pressure against a running kvd, and a table")
     demo.add_argument("--target", required=True, help="unix:///path or host:port")
+    demo.add_argument("--tenant", default="demo", help="the tenant the requests are admitted as "
+                      "(a token names its own)")
+    demo.add_argument("--token", default=None, help="bearer token (default: $KVD_TOKEN)")
+    demo.add_argument("--token-file", default=None, help="read the bearer token from this file")
     demo.set_defaults(func=_demo)
 
 
@@ -94,7 +114,7 @@ def _replay_intents_parser(sub) -> None:
 
 
 def _whale_minnows_parser(sub) -> None:
-    wm = sub.add_parser("whale-minnows", help="seed 000: one whale, forty minnows, lru vs fair")
+    wm = sub.add_parser("whale-minnows", help="one whale and forty minnows on one device: lru against fair")
     wm.add_argument("--whales", type=int, default=1)
     wm.add_argument("--whale-tokens", type=int, default=131072)
     wm.add_argument("--minnows", type=int, default=40)
@@ -152,7 +172,7 @@ def _request_trace_parser(sub) -> None:
 
 def _bandwidth_hog_parser(sub) -> None:
     hog = sub.add_parser("bandwidth-hog",
-                         help="seed 001: a hog's promotions beside a latency-sensitive tenant")
+                         help="a tenant's bulk promotions beside a latency-sensitive one, on one link")
     hog.add_argument("--link-mib-s", type=float, default=16.0, help="the link's cap")
     hog.add_argument("--hog-streams", type=int, default=8)
     hog.add_argument("--hog-weight", type=float, default=1.0)
@@ -184,6 +204,15 @@ def _disagg_parser(sub) -> None:
     dis.set_defaults(func=_disagg)
 
 
+class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, where it has one worth saying."""
+
+    def _get_help_string(self, action):
+        if action.default in ("", None, False, []):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -191,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
                 _soak_parser, _request_trace_parser, _bandwidth_hog_parser, _hostile_parser,
                 _disagg_parser):
         add(sub)
+    for command in sub.choices.values():  # every option's default in its --help
+        command.formatter_class = _WithDefaults
+        for action in command._actions:
+            if (action.help is None and action.option_strings
+                    and action.default not in (None, False, argparse.SUPPRESS)):
+                action.help = "(default: %(default)s)"
     return p
 
 

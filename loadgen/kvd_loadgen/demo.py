@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 import numpy as np
 from rich.console import Console
@@ -17,11 +18,14 @@ def _digest(page: np.ndarray) -> str:
 
 
 async def run_demo(target: str, *, num_requests: int = 6, rounds: int = 3,
+                   token: str | None = None, tenant: str = "demo",
                    console: Console | None = None) -> dict:
     """Six requests that together need twice the device tier, read round-robin: kvd demotes
-    and promotes, and every byte an engine wrote comes back intact."""
+    and promotes, and every byte an engine wrote comes back intact. The request ids carry
+    this run's own tag: demos run at once do not collide."""
     console = console or Console()
-    async with AsyncClient(target, timeout_s=30) as kvd:
+    run = secrets.token_hex(2)
+    async with AsyncClient(target, timeout_s=30, token=token) as kvd:
         stats = (await kvd.pool_stats()).pools[0]
         device = stats.tiers[0]
         pages_each = max(1, 2 * device.capacity_pages // num_requests)
@@ -32,9 +36,9 @@ async def run_demo(target: str, *, num_requests: int = 6, rounds: int = 3,
         digests: dict[tuple[str, int], str] = {}
         try:
             for i in range(num_requests):
-                rid = f"demo-{i}"
+                rid = f"demo-{run}-{i}"
                 reply = await kvd.admit(rid, prompt_tokens=pages_each * stats.block_tokens,
-                                        tenant="demo")
+                                        tenant=tenant)
                 decision = pb.Decision.Name(reply.decision).removeprefix("DECISION_").lower()
                 rows[rid] = {"pages": reply.projected_pages, "decision": decision,
                              "promoted": 0, "stall_ms": 0.0, "verified": "-"}

@@ -23,7 +23,7 @@ from rich.console import Console
 from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, pb
 from kvd_loadgen.engine import percentile
 from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd
-from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, finish
+from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, finish, label_bars
 
 LINK = "prefill->decode"
 BLOCK_TOKENS = 16  # the tiny model: 16 KiB pages
@@ -292,12 +292,16 @@ def _figures(r: ScenarioReport, m: dict) -> None:
 
     def outcomes(pyplot):
         fig, ax = pyplot.subplots(figsize=(7, 3.2))
-        keys = ("finished", "queued", "rejected", "prefills_wasted")
-        for i, name in enumerate(("reserved", "unreserved")):
-            ax.bar([j + i * 0.4 for j in range(len(keys))], [m[name][k] for k in keys], 0.4,
-                   label=name)
+        keys = {"finished": "finished", "queued": "waited for admission",
+                "rejected": "rejected", "prefills_wasted": "prefills wasted"}
+        runs = {"reserved": "decode pages reserved at admission",
+                "unreserved": "no reservation"}
+        for i, (name, label) in enumerate(runs.items()):
+            label_bars(ax, ax.bar([j + i * 0.4 for j in range(len(keys))],
+                                  [m[name][k] for k in keys], 0.4, label=label))
         ax.set_xticks([j + 0.2 for j in range(len(keys))])
-        ax.set_xticklabels(keys)
+        ax.set_xticklabels(list(keys.values()))
+        ax.set_ylabel("requests")
         ax.set_title("Request outcomes")
         ax.legend()
         return fig

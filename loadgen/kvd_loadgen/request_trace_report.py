@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation
+from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, label_bars
 
 LINK = "default:device<->host"
 
@@ -56,12 +56,17 @@ def build_report(out: dict) -> ScenarioReport:
                  [[r["policy"], f"{r['tokens_per_s']:.0f}", f"{r['jain']:.3f}",
                    f"{r['evictions']:,}", f"{r['bytes_moved'] / 2**20:,.0f} MiB"]
                   for r in results])
-    report.figure("stall_cdf", "stall CDF", lambda plt: _stall_cdf(plt, results))
-    report.figure("occupancy", "occupancy", lambda plt: _occupancy(plt, results, tenants))
+    report.figure("stall_cdf", "Per-step memory stall, CDF per tenant and policy (the share of "
+                  "steps that never stalled is the height at 0, and in the legend)",
+                  lambda plt: _stall_cdf(plt, results))
+    report.figure("occupancy", "Device pages each tenant holds over time against its fair "
+                  "share and the device's capacity, per policy",
+                  lambda plt: _occupancy(plt, results, tenants, run["device_pages"]))
     report.figure("link_utilisation", "device<->host link utilisation over time, per policy",
                   draw_utilisation({r["policy"]: r.get("links", []) for r in results},
                                    lambda _: LINK, "device<->host link utilisation"))
-    report.figure("policies", "policies", lambda plt: _policies(plt, results, tenants))
+    report.figure("policies", "Evictions suffered, step stall p99 and throughput, per policy",
+                  lambda plt: _policies(plt, results, tenants))
     return report
 
 
@@ -72,8 +77,16 @@ def _stall_cdf(plt, results):
             xs = sorted(c["step_stall_ms"])
             if xs:
                 ys = [(i + 1) / len(xs) for i in range(len(xs))]
-                ax.step(xs, ys, where="post", label=f"{r['policy']} / {c['tenant']}")
-    ax.set_xscale("symlog", linthresh=0.1)
+                calm = sum(1 for x in xs if x == 0) / len(xs)
+                # From (0, 0): the jump at 0 is the steps that never stalled, drawn inside the
+                # axes (a log axis would have no 0 at all).
+                line, = ax.step([0.0, *xs], [0.0, *ys], where="post",
+                                label=f"{r['policy']} / {c['tenant']} ({calm:.0%} of steps "
+                                      "never stalled)")
+                ax.plot([0.0], [calm], marker="o", color=line.get_color())
+    ax.set_xscale("symlog", linthresh=0.1)  # linear below 0.1 ms, so 0 is on the axis
+    ax.set_xlim(left=-0.02)
+    ax.set_ylim(0, 1.02)
     ax.set_xlabel("per-step memory stall (ms)")
     ax.set_ylabel("fraction of engine steps")
     ax.set_title("Stall CDF per tenant and policy")
@@ -81,9 +94,11 @@ def _stall_cdf(plt, results):
     return fig
 
 
-def _occupancy(plt, results, tenants):
+def _occupancy(plt, results, tenants, capacity: int):
     fig, axes = plt.subplots(len(results), 1, figsize=(7, 2.6 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results):
+        ax.axhline(capacity, color="black", linewidth=0.8, linestyle=":",
+                   label=f"device capacity ({capacity:,} pages)")
         for t in tenants:
             pts = [(s["t"], s["tenants"][t][0]) for s in r["occupancy"] if t in s["tenants"]]
             if pts:
@@ -94,6 +109,8 @@ def _occupancy(plt, results, tenants):
                         label=f"{t} fair share")
         ax.set_title(f"Device occupancy per tenant: {r['policy']}")
         ax.set_xlabel("seconds")
+        ax.set_ylabel("device pages")
+        ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
     return fig
 
@@ -108,9 +125,9 @@ def _policies(plt, results, tenants):
         p99 = [next((c["step_stall_p99_ms"] for c in r["classes"] if c["tenant"] == t), 0)
                for r in results]
         xs = [j + i * width for j in range(len(results))]
-        axes[0].bar(xs, ev, width, label=t)
-        axes[1].bar(xs, p99, width, label=t)
-    axes[2].bar(range(len(results)), [r["tokens_per_s"] for r in results])
+        label_bars(axes[0], axes[0].bar(xs, ev, width, label=t))
+        label_bars(axes[1], axes[1].bar(xs, p99, width, label=t), "{:.1f}")
+    label_bars(axes[2], axes[2].bar(range(len(results)), [r["tokens_per_s"] for r in results]))
     for ax, title in zip(axes, ("evictions suffered", "step stall p99 (ms)", "tokens/s (all)")):
         ax.set_xticks([j + width * (len(tenants) - 1) / 2 for j in range(len(results))]
                       if ax is not axes[2] else range(len(results)))

@@ -175,3 +175,11 @@ def draw_utilisation(runs: dict[str, list[dict]], link_of: Callable[[str], str],
         ax.legend(fontsize=8)
         return fig
     return draw
+
+
+def label_bars(ax, bars, fmt: str = "{:,.0f}") -> None:
+    """Each bar's value above it: a bar of 0 has no height, and without its label it is
+    not there at all."""
+    ax.bar_label(bars, labels=[fmt.format(b.get_height()) for b in bars], fontsize=7,
+                 padding=2)
+    ax.margins(y=0.15)

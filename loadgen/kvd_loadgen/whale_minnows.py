@@ -19,7 +19,7 @@ from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.measures import jain_index
 from kvd_loadgen.scenario import Samplers, assert_sound, local_kvd
-from kvd_loadgen.scenario_report import ScenarioReport, finish
+from kvd_loadgen.scenario_report import ScenarioReport, finish, label_bars
 
 def tenant_names(s: Scenario) -> dict[str, str]:
     """Tenant -> its class: the whale, and the minnows split across minnow_tenants tenants."""
@@ -267,10 +267,11 @@ def build_report(out: dict) -> ScenarioReport:
             def value(run, key):
                 return next((c[key] for c in run["classes"] if c["klass"] == k), 0)
             xs = [j + i * width for j in range(len(runs))]
-            axes[0].bar(xs, [value(run, "stall_p99_ms") for run in out["runs"]], width,
-                        label=k)
-            axes[1].bar(xs, [value(run, "evictions_suffered") for run in out["runs"]], width,
-                        label=k)
+            label_bars(axes[0], axes[0].bar(
+                xs, [value(run, "stall_p99_ms") for run in out["runs"]], width, label=k),
+                "{:.1f}")
+            label_bars(axes[1], axes[1].bar(
+                xs, [value(run, "evictions_suffered") for run in out["runs"]], width, label=k))
         for ax, title in zip(axes, ("decode stall p99 (ms)", "evictions suffered")):
             ax.set_xticks([j + width * (len(klasses) - 1) / 2 for j in range(len(runs))])
             ax.set_xticklabels(runs)

@@ -32,3 +32,31 @@ async def test_demo_keeps_bytes_intact_under_every_policy(tmp_path, device_pages
             assert summary["all_intact"], f"{policy} at {device_pages} pages lost bytes"
         async with AsyncClient(kvd.target, timeout_s=30) as admin:
             assert (await admin.self_check()).ok
+
+
+def test_the_demo_runs_against_a_kvd_that_wants_tokens_and_beside_another_demo(tmp_path):
+    """`kvd-loadgen demo --token-file`: the tenant its token names; two demos at once each
+    finish (their request ids do not collide) and say so; a refused token is one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = tmp_path / "kvd.toml"
+    (tmp_path / "demo.token").write_text("demo-token-0123456789\n")
+    config.write_text('[auth]\nunix_tenant = ""\n[[tenant]]\nname = "demo"\n'
+                      'token_file = "demo.token"\n')
+    loadgen = str(Path(sys.executable).with_name("kvd-loadgen"))
+    with LocalKvd("--config", str(config), "--model", "tiny", "--device-pages", "64",
+                  "--host-pages", "512", workdir=tmp_path) as kvd:
+        demos = [subprocess.Popen([loadgen, "demo", "--target", kvd.target, "--token-file",
+                                   str(tmp_path / "demo.token")],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for _ in range(2)]
+        for demo in demos:
+            out, err = demo.communicate(timeout=120)
+            assert demo.returncode == 0, err
+            assert "Traceback" not in err
+        refused = subprocess.run([loadgen, "demo", "--target", kvd.target, "--token", "nope"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert refused.stderr.startswith("kvd-loadgen demo: kvd refused: UNAUTHENTICATED")

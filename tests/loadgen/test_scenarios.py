@@ -56,6 +56,17 @@ async def test_disagg_small(tmp_path):
     report = disagg.build_report(out)
     report.write(tmp_path / "disagg")
     assert_report(tmp_path / "disagg", "Disaggregated prefill and decode")
+    # The outcomes chart in words, every bar labelled with its value (those of 0 too).
+    import matplotlib.pyplot as plt
+
+    (outcomes,) = [f for f in report.figures if f.name == "outcomes"]
+    fig = outcomes.draw(plt)
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == [
+        "finished", "waited for admission", "rejected", "prefills wasted"]
+    assert len(ax.texts) == 8 and "0" in [t.get_text() for t in ax.texts]  # reserved: 0 wasted
+    assert ax.get_ylabel() == "requests"
+    plt.close(fig)
 
 
 def test_scenario_report_writes_what_it_prints(tmp_path, capsys):
