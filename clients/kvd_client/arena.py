@@ -57,7 +57,7 @@ class MappedPool:
         pages = self.tiers.get(handle.tier)
         if pages is None:
             raise LookupError(f"tier {handle.tier} of this pool is not mapped here (a GPU "
-                              "arena needs CuPy: pip install 'kvd[gpu]')")
+                              "arena needs CuPy: pip install '<kvd checkout>[gpu]')")
         return pages[handle.page_index]
 
     def close(self) -> None:

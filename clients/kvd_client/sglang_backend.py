@@ -1,4 +1,4 @@
-"""kvd as SGLang's HiCache L3 store: a HiCacheStorage backend (`pip install 'kvd[sglang]'`).
+"""kvd as SGLang's HiCache L3 store: a HiCacheStorage backend (`pip install '<kvd checkout>[sglang]'`).
 
 Start SGLang with
 

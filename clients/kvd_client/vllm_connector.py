@@ -6,7 +6,7 @@ Load it with
                      kv_connector_module_path="kvd_client.vllm_connector", kv_role="kv_both",
                      kv_connector_extra_config={"kvd_target": "unix:///run/kvd/kvd.sock"})
 
-(`pip install 'kvd[vllm]'`). Extra config: `kvd_target`, `kvd_token` (or its file,
+(`pip install '<kvd checkout>[vllm]'`). Extra config: `kvd_target`, `kvd_token` (or its file,
 `kvd_token_file`), `kvd_pool` ("default"), `kvd_tenant` (the tenant of requests that name
 none).
 

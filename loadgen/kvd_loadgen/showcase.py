@@ -48,8 +48,12 @@ def main() -> int:
         console.rule(f"kvd is serving on {target}: a short demo")
         uvloop.run(run_demo(target, console=console))
         console.rule("kvd keeps serving")
-        console.print(f"Talk to it at {target} (e.g. `make demo` in another terminal). "
-                      "Ctrl-C stops it cleanly.")
+        console.print(f"Talk to it at {target}. In another terminal, from this directory:\n"
+                      "  make demo                                    # the demo again\n"
+                      "  . .venv/bin/activate                         # kvctl, kvd-loadgen\n"
+                      f"  export KVD_TARGET={target}\n"
+                      "  kvctl status; kvctl tenants; kvctl top\n"
+                      "Ctrl-C stops kvd cleanly.", soft_wrap=True)
         return proc.wait()
     except KeyboardInterrupt:
         # The terminal sent SIGINT to kvd too; wait for its drain.

@@ -229,3 +229,15 @@ def test_every_alert_names_metrics_kvd_exports(exported):
     for alert, expr in alerts.items():
         names = _names(expr)
         assert names and names <= exported, (alert, names - exported)
+
+
+def test_every_metric_kvd_exports_is_documented(exported):
+    table = (DEPLOY / "README.md").read_text().split("## Metrics", 1)[1]
+    documented = set(re.findall(r"^\| `([a-z_]+)", table, re.M))
+    ours = {n for n in exported if n.startswith("kvd_")}
+    bases = {re.sub(r"_(bucket|sum|count)$", "", n) for n in ours}
+    missing = {n for n in bases if n not in documented and n + "_total" not in documented
+               and n.removesuffix("_total") not in documented}
+    assert not missing, sorted(missing)
+    assert not {n for n in documented if n.startswith("kvd_")} - bases - {
+        n + "_total" for n in bases}, "documented but not exported"
