@@ -1,0 +1,70 @@
+"""The cluster arithmetic: every node computes its part from the same picture, and the parts
+add up to what the cluster quota allows."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.core.cluster import ClusterQuota, NodeReport, entitlements
+
+TENANTS = ("a", "b", "c")
+
+
+@st.composite
+def pictures(draw):
+    nodes = draw(st.integers(1, 4))
+    reports = []
+    for i in range(nodes):
+        capacity = draw(st.integers(0, 500))
+        reserved = {t: draw(st.integers(0, 300)) for t in TENANTS if draw(st.booleans())}
+        queued = {t: draw(st.integers(0, 300)) for t in TENANTS if draw(st.booleans())}
+        demand = {t: reserved.get(t, 0) + queued.get(t, 0) + draw(st.integers(0, 50))
+                  for t in set(reserved) | set(queued)}
+        reports.append(NodeReport(f"n{i}", capacity, reserved, queued, demand))
+    quotas = {t: ClusterQuota(weight=draw(st.sampled_from([0.5, 1.0, 3.0])),
+                              guaranteed=draw(st.integers(0, 200)),
+                              limit=draw(st.one_of(st.none(), st.integers(0, 900))))
+              for t in TENANTS if draw(st.booleans())}
+    quotas = {t: q if q.limit is None or q.limit >= q.guaranteed
+              else ClusterQuota(q.weight, q.guaranteed, q.guaranteed) for t, q in quotas.items()}
+    return reports, quotas
+
+
+@settings(max_examples=400, deadline=None)
+@given(pictures())
+def test_the_nodes_parts_add_up_to_the_cluster_quota(picture):
+    reports, quotas = picture
+    per_node = {r.node: entitlements(r.node, reports, quotas) for r in reports}
+    for tenant, quota in quotas.items():
+        parts = [per_node[r.node][tenant] for r in reports]
+        reserved = sum(r.reserved.get(tenant, 0) for r in reports)
+        assert all(p.reserved == reserved for p in parts)  # one picture, one figure
+        if quota.limit is not None:
+            # What the nodes may reserve together: the limit, or what is reserved already
+            # (a node never takes back what it reserved; it only stops adding).
+            total = sum(p.may_reserve for p in parts)
+            assert total <= max(quota.limit, reserved)
+            assert quota.limit - total < len(reports) + 1  # rounding, not waste
+            for r, p in zip(reports, parts):
+                assert p.may_reserve >= r.reserved.get(tenant, 0)
+            assert parts[0].share <= quota.limit + 1e-6
+        else:
+            assert all(p.may_reserve is None for p in parts)
+        for r, p in zip(reports, parts):
+            assert 0 <= p.guaranteed <= r.capacity  # never past a node's own capacity
+            if not r.demand.get(tenant):
+                assert p.guaranteed == 0  # no demand here, nothing held for it here
+        assert sum(p.guaranteed for p in parts) <= parts[0].share + 1e-6
+
+
+def test_a_tenant_gets_its_cluster_share_where_its_demand_is():
+    reports = [NodeReport("a", 100, {"t": 10}, {"t": 50}, {"t": 60}),
+               NodeReport("b", 100, {"t": 20}, {}, {"t": 20}),
+               NodeReport("c", 100, {"u": 150}, {}, {"u": 150})]
+    quotas = {"t": ClusterQuota(weight=1.0, guaranteed=0, limit=50)}
+    a, b, c = (entitlements(n, reports, quotas)["t"] for n in "abc")
+    assert a.share == b.share == 50  # its limit: it wants 80 of 300 pages
+    assert (a.guaranteed, b.guaranteed, c.guaranteed) == (37, 12, 0)  # 50 split 60:20:0
+    # 20 of its 50 are unreserved: a, where 50 pages wait, gets most of them.
+    assert (a.may_reserve, b.may_reserve, c.may_reserve) == (10 + 19, 20 + 0, 0 + 0)
