@@ -37,18 +37,23 @@ demo: $(STAMP) ## in another terminal: create memory pressure against a running 
 test: $(STAMP) tools ## the whole test suite (the engines have a tier of their own)
 	$(BIN)/python -m pytest -q --ignore=tests/engines
 
-# promtool (Debian's prometheus package) checks and unit-tests the alert rules. Installed
-# where this machine lets `make` do it (root with apt); elsewhere those tests say why they skip.
+# Tools the suite runs, from Debian's packages: promtool (package prometheus) checks and
+# unit-tests the alert rules; etcd (package etcd-server) is the cluster tests' coordination
+# store. Installed where this machine lets `make` do it (root with apt); elsewhere those
+# tests say why they skip.
 tools:
-	@command -v promtool >/dev/null 2>&1 || { \
+	@for tool in promtool:prometheus etcd:etcd-server; do \
+	  cmd=$${tool%%:*}; pkg=$${tool##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 && continue; \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing promtool (Debian's prometheus package)"; \
+	    echo "installing $$cmd (Debian's $$pkg package)"; \
 	    export DEBIAN_FRONTEND=noninteractive; \
-	    apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 || \
+	    apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1 || \
 	    { apt-get update -qq >/dev/null 2>&1 && \
-	      apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1; } || \
-	    echo "could not install promtool: the alert-rule tests will skip"; \
-	  else echo "no promtool and no root apt: the alert-rule tests will skip"; fi; }
+	      apt-get install -y -qq --no-install-recommends $$pkg >/dev/null 2>&1; } || \
+	    echo "could not install $$cmd: the tests that need it will skip"; \
+	  else echo "no $$cmd and no root apt: the tests that need it will skip"; fi; \
+	done
 
 $(ENGINES_STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "needs $(PYTHON) on PATH (or PYTHON=...)"; exit 1; }

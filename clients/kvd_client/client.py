@@ -305,6 +305,10 @@ class AsyncClient:
     async def list_links(self) -> list[pb.LinkStats]:
         return list((await self._call(self.admin.ListLinks, pb.ListLinksRequest())).links)
 
+    async def get_cluster(self, pool: str = "") -> pb.GetClusterResponse:
+        """The cluster this kvd shares tenants' quotas with, as it sees it (admin)."""
+        return await self._call(self.admin.GetCluster, pb.GetClusterRequest(pool=pool))
+
     async def watch_events(self, *, pools=(), tenants=(), kinds=(), buffer: int = 0):
         """Yield kvd's events as they happen (a "gap" event counts ones this watcher lost)."""
         call = self.memory.WatchEvents(

@@ -220,6 +220,35 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 8GiB/s)") from None
 
 
+def cluster_tables(view: pb.GetClusterResponse):
+    """Nodes, then tenants' cluster usage against their share and each node's part."""
+    from rich.console import Group
+
+    if not view.enabled:
+        return view.detail
+    etcd = "reachable" if view.etcd_up else "UNREACHABLE"
+    nodes = Table(title=f"cluster as node {view.node} sees it — etcd {view.etcd} {etcd}"
+                  + ("" if view.etcd_up else f" ({view.detail})"))
+    for col in ("node", "pool", "device pages", "reserved", "queued"):
+        nodes.add_column(col, justify="left" if col in ("node", "pool") else "right")
+    for n in view.nodes:
+        nodes.add_row(n.node + (" (this node)" if n.node == view.node else ""), n.pool,
+                      f"{n.device_pages:,}", f"{n.reserved_pages:,}", f"{n.queued_pages:,}")
+    tenants = Table(title="tenants with a cluster quota (pages): cluster-wide, and each "
+                    "node's part")
+    for col in ("pool", "tenant", "weight", "guaranteed", "limit", "reserved", "wants",
+                "fair share", "per node: reserved / entitled / may reserve"):
+        tenants.add_column(col, justify="left" if col in ("pool", "tenant") else "right")
+    for t in view.tenants:
+        parts = "  ".join(
+            f"{p.node}: {p.reserved_pages} / {p.entitlement_pages} / "
+            f"{'-' if p.may_reserve_pages < 0 else p.may_reserve_pages}" for p in t.nodes)
+        tenants.add_row(t.pool, t.tenant, f"{t.weight:g}", str(t.guaranteed_pages),
+                        str(t.limit_pages or "none"), str(t.reserved_pages),
+                        str(t.demand_pages), f"{t.share_pages:.1f}", parts)
+    return Group(nodes, tenants)
+
+
 def _finite(text: str) -> float:
     """A number kvd can act on: not NaN, not infinite, not negative."""
     try:
@@ -292,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pool", action="append", default=[], dest="pools")
     c.add_argument("--count", type=int, default=None, help="stop after this many events")
     c.add_argument("--json", action="store_true", help="one JSON object per line")
+    c = sub.add_parser("cluster", help="nodes, and each tenant's cluster usage vs share vs "
+                       "each node's part (kvds sharing quotas through etcd)")
+    c.add_argument("--pool", default="")
+    c.add_argument("--json", action="store_true")
     c = sub.add_parser("self-check", help="check kvd's bookkeeping now (exit 1 if broken)")
     c.add_argument("--json", action="store_true")
     sub.add_parser("drain", help="stop kvd gracefully (NOT_SERVING, finish in-flight calls)")
@@ -369,6 +402,8 @@ def _run(args, client: Client, out: Console) -> int:
         tenants = client.set_quota(args.tenant, args.pool, create=args.create,
                                    reset=args.reset, **fields)
         _show(args, out, tenants, tenants_table)
+    elif cmd == "cluster":
+        _show(args, out, client.get_cluster(args.pool), cluster_tables)
     elif cmd == "self-check":
         problems = list(client.self_check().problems)
         if args.json:

@@ -172,6 +172,43 @@ class QuotaOverrides(TypedDict, total=False):
 _QUOTA_KEYS = set(QuotaOverrides.__annotations__)
 
 
+@with_config(SCHEMA)
+class ClusterQuotaConfig(TypedDict, total=False):
+    """A tenant's quota over the whole cluster (`[tenant.cluster]`), in every pool: pages of
+    the pool, or bytes with a unit."""
+
+    weight: Positive
+    guaranteed: Quota
+    limit: Quota  # 0: no cluster limit
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """`[cluster]`: the kvds of several nodes share tenants' quotas through etcd. Each kvd
+    holds a lease on `PREFIX/nodes/NODE` and publishes its pools' figures under it every
+    `reconcile_s`; a node whose lease lapses (`lease_ttl_s` without word) leaves the picture.
+    `etcd = ""`: this kvd decides alone."""
+
+    __pydantic_config__ = SCHEMA
+    etcd: str = ""  # host:port of an etcd member (v3 API)
+    node: str = ""  # this node's name in the cluster ("": the host name)
+    prefix: str = "/kvd"
+    lease_ttl_s: Annotated[float, Field(ge=2, le=300)] = 10.0
+    reconcile_s: Annotated[float, Field(gt=0, le=60)] = 1.0
+    timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0  # one etcd call, at most
+
+    def validate(self) -> None:
+        if self.etcd:
+            host, _, port = self.etcd.rpartition(":")
+            if not host or not port.isdigit():
+                raise InvalidArgument(f"[cluster] etcd: not HOST:PORT ({self.etcd!r})")
+            if not self.prefix.startswith("/"):
+                raise InvalidArgument("[cluster] prefix starts with /")
+            if self.reconcile_s * 2 > self.lease_ttl_s:
+                raise InvalidArgument("[cluster] reconcile_s must be at most half of "
+                                      "lease_ttl_s (the lease is renewed at each reconcile)")
+
+
 @dataclass(frozen=True, slots=True)
 class TenantConfig:
     """A tenant: who it is (a bearer token), and its quota in every pool (with per-pool
@@ -191,6 +228,19 @@ class TenantConfig:
     request_bandwidth_cap: Size = 0
     read_budget: Size = 0
     pools: dict[Name, QuotaOverrides] = field(default_factory=dict)
+    cluster: ClusterQuotaConfig | None = None
+
+    def cluster_quota(self, page_bytes: int):
+        """Its quota over the cluster in pages of this size (None: it has none)."""
+        from kvd.core.cluster import ClusterQuota
+
+        if self.cluster is None:
+            return None
+        spec = self.cluster
+        limit = pages_of(spec.get("limit", 0), page_bytes)
+        return ClusterQuota(weight=float(spec.get("weight", self.weight)),
+                            guaranteed=pages_of(spec.get("guaranteed", 0), page_bytes),
+                            limit=limit or None)
 
     def quota_for(self, pool: str, page_bytes: int) -> TenantQuota:
         spec = {k: getattr(self, k) for k in _QUOTA_KEYS}
@@ -283,6 +333,7 @@ class Config:
     links: tuple[LinkConfig, ...] = ()
     engines: tuple[EngineEventsConfig, ...] = ()
     auth: AuthConfig = field(default_factory=AuthConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     path: str = ""  # the file it came from (SIGHUP re-reads it)
 
     def validate(self) -> None:
@@ -320,12 +371,15 @@ class Config:
         _check_unique("engine", [e.name for e in self.engines])
         for engine in self.engines:
             engine.validate()
+        self.cluster.validate()
+        if any(t.cluster for t in self.tenants) and not self.cluster.etcd:
+            raise InvalidArgument("[tenant.cluster] quotas need [cluster] etcd")
 
 
 _CONFIG = TypeAdapter(Config)
 # Where a schema error is, in the file's own words.
 _SECTIONS = {"pools": "[[pool]]", "tenants": "[[tenant]]", "links": "[[link]]",
-             "engines": "[[engine]]", "auth": "[auth]"}
+             "engines": "[[engine]]", "auth": "[auth]", "cluster": "[cluster]"}
 
 
 def _where(loc: tuple) -> str:
@@ -358,7 +412,7 @@ def _short(text: str, limit: int = 60) -> str:
 
 
 _SERVER_KEYS = set(Config.__dataclass_fields__) - {"pools", "tenants", "links", "engines",
-                                                    "auth", "path"}
+                                                    "auth", "path", "cluster"}
 
 
 def load_config(path: str | Path | None, create_tokens: bool = False) -> Config:
@@ -459,7 +513,7 @@ def _entries(data: dict, section: str) -> list[dict]:
 
 def config_from_dict(data: dict[str, Any], base: Path | None = None,
                      create_tokens: bool = False) -> Config:
-    unknown = set(data) - {"server", "pool", "tenant", "auth", "link", "engine"}
+    unknown = set(data) - {"server", "pool", "tenant", "auth", "link", "engine", "cluster"}
     if unknown:
         raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
     server = data.get("server", {})
@@ -483,7 +537,8 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None,
             server[key] = str(base / server[key])  # absolute stays absolute
     config = _checked(lambda: _CONFIG.validate_python({
         **server, "pools": pools, "tenants": tenants, "links": _entries(data, "link"),
-        "engines": _entries(data, "engine"), "auth": auth}))
+        "engines": _entries(data, "engine"), "auth": auth,
+        "cluster": data.get("cluster", {})}))
     config.validate()
     return config
 

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvd import __version__, sdnotify
+from kvd.cluster import ClusterMember
 from kvd.config import Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
 from kvd.node import Node
@@ -174,7 +175,7 @@ class Daemon:
         if self.config.metrics:  # first: a port in use stops the start before gRPC serves
             try:
                 self._metrics_server = serve_metrics(self.config.metrics, self.node, loop,
-                                                     lambda: self._ready)
+                                                     lambda: self._ready, self._health_detail)
             except OSError as exc:
                 raise StartupError(f"cannot serve metrics on {self.config.metrics}: {exc} "
                                    '(metrics = "" runs without)') from None
@@ -212,6 +213,10 @@ class Daemon:
             max(0.05, min(1.0, self.config.handoff_ttl_s / 4, self.config.hold_s / 4))))
         self._checker = (asyncio.ensure_future(self.node.health.check_forever(
             self.config.self_check_s)) if self.config.self_check_s else None)
+        if self.config.cluster.etcd:
+            self.node.cluster = ClusterMember(self.node, self.config)
+            self.node.cluster.start()
+            log.info("cluster member", node=self.node.cluster.name, etcd=self.config.cluster.etcd)
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()
@@ -221,6 +226,11 @@ class Daemon:
         self._watchdog = (asyncio.ensure_future(sdnotify.watchdog_forever(interval))
                           if interval else None)
         log.info("kvd serving", version=__version__, listen=self.addresses, pid=os.getpid())
+
+    def _health_detail(self) -> str:
+        """Lines /healthz adds after "ok" (read from the metrics thread)."""
+        cluster = self.node.cluster if self.node is not None else None
+        return cluster.health_detail() + "\n" if cluster is not None else ""
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -250,6 +260,8 @@ class Daemon:
         self.turns.configure({t.name: t.weight for t in self.config.tenants})
         sdnotify.notify("RELOADING=1")
         self.node.apply_tenants(self.config)
+        if self.node.cluster is not None:
+            self.node.cluster.reload(self.config)
         sdnotify.notify("READY=1")
         log.info("config reloaded", path=self.config.path,
                  tenants=[t.name for t in self.config.tenants])
@@ -276,6 +288,8 @@ class Daemon:
             self._checker.cancel()
         if self._tier_events is not None:
             self._tier_events.close()
+        if self.node is not None and self.node.cluster is not None:
+            await self.node.cluster.aclose()  # leaves the picture now, not at its lease's end
         if self._grpc is not None:
             # New calls are refused from here; open streams are told kvd is draining and
             # end; the stop is done when the unary calls in flight are (grace_s at most).

@@ -19,7 +19,7 @@ from kvd.core.transfer import MoveKind, Reason, TransferPlan
 MAX_PER_OWNER = 16
 
 KINDS = ("admission", "allocation", "eviction", "promotion", "recompute", "release", "quota",
-         "policy", "lease", "handoff")
+         "policy", "lease", "handoff", "cluster")
 
 
 @dataclass(slots=True)

@@ -256,7 +256,43 @@ def _node_families(figures: NodeFigures):
     for result, n in figures.self_check_runs.items():
         runs.add_metric([result], n)
     yield from (hand, hbytes, leases, expired, released, runs)
+    if figures.cluster is not None:
+        yield from _cluster_families(figures.cluster)
     yield from _engine_families(figures.engines)
+
+
+def _cluster_families(view: dict):
+    up = _gauge("kvd_cluster_etcd_up", "1 while etcd answers; 0: deciding on the last "
+                "picture of the cluster", [])
+    up.add_metric([], 1 if view["etcd_up"] else 0)
+    age = _gauge("kvd_cluster_picture_age_seconds", "How old this node's picture of the "
+                 "others is (0 while etcd answers; -1: none yet)", [])
+    age.add_metric([], view["picture_age_s"])
+    nodes = _gauge("kvd_cluster_nodes", "Nodes in this node's picture of the cluster", [])
+    nodes.add_metric([], view["members"])
+    runs = _counter("kvd_cluster_reconciles", "Reconciles with etcd by result", ["result"])
+    for result, n in view["reconciles"].items():
+        runs.add_metric([result], n)
+    labels = ["pool", "tenant"]
+    reserved = _gauge("kvd_cluster_tenant_reserved_pages", "A tenant's pages reserved over "
+                      "the whole cluster", labels)
+    share = _gauge("kvd_cluster_tenant_share_pages", "A tenant's fair share of the cluster's "
+                   "device pages", labels)
+    limit = _gauge("kvd_cluster_tenant_limit_pages", "A tenant's cluster limit (0: none)",
+                   labels)
+    entitled = _gauge("kvd_cluster_tenant_entitlement_pages", "A tenant's part of its cluster "
+                      "share on this node (a floor here)", labels)
+    may = _gauge("kvd_cluster_tenant_may_reserve_pages", "The most this node may reserve for "
+                 "a tenant now (its part of the cluster limit; -1: none)", labels)
+    for t in view["tenants"]:
+        key = [t["pool"], t["tenant"]]
+        reserved.add_metric(key, t["reserved_pages"])
+        share.add_metric(key, t["share_pages"])
+        limit.add_metric(key, t["limit_pages"])
+        here = next((n for n in t["nodes"] if n["node"] == view["node"]), None)
+        entitled.add_metric(key, here["entitlement_pages"] if here else 0)
+        may.add_metric(key, here["may_reserve_pages"] if here else 0)
+    yield from (up, age, nodes, runs, reserved, share, limit, entitled, may)
 
 
 def _engine_families(engines):
@@ -291,7 +327,7 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def http_app(ready: Callable[[], bool]):
+def http_app(ready: Callable[[], bool], detail: Callable[[], str] = lambda: ""):
     """/metrics (Prometheus exposition), /healthz (the process answers), /readyz (kvd is
     serving and not draining: 200, else 503); 404 for any other path."""
     metrics = make_wsgi_app(REGISTRY)
@@ -300,8 +336,8 @@ def http_app(ready: Callable[[], bool]):
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
             return metrics(environ, start_response)
-        if path == "/healthz":
-            status, body = "200 OK", b"ok\n"
+        if path == "/healthz":  # alive; what it is deciding on, where that matters
+            status, body = "200 OK", ("ok\n" + detail()).encode()
         elif path == "/readyz":
             status, body = (("200 OK", b"ready\n") if ready()
                             else ("503 Service Unavailable", b"not ready\n"))
@@ -314,7 +350,8 @@ def http_app(ready: Callable[[], bool]):
     return app
 
 
-def serve_metrics(address: str, node, loop, ready: Callable[[], bool]):
+def serve_metrics(address: str, node, loop, ready: Callable[[], bool],
+                  detail: Callable[[], str] = lambda: ""):
     """Serve http_app on HOST:PORT in a thread of its own; returns the server. Raises
     OSError when it cannot listen: an operator who asked for metrics gets them or an error
     (metrics = "" runs without)."""
@@ -327,7 +364,7 @@ def serve_metrics(address: str, node, loop, ready: Callable[[], bool]):
         # The first daemon's collector keeps answering; kvd itself runs one node.
         pass
     try:
-        server = make_server(host or "0.0.0.0", int(port), http_app(ready),
+        server = make_server(host or "0.0.0.0", int(port), http_app(ready, detail),
                              _ThreadingServer, handler_class=_QuietHandler)
     except OSError:
         REGISTRY.unregister(collector)

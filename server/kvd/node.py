@@ -84,6 +84,7 @@ class Node:
             self.close()
             raise
         self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
+        self.cluster = None  # kvd.cluster.ClusterMember, when [cluster] names etcd
         self.shared = SharedBlocks(self.runtime, self.runtime_of)
         self.apply_tenants(config)
 

@@ -30,7 +30,19 @@ class Quotas:
         # SetQuota's changes, (tenant, pool) -> fields: they stand over the config until a
         # SetQuota(reset) drops them, a reload (SIGHUP) included.
         self.overrides: dict[tuple[str, str], dict] = {}
+        # The cluster's word (kvd.cluster), (tenant, pool) -> fields: between the config and
+        # SetQuota's changes.
+        self.cluster: dict[tuple[str, str], dict] = {}
         self.config: Config | None = None
+
+    def set_cluster(self, layer: dict[tuple[str, str], dict]) -> bool:
+        """The cluster's entitlements changed: re-apply; False when nothing did."""
+        if layer == self.cluster:
+            return False
+        self.cluster = layer
+        if self.config is not None:
+            self.apply(self.config, quiet=True)
+        return True
 
     def known(self) -> set[str]:
         """Tenants kvd knows: configured, or holding, reserving or queueing in a pool."""
@@ -39,13 +51,19 @@ class Quotas:
             names |= rt.pool.tenancy.names()
         return names
 
-    def apply(self, config: Config) -> None:
-        """Set every pool's quotas from the config, with SetQuota's changes over it; tenants
-        no longer declared fall back to the default quota. Changes are logged."""
+    def apply(self, config: Config, quiet: bool = False) -> None:
+        """Set every pool's quotas from the config, the cluster's entitlements over it, and
+        SetQuota's changes over those; tenants no longer declared fall back to the default
+        quota. Changes are logged and published (quiet: the cluster's reconcile, every
+        second: logged at debug, and published only when more than may_reserve changed)."""
         self.config = config
         for rt in self.pools.values():
             pool = rt.pool
             quotas = {t.name: t.quota_for(pool.name, pool.page_bytes) for t in config.tenants}
+            for (tenant, name), fields in self.cluster.items():
+                if name == pool.name:
+                    quotas[tenant] = dataclasses.replace(quotas.get(tenant, TenantQuota()),
+                                                         **fields)
             for (tenant, name), fields in list(self.overrides.items()):
                 if name != pool.name:
                     continue
@@ -55,8 +73,9 @@ class Quotas:
                                 pool=pool.name, tenant=tenant, changes=fields)
                     del self.overrides[(tenant, name)]
                     continue
-                log.info("runtime quota change kept over the config", pool=pool.name,
-                         tenant=tenant, changes=fields)
+                if not quiet:
+                    log.info("runtime quota change kept over the config", pool=pool.name,
+                             tenant=tenant, changes=fields)
                 quotas[tenant] = kept
             promised = sum(q.guaranteed for q in quotas.values())
             if promised > pool.device.capacity:
@@ -66,10 +85,17 @@ class Quotas:
                             scale=round(pool.device.capacity / promised, 4))
             for tenant in set(pool.tenancy.quotas) | set(quotas):
                 new = quotas.get(tenant, TenantQuota())
-                if pool.tenancy.quotas.get(tenant) != new:
-                    log.info("quota set", pool=pool.name, tenant=tenant, weight=new.weight,
-                             guaranteed=new.guaranteed, limit=new.limit)
-                    self._publish(rt, tenant, new)
+                old = pool.tenancy.quotas.get(tenant)
+                if old == new:
+                    continue
+                if quiet and old is not None and dataclasses.replace(
+                        old, may_reserve=new.may_reserve) == new:
+                    pool.set_quota(tenant, new)  # only its part of the cluster limit moved
+                    continue
+                (log.debug if quiet else log.info)(
+                    "quota set", pool=pool.name, tenant=tenant, weight=new.weight,
+                    guaranteed=new.guaranteed, limit=new.limit, may_reserve=new.may_reserve)
+                self._publish(rt, tenant, new)
             apply_caps(rt.link, pool, self.clock.now())
             rt.waiters.notify()
         for (source, _), link in self.links.handoff.items():

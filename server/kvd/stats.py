@@ -137,6 +137,7 @@ class NodeFigures:
     lease_released_requests: int
     engines: list[EngineFigures]
     self_check_runs: dict[str, int]  # result -> runs
+    cluster: dict | None = None  # kvd.cluster.ClusterMember.describe(), with "reconciles"
 
 
 def link_figures(node, link) -> LinkFigures:
@@ -245,4 +246,7 @@ def node_figures(node) -> NodeFigures:
         uptime_s=time.time() - node.started_at, handoffs=dict(node.handoff_counts),
         leases_active=len(leases.leases), leases_expired=leases.num_expired,
         lease_released_requests=leases.num_requests_released,
-        engines=engine_figures(node, owners), self_check_runs=dict(node.health.runs))
+        engines=engine_figures(node, owners), self_check_runs=dict(node.health.runs),
+        cluster=(dict(node.cluster.describe(), reconciles=dict(node.cluster.reconciles),
+                      members=len(node.cluster.picture.nodes))
+                 if node.cluster is not None else None))

@@ -913,3 +913,79 @@ class DrainRequest(_message.Message):
 class DrainResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetClusterRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class ClusterNode(_message.Message):
+    __slots__ = ("node", "pool", "device_pages", "reserved_pages", "queued_pages")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    pool: str
+    device_pages: int
+    reserved_pages: int
+    queued_pages: int
+    def __init__(self, node: _Optional[str] = ..., pool: _Optional[str] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ...) -> None: ...
+
+class NodeEntitlement(_message.Message):
+    __slots__ = ("node", "reserved_pages", "demand_pages", "entitlement_pages", "may_reserve_pages")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEMAND_PAGES_FIELD_NUMBER: _ClassVar[int]
+    ENTITLEMENT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    MAY_RESERVE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    reserved_pages: int
+    demand_pages: int
+    entitlement_pages: int
+    may_reserve_pages: int
+    def __init__(self, node: _Optional[str] = ..., reserved_pages: _Optional[int] = ..., demand_pages: _Optional[int] = ..., entitlement_pages: _Optional[int] = ..., may_reserve_pages: _Optional[int] = ...) -> None: ...
+
+class ClusterTenant(_message.Message):
+    __slots__ = ("pool", "tenant", "weight", "guaranteed_pages", "limit_pages", "reserved_pages", "demand_pages", "share_pages", "nodes")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    DEMAND_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    tenant: str
+    weight: float
+    guaranteed_pages: int
+    limit_pages: int
+    reserved_pages: int
+    demand_pages: int
+    share_pages: float
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeEntitlement]
+    def __init__(self, pool: _Optional[str] = ..., tenant: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., demand_pages: _Optional[int] = ..., share_pages: _Optional[float] = ..., nodes: _Optional[_Iterable[_Union[NodeEntitlement, _Mapping]]] = ...) -> None: ...
+
+class GetClusterResponse(_message.Message):
+    __slots__ = ("enabled", "node", "etcd", "etcd_up", "picture_age_s", "detail", "nodes", "tenants")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ETCD_FIELD_NUMBER: _ClassVar[int]
+    ETCD_UP_FIELD_NUMBER: _ClassVar[int]
+    PICTURE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    node: str
+    etcd: str
+    etcd_up: bool
+    picture_age_s: float
+    detail: str
+    nodes: _containers.RepeatedCompositeFieldContainer[ClusterNode]
+    tenants: _containers.RepeatedCompositeFieldContainer[ClusterTenant]
+    def __init__(self, enabled: _Optional[bool] = ..., node: _Optional[str] = ..., etcd: _Optional[str] = ..., etcd_up: _Optional[bool] = ..., picture_age_s: _Optional[float] = ..., detail: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[ClusterTenant, _Mapping]]] = ...) -> None: ...

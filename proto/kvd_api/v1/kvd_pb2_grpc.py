@@ -927,6 +927,11 @@ class AdminStub:
                 request_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksRequest.SerializeToString,
                 response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksResponse.FromString,
                 _registered_method=True)
+        self.GetCluster = channel.unary_unary(
+                '/kvd.v1.Admin/GetCluster',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.GetClusterRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.GetClusterResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -982,6 +987,13 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCluster(self, request, context):
+        """The cluster this kvd shares tenants' quotas with through etcd, as this node sees it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1024,6 +1036,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ListLinks,
                     request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksRequest.FromString,
                     response_serializer=kvd__api_dot_v1_dot_kvd__pb2.ListLinksResponse.SerializeToString,
+            ),
+            'GetCluster': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCluster,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.GetClusterRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.GetClusterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1243,6 +1260,33 @@ class Admin:
             '/kvd.v1.Admin/ListLinks',
             kvd__api_dot_v1_dot_kvd__pb2.ListLinksRequest.SerializeToString,
             kvd__api_dot_v1_dot_kvd__pb2.ListLinksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCluster(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Admin/GetCluster',
+            kvd__api_dot_v1_dot_kvd__pb2.GetClusterRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.GetClusterResponse.FromString,
             options,
             channel_credentials,
             insecure,

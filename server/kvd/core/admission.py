@@ -129,8 +129,8 @@ class Admission:
         tenancy = self.tenancy
         if tenancy.over_limit(req.tenant, req.projected_pages):
             return (f"tenant {req.tenant!r} has {tenancy.reserved_by_tenant[req.tenant]} "
-                    f"of its {tenancy.quota(req.tenant).limit}-page limit reserved; waits "
-                    "for its own requests to finish")
+                    f"of {tenancy.cap_words(req.tenant)} reserved; waits for its own "
+                    "requests to finish")
         capacity = self.pages.capacity_pages
         if not self.fits(req.projected_pages):
             return (f"needs {req.projected_pages} pages; {capacity - self.reserved_pages}"
@@ -266,8 +266,8 @@ class Admission:
         if self.tenancy.over_limit(tenant, projected):
             return Verdict.WAIT, (
                 f"handoff pool {self.name!r}: tenant {tenant!r} has "
-                f"{self.tenancy.reserved_by_tenant[tenant]} of its "
-                f"{self.tenancy.quota(tenant).limit}-page limit reserved")
+                f"{self.tenancy.reserved_by_tenant[tenant]} of "
+                f"{self.tenancy.cap_words(tenant)} reserved")
         if not self.fits(projected):
             capacity = self.pages.capacity_pages
             return Verdict.WAIT, (
@@ -326,6 +326,6 @@ class Admission:
                 f"{cap} pages in pool {self.name!r}")
         if growth and self.tenancy.over_limit(req.tenant, growth):
             raise ResourceExhausted(
-                f"tenant {req.tenant!r} is at its limit of {quota.limit} pages in pool "
+                f"tenant {req.tenant!r} is at {self.tenancy.cap_words(req.tenant)} in pool "
                 f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); "
                 f"request {short_repr(req.request_id)} asks for {growth} more")

@@ -28,6 +28,15 @@ class TenantQuota:
     bandwidth_burst: float | None = None
     request_bandwidth_cap: float | None = None
     read_budget: float | None = None
+    # From the cluster (kvd.core.cluster): the most this node may reserve for the tenant now,
+    # its part of a cluster-wide limit. A request over it waits; only `limit` rejects.
+    may_reserve: int | None = None
+
+    def reserve_cap(self) -> int | None:
+        """The most the tenant may have reserved here: its limit, or its part of the
+        cluster's, whichever is smaller (None: no cap)."""
+        caps = [c for c in (self.limit, self.may_reserve) if c is not None]
+        return min(caps) if caps else None
 
     def request_cap(self, device_pages: int) -> int | None:
         """The per-request cap in pages on a device tier of `device_pages` (the smaller of the two

@@ -156,8 +156,15 @@ class Tenancy:
 
     def over_limit(self, tenant: str, more: int) -> bool:
         """Whether reserving `more` pages would take the tenant past its limit."""
-        limit = self.quota(tenant).limit
-        return limit is not None and self.reserved_by_tenant[tenant] + more > limit
+        cap = self.quota(tenant).reserve_cap()
+        return cap is not None and self.reserved_by_tenant[tenant] + more > cap
+
+    def cap_words(self, tenant: str) -> str:
+        """What over_limit holds the tenant to, in words."""
+        quota = self.quota(tenant)
+        if quota.may_reserve is not None and quota.reserve_cap() == quota.may_reserve:
+            return f"its {quota.may_reserve}-page part of its cluster limit"
+        return f"its {quota.limit}-page limit"
 
     def queue_share(self, tenant: str, max_queue: int) -> tuple[int, int]:
         """(requests the tenant has waiting, its share of a max_queue-entry queue): its

@@ -110,3 +110,22 @@ class AdminService(pb_grpc.AdminServicer):
         """Each pool's tenants (one pool's, and only `tenant` when given)."""
         return [tenant_info(t) for rt in self.node.runtimes(pool)
                 for t in stats.pool_figures(self.node, rt, tenant).tenants]
+
+    @unary
+    async def GetCluster(self, request: pb.GetClusterRequest,
+                         caller: Caller) -> pb.GetClusterResponse:
+        self.auth.require_admin(caller)
+        if request.pool:
+            self.node.runtime(request.pool)  # NOT_FOUND for a pool kvd does not have
+        cluster = self.node.cluster
+        if cluster is None:
+            return pb.GetClusterResponse(enabled=False, detail="this kvd decides alone "
+                                         "([cluster] names no etcd)")
+        view = cluster.describe(request.pool)
+        return pb.GetClusterResponse(
+            enabled=True, node=view["node"], etcd=view["etcd"], etcd_up=view["etcd_up"],
+            picture_age_s=view["picture_age_s"], detail=view["detail"],
+            nodes=[pb.ClusterNode(**n) for n in view["nodes"]],
+            tenants=[pb.ClusterTenant(**{k: v for k, v in t.items() if k != "nodes"},
+                                      nodes=[pb.NodeEntitlement(**n) for n in t["nodes"]])
+                     for t in view["tenants"]])
