@@ -326,6 +326,6 @@ class Admission:
                 f"{cap} pages in pool {self.name!r}")
         if growth and self.tenancy.over_limit(req.tenant, growth):
             raise ResourceExhausted(
-                f"tenant {req.tenant!r} is at {self.tenancy.cap_words(req.tenant)} in pool "
+                f"tenant {req.tenant!r} is at {self.tenancy.cap_words(req.tenant, 'of')} in pool "
                 f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); "
                 f"request {short_repr(req.request_id)} asks for {growth} more")

@@ -159,11 +159,14 @@ class Tenancy:
         cap = self.quota(tenant).reserve_cap()
         return cap is not None and self.reserved_by_tenant[tenant] + more > cap
 
-    def cap_words(self, tenant: str) -> str:
-        """What over_limit holds the tenant to, in words."""
+    def cap_words(self, tenant: str, style: str = "") -> str:
+        """What over_limit holds the tenant to, in words ("its 8-page limit", or with
+        style "of": "its limit of 8 pages")."""
         quota = self.quota(tenant)
         if quota.may_reserve is not None and quota.reserve_cap() == quota.may_reserve:
             return f"its {quota.may_reserve}-page part of its cluster limit"
+        if style == "of":
+            return f"its limit of {quota.limit} pages"
         return f"its {quota.limit}-page limit"
 
     def queue_share(self, tenant: str, max_queue: int) -> tuple[int, int]:
