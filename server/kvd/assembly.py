@@ -93,6 +93,10 @@ def build_pool(pc: PoolConfig, config: Config, clock: Clock, links: Links,
     return runtime
 
 
+# A link to a peer kvd with no bandwidth configured: 10 Gb/s.
+REMOTE_DEFAULT_BANDWIDTH = "1.25GB"
+
+
 class Links:
     """A node's links: each pool's device<->host link (its runtime's) and the pool->pool
     handoff links, by (source, target)."""
@@ -124,11 +128,20 @@ class Links:
         return link
 
     def build_handoff(self, lc: LinkConfig) -> Link:
-        src, dst = self.pools[lc.source], self.pools[lc.target]
-        chunk = max(self.chunk_bytes(lc.chunk, lc.bandwidth), src.pool.page_bytes)
-        inline = (-1 if any(rt.arenas["device"].backend == "cupy" for rt in (src, dst))
-                  else self.config.inline_copy_bytes)
-        return self.make(f"{lc.source}->{lc.target}", lc.bandwidth, lc.burst, chunk,
+        src = self.pools[lc.source]
+        bandwidth = lc.bandwidth
+        if "/" in lc.target:  # to a peer kvd: the network, and its chunks leave from a worker
+            if bandwidth == "auto":  # a copy test here says nothing of the network
+                bandwidth = REMOTE_DEFAULT_BANDWIDTH
+                log.warning("no bandwidth for the link to a peer; assuming 10 Gb/s",
+                            link=f"{lc.source}->{lc.target}")
+            inline = -1
+        else:
+            dst = self.pools[lc.target]
+            inline = (-1 if any(rt.arenas["device"].backend == "cupy" for rt in (src, dst))
+                      else self.config.inline_copy_bytes)
+        chunk = max(self.chunk_bytes(lc.chunk, bandwidth), src.pool.page_bytes)
+        return self.make(f"{lc.source}->{lc.target}", bandwidth, lc.burst, chunk,
                          lc.scheduling, lc.aging_ms, src.pool, inline)
 
     def chunk_bytes(self, chunk, bandwidth) -> int:

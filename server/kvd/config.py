@@ -93,20 +93,49 @@ class LinkConfig:
 
     __pydantic_config__ = SCHEMA
     source: Name
-    target: Name
+    target: str  # a pool of this kvd, or PEER/POOL: a pool of a peer kvd on another node
     bandwidth: PositiveSizeOrAuto = "auto"
     burst: Size = 0
     chunk: PositiveSizeOrAuto = "auto"
     scheduling: Literal["fair", "fifo"] = "fair"
     aging_ms: Positive = 50.0
 
-    def validate(self, pools: tuple[PoolConfig, ...]) -> None:
+    def validate(self, pools: tuple[PoolConfig, ...], peers: tuple = ()) -> None:
         names = {p.name for p in pools}
-        for end in (self.source, self.target):
-            if end not in names:
-                raise InvalidArgument(f"link {self.source}->{self.target}: no pool {end!r}")
+        if self.source not in names:
+            raise InvalidArgument(f"link {self.source}->{self.target}: no pool {self.source!r}")
+        if "/" in self.target:  # PEER/POOL: the network to another node's kvd
+            peer = self.target.split("/", 1)[0]
+            if peer not in {p.name for p in peers}:
+                raise InvalidArgument(f"link {self.source}->{self.target}: no [[peer]] "
+                                      f"{peer!r}")
+        elif self.target not in names:
+            raise InvalidArgument(f"link {self.source}->{self.target}: no pool {self.target!r}")
         if self.source == self.target:
             raise InvalidArgument(f"link {self.source}->{self.target}: a link joins two pools")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """Another node's kvd (`[[peer]]`), for handoffs across nodes: its TCP address, its
+    admin token (`token_file`, `token_env` or `token`), and TLS: the CA its certificate is
+    signed by, and this kvd's certificate where the peer asks for one (mTLS). A handoff pool
+    named `NAME/POOL` is that peer's pool."""
+
+    __pydantic_config__ = SCHEMA
+    name: Name
+    address: Address
+    token: str = field(default="", repr=False)
+    tls_ca: str = ""  # "": plaintext (the peer must allow tokens over plaintext TCP)
+    tls_cert: str = ""
+    tls_key: str = ""
+    timeout_s: Positive = 5.0
+
+    def validate(self) -> None:
+        if not self.address:
+            raise InvalidArgument(f"peer {self.name!r}: address is HOST:PORT")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument(f"peer {self.name!r}: tls_cert and tls_key go together")
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +363,7 @@ class Config:
     engines: tuple[EngineEventsConfig, ...] = ()
     auth: AuthConfig = field(default_factory=AuthConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    peers: tuple[PeerConfig, ...] = ()
     path: str = ""  # the file it came from (SIGHUP re-reads it)
 
     def validate(self) -> None:
@@ -362,8 +392,11 @@ class Config:
         ends = [(link.source, link.target) for link in self.links]
         if len(set(ends)) != len(ends):
             raise InvalidArgument("two [[link]] entries join the same pools")
+        _check_unique("peer", [p.name for p in self.peers])
+        for peer in self.peers:
+            peer.validate()
         for link in self.links:
-            link.validate(self.pools)
+            link.validate(self.pools, self.peers)
         for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             _check_zmq_endpoint(key, getattr(self, key))
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
@@ -379,7 +412,8 @@ class Config:
 _CONFIG = TypeAdapter(Config)
 # Where a schema error is, in the file's own words.
 _SECTIONS = {"pools": "[[pool]]", "tenants": "[[tenant]]", "links": "[[link]]",
-             "engines": "[[engine]]", "auth": "[auth]", "cluster": "[cluster]"}
+             "engines": "[[engine]]", "auth": "[auth]", "cluster": "[cluster]",
+             "peers": "[[peer]]"}
 
 
 def _where(loc: tuple) -> str:
@@ -412,7 +446,7 @@ def _short(text: str, limit: int = 60) -> str:
 
 
 _SERVER_KEYS = set(Config.__dataclass_fields__) - {"pools", "tenants", "links", "engines",
-                                                    "auth", "path", "cluster"}
+                                                    "auth", "path", "cluster", "peers"}
 
 
 def load_config(path: str | Path | None, create_tokens: bool = False) -> Config:
@@ -513,7 +547,8 @@ def _entries(data: dict, section: str) -> list[dict]:
 
 def config_from_dict(data: dict[str, Any], base: Path | None = None,
                      create_tokens: bool = False) -> Config:
-    unknown = set(data) - {"server", "pool", "tenant", "auth", "link", "engine", "cluster"}
+    unknown = set(data) - {"server", "pool", "tenant", "auth", "link", "engine", "cluster",
+                           "peer"}
     if unknown:
         raise InvalidArgument(f"unknown config sections: {', '.join(sorted(unknown))}")
     server = data.get("server", {})
@@ -530,6 +565,12 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None,
                 f"[[tenant]] {entry.get('name', '')!r}: ")
     auth = dict(auth)
     _secret(auth, "admin_token", base, create_tokens, 0o600, "[auth] ")
+    peers = _entries(data, "peer")
+    for entry in peers:
+        _secret(entry, "token", base, where=f"[[peer]] {entry.get('name', '')!r}: ")
+        for key in ("tls_ca", "tls_cert", "tls_key"):
+            if isinstance(entry.get(key), str) and entry[key] and base is not None:
+                entry[key] = str(base / entry[key])
     pools = _entries(data, "pool") if "pool" in data else [{}]
     server = dict(server)
     for key in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -538,7 +579,7 @@ def config_from_dict(data: dict[str, Any], base: Path | None = None,
     config = _checked(lambda: _CONFIG.validate_python({
         **server, "pools": pools, "tenants": tenants, "links": _entries(data, "link"),
         "engines": _entries(data, "engine"), "auth": auth,
-        "cluster": data.get("cluster", {})}))
+        "cluster": data.get("cluster", {}), "peers": peers}))
     config.validate()
     return config
 

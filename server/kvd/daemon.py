@@ -26,6 +26,7 @@ from kvd.cluster import ClusterMember
 from kvd.config import Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
 from kvd.node import Node
+from kvd.peers import PeerService
 from kvd.tier_events import TierEventPublisher
 from kvd.metrics import serve_metrics
 from kvd.service.admin import AdminService
@@ -38,7 +39,7 @@ from kvd_api.v1 import kvd_pb2
 log = structlog.get_logger("kvd.daemon")
 
 SERVICE_NAMES = tuple(
-    kvd_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Memory", "Admin")
+    kvd_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Memory", "Admin", "Peer")
 )
 # Engines send big Step batches; allow them.
 GRPC_OPTIONS = [
@@ -166,6 +167,8 @@ class Daemon:
                     streams=self.streams, finish=MemoryService.FINISH_AT_DRAIN)
         add_service(server, AdminService(self.node, self.auth, self.request_stop, self.gate),
                     services["Admin"])
+        add_service(server, PeerService(self.node, self.auth), services["Peer"],
+                    streams=self.streams, finish=("Receive",))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         _serve_reflection(server, (*SERVICE_NAMES, health.SERVICE_NAME))
         return server

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+
+import grpc
 from collections.abc import AsyncIterator, Mapping
 
 import structlog
@@ -23,9 +25,24 @@ from kvd.core.transfer import Reason, TransferPlan
 from kvd.events import EventBus, publish_admitted
 from kvd.links import Transfer, TransferCancelled
 from kvd.memory.copier import chunk_runs, copy_between, page_runs
+from kvd.peers import BlockSender, Peers, chunk_messages, is_remote, read_chunk, split
 from kvd.runtime import PoolRuntime, find_runtime
+from kvd_api.v1 import kvd_pb2 as pb
 
 log = structlog.get_logger("kvd.handoff")
+
+
+def _peer_error(target: str, err: grpc.RpcError) -> Exception:
+    """A peer's refusal or a cut stream, as kvd's own error (the request stays here)."""
+    from kvd.core.errors import Aborted
+
+    code, details = err.code(), err.details()
+    text = f"handoff to {target!r}: the peer said {code.name}: {details}; rolled back"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(text)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(text)
+    return Aborted(text)
 
 
 def _settle_handoff(task: asyncio.Task) -> None:
@@ -42,13 +59,14 @@ class Handoffs:
 
     def __init__(self, config: Config, clock: Clock, pools: Mapping[str, PoolRuntime],
                  request_index: dict[str, PoolRuntime], links: Links,
-                 events: EventBus) -> None:
+                 events: EventBus, peers: Peers | None = None) -> None:
         self.config = config
         self.clock = clock
         self.pools = pools
         self.request_index = request_index
         self.links = links
         self.events = events
+        self.peers = peers or Peers(config)
         self.in_flight: set[asyncio.Task] = set()
         # Requests with a Handoff under way: a second one is refused at once (it used to
         # start too, and claim a reservation the first had rolled back).
@@ -120,7 +138,9 @@ class Handoffs:
         req, dst = self._target(src, request_id, target)
         progress: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
-        task = asyncio.ensure_future(self._handoff(src, dst, req, progress, cancel, holder))
+        task = asyncio.ensure_future(
+            self._handoff(src, dst, req, progress, cancel, holder) if dst is not None
+            else self._remote_handoff(src, req, progress, cancel))
         self._handing_off.add(request_id)
         task.add_done_callback(lambda _: self._handing_off.discard(request_id))
         self.in_flight.add(task)
@@ -159,6 +179,12 @@ class Handoffs:
         if req.handoff_pool and target != req.handoff_pool:
             raise InvalidArgument(f"request {request_id!r} reserved pages in pool "
                                   f"{req.handoff_pool!r}, not {target!r}")
+        if is_remote(target):  # the peer reserves now if it had not (or it lapsed)
+            if request_id in self._handing_off:
+                raise FailedPrecondition(f"request {request_id!r} is being handed off already")
+            self.peers.link(split(target)[0])
+            req.handoff_pool = target
+            return req, None
         dst = self.runtime(target)
         self.check_pair(src, dst)
         reservation = dst.pool.requests.get(request_id)
@@ -221,14 +247,7 @@ class Handoffs:
         """All or nothing: the request stays whole in the prefill pool; the target pages and
         the reservation go."""
         if plan is not None:
-            if demoted:  # victims' bytes are on host now: finish those moves only
-                dst.pool.complete(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
-                                               demotions=plan.demotions))
-                dst.pool.abort(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
-                                            allocated=plan.allocated))
-            else:
-                dst.pool.abort(plan)
-            dst.transit.finish(plan)
+            self.abort_target(dst, plan, demoted)
         self._end_handoff(src, dst, req.request_id, blocks, release=dst.pool)
         self.counts["failed" if not isinstance(exc, TransferCancelled)
                     else "rolled_back"] += 1
@@ -236,6 +255,18 @@ class Handoffs:
                  target=dst.pool.name, error=repr(exc))
         self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
                             request_id=req.request_id, reason=f"rolled back: {exc!r}")
+
+    @staticmethod
+    def abort_target(dst: PoolRuntime, plan: TransferPlan, demoted: bool) -> None:
+        """Undo a handoff's allocation in its target pool."""
+        if demoted:  # victims' bytes are on host now: finish those moves only
+            dst.pool.complete(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
+                                           demotions=plan.demotions))
+            dst.pool.abort(TransferPlan(dst.pool.name, Reason.HANDOFF, plan.cause,
+                                        allocated=plan.allocated))
+        else:
+            dst.pool.abort(plan)
+        dst.transit.finish(plan)
 
     def _commit(self, src: PoolRuntime, dst: PoolRuntime, req: Request, blocks: list[Block],
                 plan: TransferPlan | None, progress: asyncio.Queue, holder: str) -> None:
@@ -277,6 +308,99 @@ class Handoffs:
                 "blocks_total": total, "bytes_done": done * page_bytes,
                 "bytes_total": total * page_bytes, "done": finished,
                 "blocks": req.live_blocks() if finished else None}
+
+    async def _remote_handoff(self, src: PoolRuntime, req: Request, progress: asyncio.Queue,
+                              cancel: asyncio.Event) -> None:
+        """The request's pages to a peer kvd's pool (kvd.peers), under the link to it; the
+        request leaves this node once the peer committed them, and stays whole if not."""
+        request_id = req.request_id
+        target = req.handoff_pool
+        blocks = await src.run(lambda: src.pool.reservations.begin_handoff(request_id),
+                               undo=src.pool.reservations.end_handoff)
+        this = asyncio.current_task()
+        src.transit.hold_for(blocks, this)
+        page_bytes = src.pool.page_bytes
+        total = len(blocks)
+        try:
+            link = self.links.handoff_link(src.pool.name, target)
+            arenas = {TierKind.DEVICE: src.arenas["device"], TierKind.HOST: src.arenas["host"]}
+            chunk_pages = max(1, int(link.sched.quantum) // page_bytes)
+            chunks = chunk_messages(blocks, arenas, chunk_pages)
+            header = pb.PeerBlocks(
+                request_id=request_id, pool=split(target)[1],
+                block_indices=[b.index for b in blocks], page_bytes=page_bytes,
+                tenant=req.tenant, prompt_tokens=req.prompt_tokens,
+                output_tokens=req.output_tokens, priority=req.priority)
+
+            transfers = []
+
+            def submit(put):
+                def copy(runs):
+                    put(read_chunk(runs, arenas))
+
+                def on_chunk(j: Job):
+                    done = j.bytes_done // page_bytes
+                    progress.put_nowait(self._progress(req, done, total, page_bytes))
+
+                transfer = Transfer(self._handoff_job(req, chunks, page_bytes), chunks,
+                                    copy, asyncio.get_running_loop().create_future(),
+                                    on_chunk=on_chunk)
+                transfers.append(transfer)
+                if chunks:
+                    link.submit(transfer)
+                else:
+                    transfer.future.set_result(None)
+                self._cancel_on(cancel, link, transfer)
+                return transfer.future
+
+            def stop():
+                for transfer in transfers:
+                    if not transfer.future.done():
+                        link.cancel(transfer)
+
+            await BlockSender(self.peers.link(split(target)[0])).send(header, submit, stop)
+            if cancel.is_set():
+                raise TransferCancelled()
+        except BaseException as exc:
+            src.transit.finish_blocks(blocks)
+            src.pool.reservations.end_handoff(blocks)
+            src.room_may_have_changed()
+            self.counts["failed" if not isinstance(exc, (TransferCancelled,
+                                                         asyncio.CancelledError))
+                        else "rolled_back"] += 1
+            log.info("handoff to a peer rolled back", request_id=request_id, target=target,
+                     error=repr(exc))
+            self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
+                                request_id=request_id, reason=f"rolled back: {exc!r}")
+            if isinstance(exc, grpc.RpcError):
+                raise _peer_error(target, exc) from None
+            raise
+        src.transit.finish_blocks(blocks)
+        src.pool.reservations.end_handoff(blocks)
+        self.peers.verdicts.pop(request_id, None)
+        req.handoff_pool = ""  # handed off: nothing to give back at its release here
+        src.pool.release(request_id)
+        self.request_index.pop(request_id, None)
+        src.room_may_have_changed()
+        src.waiters.notify()
+        moved = total * page_bytes
+        self.counts["completed"] += 1
+        self.counts["bytes"] += moved
+        self.events.publish("handoff", pool=target, tenant=req.tenant, request_id=request_id,
+                            count=total, reason="completed")
+        done = self._progress(req, total, total, page_bytes, finished=True)
+        done.update(pool=target, blocks=[])
+        progress.put_nowait(done)
+
+    @staticmethod
+    def _cancel_on(cancel: asyncio.Event, link, transfer) -> None:
+        async def watch():
+            await cancel.wait()
+            if not transfer.future.done():
+                link.cancel(transfer)
+
+        watcher = asyncio.ensure_future(watch())
+        transfer.future.add_done_callback(lambda _: watcher.cancel())
 
     def _handoff_job(self, req: Request, chunks: list[list[tuple]], page_bytes: int) -> Job:
         """A handoff's copies wait on the link as an access does, under the request's cap."""

@@ -23,7 +23,7 @@ from kvd.core.clock import Clock, MonotonicClock
 from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
 from kvd.core.intent import IntentChange
 from kvd.core.prefix import Shares
-from kvd.core.reservation import PoolReserver
+from kvd.core.reservation import PoolReserver, Verdict
 from kvd.events import EventBus, PlanEvents, publish_admitted
 from kvd.handoff import Handoffs
 from kvd import intent_batch
@@ -33,6 +33,7 @@ from kvd.leases import LeaseTable
 from kvd.quotas import Quotas
 from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
+from kvd.peers import Peers, RemoteReserver, Reservers, is_remote, receive_here, reserve_here
 from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
 from kvd.shared import SharedBlocks
 
@@ -65,12 +66,14 @@ class Node:
         self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
         self.link_table = Links(config, self.clock, self._executor, self.pools)
+        self.peers = Peers(config)  # other nodes' kvds, for handoffs across nodes
         self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
-                                 self.link_table, self.events)
+                                 self.link_table, self.events, self.peers)
         self.health = Health(self.pools)
         self.engines = EngineEvents(config.engines)
         # A prefill pool reserves its requests' decode pages in the others through this.
-        reserver = PoolReserver(lambda name: self.pools[name].pool, config.handoff_ttl_s)
+        reserver = Reservers(PoolReserver(lambda name: self.pools[name].pool,
+                                          config.handoff_ttl_s), RemoteReserver(self.peers))
         plan_events = PlanEvents(self.events,
                                  lambda pool, s: STALL_SECONDS.labels(pool).observe(s))
         try:
@@ -135,7 +138,7 @@ class Node:
             where = self.request_index[request_id].pool.name
             raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
         rt = self.runtime(pool)
-        if handoff_pool:
+        if handoff_pool and not is_remote(handoff_pool):
             self.handoffs.check_pair(rt, self.runtime(handoff_pool))
         result = rt.pool.admit(request_id, tenant=tenant or "default",
                                prompt_tokens=prompt_tokens, output_tokens=output_tokens,
@@ -149,6 +152,51 @@ class Node:
                             decision=result.decision, reason=result.reason)
         publish_admitted(self.events, rt.pool.name, rt.pool.admission.take_newly_admitted())
         return result
+
+    async def admit_async(self, request_id: str, *, tenant: str, pool: str,
+                          prompt_tokens: int, output_tokens: int, priority: int,
+                          lease: str = "", handoff_pool: str = "") -> AdmitResult:
+        """admit(), asking a peer first when the handoff pool is another node's: its
+        reservation there is made (or refused) before this node decides."""
+        if is_remote(handoff_pool):
+            if request_id in self.request_index:
+                where = self.request_index[request_id].pool.name
+                raise AlreadyExists(f"request {request_id!r} already exists in pool {where!r}")
+            rt = self.runtime(pool)
+            probe = rt.pool.admission.new_request(request_id, tenant or "default",
+                                                  prompt_tokens, output_tokens, priority,
+                                                  handoff_pool)
+            verdict = await self.peers.reserve(probe, rt.pool.page_bytes,
+                                               rt.pool.block_tokens)
+        result = self.admit(request_id, tenant=tenant, pool=pool, prompt_tokens=prompt_tokens,
+                            output_tokens=output_tokens, priority=priority, lease=lease,
+                            handoff_pool=handoff_pool)
+        if is_remote(handoff_pool) and verdict is Verdict.OK and \
+                result.decision is Decision.REJECTED:
+            self.peers.unreserve(handoff_pool, request_id)  # rejected here for its own reasons
+        return result
+
+    async def retry_peers(self) -> None:
+        """Ask the peers again for requests queued here because a peer said not now; those
+        it reserves for may be admitted."""
+        waiting = [(rt, req) for rt in self.pools.values() for req in rt.pool.queue.values()
+                   if is_remote(req.handoff_pool)
+                   and self.peers.verdicts.get(req.request_id, (None,))[0] is not Verdict.OK]
+        if not waiting:
+            return
+        answers = await asyncio.gather(*(self.peers.reserve(req, rt.pool.page_bytes,
+                                                            rt.pool.block_tokens)
+                                         for rt, req in waiting), return_exceptions=True)
+        for rt in {rt for (rt, _), verdict in zip(waiting, answers) if verdict is Verdict.OK}:
+            admitted = rt.pool.admit_waiting()
+            publish_admitted(self.events, rt.pool.name, admitted)
+            rt.waiters.notify()
+
+    def peer_reserve(self, request) -> object:
+        return reserve_here(self, request)
+
+    async def peer_receive(self, request_iterator) -> int:
+        return await receive_here(self, request_iterator)
 
     async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
                        scope: str | None = None, holder: str = ""
@@ -241,7 +289,9 @@ class Node:
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
         rt.room_may_have_changed()
         del self.request_index[request_id]
-        if req.handoff_pool:  # never handed off: its reservation goes too
+        if is_remote(req.handoff_pool):  # never handed off: the peer's reservation goes
+            self.peers.unreserve(req.handoff_pool, request_id)
+        elif req.handoff_pool:  # never handed off: its reservation goes too
             self.handoffs.drop_reservation(req.handoff_pool, request_id)
         if admitted or freed:
             self.handoffs.kick_queues(rt.pool.name)
@@ -258,6 +308,8 @@ class Node:
             self.handoffs.expire_reservations()
             self.lapse_holds(self.config.hold_s)
             self.check_stuck()
+            if self.peers.verdicts:
+                await self.retry_peers()
             self.note_engine_holdings()
 
     def note_engine_holdings(self) -> None:
@@ -373,4 +425,5 @@ class Node:
                 task.cancel()
         for link in self.links():
             await link.aclose()
+        await self.peers.close()
         await asyncio.get_running_loop().run_in_executor(None, self.close)

@@ -989,3 +989,77 @@ class GetClusterResponse(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[ClusterNode]
     tenants: _containers.RepeatedCompositeFieldContainer[ClusterTenant]
     def __init__(self, enabled: _Optional[bool] = ..., node: _Optional[str] = ..., etcd: _Optional[str] = ..., etcd_up: _Optional[bool] = ..., picture_age_s: _Optional[float] = ..., detail: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNode, _Mapping]]] = ..., tenants: _Optional[_Iterable[_Union[ClusterTenant, _Mapping]]] = ...) -> None: ...
+
+class PeerReserveRequest(_message.Message):
+    __slots__ = ("request_id", "tenant", "pool", "prompt_tokens", "output_tokens", "priority", "page_bytes", "block_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tenant: str
+    pool: str
+    prompt_tokens: int
+    output_tokens: int
+    priority: int
+    page_bytes: int
+    block_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
+
+class PeerReserveResponse(_message.Message):
+    __slots__ = ("decision", "reason")
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    decision: Decision
+    reason: str
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PeerUnreserveRequest(_message.Message):
+    __slots__ = ("request_id", "pool")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool: str
+    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ...) -> None: ...
+
+class PeerUnreserveResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PeerBlocks(_message.Message):
+    __slots__ = ("request_id", "pool", "block_indices", "page_bytes", "tenant", "prompt_tokens", "output_tokens", "priority", "first", "data", "commit")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    pool: str
+    block_indices: _containers.RepeatedScalarFieldContainer[int]
+    page_bytes: int
+    tenant: str
+    prompt_tokens: int
+    output_tokens: int
+    priority: int
+    first: int
+    data: bytes
+    commit: bool
+    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., first: _Optional[int] = ..., data: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...
+
+class PeerReceiveResponse(_message.Message):
+    __slots__ = ("blocks",)
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    blocks: int
+    def __init__(self, blocks: _Optional[int] = ...) -> None: ...

@@ -1296,3 +1296,178 @@ class Admin:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PeerStub:
+    """---------------------------------------------------------------- between kvds
+
+    What one kvd asks of another (a peer) for a handoff across nodes: the prefill node reserves
+    the decode pages on the decode node at admission, and streams the request's pages to it
+    when its prefill is done. Callers present the peer's admin token (over TLS).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reserve = channel.unary_unary(
+                '/kvd.v1.Peer/Reserve',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.PeerReserveRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.PeerReserveResponse.FromString,
+                _registered_method=True)
+        self.Unreserve = channel.unary_unary(
+                '/kvd.v1.Peer/Unreserve',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.PeerUnreserveRequest.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.PeerUnreserveResponse.FromString,
+                _registered_method=True)
+        self.Receive = channel.stream_unary(
+                '/kvd.v1.Peer/Receive',
+                request_serializer=kvd__api_dot_v1_dot_kvd__pb2.PeerBlocks.SerializeToString,
+                response_deserializer=kvd__api_dot_v1_dot_kvd__pb2.PeerReceiveResponse.FromString,
+                _registered_method=True)
+
+
+class PeerServicer:
+    """---------------------------------------------------------------- between kvds
+
+    What one kvd asks of another (a peer) for a handoff across nodes: the prefill node reserves
+    the decode pages on the decode node at admission, and streams the request's pages to it
+    when its prefill is done. Callers present the peer's admin token (over TLS).
+    """
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Unreserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Receive(self, request_iterator, context):
+        """The pages, in order: the first message names the request and its blocks; the last says
+        commit. A stream that ends (or is cut) before its commit leaves nothing behind.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PeerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.PeerReserveRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.PeerReserveResponse.SerializeToString,
+            ),
+            'Unreserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unreserve,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.PeerUnreserveRequest.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.PeerUnreserveResponse.SerializeToString,
+            ),
+            'Receive': grpc.stream_unary_rpc_method_handler(
+                    servicer.Receive,
+                    request_deserializer=kvd__api_dot_v1_dot_kvd__pb2.PeerBlocks.FromString,
+                    response_serializer=kvd__api_dot_v1_dot_kvd__pb2.PeerReceiveResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvd.v1.Peer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvd.v1.Peer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Peer:
+    """---------------------------------------------------------------- between kvds
+
+    What one kvd asks of another (a peer) for a handoff across nodes: the prefill node reserves
+    the decode pages on the decode node at admission, and streams the request's pages to it
+    when its prefill is done. Callers present the peer's admin token (over TLS).
+    """
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/Reserve',
+            kvd__api_dot_v1_dot_kvd__pb2.PeerReserveRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.PeerReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unreserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvd.v1.Peer/Unreserve',
+            kvd__api_dot_v1_dot_kvd__pb2.PeerUnreserveRequest.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.PeerUnreserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Receive(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvd.v1.Peer/Receive',
+            kvd__api_dot_v1_dot_kvd__pb2.PeerBlocks.SerializeToString,
+            kvd__api_dot_v1_dot_kvd__pb2.PeerReceiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

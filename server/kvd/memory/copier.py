@@ -101,3 +101,21 @@ def page_runs(moves):
                 continue
         runs.append([src_tier, src_page, dst_tier, dst_page, 1])
     return [tuple(run) for run in runs]
+
+
+def read_pages(arena, page: int, num: int) -> bytes:
+    """num consecutive pages of an arena as bytes (to send them to another node)."""
+    if arena.backend == "cupy":
+        import cupy
+
+        return cupy.asnumpy(arena.pages[page:page + num]).tobytes()
+    return arena.pages[page:page + num].tobytes()
+
+
+def write_pages(arena, page: int, data: bytes) -> None:
+    """Whole pages of bytes (from another node) into consecutive pages of an arena."""
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(-1, arena.page_bytes)
+    if arena.backend == "cupy":
+        arena.pages[page:page + len(rows)].set(rows)
+    else:
+        arena.pages[page:page + len(rows)] = rows

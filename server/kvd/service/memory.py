@@ -71,7 +71,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                 f"caller is tenant {caller.tenant!r}; it cannot admit for {tenant!r}")
         for pool in (request.pool or "default", request.handoff_pool):
             self._may_use(pool, tenant)
-        result = self.node.admit(
+        result = await self.node.admit_async(
             caller.ns + request.request_id,
             tenant=tenant,
             lease=caller.lease,

@@ -98,7 +98,9 @@ class Streams:
                     caller.ns + request.request_id, request.target_pool, caller.scope,
                     caller.holder)) as progress:
                 async for p in progress:
-                    page_bytes = self.node.runtime(p["pool"]).pool.page_bytes
+                    # A peer's pool (PEER/POOL): its handles are the peer's to give.
+                    page_bytes = (0 if "/" in p["pool"]
+                                  else self.node.runtime(p["pool"]).pool.page_bytes)
                     await context.write(pb.HandoffProgress(
                         request_id=p["request_id"][ns:], pool=p["pool"],
                         blocks_done=p["blocks_done"], blocks_total=p["blocks_total"],

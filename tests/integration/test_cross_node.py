@@ -1,0 +1,197 @@
+"""A prefill pool on one kvd handing off to a decode pool on another (a peer, over TCP with
+TLS): the decode pages are reserved on the peer at admission (or the peer's reason comes
+back), the pages arrive byte for byte under the inter-node link's budget keeping the engine's
+block indices, and a handoff cut short leaves the request whole where it was and nothing on
+the peer."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvd_client import AsyncClient, pb
+from kvd_client.arena import MappedPool
+from kvd_loadgen.local import LocalKvd
+
+from .test_tls import _port, pki  # noqa: F401 (a fixture)
+
+PAGE = 16 * 1024  # tiny pages: 16 tokens of 1 KiB
+
+
+def _peers(tmp_path, pki, *, link: str = "64MiB/s", decode_pages: int = 16,  # noqa: F811
+           decode_host_pages: int = 64):
+    port = _port()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "kvd.toml").write_text(f"""
+[server]
+tcp = "127.0.0.1:{port}"
+tls_cert = "{pki}/server.pem"
+tls_key = "{pki}/server.key"
+[auth]
+admin_token = "b-admin-token-0123456789"
+[[pool]]
+name = "decode"
+page_bytes = {PAGE}
+block_tokens = 16
+device_pages = {decode_pages}
+host_pages = {decode_host_pages}
+""")
+    (tmp_path / "a" / "kvd.toml").write_text(f"""
+[[pool]]
+name = "prefill"
+page_bytes = {PAGE}
+block_tokens = 16
+device_pages = 64
+host_pages = 64
+[[peer]]
+name = "b"
+address = "127.0.0.1:{port}"
+token = "b-admin-token-0123456789"
+tls_ca = "{pki}/ca.pem"
+[[link]]
+source = "prefill"
+target = "b/decode"
+bandwidth = "{link}"
+""")
+    a = LocalKvd("--config", str(tmp_path / "a" / "kvd.toml"), workdir=tmp_path / "a")
+    b = LocalKvd("--config", str(tmp_path / "b" / "kvd.toml"), workdir=tmp_path / "b")
+    return a, b
+
+
+async def _write_blocks(client: AsyncClient, rid: str, num: int, seed: int) -> dict[int, bytes]:
+    """The prefill engine writes a distinct pattern into each of the request's blocks."""
+    mapped = MappedPool(await client.export_pool("prefill"))
+    try:
+        handles = (await client.allocate(rid, num)).handles
+        rng = np.random.default_rng(seed)
+        written = {}
+        for h in handles:
+            page = mapped.page(h)
+            page[:] = rng.integers(0, 256, page.size, dtype=np.uint8)
+            written[h.block_index] = page.tobytes()
+        return written
+    finally:
+        mapped.close()
+
+
+async def _read_blocks(client: AsyncClient, rid: str, pool: str) -> dict[int, bytes]:
+    mapped = MappedPool(await client.export_pool(pool))
+    try:
+        return {h.block_index: mapped.page(h).tobytes()
+                for h in (await client.access(rid)).handles}
+    finally:
+        mapped.close()
+
+
+async def _requests(client: AsyncClient) -> dict[str, str]:
+    return {r.request_id: r.state for r in await client.list_requests()}
+
+
+async def test_a_handoff_across_nodes_delivers_the_pages_byte_for_byte(tmp_path, pki):  # noqa: F811
+    a, b = _peers(tmp_path, pki)
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            admitted = await ca.admit("r1", prompt_tokens=10 * 16, output_tokens=32,
+                                      pool="prefill", handoff_pool="b/decode", tenant="chat")
+            assert admitted.decision == pb.DECISION_ADMITTED, admitted
+            assert (await _requests(cb)) == {"r1": "reserved"}  # 12 pages held on b
+            written = await _write_blocks(ca, "r1", 10, seed=1)
+            progress = [p async for p in ca.handoff("r1")]
+            assert progress[-1].done and progress[-1].blocks_done == 10
+            assert progress[-1].pool == "b/decode"
+            assert "r1" not in await _requests(ca)  # it left this node
+            assert (await _requests(cb)) == {"r1": "admitted"}
+            received = await _read_blocks(cb, "r1", "decode")
+            assert received == written  # every page, at the engine's own block indices
+            (link,) = [l for l in await ca.list_links() if l.link == "prefill->b/decode"]
+            assert link.bytes_total == 10 * PAGE
+            assert {t.tenant: t.bytes for t in link.tenants} == {"chat": 10 * PAGE}
+
+
+async def test_the_peer_refuses_cleanly_and_its_reason_comes_back(tmp_path, pki):  # noqa: F811
+    a, b = _peers(tmp_path, pki, decode_pages=16, decode_host_pages=4)  # 20 pages in all
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            never = await ca.admit("huge", prompt_tokens=20 * 16, output_tokens=0,
+                                   pool="prefill", handoff_pool="b/decode")
+            assert never.decision == pb.DECISION_REJECTED
+            assert "can never be resident" in never.reason and "b/decode" in never.reason
+            held = await ca.admit("first", prompt_tokens=12 * 16, output_tokens=0,
+                                  pool="prefill", handoff_pool="b/decode")
+            assert held.decision == pb.DECISION_ADMITTED
+            later = await ca.admit("second", prompt_tokens=9 * 16, output_tokens=0,
+                                   pool="prefill", handoff_pool="b/decode")
+            assert later.decision == pb.DECISION_QUEUED, later
+            assert "b/decode" in later.reason and "unreserved" in later.reason
+            assert set(await _requests(cb)) == {"first"}  # nothing held for the queued one
+            await ca.release("first")  # its reservation on b goes back...
+            for _ in range(100):  # ...and a asks b again for the queued one
+                if (await _requests(ca)).get("second") == "admitted":
+                    break
+                await asyncio.sleep(0.05)
+            assert (await _requests(ca)).get("second") == "admitted"
+            assert await _requests(cb) == {"second": "reserved"}
+
+
+async def test_a_handoff_cut_short_leaves_the_request_whole_and_nothing_on_the_peer(
+        tmp_path, pki):  # noqa: F811
+    # 16 pages of 16 KiB at 64 KiB/s: four seconds of copying, cut after one.
+    a, b = _peers(tmp_path, pki, link="64KiB/s")
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            await ca.admit("r", prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
+                           handoff_pool="b/decode")
+            written = await _write_blocks(ca, "r", 16, seed=2)
+            free_before = (await cb.pool_stats("decode")).pools[0].tiers[0]
+
+            async def hand_off():
+                return [p async for p in ca.handoff("r")]
+
+            call = asyncio.ensure_future(hand_off())
+            await asyncio.sleep(1.0)
+            call.cancel()  # the engine gave up: a cancels, the stream to b is cut
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            for _ in range(100):
+                if "r" not in await _requests(cb):
+                    break
+                await asyncio.sleep(0.05)
+            assert "r" not in await _requests(cb)
+            after = (await cb.pool_stats("decode")).pools[0].tiers[0]
+            assert after.used_pages == free_before.used_pages == 0
+            assert (await _requests(ca)) == {"r": "admitted"}
+            assert await _read_blocks(ca, "r", "prefill") == written  # whole, untouched
+            assert (await cb.self_check()).ok and (await ca.self_check()).ok
+            # The same handoff, let run, then completes.
+            done = [p async for p in ca.handoff("r")]
+            assert done[-1].done
+            assert await _read_blocks(cb, "r", "decode") == written
+
+
+async def test_the_peer_rolls_back_when_the_sender_dies_mid_stream(tmp_path, pki):  # noqa: F811
+    a, b = _peers(tmp_path, pki, link="64KiB/s")
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            await ca.admit("r", prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
+                           handoff_pool="b/decode")
+            await _write_blocks(ca, "r", 16, seed=3)
+
+            async def hand_off():
+                return [p async for p in ca.handoff("r")]
+
+            call = asyncio.ensure_future(hand_off())
+            await asyncio.sleep(1.0)
+            a.proc.send_signal(signal.SIGKILL)
+            with pytest.raises(Exception):
+                await call
+            deadline = time.monotonic() + 10
+            while "r" in await _requests(cb) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert "r" not in await _requests(cb)
+            assert (await cb.pool_stats("decode")).pools[0].tiers[0].used_pages == 0
+            assert (await cb.self_check()).ok
