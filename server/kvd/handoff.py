@@ -336,7 +336,8 @@ class Handoffs:
 
             def submit(put):
                 def copy(runs):
-                    put(read_chunk(runs, arenas))
+                    for message in read_chunk(runs, arenas):
+                        put(message)
 
                 def on_chunk(j: Job):
                     done = j.bytes_done // page_bytes

@@ -240,12 +240,11 @@ def chunk_messages(blocks, arenas: dict, chunk_pages: int) -> list[list[tuple]]:
     return chunk_runs(page_runs(pairs), chunk_pages) if pairs else []
 
 
-def read_chunk(runs, arenas: dict) -> pb.PeerBlocks:
-    """One chunk's pages, in order (runs of consecutive ordinals), as one message."""
-    first = runs[0][3]
-    data = b"".join(read_pages(arenas[src_tier], src_page, num)
-                    for src_tier, src_page, _dst, _ordinal, num in runs)
-    return pb.PeerBlocks(first=first, data=data)
+def read_chunk(runs, arenas: dict) -> list[pb.PeerBlocks]:
+    """One chunk's pages as messages, one a run: a run's pages are consecutive blocks of the
+    request (the runs of a chunk are not in block order)."""
+    return [pb.PeerBlocks(first=ordinal, data=read_pages(arenas[src_tier], src_page, num))
+            for src_tier, src_page, _dst, ordinal, num in runs]
 
 
 # ---------------------------------------------------------------------- the receiving side
@@ -387,7 +386,10 @@ async def receive_here(node, request_iterator) -> int:
             if message.data:
                 num = len(message.data) // pool.page_bytes
                 if (len(message.data) % pool.page_bytes or message.first + num > len(pages)):
-                    raise InvalidArgument("pages out of range, or not whole")
+                    raise InvalidArgument(
+                        f"pages {message.first}..{message.first + num - 1} of a request of "
+                        f"{len(pages)}, {len(message.data)} bytes: out of range, or not "
+                        "whole pages")
                 for i in range(num):  # consecutive ordinals, not always consecutive pages
                     page_data = message.data[i * pool.page_bytes:(i + 1) * pool.page_bytes]
                     write_pages(device, pages[message.first + i], page_data)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -111,6 +114,11 @@ async def test_a_handoff_across_nodes_delivers_the_pages_byte_for_byte(tmp_path,
             (link,) = [l for l in await ca.list_links() if l.link == "prefill->b/decode"]
             assert link.bytes_total == 10 * PAGE
             assert {t.tenant: t.bytes for t in link.tenants} == {"chat": 10 * PAGE}
+        shown = subprocess.run([str(Path(sys.executable).with_name("kvctl")), "--target",
+                                a.target, "cluster"], capture_output=True, text=True,
+                               timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert "prefill->b/decode" in shown.stdout and "chat 0.2 MiB" in shown.stdout
 
 
 async def test_the_peer_refuses_cleanly_and_its_reason_comes_back(tmp_path, pki):  # noqa: F811
@@ -195,3 +203,27 @@ async def test_the_peer_rolls_back_when_the_sender_dies_mid_stream(tmp_path, pki
             assert "r" not in await _requests(cb)
             assert (await cb.pool_stats("decode")).pools[0].tiers[0].used_pages == 0
             assert (await cb.self_check()).ok
+
+
+async def test_handoffs_of_pages_scattered_in_the_arena_arrive_in_block_order(tmp_path,
+                                                                              pki):  # noqa: F811
+    """After a few requests came and went, a request's blocks sit on pages in no particular
+    order, and a chunk's runs of pages are not in block order: each must land at its own
+    block (the first handoff of a fresh pool always had them in order)."""
+    a, b = _peers(tmp_path, pki, link="8MiB/s")
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            for i in range(5):
+                rid = f"r{i}"
+                await ca.admit(rid, prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
+                               handoff_pool="b/decode")
+                if i % 2:  # another request in between: the free pages interleave
+                    await ca.admit(f"x{i}", prompt_tokens=3 * 16, output_tokens=0,
+                                   pool="prefill")
+                    await ca.allocate(f"x{i}", 3)
+                written = await _write_blocks(ca, rid, 16, seed=10 + i)
+                await ca.handoff_all(rid)
+                assert await _read_blocks(cb, rid, "decode") == written, rid
+                await cb.release(rid)
+                if i % 2:
+                    await ca.release(f"x{i}")
