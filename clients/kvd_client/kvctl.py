@@ -220,12 +220,24 @@ def _rate(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 8GiB/s)") from None
 
 
-def cluster_tables(view: pb.GetClusterResponse):
-    """Nodes, then tenants' cluster usage against their share and each node's part."""
+def cluster_tables(view: pb.GetClusterResponse, peer_links=()):
+    """Nodes, tenants' cluster usage against their share and each node's part, and the links
+    from this node to its peers' pools."""
     from rich.console import Group
 
+    links = None
+    if peer_links:
+        links = Table(title="links to other nodes' pools (handoffs across nodes)")
+        for col in ("link", "capacity", "utilisation", "moved", "queued", "bytes by tenant"):
+            links.add_column(col, justify="left" if col == "link" else "right")
+        for link in peer_links:
+            links.add_row(link.link, f"{link.capacity_bytes_per_s / 2**20:,.0f} MiB/s",
+                          f"{link.utilisation:.0%}", f"{link.bytes_total / 2**20:,.1f} MiB",
+                          str(sum(q.transfers for q in link.queues)),
+                          ", ".join(f"{t.tenant} {t.bytes / 2**20:,.1f} MiB"
+                                    for t in link.tenants))
     if not view.enabled:
-        return view.detail
+        return Group(view.detail, links) if links else view.detail
     etcd = "reachable" if view.etcd_up else "UNREACHABLE"
     nodes = Table(title=f"cluster as node {view.node} sees it — etcd {view.etcd} {etcd}"
                   + ("" if view.etcd_up else f" ({view.detail})"))
@@ -246,7 +258,7 @@ def cluster_tables(view: pb.GetClusterResponse):
         tenants.add_row(t.pool, t.tenant, f"{t.weight:g}", str(t.guaranteed_pages),
                         str(t.limit_pages or "none"), str(t.reserved_pages),
                         str(t.demand_pages), f"{t.share_pages:.1f}", parts)
-    return Group(nodes, tenants)
+    return Group(nodes, tenants, *([links] if links else []))
 
 
 def _finite(text: str) -> float:
@@ -403,7 +415,13 @@ def _run(args, client: Client, out: Console) -> int:
                                    reset=args.reset, **fields)
         _show(args, out, tenants, tenants_table)
     elif cmd == "cluster":
-        _show(args, out, client.get_cluster(args.pool), cluster_tables)
+        view = client.get_cluster(args.pool)
+        peer_links = [link for link in client.list_links() if "/" in link.link]
+        if args.json:
+            print(json.dumps({**_json(view), "peer_links": [_json(l) for l in peer_links]},
+                             indent=2))
+        else:
+            out.print(cluster_tables(view, peer_links))
     elif cmd == "self-check":
         problems = list(client.self_check().problems)
         if args.json:

@@ -75,6 +75,12 @@ def _disagg(args) -> int:
     return run_cli(args)
 
 
+def _cluster(args) -> int:
+    from kvd_loadgen.cluster import run_cli
+
+    return run_cli(args)
+
+
 def _request_trace(args) -> int:
     from kvd_loadgen.request_trace import run_cli
 
@@ -213,12 +219,25 @@ class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+def _cluster_parser(sub) -> None:
+    cl = sub.add_parser("cluster", help="three kvds and an etcd: cluster quotas, handoffs "
+                        "across nodes, a node killed, etcd stopped and restarted")
+    cl.add_argument("--duration-s", type=float, default=24.0,
+                    help="node c dies at a third of it; etcd is away from half to two thirds")
+    cl.add_argument("--link-mib-s", type=float, default=8.0,
+                    help="each of a's links to b's and c's decode pools")
+    cl.add_argument("--chat-limit", type=int, default=300, help="chat's cluster limit, pages")
+    cl.add_argument("--json", type=Path)
+    cl.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
+    cl.set_defaults(func=_cluster)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvd-loadgen", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_demo_parser, _bench_parser, _replay_intents_parser, _whale_minnows_parser,
                 _soak_parser, _request_trace_parser, _bandwidth_hog_parser, _hostile_parser,
-                _disagg_parser):
+                _disagg_parser, _cluster_parser):
         add(sub)
     for command in sub.choices.values():  # every option's default in its --help
         command.formatter_class = _WithDefaults

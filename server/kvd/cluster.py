@@ -165,8 +165,6 @@ class ClusterMember:
 
     async def _watch(self) -> None:
         """Reconcile at once when a node joins or leaves (its key is created or deleted)."""
-        import aetcd
-
         try:
             watch = await self._client.watch_prefix(f"{self.prefix}/nodes/".encode())
             async for event in watch:

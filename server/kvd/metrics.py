@@ -239,7 +239,8 @@ def _link_families(links: list[LinkFigures]):
 
 def _node_families(figures: NodeFigures):
     hand = _counter("kvd_handoffs", "Handoffs by outcome (completed, rolled_back, failed, "
-                    "refused, cancelled, reservations_expired)", ["outcome"])
+                    "refused, cancelled, reservations_expired; received and received_rolled_back "
+                    "from peers)", ["outcome"])
     for outcome, n in figures.handoffs.items():
         if outcome != "bytes":
             hand.add_metric([outcome], n)

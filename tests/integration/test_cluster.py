@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from kvd_client import AsyncClient, pb
+from kvd_loadgen.etcd import LocalEtcd, etcd_binary
 from kvd_loadgen.local import LocalKvd
 
-ETCD = shutil.which("etcd")
+ETCD = etcd_binary()
 needs_etcd = pytest.mark.skipif(
     ETCD is None, reason="no etcd: `make test` installs Debian's etcd-server where it runs as "
     "root with apt; elsewhere install etcd (v3 API)")
@@ -31,43 +30,8 @@ RECONCILE_S = 0.2
 LIMIT = 40  # chat's cluster limit, pages
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Etcd:
-    """One etcd member on loopback; stop() and start() keep its data (a restart)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.data = workdir / "etcd-data"
-        self.client_port, self.peer_port = _free_port(), _free_port()
-        self.address = f"127.0.0.1:{self.client_port}"
-        self.log = workdir / "etcd.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Etcd:
-        url, peer = f"http://{self.address}", f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            [ETCD, "--name", "test", "--data-dir", str(self.data),
-             "--listen-client-urls", url, "--advertise-client-urls", url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"test={peer}"],
-            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"etcd did not start:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(10)
+class Etcd(LocalEtcd):
+    """The cluster tests' etcd (and test_operations' when it is here)."""
 
 
 @pytest.fixture

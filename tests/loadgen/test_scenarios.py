@@ -91,3 +91,27 @@ def test_utilisation_series():
     samples = [{"t": t, "links": {"l": {"capacity": 100.0, "bytes": b}}}
                for t, b in ((0.0, 0), (1.0, 50), (2.0, 150))]
     assert utilisation_series(samples, "l") == ([1.0, 2.0], [0.5, 1.0])
+
+
+@pytest.mark.skipif(__import__("shutil").which("etcd") is None,
+                    reason="no etcd: `make test` installs Debian's etcd-server where it can")
+async def test_cluster_small(tmp_path):
+    """Three kvds and etcd, shortened: the quota holds, handoffs go both ways, the killed
+    node leaves, etcd's absence is survived and the nodes converge."""
+    from kvd_loadgen import cluster
+
+    # c's lease lapses (2 s) before etcd goes away.
+    s = cluster.ClusterScenario(duration_s=13.0, kill_at_s=3.0, etcd_stop_at_s=7.0,
+                                etcd_start_at_s=9.0)
+    out = await cluster.run(s)
+    a = cluster.analyse(out)
+    print(a)
+    assert set(out["events"]) == {"c killed", "etcd stopped", "etcd started"}
+    assert a["chat_max"] > s.chat_limit // 2 and a["chat_over"] <= 96
+    assert a["left_after_s"] is not None and a["left_after_s"] <= s.lease_ttl_s + 1.5
+    assert a["converged_after_s"] is not None and a["converged_after_s"] <= 5.0
+    assert out["handoffs"]["b"]["completed"] > 0 and out["handoffs"]["c"]["completed"] > 0
+    assert out["handoffs"]["b"]["failed"] == 0  # b lives throughout
+    report = cluster.build_report(out)
+    report.write(tmp_path / "cluster")
+    assert_report(tmp_path / "cluster", "Three nodes and etcd")
