@@ -11,12 +11,13 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from kvd_client import AsyncClient, pb
-from kvd_loadgen.etcd import LocalEtcd, etcd_binary
+from kvd_loadgen.etcd import LocalEtcd, etcd_binary, free_port as _port
 from kvd_loadgen.local import LocalKvd
 
 ETCD = etcd_binary()
@@ -41,7 +42,7 @@ def etcd(tmp_path):
     server.stop()
 
 
-def node(tmp_path: Path, etcd: Etcd, name: str) -> LocalKvd:
+def node(tmp_path: Path, etcd: Etcd, name: str, *args: str) -> LocalKvd:
     workdir = tmp_path / name
     workdir.mkdir()
     config = workdir / "kvd.toml"
@@ -61,7 +62,7 @@ name = "chat"
 [tenant.cluster]
 limit = {LIMIT}
 """)
-    return LocalKvd("--config", str(config), workdir=workdir)
+    return LocalKvd("--config", str(config), *args, workdir=workdir)
 
 
 async def _wait_for(predicate, timeout_s: float, what: str):
@@ -180,12 +181,27 @@ async def _admitted(client: AsyncClient, request_id: str) -> bool:
 
 @needs_etcd
 async def test_etcd_down_then_up_decisions_continue_then_converge(tmp_path, etcd):
-    with node(tmp_path, etcd, "a") as a, node(tmp_path, etcd, "b") as b:
+    port = _port()
+    with node(tmp_path, etcd, "a", "--metrics", f"127.0.0.1:{port}") as a, \
+            node(tmp_path, etcd, "b") as b:
         async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
             await _wait_for(lambda: _members_are(ca, {"a", "b"}), 10, "a sees a and b")
+            events = []
+
+            async def watch():
+                async for event in ca.watch_events(kinds=["cluster"]):
+                    events.append(event.detail["change"])
+
+            watcher = asyncio.ensure_future(watch())
+            await asyncio.sleep(0.2)
             etcd.stop()
             view = await _wait_for(lambda: _etcd_down(ca), 5, "a notices etcd is away")
             assert "unreachable" in view.detail and "deciding on the picture" in view.detail
+            # Said so: /healthz (still 200: alive), the metric, the event, the log (below).
+            health = urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz").read().decode()
+            assert health.startswith("ok\n") and "unreachable" in health
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+            assert "kvd_cluster_etcd_up 0.0" in metrics
             # Decisions go on, on the last picture: a's part of the limit is 20 pages.
             admitted = [await ca.admit(f"a{i}", 64, tenant="chat") for i in range(6)]
             assert [r.decision for r in admitted].count(pb.DECISION_ADMITTED) == 5
@@ -196,15 +212,24 @@ async def test_etcd_down_then_up_decisions_continue_then_converge(tmp_path, etcd
             await _wait_for(lambda: _etcd_back(ca), 10, "a reaches etcd again")
             await _wait_for(lambda: _etcd_back(cb), 10, "b reaches etcd again")
             await _wait_for(lambda: _members_are(cb, {"a", "b"}), 5, "b sees both again")
-            # Converged: b's picture has a's 20 pages, so b may reserve only the rest.
-            await _wait_for(lambda: _reserved_seen(cb, "a", 20), 5, "b sees a's pages")
+            # Converged: a's part of the limit grows where its request waits (it is admitted),
+            # and b's picture has a's 24 pages, so b may reserve only the rest.
+            await _wait_for(lambda: _admitted(ca, "a5"), 5, "a admits its waiting request")
+            await _wait_for(lambda: _reserved_seen(cb, "a", 24), 5, "b sees a's pages")
             view_b = await cb.get_cluster()
             (chat,) = view_b.tenants
-            assert chat.reserved_pages == 20
+            assert chat.reserved_pages == 24
             assert sum(n.may_reserve_pages for n in chat.nodes) <= LIMIT
+            await _wait_for(lambda: _has(events, "etcd_back"), 5, "the event etcd_back")
+            watcher.cancel()
+            assert events[:2] == ["etcd_lost", "etcd_back"]
     log = a.log()
     assert '"etcd unreachable; deciding on the last picture of the cluster"' in log
     assert '"etcd reachable again; converging"' in log
+
+
+async def _has(items: list, item) -> bool:
+    return item in items
 
 
 async def _etcd_down(client: AsyncClient):

@@ -227,3 +227,39 @@ async def test_handoffs_of_pages_scattered_in_the_arena_arrive_in_block_order(tm
                 await cb.release(rid)
                 if i % 2:
                     await ca.release(f"x{i}")
+
+
+async def test_tenants_share_the_link_to_a_peer_by_weight(tmp_path, pki):  # noqa: F811
+    """Two tenants handing off at once over a capped link to the peer: by weight, 3:1, as on
+    a local link; the link runs at its cap."""
+    a, b = _peers(tmp_path, pki, link="1MiB/s", decode_pages=128)
+    config = tmp_path / "a" / "kvd.toml"
+    config.write_text(config.read_text() + '\n[[tenant]]\nname = "gold"\nweight = 3\n'
+                      '[[tenant]]\nname = "bronze"\nweight = 1\n')
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            for tenant in ("gold", "bronze"):
+                for i in range(2):  # 2 x 24 pages each: 768 KiB a tenant, backlogged
+                    rid = f"{tenant}{i}"
+                    admitted = await ca.admit(rid, prompt_tokens=24 * 16, output_tokens=0,
+                                              pool="prefill", handoff_pool="b/decode",
+                                              tenant=tenant)
+                    assert admitted.decision == pb.DECISION_ADMITTED, admitted
+                    await ca.allocate(rid, 24)
+
+            async def hand_off(rid):
+                return await ca.handoff_all(rid)
+
+            tasks = [asyncio.ensure_future(hand_off(f"{t}{i}"))
+                     for t in ("gold", "bronze") for i in range(2)]
+            started = time.monotonic()
+            await asyncio.sleep(0.8)  # both backlogged: bronze's 768 KiB not yet through
+            (link,) = [l for l in await ca.list_links() if l.link == "prefill->b/decode"]
+            elapsed = time.monotonic() - started
+            by_tenant = {t.tenant: t.bytes for t in link.tenants}
+            await asyncio.gather(*tasks)
+            assert len(await _requests(cb)) == 4
+    gold, bronze = by_tenant.get("gold", 0), by_tenant.get("bronze", 0)
+    # 3:1 within a page or two at this size (56 pages counted: 42:14 is 3.0, 44:12 is 3.7)
+    assert 2.4 <= gold / max(bronze, 1) <= 4.0, by_tenant
+    assert (gold + bronze) / elapsed >= 0.8 * 2**20  # at its cap while both wait
