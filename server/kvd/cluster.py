@@ -195,11 +195,16 @@ class ClusterMember:
                                       tenancy.kept_by_tenant)
             tenants = {t for t in set(reserved) | set(queued) | set(kept)
                        if reserved[t] or queued[t] or kept[t]}
+            smallest: dict[str, int] = {}
+            for req in rt.pool.queue.values():
+                pages = req.projected_pages
+                if pages < smallest.get(req.tenant, pages + 1):
+                    smallest[req.tenant] = pages
             out[rt.pool.name] = NodeReport(
                 self.name, rt.pool.device.capacity,
                 {t: int(reserved[t]) for t in tenants if reserved[t]},
                 {t: int(queued[t]) for t in tenants if queued[t]},
-                {t: int(reserved[t] + queued[t] + kept[t]) for t in tenants})
+                {t: int(reserved[t] + queued[t] + kept[t]) for t in tenants}, smallest)
         return out
 
     def quotas(self, pool: str) -> dict[str, ClusterQuota]:

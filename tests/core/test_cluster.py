@@ -21,7 +21,8 @@ def pictures(draw):
         queued = {t: draw(st.integers(0, 300)) for t in TENANTS if draw(st.booleans())}
         demand = {t: reserved.get(t, 0) + queued.get(t, 0) + draw(st.integers(0, 50))
                   for t in set(reserved) | set(queued)}
-        reports.append(NodeReport(f"n{i}", capacity, reserved, queued, demand))
+        smallest = {t: draw(st.integers(1, n)) for t, n in queued.items() if n}
+        reports.append(NodeReport(f"n{i}", capacity, reserved, queued, demand, smallest))
     quotas = {t: ClusterQuota(weight=draw(st.sampled_from([0.5, 1.0, 3.0])),
                               guaranteed=draw(st.integers(0, 200)),
                               limit=draw(st.one_of(st.none(), st.integers(0, 900))))
@@ -45,7 +46,7 @@ def test_the_nodes_parts_add_up_to_the_cluster_quota(picture):
             # (a node never takes back what it reserved; it only stops adding).
             total = sum(p.may_reserve for p in parts)
             assert total <= max(quota.limit, reserved)
-            assert quota.limit - total < len(reports) + 1  # rounding, not waste
+            assert quota.limit - total < len(reports) + 1 or reserved > quota.limit  # rounding
             for r, p in zip(reports, parts):
                 assert p.may_reserve >= r.reserved.get(tenant, 0)
             assert parts[0].share <= quota.limit + 1e-6
@@ -68,3 +69,22 @@ def test_a_tenant_gets_its_cluster_share_where_its_demand_is():
     assert (a.guaranteed, b.guaranteed, c.guaranteed) == (37, 12, 0)  # 50 split 60:20:0
     # 20 of its 50 are unreserved: a, where 50 pages wait, gets most of them.
     assert (a.may_reserve, b.may_reserve, c.may_reserve) == (10 + 19, 20 + 0, 0 + 0)
+
+
+def test_a_small_queue_beside_a_large_one_gets_room_for_its_request():
+    """Split by pages waiting alone, a's 250 pages of queue took all but 2 of the 40 free
+    pages, and c, with one 30-page request waiting, never got enough for it."""
+    reports = [NodeReport("a", 256, {"t": 200}, {"t": 250}, {"t": 450}, {"t": 16}),
+               NodeReport("b", 256, {"t": 60}, {}, {"t": 60}),
+               NodeReport("c", 256, {}, {"t": 30}, {"t": 30}, {"t": 30})]
+    quotas = {"t": ClusterQuota(limit=300)}
+    parts = {n: entitlements(n, reports, quotas)["t"].may_reserve - r.reserved.get("t", 0)
+             for n, r in zip("abc", reports)}
+    assert parts["c"] >= 30  # c, served least (none of its 30 pages), admits its request
+    assert sum(parts.values()) <= 40
+    # Once c holds its 30 pages, a (200 of 450) comes first.
+    reports[2] = NodeReport("c", 256, {"t": 30}, {"t": 30}, {"t": 60}, {"t": 30})
+    reports[0] = NodeReport("a", 256, {"t": 200}, {"t": 250}, {"t": 450}, {"t": 6})
+    parts = {n: entitlements(n, reports, quotas)["t"].may_reserve - r.reserved.get("t", 0)
+             for n, r in zip("abc", reports)}
+    assert parts["a"] >= 6 and sum(parts.values()) <= 10

@@ -11,11 +11,13 @@ result through the tenants' quotas.
   serve another tenant; a node whose entitlements add up past its capacity scales them down,
   as it does guarantees it was given).
 - A cluster limit L: what is not reserved yet anywhere, L - sum(reserved), is split between
-  the nodes by where requests wait (each node one share more, so a request arriving on a calm
-  node is not refused outright); a node may reserve for the tenant what it has reserved plus
-  its part. Every node computes this from the same picture, so the parts add up to L; a node's
-  picture of the others is at most one reconcile interval old, so the tenant can pass L by at
-  most what the other nodes reserved in that interval.
+  the nodes: first each node with requests waiting gets room for its smallest one, the node
+  whose demand is least served first, while the room lasts (split by pages alone, a small
+  queue beside a large one never got enough for a whole request); the rest by where
+  requests wait (each node one share more, so a request arriving on a calm node is not
+  refused outright). A node may reserve for the tenant what it has reserved plus its part. Every node computes this from the same picture,
+  so the parts add up to L; a node's picture of the others is at most one reconcile interval
+  old, so the tenant can pass L by at most what the other nodes reserved in that interval.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ class NodeReport:
     reserved: dict[str, int] = field(default_factory=dict)  # tenant -> pages reserved
     queued: dict[str, int] = field(default_factory=dict)  # tenant -> pages waiting
     demand: dict[str, int] = field(default_factory=dict)  # reserved + queued + kept
+    smallest: dict[str, int] = field(default_factory=dict)  # its smallest waiting request
 
     def to_json(self) -> dict:
         return {"capacity": self.capacity, "reserved": self.reserved, "queued": self.queued,
-                "demand": self.demand}
+                "demand": self.demand, "smallest": self.smallest}
 
     @classmethod
     def from_json(cls, node: str, data: dict) -> NodeReport:
@@ -46,7 +49,7 @@ class NodeReport:
             return {str(t): max(0, int(n)) for t, n in dict(data.get(key, {})).items()}
 
         return cls(node, max(0, int(data["capacity"])), pages("reserved"), pages("queued"),
-                   pages("demand"))
+                   pages("demand"), pages("smallest"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +93,31 @@ def entitlements(me: str, reports: list[NodeReport],
         reserved = sum(r.reserved.get(tenant, 0) for r in reports)
         may_reserve = None
         if quota.limit is not None:
-            room = max(0, quota.limit - reserved)
-            waiting = {r.node: r.queued.get(tenant, 0) + 1 for r in reports}
-            part = math.floor(room * waiting[me] / sum(waiting.values()))
+            part = _parts(max(0, quota.limit - reserved), reports, tenant)[me]
             may_reserve = mine.reserved.get(tenant, 0) + part
         out[tenant] = Entitlement(
             reserved=reserved, demand=int(wanted), share=share,
             guaranteed=min(mine.capacity, math.floor(share * here + 1e-9)),
             may_reserve=may_reserve)
     return out
+
+
+def _parts(room: int, reports: list[NodeReport], tenant: str) -> dict[str, int]:
+    """The unreserved room of a cluster limit, split between the nodes: room for each node's
+    smallest waiting request first, the node whose demand is least served first, while the
+    room lasts; then the rest by pages waiting, each node one share more. Adds up to at most
+    `room`."""
+    parts = {r.node: 0 for r in reports}
+    # The node whose demand is served least first: its part of the tenant's demand reserved.
+    firsts = sorted((r.reserved.get(tenant, 0) / max(r.demand.get(tenant, 0), 1),
+                     r.smallest[tenant], r.node) for r in reports if r.smallest.get(tenant))
+    for _, pages, node in firsts:
+        if pages > room:
+            break
+        parts[node] += pages
+        room -= pages
+    waiting = {r.node: r.queued.get(tenant, 0) + 1 for r in reports}
+    total = sum(waiting.values())
+    for node, weight in waiting.items():
+        parts[node] += math.floor(room * weight / total)
+    return parts
