@@ -51,25 +51,15 @@ class ClusterScenario:
     seed: int = 7
 
 
+def _pool(name: str, device_pages: int, host_pages: int, policy: str = "lru") -> str:
+    return (f'\n[[pool]]\nname = "{name}"\npage_bytes = {PAGE}\nblock_tokens = 16\n'
+            f'device_pages = {device_pages}\nhost_pages = {host_pages}\npolicy = "{policy}"\n')
+
+
 def _config(s: ClusterScenario, name: str, etcd: str, ports: dict[str, int]) -> str:
-    pools = f"""
-[[pool]]
-name = "default"
-page_bytes = {PAGE}
-block_tokens = 16
-device_pages = {s.device_pages}
-host_pages = {2 * s.device_pages}
-policy = "fair"
-"""
+    pools = _pool("default", s.device_pages, 2 * s.device_pages, "fair")
     if name == "a":
-        pools += f"""
-[[pool]]
-name = "prefill"
-page_bytes = {PAGE}
-block_tokens = 16
-device_pages = 256
-host_pages = 256
-""" + "".join(f"""
+        pools += _pool("prefill", 256, 256) + "".join(f"""
 [[peer]]
 name = "{peer}"
 address = "127.0.0.1:{ports[peer]}"
@@ -81,14 +71,7 @@ target = "{peer}/decode"
 bandwidth = "{s.link_mib_s}MiB"
 """ for peer in ("b", "c"))
     else:
-        pools += f"""
-[[pool]]
-name = "decode"
-page_bytes = {PAGE}
-block_tokens = 16
-device_pages = 512
-host_pages = 512
-"""
+        pools += _pool("decode", 512, 512)
     return f"""
 [server]
 tcp = "127.0.0.1:{ports[name]}"

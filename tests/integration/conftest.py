@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvd_client import AsyncClient
@@ -15,6 +17,16 @@ def slow_link_kvd(tmp_path, *args: str) -> LocalKvd:
                       'host_pages = 32\nlink_bandwidth = "64KiB/s"\nlink_burst = 8192\n'
                       'link_chunk = 8192\n')
     return LocalKvd("--config", str(config), *args, workdir=tmp_path)
+
+
+async def start_slow_read(client, stream) -> asyncio.Future:
+    """On a slow_link_kvd: request "r" (admitted here) gets 8 blocks twice, so its first 8 go
+    to the host; then a read of them, which kvd serves for a second (the link). Returns the
+    read's future; kvd is serving it from about 0.2 s on."""
+    await client.admit("r", 64)
+    await stream.step(allocations=[("r", 8)])
+    await stream.step(allocations=[("r", 8)])
+    return asyncio.ensure_future(stream.step(accesses=[("r", list(range(8)))]))
 
 
 SMALL = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8", "--host-pages", "32")

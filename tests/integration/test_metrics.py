@@ -21,7 +21,7 @@ from kvd import __version__
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL, slow_link_kvd
+from .conftest import SMALL, slow_link_kvd, start_slow_read
 
 
 def _free_port() -> int:
@@ -142,12 +142,9 @@ async def test_health_and_readiness_beside_the_metrics_until_the_drain_ends(tmp_
         status, body = _get(port, "/nothing")
         assert status == 404 and "/metrics, /healthz, /readyz" in body
         async with AsyncClient(kvd.target) as client:
-            await client.admit("r", 64)
             async with client.step_stream() as stream:
-                await stream.step(allocations=[("r", 8)])
-                await stream.step(allocations=[("r", 8)])  # r's first 8 go to the host
                 # A read kvd serves for a second (the slow link): the drain waits for it.
-                pending = asyncio.ensure_future(stream.step(accesses=[("r", list(range(8)))]))
+                pending = await start_slow_read(client, stream)
                 await asyncio.sleep(0.2)
                 kvd.proc.send_signal(signal.SIGTERM)
                 for _ in range(100):
@@ -228,12 +225,8 @@ async def test_kubernetes_grpc_probes_get_health_on_the_health_listener(tmp_path
                 await stats(pb.GetPoolStatsRequest())
             assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
             async with AsyncClient(kvd.target) as client:
-                await client.admit("r", 64)
                 async with client.step_stream() as stream:
-                    await stream.step(allocations=[("r", 8)])
-                    await stream.step(allocations=[("r", 8)])
-                    pending = asyncio.ensure_future(
-                        stream.step(accesses=[("r", list(range(8)))]))
+                    pending = await start_slow_read(client, stream)
                     await asyncio.sleep(0.2)
                     kvd.proc.send_signal(signal.SIGTERM)
                     for _ in range(100):

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvd_client import AsyncClient, Client, DrainingError
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL, slow_link_kvd
+from .conftest import SMALL, slow_link_kvd, start_slow_read
 
 
 async def test_sigterm_drains_reports_not_serving_and_exits_zero(tmp_path):
@@ -76,11 +76,8 @@ async def test_a_step_being_served_when_the_drain_starts_gets_its_reply(tmp_path
     kvd = slow_link_kvd(tmp_path, "--grace-s", "30").start()
     try:
         async with AsyncClient(kvd.target) as client:
-            await client.admit("r", 64)
             async with client.step_stream() as stream:
-                await stream.step(allocations=[("r", 8)])
-                await stream.step(allocations=[("r", 8)])  # r's first 8 go to the host
-                pending = asyncio.ensure_future(stream.step(accesses=[("r", list(range(8)))]))
+                pending = await start_slow_read(client, stream)
                 await asyncio.sleep(0.3)  # kvd is serving it, waiting on the link
                 kvd.proc.send_signal(signal.SIGTERM)
                 reply = await asyncio.wait_for(pending, 20)
