@@ -442,6 +442,16 @@ def run_bench(args) -> int:
             churn=6_000 if quick else 30_000)
     results["ratios"] = ratios_of(results, runs)
     results["targets"] = judge(results["ratios"])
+    with console.status("a node's worth of engines: 1, 2, 4, 8 Step streams, kvd and the "
+                        "empty server in turns"):
+        from kvd_loadgen.bench_engines import bench_engines, targets as engine_targets
+
+        results["engines"] = uvloop.run(bench_engines(seconds=1.0 if quick else 2.0,
+                                                      rounds=1 if quick else 2))
+    for key, target in engine_targets(results["engines"]).items():
+        results["ratios"][key] = target["measured"]
+        results["targets"][key] = {"op": target["op"], "value": target["value"],
+                                   "met": target["met"]}
     print_tables(results, console)
     if not quick:
         results["scenarios"] = run_scenarios(console)

@@ -117,6 +117,27 @@ async def _one_request(kvd: AsyncClient, rid: str, rng: random.Random, samples: 
     return True
 
 
+# kvd's memory may grow this much from the middle third of a soak to the last.
+GROWTH_TARGET = 0.05
+
+
+def thirds_growth(rss: list[tuple[float, float, float]], duration_s: float
+                  ) -> tuple[float, float]:
+    """(heap, RSS) growth of the last third of the run over the middle third, mean against
+    mean: like against like, both after the first third's warm-up (the bounded caches
+    filling, the arenas' pages first touched), and a mean is not one noisy sample. RSS is
+    heap plus the resident shared memory (the arenas)."""
+    def mean(values):
+        return sum(values) / len(values) if values else 0.0
+
+    middle = [(h, h + sh) for at, h, sh in rss if duration_s / 3 <= at < 2 * duration_s / 3]
+    last = [(h, h + sh) for at, h, sh in rss if at >= 2 * duration_s / 3]
+    if not middle or not last:
+        return 0.0, 0.0
+    return tuple(mean([x[i] for x in last]) / mean([x[i] for x in middle]) - 1
+                 for i in (0, 1))
+
+
 async def run_soak(clients: int, duration_s: float, policy: str, interval_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvd-soak-") as tmp:
         config = Path(tmp) / "kvd.toml"
@@ -167,7 +188,9 @@ async def run_soak(clients: int, duration_s: float, policy: str, interval_s: flo
     warmup_s = filled[0] if filled else duration_s / 3
     warm = [heap for at, heap, _ in rss if at >= warmup_s]
     growth = (warm[-1] - warm[0]) / warm[0] if len(warm) > 1 else 0.0
-    return {"clients": clients, "duration_s": duration_s, "policy": policy,
+    heap_growth, rss_growth = thirds_growth(rss, duration_s)
+    return {"heap_growth_last_vs_middle_third": heap_growth,
+            "rss_growth_last_vs_middle_third": rss_growth,"clients": clients, "duration_s": duration_s, "policy": policy,
             "calls": len(samples), "errors": dict(errors), "pages_leaked": leaked,
             "reserved_pages_left": stats.reserved_pages, "requests_left": stats.num_requests,
             "self_check_ok": check.ok, "rss_mib": rss, "rss_growth_after_warmup": growth,
@@ -196,6 +219,12 @@ def run_cli(args) -> int:
                   f"{'until its bounded caches were full' if out['caches_filled'] else 'a third of the run; the caches never filled'}"
                   f") {out['rss_growth_after_warmup'] * 100:+.1f}%; arenas resident (RssShmem): "
                   f"{rss[0][2]:.0f} -> {rss[-1][2]:.0f} MiB")
+    heap, total = (out["heap_growth_last_vs_middle_third"],
+                   out["rss_growth_last_vs_middle_third"])
+    met = heap <= GROWTH_TARGET and total <= GROWTH_TARGET
+    console.print(f"memory, last third of the run against the middle third (means): heap "
+                  f"{heap * 100:+.1f}%, RSS {total * 100:+.1f}% (target <= "
+                  f"{GROWTH_TARGET * 100:.0f}% each): {'met' if met else 'NOT met'}")
     console.print(f"pages leaked: {out['pages_leaked']}; requests left: {out['requests_left']}; "
                   f"self-check ok: {out['self_check_ok']}; lease expiries: "
                   f"{out['lease_expiries']}; errors by code: {out['errors'] or 'none'}")

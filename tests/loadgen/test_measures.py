@@ -8,3 +8,18 @@ from kvd_loadgen.measures import jain_index
 def test_jain_index():
     assert jain_index([1, 1, 1, 1]) == pytest.approx(1.0)
     assert jain_index([1, 0, 0, 0]) == pytest.approx(0.25)
+
+
+def test_soak_memory_growth_compares_like_with_like():
+    """The last third against the middle third, means of each; RSS counts the arenas."""
+    from kvd_loadgen.soak import thirds_growth
+
+    # Heap warms up in the first third (20 -> 50), then sits at 50 with noise; the arenas'
+    # resident part grows in the middle third only.
+    rss = [(t, 20 + 30 * min(t, 30) / 30 + (1 if t % 2 else -1), min(t, 45))
+           for t in range(0, 90)]
+    heap, total = thirds_growth(rss, 90.0)
+    assert abs(heap) < 0.01  # no growth once warm, whatever the first third did
+    assert 0 < total < 0.15  # the arenas grew from the middle third to the last
+    grow = [(t, 50 + t, 0.0) for t in range(90)]  # a leak: a page a second
+    assert thirds_growth(grow, 90.0)[0] > 0.25

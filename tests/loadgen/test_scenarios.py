@@ -115,3 +115,18 @@ async def test_cluster_small(tmp_path):
     report = cluster.build_report(out)
     report.write(tmp_path / "cluster")
     assert_report(tmp_path / "cluster", "Three nodes and etcd")
+
+
+async def test_the_engines_bench_drives_real_steps_on_every_stream():
+    """The node-of-engines bench, shortened: every stream's steps succeed (reads, a block
+    grown and one freed per step, intent updates), kvd stays sound, the figures are there."""
+    from kvd_loadgen.bench_engines import bench_engines, targets
+
+    out = await bench_engines(ns=(1, 2), seconds=0.3, rounds=1, paced_engines=2, rate=20.0,
+                              paced_seconds=0.5)
+    for n in (1, 2):
+        assert out["saturated"][n]["kvd_steps_per_s"] > 0
+        assert out["saturated"][n]["empty_steps_per_s"] > 0
+    assert out["paced"]["kvd_p99_ms"] > 0 and out["paced"]["empty_p99_ms"] > 0
+    assert set(targets(out)) == {"engines1_steps_vs_empty", "engines2_steps_vs_empty",
+                                 "engines2_paced_p99_added_ms"}

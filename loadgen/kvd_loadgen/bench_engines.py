@@ -1,0 +1,205 @@
+"""A node's worth of engines on one kvd: N engines (N = 1, 2, 4, 8), each with a Step stream
+of its own on a channel of its own, against the empty gRPC server with the same N streams,
+in the same run (kvd and the empty server in turns).
+
+Each engine runs 64 requests of 4 blocks; every step reads every block of every request
+(`read_all`), grows one request by a block and frees the block that request grew by 64 steps
+before (decode growth at a steady footprint), and every fourth step updates one block's
+intent. The empty server echoes a message of the same size.
+
+- Saturated: each stream sends its next step as soon as the last is answered, for a while;
+  aggregate steps/s of kvd against the empty server's (target >= 0.7x at each N).
+- Paced: 8 engines at 50 steps/s each; each step's round trip on kvd against the empty
+  server's at the same pace (target: p99 added latency <= 2 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from kvd_api.v1 import kvd_pb2 as pb
+from kvd_client import AsyncClient
+from kvd_loadgen.local import LocalKvd
+
+REQUESTS, BLOCKS = 64, 4
+ECHO = "/kvd.bench.Echo/Stream"
+
+
+class Engine:
+    """One engine's requests and its next Step message (`seen` learns the indices of the
+    blocks its steps allocated from the replies)."""
+
+    def __init__(self, name: str) -> None:
+        self.rids = [f"{name}-r{i}" for i in range(REQUESTS)]
+        self.step = 0
+        self.grown: dict[str, list[int]] = {rid: [] for rid in self.rids}
+
+    def message(self) -> bytes:
+        self.step += 1
+        rid = self.rids[self.step % REQUESTS]
+        frees = []
+        if self.grown[rid]:  # the block it grew by one round ago
+            frees = [pb.FreeRequest(request_id=rid, block_indices=[self.grown[rid].pop(0)])]
+        intents = ([pb.IntentUpdate(request_id=rid, block_index=0,
+                                    intent=pb.MemoryIntent(request_priority=self.step % 100))]
+                   if self.step % 4 == 0 else [])
+        return pb.StepRequest(step_id=self.step, read_all=self.rids, frees=frees,
+                              allocations=[pb.AllocateRequest(request_id=rid, num_blocks=1)],
+                              intents=intents).SerializeToString()
+
+    def seen(self, reply: pb.StepResponse) -> None:
+        for handle in reply.allocated:
+            self.grown[handle.request_id].append(handle.block_index)
+
+
+async def _closed_loop(call, make, seconds: float, seen=None) -> int:
+    """Steps one stream completes in `seconds`, one in flight."""
+    n = 0
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        await call.write(make())
+        reply = await call.read()
+        if seen is not None:
+            if reply.errors:
+                raise RuntimeError(f"a step failed: {reply.errors[0]}")
+            seen(reply)
+        n += 1
+    return n
+
+
+async def _paced(call, make, rate: float, seconds: float, seen=None) -> list[float]:
+    """Round trips of one stream sending `rate` steps a second."""
+    out = []
+    period = 1 / rate
+    next_at = time.perf_counter()
+    until = next_at + seconds
+    while next_at < until:
+        await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+        t0 = time.perf_counter()
+        await call.write(make())
+        reply = await call.read()
+        out.append(time.perf_counter() - t0)
+        if seen is not None:
+            seen(reply)
+        next_at += period
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _echo(n: int):
+    """The empty server in its own process, and n channels to it."""
+    with tempfile.TemporaryDirectory(prefix="kvd-echo-") as tmp:
+        sock = Path(tmp) / "echo.sock"
+        proc = subprocess.Popen([sys.executable, "-m", "kvd_loadgen.echo_server",
+                                 "--socket", str(sock)])
+        channels = []
+        try:
+            for _ in range(200):
+                if sock.exists():
+                    break
+                await asyncio.sleep(0.05)
+            for _ in range(n):
+                channel = grpc.aio.insecure_channel(f"unix://{sock}")
+                await channel.channel_ready()
+                channels.append(channel)
+            yield channels
+        finally:
+            for channel in channels:
+                await channel.close()
+            proc.terminate()
+            proc.wait()
+
+
+async def bench_engines(ns=(1, 2, 4, 8), seconds: float = 2.0, rounds: int = 2,
+                        paced_engines: int = 8, rate: float = 50.0,
+                        paced_seconds: float = 4.0) -> dict:
+    most = max(max(ns), paced_engines)
+    out: dict = {"saturated": {}, "paced": {}}
+    args = ("--page-bytes", "4096", "--device-pages", "65536", "--host-pages", "65536",
+            "--policy", "fair")
+    async with _echo(most) as echo_channels:
+        with LocalKvd(*args) as kvd:
+            clients = [AsyncClient(kvd.target, timeout_s=30) for _ in range(most)]
+            for c in clients:
+                await c.__aenter__()
+            try:
+                engines = [Engine(f"e{i}") for i in range(most)]
+                for client, engine in zip(clients, engines):
+                    for rid in engine.rids:
+                        await client.admit(rid, 2 * BLOCKS * 16)  # room to grow by one
+                        await client.allocate(rid, BLOCKS)
+                kvd_calls = [c.channel.stream_stream("/kvd.v1.Memory/Step",
+                                                     request_serializer=None,
+                                                     response_deserializer=pb.StepResponse
+                                                     .FromString)() for c in clients]
+                size = len(Engine("e0").message())  # the size of a step message
+                payload = b"x" * size
+                echo_calls = [ch.stream_stream(ECHO)() for ch in echo_channels]
+                for n in ns:
+                    kvd_steps = echo_steps = 0
+                    kvd_s = echo_s = 0.0
+                    for _ in range(rounds):
+                        t0 = time.perf_counter()
+                        kvd_steps += sum(await asyncio.gather(*(
+                            _closed_loop(kvd_calls[i], engines[i].message, seconds,
+                                         engines[i].seen)
+                            for i in range(n))))
+                        kvd_s += time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                        echo_steps += sum(await asyncio.gather(*(
+                            _closed_loop(echo_calls[i], lambda: payload, seconds)
+                            for i in range(n))))
+                        echo_s += time.perf_counter() - t0
+                    out["saturated"][n] = {"kvd_steps_per_s": kvd_steps / kvd_s,
+                                           "empty_steps_per_s": echo_steps / echo_s}
+                kvd_rt = await asyncio.gather(*(
+                    _paced(kvd_calls[i], engines[i].message, rate, paced_seconds,
+                           engines[i].seen)
+                    for i in range(paced_engines)))
+                echo_rt = await asyncio.gather(*(
+                    _paced(echo_calls[i], lambda: payload, rate, paced_seconds)
+                    for i in range(paced_engines)))
+                k = sorted(x for xs in kvd_rt for x in xs)
+                e = sorted(x for xs in echo_rt for x in xs)
+
+                def p(xs, q):
+                    return xs[int(q * (len(xs) - 1))] * 1e3
+
+                out["paced"] = {"engines": paced_engines, "rate": rate,
+                                "kvd_p50_ms": statistics.median(k) * 1e3,
+                                "kvd_p99_ms": p(k, 0.99),
+                                "empty_p50_ms": statistics.median(e) * 1e3,
+                                "empty_p99_ms": p(e, 0.99)}
+                out["paced"]["p99_added_ms"] = (out["paced"]["kvd_p99_ms"]
+                                                - out["paced"]["empty_p99_ms"])
+                for call in (*kvd_calls, *echo_calls):
+                    await call.done_writing()
+                check = await clients[0].self_check()
+                assert check.ok, check.problems
+            finally:
+                for c in clients:
+                    with contextlib.suppress(Exception):
+                        await c.__aexit__(None, None, None)
+    return out
+
+
+def targets(result: dict) -> dict[str, dict]:
+    """Each target with its value and whether it was met."""
+    out = {}
+    for n, r in result["saturated"].items():
+        ratio = r["kvd_steps_per_s"] / r["empty_steps_per_s"]
+        out[f"engines{n}_steps_vs_empty"] = {"op": ">=", "value": 0.7, "measured": ratio,
+                                             "met": ratio >= 0.7}
+    added = result["paced"]["p99_added_ms"]
+    out[f"engines{result['paced']['engines']}_paced_p99_added_ms"] = {"op": "<=", "value": 2.0, "measured": added,
+                                          "met": added <= 2.0}
+    return out
