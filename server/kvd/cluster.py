@@ -98,7 +98,10 @@ class ClusterMember:
                 raise
             except Exception as exc:  # etcd away, a timeout, a refused lease
                 self._lost(exc)
-            self.apply()  # on the fresh picture, or on the last one with our own figures
+            try:
+                self.apply()  # on the fresh picture, or on the last one with our own figures
+            except Exception:  # a bug here must not end the member: say it, try again
+                log.exception("applying the cluster's picture failed")
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.reconcile_s)

@@ -67,6 +67,7 @@ class Node:
         self.request_index: dict[str, PoolRuntime] = {}
         self.link_table = Links(config, self.clock, self._executor, self.pools)
         self.peers = Peers(config)  # other nodes' kvds, for handoffs across nodes
+        self._peer_retry: asyncio.Task | None = None
         self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
                                  self.link_table, self.events, self.peers)
         self.health = Health(self.pools)
@@ -171,9 +172,10 @@ class Node:
         result = self.admit(request_id, tenant=tenant, pool=pool, prompt_tokens=prompt_tokens,
                             output_tokens=output_tokens, priority=priority, lease=lease,
                             handoff_pool=handoff_pool)
-        if is_remote(handoff_pool) and verdict is Verdict.OK and \
-                result.decision is Decision.REJECTED:
-            self.peers.unreserve(handoff_pool, request_id)  # rejected here for its own reasons
+        if is_remote(handoff_pool) and result.decision is Decision.REJECTED:
+            if verdict is Verdict.OK:  # rejected here for reasons of its own
+                self.peers.unreserve(handoff_pool, request_id)
+            self.peers.verdicts.pop(request_id, None)
         return result
 
     async def retry_peers(self) -> None:
@@ -308,8 +310,10 @@ class Node:
             self.handoffs.expire_reservations()
             self.lapse_holds(self.config.hold_s)
             self.check_stuck()
-            if self.peers.verdicts:
-                await self.retry_peers()
+            if self.peers.verdicts and (self._peer_retry is None or self._peer_retry.done()):
+                # In a task of its own: a peer that does not answer must not hold up the
+                # expiry of holds and reservations here.
+                self._peer_retry = asyncio.ensure_future(self.retry_peers())
             self.note_engine_holdings()
 
     def note_engine_holdings(self) -> None:
@@ -412,6 +416,8 @@ class Node:
         links (a copy already handed to a worker finishes: close() waits for the workers
         before it unmaps the arenas)."""
         deadline = time.monotonic() + timeout_s
+        if self._peer_retry is not None:
+            self._peer_retry.cancel()
         await self.engines.aclose()
         quiet = await self.drain(timeout_s)
         pending = {t for t in self.handoffs.in_flight if not t.done()}

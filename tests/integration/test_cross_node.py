@@ -263,3 +263,21 @@ async def test_tenants_share_the_link_to_a_peer_by_weight(tmp_path, pki):  # noq
     # 3:1 within a page or two at this size (56 pages counted: 42:14 is 3.0, 44:12 is 3.7)
     assert 2.4 <= gold / max(bronze, 1) <= 4.0, by_tenant
     assert (gold + bronze) / elapsed >= 0.8 * 2**20  # at its cap while both wait
+
+
+async def test_a_request_this_node_rejects_leaves_no_reservation_on_the_peer(tmp_path,
+                                                                              pki):  # noqa: F811
+    """The peer has room, this node never will (its prefill pool is smaller than the
+    request): rejected, and the peer holds nothing for it."""
+    a, b = _peers(tmp_path, pki, decode_pages=256)
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            reply = await ca.admit("big", prompt_tokens=100 * 16, output_tokens=0,
+                                   pool="prefill", handoff_pool="b/decode")
+            assert reply.decision == pb.DECISION_REJECTED
+            assert "pool 'prefill'" in reply.reason
+            for _ in range(50):
+                if not await _requests(cb):
+                    break
+                await asyncio.sleep(0.05)
+            assert await _requests(cb) == {}
