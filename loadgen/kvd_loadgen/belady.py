@@ -18,10 +18,15 @@ class MinResult:
     decode_critical_misses: int
 
 
-def belady_min(events: list[IntentEvent], capacity: int) -> MinResult:
+def belady_min(events: list[IntentEvent], capacity: int,
+               must_place: bool = False) -> MinResult:
     """References are ALLOCATED (the block must be placed) and ACCESSED (a miss when it is not
     resident); FREED ends a block. On a placement into a full cache, whichever block is used
-    furthest in the future goes, which may be the incoming block itself (a bypass)."""
+    furthest in the future goes, which may be the incoming block itself (a bypass).
+
+    must_place: no bypass: the incoming block always goes in (a resident one goes), as in kvd,
+    where the engine writes an allocated block into the page it is handed and reads an
+    accessed one from the device. The optimum kvd's policies can be held to."""
     refs = [(e.event_type, e.object_id, e.decode_critical) for e in events
             if e.event_type in ("ALLOCATED", "ACCESSED", "FREED")]
     next_use = [math.inf] * len(refs)
@@ -60,7 +65,7 @@ def belady_min(events: list[IntentEvent], capacity: int) -> MinResult:
             if resident.get(victim) == -neg:
                 break
             heapq.heappop(heap)
-        if nxt >= -neg:
+        if nxt >= -neg and not must_place:
             continue  # the incoming block is needed last of all: bypass it
         heapq.heappop(heap)
         del resident[victim]

@@ -59,3 +59,13 @@ def test_belady_evicts_the_block_used_furthest_ahead():
     # A cyclic scan one larger than the cache: LRU misses all 6 reads, MIN only the 2 c's.
     cyclic = belady_min(_trace("A B C a b c a b c"), capacity=2)
     assert (cyclic.accesses, cyclic.misses) == (6, 2)
+
+
+def test_belady_that_must_place_every_block_cannot_bypass():
+    """kvd places every allocated and accessed block: alternating a and b in one page, both
+    miss every time after the first placements (the bypassing MIN lets only b miss)."""
+    assert belady_min(_trace("A B a b a b"), capacity=1, must_place=True).misses == 4
+    # With room for the working set, no difference.
+    assert belady_min(_trace("A B a b a b"), capacity=2, must_place=True).misses == 0
+    # A cyclic scan one larger than the cache: MIN still beats LRU's 6 misses.
+    assert belady_min(_trace("A B C a b c a b c"), capacity=2, must_place=True).misses <= 4
