@@ -7,10 +7,11 @@ cluster quota (`[tenant.cluster]`) to its entitlement on this node (kvd.core.clu
 through the quotas' cluster layer. A watch on the prefix reconciles at once when a node joins
 or leaves. A node that dies stops counting when its lease lapses.
 
-When etcd cannot be reached the member keeps deciding on the others' last figures and its own
-fresh ones, says so (the log once, `kvd_cluster_etcd_up` 0, /healthz and `kvctl cluster`),
-and when etcd answers again takes a new lease if its own lapsed and converges at the next
-reconcile. Whatever the picture says, a node never gives more than its own device pages:
+When etcd cannot be reached the member keeps deciding on its last parts of the tenants'
+cluster quotas (derived from the last picture: recomputed from the others' stale figures and
+its own fresh ones, the nodes' parts would no longer add up to a limit), says so (the log
+once, `kvd_cluster_etcd_up` 0, /healthz and `kvctl cluster`), and when etcd answers again
+takes a new lease if its own lapsed and converges at the next reconcile. Whatever the picture says, a node never gives more than its own device pages:
 entitlements past its capacity are scaled down as guarantees are.
 
 etcd's client is aetcd (asyncio, on the grpcio kvd already runs on): leases, range reads and
@@ -98,10 +99,15 @@ class ClusterMember:
                 raise
             except Exception as exc:  # etcd away, a timeout, a refused lease
                 self._lost(exc)
-            try:
-                self.apply()  # on the fresh picture, or on the last one with our own figures
-            except Exception:  # a bug here must not end the member: say it, try again
-                log.exception("applying the cluster's picture failed")
+            else:
+                # Only on a fresh picture. While etcd is away the parts stay as they were
+                # (this node keeps admitting within its part, as its own requests end and
+                # free it): recomputed from the others' stale figures and this node's fresh
+                # ones, the nodes' parts no longer add up to the limit.
+                try:
+                    self.apply()
+                except Exception:  # a bug here must not end the member: say it, go on
+                    log.exception("applying the cluster's picture failed")
             self._wake.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.reconcile_s)
