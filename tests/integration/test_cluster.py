@@ -245,3 +245,29 @@ def test_kvctl_cluster_on_a_kvd_that_decides_alone(kvd):
     shown = subprocess.run([KVCTL, "--target", kvd.target, "cluster"], capture_output=True,
                            text=True, timeout=60)
     assert shown.returncode == 0 and "decides alone" in shown.stdout
+
+
+@needs_etcd
+async def test_with_etcd_away_the_nodes_keep_to_their_parts_of_a_cluster_limit(tmp_path, etcd):
+    """Each node's picture of the other is frozen while etcd is away, its own figures are
+    not: parts recomputed from the two no longer add up to the limit (both nodes then took
+    most of the room, 64 pages reserved against a 40-page limit). Kept as they were, they
+    do."""
+    with node(tmp_path, etcd, "a") as a, node(tmp_path, etcd, "b") as b:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            await _wait_for(lambda: _members_are(ca, {"a", "b"}), 10, "a sees a and b")
+            await _wait_for(lambda: _members_are(cb, {"a", "b"}), 10, "b sees a and b")
+            for name, c in (("a", ca), ("b", cb)):
+                for i in range(2):  # 8 pages reserved on each node, nothing waiting
+                    await c.admit(f"{name}{i}", 64, tenant="chat")
+            await _wait_for(lambda: _reserved_seen(ca, "b", 8), 5, "a sees b's pages")
+            await _wait_for(lambda: _reserved_seen(cb, "a", 8), 5, "b sees a's pages")
+            etcd.stop()
+            await _wait_for(lambda: _etcd_down(ca), 5, "a notices etcd is away")
+            await _wait_for(lambda: _etcd_down(cb), 5, "b notices etcd is away")
+            for i in range(2, 14):  # both nodes now have requests waiting
+                await ca.admit(f"a{i}", 64, tenant="chat")
+                await cb.admit(f"b{i}", 64, tenant="chat")
+            await asyncio.sleep(10 * RECONCILE_S)  # reconcile attempts come and fail
+            total = (await _chat(ca)).reserved_pages + (await _chat(cb)).reserved_pages
+    assert 16 < total <= LIMIT, total
