@@ -26,13 +26,13 @@ from kvd.cluster import ClusterMember
 from kvd.config import Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
 from kvd.node import Node
-from kvd.peers import PeerService
 from kvd.tier_events import TierEventPublisher
 from kvd.metrics import serve_metrics
 from kvd.service.admin import AdminService
 from kvd.service.gate import CallGate, StepTurns
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
+from kvd.service.peer import PeerService
 from kvd.service.register import OpenStreams, add_service
 from kvd_api.v1 import kvd_pb2
 

@@ -33,7 +33,7 @@ from kvd.leases import LeaseTable
 from kvd.quotas import Quotas
 from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
-from kvd.peers import Peers, RemoteReserver, Reservers, is_remote, receive_here, reserve_here
+from kvd.peers import Peers, RemoteReserver, Reservers, is_remote
 from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
 from kvd.shared import SharedBlocks
 
@@ -193,12 +193,6 @@ class Node:
             admitted = rt.pool.admit_waiting()
             publish_admitted(self.events, rt.pool.name, admitted)
             rt.waiters.notify()
-
-    def peer_reserve(self, request) -> object:
-        return reserve_here(self, request)
-
-    async def peer_receive(self, request_iterator) -> int:
-        return await receive_here(self, request_iterator)
 
     async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
                        scope: str | None = None, holder: str = ""

@@ -33,7 +33,7 @@ import structlog
 
 from kvd.config import Config, PeerConfig
 from kvd.core.blocks import Request, RequestState, TierKind
-from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, KvdError, NotFound
+from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
 from kvd.core.reservation import PoolReserver, Verdict
 from kvd.core.transfer import Reason
 from kvd.memory.copier import chunk_runs, page_runs, read_pages, write_pages
@@ -248,58 +248,6 @@ def read_chunk(runs, arenas: dict) -> list[pb.PeerBlocks]:
 
 
 # ---------------------------------------------------------------------- the receiving side
-
-class PeerService(pb_grpc.PeerServicer):
-    """What a peer kvd may ask of this one (its admin identity)."""
-
-    def __init__(self, node, auth) -> None:
-        self.node = node
-        self.auth = auth
-        self.gate = None
-
-    def _admin(self, context) -> None:
-        caller = self.auth.identify(context)
-        self.auth.require_admin(caller)
-
-    async def Reserve(self, request: pb.PeerReserveRequest, context) -> pb.PeerReserveResponse:
-        try:
-            self._admin(context)
-            _well_formed(request)
-            return self.node.peer_reserve(request)
-        except KvdError as exc:
-            from kvd.service.status import status_of
-
-            await context.abort(status_of(exc), str(exc))
-
-    async def Unreserve(self, request: pb.PeerUnreserveRequest,
-                        context) -> pb.PeerUnreserveResponse:
-        try:
-            self._admin(context)
-            _well_formed(request)
-            released = self.node.handoffs.drop_reservation(request.pool, request.request_id)
-            return pb.PeerUnreserveResponse(released=released)
-        except KvdError as exc:
-            from kvd.service.status import status_of
-
-            await context.abort(status_of(exc), str(exc))
-
-    async def Receive(self, request_iterator, context) -> pb.PeerReceiveResponse:
-        from kvd.service.status import status_of
-
-        try:
-            self._admin(context)
-            blocks = await self.node.peer_receive(request_iterator)
-            return pb.PeerReceiveResponse(blocks=blocks)
-        except KvdError as exc:
-            await context.abort(status_of(exc), str(exc))
-
-
-def _well_formed(request) -> None:
-    from kvd.service.register import Malformed
-
-    if type(request) is Malformed:
-        raise InvalidArgument(request.message)
-
 
 def reserve_here(node, request: pb.PeerReserveRequest) -> pb.PeerReserveResponse:
     """A peer's Reserve: reserved (ADMITTED), not now (QUEUED) or never (REJECTED)."""

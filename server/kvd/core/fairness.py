@@ -35,8 +35,10 @@ class TenantQuota:
     def reserve_cap(self) -> int | None:
         """The most the tenant may have reserved here: its limit, or its part of the
         cluster's, whichever is smaller (None: no cap)."""
-        caps = [c for c in (self.limit, self.may_reserve) if c is not None]
-        return min(caps) if caps else None
+        limit, part = self.limit, self.may_reserve
+        if part is None:
+            return limit
+        return part if limit is None else min(limit, part)
 
     def request_cap(self, device_pages: int) -> int | None:
         """The per-request cap in pages on a device tier of `device_pages` (the smaller of the two
