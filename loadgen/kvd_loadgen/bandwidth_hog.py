@@ -70,6 +70,7 @@ model = "tiny"
 device_pages = {s.device_pages}
 host_pages = {s.host_pages}
 policy = "intent"
+admission = "reservation"  # the hog's reads page through the link: that is the contention
 link_bandwidth = {int(s.link_mib_s * 2**20)}
 link_burst = {2 * chunk}
 link_chunk = {chunk}

@@ -70,6 +70,7 @@ model = "tiny"
 device_pages = {s.prefill_pages}
 host_pages = {s.prefill_pages}
 max_queue = 100000
+admission = "reservation"
 
 [[pool]]
 name = "decode"
@@ -77,6 +78,7 @@ model = "tiny"
 device_pages = {s.decode_pages}
 host_pages = {s.decode_host_pages}
 max_queue = 100000
+admission = "reservation"
 
 [[link]]
 source = "prefill"

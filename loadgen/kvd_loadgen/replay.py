@@ -260,7 +260,7 @@ def _config(policies, device_pages: int, host_pages: int, page_bytes: int) -> st
     pools = "".join(
         f'[[pool]]\nname = "{p}"\npolicy = "{p}"\npage_bytes = {page_bytes}\n'
         f"block_tokens = {BLOCK_TOKENS}\ndevice_pages = {device_pages}\n"
-        f"host_pages = {host_pages}\n\n"
+        f'host_pages = {host_pages}\nadmission = "reservation"\n\n'
         for p in policies
     )
     return "[server]\ngrace_s = 2\n\n" + pools

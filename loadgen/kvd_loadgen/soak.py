@@ -35,6 +35,7 @@ device_pages = 1024
 host_pages = 8192
 policy = "{policy}"
 max_queue = 4096
+admission = "reservation"  # the clients over-subscribe the device: every path pages
 
 [[tenant]]
 name = "a"

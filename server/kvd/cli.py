@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host-pages", type=int)
     g.add_argument("--policy", choices=accepted_policy_names())
     g.add_argument("--device-backend", choices=["auto", "cupy", "host"])
+    g.add_argument("--admission", choices=["working_set", "reservation"],
+                   help="admit while running requests' working sets fit the device "
+                   "(working_set), or while their pages fit both tiers (reservation)")
     p.add_argument("--demo-hint", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         config = override_default_pool(
             config, model=args.model, block_tokens=args.block_tokens, page_bytes=args.page_bytes,
             device_pages=args.device_pages, host_pages=args.host_pages, policy=args.policy,
-            device_backend=args.device_backend,
+            device_backend=args.device_backend, admission=args.admission,
         )
         config.validate()
     except InvalidArgument as exc:

@@ -54,6 +54,10 @@ class PoolConfig:
     device_backend: Literal["auto", "cupy", "host"] = "auto"
     gpu: Count = 0
     max_queue: PositiveInt = 1024
+    # "working_set": admit while the running requests' working sets fit the device tier
+    # (queue the rest); "reservation": while their pages fit both tiers (the device
+    # over-subscribed, steps paging through the host tier).
+    admission: Literal["working_set", "reservation"] = "working_set"
     # The device<->host link: capacity ("auto": measured at start), burst (0: 5 ms of
     # capacity, at least two chunks), the largest piece a transfer is copied in ("auto": half
     # a millisecond of capacity, 64 KiB to 4 MiB, at least a page), how transfers

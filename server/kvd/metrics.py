@@ -143,6 +143,10 @@ def _pool_families(pools: list[PoolFigures]):
                    "bound, or blocks in transit that nothing owns (should be 0)", ["pool"])
     hres = _gauge("kvd_handoff_reserved_pages", "Pages a pool holds for requests not yet "
                   "handed off to it", ["pool"])
+    wset = _gauge("kvd_working_set_pages", "Device pages the running requests' working sets "
+                  "take (what each grows to by its end)", ["pool"])
+    wcap = _gauge("kvd_working_set_capacity_pages", "Device pages working-set admission "
+                  "keeps the running requests' working sets within", ["pool"])
     # Counters of the core with one label, the pool: (family, PoolCounters field).
     plain = [(_counter(name, doc, ["pool"]), field) for name, doc, field in (
         ("kvd_drops", "Pages dropped for the engine to recompute", "num_drops"),
@@ -169,6 +173,8 @@ def _pool_families(pools: list[PoolFigures]):
         stuck.add_metric([name], p.stuck)
         problems.add_metric([name], p.self_check_problems)
         hres.add_metric([name], p.handoff_reserved_pages)
+        wset.add_metric([name], p.working_set_pages)
+        wcap.add_metric([name], p.working_set_capacity_pages)
         for decision in Decision:
             adm.add_metric([name, decision], getattr(c, f"num_{decision}"))
         for direction, n in (("device_to_host", c.num_demotions),
@@ -177,7 +183,8 @@ def _pool_families(pools: list[PoolFigures]):
             moved.add_metric([name, direction], n * p.page_bytes)
         for family, field in plain:
             family.add_metric([name], getattr(c, field))
-    yield from (info, pages, queue, flight, adm, moves, moved, stuck, problems, hres)
+    yield from (info, pages, queue, flight, adm, moves, moved, stuck, problems, hres, wset,
+                wcap)
     yield from (family for family, _ in plain)
 
 

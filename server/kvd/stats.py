@@ -95,6 +95,9 @@ class PoolFigures:
     reserved_pages: int
     handoff_reserved_pages: int
     held_pages: int
+    admission: str
+    working_set_pages: int
+    working_set_capacity_pages: int
     in_flight: int
     stuck: int
     self_check_problems: int  # the periodic self-check's last finding
@@ -209,6 +212,9 @@ def pool_figures(node, rt, tenants: str | None = None,
         reserved_pages=pool.reserved_pages,
         handoff_reserved_pages=pool.reservations.reserved_pages(),
         held_pages=pool.pages.holds.count,
+        admission=pool.admission.mode,
+        working_set_pages=pool.admission.working_set_used(),
+        working_set_capacity_pages=pool.pages.share_capacity,
         in_flight=len(rt.transit), stuck=len(node.stuck.get(pool.name, ())),
         self_check_problems=node.health.problems.get(pool.name, 0),
         counters=copy.deepcopy(pool.counters),

@@ -23,6 +23,9 @@ class PoolFactory:
             host_pages=host_pages,
             policy=policy,
             clock=self.clock,
+            # These tests drive eviction and paging, which need more admitted than the
+            # device holds; working-set admission has tests of its own.
+            admission=kw.pop("admission", "reservation"),
             **kw,
         )
         self.pools.append(pool)

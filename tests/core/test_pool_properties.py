@@ -55,6 +55,7 @@ SHARED_INTENT = st.none() | st.fixed_dictionaries(
 def fingerprint(pool: Pool):
     return (
         pool.device.num_free, pool.host.num_free, pool.reserved_pages, pool.num_pinned,
+        pool.admission.working_set_pages, pool.admission.shared_overlap,
         len(pool.policy), len(pool.requests), len(pool.queue),
         tuple(sorted((r.request_id, r.num_live_blocks, len(r.blocks), r.num_device_blocks,
                       len(r.shared)) for r in pool.requests.values())),
@@ -67,10 +68,6 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.pool = Pool("p", page_bytes=8, block_tokens=4, device_pages=6, host_pages=10,
-                         policy="lru", clock=self.clock, max_queue=3,
-                         quotas={"0": TenantQuota(guaranteed=2),
-                                 "1": TenantQuota(weight=2, limit=8)})
         self.pending = []
 
     def _do(self, op):
@@ -92,9 +89,16 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pending.append(plan)
         return result
 
-    @initialize(sizes=st.lists(st.integers(1, 4), min_size=4, max_size=4))
-    def start_under_pressure(self, sizes):
-        """Four admitted requests whose blocks overflow the device tier."""
+    @initialize(sizes=st.lists(st.integers(1, 4), min_size=4, max_size=4),
+                admission=st.sampled_from(["reservation", "working_set"]))
+    def start_under_pressure(self, sizes, admission):
+        """Four requests whose blocks overflow the device tier: all admitted under
+        reservation admission, those past the device's working set queued under
+        working-set admission."""
+        self.pool = Pool("p", page_bytes=8, block_tokens=4, device_pages=6, host_pages=10,
+                         policy="lru", clock=self.clock, max_queue=3, admission=admission,
+                         quotas={"0": TenantQuota(guaranteed=2),
+                                 "1": TenantQuota(weight=2, limit=8)})
         for i, n in enumerate(sizes):
             self.admit(f"r{i}", 4 * n, 0)
             self.allocate(f"r{i}", n)

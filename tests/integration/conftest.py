@@ -14,7 +14,7 @@ def slow_link_kvd(tmp_path, *args: str) -> LocalKvd:
     of 8 blocks off the device waits a second on it."""
     config = tmp_path / "slow-link.toml"
     config.write_text('[[pool]]\nname = "default"\npage_bytes = 8192\ndevice_pages = 8\n'
-                      'host_pages = 32\nlink_bandwidth = "64KiB/s"\nlink_burst = 8192\n'
+                      'host_pages = 32\nadmission = "reservation"\nlink_bandwidth = "64KiB/s"\nlink_burst = 8192\n'
                       'link_chunk = 8192\n')
     return LocalKvd("--config", str(config), *args, workdir=tmp_path)
 
@@ -29,7 +29,10 @@ async def start_slow_read(client, stream) -> asyncio.Future:
     return asyncio.ensure_future(stream.step(accesses=[("r", list(range(8)))]))
 
 
-SMALL = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8", "--host-pages", "32")
+# The tests on it drive demotions and promotions: requests over-subscribe the device tier,
+# which working-set admission would queue (it has tests of its own).
+SMALL = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8", "--host-pages", "32",
+         "--admission", "reservation")
 
 
 @pytest.fixture

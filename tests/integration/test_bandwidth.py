@@ -20,6 +20,7 @@ model = "tiny"
 device_pages = 16
 host_pages = 128
 policy = "intent"
+admission = "reservation"  # the hog's reads page through the link
 link_bandwidth = "4MiB/s"
 link_burst = "64KiB"
 link_chunk = "64KiB"

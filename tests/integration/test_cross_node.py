@@ -43,6 +43,7 @@ page_bytes = {PAGE}
 block_tokens = 16
 device_pages = {decode_pages}
 host_pages = {decode_host_pages}
+admission = "reservation"
 """)
     (tmp_path / "a" / "kvd.toml").write_text(f"""
 [[pool]]
@@ -51,6 +52,7 @@ page_bytes = {PAGE}
 block_tokens = 16
 device_pages = 64
 host_pages = 64
+admission = "reservation"
 [[peer]]
 name = "b"
 address = "127.0.0.1:{port}"

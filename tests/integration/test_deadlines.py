@@ -16,7 +16,7 @@ from kvd_loadgen.local import LocalKvd
 async def test_a_deadline_mid_copy_leaves_nothing_half_done(tmp_path):
     # 8 MiB pages: promoting 12 of them takes long enough for a 2 ms deadline to pass.
     with LocalKvd("--page-bytes", str(8 * 2**20), "--device-pages", "12", "--host-pages",
-                  "24", "--metrics", "", workdir=tmp_path) as kvd:
+                  "24", "--metrics", "", "--admission", "reservation", workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target) as client:
             mapped = MappedPool(await client.export_pool())
             try:

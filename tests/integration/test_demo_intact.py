@@ -22,7 +22,7 @@ async def test_demo_keeps_bytes_intact_under_every_policy(tmp_path, device_pages
     # One kvd per size; the policies take turns in it (the demo releases what it admitted).
     with LocalKvd("--model", "tiny", "--block-tokens", "16",
                   "--device-pages", str(device_pages), "--host-pages", str(4 * device_pages),
-                  workdir=tmp_path) as kvd:
+                  "--admission", "reservation", workdir=tmp_path) as kvd:
         for policy in policy_names():
             async with AsyncClient(kvd.target, timeout_s=30) as admin:
                 await admin.set_policy(policy)
@@ -31,6 +31,25 @@ async def test_demo_keeps_bytes_intact_under_every_policy(tmp_path, device_pages
             assert summary["evictions"] > 0, "the demo put no pressure on the device tier"
             assert summary["all_intact"], f"{policy} at {device_pages} pages lost bytes"
         async with AsyncClient(kvd.target, timeout_s=30) as admin:
+            assert (await admin.self_check()).ok
+
+
+@pytest.mark.parametrize("policy", ["lru", "fair"])
+async def test_under_working_set_admission_the_demo_waits_instead_of_paging(tmp_path, policy):
+    """kvd's default: half the demo's requests wait for room with kvd's reason and run when
+    the first ones end; nothing pages, every byte comes back."""
+    with LocalKvd("--model", "tiny", "--block-tokens", "16", "--device-pages", "64",
+                  "--host-pages", "256", "--policy", policy, workdir=tmp_path) as kvd:
+        out = io.StringIO()
+        summary = await run_demo(kvd.target, console=Console(file=out, width=200))
+        assert summary["admission"] == "working_set"
+        assert summary["queued"] == 3 and summary["evictions"] == 0, summary
+        assert summary["all_intact"]
+        assert "working sets hold" in out.getvalue()
+        assert out.getvalue().count("queued, then admitted") == 3
+        async with AsyncClient(kvd.target, timeout_s=30) as admin:
+            stats = (await admin.pool_stats()).pools[0]
+            assert stats.num_requests == 0 and stats.num_queued == 0
             assert (await admin.self_check()).ok
 
 
@@ -47,7 +66,8 @@ def test_the_demo_runs_against_a_kvd_that_wants_tokens_and_beside_another_demo(t
                       'token_file = "demo.token"\n')
     loadgen = str(Path(sys.executable).with_name("kvd-loadgen"))
     with LocalKvd("--config", str(config), "--model", "tiny", "--device-pages", "64",
-                  "--host-pages", "512", workdir=tmp_path) as kvd:
+                  "--host-pages", "512", "--admission", "reservation",
+                  workdir=tmp_path) as kvd:
         demos = [subprocess.Popen([loadgen, "demo", "--target", kvd.target, "--token-file",
                                    str(tmp_path / "demo.token")],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -24,12 +24,14 @@ name = "prefill"
 model = "tiny"
 device_pages = 8
 host_pages = 32
+admission = "reservation"
 
 [[pool]]
 name = "decode"
 model = "tiny"
 device_pages = 8
 host_pages = 8
+admission = "reservation"
 
 [[link]]
 source = "prefill"

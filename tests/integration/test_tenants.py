@@ -36,6 +36,7 @@ model = "tiny"
 device_pages = 8
 host_pages = 32
 policy = "{policy}"
+admission = "reservation"
 
 [[tenant]]
 name = "alpha"

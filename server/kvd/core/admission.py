@@ -3,6 +3,15 @@ projected pages fit the pool now, queued when they can fit later, rejected when 
 can. `Admission` holds the queue, the pages reserved for admitted requests, and the decision;
 it reads the page table and the tenancy and changes neither. The pool (Pool.admit) validates
 the request and registers it.
+
+Two modes. `working_set` (the default) protects the working set: engines read every block of
+every running request each step, so admitted requests' pages (what each will grow to by its
+end, a shared prefix page counted once) must fit the device tier, or every step pages. A
+request bigger than its tenant's fair share (a whale, under a fair policy) is counted for its
+fair share only: it streams the rest through the host tier, evicting its own pages. The queue
+holds the rest, in fair order. `reservation` admits while the pages fit both tiers: the device
+over-subscribed, the host tier paging, as a memory manager that knows nothing of working sets
+does (a baseline to compare with, and for pools whose engines do not read every block).
 """
 
 from __future__ import annotations
@@ -38,13 +47,21 @@ class AdmitResult:
     projected_pages: int  # prompt plus expected output, in pages
 
 
+ADMISSION_MODES = ("working_set", "reservation")
+
+
 class Admission:
     """One pool's admission queue and reserved pages, and the decision of who goes next."""
 
     def __init__(self, name: str, *, block_tokens: int, max_queue: int, clock: Clock,
                  pages: PageTable, tenancy: Tenancy, counters: PoolCounters,
-                 reserver: Reserver | None) -> None:
+                 reserver: Reserver | None, mode: str = "working_set") -> None:
+        if mode not in ADMISSION_MODES:
+            raise InvalidArgument(f"admission mode {mode!r}: choose one of "
+                                  f"{', '.join(ADMISSION_MODES)}")
         self.name = name
+        self.mode = mode
+        self.working_set = mode == "working_set"
         self.block_tokens = block_tokens
         self.max_queue = max_queue
         self.clock = clock
@@ -55,6 +72,11 @@ class Admission:
         self.reserver = reserver
         self.queue: OrderedDict[str, Request] = OrderedDict()
         self.reserved_pages = 0
+        # Of those, the pages counted as working set (a whale's only up to its cap), and the
+        # shared prefix pages counted twice or more in them (uses of a shared block past its
+        # first by admitted requests; kept by Prefixes).
+        self.working_set_pages = 0
+        self.shared_overlap = 0
         self._newly_admitted: list[Request] = []
 
     def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
@@ -135,6 +157,11 @@ class Admission:
         if not self.fits(req.projected_pages):
             return (f"needs {req.projected_pages} pages; {capacity - self.reserved_pages}"
                     f" of {capacity} are unreserved in pool {self.name!r}")
+        if self.working_set and not self.working_set_fits(req):
+            return (f"needs {self.working_set_charge(req)} device pages for its working set; "
+                    f"the running requests' working sets hold {self.working_set_used()} of "
+                    f"the {self.pages.share_capacity} the device tier of pool {self.name!r} "
+                    "gives them (admitting more would make every step page)")
         where = ("free or held by tenants above their fair share" if self.pages.policy.fair
                  else "free or evictable")
         return (f"needs {self.device_need(req)} device pages; only {self.room_for(req)} are "
@@ -145,13 +172,42 @@ class Admission:
         return self.reserved_pages + pages <= self.pages.capacity_pages
 
     def can_admit(self, req: Request) -> bool:
-        """Whether a queued request can be admitted now (pool room, tenant limit, handoff
-        reservation)."""
+        """Whether a queued request can be admitted now (pool room, tenant limit, working set,
+        handoff reservation)."""
         if self.tenancy.over_limit(req.tenant, req.projected_pages):
             return False
         if not (self.fits(req.projected_pages) and self.device_need(req) <= self.room_for(req)):
             return False
+        if self.working_set and not self.working_set_fits(req):
+            return False
         return not req.handoff_pool or self.reserver.state(req)[0] is Verdict.OK
+
+    # ------------------------------------------------------------------ working sets
+
+    def working_set_used(self) -> int:
+        """Device pages the admitted requests' working sets take (see the module)."""
+        return self.working_set_pages - self.shared_overlap
+
+    def working_set_cap(self, req: Request) -> int | None:
+        """The most pages req is counted for: under a fair policy, a request bigger than its
+        tenant's fair share (or guarantee) streams the rest and is counted for that share;
+        None: for all of its pages."""
+        if not self.pages.policy.fair:
+            return None
+        tenancy = self.tenancy
+        share = max(tenancy.fair_share(req.tenant), tenancy.quota(req.tenant).guaranteed)
+        cap = max(1, int(share + 1e-6))
+        return cap if req.projected_pages > cap else None
+
+    def working_set_charge(self, req: Request) -> int:
+        cap = self.working_set_cap(req)
+        return req.projected_pages if cap is None else cap
+
+    def working_set_fits(self, req: Request) -> bool:
+        """Whether req's working set fits the device beside those already running. A request
+        alone in the pool always fits (it was judged able to run at all)."""
+        used = self.working_set_used()
+        return not used or used + self.working_set_charge(req) <= self.pages.share_capacity
 
     def device_need(self, req: Request) -> int:
         """Device pages a request must get to run. Under a fair policy: what its tenant's
@@ -206,14 +262,16 @@ class Admission:
             req = self._next_in_line()
             if not self.can_admit(req):
                 break
+            cap = self.working_set_cap(req)  # its fair share while its demand counts
             self.dequeue(req)
-            self._admit_now(req)
+            self._admit_now(req, cap)
             admitted.append(req)
         return admitted
 
-    def _admit_now(self, req: Request) -> None:
+    def _admit_now(self, req: Request, working_set_cap: int | None) -> None:
         req.state = RequestState.ADMITTED
         req.admitted_at = self.clock.now()
+        req.working_set_cap = working_set_cap
         self.reserve(req, req.projected_pages)
         self.counters.num_admitted += 1
         if req.handoff_pool:
@@ -244,7 +302,9 @@ class Admission:
 
     def reserve(self, req: Request, pages: int) -> None:
         """`pages` more are reserved for req (at admission, or as it grows past them)."""
+        before = _counted(req)
         req.reserved_pages += pages
+        self.working_set_pages += _counted(req) - before
         self.reserved_pages += pages
         self.tenancy.reserved_by_tenant[req.tenant] += pages
         self.tenancy.demand_changed()
@@ -252,6 +312,7 @@ class Admission:
     def unreserve(self, req: Request) -> None:
         """req is gone: what was reserved for it is free to reserve again."""
         self.reserved_pages -= req.reserved_pages
+        self.working_set_pages -= _counted(req)
         self.tenancy.reserved_by_tenant[req.tenant] -= req.reserved_pages
         req.reserved_pages = 0
         self.tenancy.demand_changed()
@@ -329,3 +390,9 @@ class Admission:
                 f"tenant {req.tenant!r} is at {self.tenancy.cap_words(req.tenant, 'of')} in pool "
                 f"{self.name!r} ({self.tenancy.reserved_by_tenant[req.tenant]} reserved); "
                 f"request {short_repr(req.request_id)} asks for {growth} more")
+
+
+def _counted(req: Request) -> int:
+    """The pages req's reservation counts for in the working set."""
+    cap = req.working_set_cap
+    return req.reserved_pages if cap is None else min(req.reserved_pages, cap)

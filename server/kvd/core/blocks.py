@@ -164,6 +164,10 @@ class Request:
     queued_at: float = 0.0
     # Pages held against the pool for this request: max(projected, blocks ever allocated).
     reserved_pages: int = 0
+    # Working-set admission: the device pages it is counted for at most (None: all it
+    # reserves). Set for a request bigger than its tenant's fair share, which streams the
+    # rest through the host tier.
+    working_set_cap: int | None = None
     # Index i holds block i; a freed block leaves None so indices stay stable.
     blocks: list[Block | None] = field(default_factory=list)
     num_live_blocks: int = 0

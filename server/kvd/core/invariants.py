@@ -18,6 +18,7 @@ class _Tally:
     evictable: int = 0
     held: int = 0
     reserved: int = 0
+    working_set: int = 0
     pinned_by_tenant: Counter = field(default_factory=Counter)
     reserved_by_tenant: Counter = field(default_factory=Counter)
     device_by_tenant: Counter = field(default_factory=Counter)
@@ -46,7 +47,10 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
     named = pool.pages.named
     users: Counter = Counter()
     pinners: Counter = Counter()
+    uses: Counter = Counter()
     for req in pool.requests.values():
+        for b in req.shared:
+            uses[id(b)] += 1
         for b in req.pinned_shared:
             pinners[id(b)] += 1
             if b not in req.shared:
@@ -59,6 +63,10 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
         for b in req.shared:
             if named.get(b.name) is b:
                 users[id(b), req.tenant] += 1
+    overlap = sum(n - 1 for n in uses.values())
+    if overlap != pool.admission.shared_overlap:
+        problems.append(f"{name}: shared overlap {pool.admission.shared_overlap} != uses of "
+                        f"shared blocks past their first {overlap}")
     adjust: Counter = Counter()
     idle: Counter = Counter()
     for key, b in named.items():
@@ -127,6 +135,8 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
             problems.append(f"{name}: queued request {rid} not in the queue")
         return
     tally.reserved += req.reserved_pages
+    cap = req.working_set_cap
+    tally.working_set += req.reserved_pages if cap is None else min(cap, req.reserved_pages)
     tally.reserved_by_tenant[req.tenant] += req.reserved_pages
     tally.device_by_tenant[req.tenant] += req.num_device_blocks
     live = [b for b in req.blocks if b is not None]
@@ -178,6 +188,10 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
     if t.pinned > pool.device.capacity:
         problems.append(f"{name}: {t.pinned} pinned blocks exceed {pool.device.capacity} "
                         "device pages")
+    admission = pool.admission
+    if t.working_set != admission.working_set_pages:
+        problems.append(f"{name}: working set pages {admission.working_set_pages} != sum over "
+                        f"requests {t.working_set}")
     if t.reserved != pool.reserved_pages:
         problems.append(f"{name}: reserved pages {pool.reserved_pages} != sum over requests "
                         f"{t.reserved}")

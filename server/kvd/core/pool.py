@@ -27,7 +27,7 @@ from kvd.core.intent import IntentChange, Intents
 from kvd.core.pages import PageTable
 from kvd.core.policies import EvictionPolicy
 from kvd.core.prefix import Prefixes
-from kvd.core.reads import AccessResult, Reads, after_reads
+from kvd.core.reads import AccessResult, Reads, after_reads, changes_blocks
 from kvd.core.requests import RequestTable, check_still, resolve
 from kvd.core.reservation import Reservations, Reserver
 from kvd.core.tenancy import Tenancy
@@ -51,6 +51,7 @@ class Pool:
         policy: str,
         clock: Clock,
         max_queue: int = 1024,
+        admission: str = "working_set",
         quotas: dict[str, TenantQuota] | None = None,
         reserve_pages: int | None = None,
         attribution: Attribution | None = None,
@@ -80,11 +81,13 @@ class Pool:
         self.host: TierPages = self.pages.host
         self.admission = Admission(
             name, block_tokens=block_tokens, max_queue=max_queue, clock=clock,
-            pages=self.pages, tenancy=self.tenancy, counters=self.counters, reserver=reserver)
+            pages=self.pages, tenancy=self.tenancy, counters=self.counters, reserver=reserver,
+            mode=admission)
         self.queue = self.admission.queue
         # Reads read_all() answered and not yet recorded.
         self.reads = Reads(self.requests, clock, pages=self.pages, tenancy=self.tenancy,
                            counters=self.counters, page_bytes=page_bytes)
+        self.pages.before_choice = self.reads.record_pending
         # How recording the reads is put off (the runtime's event loop; None: at once).
         self.defer = defer
         self.intents = Intents(self.pages, self.counters, self.get_admitted)
@@ -164,7 +167,7 @@ class Pool:
 
     # ------------------------------------------------------------------ engine operations
 
-    @after_reads
+    @changes_blocks
     def allocate(self, request_id: str, num_blocks: int,
                  intent: dict[str, Any] | None = None,
                  indices: Sequence[int] | None = None, holder: str = "",
@@ -179,7 +182,7 @@ class Pool:
         pages = self.pages
         indices = pages.check_new(req, num_blocks, indices, intent)
         growth = self.admission.growth(req, num_blocks)
-        page_numbers, demotions = pages.make_room(num_blocks, req, reason)
+        page_numbers, demotions = pages.make_room(num_blocks, req, reason, holder=holder)
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
         plan.allocated = pages.place(req, page_numbers, indices, intent, holder)
         if growth:
@@ -196,18 +199,30 @@ class Pool:
         return self.reads.access(req, indices, holder)
 
     def read_all(self, request_ids: Sequence[str], tenant: str | None = None,
-                 key: bytes | None = None) -> tuple[list[str], list[Request]]:
+                 key: bytes | None = None
+                 ) -> tuple[list[str], list[Request], list[Request]]:
         """The engine step's hot path: every block of each request is read now (see
         Reads.answer). Recording the reads is put off: through `defer` (the runtime records
         them a little after the reply has gone), and in any case before any other pool method
-        (after_reads), so every decision sees the reads in the order they came."""
-        general, relocated, first = self.reads.answer(request_ids, tenant, key)
+        (after_reads), so every decision sees the reads in the order they came. Returns the
+        ids left for the general path, the requests read whose blocks moved since the engine
+        was told, and the requests read."""
+        general, relocated, first, answered = self.reads.answer(request_ids, tenant, key)
         if first:
             if self.defer is None:
                 self.record_reads()
             else:
                 self.defer(self.record_reads)
-        return general, relocated
+        return general, relocated, answered
+
+    @after_reads
+    def hold_read(self, requests: Iterable[Request], holder: str) -> None:
+        """Hold the device blocks of these requests, read by a step, for the holder until its
+        next call: the step's other reads must not take their pages (see Step)."""
+        hold = self.pages.holds.hold
+        for req in requests:
+            if req.state is RequestState.ADMITTED:
+                hold(holder, [b for b in req.blocks if b is not None])
 
     def record_reads(self) -> None:
         """Record the reads read_all() answered (see Reads.record_pending)."""
@@ -226,7 +241,7 @@ class Pool:
 
     # ------------------------------------------------------------------ holds
 
-    @after_reads
+    @changes_blocks
     def end_holds(self, holder: str) -> list[Request]:
         """The holder called again (or went away): what it was handed is evictable again.
         Returns queued requests admitted now that those pages may be taken."""
@@ -280,7 +295,7 @@ class Pool:
 
     # ------------------------------------------------------------------ giving back
 
-    @after_reads
+    @changes_blocks
     def free(self, request_id: str, indices: Sequence[int]) -> int:
         """Give back some blocks of a request; their indices stay unused."""
         req = self.get_admitted(request_id)
@@ -329,10 +344,14 @@ class Pool:
 
     # ------------------------------------------------------------------ transfers
 
-    @after_reads
     def complete(self, plan: TransferPlan) -> list[Block]:
         """The plan's bytes are copied: make the page table say so. Returns blocks pinned while
-        they were being demoted, which now want a prefetch."""
+        they were being demoted, which now want a prefetch. (A plan that only allocated
+        adds blocks, see changes_blocks; one that moved blocks changes what reads find.)"""
+        if plan.demotions or plan.promotions:
+            self.reads.settle()
+        else:
+            self.reads.before_block_changes()
         return settle.complete(self.pages, plan)
 
     @after_reads

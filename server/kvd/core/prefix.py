@@ -131,7 +131,8 @@ class Prefixes:
         try:
             # The blocks found are handed back: none may be a victim of the new pages' room.
             page_numbers, demotions = pages.make_room(
-                len(fresh), req, Reason.ALLOCATE, [b for b in found if b is not None])
+                len(fresh), req, Reason.ALLOCATE, [b for b in found if b is not None],
+                holder)
         except BaseException:
             for b, payers in reversed(taken_over):
                 self._unuse(req, b, payers)
@@ -233,6 +234,8 @@ class Prefixes:
                 b.users[req.tenant] = n
             else:
                 b.users.pop(req.tenant, None)
+            if b.users:
+                self.admission.shared_overlap -= 1
             if self.named.get(b.name) is not b:
                 continue  # already let go
             if not b.users and b.tier is TierKind.DEVICE:
@@ -333,7 +336,9 @@ class Prefixes:
         return Shares(in_use, shared, self.tenancy.usage(tenant), saved)
 
     def _use(self, req: Request, b: Block) -> None:
-        if not b.users and b.tier is TierKind.DEVICE:
+        if b.users:  # another request uses it: its page is in the working set already
+            self.admission.shared_overlap += 1
+        elif b.tier is TierKind.DEVICE:
             self.tenancy.idle_changed(b.payers, -1)
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
         req.shared.append(b)
@@ -347,6 +352,8 @@ class Prefixes:
         else:
             del b.users[req.tenant]
         req.shared.pop()
+        if b.users:
+            self.admission.shared_overlap -= 1
         if b.payers != payers:
             if b.tier is TierKind.DEVICE:
                 owner = b.request.tenant

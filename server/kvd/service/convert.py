@@ -109,7 +109,9 @@ def pool_stats(f: PoolFigures) -> pb.PoolStats:
         num_misses=c.num_misses, links=[link_stats(link) for link in f.links],
         bytes_read=f.bytes_read, handoff_reserved_pages=f.handoff_reserved_pages,
         num_admitted=c.num_admitted, num_lost_blocks=c.num_lost_blocks,
-        held_pages=f.held_pages)
+        held_pages=f.held_pages, admission=f.admission,
+        working_set_pages=f.working_set_pages,
+        working_set_capacity_pages=f.working_set_capacity_pages)
 
 
 def explain_response(explained, scope: str | None = None) -> pb.ExplainResponse:

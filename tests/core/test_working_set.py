@@ -1,0 +1,107 @@
+"""Working-set admission: admitted requests' pages (what each grows to by its end, a shared
+prefix page once, a whale under a fair policy counted for its fair share) stay within the
+device tier; the rest wait in fair order (invariants checked after every test)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.core.errors import InvalidArgument
+
+from .conftest import settle
+
+NS = "m"
+
+
+def _decision(pool, rid, pages, tenant="t", output_pages=0):
+    """Admit a request of `pages` prompt pages (16 tokens each) and `output_pages` more."""
+    return pool.admit(rid, tenant=tenant, prompt_tokens=16 * pages,
+                      output_tokens=16 * output_pages)
+
+
+@pytest.mark.parametrize("policy", ["lru", "intent", "deadline", "reuse", "regret"])
+def test_admission_stops_where_the_working_sets_fill_the_device(make_pool, policy):
+    pool = make_pool(device_pages=8, host_pages=32, policy=policy, admission="working_set")
+    assert _decision(pool, "a", 3, output_pages=2).decision == "admitted"  # grows to 5
+    waits = _decision(pool, "b", 4)
+    assert waits.decision == "queued"
+    assert "working set" in waits.reason and "5 of the 8" in waits.reason
+    assert _decision(pool, "c", 1).decision == "queued"  # behind b: fair order, not size
+    assert pool.admission.working_set_used() == 5
+    _, admitted = pool.release("a")
+    assert [r.request_id for r in admitted] == ["b", "c"]
+    assert pool.admission.working_set_used() == 5
+
+
+def test_reservation_admission_over_subscribes_the_device(make_pool):
+    pool = make_pool(device_pages=8, host_pages=32, admission="reservation")
+    assert _decision(pool, "a", 3, output_pages=2).decision == "admitted"
+    assert _decision(pool, "b", 4).decision == "admitted"
+    assert pool.admission.working_set_used() == 9  # counted, not enforced
+
+
+def test_a_request_alone_is_admitted_whatever_it_takes(make_pool):
+    pool = make_pool(device_pages=8, host_pages=32, admission="working_set")
+    assert _decision(pool, "a", 8).decision == "admitted"
+    assert _decision(pool, "b", 1).decision == "queued"
+
+
+def test_growth_past_the_reservation_counts_and_holds_the_queue(make_pool):
+    pool = make_pool(device_pages=8, host_pages=32, admission="working_set")
+    assert _decision(pool, "a", 2).decision == "admitted"
+    settle(pool, pool.allocate("a", 2))
+    settle(pool, pool.allocate("a", 3))  # past its 2 projected pages
+    assert pool.admission.working_set_used() == 5
+    assert _decision(pool, "b", 4).decision == "queued"
+    pool.free("a", [0])  # held pages, not reserved ones: the working set stays
+    assert pool.admission.working_set_used() == 5
+    pool.release("a")
+    assert pool.admission.working_set_used() == 4  # b's
+
+
+def test_a_shared_prefix_page_counts_once(make_pool):
+    pool = make_pool(device_pages=10, host_pages=32, admission="working_set")
+    keys = [b"k0", b"k1", b"k2", b"k3"]
+    assert _decision(pool, "a", 4).decision == "admitted"
+    settle(pool, pool.store("a", NS, keys)[0])
+    pool.commit("a", NS, keys)
+    assert _decision(pool, "b", 5).decision == "admitted"  # 4 + 5 <= 10
+    pool.load("b", NS, keys)  # b's first 4 pages are a's
+    assert pool.admission.shared_overlap == 4
+    assert pool.admission.working_set_used() == 5
+    assert _decision(pool, "c", 5).decision == "admitted"  # fits only counted once
+    pool.release("a")
+    assert pool.admission.shared_overlap == 0
+    assert pool.admission.working_set_used() == 10
+
+
+def test_a_whale_under_a_fair_policy_is_counted_for_its_fair_share(make_pool):
+    pool = make_pool(device_pages=50, host_pages=200, policy="fair", admission="working_set")
+    share = pool.pages.share_capacity  # 49: the free reserve is nobody's
+    for i in range(4):  # minnows: 4 x 5 pages, written
+        assert _decision(pool, f"m{i}", 5, tenant="minnows").decision == "admitted"
+        settle(pool, pool.allocate(f"m{i}", 5))
+    whale = _decision(pool, "w", 40, tenant="whale")
+    assert whale.decision == "admitted"
+    req = pool.get_request("w")
+    fair = pool.tenancy.fair_share("whale")
+    assert req.working_set_cap is not None and req.working_set_cap <= fair < 40
+    assert pool.admission.working_set_used() == 20 + req.working_set_cap <= share
+    # The whale streams through its 40 pages in chunks, evicting its own: the minnows'
+    # pages stay on the device.
+    for _ in range(8):
+        settle(pool, pool.allocate("w", 5))
+    assert pool.tenancy.device_by_tenant["minnows"] == 20
+    assert pool.tenancy.device_by_tenant["whale"] < 40
+
+
+def test_under_a_plain_policy_a_big_request_waits_for_the_whole_device(make_pool):
+    pool = make_pool(device_pages=50, host_pages=200, policy="lru", admission="working_set")
+    for i in range(4):
+        assert _decision(pool, f"m{i}", 5, tenant="minnows").decision == "admitted"
+    assert _decision(pool, "w", 40, tenant="whale").decision == "queued"
+
+
+def test_an_unknown_admission_mode_is_refused(make_pool):
+    with pytest.raises(InvalidArgument, match="admission mode"):
+        make_pool(admission="greedy")
