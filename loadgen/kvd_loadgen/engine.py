@@ -3,7 +3,8 @@
 Each engine step sends one Step message for every running request: allocations for prefills
 and for sequences that cross a block boundary, reads of every block (attention), releases of
 finished requests. Requests bigger than `chunk_blocks` are read in chunks within the step, as
-an engine that streams a long context through a smaller device share does.
+an engine that streams a long context through a smaller device share does: each chunk a
+message of its own, so the pages of one are given back before the next is read.
 
 A request with block keys (its prompt's prefix blocks, named as an engine's prefix cache names
 them) shares them: on admission the engine looks the keys up, loads the leading run kvd holds
@@ -212,6 +213,27 @@ class Engine:
                 finished.remove(req)
         return short
 
+    async def _send(self, stream, step: pb.StepRequest) -> pb.StepResponse:
+        """One engine step: the message, then each chunk of a big request's blocks as a
+        message of its own. What a message hands out is held until the next, so a request
+        streamed through a device share smaller than itself gives back each chunk before
+        reading the next (read in one message, its chunks would all be held at once).
+        Returns the replies merged: stalls added up, errors indexed as in `step`."""
+        chunks = list(step.accesses)
+        if len(chunks) <= 1:
+            return await stream.send(step)
+        main = pb.StepRequest()
+        main.CopyFrom(step)
+        del main.accesses[:]
+        reply = await stream.send(main)
+        for i, chunk in enumerate(chunks):
+            part = await stream.send(pb.StepRequest(accesses=[chunk]))
+            reply.stall_us += part.stall_us
+            reply.relocated.extend(part.relocated)
+            reply.errors.extend(pb.StepError(section="accesses", item_index=i, code=e.code,
+                                             message=e.message) for e in part.errors)
+        return reply
+
     async def run(self, *, steps: int | None = None, until: float | None = None,
                   stop: asyncio.Event | None = None) -> EngineStats:
         """Step until `steps` steps, the monotonic time `until`, or `stop` is set."""
@@ -230,7 +252,7 @@ class Engine:
                     continue
                 step, finished, prefill, decoded, allocations = self._build_step()
                 t0 = time.monotonic()
-                reply = await stream.send(step)
+                reply = await self._send(stream, step)
                 t1 = time.monotonic()
                 for req in self.running:
                     if req.first_token_at is None and req.prefilled:

@@ -63,6 +63,9 @@ class Node:
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
         self.pools: dict[str, PoolRuntime] = {}
         self.leases = LeaseTable(self.clock, config.lease_ttl_s)
+        # Holders whose Step message is being served: their holds do not lapse meanwhile
+        # (what the step handed out earlier must stay while it waits for more room).
+        self.serving: set[str] = set()
         self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
         self.link_table = Links(config, self.clock, self._executor, self.pools)
@@ -228,21 +231,32 @@ class Node:
         return await rt.begin_access(request_id, indices, holder)
 
     def read_all(self, request_ids: Sequence[str], scope: str | None,
-                 key: bytes | None = None) -> tuple[list[str], list[tuple[Request, int]]]:
+                 key: bytes | None = None
+                 ) -> tuple[list[str], list[tuple[Request, int]], list]:
         """A step reads every block of these requests: each pool answers those it can at
         once (see Pool.read_all). Returns the ids left for begin_access (or their error
         there), and the requests read whose blocks moved since the engine was told, with
-        their pool's page size. `key` identifies request_ids (see Pool.read_all)."""
+        their pool's page size, and each pool with the requests it answered (for hold_read).
+        `key` identifies request_ids (see Pool.read_all)."""
         general = request_ids
         relocated: list[tuple[Request, int]] = []
+        answered = []
         for rt in self.pools.values():
-            general, moved = rt.pool.read_all(general, scope, key)
+            general, moved, read = rt.pool.read_all(general, scope, key)
             key = None  # the next pool reads what this one left
             if moved:
                 relocated += [(req, rt.pool.page_bytes) for req in moved]
+            if read:
+                answered.append((rt, read))
             if not general:
                 break
-        return general, relocated
+        return general, relocated, answered
+
+    def hold_read(self, answered: list, holder: str) -> None:
+        """A step whose reads go on past those read_all answered holds those first: its
+        later reads must not evict what it already told the engine is in place."""
+        for rt, requests in answered:
+            rt.pool.hold_read(requests, holder)
 
     def end_holds(self, holder: str) -> None:
         """The holder called again, or went away: the pages it was handed are evictable."""
@@ -260,7 +274,8 @@ class Node:
         the engine's claim on a page it was handed long ago."""
         now = self.clock.now()
         stale = {h for rt in self.pools.values()
-                 for h, since in rt.pool.pages.holds.since().items() if now - since > max_age_s}
+                 for h, since in rt.pool.pages.holds.since().items()
+                 if now - since > max_age_s and h not in self.serving}
         for holder in stale:
             self.end_holds(holder)
         return len(stale)

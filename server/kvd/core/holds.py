@@ -17,6 +17,11 @@ from kvd.core.clock import Clock
 from kvd.core.policies import EvictionPolicy
 
 
+# Holders named so are Step streams: one message at a time, so what a stream holds is given
+# back only by its next message, never while one of its messages is being served.
+STREAM_HOLDER_PREFIX = "stream:"
+
+
 class Holds:
     """Blocks held by holder (a client's lease, a Step stream), and since when."""
 
@@ -58,6 +63,15 @@ class Holds:
     def has(self, holder: str) -> bool:
         """Whether the holder has blocks held."""
         return holder in self._by_holder
+
+    def held_for_good(self, holder: str) -> int:
+        """Blocks held for this holder that nothing ends while it waits: a Step stream's
+        (see STREAM_HOLDER_PREFIX). 0 for any other holder, whose concurrent calls end its
+        holds."""
+        if not holder.startswith(STREAM_HOLDER_PREFIX):
+            return 0
+        entry = self._by_holder.get(holder)
+        return 0 if entry is None else sum(1 for b in entry[1] if b.held)
 
     def since(self) -> dict[str, float]:
         """Each holder with blocks held, and since when."""

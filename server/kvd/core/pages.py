@@ -10,7 +10,7 @@ protected, and takes the victims only once nothing else can fail.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kvd.core import intent as intents
@@ -52,6 +52,9 @@ class PageTable:
         self.holds = Holds(clock, requests, self.policy)
         # Shared prefix blocks by (namespace, key): see prefix.py.
         self.named: dict[tuple[str, bytes], Block] = {}
+        # Called before the policy chooses (or host blocks are picked by recency): records
+        # the reads the pool's hot path left pending (see reads.changes_blocks).
+        self.before_choice: Callable[[], None] = _nothing
 
     # ------------------------------------------------------------------ queries
 
@@ -148,17 +151,28 @@ class PageTable:
     # ------------------------------------------------------------------ room in the device tier
 
     def evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
-              protected: Collection[Block] = (), host_room: int | None = None) -> list[Move]:
+              protected: Collection[Block] = (), host_room: int | None = None,
+              holder: str = "") -> list[Move]:
         """Take num victims (none of them protected) off the device tier: demote them to host,
         or drop those the engine can recompute when the host tier is full (or has no more
         than `host_room` pages for them). Raises before changing anything: the policy's
-        choice is looked at first and taken only after."""
+        choice is looked at first and taken only after. `holder`: the caller's, whose own
+        holds end only at its next call (waiting for them would wait for ever)."""
+        self.before_choice()
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
-            if self.holds.count or self.num_moving_blocks():
-                # Victims may come free when the copies finish, or when the engines holding
-                # pages call again (or their holds lapse).
+            own = self.holds.held_for_good(holder) if holder else 0
+            if self.holds.count > own or self.num_moving_blocks():
+                # Victims may come free when the copies finish, or when the other engines
+                # holding pages call again (or their holds lapse).
                 raise BlocksInTransit([])
+            if own:
+                raise ResourceExhausted(
+                    f"pool {self.name!r}: cannot free {num} device page(s) beside the {own} "
+                    "this call's step already holds (handed out until its next message): "
+                    f"{len(self.policy)} evictable, {self.num_pinned} of "
+                    f"{self.device.capacity} pinned; a step cannot read or allocate more "
+                    "than the device tier holds, read it in smaller steps")
             raise self.no_room(num)
         num_host = self.host.num_free if host_room is None else min(host_room,
                                                                      self.host.num_free)
@@ -222,6 +236,7 @@ class PageTable:
         kept = self._unused_kept_host(protected)
         if len(kept) < num:
             return 0
+        self.before_choice()
         kept.sort(key=lambda b: b.last_access)
         for b in kept[:num]:
             self.discard(b)
@@ -248,7 +263,8 @@ class PageTable:
         return indices
 
     def make_room(self, num: int, cause: Request | None, reason: Reason,
-                  protected: Collection[Block] = ()) -> tuple[list[int], list[Move]]:
+                  protected: Collection[Block] = (), holder: str = ""
+                  ) -> tuple[list[int], list[Move]]:
         """Claim num device pages: free ones first (the reserve only up to the tenant's fair
         share), then victims' pages (which their incoming blocks may use once the demotions
         are copied)."""
@@ -260,8 +276,8 @@ class PageTable:
             free = spare + min(free - spare, headroom)
         short = num - free
         try:
-            demotions = (self.evict(short, cause, reason, True, protected) if short > 0
-                         else [])
+            demotions = (self.evict(short, cause, reason, True, protected, holder=holder)
+                         if short > 0 else [])
         except HostShort as exc:
             raise HostShort(str(exc), free + exc.possible) from None
         pages = [self.device.take(None) for _ in range(num - len(demotions))]
@@ -269,10 +285,10 @@ class PageTable:
         return pages, demotions
 
     def promote(self, req: Request | None, missing: list[Block], keep: Iterable[Block],
-                reason: Reason) -> TransferPlan:
+                reason: Reason, holder: str = "") -> TransferPlan:
         """A plan bringing `missing` to the device tier without evicting any of `keep`."""
         protected = {b for b in keep if b.tier is TierKind.DEVICE}
-        pages, demotions = self.make_room(len(missing), req, reason, protected)
+        pages, demotions = self.make_room(len(missing), req, reason, protected, holder)
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
         for block, page in zip(missing, pages):
             self.device.owner[page] = block
@@ -295,6 +311,7 @@ class PageTable:
         if not self.policy.fair or want <= 0:
             return None
         over = set(self.tenancy.over_share())
+        self.before_choice()
         victims = self.policy.choose(min(want, len(self.policy)))
         if not victims or any(v.request.tenant not in over and not _idle_kept(v)
                               for v in victims):
@@ -360,3 +377,7 @@ class PageTable:
 def _idle_kept(block: Block) -> bool:
     """A kept prefix block no request uses: cache."""
     return block.name is not None and not block.users
+
+
+def _nothing() -> None:
+    pass

@@ -16,6 +16,7 @@ import time
 import grpc
 
 from kvd.core import errors
+from kvd.core.holds import STREAM_HOLDER_PREFIX
 from kvd.core.reads import AccessResult
 from kvd.metrics import observe_rpc
 from kvd.node import Node
@@ -72,7 +73,7 @@ class StepStreams:
             await context.abort(status_of(exc), str(exc))
         node = self.node
         node.leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds it
-        holder = f"stream:{id(context)}:{time.monotonic_ns()}"
+        holder = f"{STREAM_HOLDER_PREFIX}{id(context)}:{time.monotonic_ns()}"
         node.end_holds(caller.holder)  # the client's unary calls before are done too
         turn = _Turn(self.turns, caller.tenant or "admin")
         messages = request_iterator.__aiter__()
@@ -92,8 +93,12 @@ class StepStreams:
                         await context.abort(status_of(exc), str(exc))
                 node.end_holds(holder)
                 started = time.perf_counter()
-                reply = await self.step(step, caller.scope, _reads_key(data), holder,
-                                        caller.ns)
+                node.serving.add(holder)  # its holds may not lapse while it is served
+                try:
+                    reply = await self.step(step, caller.scope, _reads_key(data), holder,
+                                            caller.ns)
+                finally:
+                    node.serving.discard(holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
                 await context.write(reply)
                 turn.leave()
@@ -165,14 +170,15 @@ class StepStreams:
         present = {field.number for field, _ in step.ListFields()}
         general = None  # read_all's requests left for the general path, once it has run
         if present <= _READS_ONLY:  # nothing comes before read_all: run it now
-            general = (self._read_all(read_all, reply, scope, reads_key, len(ns))
+            general = (self._read_all(read_all, reply, scope, reads_key, len(ns), holder)
                        if present else ())
             if not general:
                 return reply
         started = time.perf_counter()
         stalled = await self._writes(step, present, reply, scope, holder, ns)
         if general is None:
-            general = (self._read_all(read_all, reply, scope, None, len(ns))
+            general = (self._read_all(read_all, reply, scope, None, len(ns), holder,
+                                      _ACCESSES in present)
                        if _READ_ALL in present else ())
         items: list = []  # (section, index, request_id, block indices or None)
         if general:
@@ -249,12 +255,17 @@ class StepStreams:
         return stalled
 
     def _read_all(self, request_ids, reply: pb.StepResponse, scope: str | None,
-                  key: bytes | None = None, cut: int = 0) -> list[str]:
+                  key: bytes | None = None, cut: int = 0, holder: str = "",
+                  more: bool = False) -> list[str]:
         """Answer the requests every pool can read at once (reporting relocated blocks);
-        return those that need the general access path (or get an error there)."""
-        general, relocated = self.node.read_all(request_ids, scope, key)
+        return those that need the general access path (or get an error there). When
+        reads follow (those, or `more`: the step's accesses), the requests answered are held
+        for the holder first, so those reads cannot evict them under the engine."""
+        general, relocated, answered = self.node.read_all(request_ids, scope, key)
         for req, page_bytes in relocated:
             _relocated(reply, AccessResult(None, None, req), page_bytes, cut)
+        if (general or more) and holder and answered:
+            self.node.hold_read(answered, holder)
         return general
 
 

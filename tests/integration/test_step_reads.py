@@ -1,0 +1,88 @@
+"""What a Step's reads hand the engine stays where the reply says until the engine's next
+message: a read later in the same step cannot take the pages of a request the step already
+answered as resident."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvd_client import AsyncClient, pb
+from kvd_client.arena import MappedPool
+from kvd_loadgen.local import LocalKvd
+
+from .conftest import SMALL
+
+
+async def test_a_later_read_in_a_step_cannot_evict_a_request_the_step_answered(tmp_path):
+    # Reservation admission lets 10 blocks run on 8 device pages: the step below reads
+    # more than the device holds.
+    with LocalKvd(*SMALL, "--admission", "reservation", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as client:
+            mapped = MappedPool(await client.export_pool())
+            try:
+                await _check(client, mapped)
+            finally:
+                mapped.close()
+            assert (await client.self_check()).ok
+
+
+async def _check(client, mapped):
+    rng = np.random.default_rng(3)
+    where: dict[tuple[str, int], pb.PageHandle] = {}  # what the engine was last told
+    data: dict[tuple[str, int], np.ndarray] = {}
+    for rid, n in (("big", 6), ("small", 4)):
+        await client.admit(rid, 16 * n)
+    async with client.step_stream() as stream:
+        for rid, n in (("big", 6), ("small", 4)):  # small's 4 push 2 of big's to the host
+            reply = await stream.step(allocations=[(rid, n)])
+            for h in reply.allocated:
+                where[rid, h.block_index] = h
+                data[rid, h.block_index] = rng.integers(0, 256, mapped.page_bytes,
+                                                        dtype=np.uint8)
+                mapped.page(h)[:] = data[rid, h.block_index]
+        # small is resident (answered at once); big needs 2 blocks back, and the only other
+        # pages are small's.
+        reply = await stream.step(read_all=["small", "big"])
+        failed = {["small", "big"][e.item_index] for e in reply.errors
+                  if e.section == "read_all"}
+        assert all(e.code == 8 for e in reply.errors), reply.errors  # RESOURCE_EXHAUSTED
+        for h in reply.relocated:
+            where[h.request_id, h.block_index] = h
+        # Before its next message, the engine reads every request the step gave it.
+        for (rid, index), h in where.items():
+            if rid in failed:
+                continue
+            assert h.tier == pb.TIER_DEVICE, (rid, index)
+            assert np.array_equal(mapped.page(h), data[rid, index]), (
+                f"{rid} block {index}: its page holds other bytes than the engine wrote")
+        assert "small" not in failed
+
+
+async def test_a_step_reading_more_than_the_device_holds_is_told_at_once(tmp_path):
+    """Its own holds end only at its next message: the read that finds no room beside them
+    is refused (the engine splits the step) instead of waiting for them to lapse and then
+    evicting what the step already handed out."""
+    with LocalKvd(*SMALL, "--admission", "reservation", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as client:
+            mapped = MappedPool(await client.export_pool())
+            try:
+                rng = np.random.default_rng(5)
+                data = {}
+                for rid, n in (("a", 6), ("b", 6), ("filler", 8)):
+                    await client.admit(rid, 16 * n)
+                    for h in (await client.allocate(rid, n)).handles:
+                        data[rid, h.block_index] = rng.integers(0, 256, mapped.page_bytes,
+                                                                dtype=np.uint8)
+                        mapped.page(h)[:] = data[rid, h.block_index]
+                async with client.step_stream() as stream:  # a and b are on the host now
+                    reply = await stream.step(accesses=[("a", None), ("b", None)])
+                    assert [(e.section, e.item_index, e.code) for e in reply.errors] == [
+                        ("accesses", 1, 8)], reply.errors
+                    assert "smaller steps" in reply.errors[0].message
+                    told = {h.block_index: h for h in reply.relocated if h.request_id == "a"}
+                    assert sorted(told) == list(range(6))
+                    for index, h in told.items():  # read before the engine's next message
+                        assert np.array_equal(mapped.page(h), data["a", index]), index
+            finally:
+                mapped.close()
+            assert (await client.self_check()).ok
