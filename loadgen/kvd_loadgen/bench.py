@@ -448,7 +448,13 @@ def run_bench(args) -> int:
 
         results["engines"] = uvloop.run(bench_engines(seconds=1.0 if quick else 2.0,
                                                       rounds=1 if quick else 2))
-    for key, target in engine_targets(results["engines"]).items():
+    more = engine_targets(results["engines"])
+    if not quick:
+        from kvd_loadgen.bench_overload import run_overload, targets as overload_targets
+
+        results["overload"] = run_overload(console)
+        more.update(overload_targets(results["overload"]))
+    for key, target in more.items():
         results["ratios"][key] = target["measured"]
         results["targets"][key] = {"op": target["op"], "value": target["value"],
                                    "met": target["met"]}

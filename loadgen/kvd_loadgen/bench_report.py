@@ -112,6 +112,26 @@ def print_tables(results: dict, console: Console) -> None:
     console.print(t)
 
 
+def overload_markdown(out: dict) -> list[str]:
+    """The overload runs as a table (see bench_overload)."""
+    lines = [f"## Overload: Mooncake's trace, first {out['limit']} requests, 1,200 device pages",
+             "", "| run | speed | tokens/s | Jain | step stall p50 / p99 ms, long · short | "
+             "admission wait p99 s, long · short | evictions | moved |",
+             "|---|---:|---:|---:|---|---|---:|---:|"]
+    for part in ("overload", "calm"):
+        for spec, r in out[part].items():
+            if spec == "speed":
+                continue
+            t = r["tenants"]
+            stalls = " · ".join(f"{t[x]['step_stall_p50_ms']:.1f} / "
+                                f"{t[x]['step_stall_p99_ms']:.1f}" for x in sorted(t))
+            waits = " · ".join(f"{t[x]['admission_wait_p99_ms'] / 1e3:.1f}" for x in sorted(t))
+            lines.append(f"| {spec} | x{out[part]['speed']:g} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['jain']:.3f} | {stalls} | {waits} | {r['evictions']:,} | "
+                         f"{r['bytes_moved'] / 2**20:,.0f} MiB |")
+    return lines
+
+
 def results_markdown(results: dict) -> str:
     m = results["machine"]
     lines = ["# kvd benchmark results", "",
@@ -143,6 +163,8 @@ def results_markdown(results: dict) -> str:
               f"{c['numpy_copyto_gbps']:.2f} |"]
     lines += [f"| victim selection µs: {key} | {val:.2f} |"
               for key, val in results["victims_us"].items()]
+    if results.get("overload"):
+        lines += ["", *overload_markdown(results["overload"])]
     scen = results.get("scenarios")
     if scen:
         lines += ["", "## Scenarios at a small, fixed size", "",

@@ -152,7 +152,9 @@ def _soak_parser(sub) -> None:
 def _request_trace_parser(sub) -> None:
     rt = sub.add_parser("request-trace", help="play a request trace (Mooncake or simulator)")
     rt.add_argument("trace", type=Path)
-    rt.add_argument("--policy", default="lru,fair,deadline", help="a,b,c: one run each")
+    rt.add_argument("--policy", default="lru,fair,deadline",
+                    help="a,b,c: one run each; POLICY@reservation admits while pages fit "
+                    "both tiers instead of the working sets the device")
     rt.add_argument("--speed", type=float, default=4.0, help="time compression")
     rt.add_argument("--limit", type=int, default=600, help="first N requests (0: all)")
     rt.add_argument("--tenants", default="length:16384",

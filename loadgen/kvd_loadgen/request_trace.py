@@ -51,11 +51,19 @@ NAMESPACE = "trace"
 MOONCAKE_BLOCK_TOKENS = 512
 
 
-def kvd_config(run: TraceRun, policy: str, tenants: list[str]) -> str:
+def split_run(spec: str) -> tuple[str, str]:
+    """A run's `POLICY[@ADMISSION]` as (policy, admission mode); working_set when unsaid."""
+    policy, _, admission = spec.partition("@")
+    return policy, admission or "working_set"
+
+
+def kvd_config(run: TraceRun, spec: str, tenants: list[str]) -> str:
+    policy, admission = split_run(spec)
     blocks = "".join(f'[[tenant]]\nname = "{t}"\ntoken = "{t}-token"\n\n' for t in tenants)
     return (
         "[server]\ngrace_s = 2\nlease_ttl_s = 60\n\n"
         f'[[pool]]\nname = "default"\npolicy = "{policy}"\npage_bytes = {run.page_bytes}\n'
+        f'admission = "{admission}"\n'
         f"block_tokens = {run.block_tokens}\ndevice_pages = {run.device_pages}\n"
         f"host_pages = {run.host_pages}\nmax_queue = 100000\n\n" + blocks)
 
@@ -65,6 +73,9 @@ async def _occupancy(admin: AsyncClient) -> dict:
     tenants = await admin.list_tenants()
     stats = (await admin.pool_stats()).pools[0]
     return {"device_used": stats.tiers[0].used_pages, "host_used": stats.tiers[1].used_pages,
+            "working_set": stats.working_set_pages,
+            "working_set_capacity": stats.working_set_capacity_pages,
+            "queued": stats.num_queued,
             "tenants": {t.tenant: (t.device_pages, t.fair_share_pages) for t in tenants
                         if t.reserved_pages > 0},
             "shared": {t.tenant: (t.shared_pages, t.shared_saved_pages) for t in tenants}}

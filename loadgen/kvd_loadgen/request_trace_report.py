@@ -62,6 +62,11 @@ def build_report(out: dict) -> ScenarioReport:
     report.figure("occupancy", "Device pages each tenant holds over time against its fair "
                   "share and the device's capacity, per policy",
                   lambda plt: _occupancy(plt, results, tenants, run["device_pages"]))
+    if any("working_set" in x for r in results for x in r["occupancy"]):
+        report.figure("working_set", "The running requests' working set (what each grows to "
+                      "by its end, a shared page once) against the device pages admission "
+                      "keeps it within, and requests waiting, per policy",
+                      lambda plt: _working_set(plt, results))
     report.figure("link_utilisation", "device<->host link utilisation over time, per policy",
                   draw_utilisation({r["policy"]: r.get("links", []) for r in results},
                                    lambda _: LINK, "device<->host link utilisation"))
@@ -112,6 +117,31 @@ def _occupancy(plt, results, tenants, capacity: int):
         ax.set_ylabel("device pages")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
+    return fig
+
+
+def _working_set(plt, results):
+    fig, axes = plt.subplots(len(results), 1, figsize=(7, 2.6 * len(results)), squeeze=False)
+    for ax, r in zip(axes[:, 0], results):
+        pts = [(s["t"], s["working_set"], s["working_set_capacity"], s["queued"])
+               for s in r["occupancy"] if "working_set" in s]
+        if not pts:
+            continue
+        ts, ws, cap, queued = zip(*pts)
+        ax.plot(ts, ws, label="admitted working set (pages)")
+        ax.plot(ts, cap, color="black", linewidth=0.8, linestyle=":",
+                label=f"device pages for working sets ({max(cap):,})")
+        ax.set_ylim(bottom=0, top=max(max(ws), max(cap)) * 1.1)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("pages")
+        other = ax.twinx()
+        other.plot(ts, queued, color="tab:gray", linewidth=0.8, label="requests waiting")
+        other.set_ylabel("requests waiting")
+        other.set_ylim(bottom=0)
+        lines = ax.get_legend_handles_labels()
+        more = other.get_legend_handles_labels()
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper left")
+        ax.set_title(f"Working set against the device: {r['policy']}")
     return fig
 
 

@@ -54,30 +54,56 @@ def after_reads(method):
     return wrapper
 
 
+def changes_blocks(method):
+    """after_reads for a method that only adds blocks to requests or takes them away, and
+    whose eviction choices record the pending reads first (PageTable.before_choice). Under a
+    policy that orders each request's blocks apart (per_request_order), the reads are left
+    pending: recorded later they leave the order, recency and metering that recording them
+    first would have (a block added since a read is not touched by it, and a read meters the
+    blocks its request held then), and an engine step's allocations, frees and ended holds
+    then cost no recording of their own; the steps' reads are recorded together.
+
+    One difference remains, and only until the request's next read is recorded: a block
+    whose hold ends while a read of its request is pending, and that is not the request's
+    newest, is ordered by that read as it orders the others (by index) rather than after
+    them. A Step stream's holds are of blocks it just allocated (the newest) or read, and end
+    at its next message, before that message's reads."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self.reads.before_block_changes()
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class ReadRecord:
     """Reads answered and not yet recorded: every block of `requests` was read `times`
-    times, last at `at`, and the time before at `before` (None: once)."""
+    times, last at `at`, and the time before at `before` (None: once); `sizes`: each
+    request's blocks when read."""
 
-    __slots__ = ("at", "before", "requests", "times")
+    __slots__ = ("at", "before", "requests", "sizes", "times")
 
-    def __init__(self, at: float, requests: list[Request]) -> None:
+    def __init__(self, at: float, requests: list[Request], sizes: list[int]) -> None:
         self.at = at
         self.before: float | None = None
         self.requests = requests
+        self.sizes = sizes
         self.times = 1
 
 
 class LastRead:
     """The last read answered wholly at once (see Reads.answer)."""
 
-    __slots__ = ("key", "count", "tenant", "requests")
+    __slots__ = ("key", "count", "tenant", "requests", "sizes")
 
     def __init__(self, key: str | bytes, count: int, tenant: str | None,
-                 requests: list[Request]) -> None:
+                 requests: list[Request], sizes: list[int]) -> None:
         self.key = key
         self.count = count
         self.tenant = tenant
         self.requests = requests
+        self.sizes = sizes
 
 
 class Reads:
@@ -102,11 +128,12 @@ class Reads:
         self._last: LastRead | None = None
 
     def answer(self, request_ids: Sequence[str], tenant: str | None = None,
-               key: bytes | None = None) -> tuple[list[str], list[Request], bool]:
+               key: bytes | None = None
+               ) -> tuple[list[str], list[Request], bool, list[Request]]:
         """Read every block of each request now. Returns the ids left for the general path
         (blocks not all resident and still, unknown ids, other tenants' than `tenant`), the
-        requests read whose blocks moved since the engine was told, and whether this read
-        is the first pending (the pool then has them recorded soon).
+        requests read whose blocks moved since the engine was told, whether this read is the
+        first pending (the pool then has them recorded soon), and the requests answered.
 
         `key`, when given, stands for request_ids in telling a repeated read: bytes equal
         only for equal lists (the Step message without its id)."""
@@ -124,14 +151,15 @@ class Reads:
                 record = pending[-1]  # the reads of the same steps, recorded as one
                 record.before, record.at = record.at, now
                 record.times += 1
-                return [], [], False
-            pending.append(ReadRecord(now, last.requests))
-            return [], [], len(pending) == 1
+                return [], [], False, last.requests
+            pending.append(ReadRecord(now, last.requests, last.sizes))
+            return [], [], len(pending) == 1, last.requests
         requests = self._requests
         admitted = RequestState.ADMITTED
         general: list[str] = []
         relocated: list[Request] = []
         read: list[Request] = []
+        sizes: list[int] = []
         for rid in request_ids:
             req = requests.get(rid)
             if (req is None or req.state is not admitted or req.num_moving_blocks
@@ -140,14 +168,21 @@ class Reads:
                 general.append(rid)
                 continue
             read.append(req)
+            sizes.append(req.num_live_blocks)
             if req.maybe_relocated:
                 relocated.append(req)
         if not read:
-            return general, relocated, False
+            return general, relocated, False, read
         if not general and not relocated:
-            self._last = LastRead(key, len(request_ids), tenant, read)
-        pending.append(ReadRecord(self.clock.now(), read))
-        return general, relocated, len(pending) == 1
+            self._last = LastRead(key, len(request_ids), tenant, read, sizes)
+        pending.append(ReadRecord(self.clock.now(), read, sizes))
+        return general, relocated, len(pending) == 1, read
+
+    def before_block_changes(self) -> None:
+        """Blocks are about to be added or taken away: see changes_blocks."""
+        if self.pending and not self.pages.policy.per_request_order:
+            self.record(self.take())
+        self._last = None
 
     def forget(self) -> None:
         """The pool is about to change: the last answer may no longer hold."""
@@ -167,38 +202,41 @@ class Reads:
             self.record(self.take())
         self._last = None
 
-    def take(self) -> list[tuple[Request, float, float | None, int]]:
-        """The pending reads, merged, as (request, last read, the read before or None, times)
-        in the order of the last reads; none pending after.
+    def take(self) -> list[tuple[Request, float, float | None, int, int]]:
+        """The pending reads, merged, as (request, last read, the read before or None, times,
+        blocks read) in the order of the last reads; none pending after.
 
         Steps that come faster than the pool records them leave several reads pending, often
-        of the same requests (an engine reads its batch every step). Nothing happened to the
-        pool in between, so each request's blocks need only their last read, and the one
-        before it for the reuse distance; the counts add up, and the policy sees the requests
-        in the order of their last reads, as recording the reads one by one would leave
-        them. Requests released meanwhile are left out."""
+        of the same requests (an engine reads its batch every step). Nothing that depends on
+        reads happened to the pool in between (at most blocks were added or taken away, see
+        changes_blocks), so each request's blocks need only their last read, and the one
+        before it for the reuse distance; the blocks read add up, and the policy sees the
+        requests in the order of their last reads, as recording the reads one by one would
+        leave them. Requests released meanwhile are left out."""
         pending, self.pending = self.pending, []
         if not pending:
             return []
         admitted = RequestState.ADMITTED
         if len(pending) == 1 and pending[0].times == 1:
             at = pending[0].at
-            return [(r, at, None, 1) for r in pending[0].requests if r.state is admitted]
-        # request -> [request, last, the read before, count, the record of the last]
+            return [(r, at, None, 1, n) for r, n in zip(pending[0].requests, pending[0].sizes)
+                    if r.state is admitted]
+        # request -> [request, last, the read before, times, the record of the last, blocks]
         latest: dict[Request, list] = {}
         for i, record in enumerate(reversed(pending)):
             at, before, count = record.at, record.before, record.times
-            for req in reversed(record.requests):
+            for req, size in zip(reversed(record.requests), reversed(record.sizes)):
                 entry = latest.get(req)
                 if entry is None:
-                    latest[req] = [req, at, before, count, i]
+                    latest[req] = [req, at, before, count, i, count * size]
                 else:
                     if entry[4] == i:  # named twice in one step: read twice at its time
                         entry[2] = at
                     elif entry[2] is None:
                         entry[2] = at
                     entry[3] += count
-        return [(e[0], e[1], e[2], e[3]) for e in reversed(latest.values())
+                    entry[5] += count * size
+        return [(e[0], e[1], e[2], e[3], e[5]) for e in reversed(latest.values())
                 if e[0].state is admitted]
 
     def access(self, req: Request, indices: Sequence[int] | None,
@@ -210,7 +248,7 @@ class Reads:
         if (indices is None and req.num_moving_blocks == 0
                 and req.num_device_blocks == req.num_live_blocks):
             # The hot path: attention reads a resident request.
-            self.record(((req, self.clock.now(), None, 1),))
+            self.record(((req, self.clock.now(), None, 1, req.num_live_blocks),))
             if holder:
                 for b in req.blocks:
                     if b is not None:
@@ -223,7 +261,7 @@ class Reads:
         plan = None
         if missing:
             try:
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS)
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
             except HostShort as short:
                 if short.possible <= 0:
                     raise
@@ -231,7 +269,7 @@ class Reads:
                 # the caller executes it and accesses again (the blocks brought in are then
                 # resident and protected). Reads are counted once, in the last round.
                 missing = missing[:short.possible]
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS)
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
                 counters.num_misses += len(missing)
                 counters.num_decode_critical_misses += sum(b.decode_critical for b in missing)
                 return AccessResult(blocks, plan, req, partial=True)
@@ -266,29 +304,32 @@ class Reads:
 
     def record(self, reads) -> None:
         """Every block of each request (all of them resident) was read `count` times, last at
-        `now` and before that at `before` (None: once): recency, the policy's order, and read
-        metering. `reads` is (request, now, before, count) in the order of the last reads, as
-        take() gives them."""
+        `now` and before that at `before` (None: once), `num_read` blocks in all: recency, the
+        policy's order, and read metering. `reads` is (request, now, before, count, num_read)
+        in the order of the last reads, as take() gives them. A block added since `now` was
+        not read."""
         policy = self.pages.policy
         tracks_reuse = policy.tracks_reuse
         num_critical = num_blocks = 0
-        for req, now, before, count in reads:
+        for req, now, before, count, num_read in reads:
             critical = 0
             for b in req.blocks:
-                if b is not None:
+                if b is not None and b.last_access <= now:
                     if tracks_reuse:
-                        b.reuse_s = now - (b.last_access if before is None else before)
+                        # A block added after the read before was first read at `now`.
+                        last = b.last_access
+                        b.reuse_s = now - (last if before is None or last > before
+                                           else before)
                     b.last_access = now
                     if b.decode_critical:
                         critical += 1
             num_critical += critical * count
-            num_read = req.num_live_blocks * count
             num_blocks += num_read
             self.note(req, num_read, now)
         if policy.eager_touch:
-            touch_many = policy.touch_many
+            touch_request = policy.touch_request
             for read in reads:
-                touch_many(read[0].blocks)
+                touch_request(read[0])
         self.counters.num_decode_critical_accesses += num_critical
         self.counters.num_accesses += num_blocks
 

@@ -35,6 +35,11 @@ class EvictionPolicy(ABC):
     # Whether the policy orders tenants by fair share (admission then counts only pages
     # above other tenants' shares as room).
     fair: ClassVar[bool] = False
+    # Whether each request's blocks are ordered apart from other requests' (eviction picks a
+    # request first, by something other than recency, then the block within it): reads of a
+    # request recorded after blocks were added to or removed from others leave the order
+    # they would have left recorded at once (see reads.changes_blocks).
+    per_request_order: ClassVar[bool] = False
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -56,6 +61,10 @@ class EvictionPolicy(ABC):
         for block in blocks:
             if block is not None and block in self:
                 self.touch(block)
+
+    def touch_request(self, req) -> None:
+        """Every block of req was read, in index order (attention's read of a request)."""
+        self.touch_many(req.blocks)
 
     @abstractmethod
     def reorder(self, block: Block) -> None:

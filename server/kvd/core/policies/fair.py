@@ -70,6 +70,7 @@ class FairPolicy(EvictionPolicy):
 
     name = "fair"
     fair = True
+    per_request_order = True
 
     def __init__(self, clock: Clock, tenancy: Tenancy, base: type[EvictionPolicy]) -> None:
         super().__init__(clock)
@@ -78,6 +79,10 @@ class FairPolicy(EvictionPolicy):
         self.name = f"fair:{base.name}"
         self.uses_intent = base.uses_intent
         self.eager_touch = base.eager_touch
+        # A base that reads recency lazily (at its choice, from block.last_access) orders a
+        # block by whether its read was recorded before it was inserted: reads are then
+        # recorded before every change.
+        self.per_request_order = base.eager_touch
         self.tracks_reuse = base.tracks_reuse
         self._by_request: dict[Request, EvictionPolicy] = {}
         self._by_size: dict[str, _RequestsBySize] = {}
@@ -125,6 +130,11 @@ class FairPolicy(EvictionPolicy):
                 req, run = block.request, []
             run.append(block)
         self._touch_run(req, run)
+
+    def touch_request(self, req: Request) -> None:
+        sub = self._by_request.get(req)
+        if sub is not None:
+            sub.touch_request(req)
 
     def _touch_run(self, req: Request | None, blocks: list[Block]) -> None:
         sub = self._by_request.get(req) if req is not None else None

@@ -33,6 +33,12 @@ class ReusePolicy(EvictionPolicy):
         self._blocks: dict[Request, OrderedDict[Block, None]] = {}
         self._key: dict[Request, tuple[float, int]] = {}  # request -> (next read, seq)
         self._heap: list[tuple[float, int, Request]] = []  # (-next read, seq, request)
+        # Requests predicted anew since the heap last had their keys: pushed when a choice
+        # needs the heap (a request read many times meanwhile is pushed once).
+        self._dirty: set[Request] = set()
+        # Requests whose held blocks are in index order: the order a read of the whole
+        # request leaves them in, so reading it again moves none of them.
+        self._in_order: set[Request] = set()
         self._num = 0
         self._seq = count()
 
@@ -40,19 +46,33 @@ class ReusePolicy(EvictionPolicy):
         # A new seq even when the prediction is unchanged: among requests predicted alike, the
         # one read longest ago goes first, whatever was predicted in between (so reads
         # recorded together leave the order that recording them one by one would).
-        next_read = block.last_access + block.reuse_s
-        seq = next(self._seq)
-        self._key[req] = (next_read, seq)
-        heapq.heappush(self._heap, (-next_read, seq, req))
-        if len(self._heap) > 2 * len(self._key) + 64:
-            self._heap = [(-k, s, r) for r, (k, s) in self._key.items()]
-            heapq.heapify(self._heap)
+        self._key[req] = (block.last_access + block.reuse_s, next(self._seq))
+        self._dirty.add(req)
+
+    def _heap_now(self) -> list[tuple[float, int, Request]]:
+        """The heap with every request's current key (stale entries are skipped as popped)."""
+        dirty, key = self._dirty, self._key
+        if dirty:
+            heap = self._heap
+            if len(heap) + len(dirty) > 2 * len(key) + 64:
+                heap[:] = [(-k, s, r) for r, (k, s) in key.items()]
+                heapq.heapify(heap)
+            else:
+                for req in dirty:
+                    k = key.get(req)
+                    if k is not None:
+                        heapq.heappush(heap, (-k[0], k[1], req))
+            dirty.clear()
+        return self._heap
 
     def insert(self, block: Block) -> None:
         req = block.request
         blocks = self._blocks.get(req)
         if blocks is None:
             blocks = self._blocks[req] = OrderedDict()
+            self._in_order.add(req)
+        elif req in self._in_order and next(reversed(blocks)).index > block.index:
+            self._in_order.discard(req)
         blocks[block] = None
         self._num += 1
         self._predict(req, block)
@@ -65,10 +85,25 @@ class ReusePolicy(EvictionPolicy):
         if not blocks:
             del self._blocks[req]
             del self._key[req]
+            self._in_order.discard(req)
 
     def touch(self, block: Block) -> None:
-        self._blocks[block.request].move_to_end(block)
+        held = self._blocks[block.request]
+        if next(reversed(held)) is not block:
+            self._in_order.discard(block.request)
+            held.move_to_end(block)
         self._predict(block.request, block)
+
+    def touch_request(self, req: Request) -> None:
+        held = self._blocks.get(req)
+        if held is None:
+            return
+        if req not in self._in_order:
+            for block in req.blocks:  # every held block to the end, in index order
+                if block is not None and block in held:
+                    held.move_to_end(block)
+            self._in_order.add(req)
+        self._predict(req, next(reversed(held)))
 
     def touch_many(self, blocks) -> None:
         last = None
@@ -77,6 +112,7 @@ class ReusePolicy(EvictionPolicy):
                 held = self._blocks.get(block.request)
                 if held is not None and block in held:
                     held.move_to_end(block)
+                    self._in_order.discard(block.request)
                     last = block
         if last is not None:
             self._predict(last.request, last)
@@ -90,10 +126,11 @@ class ReusePolicy(EvictionPolicy):
             return self.choose_around(n, for_tenant, protected)
         if n > self._num:
             return None
+        heap = self._heap_now()
         victims: list[Block] = []
         popped = []
         while len(victims) < n:
-            neg, seq, req = heapq.heappop(self._heap)
+            neg, seq, req = heapq.heappop(heap)
             if self._key.get(req, (None, None))[1] != seq:
                 continue  # stale
             popped.append((neg, seq, req))
@@ -102,7 +139,7 @@ class ReusePolicy(EvictionPolicy):
                 if len(victims) == n:
                     break
         for entry in popped:  # choose() changes nothing
-            heapq.heappush(self._heap, entry)
+            heapq.heappush(heap, entry)
         return victims
 
     def __len__(self) -> int:
