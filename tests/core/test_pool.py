@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.core.blocks import Priority, TierKind
+from kvd.core.blocks import Phase, Priority, TierKind
 from kvd.core.errors import (
     AlreadyExists,
     BlocksInTransit,
@@ -427,13 +427,14 @@ def test_reads_recorded_together_leave_what_one_by_one_would(policy, steps):
 @given(steps=st.lists(st.tuples(
     st.integers(1, 3),
     st.sampled_from([[0, 1, 2, 3], [0, 1, 2, 3], [1, 3], []]),
-    st.sampled_from(["grow", "free", "grow held", "none"]),
+    st.sampled_from(["grow", "free", "grow held", "critical", "calm", "priority", "none"]),
     st.integers(0, 3)), min_size=1, max_size=16))
 def test_reads_left_pending_across_block_changes_leave_what_recording_first_would(policy,
                                                                                   steps):
-    """An engine's Step message ends the holds of its last, then allocates and frees, then
-    reads. Under a policy that orders each request's blocks apart, those changes leave the
-    reads pending; recorded later (or first thing when an eviction must choose) they leave
+    """An engine's Step message ends the holds of its last, then updates intents (a block
+    decode-critical or not any more, a request's priority), allocates and frees, then reads.
+    Under a policy that orders each request's blocks apart, those changes leave the reads
+    pending; recorded later (or first thing when an eviction must choose) they leave
     the recency, reuse distances, metering, counters and eviction order that recording them
     before each change leaves."""
     factory = PoolFactory()
@@ -443,6 +444,7 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
     later.defer = lambda fn: None  # recorded only when something needs them
     rids = [f"r{i}" for i in range(4)]
     grown = {pool: {rid: [] for rid in rids} for pool in pools}
+    expected = [0, 0]  # blocks read, decode-critical blocks read
     for pool in pools:
         for rid in rids:
             pool.admit(rid, tenant=rid[-1] if rid != "r3" else "0", prompt_tokens=48,
@@ -450,6 +452,7 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
             settle(pool, pool.allocate(rid, 3))
         crit = {"priority": int(Priority.DECODE_CRITICAL)}
         settle(pool, pool.update_intents([IntentChange("r1", 0, crit)]))
+    base = (first.counters.num_accesses, first.counters.num_decode_critical_accesses)
     for advance_ms, read, op, who in steps:
         factory.clock.advance(advance_ms / 1000)
         rid = rids[who]
@@ -461,10 +464,21 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
                 grown[pool][rid].append(plan.allocated[0].index)
             elif op == "free" and grown[pool][rid]:
                 pool.free(rid, [grown[pool][rid].pop(0)])
+            elif op in ("critical", "calm"):
+                phase = Phase.DECODE if op == "critical" else Phase.PREFILL
+                settle(pool, pool.update_intents([IntentChange(rid, 1, {"phase": phase})]))
+            elif op == "priority":
+                settle(pool, pool.update_intents([IntentChange(rid, 2,
+                                                               {"request_priority": 7})]))
         factory.clock.advance(advance_ms / 1000)
+        for i in read:  # what the reads must count, from the blocks as they are now
+            live = [b for b in first.requests[rids[i]].blocks if b is not None]
+            expected[0] += len(live)
+            expected[1] += sum(b.decode_critical for b in live)
         for pool in pools:
             pool.read_all([rids[i] for i in read])
         first.record_reads()
+    before = (first.counters.num_accesses, first.counters.num_decode_critical_accesses)
     assert later.counters.num_accesses <= first.counters.num_accesses
     # An eviction's choice records the pending reads first: the same victims.
     evicted = [[(m.block.request.request_id, m.block.index) for m in settle(p, p.evict(5))
@@ -479,6 +493,10 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
                 dict(pool.tenancy.blocks_read_by_tenant), pool.counters,
                 [(b.request.request_id, b.index) for b in pool.policy.choose(len(pool.policy))])
     assert state(later) == state(first)
+    # The steps' reads added exactly what they read.
+    assert (first.counters.num_accesses, first.counters.num_decode_critical_accesses) == (
+        before[0], before[1]) and before[0] - base[0] == expected[0] and (
+        before[1] - base[1] == expected[1])
 
 
 def test_a_repeated_read_all_is_checked_again_once_anything_changed(make_pool):

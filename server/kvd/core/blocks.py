@@ -136,9 +136,10 @@ class Block:
         """DECODE_CRITICAL implies pinned: a decode step depends on the block. An access to
         a decode-critical block that misses the device tier stalls a decode step."""
         self.pinned = self.pin_requested or self.priority == Priority.DECODE_CRITICAL
-        self.decode_critical = (
-            self.priority == Priority.DECODE_CRITICAL or self.phase == Phase.DECODE
-        )
+        critical = self.priority == Priority.DECODE_CRITICAL or self.phase == Phase.DECODE
+        if critical != self.decode_critical:
+            self.decode_critical = critical
+            self.request.num_critical += 1 if critical else -1
 
     @property
     def key(self) -> str:
@@ -173,6 +174,8 @@ class Request:
     num_live_blocks: int = 0
     num_device_blocks: int = 0
     num_moving_blocks: int = 0
+    # Of its live blocks, those decode-critical (counted as reads of such blocks).
+    num_critical: int = 0
     # Set when a block moved to a new device page; cleared once the engine was told.
     maybe_relocated: bool = False
     # What it went through (a RequestAccount), for Explain.

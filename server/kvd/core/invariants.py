@@ -140,6 +140,9 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
     tally.reserved_by_tenant[req.tenant] += req.reserved_pages
     tally.device_by_tenant[req.tenant] += req.num_device_blocks
     live = [b for b in req.blocks if b is not None]
+    if sum(b.decode_critical for b in live) != req.num_critical:
+        problems.append(f"{name}: {rid} counts {req.num_critical} decode-critical blocks, "
+                        f"has {sum(b.decode_critical for b in live)}")
     if len(live) != req.num_live_blocks:
         problems.append(f"{name}: {rid} counts {req.num_live_blocks} live blocks, "
                         f"has {len(live)}")

@@ -369,6 +369,7 @@ class PageTable:
         self.count_pin(block, -1)
         req.blocks[block.index] = None
         req.num_live_blocks -= 1
+        req.num_critical -= block.decode_critical
         block.tier, block.page = TierKind.NONE, -1
         if block.name is not None and self.named.get(block.name) is block:
             del self.named[block.name]

@@ -251,14 +251,17 @@ class Pool:
 
     # ------------------------------------------------------------------ intents
 
-    @after_reads
+    @changes_blocks
     def check_intents(self, changes: Sequence[IntentChange], final: dict) -> None:
         """Validate a slice of a batch without changing anything (see Intents.check)."""
         self.intents.check(changes, final)
 
-    @after_reads
+    @changes_blocks
     def update_intents(self, changes: Sequence[IntentChange]) -> TransferPlan | None:
-        """Apply a batch of intent updates, all or none (see Intents.update)."""
+        """Apply a batch of intent updates, all or none (see Intents.update). A pin takes a
+        block out of the policy and its end puts it back, as a hold does (changes_blocks);
+        reads count decode-critical blocks as they were when read; a prefetch's eviction
+        records the pending reads first."""
         return self.intents.update(changes, self.clock.now())
 
     @after_reads

@@ -55,8 +55,9 @@ def after_reads(method):
 
 
 def changes_blocks(method):
-    """after_reads for a method that only adds blocks to requests or takes them away, and
-    whose eviction choices record the pending reads first (PageTable.before_choice). Under a
+    """after_reads for a method that only adds blocks to requests or takes them away (or
+    into and out of the policy: holds, pins), and whose eviction choices record the pending
+    reads first (PageTable.before_choice). Under a
     policy that orders each request's blocks apart (per_request_order), the reads are left
     pending: recorded later they leave the order, recency and metering that recording them
     first would have (a block added since a read is not touched by it, and a read meters the
@@ -64,10 +65,10 @@ def changes_blocks(method):
     then cost no recording of their own; the steps' reads are recorded together.
 
     One difference remains, and only until the request's next read is recorded: a block
-    whose hold ends while a read of its request is pending, and that is not the request's
-    newest, is ordered by that read as it orders the others (by index) rather than after
-    them. A Step stream's holds are of blocks it just allocated (the newest) or read, and end
-    at its next message, before that message's reads."""
+    whose hold or pin ends while a read of its request is pending, and that is not the
+    request's newest, is ordered by that read as it orders the others (by index) rather than
+    after them. A Step stream's holds are of blocks it just allocated (the newest) or read,
+    and end at its next message, before that message's reads."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -79,31 +80,34 @@ def changes_blocks(method):
 
 class ReadRecord:
     """Reads answered and not yet recorded: every block of `requests` was read `times`
-    times, last at `at`, and the time before at `before` (None: once); `sizes`: each
-    request's blocks when read."""
+    times, last at `at`, and the time before at `before` (None: once); `sizes` and
+    `critical`: each request's blocks, and decode-critical ones, when read."""
 
-    __slots__ = ("at", "before", "requests", "sizes", "times")
+    __slots__ = ("at", "before", "critical", "requests", "sizes", "times")
 
-    def __init__(self, at: float, requests: list[Request], sizes: list[int]) -> None:
+    def __init__(self, at: float, requests: list[Request], sizes: list[int],
+                 critical: list[int]) -> None:
         self.at = at
         self.before: float | None = None
         self.requests = requests
         self.sizes = sizes
+        self.critical = critical
         self.times = 1
 
 
 class LastRead:
     """The last read answered wholly at once (see Reads.answer)."""
 
-    __slots__ = ("key", "count", "tenant", "requests", "sizes")
+    __slots__ = ("key", "count", "tenant", "requests", "sizes", "critical")
 
     def __init__(self, key: str | bytes, count: int, tenant: str | None,
-                 requests: list[Request], sizes: list[int]) -> None:
+                 requests: list[Request], sizes: list[int], critical: list[int]) -> None:
         self.key = key
         self.count = count
         self.tenant = tenant
         self.requests = requests
         self.sizes = sizes
+        self.critical = critical
 
 
 class Reads:
@@ -152,7 +156,7 @@ class Reads:
                 record.before, record.at = record.at, now
                 record.times += 1
                 return [], [], False, last.requests
-            pending.append(ReadRecord(now, last.requests, last.sizes))
+            pending.append(ReadRecord(now, last.requests, last.sizes, last.critical))
             return [], [], len(pending) == 1, last.requests
         requests = self._requests
         admitted = RequestState.ADMITTED
@@ -160,6 +164,7 @@ class Reads:
         relocated: list[Request] = []
         read: list[Request] = []
         sizes: list[int] = []
+        critical: list[int] = []
         for rid in request_ids:
             req = requests.get(rid)
             if (req is None or req.state is not admitted or req.num_moving_blocks
@@ -169,13 +174,14 @@ class Reads:
                 continue
             read.append(req)
             sizes.append(req.num_live_blocks)
+            critical.append(req.num_critical)
             if req.maybe_relocated:
                 relocated.append(req)
         if not read:
             return general, relocated, False, read
         if not general and not relocated:
-            self._last = LastRead(key, len(request_ids), tenant, read, sizes)
-        pending.append(ReadRecord(self.clock.now(), read, sizes))
+            self._last = LastRead(key, len(request_ids), tenant, read, sizes, critical)
+        pending.append(ReadRecord(self.clock.now(), read, sizes, critical))
         return general, relocated, len(pending) == 1, read
 
     def before_block_changes(self) -> None:
@@ -202,9 +208,10 @@ class Reads:
             self.record(self.take())
         self._last = None
 
-    def take(self) -> list[tuple[Request, float, float | None, int, int]]:
+    def take(self) -> list[tuple[Request, float, float | None, int, int, int]]:
         """The pending reads, merged, as (request, last read, the read before or None, times,
-        blocks read) in the order of the last reads; none pending after.
+        blocks read, decode-critical blocks read) in the order of the last reads; none
+        pending after.
 
         Steps that come faster than the pool records them leave several reads pending, often
         of the same requests (an engine reads its batch every step). Nothing that depends on
@@ -219,16 +226,20 @@ class Reads:
         admitted = RequestState.ADMITTED
         if len(pending) == 1 and pending[0].times == 1:
             at = pending[0].at
-            return [(r, at, None, 1, n) for r, n in zip(pending[0].requests, pending[0].sizes)
+            record = pending[0]
+            return [(r, at, None, 1, n, c)
+                    for r, n, c in zip(record.requests, record.sizes, record.critical)
                     if r.state is admitted]
-        # request -> [request, last, the read before, times, the record of the last, blocks]
+        # request -> [request, last, the read before, times, the record of the last, blocks,
+        # decode-critical blocks]
         latest: dict[Request, list] = {}
         for i, record in enumerate(reversed(pending)):
             at, before, count = record.at, record.before, record.times
-            for req, size in zip(reversed(record.requests), reversed(record.sizes)):
+            for req, size, crit in zip(reversed(record.requests), reversed(record.sizes),
+                                       reversed(record.critical)):
                 entry = latest.get(req)
                 if entry is None:
-                    latest[req] = [req, at, before, count, i, count * size]
+                    latest[req] = [req, at, before, count, i, count * size, count * crit]
                 else:
                     if entry[4] == i:  # named twice in one step: read twice at its time
                         entry[2] = at
@@ -236,7 +247,8 @@ class Reads:
                         entry[2] = at
                     entry[3] += count
                     entry[5] += count * size
-        return [(e[0], e[1], e[2], e[3], e[5]) for e in reversed(latest.values())
+                    entry[6] += count * crit
+        return [(e[0], e[1], e[2], e[3], e[5], e[6]) for e in reversed(latest.values())
                 if e[0].state is admitted]
 
     def access(self, req: Request, indices: Sequence[int] | None,
@@ -248,7 +260,8 @@ class Reads:
         if (indices is None and req.num_moving_blocks == 0
                 and req.num_device_blocks == req.num_live_blocks):
             # The hot path: attention reads a resident request.
-            self.record(((req, self.clock.now(), None, 1, req.num_live_blocks),))
+            self.record(((req, self.clock.now(), None, 1, req.num_live_blocks,
+                          req.num_critical),))
             if holder:
                 for b in req.blocks:
                     if b is not None:
@@ -304,15 +317,16 @@ class Reads:
 
     def record(self, reads) -> None:
         """Every block of each request (all of them resident) was read `count` times, last at
-        `now` and before that at `before` (None: once), `num_read` blocks in all: recency, the
-        policy's order, and read metering. `reads` is (request, now, before, count, num_read)
-        in the order of the last reads, as take() gives them. A block added since `now` was
-        not read."""
+        `now` and before that at `before` (None: once), `num_read` blocks in all, `critical`
+        of them decode-critical (as they were when read): recency, the policy's order, and
+        read metering. `reads` is (request, now, before, count, num_read, critical) in the
+        order of the last reads, as take() gives them. A block added since `now` was not
+        read."""
         policy = self.pages.policy
         tracks_reuse = policy.tracks_reuse
         num_critical = num_blocks = 0
-        for req, now, before, count, num_read in reads:
-            critical = 0
+        for req, now, before, count, num_read, critical in reads:
+            num_critical += critical
             for b in req.blocks:
                 if b is not None and b.last_access <= now:
                     if tracks_reuse:
@@ -321,9 +335,6 @@ class Reads:
                         b.reuse_s = now - (last if before is None or last > before
                                            else before)
                     b.last_access = now
-                    if b.decode_critical:
-                        critical += 1
-            num_critical += critical * count
             num_blocks += num_read
             self.note(req, num_read, now)
         if policy.eager_touch:
