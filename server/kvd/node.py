@@ -84,6 +84,7 @@ class Node:
             for pc in config.pools:
                 self.pools[pc.name] = build_pool(pc, config, self.clock, self.link_table,
                                                  reserver, plan_events)
+                self.pools[pc.name].pool.pages.holds.serving = self.serving
             for lc in config.links:
                 self.link_table.handoff[(lc.source, lc.target)] = \
                     self.link_table.build_handoff(lc)

@@ -4,13 +4,15 @@ answered as resident."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
 from kvd_client import AsyncClient, pb
 from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL
+from .conftest import SMALL, slow_link_kvd
 
 
 async def test_a_later_read_in_a_step_cannot_evict_a_request_the_step_answered(tmp_path):
@@ -86,3 +88,50 @@ async def test_a_step_reading_more_than_the_device_holds_is_told_at_once(tmp_pat
             finally:
                 mapped.close()
             assert (await client.self_check()).ok
+
+
+async def test_two_engines_reading_past_the_device_at_once_both_get_answers(tmp_path):
+    """Two engines' steps each hold what they read so far and want more room than is left:
+    neither's holds end while its step waits, so each is told (or served once the other's
+    holds end), and what each was handed holds the bytes written there."""
+    # A slow link (8 pages a second): both engines' first reads are still being copied when
+    # their second ask for room, so each holds half the device while the other waits.
+    with slow_link_kvd(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as a, \
+                AsyncClient(kvd.target, timeout_s=10) as b, \
+                AsyncClient(kvd.target, timeout_s=10) as admin:
+            mapped = MappedPool(await admin.export_pool())
+            try:
+                rng = np.random.default_rng(9)
+                data = {}
+                for client, rids in ((a, ("a1", "a2")), (b, ("b1", "b2"))):
+                    for rid in rids:
+                        await client.admit(rid, 4 * 16)
+                        for h in (await client.allocate(rid, 4)).handles:
+                            data[rid, h.block_index] = rng.integers(
+                                0, 256, mapped.page_bytes, dtype=np.uint8)
+                            mapped.page(h)[:] = data[rid, h.block_index]
+                await admin.admit("filler", 8 * 16)
+                await admin.allocate("filler", 8)  # every other block to the host
+                await admin.release("filler")
+                async def engine(client, rids):
+                    """A step, its pages read before the next message (which follows)."""
+                    async with client.step_stream() as stream:
+                        reply = await stream.step(accesses=[(rid, None) for rid in rids])
+                        assert all(e.code == 8 for e in reply.errors), reply.errors
+                        failed = {rids[e.item_index] for e in reply.errors}
+                        read = 0
+                        for h in reply.relocated:
+                            if h.request_id not in failed:
+                                read += 1
+                                assert np.array_equal(mapped.page(h),
+                                                      data[h.request_id, h.block_index])
+                        await stream.step()  # gives the step's pages back
+                        return read
+
+                served = await asyncio.wait_for(asyncio.gather(
+                    engine(a, ("a1", "a2")), engine(b, ("b1", "b2"))), 20)
+                assert sum(served) >= 4  # at least one request was read
+            finally:
+                mapped.close()
+            assert (await admin.self_check()).ok

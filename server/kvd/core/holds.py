@@ -17,11 +17,6 @@ from kvd.core.clock import Clock
 from kvd.core.policies import EvictionPolicy
 
 
-# Holders named so are Step streams: one message at a time, so what a stream holds is given
-# back only by its next message, never while one of its messages is being served.
-STREAM_HOLDER_PREFIX = "stream:"
-
-
 class Holds:
     """Blocks held by holder (a client's lease, a Step stream), and since when."""
 
@@ -33,6 +28,8 @@ class Holds:
         self.policy = policy
         self._by_holder: dict[str, tuple[float, list[Block]]] = {}
         self.count = 0  # blocks held now
+        # Holders whose Step message is being served (the node's set, shared by its pools).
+        self.serving: set[str] = set()
 
     def hold_one(self, holder: str, block: Block) -> None:
         """Hold a device block for the holder until its next call."""
@@ -64,14 +61,18 @@ class Holds:
         """Whether the holder has blocks held."""
         return holder in self._by_holder
 
-    def held_for_good(self, holder: str) -> int:
-        """Blocks held for this holder that nothing ends while it waits: a Step stream's
-        (see STREAM_HOLDER_PREFIX). 0 for any other holder, whose concurrent calls end its
-        holds."""
-        if not holder.startswith(STREAM_HOLDER_PREFIX):
-            return 0
+    def count_of(self, holder: str) -> int:
+        """Blocks held for this holder now."""
         entry = self._by_holder.get(holder)
         return 0 if entry is None else sum(1 for b in entry[1] if b.held)
+
+    def some_may_end(self) -> bool:
+        """Whether some holds may end while a caller waits: those of a holder whose message
+        is not being served (its next call ends them, or they lapse). A Step stream being
+        served gives nothing back until its next message, which waits for this one: waiting
+        on its holds, its own or another's waiting likewise, would wait for ever."""
+        serving = self.serving
+        return any(h not in serving for h in self._by_holder)
 
     def since(self) -> dict[str, float]:
         """Each holder with blocks held, and since when."""

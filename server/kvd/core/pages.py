@@ -161,18 +161,20 @@ class PageTable:
         self.before_choice()
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
-            own = self.holds.held_for_good(holder) if holder else 0
-            if self.holds.count > own or self.num_moving_blocks():
-                # Victims may come free when the copies finish, or when the other engines
+            holds = self.holds
+            if self.num_moving_blocks() or holds.some_may_end():
+                # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).
                 raise BlocksInTransit([])
-            if own:
+            if holds.count:
+                own = holds.count_of(holder) if holder else 0
                 raise ResourceExhausted(
-                    f"pool {self.name!r}: cannot free {num} device page(s) beside the {own} "
-                    "this call's step already holds (handed out until its next message): "
+                    f"pool {self.name!r}: cannot free {num} device page(s): "
                     f"{len(self.policy)} evictable, {self.num_pinned} of "
-                    f"{self.device.capacity} pinned; a step cannot read or allocate more "
-                    "than the device tier holds, read it in smaller steps")
+                    f"{self.device.capacity} pinned, {holds.count} held by engine steps "
+                    f"being served ({own} by this one) until their next messages; a step "
+                    "cannot read or allocate more than the device tier holds beside the "
+                    "others', read it in smaller steps")
             raise self.no_room(num)
         num_host = self.host.num_free if host_room is None else min(host_room,
                                                                      self.host.num_free)

@@ -16,7 +16,6 @@ import time
 import grpc
 
 from kvd.core import errors
-from kvd.core.holds import STREAM_HOLDER_PREFIX
 from kvd.core.reads import AccessResult
 from kvd.metrics import observe_rpc
 from kvd.node import Node
@@ -73,7 +72,7 @@ class StepStreams:
             await context.abort(status_of(exc), str(exc))
         node = self.node
         node.leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds it
-        holder = f"{STREAM_HOLDER_PREFIX}{id(context)}:{time.monotonic_ns()}"
+        holder = f"stream:{id(context)}:{time.monotonic_ns()}"
         node.end_holds(caller.holder)  # the client's unary calls before are done too
         turn = _Turn(self.turns, caller.tenant or "admin")
         messages = request_iterator.__aiter__()
