@@ -241,7 +241,7 @@ def test_every_dashboard_query_names_metrics_kvd_exports(exported):
         assert names <= exported, (title, names - exported)
     titles = " / ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("fair share", "evictions by victim and cause", "stall", "link utilisation",
-                  "admission queue"):
+                  "admission queue", "working set"):
         assert topic in titles, topic
 
 
