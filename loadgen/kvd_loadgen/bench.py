@@ -150,14 +150,16 @@ async def bench_pair(n_unary: int, n_stream: int, step_requests: int, step_block
     async with _echo_server() as (echo_pid, echo):
         echo_unary = echo.unary_unary("/kvd.bench.Echo/Unary")
         await _burst(lambda i: echo_unary(b""), range(200))
-        echo_stream = echo.stream_stream("/kvd.bench.Echo/Stream")()
-        echo_ping = _ping(echo_stream, b"x")
+        # The empty server gets the same Step message and answers as briefly as kvd does.
+        echo_stream = echo.stream_stream("/kvd.bench.Echo/Ack")()
+        rids = [f"s{i}" for i in range(step_requests)]
+        payload = pb.StepRequest(step_id=1, read_all=rids).SerializeToString()
+        echo_ping = _ping(echo_stream, payload)
         for policy in policies:
             with LocalKvd(*args, "--policy", policy) as kvd:
                 async with AsyncClient(kvd.target) as client:
                     # A batch of running requests, each with step_blocks resident blocks;
                     # one Step message reads every block of every request, as attention does.
-                    rids = [f"s{i}" for i in range(step_requests)]
                     for rid in rids:
                         await client.admit(rid, step_blocks * 16)
                         await client.allocate(rid, step_blocks)
@@ -166,7 +168,6 @@ async def bench_pair(n_unary: int, n_stream: int, step_requests: int, step_block
                         await _unary_pairs(client, kvd.proc.pid, echo_pid, echo_unary,
                                            n_unary, side)
                     step = client.channel.stream_stream("/kvd.v1.Memory/Step")()
-                    payload = pb.StepRequest(step_id=1, read_all=rids).SerializeToString()
                     e, k = await _paired_pingpong([echo_ping, _ping(step, payload)], n_stream)
                     await step.done_writing()
                     side.update(empty_pingpong_p50_us=e["p50_us"],

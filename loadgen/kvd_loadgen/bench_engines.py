@@ -5,8 +5,8 @@ in the same run (kvd and the empty server in turns).
 Each engine runs 64 requests of 4 blocks; every step reads every block of every request
 (`read_all`), grows one request by a block and frees the block that request grew by 64 steps
 before (decode growth at a steady footprint), and every fourth step updates one block's
-intent. The empty server echoes the same engines' messages (each built the same way, so both
-runs pay the engine's own work).
+intent. The empty server gets the same engines' messages (each built the same way, so both
+runs pay the engine's own work) and answers each with a two-byte reply.
 
 - Saturated: each stream sends its next step as soon as the last is answered, for a while;
   aggregate steps/s of kvd against the empty server's (target >= 0.7x at each N).
@@ -32,7 +32,7 @@ from kvd_client import AsyncClient
 from kvd_loadgen.local import LocalKvd
 
 REQUESTS, BLOCKS = 64, 4
-ECHO = "/kvd.bench.Echo/Stream"
+ECHO = "/kvd.bench.Echo/Ack"  # answers each message with a reply as small as kvd's
 
 
 class Engine:

@@ -93,19 +93,21 @@ class Malformed:
 def _long_string(message, path: str = "") -> str | None:
     """The path of a string field longer than MAX_STRING, if any."""
     for field, value in message.ListFields():
-        name = f"{path}{field.name}"
-        if field.type == FieldDescriptor.TYPE_STRING:
-            values = value if field.is_repeated else (value,)
-            if any(len(v) > MAX_STRING for v in values):
-                return name
-        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+        kind = field.type
+        if kind == _STRING:
+            if (max(map(len, value)) if field.is_repeated else len(value)) > MAX_STRING:
+                return f"{path}{field.name}"
+        elif kind == _MESSAGE:
             if field.message_type.GetOptions().map_entry:
                 continue  # event details and the like: not sent by clients
             for item in (value if field.is_repeated else (value,)):
-                found = _long_string(item, f"{name}.")
+                found = _long_string(item, f"{path}{field.name}.")
                 if found:
                     return found
     return None
+
+
+_STRING, _MESSAGE = FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_MESSAGE
 
 
 def _safe(parse, walk_limit: float = float("inf")):

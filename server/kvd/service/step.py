@@ -83,7 +83,9 @@ class StepStreams:
             while (message := await self._next(messages, caller, turn)) is not None:
                 streams.working.add(task)  # a drain lets this message finish
                 data, step = message
-                await self._check(data, step, context)
+                problem = self._check(data, step)
+                if problem is not None:
+                    await context.abort(*problem)
                 if self.auth.generation != generation:  # identities reloaded: still valid?
                     generation = self.auth.generation
                     try:
@@ -138,10 +140,11 @@ class StepStreams:
             timer.cancel()
             read.cancel()
 
-    async def _check(self, data: bytes, step, context) -> None:
-        """A malformed or oversized message ends the stream with its status."""
+    def _check(self, data: bytes, step) -> tuple[grpc.StatusCode, str] | None:
+        """The status a malformed or oversized message ends the stream with; None when the
+        message is sound."""
         if type(step) is Malformed:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, step.message)
+            return grpc.StatusCode.INVALID_ARGUMENT, step.message
         limits = self.limits
         # Fewer bytes can hold no more items or block indices, nor ids unwalked.
         if len(data) > min(limits.max_items, limits.max_blocks, WALK_BYTES):
@@ -153,7 +156,8 @@ class StepStreams:
                              "accesses and reads)")
                 limits.check(blocks, "block indices", blocks=True)
             except errors.KvdError as exc:
-                await context.abort(status_of(exc), str(exc))
+                return status_of(exc), str(exc)
+        return None
 
     async def step(self, step: pb.StepRequest, scope: str | None = None,
                    reads_key: bytes | None = None, holder: str = "", ns: str = ""
