@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.core.errors import InvalidArgument
+from kvd.core.errors import InvalidArgument, ResourceExhausted
 
 from .conftest import settle
 
@@ -105,3 +105,14 @@ def test_under_a_plain_policy_a_big_request_waits_for_the_whole_device(make_pool
 def test_an_unknown_admission_mode_is_refused(make_pool):
     with pytest.raises(InvalidArgument, match="admission mode"):
         make_pool(admission="greedy")
+
+
+def test_a_handoff_reservation_waits_for_the_working_set_room_of_the_decode_pool(make_pool):
+    decode = make_pool(device_pages=8, host_pages=32, admission="working_set")
+    assert _decision(decode, "running", 5).decision == "admitted"
+    with pytest.raises(ResourceExhausted, match="working sets hold 5 of the 8"):
+        decode.reservations.reserve("incoming", "t", prompt_tokens=64, output_tokens=0,
+                                    priority=0, ttl_s=30)
+    decode.reservations.reserve("small", "t", prompt_tokens=48, output_tokens=0,
+                                priority=0, ttl_s=30)  # 3 pages fit beside the 5
+    assert decode.admission.working_set_used() == 8

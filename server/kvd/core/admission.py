@@ -334,6 +334,12 @@ class Admission:
             return Verdict.WAIT, (
                 f"handoff pool {self.name!r} cannot reserve {projected} pages: "
                 f"{capacity - self.reserved_pages} of {capacity} are unreserved")
+        used = self.working_set_used()
+        if self.working_set and used and used + projected > self.pages.share_capacity:
+            return Verdict.WAIT, (
+                f"handoff pool {self.name!r}: the running requests' working sets hold {used} "
+                f"of the {self.pages.share_capacity} device pages it gives them; "
+                f"{projected} more would make every step page")
         return Verdict.OK, ""
 
     def new_request(self, request_id: str, tenant: str, prompt_tokens: int,
