@@ -24,7 +24,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from kvd_client import AsyncClient
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.measures import jain_index
-from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd
+from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd, split_run
 from kvd_loadgen.scenario_report import finish
 from kvd_loadgen.trace_reader import TraceRequest, read_request_trace, tenant_rule
 
@@ -49,12 +49,6 @@ class TraceRun:
 # Mooncake's hash_ids name.
 NAMESPACE = "trace"
 MOONCAKE_BLOCK_TOKENS = 512
-
-
-def split_run(spec: str) -> tuple[str, str]:
-    """A run's `POLICY[@ADMISSION]` as (policy, admission mode); working_set when unsaid."""
-    policy, _, admission = spec.partition("@")
-    return policy, admission or "working_set"
 
 
 def kvd_config(run: TraceRun, spec: str, tenants: list[str]) -> str:

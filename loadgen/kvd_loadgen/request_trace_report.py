@@ -64,7 +64,7 @@ def build_report(out: dict) -> ScenarioReport:
                   lambda plt: _occupancy(plt, results, tenants, run["device_pages"]))
     if any("working_set" in x for r in results for x in r["occupancy"]):
         report.figure("working_set", "The running requests' working set (what each grows to "
-                      "by its end, a shared page once) against the device pages admission "
+                      "by its end) against the device pages admission "
                       "keeps it within, and requests waiting, per policy",
                       lambda plt: _working_set(plt, results))
     report.figure("link_utilisation", "device<->host link utilisation over time, per policy",
@@ -140,7 +140,7 @@ def _working_set(plt, results):
         other.set_ylim(bottom=0)
         lines = ax.get_legend_handles_labels()
         more = other.get_legend_handles_labels()
-        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="upper left")
+        ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=7, loc="lower left")
         ax.set_title(f"Working set against the device: {r['policy']}")
     return fig
 

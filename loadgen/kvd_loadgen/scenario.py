@@ -16,6 +16,13 @@ from kvd_loadgen.local import LocalKvd
 
 
 @contextlib.asynccontextmanager
+def split_run(spec: str) -> tuple[str, str]:
+    """A run's `POLICY[@ADMISSION]` as (policy, admission mode); working_set when unsaid
+    (`lru@reservation`: the device over-subscribed, as an engine's own cache would be)."""
+    policy, _, admission = spec.partition("@")
+    return policy, admission or "working_set"
+
+
 async def local_kvd(config_text: str, *, prefix: str = "kvd-scenario-",
                     timeout_s: float = 120.0) -> AsyncIterator[tuple[LocalKvd, AsyncClient]]:
     """A kvd started on `config_text` in a temporary directory, and a client to it (the

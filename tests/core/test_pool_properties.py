@@ -55,7 +55,7 @@ SHARED_INTENT = st.none() | st.fixed_dictionaries(
 def fingerprint(pool: Pool):
     return (
         pool.device.num_free, pool.host.num_free, pool.reserved_pages, pool.num_pinned,
-        pool.admission.working_set_pages, pool.admission.shared_overlap,
+        pool.admission.working_set_pages, pool.admission.shared_uses,
         len(pool.policy), len(pool.requests), len(pool.queue),
         tuple(sorted((r.request_id, r.num_live_blocks, len(r.blocks), r.num_device_blocks,
                       len(r.shared)) for r in pool.requests.values())),

@@ -59,20 +59,26 @@ def test_growth_past_the_reservation_counts_and_holds_the_queue(make_pool):
     assert pool.admission.working_set_used() == 4  # b's
 
 
-def test_a_shared_prefix_page_counts_once(make_pool):
+def test_shared_prefix_blocks_are_not_a_working_set(make_pool):
+    """A request's prompt stored or loaded as shared blocks is copied in by the engine (Load
+    hands it out until the engine's next call); its steps read its own blocks."""
     pool = make_pool(device_pages=10, host_pages=32, admission="working_set")
     keys = [b"k0", b"k1", b"k2", b"k3"]
-    assert _decision(pool, "a", 4).decision == "admitted"
+    assert _decision(pool, "a", 4, output_pages=2).decision == "admitted"  # 6 pages
     settle(pool, pool.store("a", NS, keys)[0])
     pool.commit("a", NS, keys)
-    assert _decision(pool, "b", 5).decision == "admitted"  # 4 + 5 <= 10
+    assert pool.admission.shared_uses == 4
+    assert pool.admission.working_set_used() == 2  # its output, still to come
+    assert _decision(pool, "b", 5, output_pages=2).decision == "admitted"  # 2 + 7 <= 10
+    assert _decision(pool, "c", 2).decision == "queued"  # 2 + 7 + 2 > 10
     pool.load("b", NS, keys)  # b's first 4 pages are a's
-    assert pool.admission.shared_overlap == 4
-    assert pool.admission.working_set_used() == 5
-    assert _decision(pool, "c", 5).decision == "admitted"  # fits only counted once
+    assert pool.admission.shared_uses == 8
+    assert pool.admission.working_set_used() == 2 + 3
+    _, admitted = pool.release("b")  # room for c
+    assert [r.request_id for r in admitted] == ["c"]
     pool.release("a")
-    assert pool.admission.shared_overlap == 0
-    assert pool.admission.working_set_used() == 10
+    assert pool.admission.shared_uses == 0
+    assert pool.admission.working_set_used() == 2
 
 
 def test_a_whale_under_a_fair_policy_is_counted_for_its_fair_share(make_pool):

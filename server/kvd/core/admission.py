@@ -6,7 +6,9 @@ the request and registers it.
 
 Two modes. `working_set` (the default) protects the working set: engines read every block of
 every running request each step, so admitted requests' pages (what each will grow to by its
-end, a shared prefix page counted once) must fit the device tier, or every step pages. A
+end) must fit the device tier, or every step pages. Shared prefix blocks a request loads or
+stores are not its working set: the engine copies a loaded block in (Load hands it out until
+the engine's next call), and a step reads a request's own blocks. A
 request bigger than its tenant's fair share (a whale, under a fair policy) is counted for its
 fair share only: it streams the rest through the host tier, evicting its own pages. The queue
 holds the rest, in fair order. `reservation` admits while the pages fit both tiers: the device
@@ -73,10 +75,10 @@ class Admission:
         self.queue: OrderedDict[str, Request] = OrderedDict()
         self.reserved_pages = 0
         # Of those, the pages counted as working set (a whale's only up to its cap), and the
-        # shared prefix pages counted twice or more in them (uses of a shared block past its
-        # first by admitted requests; kept by Prefixes).
+        # shared prefix blocks admitted requests use (counted in their reservations, not
+        # their working sets; kept by Prefixes).
         self.working_set_pages = 0
-        self.shared_overlap = 0
+        self.shared_uses = 0
         self._newly_admitted: list[Request] = []
 
     def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
@@ -186,7 +188,7 @@ class Admission:
 
     def working_set_used(self) -> int:
         """Device pages the admitted requests' working sets take (see the module)."""
-        return self.working_set_pages - self.shared_overlap
+        return self.working_set_pages - self.shared_uses
 
     def working_set_cap(self, req: Request) -> int | None:
         """The most pages req is counted for: under a fair policy, a request bigger than its

@@ -63,10 +63,9 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
         for b in req.shared:
             if named.get(b.name) is b:
                 users[id(b), req.tenant] += 1
-    overlap = sum(n - 1 for n in uses.values())
-    if overlap != pool.admission.shared_overlap:
-        problems.append(f"{name}: shared overlap {pool.admission.shared_overlap} != uses of "
-                        f"shared blocks past their first {overlap}")
+    if sum(uses.values()) != pool.admission.shared_uses:
+        problems.append(f"{name}: counts {pool.admission.shared_uses} uses of shared blocks, "
+                        f"the requests have {sum(uses.values())}")
     adjust: Counter = Counter()
     idle: Counter = Counter()
     for key, b in named.items():

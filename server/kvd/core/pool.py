@@ -360,7 +360,11 @@ class Pool:
     @after_reads
     def abort(self, plan: TransferPlan) -> None:
         """The copy failed or was cancelled: put everything back as it was before the plan."""
+        storer = plan.cause
+        uses = len(storer.shared) if storer is not None else 0
         settle.abort(self.pages, plan)
+        if storer is not None:  # the blocks it stored are gone: it uses them no more
+            self.admission.shared_uses -= uses - len(storer.shared)
 
     def record_stall(self, seconds: float, plan: TransferPlan | None = None) -> None:
         """An access waited `seconds` for `plan`'s promotions: charge it to the evictions

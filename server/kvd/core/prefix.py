@@ -234,8 +234,7 @@ class Prefixes:
                 b.users[req.tenant] = n
             else:
                 b.users.pop(req.tenant, None)
-            if b.users:
-                self.admission.shared_overlap -= 1
+            self.admission.shared_uses -= 1
             if self.named.get(b.name) is not b:
                 continue  # already let go
             if not b.users and b.tier is TierKind.DEVICE:
@@ -336,9 +335,8 @@ class Prefixes:
         return Shares(in_use, shared, self.tenancy.usage(tenant), saved)
 
     def _use(self, req: Request, b: Block) -> None:
-        if b.users:  # another request uses it: its page is in the working set already
-            self.admission.shared_overlap += 1
-        elif b.tier is TierKind.DEVICE:
+        self.admission.shared_uses += 1
+        if not b.users and b.tier is TierKind.DEVICE:
             self.tenancy.idle_changed(b.payers, -1)
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
         req.shared.append(b)
@@ -352,8 +350,7 @@ class Prefixes:
         else:
             del b.users[req.tenant]
         req.shared.pop()
-        if b.users:
-            self.admission.shared_overlap -= 1
+        self.admission.shared_uses -= 1
         if b.payers != payers:
             if b.tier is TierKind.DEVICE:
                 owner = b.request.tenant
