@@ -15,7 +15,6 @@ from kvd_client import AsyncClient
 from kvd_loadgen.local import LocalKvd
 
 
-@contextlib.asynccontextmanager
 def split_run(spec: str) -> tuple[str, str]:
     """A run's `POLICY[@ADMISSION]` as (policy, admission mode); working_set when unsaid
     (`lru@reservation`: the device over-subscribed, as an engine's own cache would be)."""
@@ -23,6 +22,7 @@ def split_run(spec: str) -> tuple[str, str]:
     return policy, admission or "working_set"
 
 
+@contextlib.asynccontextmanager
 async def local_kvd(config_text: str, *, prefix: str = "kvd-scenario-",
                     timeout_s: float = 120.0) -> AsyncIterator[tuple[LocalKvd, AsyncClient]]:
     """A kvd started on `config_text` in a temporary directory, and a client to it (the
