@@ -125,10 +125,10 @@ class Reads:
         self.page_bytes = page_bytes
         self.pending: list[ReadRecord] = []
         # The last answer given wholly at once, while nothing else happened to the pool
-        # (the pool calls forget() before any other method): the same step again needs no
-        # checks. Its key is the caller's, else the request ids joined by NUL (ids hold no
-        # NUL, so equal joins of as many ids are equal lists; one string compares faster
-        # than 64 scattered ones).
+        # (every other pool method clears it first: settle, before_block_changes): the same
+        # step again needs no checks. Its key is the caller's, else the request ids joined
+        # by NUL (ids hold no NUL, so equal joins of as many ids are equal lists; one string
+        # compares faster than 64 scattered ones).
         self._last: LastRead | None = None
 
     def answer(self, request_ids: Sequence[str], tenant: str | None = None,
@@ -188,10 +188,6 @@ class Reads:
         """Blocks are about to be added or taken away: see changes_blocks."""
         if self.pending and not self.pages.policy.per_request_order:
             self.record(self.take())
-        self._last = None
-
-    def forget(self) -> None:
-        """The pool is about to change: the last answer may no longer hold."""
         self._last = None
 
     def record_pending(self) -> None:
