@@ -15,6 +15,14 @@ from kvd_loadgen.local import LocalKvd
 from .conftest import SMALL, slow_link_kvd
 
 
+def _write(mapped, rng, data: dict, handles) -> None:
+    """The engine writes bytes of its own into each page handed out, and remembers them."""
+    for h in handles:
+        data[h.request_id, h.block_index] = rng.integers(0, 256, mapped.page_bytes,
+                                                         dtype=np.uint8)
+        mapped.page(h)[:] = data[h.request_id, h.block_index]
+
+
 async def test_a_later_read_in_a_step_cannot_evict_a_request_the_step_answered(tmp_path):
     # Reservation admission lets 10 blocks run on 8 device pages: the step below reads
     # more than the device holds.
@@ -37,11 +45,9 @@ async def _check(client, mapped):
     async with client.step_stream() as stream:
         for rid, n in (("big", 6), ("small", 4)):  # small's 4 push 2 of big's to the host
             reply = await stream.step(allocations=[(rid, n)])
+            _write(mapped, rng, data, reply.allocated)
             for h in reply.allocated:
                 where[rid, h.block_index] = h
-                data[rid, h.block_index] = rng.integers(0, 256, mapped.page_bytes,
-                                                        dtype=np.uint8)
-                mapped.page(h)[:] = data[rid, h.block_index]
         # small is resident (answered at once); big needs 2 blocks back, and the only other
         # pages are small's.
         reply = await stream.step(read_all=["small", "big"])
@@ -72,10 +78,7 @@ async def test_a_step_reading_more_than_the_device_holds_is_told_at_once(tmp_pat
                 data = {}
                 for rid, n in (("a", 6), ("b", 6), ("filler", 8)):
                     await client.admit(rid, 16 * n)
-                    for h in (await client.allocate(rid, n)).handles:
-                        data[rid, h.block_index] = rng.integers(0, 256, mapped.page_bytes,
-                                                                dtype=np.uint8)
-                        mapped.page(h)[:] = data[rid, h.block_index]
+                    _write(mapped, rng, data, (await client.allocate(rid, n)).handles)
                 async with client.step_stream() as stream:  # a and b are on the host now
                     reply = await stream.step(accesses=[("a", None), ("b", None)])
                     assert [(e.section, e.item_index, e.code) for e in reply.errors] == [
@@ -107,10 +110,7 @@ async def test_two_engines_reading_past_the_device_at_once_both_get_answers(tmp_
                 for client, rids in ((a, ("a1", "a2")), (b, ("b1", "b2"))):
                     for rid in rids:
                         await client.admit(rid, 4 * 16)
-                        for h in (await client.allocate(rid, 4)).handles:
-                            data[rid, h.block_index] = rng.integers(
-                                0, 256, mapped.page_bytes, dtype=np.uint8)
-                            mapped.page(h)[:] = data[rid, h.block_index]
+                        _write(mapped, rng, data, (await client.allocate(rid, 4)).handles)
                 await admin.admit("filler", 8 * 16)
                 await admin.allocate("filler", 8)  # every other block to the host
                 await admin.release("filler")

@@ -206,10 +206,14 @@ class Admission:
         return req.projected_pages if cap is None else cap
 
     def working_set_fits(self, req: Request) -> bool:
-        """Whether req's working set fits the device beside those already running. A request
-        alone in the pool always fits (it was judged able to run at all)."""
+        """Whether req's working set fits the device beside those already running."""
+        return self.working_set_room_for(self.working_set_charge(req))
+
+    def working_set_room_for(self, pages: int) -> bool:
+        """Whether `pages` more fit the device beside the running requests' working sets. A
+        request alone in the pool always fits (it was judged able to run at all)."""
         used = self.working_set_used()
-        return not used or used + self.working_set_charge(req) <= self.pages.share_capacity
+        return not used or used + pages <= self.pages.share_capacity
 
     def device_need(self, req: Request) -> int:
         """Device pages a request must get to run. Under a fair policy: what its tenant's
@@ -336,11 +340,11 @@ class Admission:
             return Verdict.WAIT, (
                 f"handoff pool {self.name!r} cannot reserve {projected} pages: "
                 f"{capacity - self.reserved_pages} of {capacity} are unreserved")
-        used = self.working_set_used()
-        if self.working_set and used and used + projected > self.pages.share_capacity:
+        if self.working_set and not self.working_set_room_for(projected):
             return Verdict.WAIT, (
-                f"handoff pool {self.name!r}: the running requests' working sets hold {used} "
-                f"of the {self.pages.share_capacity} device pages it gives them; "
+                f"handoff pool {self.name!r}: the running requests' working sets hold "
+                f"{self.working_set_used()} of the {self.pages.share_capacity} device pages "
+                "it gives them; "
                 f"{projected} more would make every step page")
         return Verdict.OK, ""
 
