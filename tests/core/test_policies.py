@@ -111,6 +111,25 @@ def test_intent_order():
     assert policy.choose(8) == [done, draft, cold, low_req, cheap, warm, expensive, hot]
 
 
+def test_intent_keeps_the_blocks_the_engine_needs_soonest_within_a_priority():
+    """The engine's target decode step is its hint of the next use: within a priority the
+    block needed furthest ahead goes first (Belady's choice on the hint), a block with no
+    target before any with one; priority still comes first."""
+    policy = make_policy("intent", FakeClock())
+    soon, later, unknown, cold_soon = _blocks(4)
+    for b in (soon, later, unknown):
+        b.priority = Priority.HOT
+    soon.target_decode_step, later.target_decode_step = 10, 500
+    cold_soon.priority, cold_soon.target_decode_step = Priority.COLD, 1
+    soon.request_priority, later.request_priority = 0, 100  # the hint outranks it
+    for b in (soon, later, unknown, cold_soon):
+        policy.insert(b)
+    assert policy.choose(4) == [cold_soon, unknown, later, soon]
+    later.target_decode_step = 5  # the engine says it is needed first now
+    policy.reorder(later)
+    assert policy.choose(3) == [cold_soon, unknown, soon]
+
+
 def test_intent_reorders_when_told():
     policy = make_policy("intent", FakeClock())
     a, b = _blocks(2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvd.core.blocks import Block, Phase, Priority
 from kvd.core.policies.classed import ClassedPolicy, log_bucket
 
@@ -30,13 +32,19 @@ def intent_rank(block: Block) -> int:
 
 
 class IntentPolicy(ClassedPolicy):
-    """DONE and drafts, then COLD, WARM, HOT; lower request priority first; cheap-to-recompute
-    before expensive (to a quarter of an octave); least recently read last of all."""
+    """DONE and drafts, then COLD, WARM, HOT; within a priority, the block the engine needs
+    furthest in the future first (its target decode step: Belady's choice on the engine's own
+    hint; a block with none counts as never needed); then lower request priority first;
+    cheap-to-recompute before expensive (to a quarter of an octave); least recently read last
+    of all."""
 
     name = "intent"
     uses_intent = True
 
     def klass(self, block: Block) -> tuple:
         """The block's class from its intent (smallest evicted first): intent rank, then the
-        request's priority, then how costly it is to recompute."""
-        return (intent_rank(block), block.request_priority, log_bucket(block.recompute_cost_us))
+        furthest target decode step, then the request's priority, then how costly it is to
+        recompute."""
+        target = block.target_decode_step
+        return (intent_rank(block), -math.inf if target is None else -target,
+                block.request_priority, log_bucket(block.recompute_cost_us))
