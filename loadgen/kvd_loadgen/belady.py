@@ -16,19 +16,35 @@ class MinResult:
     misses: int
     decode_critical_accesses: int
     decode_critical_misses: int
+    # Blocks brought to the cache: misses, and prefetched blocks that were not resident.
+    fetches: int = 0
 
 
 def belady_min(events: list[IntentEvent], capacity: int,
-               must_place: bool = False) -> MinResult:
+               must_place: bool = False, prefetches: bool = False) -> MinResult:
     """References are ALLOCATED (the block must be placed) and ACCESSED (a miss when it is not
     resident); FREED ends a block. On a placement into a full cache, whichever block is used
     furthest in the future goes, which may be the incoming block itself (a bypass).
 
     must_place: no bypass: the incoming block always goes in (a resident one goes), as in kvd,
     where the engine writes an allocated block into the page it is handed and reads an
-    accessed one from the device. The optimum kvd's policies can be held to."""
-    refs = [(e.event_type, e.object_id, e.decode_critical) for e in events
-            if e.event_type in ("ALLOCATED", "ACCESSED", "FREED")]
+    accessed one from the device. The optimum kvd's policies can be held to.
+
+    prefetches: PREFETCHED is a reference too: the block is brought in (a fetch when it is
+    not resident, not a miss), as kvd's intent-aware policies do when the engine asks."""
+    kinds = ("ALLOCATED", "ACCESSED", "FREED") + (("PREFETCHED",) if prefetches else ())
+    refs = []
+    live: set[str] = set()
+    for e in events:  # as the replay sends them: events of blocks not allocated are skipped
+        if e.event_type not in kinds:
+            continue
+        if e.event_type == "ALLOCATED":
+            live.add(e.object_id)
+        elif e.object_id not in live:
+            continue
+        elif e.event_type == "FREED":
+            live.discard(e.object_id)
+        refs.append((e.event_type, e.object_id, e.decode_critical))
     next_use = [math.inf] * len(refs)
     seen: dict[str, float] = {}
     for i in range(len(refs) - 1, -1, -1):
@@ -56,6 +72,8 @@ def belady_min(events: list[IntentEvent], capacity: int,
         if kind == "ACCESSED":
             result.misses += 1
             result.decode_critical_misses += critical
+        if kind != "ALLOCATED":
+            result.fetches += 1
         if len(resident) < capacity:
             resident[obj] = nxt
             heapq.heappush(heap, (-nxt, obj))

@@ -105,6 +105,8 @@ def _bench_parser(sub) -> None:
 
 
 def _replay_intents_parser(sub) -> None:
+    from kvd_loadgen.replay import PIN_MODES
+
     replay = sub.add_parser("replay-intents", help="replay intent-event traces through kvd")
     replay.add_argument("trace", nargs="+",
                         help="trace files, profile names, or 'all' for the five profiles")
@@ -113,6 +115,9 @@ def _replay_intents_parser(sub) -> None:
     replay.add_argument("--host-pages", type=int, default=4096)
     replay.add_argument("--page-bytes", type=int, default=4096,
                         help="scaled-down page size (page counts decide misses)")
+    replay.add_argument("--pins", choices=PIN_MODES, default="trace",
+                        help="hold the trace's pins as written (never let go), or until the "
+                        "pinned block's read (as an engine pins for the step that reads it)")
     replay.add_argument("--target", help="an existing kvd (default: start one per policy)")
     replay.add_argument("--json", type=Path, help="write results to this file")
     replay.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")

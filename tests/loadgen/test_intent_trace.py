@@ -69,3 +69,29 @@ def test_belady_that_must_place_every_block_cannot_bypass():
     assert belady_min(_trace("A B a b a b"), capacity=2, must_place=True).misses == 0
     # A cyclic scan one larger than the cache: MIN still beats LRU's 6 misses.
     assert belady_min(_trace("A B C a b c a b c"), capacity=2, must_place=True).misses <= 4
+
+
+def _with_prefetch(spec):
+    """As _trace, and 'pX' for a PREFETCHED hint of block x."""
+    out = []
+    for token in spec.split():
+        if token.startswith("p"):
+            out.append(IntentEvent(0, 0, "PREFETCHED", _event("PREFETCHED", token[1:])["intent"]))
+        else:
+            out += _trace(token)
+    return out
+
+
+def test_belady_placing_prefetched_blocks_counts_what_it_brings_in():
+    """An engine's prefetch hint is a placement kvd's intent policies honour: the optimum held
+    to the same asks fetches the prefetched block when it is not resident (a fetch, not a
+    miss), and nothing when it is."""
+    trace = _with_prefetch("A B a pb")  # capacity 1: b went when A's read placed a
+    placed = belady_min(trace, capacity=1, must_place=True, prefetches=True)
+    assert (placed.misses, placed.fetches) == (1, 2)  # a read back, then b prefetched
+    assert belady_min(trace, capacity=2, must_place=True, prefetches=True).fetches == 0
+    # Without prefetches the hint is not a reference at all.
+    assert belady_min(trace, capacity=1, must_place=True).fetches == 1
+    # A hint for a block never allocated (or freed) is skipped, as the replay skips it.
+    assert belady_min(_with_prefetch("A a pz"), capacity=1, must_place=True,
+                      prefetches=True).fetches == 0
