@@ -455,6 +455,12 @@ def run_bench(args) -> int:
 
         results["overload"] = run_overload(console)
         more.update(overload_targets(results["overload"]))
+    with console.status("intent traces under every policy against Belady's MIN (64 and 96 "
+                        "device pages)"):
+        from kvd_loadgen.replay import against_min, against_min_targets
+
+        results["against_min"] = uvloop.run(against_min())
+    more.update(against_min_targets(results["against_min"]))
     for key, target in more.items():
         results["ratios"][key] = target["measured"]
         results["targets"][key] = {"op": target["op"], "value": target["value"],

@@ -110,6 +110,18 @@ def print_tables(results: dict, console: Console) -> None:
             t.add_row(key, f"{val:.2f}", f"{tgt['op']} {tgt['value']}",
                       "yes" if tgt["met"] else "NO")
     console.print(t)
+    if results.get("against_min"):
+        m = Table(title="intent traces: blocks brought to the device, each policy against "
+                        "Belady's MIN (pins held until read)")
+        out = results["against_min"]
+        policies = list(next(iter(next(iter(out.values())).values()))["policies"])
+        for col in ("profile", "pages", "MIN", *policies):
+            m.add_column(col, justify="left" if col == "profile" else "right")
+        for profile, settings in out.items():
+            for n, row in settings.items():
+                m.add_row(profile, str(n), str(row["min"]),
+                          *(str(row["policies"][p]) for p in policies))
+        console.print(m)
 
 
 def overload_markdown(out: dict) -> list[str]:
@@ -129,6 +141,25 @@ def overload_markdown(out: dict) -> list[str]:
             lines.append(f"| {spec} | x{out[part]['speed']:g} | {r['tokens_per_s']:,.0f} | "
                          f"{r['jain']:.3f} | {stalls} | {waits} | {r['evictions']:,} | "
                          f"{r['bytes_moved'] / 2**20:,.0f} MiB |")
+    return lines
+
+
+def against_min_markdown(out: dict) -> list[str]:
+    """Each policy's fetches beside the optimum's (see replay.against_min)."""
+    policies = list(next(iter(next(iter(out.values())).values()))["policies"])
+    lines = ["## Intent traces: blocks brought to the device against Belady's MIN", "",
+             "Pins held until the pinned block's read; MIN places every allocated, read and "
+             "prefetched block, as kvd does (in brackets: MIN not asked to honour the prefetch "
+             "hints).", "",
+             "| profile | device pages | MIN | " + " | ".join(policies) + " | best / MIN |",
+             "|---|---:|---:|" + "---:|" * len(policies) + "---:|"]
+    for profile, settings in out.items():
+        for n, row in settings.items():
+            best = min(row["policies"].values())
+            ratio = f"{best / row['min']:.2f}x" if row["min"] else "-"
+            lines.append(f"| {profile} | {n} | {row['min']} ({row['min_without_prefetches']}) "
+                         "| " + " | ".join(str(row["policies"][p]) for p in policies)
+                         + f" | {ratio} |")
     return lines
 
 
@@ -165,6 +196,8 @@ def results_markdown(results: dict) -> str:
               for key, val in results["victims_us"].items()]
     if results.get("overload"):
         lines += ["", *overload_markdown(results["overload"])]
+    if results.get("against_min"):
+        lines += ["", *against_min_markdown(results["against_min"])]
     scen = results.get("scenarios")
     if scen:
         lines += ["", "## Scenarios at a small, fixed size", "",
