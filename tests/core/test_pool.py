@@ -124,6 +124,22 @@ def test_abort_restores_everything(make_pool):
     assert len(pool.policy) == 2
 
 
+def test_an_aborted_allocation_of_a_decode_critical_block_leaves_no_count_behind(make_pool):
+    """The block marked decode-critical while its allocation's copies ran goes with the
+    abort, and its request's decode-critical count with it (reads meter by that count)."""
+    pool = make_pool(device_pages=2, host_pages=4)
+    pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)
+    pool.admit("b", tenant="t", prompt_tokens=32, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    plan = pool.allocate("b", 1)  # a block of a's goes to the host first
+    settle(pool, pool.update_intents(
+        [IntentChange("b", 0, {"priority": int(Priority.DECODE_CRITICAL)})]))
+    assert pool.get_request("b").num_critical == 1
+    pool.abort(plan)
+    assert pool.get_request("b").num_live_blocks == 0
+    assert pool.get_request("b").num_critical == 0
+
+
 def test_pins_never_exceed_the_device_tier(make_pool):
     pool = make_pool(device_pages=2, host_pages=4, policy="intent")
     pool.admit("a", tenant="ta", prompt_tokens=32, output_tokens=0)

@@ -85,6 +85,7 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
         req.num_moving_blocks -= 1
         req.blocks[b.index] = None
         req.num_live_blocks -= 1
+        req.num_critical -= b.decode_critical
         pages.device_delta(b, -1)
         b.tier, b.page = TierKind.NONE, -1
         if b.name is not None:
