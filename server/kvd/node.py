@@ -254,16 +254,17 @@ class Node:
         return general, relocated, answered
 
     def hold_read(self, answered: list, holder: str) -> None:
-        """A step whose reads go on past those read_all answered holds those first: its
-        later reads must not evict what it already told the engine is in place."""
+        """The requests read_all answered are held for the step's holder until its next
+        message: nothing may evict what the engine was told is in place while it reads."""
         for rt, requests in answered:
             rt.pool.hold_read(requests, holder)
 
     def end_holds(self, holder: str) -> None:
         """The holder called again, or went away: the pages it was handed are evictable."""
         for rt in self.pools.values():
-            if not rt.pool.pages.holds.has(holder):
-                continue
+            holds = rt.pool.pages.holds
+            if not holds.has(holder) or holds.end_if_only_requests(holder):
+                continue  # nothing left the policy: no room changed
             admitted = rt.pool.end_holds(holder)
             rt.room_may_have_changed()
             if admitted:

@@ -53,6 +53,9 @@ SHARED_INTENT = st.none() | st.fixed_dictionaries(
 
 
 def fingerprint(pool: Pool):
+    # Requests a step answered are held by request until victims are chosen: hold their
+    # blocks now, so a call that only gets that far changes nothing it is compared on.
+    pool.pages.holds.materialize()
     return (
         pool.device.num_free, pool.host.num_free, pool.reserved_pages, pool.num_pinned,
         pool.admission.working_set_pages, pool.admission.shared_uses,
@@ -69,6 +72,9 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.pending = []
+        # holder -> the device page of each block of the requests a step answered at once
+        # for it: the engine reads them there until its next call.
+        self.told: dict[str, dict] = {}
 
     def _do(self, op):
         before = fingerprint(self.pool)
@@ -169,9 +175,20 @@ class PoolMachine(RuleBasedStateMachine):
             assert [b.name for b in run] == [(ns, k) for k in KEYS[:len(run)]]
             assert all(b.committed and b.held and b.tier is not TierKind.NONE for b in run)
 
+    @rule(rids=st.lists(REQUEST_IDS, max_size=3, unique=True), holder=st.sampled_from("ab"))
+    def read_all(self, rids, holder):
+        """A Step's reads answered at once, held for its stream until its next message."""
+        _, _, answered = self.pool.read_all(rids)
+        self.pool.hold_read(answered, holder)
+        told = self.told.setdefault(holder, {})
+        for req in answered:
+            for b in req.live_blocks():
+                told[b] = b.page
+
     @rule(holder=st.sampled_from("ab"))
     def end_holds(self, holder):
         self._do(lambda: self.pool.end_holds(holder))
+        self.told.pop(holder, None)
 
     @rule(rid=REQUEST_IDS)
     def release(self, rid):
@@ -205,6 +222,18 @@ class PoolMachine(RuleBasedStateMachine):
             pinned_out = self.pool.complete(plan)
             if pinned_out:
                 self._do(lambda: self.pool.prefetch(pinned_out))
+
+    @invariant()
+    def what_a_step_answered_stays_in_place(self):
+        for holder, told in self.told.items():
+            for b, page in told.items():
+                req = b.request
+                if self.pool.requests.get(req.request_id) is not req or \
+                        req.blocks[b.index] is not b:
+                    continue  # released or freed by its engine since
+                assert b.tier is TierKind.DEVICE and not b.moving and b.page == page, (
+                    f"{req.request_id} block {b.index}, answered for {holder}, moved "
+                    "before its next call")
 
     @invariant()
     def consistent(self):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
+import pytest
 
-from kvd_client import pb
+from kvd_client import ResourceExhaustedError, pb
 from kvd_client.arena import MappedPool
 
 
@@ -93,6 +94,10 @@ async def test_a_repeated_read_sees_what_changed_between_steps(client):
         for _ in range(3):
             reply = await stream.step(read_all=["r1", "r2"])
             assert not reply.errors and not reply.relocated and not reply.stall_us
+        # What the last step handed out stays in place until the stream's next message...
+        with pytest.raises(ResourceExhaustedError, match="8 held by engines"):
+            await client.evict(8)
+        await stream.step()  # ...which ends those holds (and reads nothing)
         assert len((await client.evict(8)).evicted) == 8  # every block to the host tier
         reply = await stream.step(read_all=["r1", "r2"])  # the same bytes but for the id
         assert not reply.errors and reply.stall_us > 0

@@ -135,3 +135,38 @@ async def test_two_engines_reading_past_the_device_at_once_both_get_answers(tmp_
             finally:
                 mapped.close()
             assert (await admin.self_check()).ok
+
+
+async def test_a_request_a_step_answered_at_once_is_not_evicted_before_the_engines_next_message(
+        tmp_path):
+    """The engine reads a request's pages after the reply that says they are in place, until
+    its next message: another engine's allocation meanwhile waits for them (or for the hold to
+    lapse) instead of taking them and writing its own bytes there."""
+    with LocalKvd(*SMALL, workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as a, \
+                AsyncClient(kvd.target, timeout_s=10) as b:
+            mapped = MappedPool(await a.export_pool())
+            try:
+                rng = np.random.default_rng(11)
+                data: dict = {}
+                await a.admit("x", 8 * 16)
+                told = {h.block_index: h for h in (await a.allocate("x", 8)).handles}
+                _write(mapped, rng, data, told.values())
+                await b.admit("y", 4 * 16)
+                async with a.step_stream() as stream:
+                    reply = await stream.step(read_all=["x"])  # every page in place
+                    assert not reply.errors and not reply.relocated
+                    # Another engine wants 4 pages now; the device holds only x's.
+                    grow = asyncio.ensure_future(b.allocate("y", 4))
+                    done, _ = await asyncio.wait([grow], timeout=0.3)
+                    if done:  # took x's pages: write there as an engine would
+                        _write(mapped, rng, {}, grow.result().handles)
+                    for index, h in told.items():  # the engine reads x before its next step
+                        assert np.array_equal(mapped.page(h), data["x", index]), (
+                            f"x block {index}: its page holds another engine's bytes")
+                    await stream.step()  # x's pages are given back: y gets its room
+                    y = await asyncio.wait_for(grow, 10)
+                    assert len(y.handles) == 4
+            finally:
+                mapped.close()
+            assert (await a.self_check()).ok

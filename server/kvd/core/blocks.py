@@ -117,9 +117,9 @@ class Block:
     # Its bytes were dropped and it came back as a zeroed page: the engine must recompute
     # it. Cleared once a reply has told the engine so.
     lost: bool = False
-    # Handed to an engine that may still be writing or reading it: not evictable until the
-    # holder's next call (see Pool.hold).
-    held: bool = False
+    # Holders it was handed to that may still be writing or reading it: not evictable until
+    # each holder's next call (see holds.py).
+    held: int = 0
     # The eviction that last put this block out of the device tier (an EvictionRecord).
     evicted_by: Any = None
     # A shared prefix block (see prefix.py): its name (namespace, the engine's block hash),

@@ -6,13 +6,18 @@ be evicted: no demotion may copy its bytes before the engine wrote them, and no 
 be given its page under the engine's feet. A held block leaves the eviction policy, as a
 pinned one does, but counts as no pin; a holder's next call (or its lease lapsing) gives its
 blocks back to the policy.
+
+A Step that finds a request's blocks all in place holds the request, not its blocks: the
+request is noted for the holder, and its blocks leave the policy only when something is about
+to choose victims (`materialize`). A step costs one entry per request, not per block, and
+what it handed out is still never taken under the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from kvd.core.blocks import Block, Request, TierKind, evictable
+from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.policies import EvictionPolicy
 
@@ -26,23 +31,55 @@ class Holds:
         self.requests = requests  # read only: whether a held block's request still lives
         # The page table's policy; the page table sets it anew when it switches policy.
         self.policy = policy
-        self._by_holder: dict[str, tuple[float, list[Block]]] = {}
+        # holder -> (since, blocks held, lists of requests held whose blocks are not yet)
+        self._by_holder: dict[str, tuple[float, list[Block], list[list[Request]]]] = {}
         self.count = 0  # blocks held now
+        self._lazy = 0  # holders with requests held whose blocks are not held yet
         # Holders whose Step message is being served (the node's set, shared by its pools).
         self.serving: set[str] = set()
 
     def hold_one(self, holder: str, block: Block) -> None:
-        """Hold a device block for the holder until its next call."""
-        if block.held:
+        """Hold a device block for the holder until its next call (another holder's hold of
+        it, ending first, leaves it held)."""
+        self._entry(holder)[1].append(block)
+        block.held += 1
+        if block.held > 1:
             return
-        block.held = True
         if block in self.policy:
             self.policy.remove(block)
+        self.count += 1
+
+    def _entry(self, holder: str) -> tuple[float, list[Block], list[list[Request]]]:
         entry = self._by_holder.get(holder)
         if entry is None:
-            entry = self._by_holder[holder] = (self.clock.now(), [])
-        entry[1].append(block)
-        self.count += 1
+            entry = self._by_holder[holder] = (self.clock.now(), [], [])
+        return entry
+
+    def hold_requests(self, holder: str, requests: list[Request]) -> None:
+        """Hold these requests' device blocks for the holder until its next call, by request:
+        their blocks leave the policy at the next materialize(). The list is kept as it is
+        (a read's list of requests, which nobody changes)."""
+        if not requests:
+            return
+        lazy = self._entry(holder)[2]
+        if not lazy:
+            self._lazy += 1
+        lazy.append(requests)
+
+    def materialize(self) -> None:
+        """Hold the blocks of every request held by request: called before victims are chosen
+        (a request's blocks are then out of the policy's reach)."""
+        if not self._lazy:
+            return
+        self._lazy = 0
+        for holder, (_, _, lazy) in list(self._by_holder.items()):
+            batches = lazy[:]
+            lazy.clear()
+            for requests in batches:
+                for req in requests:
+                    if (self.requests.get(req.request_id) is req
+                            and req.state is RequestState.ADMITTED):  # else released since
+                        self.hold(holder, [b for b in req.blocks if b is not None])
 
     def hold(self, holder: str, blocks: Iterable[Block]) -> None:
         """Hold the blocks of these that are settled in the device tier."""
@@ -54,11 +91,11 @@ class Holds:
         """The block is gone (freed or released): it is held no more. Its holder's entry
         forgets it at end()."""
         if block.held:
-            block.held = False
+            block.held = 0
             self.count -= 1
 
     def has(self, holder: str) -> bool:
-        """Whether the holder has blocks held."""
+        """Whether the holder has blocks (or requests) held."""
         return holder in self._by_holder
 
     def count_of(self, holder: str) -> int:
@@ -72,11 +109,22 @@ class Holds:
         served gives nothing back until its next message, which waits for this one: waiting
         on its holds, its own or another's waiting likewise, would wait for ever."""
         serving = self.serving
-        return any(h not in serving for h in self._by_holder)
+        return any(h not in serving and blocks for h, (_, blocks, _) in self._by_holder.items())
+
+    def end_if_only_requests(self, holder: str) -> bool:
+        """End the holder's holds if they are of requests whose blocks never left the policy
+        (nothing else changes then); whether they were."""
+        entry = self._by_holder.get(holder)
+        if entry is None or entry[1]:
+            return False
+        del self._by_holder[holder]
+        if entry[2]:
+            self._lazy -= 1
+        return True
 
     def since(self) -> dict[str, float]:
         """Each holder with blocks held, and since when."""
-        return {h: since for h, (since, _) in self._by_holder.items()}
+        return {h: since for h, (since, _, _) in self._by_holder.items()}
 
     def end(self, holder: str) -> bool:
         """The holder called again (or went away): what it was handed is evictable again.
@@ -84,10 +132,14 @@ class Holds:
         entry = self._by_holder.pop(holder, None)
         if entry is None:
             return False
+        if entry[2]:
+            self._lazy -= 1
         for b in entry[1]:
             if not b.held:
-                continue
-            b.held = False
+                continue  # gone since
+            b.held -= 1
+            if b.held:
+                continue  # another holder's still
             self.count -= 1
             req = b.request
             if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b

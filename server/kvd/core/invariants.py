@@ -162,7 +162,7 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
                 problems.append(f"{name}: {b} is not the owner of its page")
             if owners[id(b)] != 1:
                 problems.append(f"{name}: {b} owns {owners[id(b)]} pages")
-        tally.held += b.held
+        tally.held += b.held > 0
         evictable = (b.tier is TierKind.DEVICE and not b.moving and not b.pinned
                      and not b.held)
         tally.evictable += evictable

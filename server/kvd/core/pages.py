@@ -158,6 +158,7 @@ class PageTable:
         than `host_room` pages for them). Raises before changing anything: the policy's
         choice is looked at first and taken only after. `holder`: the caller's, whose own
         holds end only at its next call (waiting for them would wait for ever)."""
+        self.holds.materialize()
         self.before_choice()
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
@@ -313,6 +314,7 @@ class PageTable:
         if not self.policy.fair or want <= 0:
             return None
         over = set(self.tenancy.over_share())
+        self.holds.materialize()
         self.before_choice()
         victims = self.policy.choose(min(want, len(self.policy)))
         if not victims or any(v.request.tenant not in over and not _idle_kept(v)

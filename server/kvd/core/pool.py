@@ -215,14 +215,12 @@ class Pool:
                 self.defer(self.record_reads)
         return general, relocated, answered
 
-    @after_reads
-    def hold_read(self, requests: Iterable[Request], holder: str) -> None:
+    def hold_read(self, requests: list[Request], holder: str) -> None:
         """Hold the device blocks of these requests, read by a step, for the holder until its
-        next call: the step's other reads must not take their pages (see Step)."""
-        hold = self.pages.holds.hold
-        for req in requests:
-            if req.state is RequestState.ADMITTED:
-                hold(holder, [b for b in req.blocks if b is not None])
+        next call: nothing may take their pages while the engine reads them (see Step). Held
+        by request: the blocks leave the policy only if victims are chosen meanwhile (reads
+        left pending stay so: no block moves or changes hands here)."""
+        self.pages.holds.hold_requests(holder, requests)  # read_all's: all admitted
 
     def record_reads(self) -> None:
         """Record the reads read_all() answered (see Reads.record_pending)."""
@@ -333,6 +331,7 @@ class Pool:
         """Demote num_pages victims now (the engine asked for room): all or none."""
         if num_pages <= 0:
             raise InvalidArgument(f"num_pages must be positive, got {num_pages}")
+        self.pages.holds.materialize()  # requests steps answered are not evictable
         if num_pages > len(self.policy):
             raise self.pages.no_room(num_pages)
         return TransferPlan(self.name, Reason.EVICT, None,

@@ -180,8 +180,7 @@ class StepStreams:
         started = time.perf_counter()
         stalled = await self._writes(step, present, reply, scope, holder, ns)
         if general is None:
-            general = (self._read_all(read_all, reply, scope, None, len(ns), holder,
-                                      _ACCESSES in present)
+            general = (self._read_all(read_all, reply, scope, None, len(ns), holder)
                        if _READ_ALL in present else ())
         items: list = []  # (section, index, request_id, block indices or None)
         if general:
@@ -258,16 +257,15 @@ class StepStreams:
         return stalled
 
     def _read_all(self, request_ids, reply: pb.StepResponse, scope: str | None,
-                  key: bytes | None = None, cut: int = 0, holder: str = "",
-                  more: bool = False) -> list[str]:
+                  key: bytes | None = None, cut: int = 0, holder: str = "") -> list[str]:
         """Answer the requests every pool can read at once (reporting relocated blocks);
-        return those that need the general access path (or get an error there). When
-        reads follow (those, or `more`: the step's accesses), the requests answered are held
-        for the holder first, so those reads cannot evict them under the engine."""
+        return those that need the general access path (or get an error there). The
+        requests answered are held for the holder until its next message: neither this
+        step's later reads nor another engine's may evict them while the engine reads."""
         general, relocated, answered = self.node.read_all(request_ids, scope, key)
         for req, page_bytes in relocated:
             _relocated(reply, AccessResult(None, None, req), page_bytes, cut)
-        if (general or more) and holder and answered:
+        if holder and answered:
             self.node.hold_read(answered, holder)
         return general
 
