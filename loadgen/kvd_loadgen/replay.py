@@ -425,15 +425,15 @@ async def against_min(pages=AGAINST_MIN_PAGES, policies=KVD_POLICIES) -> dict:
     out: dict = {}
     for profile in INTENT_PROFILES:
         path = resolve_intent_trace(profile)
-        largest = max(peak_live_blocks(read_intent_trace(path)).values())
+        events = read_intent_trace(path)
+        largest = max(peak_live_blocks(events).values())
         for n in sorted({max(n, largest) for n in pages}):
             rows = await replay_profile(path, profile, policies, device_pages=n,
                                         host_pages=4096, page_bytes=4096, pins="until-read")
             out.setdefault(profile, {})[n] = {
                 "min": next(x.fetches for x in rows if x.source == "belady-placed"),
                 # The optimum not asked to honour the engine's prefetch hints (for reference).
-                "min_without_prefetches": belady_min(read_intent_trace(path), n,
-                                                     must_place=True).fetches,
+                "min_without_prefetches": belady_min(events, n, must_place=True).fetches,
                 "policies": {x.policy: x.fetches for x in rows if x.source == "kvd"}}
     return out
 

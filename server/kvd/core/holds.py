@@ -72,14 +72,13 @@ class Holds:
         if not self._lazy:
             return
         self._lazy = 0
-        for holder, (_, _, lazy) in list(self._by_holder.items()):
-            batches = lazy[:]
-            lazy.clear()
-            for requests in batches:
+        for holder, (_, _, lazy) in self._by_holder.items():  # hold() adds no holder
+            for requests in lazy:
                 for req in requests:
                     if (self.requests.get(req.request_id) is req
                             and req.state is RequestState.ADMITTED):  # else released since
                         self.hold(holder, [b for b in req.blocks if b is not None])
+            lazy.clear()
 
     def hold(self, holder: str, blocks: Iterable[Block]) -> None:
         """Hold the blocks of these that are settled in the device tier."""

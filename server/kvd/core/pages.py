@@ -150,6 +150,12 @@ class PageTable:
 
     # ------------------------------------------------------------------ room in the device tier
 
+    def _before_choosing(self) -> None:
+        """Before the policy chooses victims: blocks of requests held by request leave it,
+        and the reads left pending are recorded."""
+        self.holds.materialize()
+        self.before_choice()
+
     def evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
               protected: Collection[Block] = (), host_room: int | None = None,
               holder: str = "") -> list[Move]:
@@ -158,8 +164,7 @@ class PageTable:
         than `host_room` pages for them). Raises before changing anything: the policy's
         choice is looked at first and taken only after. `holder`: the caller's, whose own
         holds end only at its next call (waiting for them would wait for ever)."""
-        self.holds.materialize()
-        self.before_choice()
+        self._before_choosing()
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
             holds = self.holds
@@ -314,8 +319,7 @@ class PageTable:
         if not self.policy.fair or want <= 0:
             return None
         over = set(self.tenancy.over_share())
-        self.holds.materialize()
-        self.before_choice()
+        self._before_choosing()
         victims = self.policy.choose(min(want, len(self.policy)))
         if not victims or any(v.request.tenant not in over and not _idle_kept(v)
                               for v in victims):
