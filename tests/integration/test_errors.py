@@ -125,3 +125,43 @@ async def test_a_step_over_the_item_bound_is_refused(client):
         with pytest.raises(InvalidArgumentError, match="at most 1024"):
             await stream.step(read_all=["r"] * 2000)
     assert await client.health() == "SERVING"
+
+
+@pytest.mark.parametrize("section", ["read_all", "allocations", "frees", "intents", "accesses",
+                                     "releases"])
+async def test_a_step_naming_a_too_long_id_is_refused_whole(client, section):
+    """However small the message, and in whichever section the id is: INVALID_ARGUMENT
+    naming the section, and nothing of the step done (its allocation is not made)."""
+    await client.admit("r", 32)
+    await client.allocate("r", 1)
+    before = await _state(client)
+    long = "x" * 257
+    items = {
+        "read_all": {"read_all": [long]},
+        "allocations": {"allocations": [("r", 1), (long, 1)]},
+        "frees": {"frees": [(long, [0])]},
+        "intents": {"intents": [intent_update(long, 0, priority=pb.PRIORITY_HOT)]},
+        "accesses": {"accesses": [(long, [0])]},
+        "releases": {"releases": [long]},
+    }[section]
+    async with client.step_stream() as stream:
+        with pytest.raises(InvalidArgumentError, match=f"{section}: a request_id is longer"):
+            await stream.step(**{"allocations": [("r", 1)], **items})
+    assert await _state(client) == before
+    assert len((await client.access("r", [0])).handles) == 1
+
+
+def test_step_ids_are_its_only_strings():
+    """The Step handler checks only request ids' lengths (register.py does not walk Step
+    messages): a string field added to StepRequest, at any depth, must be checked too."""
+
+    def strings(descriptor, path=""):
+        for field in descriptor.fields:
+            if field.type == field.TYPE_STRING:
+                yield path + field.name
+            elif field.type == field.TYPE_MESSAGE:
+                yield from strings(field.message_type, f"{path}{field.name}.")
+
+    assert sorted(strings(pb.StepRequest.DESCRIPTOR)) == sorted(
+        ["read_all", "intents.request_id", "frees.request_id", "releases.request_id",
+         "allocations.request_id", "accesses.request_id"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 
 import grpc
@@ -22,7 +21,7 @@ from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller, unprefixed
 from kvd.service.convert import handle, intent_change, intent_fields
 from kvd.service.gate import CallLimits, StepTurns
-from kvd.service.register import DRAINING, MAX_STRING, WALK_BYTES, Malformed, OpenStreams
+from kvd.service.register import DRAINING, MAX_STRING, Malformed, OpenStreams
 from kvd.service.status import status_of
 from kvd_api.v1 import kvd_pb2 as pb
 
@@ -31,6 +30,8 @@ _INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES, _READ_ALL = (
     _FIELDS[name].number
     for name in ("intents", "frees", "releases", "allocations", "accesses", "read_all"))
 _READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
+# The sections of items that each name a request (request_id).
+_SECTIONS = frozenset({_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES})
 
 
 # A stream that was serving a message when the drain began waits this long for its next.
@@ -83,7 +84,7 @@ class StepStreams:
             while (message := await self._next(messages, caller, turn)) is not None:
                 streams.working.add(task)  # a drain lets this message finish
                 data, step = message
-                problem = self._check(data, step)
+                problem, read_all = self._check(data, step)
                 if problem is not None:
                     await context.abort(*problem)
                 if self.auth.generation != generation:  # identities reloaded: still valid?
@@ -97,7 +98,7 @@ class StepStreams:
                 node.serving.add(holder)  # its holds may not lapse while it is served
                 try:
                     reply = await self.step(step, caller.scope, _reads_key(data), holder,
-                                            caller.ns)
+                                            caller.ns, read_all)
                 finally:
                     node.serving.discard(holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
@@ -140,34 +141,40 @@ class StepStreams:
             timer.cancel()
             read.cancel()
 
-    def _check(self, data: bytes, step) -> tuple[grpc.StatusCode, str] | None:
-        """The status a malformed or oversized message ends the stream with; None when the
-        message is sound."""
+    def _check(self, data: bytes, step
+               ) -> tuple[tuple[grpc.StatusCode, str] | None, list[str] | None]:
+        """The status a malformed or oversized message ends the stream with (None when the
+        message is sound), and its read_all ids once made Python strings (None: not yet)."""
         if type(step) is Malformed:
-            return grpc.StatusCode.INVALID_ARGUMENT, step.message
+            return (grpc.StatusCode.INVALID_ARGUMENT, step.message), None
         limits = self.limits
-        # Fewer bytes can hold no more items or block indices, nor ids unwalked.
-        if len(data) > min(limits.max_items, limits.max_blocks, WALK_BYTES):
-            try:
-                if len(data) > WALK_BYTES:  # register.py walked the smaller ones
-                    _check_step_ids(step)
+        read_all = None
+        try:
+            if len(data) > MAX_STRING:  # fewer bytes hold no longer id
+                read_all = _check_step_ids(step)
+            # Fewer bytes can hold no more items or block indices.
+            if len(data) > min(limits.max_items, limits.max_blocks):
                 items, blocks = _step_items(step)
                 limits.check(items, "items (updates, frees, releases, allocations, "
                              "accesses and reads)")
                 limits.check(blocks, "block indices", blocks=True)
-            except errors.KvdError as exc:
-                return status_of(exc), str(exc)
-        return None
+        except errors.KvdError as exc:
+            return (status_of(exc), str(exc)), None
+        return None, read_all
 
     async def step(self, step: pb.StepRequest, scope: str | None = None,
-                   reads_key: bytes | None = None, holder: str = "", ns: str = ""
-                   ) -> pb.StepResponse:
+                   reads_key: bytes | None = None, holder: str = "", ns: str = "",
+                   read_all: list[str] | None = None) -> pb.StepResponse:
         """One engine step: intents, frees, releases, allocations, accesses, in that order.
         A bad item is reported in `errors`; the rest of the step goes on. `reads_key`, when
         given, is equal for two steps only when their read_all lists are equal. `ns`: the
-        namespace of the caller's request ids (see Caller.ns)."""
+        namespace of the caller's request ids (see Caller.ns). `read_all`: the step's
+        read_all as a list, when the caller made one."""
         reply = pb.StepResponse(step_id=step.step_id)
-        read_all = [ns + r for r in step.read_all] if ns else step.read_all
+        if read_all is None:
+            read_all = list(step.read_all)
+        if ns:
+            read_all = [ns + r for r in read_all]
         # Only the sections the step has: most steps are just read_all, and each look at an
         # empty repeated field costs a wrapper object on the hot path.
         present = {field.number for field, _ in step.ListFields()}
@@ -270,14 +277,24 @@ class StepStreams:
         return general
 
 
-def _check_step_ids(step: pb.StepRequest) -> None:
-    ids = itertools.chain((u.request_id for u in step.intents),
-                          (r.request_id for r in step.releases),
-                          (a.request_id for a in step.allocations), step.read_all,
-                          (f.request_id for f in step.frees),
-                          (a.request_id for a in step.accesses))
-    if any(len(i) > MAX_STRING for i in ids):
-        raise errors.InvalidArgument(f"a request_id is longer than {MAX_STRING} characters")
+def _check_step_ids(step: pb.StepRequest) -> list[str]:
+    """Refuse a step naming an id longer than MAX_STRING (ids are kept, indexed and echoed;
+    a StepRequest's only strings are its request ids: test_step_ids_are_its_only_strings).
+    Returns its read_all, made Python strings once for the step to use."""
+    read_all: list[str] = []
+    for field, value in step.ListFields():
+        number = field.number
+        if number == _READ_ALL:
+            read_all = list(value)
+            long = max(map(len, read_all)) > MAX_STRING
+        elif number in _SECTIONS:
+            long = any(len(item.request_id) > MAX_STRING for item in value)
+        else:
+            continue
+        if long:
+            raise errors.InvalidArgument(f"{field.name}: a request_id is longer than "
+                                         f"{MAX_STRING} characters")
+    return read_all
 
 
 def _step_items(step: pb.StepRequest) -> tuple[int, int]:
