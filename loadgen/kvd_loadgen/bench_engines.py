@@ -12,12 +12,17 @@ runs pay the engine's own work) and answers each with a two-byte reply.
   aggregate steps/s of kvd against the empty server's (target >= 0.7x at each N).
 - Paced: 8 engines at 50 steps/s each; each step's round trip on kvd against the empty
   server's at the same pace (target: p99 added latency <= 2 ms).
+
+Each server's CPU time per step (its process's user + system time over the steps it
+served, read from /proc) says where the gap is: what gRPC costs the empty server, and what
+kvd spends on top of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import statistics
 import subprocess
 import sys
@@ -105,9 +110,23 @@ async def _paced(call, make, rate: float, seconds: float, seen=None) -> list[flo
     return out
 
 
+def _cpu_s(pid: int) -> float | None:
+    """A process's CPU time so far (user + system, seconds); None where /proc has none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _us_per_step(cpu_s: float | None, steps: int) -> float | None:
+    return None if cpu_s is None or not steps else cpu_s / steps * 1e6
+
+
 @contextlib.asynccontextmanager
 async def _echo(n: int):
-    """The empty server in its own process, and n channels to it."""
+    """The empty server in its own process (its pid first), and n channels to it."""
     with tempfile.TemporaryDirectory(prefix="kvd-echo-") as tmp:
         sock = Path(tmp) / "echo.sock"
         proc = subprocess.Popen([sys.executable, "-m", "kvd_loadgen.echo_server",
@@ -122,7 +141,7 @@ async def _echo(n: int):
                 channel = grpc.aio.insecure_channel(f"unix://{sock}")
                 await channel.channel_ready()
                 channels.append(channel)
-            yield channels
+            yield proc.pid, channels
         finally:
             for channel in channels:
                 await channel.close()
@@ -137,7 +156,7 @@ async def bench_engines(ns=(1, 2, 4, 8), seconds: float = 2.0, rounds: int = 2,
     out: dict = {"saturated": {}, "paced": {}}
     args = ("--page-bytes", "4096", "--device-pages", "65536", "--host-pages", "65536",
             "--policy", "fair")
-    async with _echo(most) as echo_channels:
+    async with _echo(most) as (echo_pid, echo_channels):
         with LocalKvd(*args) as kvd:
             clients = [AsyncClient(kvd.target, timeout_s=30) for _ in range(most)]
             for c in clients:
@@ -154,23 +173,33 @@ async def bench_engines(ns=(1, 2, 4, 8), seconds: float = 2.0, rounds: int = 2,
                                                      .FromString)() for c in clients]
                 echoes = [EchoEngine(f"e{i}") for i in range(most)]
                 echo_calls = [ch.stream_stream(ECHO)() for ch in echo_channels]
+                kvd_pid = kvd.proc.pid
                 for n in ns:
                     kvd_steps = echo_steps = 0
                     kvd_s = echo_s = 0.0
+                    kvd_cpu: float | None = 0.0
+                    echo_cpu: float | None = 0.0
                     for _ in range(rounds):
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), _cpu_s(kvd_pid)
                         kvd_steps += sum(await asyncio.gather(*(
                             _closed_loop(kvd_calls[i], engines[i].message, seconds,
                                          engines[i].seen)
                             for i in range(n))))
                         kvd_s += time.perf_counter() - t0
-                        t0 = time.perf_counter()
+                        c1 = _cpu_s(kvd_pid)
+                        kvd_cpu = None if None in (kvd_cpu, c0, c1) else kvd_cpu + c1 - c0
+                        t0, c0 = time.perf_counter(), _cpu_s(echo_pid)
                         echo_steps += sum(await asyncio.gather(*(
                             _closed_loop(echo_calls[i], echoes[i].message, seconds)
                             for i in range(n))))
                         echo_s += time.perf_counter() - t0
-                    out["saturated"][n] = {"kvd_steps_per_s": kvd_steps / kvd_s,
-                                           "empty_steps_per_s": echo_steps / echo_s}
+                        c1 = _cpu_s(echo_pid)
+                        echo_cpu = None if None in (echo_cpu, c0, c1) else echo_cpu + c1 - c0
+                    out["saturated"][n] = {
+                        "kvd_steps_per_s": kvd_steps / kvd_s,
+                        "empty_steps_per_s": echo_steps / echo_s,
+                        "kvd_server_us_per_step": _us_per_step(kvd_cpu, kvd_steps),
+                        "empty_server_us_per_step": _us_per_step(echo_cpu, echo_steps)}
                 kvd_rt = await asyncio.gather(*(
                     _paced(kvd_calls[i], engines[i].message, rate, paced_seconds,
                            engines[i].seen)

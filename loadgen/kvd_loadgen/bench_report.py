@@ -110,6 +110,15 @@ def print_tables(results: dict, console: Console) -> None:
             t.add_row(key, f"{val:.2f}", f"{tgt['op']} {tgt['value']}",
                       "yes" if tgt["met"] else "NO")
     console.print(t)
+    if results.get("engines"):
+        e = Table(title="a node's worth of engines: N Step streams, kvd and the empty server "
+                        "in turns")
+        for col in ("streams", "kvd steps/s", "empty steps/s", "ratio",
+                    "server CPU us/step, kvd / empty"):
+            e.add_column(col, justify="right")
+        for row in engines_rows(results["engines"]):
+            e.add_row(*row)
+        console.print(e)
     if results.get("against_min"):
         m = Table(title="intent traces: blocks brought to the device, each policy against "
                         "Belady's MIN (pins held until read)")
@@ -122,6 +131,30 @@ def print_tables(results: dict, console: Console) -> None:
                 m.add_row(profile, str(n), str(row["min"]),
                           *(str(row["policies"][p]) for p in policies))
         console.print(m)
+
+
+def engines_rows(out: dict) -> list[tuple[str, ...]]:
+    """The saturated node-of-engines runs (see bench_engines), a row per stream count."""
+
+    def us(x):
+        return "?" if x is None else f"{x:.0f}"
+
+    return [(str(n), f"{r['kvd_steps_per_s']:,.0f}", f"{r['empty_steps_per_s']:,.0f}",
+             f"{r['kvd_steps_per_s'] / r['empty_steps_per_s']:.2f}",
+             f"{us(r.get('kvd_server_us_per_step'))} / {us(r.get('empty_server_us_per_step'))}")
+            for n, r in out["saturated"].items()]
+
+
+def engines_markdown(out: dict) -> list[str]:
+    lines = ["## A node's worth of engines", "",
+             "Each engine: 64 requests x 4 blocks read every step, one block grown and one "
+             "freed, an intent update every fourth step; the empty server answers the same "
+             "messages. Server CPU per step: the server process's CPU time over the steps it "
+             "served.", "",
+             "| Step streams | kvd steps/s | empty steps/s | ratio | server CPU µs/step, kvd / "
+             "empty |", "|---:|---:|---:|---:|---:|"]
+    lines += ["| " + " | ".join(row) + " |" for row in engines_rows(out)]
+    return lines
 
 
 def overload_markdown(out: dict) -> list[str]:
@@ -194,6 +227,8 @@ def results_markdown(results: dict) -> str:
               f"{c['numpy_copyto_gbps']:.2f} |"]
     lines += [f"| victim selection µs: {key} | {val:.2f} |"
               for key, val in results["victims_us"].items()]
+    if results.get("engines"):
+        lines += ["", *engines_markdown(results["engines"])]
     if results.get("overload"):
         lines += ["", *overload_markdown(results["overload"])]
     if results.get("against_min"):

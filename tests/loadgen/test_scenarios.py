@@ -4,6 +4,7 @@ report every scenario shares."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -121,12 +122,20 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
     """The node-of-engines bench, shortened: every stream's steps succeed (reads, a block
     grown and one freed per step, intent updates), kvd stays sound, the figures are there."""
     from kvd_loadgen.bench_engines import bench_engines, targets
+    from kvd_loadgen.bench_report import engines_markdown
 
     out = await bench_engines(ns=(1, 2), seconds=0.3, rounds=1, paced_engines=2, rate=20.0,
                               paced_seconds=0.5)
     for n in (1, 2):
         assert out["saturated"][n]["kvd_steps_per_s"] > 0
         assert out["saturated"][n]["empty_steps_per_s"] > 0
+        for server in ("kvd", "empty"):
+            # CPU time per step, in us: no more than the machine's cores could give.
+            us = out["saturated"][n][f"{server}_server_us_per_step"]
+            busy = us * out["saturated"][n][f"{server}_steps_per_s"] / 1e6
+            assert us > 0 and busy <= (os.cpu_count() or 1) + 0.5, (server, us, busy)
+    rows = engines_markdown(out)
+    assert [line.split(" | ")[0] for line in rows[-2:]] == ["| 1", "| 2"]
     assert out["paced"]["kvd_p99_ms"] > 0 and out["paced"]["empty_p99_ms"] > 0
     assert set(targets(out)) == {"engines1_steps_vs_empty", "engines2_steps_vs_empty",
                                  "engines2_paced_p99_added_ms"}
