@@ -13,6 +13,7 @@ order they came.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -81,9 +82,13 @@ def changes_blocks(method):
 class ReadRecord:
     """Reads answered and not yet recorded: every block of `requests` was read `times`
     times, last at `at`, and the time before at `before` (None: once); `sizes` and
-    `critical`: each request's blocks, and decode-critical ones, when read."""
+    `critical`: each request's blocks, and decode-critical ones, when read. Reads of the
+    same requests whose sizes differed (blocks were added or freed in between) add theirs
+    to `more_sizes` and `more_critical` (None until one does) instead of counting in
+    `times`."""
 
-    __slots__ = ("at", "before", "critical", "requests", "sizes", "times")
+    __slots__ = ("at", "before", "critical", "more_critical", "more_sizes", "requests",
+                 "sizes", "times")
 
     def __init__(self, at: float, requests: list[Request], sizes: list[int],
                  critical: list[int]) -> None:
@@ -93,6 +98,29 @@ class ReadRecord:
         self.sizes = sizes
         self.critical = critical
         self.times = 1
+        self.more_sizes: list[int] | None = None
+        self.more_critical: list[int] | None = None
+
+    def again(self, now: float, sizes: list[int], critical: list[int]) -> None:
+        """The same requests read again now, with these sizes."""
+        self.before, self.at = self.at, now
+        if sizes == self.sizes and critical == self.critical:
+            self.times += 1
+        elif self.more_sizes is None:
+            self.more_sizes, self.more_critical = sizes, critical
+        else:
+            self.more_sizes = list(map(operator.add, self.more_sizes, sizes))
+            self.more_critical = list(map(operator.add, self.more_critical, critical))
+
+    def blocks_read(self) -> tuple[list[int], list[int]]:
+        """Each request's blocks read over these reads, and decode-critical ones."""
+        times = self.times
+        sizes = self.sizes if times == 1 else [times * n for n in self.sizes]
+        critical = self.critical if times == 1 else [times * n for n in self.critical]
+        if self.more_sizes is not None:
+            sizes = list(map(operator.add, sizes, self.more_sizes))
+            critical = list(map(operator.add, critical, self.more_critical))
+        return sizes, critical
 
 
 class LastRead:
@@ -130,6 +158,30 @@ class Reads:
         # by NUL (ids hold no NUL, so equal joins of as many ids are equal lists; one string
         # compares faster than 64 scattered ones).
         self._last: LastRead | None = None
+        # The pending record of each key: a step reading the same requests again (each
+        # engine reads its batch every step, several engines in turn) is merged into its
+        # record, which moves to the end of `pending`, rather than pending as one more.
+        self._open: dict[str | bytes, ReadRecord] = {}
+
+    def _again(self, key: str | bytes, read: list[Request], sizes: list[int],
+               critical: list[int]) -> ReadRecord | None:
+        """The pending record of the same requests, read again now; None when there is
+        none (the caller makes one)."""
+        record = self._open.get(key)
+        if record is None or record.requests != read:  # identity, in order (eq=False)
+            return None
+        record.again(self.clock.now(), sizes, critical)
+        pending = self.pending
+        if pending[-1] is not record:  # pending stays in the order of the last reads
+            pending.remove(record)
+            pending.append(record)
+        return record
+
+    def _add(self, key: str | bytes, record: ReadRecord) -> bool:
+        """A new pending record; whether it is the first pending."""
+        self._open[key] = record
+        self.pending.append(record)
+        return len(self.pending) == 1
 
     def answer(self, request_ids: Sequence[str], tenant: str | None = None,
                key: bytes | None = None
@@ -150,14 +202,11 @@ class Reads:
                 and last.tenant == tenant):
             # An engine reads its batch every step: nothing changed since this read was
             # answered (any change goes through a pool method, which forgets the answer).
-            now = self.clock.now()
-            if pending and pending[-1].requests is last.requests:
-                record = pending[-1]  # the reads of the same steps, recorded as one
-                record.before, record.at = record.at, now
-                record.times += 1
+            if pending and self._again(key, last.requests, last.sizes, last.critical):
                 return [], [], False, last.requests
-            pending.append(ReadRecord(now, last.requests, last.sizes, last.critical))
-            return [], [], len(pending) == 1, last.requests
+            first = self._add(key, ReadRecord(self.clock.now(), last.requests, last.sizes,
+                                              last.critical))
+            return [], [], first, last.requests
         requests = self._requests
         admitted = RequestState.ADMITTED
         general: list[str] = []
@@ -181,8 +230,10 @@ class Reads:
             return general, relocated, False, read
         if not general and not relocated:
             self._last = LastRead(key, len(request_ids), tenant, read, sizes, critical)
-        pending.append(ReadRecord(self.clock.now(), read, sizes, critical))
-        return general, relocated, len(pending) == 1, read
+        if pending and self._again(key, read, sizes, critical):
+            return general, relocated, False, read
+        first = self._add(key, ReadRecord(self.clock.now(), read, sizes, critical))
+        return general, relocated, first, read
 
     def before_block_changes(self) -> None:
         """Blocks are about to be added or taken away: see changes_blocks."""
@@ -219,31 +270,36 @@ class Reads:
         pending, self.pending = self.pending, []
         if not pending:
             return []
+        self._open = {}
         admitted = RequestState.ADMITTED
-        if len(pending) == 1 and pending[0].times == 1:
+        if len(pending) == 1 and pending[0].times == 1 and pending[0].more_sizes is None:
             at = pending[0].at
             record = pending[0]
             return [(r, at, None, 1, n, c)
                     for r, n, c in zip(record.requests, record.sizes, record.critical)
                     if r.state is admitted]
         # request -> [request, last, the read before, times, the record of the last, blocks,
-        # decode-critical blocks]
+        # decode-critical blocks]. Records come newest first (pending is in the order of
+        # their last reads); a record read again was moved to the end, so the read before a
+        # request's last is the latest of its record's read before and the other records'
+        # last reads.
         latest: dict[Request, list] = {}
         for i, record in enumerate(reversed(pending)):
             at, before, count = record.at, record.before, record.times
-            for req, size, crit in zip(reversed(record.requests), reversed(record.sizes),
-                                       reversed(record.critical)):
+            sizes, critical = record.blocks_read()
+            for req, size, crit in zip(reversed(record.requests), reversed(sizes),
+                                       reversed(critical)):
                 entry = latest.get(req)
                 if entry is None:
-                    latest[req] = [req, at, before, count, i, count * size, count * crit]
+                    latest[req] = [req, at, before, count, i, size, crit]
                 else:
                     if entry[4] == i:  # named twice in one step: read twice at its time
                         entry[2] = at
-                    elif entry[2] is None:
+                    elif entry[2] is None or entry[2] < at:
                         entry[2] = at
                     entry[3] += count
-                    entry[5] += count * size
-                    entry[6] += count * crit
+                    entry[5] += size
+                    entry[6] += crit
         return [(e[0], e[1], e[2], e[3], e[5], e[6]) for e in reversed(latest.values())
                 if e[0].state is admitted]
 
