@@ -18,7 +18,7 @@ from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer
 from kvd.memory.copier import PageCopier, chunk_runs, plan_runs
 from kvd.transit import InTransit
-from kvd.waiters import RETRY, AdmissionWaiters, RoomLine
+from kvd.waiters import ON_ROOM_WAIT, RETRY, AdmissionWaiters, RoomLine
 
 T = TypeVar("T")
 log = structlog.get_logger("kvd.runtime")
@@ -131,6 +131,8 @@ class PoolRuntime:
                 future = self.room_line.join(op, rank)
                 if not self.pool.pages.num_moving_blocks():
                     self.room_line.serve()  # the transfer it waited for is done already
+                if not future.done() and (give_back := ON_ROOM_WAIT.get()) is not None:
+                    give_back()
                 try:
                     result = await future
                 except asyncio.CancelledError:

@@ -7,6 +7,7 @@ import asyncio
 import heapq
 import itertools
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from kvd.core.errors import BlocksInTransit, ResourceExhausted
 
@@ -14,6 +15,12 @@ from kvd.core.errors import BlocksInTransit, ResourceExhausted
 MAX_WAITERS = 8
 # What the room line hands a waiter whose own blocks are in transit: wait for them, retry.
 RETRY = object()
+
+# What a task gives back before it waits in line for room: a Step stream's turn at the
+# loop (see StepStreams.serve). The room it waits for may be held by streams of its tenant
+# waiting for that very turn, whose next message would end their holds.
+ON_ROOM_WAIT: ContextVar[Callable[[], None] | None] = ContextVar("kvd_on_room_wait",
+                                                                 default=None)
 
 
 class AdmissionWaiters:

@@ -23,6 +23,7 @@ from kvd.service.convert import handle, intent_change, intent_fields
 from kvd.service.gate import CallLimits, StepTurns
 from kvd.service.register import DRAINING, MAX_STRING, Malformed, OpenStreams
 from kvd.service.status import status_of
+from kvd.waiters import ON_ROOM_WAIT
 from kvd_api.v1 import kvd_pb2 as pb
 
 _FIELDS = pb.StepRequest.DESCRIPTOR.fields_by_name
@@ -76,12 +77,16 @@ class StepStreams:
         holder = f"stream:{id(context)}:{time.monotonic_ns()}"
         node.end_holds(caller.holder)  # the client's unary calls before are done too
         turn = _Turn(self.turns, caller.tenant or "admin")
+        # A step that waits for device room gives its tenant's turn back meanwhile: the
+        # room may be held by the tenant's other streams, whose next messages (which end
+        # their holds) wait for the turn.
+        ON_ROOM_WAIT.set(turn.leave)
         messages = request_iterator.__aiter__()
         generation = self.auth.generation
         streams = self.streams
         task = asyncio.current_task()
         try:
-            while (message := await self._next(messages, caller, turn)) is not None:
+            while (message := await self._next(messages, caller, turn, holder)) is not None:
                 streams.working.add(task)  # a drain lets this message finish
                 data, step = message
                 problem, read_all = self._check(data, step)
@@ -118,9 +123,15 @@ class StepStreams:
             node.end_holds(holder)
             node.leases.stream_closed(caller.lease)
 
-    async def _next(self, messages, caller: Caller, turn: _Turn):
+    async def _next(self, messages, caller: Caller, turn: _Turn, holder: str):
         """The stream's next (bytes, message), or None at its end; taken in the tenant's
-        turn while tenants compete (a turn that stays idle goes to another stream)."""
+        turn while tenants compete (a turn that stays idle goes to another stream).
+
+        While some operation waits for device room, the message is read first and ends the
+        holds of the last before the stream waits for its turn: those holds may be the
+        room, and the engine has read what it was handed once it sends its next message.
+        (A stream waiting for its turn with its holds still on can hold the very pages the
+        stream that has the turn waits for, and neither goes on until the holds lapse.)"""
         turns = self.turns
         if caller.admin or not (turns.contended(turn.who, time.monotonic())
                                 and turns.gate.busy(turn.who)):
@@ -128,6 +139,16 @@ class StepStreams:
                 return await messages.__anext__()
             except StopAsyncIteration:
                 return None
+        if self.node.room_wanted():
+            try:
+                message = await messages.__anext__()
+            except StopAsyncIteration:
+                return None
+            self.node.end_holds(holder)
+            if not turns.gate.try_enter(turn.who):
+                await turns.gate.wait(turn.who)
+            turn.held = True
+            return message
         if not turns.gate.try_enter(turn.who):
             await turns.gate.wait(turn.who)
         turn.held = True
