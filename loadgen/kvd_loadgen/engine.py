@@ -28,6 +28,9 @@ from kvd_client import (
     pb,
 )
 
+# Items (requests named, updates) one Step message may hold: kvd's max_items_per_call default.
+MAX_ITEMS = 1024
+
 
 @dataclass(slots=True)
 class SimRequest:
@@ -76,6 +79,26 @@ class EngineStats:
     def tokens_per_s(self) -> float:
         span = self.ended - self.started
         return self.tokens / span if span > 0 else 0.0
+
+
+_SECTIONS = ("intents", "frees", "releases", "allocations", "read_all")
+
+
+def _split(step: pb.StepRequest) -> list[tuple[pb.StepRequest, dict[str, list[int]]]]:
+    """The step as messages of at most MAX_ITEMS items, its sections in order, each with
+    the step's index of every item by section."""
+    parts: list[tuple[pb.StepRequest, dict[str, list[int]]]] = []
+    part, where, n = pb.StepRequest(step_id=step.step_id), {s: [] for s in _SECTIONS}, 0
+    for section in _SECTIONS:
+        for i, item in enumerate(getattr(step, section)):
+            if n == MAX_ITEMS:
+                parts.append((part, where))
+                part, where, n = pb.StepRequest(), {s: [] for s in _SECTIONS}, 0
+            getattr(part, section).append(item)
+            where[section].append(i)
+            n += 1
+    parts.append((part, where))
+    return parts
 
 
 class Engine:
@@ -214,18 +237,31 @@ class Engine:
         return short
 
     async def _send(self, stream, step: pb.StepRequest) -> pb.StepResponse:
-        """One engine step: the message, then each chunk of a big request's blocks as a
-        message of its own. What a message hands out is held until the next, so a request
+        """One engine step: the message (several, past MAX_ITEMS items), then each chunk of a
+        big request's blocks as a message of its own. What a message hands out is held until the next, so a request
         streamed through a device share smaller than itself gives back each chunk before
         reading the next (read in one message, its chunks would all be held at once).
         Returns the replies merged: stalls added up, errors indexed as in `step`."""
         chunks = list(step.accesses)
-        if len(chunks) <= 1:
-            return await stream.send(step)
         main = pb.StepRequest()
         main.CopyFrom(step)
         del main.accesses[:]
-        reply = await stream.send(main)
+        parts = _split(main)
+        if len(chunks) <= 1 and len(parts) == 1:
+            return await stream.send(step)
+        # More items than a message may hold (kvd's max_items_per_call): the step's sections
+        # go in order over several messages. (This engine writes no bytes; a real engine
+        # keeps a step to one message, as what a message hands out is held until the next.)
+        reply = pb.StepResponse(step_id=step.step_id)
+        for part, where in parts:
+            got = await stream.send(part)
+            reply.stall_us += got.stall_us
+            reply.allocated.extend(got.allocated)
+            reply.relocated.extend(got.relocated)
+            reply.errors.extend(pb.StepError(section=e.section,
+                                             item_index=where[e.section][e.item_index],
+                                             code=e.code, message=e.message)
+                                for e in got.errors)
         for i, chunk in enumerate(chunks):
             part = await stream.send(pb.StepRequest(accesses=[chunk]))
             reply.stall_us += part.stall_us
