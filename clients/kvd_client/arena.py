@@ -60,6 +60,25 @@ class MappedPool:
                               "arena needs CuPy: pip install '<kvd checkout>[gpu]')")
         return pages[handle.page_index]
 
+    def write(self, handle: pb.PageHandle, data) -> None:
+        """Copy bytes (a uint8 numpy array, or bytes; at most a page) into the page a handle
+        names, in host or GPU memory alike."""
+        src = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray)) else data
+        page = self.page(handle)[:len(src)]
+        if isinstance(page, np.ndarray):
+            page[:] = src
+        else:  # host to GPU; in place when this returns, as kvd expects at the next call
+            import cupy
+
+            stream = cupy.cuda.get_current_stream()
+            page.set(np.ascontiguousarray(src, np.uint8), stream=stream)
+            stream.synchronize()
+
+    def read(self, handle: pb.PageHandle) -> np.ndarray:
+        """A copy, in host memory, of the page a handle names."""
+        page = self.page(handle)
+        return page.copy() if isinstance(page, np.ndarray) else page.get()
+
     def close(self) -> None:
         self.tiers.clear()
         if self._cuda_ptrs:

@@ -83,16 +83,17 @@ class Engine:
         req = self.requests[rid]
         for h in handles:
             req["blocks"][h.block_index] = req["blocks"].get(h.block_index, 0) + 1
-            self.maps[h.pool or req["pool"]].page(h)[:] = pattern(
-                rid, h.block_index, req["blocks"][h.block_index])
+            self.maps[h.pool or req["pool"]].write(h, pattern(
+                rid, h.block_index, req["blocks"][h.block_index]))
 
     def check(self, rid: str, handles) -> None:
         req = self.requests[rid]
         for h in handles:
-            page = self.maps[h.pool or req["pool"]].page(h)
+            mapped = self.maps[h.pool or req["pool"]]
+            page = mapped.read(h)
             if h.recompute:  # its bytes were dropped: zeros, and the engine recomputes
                 assert not page.any(), f"{rid}/{h.block_index}: a lost page held bytes"
-                page[:] = pattern(rid, h.block_index, req["blocks"][h.block_index])
+                mapped.write(h, pattern(rid, h.block_index, req["blocks"][h.block_index]))
                 continue
             want = pattern(rid, h.block_index, req["blocks"][h.block_index])
             assert np.array_equal(page, want), (

@@ -76,9 +76,9 @@ async def _write_blocks(client: AsyncClient, rid: str, num: int, seed: int) -> d
         rng = np.random.default_rng(seed)
         written = {}
         for h in handles:
-            page = mapped.page(h)
-            page[:] = rng.integers(0, 256, page.size, dtype=np.uint8)
-            written[h.block_index] = page.tobytes()
+            data = rng.integers(0, 256, mapped.page_bytes, dtype=np.uint8)
+            mapped.write(h, data)
+            written[h.block_index] = data.tobytes()
         return written
     finally:
         mapped.close()

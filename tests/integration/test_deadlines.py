@@ -24,10 +24,10 @@ async def test_a_deadline_mid_copy_leaves_nothing_half_done(tmp_path):
                 handles = (await client.allocate("victim", 12)).handles
                 digests = []
                 for h in handles:
-                    page = mapped.page(h)
-                    page[:] = np.random.default_rng(h.block_index).integers(0, 256, page.size,
-                                                                            dtype=np.uint8)
-                    digests.append(hashlib.sha256(page.tobytes()).hexdigest())
+                    data = np.random.default_rng(h.block_index).integers(
+                        0, 256, mapped.page_bytes, dtype=np.uint8)
+                    mapped.write(h, data)
+                    digests.append(hashlib.sha256(data.tobytes()).hexdigest())
                 await client.admit("pusher", 16 * 12)
                 await client.allocate("pusher", 12)  # the victim is now all on the host
                 hurried = AsyncClient(kvd.target, timeout_s=0.002)

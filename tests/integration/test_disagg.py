@@ -53,9 +53,9 @@ async def fill(client, mapped, request_id, num_blocks, seed):
     reply = await client.allocate(request_id, num_blocks)
     digests = []
     for h in reply.handles:
-        page = mapped.page(h)
-        page[:] = rng.integers(0, 256, PAGE, dtype=np.uint8)
-        digests.append(hashlib.sha256(page.tobytes()).hexdigest())
+        data = rng.integers(0, 256, PAGE, dtype=np.uint8)
+        mapped.write(h, data)
+        digests.append(hashlib.sha256(data.tobytes()).hexdigest())
     return digests
 
 

@@ -48,7 +48,7 @@ async def test_bytes_survive_demote_promote_cycles(client):
         digests = []
         for h in handles:
             data = rng.integers(0, 256, mapped.page_bytes, dtype=np.uint8)
-            mapped.page(h)[:] = data
+            mapped.write(h, data)
             digests.append(hashlib.sha256(data.tobytes()).hexdigest())
         await client.admit("pressure", prompt_tokens=128)
         await client.allocate("pressure", 8)

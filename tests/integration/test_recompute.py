@@ -32,9 +32,9 @@ async def test_dropped_block_comes_back_flagged_and_zeroed(tmp_path):
                 reply = await c.allocate("r", 2)
                 want = {}
                 for h in reply.handles:
-                    page = mapped.page(h)
-                    page[:] = np.full(page.size, 10 + h.block_index, dtype=np.uint8)
-                    want[h.block_index] = page.copy()
+                    want[h.block_index] = np.full(mapped.page_bytes, 10 + h.block_index,
+                                                  dtype=np.uint8)
+                    mapped.write(h, want[h.block_index])
                 await c.update_intents([intent_update("r", i, recompute_ok=True)
                                         for i in (0, 1)])
                 evicted = await c.evict(2)
@@ -48,10 +48,10 @@ async def test_dropped_block_comes_back_flagged_and_zeroed(tmp_path):
                 flags = {h.block_index: h.recompute for h in access.handles}
                 assert flags == {i: i in dropped for i in (0, 1)}
                 for h in access.handles:
-                    page = mapped.page(h)
+                    page = mapped.read(h)
                     if h.recompute:
                         assert not page.any(), "a lost block's page held another's bytes"
-                        page[:] = want[h.block_index]  # the engine recomputes it
+                        mapped.write(h, want[h.block_index])  # the engine recomputes it
                     else:
                         assert np.array_equal(page, want[h.block_index])
                 again = await c.access("r")  # said once: the engine has recomputed it

@@ -17,20 +17,23 @@ NS = "tiny|"
 KEYS = [hashlib.sha256(b"%d" % i).digest() for i in range(6)]
 
 
-def _fill(page: np.ndarray, key: bytes) -> None:
-    page[:] = np.frombuffer((key * (len(page) // len(key) + 1))[:len(page)], np.uint8)
+def _pattern(size: int, key: bytes) -> np.ndarray:
+    return np.frombuffer((key * (size // len(key) + 1))[:size], np.uint8)
 
 
-def _holds(page: np.ndarray, key: bytes) -> bool:
-    expected = np.frombuffer((key * (len(page) // len(key) + 1))[:len(page)], np.uint8)
-    return bool(np.array_equal(page, expected))
+def _fill(arena, handle, key: bytes) -> None:
+    arena.write(handle, _pattern(arena.page_bytes, key))
+
+
+def _holds(arena, handle, key: bytes) -> bool:
+    return bool(np.array_equal(arena.read(handle), _pattern(arena.page_bytes, key)))
 
 
 async def _store_and_write(client, arena, rid, keys):
     reply = await client.store(rid, NS, keys)
     for h, fresh, key in zip(reply.handles, reply.fresh, keys):
         if fresh:
-            _fill(arena.page(h), key)
+            _fill(arena, h, key)
     await client.commit(rid, NS, keys)
     return reply
 
@@ -46,7 +49,7 @@ async def test_a_prefix_written_by_one_tenant_is_loaded_intact_by_another(client
         assert found.num_hit == 4 and set(found.tiers) == {pb.TIER_DEVICE}
         loaded = await client.load("reader", NS, KEYS)
         assert len(loaded.handles) == 4
-        assert all(_holds(arena.page(h), k) for h, k in zip(loaded.handles, KEYS))
+        assert all(_holds(arena, h, k) for h, k in zip(loaded.handles, KEYS))
         # Both tenants use the four pages: each is charged half.
         tenants = {t.tenant: t for t in await client.list_tenants()}
         assert tenants["x"].charged_pages == pytest.approx(2)
@@ -74,7 +77,7 @@ async def test_a_prefix_written_by_one_tenant_is_loaded_intact_by_another(client
         await client.admit("late", prompt_tokens=16 * 6, tenant="y")
         loaded = await client.load("late", NS, KEYS)
         assert len(loaded.handles) == 6
-        assert all(_holds(arena.page(h), k) for h, k in zip(loaded.handles, KEYS))
+        assert all(_holds(arena, h, k) for h, k in zip(loaded.handles, KEYS))
         await client.release("late")
         await client.release("big")
     finally:

@@ -22,7 +22,7 @@ def _write(mapped, rng, data: dict, handles) -> None:
     for h in handles:
         data[h.request_id, h.block_index] = rng.integers(0, 256, mapped.page_bytes,
                                                          dtype=np.uint8)
-        mapped.page(h)[:] = data[h.request_id, h.block_index]
+        mapped.write(h, data[h.request_id, h.block_index])
 
 
 async def test_a_later_read_in_a_step_cannot_evict_a_request_the_step_answered(tmp_path):
@@ -63,7 +63,7 @@ async def _check(client, mapped):
             if rid in failed:
                 continue
             assert h.tier == pb.TIER_DEVICE, (rid, index)
-            assert np.array_equal(mapped.page(h), data[rid, index]), (
+            assert np.array_equal(mapped.read(h), data[rid, index]), (
                 f"{rid} block {index}: its page holds other bytes than the engine wrote")
         assert "small" not in failed
 
@@ -89,7 +89,7 @@ async def test_a_step_reading_more_than_the_device_holds_is_told_at_once(tmp_pat
                     told = {h.block_index: h for h in reply.relocated if h.request_id == "a"}
                     assert sorted(told) == list(range(6))
                     for index, h in told.items():  # read before the engine's next message
-                        assert np.array_equal(mapped.page(h), data["a", index]), index
+                        assert np.array_equal(mapped.read(h), data["a", index]), index
             finally:
                 mapped.close()
             assert (await client.self_check()).ok
@@ -126,7 +126,7 @@ async def test_two_engines_reading_past_the_device_at_once_both_get_answers(tmp_
                         for h in reply.relocated:
                             if h.request_id not in failed:
                                 read += 1
-                                assert np.array_equal(mapped.page(h),
+                                assert np.array_equal(mapped.read(h),
                                                       data[h.request_id, h.block_index])
                         await stream.step()  # gives the step's pages back
                         return read
@@ -164,7 +164,7 @@ async def test_a_request_a_step_answered_at_once_is_not_evicted_before_the_engin
                     if done:  # took x's pages: write there as an engine would
                         _write(mapped, rng, {}, grow.result().handles)
                     for index, h in told.items():  # the engine reads x before its next step
-                        assert np.array_equal(mapped.page(h), data["x", index]), (
+                        assert np.array_equal(mapped.read(h), data["x", index]), (
                             f"x block {index}: its page holds another engine's bytes")
                     await stream.step()  # x's pages are given back: y gets its room
                     y = await asyncio.wait_for(grow, 10)
