@@ -38,7 +38,7 @@ def make_arenas(pc: PoolConfig) -> dict[str, object]:
 
         device = CupyArena(pc.device_pages, page_bytes, device=pc.gpu)
         host = ShmArena(pc.host_pages, page_bytes, label=f"{pc.name}-host", backend="pinned-shm")
-        pin_host_arena(host.pages)
+        pin_host_arena(host)
     else:
         device = ShmArena(pc.device_pages, page_bytes, label=f"{pc.name}-dev",
                           backend="host-standin")

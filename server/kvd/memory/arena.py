@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Protocol
@@ -51,6 +52,7 @@ class ShmArena:
         name = f"kvd-{os.getpid()}-{label}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         self.pages = np.ndarray((num_pages, page_bytes), dtype=np.uint8, buffer=self._shm.buf)
+        self.on_close: list[Callable[[], None]] = []  # before the memory goes (unpinning)
 
     @property
     def shm_name(self) -> str:
@@ -64,6 +66,8 @@ class ShmArena:
         self.pages[page].fill(0)
 
     def close(self) -> None:
+        while self.on_close:
+            self.on_close.pop()()
         self.pages = None  # drop the view before closing the buffer under it
         self._shm.close()
         try:

@@ -50,12 +50,17 @@ class CupyArena:
         self._cupy.get_default_memory_pool().free_all_blocks()
 
 
-def pin_host_arena(host_pages) -> None:
-    """Page-lock a host arena's memory so device<->host copies run at full DMA speed."""
+def pin_host_arena(arena) -> None:
+    """Page-lock a host arena's memory so device<->host copies run at full DMA speed; the
+    arena's close() unlocks it (CUDA refuses to lock a range twice, and a later arena may be
+    mapped where this one was). An arena of no pages has nothing to lock."""
+    if not arena.num_pages:
+        return
     import cupy
 
-    ptr = host_pages.ctypes.data
-    cupy.cuda.runtime.hostRegister(ptr, host_pages.nbytes, 0)
+    ptr = arena.pages.ctypes.data
+    cupy.cuda.runtime.hostRegister(ptr, arena.pages.nbytes, 0)
+    arena.on_close.append(lambda: cupy.cuda.runtime.hostUnregister(ptr))
 
 
 def copy_device_host(src, src_pages, dst, dst_pages, stream) -> None:
