@@ -20,6 +20,7 @@ import msgpack
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd.memory.cuda import gpu_available
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
@@ -202,7 +203,8 @@ async def test_kvd_publishes_what_it_keeps_in_the_engines_event_format(tmp_path)
                     return res.blocks and set(res.blocks) == {hash_key(k) for k in keys[:held]}
 
                 await _until(held_as_published)
-                assert set(res.by_medium()) == {"CPU"}  # no GPU here
+                # The device tier's medium: GPU memory with CuPy on a GPU, else its stand-in.
+                assert set(res.by_medium()) == {"GPU" if gpu_available() else "CPU"}
                 # Another request's pages push the kept blocks out of both tiers.
                 admitted = await c.admit("big", prompt_tokens=16 * 8)
                 assert admitted.decision == pb.DECISION_ADMITTED, admitted

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvd.memory.cuda import gpu_available
 from kvd_client import Client
 
 KVCTL = str(Path(sys.executable).with_name("kvctl"))
@@ -32,7 +33,8 @@ def busy_kvd(kvd):
 def test_status_and_tenants_as_tables_and_json(busy_kvd):
     status = kvctl(busy_kvd.target, "status")
     assert status.returncode == 0, status.stderr
-    assert "host-standin" in status.stdout and "lru" in status.stdout
+    backend = "cupy" if gpu_available() else "host-standin"  # kvd's default: auto
+    assert backend in status.stdout and "lru" in status.stdout
     data = json.loads(kvctl(busy_kvd.target, "status", "--json").stdout)
     (pool,) = data["pools"]
     assert [t["used_pages"] for t in pool["tiers"]] == [8, 4]
