@@ -74,6 +74,25 @@ def check_shared_memory(config: Config, shm: str = "/dev/shm") -> None:
             "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory at /dev/shm)")
 
 
+def check_gpu_memory(config: Config) -> None:
+    """Device tiers in GPU memory: refuse to start, in one line, when a GPU has less free
+    memory than its pools' device tiers take (rather than build a page table for pages that
+    can never be allocated)."""
+    from kvd.memory.cuda import free_gpu_memory, gpu_available
+
+    gpu = any(p.device_backend == "auto" for p in config.pools) and gpu_available()
+    need: dict[int, int] = {}
+    for pool in config.pools:
+        if pool.device_backend == "cupy" or (pool.device_backend == "auto" and gpu):
+            need[pool.gpu] = need.get(pool.gpu, 0) + pool.device_pages * pool.resolved_page_bytes
+    for device, size in need.items():
+        free = free_gpu_memory(device)
+        if free is not None and size > free:
+            raise StartupError(
+                f"the pools' device tiers need {size / 2**20:.0f} MiB of GPU {device}'s memory "
+                f"but it has {free / 2**20:.0f} MiB free; make device_pages smaller")
+
+
 class _Health(health.aio.HealthServicer):
     """grpc's health service, whose Watch streams end at a drain as kvd's own do."""
 
@@ -114,6 +133,7 @@ class Daemon:
         sys.setswitchinterval(self.config.switch_interval_s)
         loop = asyncio.get_running_loop()
         check_shared_memory(self.config)
+        check_gpu_memory(self.config)
         # Arena allocation can take a while for large pools: keep the loop free.
         try:
             self.node = await loop.run_in_executor(None, Node, self.config)

@@ -88,9 +88,10 @@ def test_start_up_failures_are_one_line_and_exit_2(tmp_path):
                  "device_backend=cupy but no GPU")
     one_line(kvd("--socket", "k.sock", "--metrics", "127.0.0.1:99999", tmp_path=tmp_path),
              "not HOST:PORT")
-    # More shared memory than /dev/shm has: refused before a page is mapped.
+    # More memory than the device tier's home has (/dev/shm, or the GPU with CuPy): refused
+    # before a page is mapped.
     one_line(kvd("--socket", "k.sock", "--device-pages", str(2**31), tmp_path=tmp_path),
-             "of shared memory but /dev/shm has")
+             "of GPU 0's memory" if gpu_available() else "of shared memory but /dev/shm has")
     assert not left_behind()
 
 

@@ -18,6 +18,17 @@ def gpu_available() -> bool:
         return False
 
 
+def free_gpu_memory(device: int) -> int | None:
+    """Bytes of free memory on a GPU; None where it cannot be asked (no such GPU, no CuPy)."""
+    try:
+        import cupy
+
+        with cupy.cuda.Device(device):
+            return int(cupy.cuda.runtime.memGetInfo()[0])
+    except Exception:  # ImportError, CUDARuntimeError: the allocation itself will tell
+        return None
+
+
 class CupyArena:
     """Device pages allocated with cupy.empty on one GPU; exported as a CUDA IPC handle."""
 
