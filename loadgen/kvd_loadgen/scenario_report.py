@@ -172,7 +172,11 @@ def draw_utilisation(runs: dict[str, list[dict]], link_of: Callable[[str], str],
         ax.set_ylabel("link utilisation (% of capacity)")
         ax.set_ylim(0, 120)
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:  # no run moved anything over the link
+            ax.text(0.5, 0.5, "nothing crossed the link", transform=ax.transAxes,
+                    ha="center", va="center")
         return fig
     return draw
 

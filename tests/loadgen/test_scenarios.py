@@ -9,7 +9,12 @@ import os
 import pytest
 
 from kvd_loadgen import bandwidth_hog, disagg
-from kvd_loadgen.scenario_report import ScenarioReport, finish, utilisation_series
+from kvd_loadgen.scenario_report import (
+    ScenarioReport,
+    draw_utilisation,
+    finish,
+    utilisation_series,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -86,6 +91,24 @@ def test_scenario_report_writes_what_it_prints(tmp_path, capsys):
                                                               "measured": "3 vs 2"}
     text = assert_report(tmp_path / "rep", "A title")
     assert "| a target | **no** | 3 vs 2 |" in text and "| 1 | two |" in text
+
+
+def test_a_utilisation_plot_of_runs_that_moved_nothing_says_so(tmp_path):
+    """A run whose link carried nothing (a small trace that fit the device) gets a plot that
+    says so, not matplotlib's warning about a legend with nothing in it."""
+    import warnings
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    samples = [{"t": 0.0, "links": {}}, {"t": 1.0, "links": {}}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = draw_utilisation({"fair": samples}, lambda name: "l", "link")(pyplot)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["nothing crossed the link"]
+    pyplot.close(fig)
 
 
 def test_utilisation_series():
