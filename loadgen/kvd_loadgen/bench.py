@@ -206,17 +206,27 @@ async def _unary_pairs(client, kvd_pid: int, echo_pid: int, echo_unary, n: int,
         side[f"{name}_server_cpu_us"] = k["server_cpu_us"]
 
 
-def bench_copies(page_bytes: int = 2 * 2**20, num_pages: int = 128, repeats: int = 5) -> dict:
+def bench_copies(page_bytes: int = 2 * 2**20, num_pages: int = 128, repeats: int = 5,
+                 gpu: bool = False) -> dict:
     """kvd's page copier on a plan of page moves against one numpy.copyto of the same bytes:
     once with the pages a request's blocks usually get (consecutive runs, coalesced), once
-    scattered at random (the worst case: one copy per page)."""
+    scattered at random (the worst case: one copy per page). With `gpu`, the device tier is
+    GPU memory (CuPy) and the host tier page-locked, as kvd runs on a GPU, and the baseline
+    is one device-to-host copy of the same bytes (`numpy_copyto_gbps` then names it)."""
     from kvd.core.blocks import Block, Request, RequestState, TierKind
     from kvd.core.transfer import Move, MoveKind, TransferPlan
     from kvd.memory.arena import ShmArena
     from kvd.memory.copier import PageCopier
 
-    device = ShmArena(num_pages, page_bytes, label="bench-dev", backend="host-standin")
-    host = ShmArena(num_pages, page_bytes, label="bench-host")
+    if gpu:
+        from kvd.memory.cuda import CupyArena, pin_host_arena
+
+        device = CupyArena(num_pages, page_bytes)
+        host = ShmArena(num_pages, page_bytes, label="bench-host", backend="pinned-shm")
+        pin_host_arena(host)
+    else:
+        device = ShmArena(num_pages, page_bytes, label="bench-dev", backend="host-standin")
+        host = ShmArena(num_pages, page_bytes, label="bench-host")
     try:
         device.pages[:] = 7
         host.pages[:] = 1
@@ -240,7 +250,10 @@ def bench_copies(page_bytes: int = 2 * 2**20, num_pages: int = 128, repeats: int
                 copier.copy_plan(plan)
                 best[name] = min(best[name], time.perf_counter() - t0)
             t0 = time.perf_counter()
-            np.copyto(host.pages, device.pages)
+            if gpu:
+                device.pages.get(out=host.pages)  # one copy of every byte, device to host
+            else:
+                np.copyto(host.pages, device.pages)
             best["numpy"] = min(best["numpy"], time.perf_counter() - t0)
         assert (host.pages == 7).all()
         total = num_pages * page_bytes
@@ -437,6 +450,10 @@ def run_bench(args) -> int:
     results.update(split_runs(runs), rounds=rounds)
     with console.status("tier copies"):
         results["copies"] = bench_copies(num_pages=32 if quick else 128)
+        from kvd.memory.cuda import gpu_available
+
+        if gpu_available():  # the same on a GPU: a device tier in GPU memory
+            results["copies_gpu"] = bench_copies(num_pages=32 if quick else 128, gpu=True)
     with console.status("victim selection"):
         results["victims_us"] = bench_victims(
             sizes=(10_000, 100_000) if quick else (10_000, 1_000_000),

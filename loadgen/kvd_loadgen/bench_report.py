@@ -94,6 +94,12 @@ def print_tables(results: dict, console: Console) -> None:
         ("kvd page copies GB/s (scattered pages)", f"{c['kvd_copy_scattered_gbps']:.2f}"),
         ("numpy.copyto GB/s", f"{c['numpy_copyto_gbps']:.2f}"),
     ]
+    g = results.get("copies_gpu")
+    if g:
+        rows += [("GPU: kvd page copies GB/s, device to host (page runs / scattered)",
+                  f"{g['kvd_copy_gbps']:.2f} / {g['kvd_copy_scattered_gbps']:.2f}"),
+                 ("GPU: one device-to-host copy of the same bytes GB/s",
+                  f"{g['numpy_copyto_gbps']:.2f}")]
     rows += [(f"victim selection us/victim: {key}", f"{val:.2f}")
              for key, val in results["victims_us"].items()]
     for label, value in rows:
@@ -225,6 +231,11 @@ def results_markdown(results: dict) -> str:
               f"| page copies GB/s (runs / scattered) vs numpy.copyto | "
               f"{c['kvd_copy_gbps']:.2f} / {c['kvd_copy_scattered_gbps']:.2f} vs "
               f"{c['numpy_copyto_gbps']:.2f} |"]
+    g = results.get("copies_gpu")
+    if g:
+        lines.append(f"| GPU: page copies GB/s device to host (runs / scattered) vs one copy "
+                     f"of the same bytes | {g['kvd_copy_gbps']:.2f} / "
+                     f"{g['kvd_copy_scattered_gbps']:.2f} vs {g['numpy_copyto_gbps']:.2f} |")
     lines += [f"| victim selection µs: {key} | {val:.2f} |"
               for key, val in results["victims_us"].items()]
     if results.get("engines"):
