@@ -237,18 +237,20 @@ class Engine:
         return short
 
     async def _send(self, stream, step: pb.StepRequest) -> pb.StepResponse:
-        """One engine step: the message (several, past MAX_ITEMS items), then each chunk of a
-        big request's blocks as a message of its own. What a message hands out is held until the next, so a request
-        streamed through a device share smaller than itself gives back each chunk before
-        reading the next (read in one message, its chunks would all be held at once).
-        Returns the replies merged: stalls added up, errors indexed as in `step`."""
+        """One engine step: the message (several, past MAX_ITEMS items), then each chunk of
+        a big request's blocks as a message of its own. What a message hands out is held
+        until the next, so a request streamed through a device share smaller than itself
+        gives back each chunk before reading the next (read in one message, its chunks would
+        all be held at once). Returns the replies merged: stalls added up, errors indexed as
+        in `step`."""
         chunks = list(step.accesses)
+        items = sum(len(getattr(step, section)) for section in _SECTIONS)
+        if len(chunks) <= 1 and items + len(chunks) <= MAX_ITEMS:
+            return await stream.send(step)  # the common step: no copy, no split
         main = pb.StepRequest()
         main.CopyFrom(step)
         del main.accesses[:]
-        parts = _split(main)
-        if len(chunks) <= 1 and len(parts) == 1:
-            return await stream.send(step)
+        parts = _split(main) if items > MAX_ITEMS else [(main, None)]
         # More items than a message may hold (kvd's max_items_per_call): the step's sections
         # go in order over several messages. (This engine writes no bytes; a real engine
         # keeps a step to one message, as what a message hands out is held until the next.)
@@ -258,10 +260,9 @@ class Engine:
             reply.stall_us += got.stall_us
             reply.allocated.extend(got.allocated)
             reply.relocated.extend(got.relocated)
-            reply.errors.extend(pb.StepError(section=e.section,
-                                             item_index=where[e.section][e.item_index],
-                                             code=e.code, message=e.message)
-                                for e in got.errors)
+            reply.errors.extend(e if where is None else pb.StepError(
+                section=e.section, item_index=where[e.section][e.item_index], code=e.code,
+                message=e.message) for e in got.errors)
         for i, chunk in enumerate(chunks):
             part = await stream.send(pb.StepRequest(accesses=[chunk]))
             reply.stall_us += part.stall_us

@@ -50,6 +50,12 @@ class _Turn:
         self.who = who
         self.held = False
 
+    async def take(self) -> None:
+        """Take one of the tenant's turns, waiting for it if they are all taken."""
+        if not self.turns.gate.try_enter(self.who):
+            await self.turns.gate.wait(self.who)
+        self.held = True
+
     def leave(self) -> None:
         if self.held:
             self.held = False
@@ -145,13 +151,9 @@ class StepStreams:
             except StopAsyncIteration:
                 return None
             self.node.end_holds(holder)
-            if not turns.gate.try_enter(turn.who):
-                await turns.gate.wait(turn.who)
-            turn.held = True
+            await turn.take()
             return message
-        if not turns.gate.try_enter(turn.who):
-            await turns.gate.wait(turn.who)
-        turn.held = True
+        await turn.take()
         read = asyncio.ensure_future(messages.__anext__())
         timer = asyncio.get_running_loop().call_later(turns.IDLE_S, turn.leave)
         try:
