@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from kvd_client import (
@@ -165,3 +166,30 @@ def test_step_ids_are_its_only_strings():
     assert sorted(strings(pb.StepRequest.DESCRIPTOR)) == sorted(
         ["read_all", "intents.request_id", "frees.request_id", "releases.request_id",
          "allocations.request_id", "accesses.request_id"])
+
+
+async def test_a_stream_checks_each_message_that_differs_from_the_last_it_passed(client):
+    """A Step stream passes a message equal to the last it checked (but for its step_id)
+    without checking it again; anything else is checked: an id over the bound, and bytes
+    that do not parse even where all but their step_id equal the last message's."""
+    await client.admit("r", 32)
+    await client.allocate("r", 1)
+    call = client.channel.stream_stream("/kvd.v1.Memory/Step", request_serializer=None,
+                                        response_deserializer=pb.StepResponse.FromString)()
+    good = pb.StepRequest(step_id=1, read_all=["r"] * 40).SerializeToString()
+    for step_id in (1, 2, 300):
+        message = pb.StepRequest(step_id=step_id, read_all=["r"] * 40).SerializeToString()
+        await call.write(message)
+        reply = await call.read()
+        assert reply.step_id == step_id and not reply.errors
+    # The same bytes after field 1, but field 1 an eleven-byte varint: not a message.
+    await call.write(b"\x08" + b"\x81" * 10 + b"\x01" + good[2:])
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await call.read()
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    async with client.step_stream() as stream:
+        await stream.step(read_all=["r"])
+        with pytest.raises(InvalidArgumentError, match="longer than"):
+            await stream.step(read_all=["r", "x" * 257])
+    assert await client.health() == "SERVING"
+    assert len((await client.access("r", [0])).handles) == 1
