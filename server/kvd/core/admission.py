@@ -119,6 +119,8 @@ class Admission:
         share among the tenants waiting (itself included), so one tenant's flood of requests
         waiting on its own limit never shuts another out. The queue as a whole stays within
         twice max_queue."""
+        if not self.queue:  # nobody waits: a share of at least one entry is free
+            return
         mine, share = self.tenancy.queue_share(tenant, self.max_queue)
         if mine >= share or len(self.queue) >= 2 * self.max_queue:
             raise ResourceExhausted(

@@ -76,11 +76,12 @@ class Authenticator:
                     raise Unauthenticated("authorization metadata must be 'Bearer <token>'")
             elif key == LEASE_METADATA:
                 lease = value[:128]
-        tenant, admin = self._who(token, context)
+        peer = context.peer() or ""
+        tenant, admin = self._who(token, peer)
         if not lease and not admin:
             # No lease named: the connection is the lease, so what a client that never says
             # who it is admits is still released when it goes quiet.
-            lease = f"peer:{context.peer() or '?'}"
+            lease = f"peer:{peer or '?'}"
         if lease:
             # A lease belongs to its tenant: another tenant naming the same id gets a lease
             # of its own, and cannot keep this one's requests alive.
@@ -89,10 +90,10 @@ class Authenticator:
             self.leases.renew(lease, tenant)
         return Caller(tenant, admin, lease)
 
-    def _who(self, token: str, context) -> tuple[str, bool]:
-        """(tenant, admin?) of the caller."""
+    def _who(self, token: str, peer: str) -> tuple[str, bool]:
+        """(tenant, admin?) of the caller, calling from `peer` (its address)."""
         if token:
-            if not self._plaintext_tokens_ok and not (context.peer() or "").startswith("unix:"):
+            if not self._plaintext_tokens_ok and not peer.startswith("unix:"):
                 raise Unauthenticated(
                     "bearer tokens over plaintext TCP are refused (they would travel in "
                     "clear): kvd needs tls_cert and tls_key, or allow_plaintext_tokens = true")
@@ -102,7 +103,7 @@ class Authenticator:
                 if hmac.compare_digest(token, known):
                     return tenant, False
             raise Unauthenticated("unknown bearer token")
-        if (context.peer() or "").startswith("unix:"):
+        if peer.startswith("unix:"):
             if self._unix_tenant or self._unix_admin:
                 return self._unix_tenant, self._unix_admin
             raise Unauthenticated("this kvd wants a bearer token on the unix socket too")
