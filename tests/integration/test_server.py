@@ -71,6 +71,26 @@ async def test_a_drain_ends_open_streams_at_once_saying_kvd_is_draining(tmp_path
         kvd.stop()
 
 
+async def test_a_step_sent_to_a_stream_idle_when_the_drain_began_is_told_kvd_is_draining(
+        tmp_path):
+    """An idle Step stream is told at its next message: ended under a client writing one,
+    the client would see grpc's INTERNAL "Internal error from Core" (not retried) instead
+    of UNAVAILABLE "kvd is draining" (retried once kvd is back)."""
+    kvd = LocalKvd(*SMALL, "--grace-s", "30", workdir=tmp_path).start()
+    try:
+        async with AsyncClient(kvd.target) as client:
+            await client.admit("r", 64)
+            async with client.step_stream() as stream:
+                await stream.step(allocations=[("r", 4)])
+                kvd.proc.send_signal(signal.SIGTERM)
+                time.sleep(0.5)  # the engine computes; its loop has not looked at kvd since
+                with pytest.raises(DrainingError, match="kvd is draining"):
+                    await asyncio.wait_for(stream.step(accesses=[("r", None)]), 10)
+            assert await asyncio.to_thread(kvd.proc.wait, 20) == 0
+    finally:
+        kvd.stop()
+
+
 async def test_a_step_being_served_when_the_drain_starts_gets_its_reply(tmp_path):
     """A Step message kvd is serving finishes and is answered; the stream ends after it."""
     kvd = slow_link_kvd(tmp_path, "--grace-s", "30").start()

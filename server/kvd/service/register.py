@@ -43,11 +43,19 @@ class OpenStreams:
     draining" (their handlers' own clean-up runs as for a client that went away); unary calls
     in flight finish."""
 
+    # A Step stream waiting for its next message when the drain begins is told at that
+    # message (an engine in step sends it at once), or after this long without one.
+    LAST_READ_S = 1.0
+
     def __init__(self) -> None:
         self.tasks: set[asyncio.Task] = set()
         # Streams in the middle of a message (a Step being served): drain() lets each finish
         # it and reply; the stream ends when it looks for its next message.
         self.working: set[asyncio.Task] = set()
+        # Streams a drain ends at their next message (Step): ended while its client writes
+        # one, a stream's client sees grpc's INTERNAL "Internal error from Core", which its
+        # retry policy does not retry, instead of UNAVAILABLE "kvd is draining".
+        self.told_at_next: set[asyncio.Task] = set()
         self.draining = False
 
     def serve(self, handler):
@@ -72,9 +80,17 @@ class OpenStreams:
         """End every open stream (those working, after their message); how many there
         were."""
         self.draining = True
+        loop = asyncio.get_running_loop()
         for task in self.tasks - self.working:
-            task.cancel()
+            if task in self.told_at_next:
+                loop.call_later(self.LAST_READ_S, self._end_if_idle, task)
+            else:
+                task.cancel()
         return len(self.tasks)
+
+    def _end_if_idle(self, task: asyncio.Task) -> None:
+        if not task.done() and task not in self.working:
+            task.cancel()
 
 
 class Malformed:

@@ -35,10 +35,6 @@ _READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
 _SECTIONS = frozenset({_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES})
 
 
-# A stream that was serving a message when the drain began waits this long for its next.
-DRAIN_LAST_READ_S = 1.0
-
-
 class _Turn:
     """A tenant's turn at the loop, held by one stream while tenants compete: a tenant's only
     active stream reads at once; one among several waits its turn."""
@@ -94,8 +90,11 @@ class StepStreams:
         # The last message that passed the checks, without its step_id, and its read_all: an
         # engine's steps that read the same batch differ in nothing else, and pass alike.
         checked = checked_read_all = None
+        streams.told_at_next.add(task)
         try:
             while (message := await self._next(messages, caller, turn, holder)) is not None:
+                if streams.draining:  # told now: its client has written the message
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
                 streams.working.add(task)  # a drain lets this message finish
                 data, step = message
                 key = None if type(step) is Malformed else _reads_key(data)
@@ -129,9 +128,10 @@ class StepStreams:
                     # sends at once: ended while it writes, its client would see grpc's
                     # "Internal error from Core" instead.
                     with contextlib.suppress(asyncio.TimeoutError, StopAsyncIteration):
-                        await asyncio.wait_for(messages.__anext__(), DRAIN_LAST_READ_S)
+                        await asyncio.wait_for(messages.__anext__(), streams.LAST_READ_S)
                     await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         finally:
+            streams.told_at_next.discard(task)
             streams.working.discard(task)
             turn.leave()
             node.end_holds(holder)
