@@ -334,6 +334,8 @@ async def _example(kvd, operations, policy: str) -> list[int]:
             mapped.close()
 
 
+# The suite's 120 s per test is for its default examples; `make soak` runs many more.
+@pytest.mark.timeout(max(120, EXAMPLES // 2))
 def test_random_steps_of_two_engines_lose_no_byte_under_every_policy(step_kvd):
     checked = []
     loop = asyncio.new_event_loop()  # one loop for every example: grpc.aio keeps to it
