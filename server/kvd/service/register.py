@@ -77,8 +77,8 @@ class OpenStreams:
         return served
 
     def drain(self) -> int:
-        """End every open stream (those working, after their message); how many there
-        were."""
+        """End every open stream (those working, after their message; idle Step streams, at
+        their next message or LAST_READ_S from now); how many there were."""
         self.draining = True
         loop = asyncio.get_running_loop()
         for task in self.tasks - self.working:
