@@ -218,6 +218,10 @@ OPERATION = st.tuples(st.integers(0, 1), st.integers(0, 3),
                       st.lists(st.integers(0, 2**16), min_size=24, max_size=24))
 
 
+def _others(engine: Engine, engines: list[Engine]) -> list[Engine]:
+    return [e for e in engines if e is not engine]
+
+
 async def _served(engine: Engine, others: list[Engine]) -> None:
     """The engine's step in flight answered: at once, or once the other engines (whose
     holds it may wait for) send their next messages; never later than STUCK_S."""
@@ -286,7 +290,6 @@ async def _example(kvd, operations, policy: str) -> list[int]:
             made = 0
             for which, kind, choices in operations:
                 engine = engines[which]
-                others = [e for e in engines if e is not engine]
                 if kind == 3 and choices[0] % 2:
                     # The operator evicts: never a page an engine was handed and has not
                     # given back (its next step would find another engine's bytes there).
@@ -302,21 +305,21 @@ async def _example(kvd, operations, policy: str) -> list[int]:
                     elif reply.decision == pb.DECISION_QUEUED:
                         await engine.client.release(rid)
                     continue
-                await _served(engine, others)
+                await _served(engine, _others(engine, engines))
                 await engine.send(engine.step(choices))
                 check = await admin.self_check()
                 assert check.ok, list(check.problems)
             # Last, each engine reads every block it has, then releases its requests.
             for engine in engines:
-                await _served(engine, [e for e in engines if e is not engine])
+                await _served(engine, _others(engine, engines))
             for engine in engines:
                 for rid in sorted(engine.blocks):
                     await engine.send(pb.StepRequest(accesses=[
                         pb.AccessRequest(request_id=rid, all_blocks=True)]))
-                    await _served(engine, [e for e in engines if e is not engine])
+                    await _served(engine, _others(engine, engines))
                 await engine.send(pb.StepRequest(releases=[
                     pb.ReleaseRequest(request_id=rid) for rid in sorted(engine.blocks)]))
-                await _served(engine, [e for e in engines if e is not engine])
+                await _served(engine, _others(engine, engines))
                 assert not engine.blocks, (engine.name, sorted(engine.blocks))
             check = await admin.self_check()
             assert check.ok, list(check.problems)
