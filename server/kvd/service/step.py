@@ -147,8 +147,7 @@ class StepStreams:
         (A stream waiting for its turn with its holds still on can hold the very pages the
         stream that has the turn waits for, and neither goes on until the holds lapse.)"""
         turns = self.turns
-        if caller.admin or not (turns.contended(turn.who, time.monotonic())
-                                and turns.gate.busy(turn.who)):
+        if caller.admin or not turns.contended(turn.who, time.monotonic()):
             try:
                 return await messages.__anext__()
             except StopAsyncIteration:
