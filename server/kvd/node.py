@@ -271,10 +271,6 @@ class Node:
                 rt.waiters.notify()
                 publish_admitted(self.events, rt.pool.name, admitted)
 
-    def room_wanted(self) -> bool:
-        """Whether some operation waits in line for device room in some pool."""
-        return any(rt.room_line for rt in self.pools.values())
-
     def lapse_holds(self, max_age_s: float) -> int:
         """End holds older than max_age_s (a holder that never calls again): liveness over
         the engine's claim on a page it was handed long ago."""

@@ -1,6 +1,7 @@
 """A tenant's Step streams take turns at kvd's loop while another tenant steps: one of its
-streams reads its next message while the others wait, whatever else the tenant has in flight.
-In-process (a Node, kvd's StepStreams), so the order is seen, not timed."""
+streams' steps is served while the others wait, whatever else the tenant has in flight, and
+a stream waiting for its engine's next message holds no turn. In-process (a Node, kvd's
+StepStreams), so the order is seen, not timed."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ async def test_a_tenants_streams_take_turns_while_another_tenant_steps():
         flooder = Caller(tenant="flood", admin=False)
         assert turns.contended("victim", time.monotonic()) is False  # the victim stepped
         first, second = _Turn(turns, "flood"), _Turn(turns, "flood")
-        # The flooder's first stream reads at once: the tenant has a turn free.
+        # The flooder's first stream goes on at once: the tenant has a turn free.
         assert await streams._next(_messages(1).__aiter__(), flooder, first, "h1") is not None
         # Its second stream has a message ready too, but waits while the first has the turn,
         # though the tenant has no unary call in flight.
@@ -42,7 +43,7 @@ async def test_a_tenants_streams_take_turns_while_another_tenant_steps():
         first.leave()  # the first stream's reply is written
         assert await asyncio.wait_for(waiting, 1) is not None
         second.leave()
-        # The victim, a tenant with one stream, reads at once whenever it steps.
+        # The victim, a tenant with one stream, goes on at once whenever it steps.
         victim = _Turn(turns, "victim")
         assert await asyncio.wait_for(streams._next(
             _messages(1).__aiter__(), Caller(tenant="victim", admin=False), victim, "h3"),
@@ -65,5 +66,52 @@ async def test_a_tenant_alone_is_not_gated():
         # No other tenant steps: all four streams read at once, none holding a turn.
         assert all(m is not None for m in await asyncio.wait_for(asyncio.gather(*read), 1))
         assert not turns.gate.busy("only")
+    finally:
+        await node.aclose()
+
+
+class _Inbox:
+    """A stream's messages as its engine sends them (put), one awaited at a time."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, step_id: int) -> None:
+        step = pb.StepRequest(step_id=step_id, read_all=["r"])
+        self.queue.put_nowait((step.SerializeToString(), step))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.queue.get()
+
+
+async def test_a_stream_waiting_for_its_next_message_holds_no_turn():
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    try:
+        turns = StepTurns(1)
+        streams = StepStreams(node, None, turns, CallLimits(1024, 65536), OpenStreams())
+        caller = Caller(tenant="a", admin=False)
+        turns.contended("b", time.monotonic())  # another tenant steps
+        quiet_inbox, quiet = _Inbox(), _Turn(turns, "a")
+        # The quiet stream waits for its engine's next step.
+        waiting = asyncio.ensure_future(streams._next(quiet_inbox, caller, quiet, "h1"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        # A busy stream of the same tenant has its message: it takes the turn at once.
+        busy_inbox, busy = _Inbox(), _Turn(turns, "a")
+        busy_inbox.put(1)
+        assert await asyncio.wait_for(streams._next(busy_inbox, caller, busy, "h2"), 1)
+        assert busy.held and not quiet.held
+        # The quiet stream's message comes while the busy one has the turn: it waits.
+        quiet_inbox.put(1)
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        busy.leave()
+        assert await asyncio.wait_for(waiting, 1) is not None and quiet.held
+        quiet.leave()
+        assert not turns.gate.busy("a")
     finally:
         await node.aclose()

@@ -72,18 +72,17 @@ class CallGate:
 class StepTurns:
     """Turns at kvd's loop for Step streams while tenants compete.
 
-    A Step message costs kvd's one event loop the same whether it is read for a victim or
-    for a flood: the loop reads messages in arrival order, so a tenant with 64 streams
-    sending as fast as they can puts 64 messages ahead of another tenant's every step. The
-    only lever is when kvd reads. While another tenant has stepped within WINDOW_S, a
-    stream takes one of its tenant's turns (`per_tenant` times the tenant's weight, at
-    least 1) before it reads its next message and gives it back once the reply is written;
-    a stream with nothing to send within IDLE_S gives its turn back while it waits. A
-    tenant alone is never gated.
+    A Step message costs kvd's one event loop the same whether it is served for a victim
+    or for a flood: the loop serves messages in arrival order, so a tenant with 64 streams
+    sending as fast as they can puts 64 steps ahead of another tenant's every step. While
+    another tenant has stepped within WINDOW_S, a stream that has read its next message
+    takes one of its tenant's turns (`per_tenant` times the tenant's weight, at least 1)
+    before the step is served, and gives it back once the reply is written: the flood's
+    steps wait in its own line, and another tenant's step waits for at most the turns in
+    progress. A tenant alone is never gated.
     """
 
     WINDOW_S = 0.05
-    IDLE_S = 0.002
 
     def __init__(self, per_tenant: int) -> None:
         self.gate = CallGate(per_tenant)

@@ -37,7 +37,7 @@ _SECTIONS = frozenset({_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES})
 
 class _Turn:
     """A tenant's turn at the loop, held by one stream while tenants compete: a tenant's only
-    active stream reads at once; one among several waits its turn."""
+    active stream goes on at once; one among several waits its turn."""
 
     __slots__ = ("turns", "who", "held")
 
@@ -138,38 +138,23 @@ class StepStreams:
             node.leases.stream_closed(caller.lease)
 
     async def _next(self, messages, caller: Caller, turn: _Turn, holder: str):
-        """The stream's next (bytes, message), or None at its end; taken in the tenant's
-        turn while tenants compete (a turn that stays idle goes to another stream).
+        """The stream's next (bytes, message), or None at its end; while tenants compete,
+        returned in one of the tenant's turns (see StepTurns).
 
-        While some operation waits for device room, the message is read first and ends the
-        holds of the last before the stream waits for its turn: those holds may be the
-        room, and the engine has read what it was handed once it sends its next message.
-        (A stream waiting for its turn with its holds still on can hold the very pages the
-        stream that has the turn waits for, and neither goes on until the holds lapse.)"""
-        turns = self.turns
-        if caller.admin or not turns.contended(turn.who, time.monotonic()):
-            try:
-                return await messages.__anext__()
-            except StopAsyncIteration:
-                return None
-        if self.node.room_wanted():
-            try:
-                message = await messages.__anext__()
-            except StopAsyncIteration:
-                return None
-            self.node.end_holds(holder)
-            await turn.take()
-            return message
-        await turn.take()
-        read = asyncio.ensure_future(messages.__anext__())
-        timer = asyncio.get_running_loop().call_later(turns.IDLE_S, turn.leave)
+        The message is read before the turn is taken, and ends the holds of the last
+        before the stream waits for its turn: those holds may be the device room the
+        stream that has the turn waits for, and the engine has read what it was handed
+        once it sends its next message. (A turn taken before the read would be held while
+        the engine computes its next step, and a tenant's streams would queue for turns
+        they cannot use yet.)"""
         try:
-            return await read
+            message = await messages.__anext__()
         except StopAsyncIteration:
             return None
-        finally:
-            timer.cancel()
-            read.cancel()
+        if not caller.admin and self.turns.contended(turn.who, time.monotonic()):
+            self.node.end_holds(holder)
+            await turn.take()
+        return message
 
     def _check(self, data: bytes, step
                ) -> tuple[tuple[grpc.StatusCode, str] | None, list[str] | None]:
