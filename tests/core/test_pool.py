@@ -515,6 +515,69 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
         before[1] - base[1] == expected[1])
 
 
+def _not_readable(pool, rids):
+    """The requests a read must not answer at once: some live block off the device tier or
+    moving (what the checks the answers skip would find)."""
+    return [rid for rid in rids
+            if any(b.tier is not TierKind.DEVICE or b.moving
+                   for b in pool.requests[rid].live_blocks())]
+
+
+def test_a_read_answered_before_follows_blocks_added_freed_and_moved(make_pool):
+    """An engine's steps read the same batch while they grow and free its requests: the
+    answer kept for the batch must count the blocks as they are, and must not be given once
+    a block of the batch has left the device tier, even by an eviction inside an allocation
+    (which, unlike the pool's other methods, forgets no answer)."""
+    pool = make_pool(device_pages=6, host_pages=8, policy="lru")
+    for rid in ("a", "b", "c"):
+        pool.admit(rid, tenant="t", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    settle(pool, pool.allocate("b", 2))
+    batch = ["a", "b"]
+
+    def read() -> int:
+        """Read the batch; the blocks it counted."""
+        before = pool.counters.num_accesses
+        assert pool.read_all(batch)[:2] == ([], [])
+        pool.record_reads()
+        return pool.counters.num_accesses - before
+
+    assert read() == 4
+    assert read() == 4  # answered from the answer kept
+    settle(pool, pool.allocate("a", 1))  # a block added: counted
+    assert read() == 5
+    pool.free("b", [0])  # a block freed: not counted
+    assert read() == 4
+    settle(pool, pool.update_intents([IntentChange("a", 2, {"phase": Phase.DECODE})]))
+    critical = pool.counters.num_decode_critical_accesses
+    assert read() == 4
+    assert pool.counters.num_decode_critical_accesses == critical + 1  # now decode-critical
+    # c's three blocks need a page that only an eviction frees: a block of the batch (the
+    # least recently read) leaves the device tier from inside allocate().
+    plan = pool.allocate("c", 3)
+    gone = _not_readable(pool, batch)
+    assert gone  # the eviction took one of the batch's blocks
+    assert pool.read_all(batch)[0] == gone  # in transit: the general path
+    settle(pool, plan)
+    assert pool.read_all(batch)[0] == _not_readable(pool, batch) == gone  # on the host now
+
+
+def test_a_new_block_still_being_placed_is_not_answered_at_once(make_pool):
+    """A block allocated into a page whose victim is still being copied out is moving: a
+    read of its request waits on the general path, though the request was answered before."""
+    pool = make_pool(device_pages=4, host_pages=8, policy="lru")
+    for rid in ("a", "b"):
+        pool.admit(rid, tenant="t", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("a", 2))
+    settle(pool, pool.allocate("b", 2))
+    assert pool.read_all(["b"])[:2] == ([], [])
+    plan = pool.allocate("b", 1)  # the device is full: a's oldest block makes room
+    assert plan.demotions and plan.allocated[0].moving
+    assert pool.read_all(["b"])[0] == ["b"]
+    settle(pool, plan)
+    assert pool.read_all(["b"])[:2] == ([], [])
+
+
 def test_a_repeated_read_all_is_checked_again_once_anything_changed(make_pool):
     pool = make_pool(device_pages=4, host_pages=8, policy="lru")
     for rid in ("a", "b"):

@@ -179,6 +179,9 @@ class PoolMachine(RuleBasedStateMachine):
     def read_all(self, rids, holder):
         """A Step's reads answered at once, held for its stream until its next message."""
         _, _, answered = self.pool.read_all(rids)
+        for req in answered:  # answered at once (perhaps from an answer kept): all in place
+            assert all(b.tier is TierKind.DEVICE and not b.moving for b in req.live_blocks()), \
+                f"{req.request_id} answered at once with a block off the device tier"
         self.pool.hold_read(answered, holder)
         told = self.told.setdefault(holder, {})
         for req in answered:

@@ -140,6 +140,7 @@ class Block:
         if critical != self.decode_critical:
             self.decode_critical = critical
             self.request.num_critical += 1 if critical else -1
+            self.request.version += 1
 
     @property
     def key(self) -> str:
@@ -178,6 +179,11 @@ class Request:
     num_critical: int = 0
     # Set when a block moved to a new device page; cleared once the engine was told.
     maybe_relocated: bool = False
+    # Bumped whenever blocks are added to it or taken away, or one of them becomes or stops
+    # being decode-critical: a step's read answered earlier still holds for the request
+    # while this is unchanged and no block of the pool has started to move since (see
+    # Reads.answer and PageTable.moves).
+    version: int = 0
     # What it went through (a RequestAccount), for Explain.
     account: Any = None
     # Bandwidth: bytes its transfers moved, blocks attention read, and its token buckets

@@ -55,6 +55,10 @@ class PageTable:
         # Called before the policy chooses (or host blocks are picked by recency): records
         # the reads the pool's hot path left pending (see reads.changes_blocks).
         self.before_choice: Callable[[], None] = _nothing
+        # Bumped whenever a block already placed starts to move (demoted, dropped, promoted,
+        # handed off): a request whose blocks were all resident and still may not be since.
+        # (A new block starts moving too, but bumps its request's version instead.)
+        self.moves = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -203,6 +207,7 @@ class PageTable:
         if len(victims) > num_host:
             num_host += self._turn_over_host(victims[num_host:], protected)
         self.policy.take(victims)
+        self.moves += 1
         moves = []
         for i, victim in enumerate(victims):
             assert not victim.pinned, "a policy offered a pinned block"
@@ -298,6 +303,7 @@ class PageTable:
         protected = {b for b in keep if b.tier is TierKind.DEVICE}
         pages, demotions = self.make_room(len(missing), req, reason, protected, holder)
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
+        self.moves += 1
         for block, page in zip(missing, pages):
             self.device.owner[page] = block
             block.moving = True
@@ -344,6 +350,7 @@ class PageTable:
         pages before."""
         now = self.clock.now()
         placed = []
+        req.version += 1
         for page, index in zip(page_numbers, indices):
             while len(req.blocks) < index:
                 req.blocks.append(None)
@@ -366,6 +373,7 @@ class PageTable:
     def discard(self, block: Block) -> None:
         """The block is gone (freed or released): its page, pin and hold go with it."""
         req = block.request
+        req.version += 1
         self.holds.forget(block)
         if block.tier is TierKind.DEVICE:
             if block in self.policy:

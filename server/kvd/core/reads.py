@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from itertools import compress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,7 +46,7 @@ class AccessResult:
 def after_reads(method):
     """The method, of a room holding its pool's `reads`, first records the reads the hot path
     left pending, so every decision sees them (see Pool.read_all). It may change what answer()
-    can give at once: the last answer is forgotten."""
+    can give at once: the answers kept are forgotten."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -77,6 +78,10 @@ def changes_blocks(method):
         return method(self, *args, **kwargs)
 
     return wrapper
+
+
+# Answers kept for reads to come (about one per engine stepping on the pool).
+MAX_ANSWERS = 64
 
 
 class ReadRecord:
@@ -123,19 +128,45 @@ class ReadRecord:
         return sizes, critical
 
 
+_VERSION = operator.attrgetter("version")
+
+
 class LastRead:
-    """The last read answered wholly at once (see Reads.answer)."""
+    """A read answered wholly at once (see Reads.answer), and what it was answered on: each
+    request's version and the page table's moves then."""
 
-    __slots__ = ("key", "count", "tenant", "requests", "sizes", "critical")
+    __slots__ = ("count", "tenant", "requests", "sizes", "critical", "versions", "moves")
 
-    def __init__(self, key: str | bytes, count: int, tenant: str | None,
-                 requests: list[Request], sizes: list[int], critical: list[int]) -> None:
-        self.key = key
+    def __init__(self, count: int, tenant: str | None, requests: list[Request],
+                 sizes: list[int], critical: list[int], moves: int) -> None:
         self.count = count
         self.tenant = tenant
         self.requests = requests
         self.sizes = sizes
         self.critical = critical
+        self.versions = list(map(_VERSION, requests))
+        self.moves = moves
+
+    def still(self, moves: int) -> bool:
+        """Whether every request is still resident and still, its sizes brought up to date:
+        no block of the pool has started to move since (`moves`), and a request whose
+        version changed (blocks added or freed, intents) is looked at again. The lists a
+        pending ReadRecord shares are replaced, never changed."""
+        if moves != self.moves:
+            return False
+        versions = list(map(_VERSION, self.requests))
+        if versions == self.versions:
+            return True
+        sizes, critical = self.sizes.copy(), self.critical.copy()
+        requests = self.requests
+        for i in compress(range(len(versions)), map(operator.ne, versions, self.versions)):
+            req = requests[i]
+            if (req.num_moving_blocks or req.num_device_blocks != req.num_live_blocks
+                    or req.maybe_relocated):
+                return False
+            sizes[i], critical[i] = req.num_live_blocks, req.num_critical
+        self.sizes, self.critical, self.versions = sizes, critical, versions
+        return True
 
 
 class Reads:
@@ -152,12 +183,13 @@ class Reads:
         self.counters = counters
         self.page_bytes = page_bytes
         self.pending: list[ReadRecord] = []
-        # The last answer given wholly at once, while nothing else happened to the pool
-        # (every other pool method clears it first: settle, before_block_changes): the same
-        # step again needs no checks. Its key is the caller's, else the request ids joined
-        # by NUL (ids hold no NUL, so equal joins of as many ids are equal lists; one string
-        # compares faster than 64 scattered ones).
-        self._last: LastRead | None = None
+        # The answers given wholly at once, by key (the caller's, else the request ids joined
+        # by NUL: ids hold no NUL, so equal joins of as many ids are equal lists, and one
+        # string compares faster than 64 scattered ones). An engine reads its batch every
+        # step: while its requests stay resident and still, the same read needs no checks
+        # but of the requests whose blocks changed (LastRead.still). Forgotten by every pool
+        # method but those that only add or take away blocks (settle).
+        self._answers: dict[str | bytes, LastRead] = {}
         # The pending record of each key: a step reading the same requests again (each
         # engine reads its batch every step, several engines in turn) is merged into its
         # record, which moves to the end of `pending`, rather than pending as one more.
@@ -196,12 +228,10 @@ class Reads:
         if key is None:
             request_ids = list(request_ids)  # their strings made once: joined and looked up
             key = "\0".join(request_ids)
-        last = self._last
+        last = self._answers.get(key)
         pending = self.pending
-        if (last is not None and last.key == key and last.count == len(request_ids)
-                and last.tenant == tenant):
-            # An engine reads its batch every step: nothing changed since this read was
-            # answered (any change goes through a pool method, which forgets the answer).
+        if (last is not None and last.count == len(request_ids) and last.tenant == tenant
+                and last.still(self.pages.moves)):
             if pending and self._again(key, last.requests, last.sizes, last.critical):
                 return [], [], False, last.requests
             first = self._add(key, ReadRecord(self.clock.now(), last.requests, last.sizes,
@@ -229,17 +259,21 @@ class Reads:
         if not read:
             return general, relocated, False, read
         if not general and not relocated:
-            self._last = LastRead(key, len(request_ids), tenant, read, sizes, critical)
+            answers = self._answers
+            if len(answers) >= MAX_ANSWERS and key not in answers:
+                del answers[next(iter(answers))]  # the oldest
+            answers[key] = LastRead(len(request_ids), tenant, read, sizes, critical,
+                                    self.pages.moves)
         if pending and self._again(key, read, sizes, critical):
             return general, relocated, False, read
         first = self._add(key, ReadRecord(self.clock.now(), read, sizes, critical))
         return general, relocated, first, read
 
     def before_block_changes(self) -> None:
-        """Blocks are about to be added or taken away: see changes_blocks."""
+        """Blocks are about to be added or taken away: see changes_blocks. The answers
+        stay: they follow such changes (LastRead.still)."""
         if self.pending and not self.pages.policy.per_request_order:
             self.record(self.take())
-        self._last = None
 
     def record_pending(self) -> None:
         """Record the reads answered so far (a no-op when there are none). Only a read budget
@@ -253,7 +287,8 @@ class Reads:
         forgotten."""
         if self.pending:
             self.record(self.take())
-        self._last = None
+        if self._answers:
+            self._answers.clear()
 
     def take(self) -> list[tuple[Request, float, float | None, int, int, int]]:
         """The pending reads, merged, as (request, last read, the read before or None, times,

@@ -158,6 +158,7 @@ class Reservations:
                 f"blocks {dropped[:8]} of request {req.request_id!r} were dropped for the "
                 "engine to recompute; access them (and recompute) before the handoff")
         policy = self.pages.policy
+        self.pages.moves += 1
         for b in live:
             if b in policy:
                 policy.remove(b)
