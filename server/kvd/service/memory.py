@@ -32,7 +32,7 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 class MemoryService(pb_grpc.MemoryServicer):
     # Methods whose handler gets (bytes, message) pairs: a Step's bytes tell a repeated
-    # read at a glance (see _reads_key).
+    # read at a glance (see _read_all_start).
     WITH_BYTES = ("Step",)
     # A handoff in flight is work a drain lets finish (a cut one rolls back): the other
     # streams are ended at once, a Step stream after the message it is serving.

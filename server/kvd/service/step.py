@@ -87,9 +87,11 @@ class StepStreams:
         generation = self.auth.generation
         streams = self.streams
         task = asyncio.current_task()
-        # The last message that passed the checks, without its step_id, and its read_all: an
-        # engine's steps that read the same batch differ in nothing else, and pass alike.
+        # The read_all bytes of the last message that passed the checks, and its read_all
+        # ids (with the caller's namespace): an engine reads the same batch step after step,
+        # and its ids are checked and made Python strings once.
         checked = checked_read_all = None
+        ns = caller.ns
         streams.told_at_next.add(task)
         try:
             while (message := await self._next(messages, caller, turn, holder)) is not None:
@@ -97,14 +99,19 @@ class StepStreams:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
                 streams.working.add(task)  # a drain lets this message finish
                 data, step = message
-                key = None if type(step) is Malformed else _reads_key(data)
+                start = None if type(step) is Malformed else _read_all_start(data)
+                key = None if start is None else data[start:]
                 if key is not None and key == checked:
+                    problem = self._check(data, step, start)
                     read_all = checked_read_all
                 else:
-                    problem, read_all = self._check(data, step)
-                    if problem is not None:
-                        await context.abort(*problem)
+                    problem = self._check(data, step)
+                    read_all = list(step.read_all) if problem is None else None
+                    if ns and read_all:
+                        read_all = [ns + r for r in read_all]
                     checked, checked_read_all = key, read_all
+                if problem is not None:
+                    await context.abort(*problem)
                 if self.auth.generation != generation:  # identities reloaded: still valid?
                     generation = self.auth.generation
                     try:
@@ -115,8 +122,7 @@ class StepStreams:
                 started = time.perf_counter()
                 node.serving.add(holder)  # its holds may not lapse while it is served
                 try:
-                    reply = await self.step(step, caller.scope, key, holder, caller.ns,
-                                            read_all)
+                    reply = await self.step(step, read_all, caller.scope, key, holder, ns)
                 finally:
                     node.serving.discard(holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
@@ -156,17 +162,18 @@ class StepStreams:
             await turn.take()
         return message
 
-    def _check(self, data: bytes, step
-               ) -> tuple[tuple[grpc.StatusCode, str] | None, list[str] | None]:
-        """The status a malformed or oversized message ends the stream with (None when the
-        message is sound), and its read_all ids once made Python strings (None: not yet)."""
+    def _check(self, data: bytes, step, read_all_start: int | None = None
+               ) -> tuple[grpc.StatusCode, str] | None:
+        """The status a malformed or oversized message ends the stream with; None when the
+        message is sound. `read_all_start`: where its read_all begins, when the bytes from
+        there on are those of a message that passed (only the rest is looked at)."""
         if type(step) is Malformed:
-            return (grpc.StatusCode.INVALID_ARGUMENT, step.message), None
+            return grpc.StatusCode.INVALID_ARGUMENT, step.message
         limits = self.limits
-        read_all = None
         try:
-            if len(data) > MAX_STRING:  # fewer bytes hold no longer id
-                read_all = _check_step_ids(step)
+            # Fewer bytes hold no longer id.
+            if (len(data) if read_all_start is None else read_all_start) > MAX_STRING:
+                _check_step_ids(step, read_all_start is None)
             # Fewer bytes can hold no more items or block indices.
             if len(data) > min(limits.max_items, limits.max_blocks):
                 items, blocks = _step_items(step)
@@ -174,22 +181,18 @@ class StepStreams:
                              "accesses and reads)")
                 limits.check(blocks, "block indices", blocks=True)
         except errors.KvdError as exc:
-            return (status_of(exc), str(exc)), None
-        return None, read_all
+            return status_of(exc), str(exc)
+        return None
 
-    async def step(self, step: pb.StepRequest, scope: str | None = None,
-                   reads_key: bytes | None = None, holder: str = "", ns: str = "",
-                   read_all: list[str] | None = None) -> pb.StepResponse:
+    async def step(self, step: pb.StepRequest, read_all: list[str],
+                   scope: str | None = None, reads_key: bytes | None = None,
+                   holder: str = "", ns: str = "") -> pb.StepResponse:
         """One engine step: intents, frees, releases, allocations, accesses, in that order.
-        A bad item is reported in `errors`; the rest of the step goes on. `reads_key`, when
-        given, is equal for two steps only when their read_all lists are equal. `ns`: the
-        namespace of the caller's request ids (see Caller.ns). `read_all`: the step's
-        read_all as a list, when the caller made one."""
+        A bad item is reported in `errors`; the rest of the step goes on. `read_all`: the
+        step's read_all ids in kvd (each with `ns`, the namespace of the caller's request
+        ids, see Caller.ns). `reads_key`, when given, is equal for two steps only when their
+        read_all lists are."""
         reply = pb.StepResponse(step_id=step.step_id)
-        if read_all is None:
-            read_all = list(step.read_all)
-        if ns:
-            read_all = [ns + r for r in read_all]
         # Only the sections the step has: most steps are just read_all, and each look at an
         # empty repeated field costs a wrapper object on the hot path.
         present = {field.number for field, _ in step.ListFields()}
@@ -202,7 +205,7 @@ class StepStreams:
         started = time.perf_counter()
         stalled = await self._writes(step, present, reply, scope, holder, ns)
         if general is None:
-            general = (self._read_all(read_all, reply, scope, None, len(ns), holder)
+            general = (self._read_all(read_all, reply, scope, reads_key, len(ns), holder)
                        if _READ_ALL in present else ())
         items: list = []  # (section, index, request_id, block indices or None)
         if general:
@@ -292,16 +295,14 @@ class StepStreams:
         return general
 
 
-def _check_step_ids(step: pb.StepRequest) -> list[str]:
+def _check_step_ids(step: pb.StepRequest, read_all: bool = True) -> None:
     """Refuse a step naming an id longer than MAX_STRING (ids are kept, indexed and echoed;
     a StepRequest's only strings are its request ids: test_step_ids_are_its_only_strings).
-    Returns its read_all, made Python strings once for the step to use."""
-    read_all: list[str] = []
+    `read_all`: whether its read_all is looked at too."""
     for field, value in step.ListFields():
         number = field.number
         if number == _READ_ALL:
-            read_all = list(value)
-            long = max(map(len, read_all)) > MAX_STRING
+            long = read_all and max(map(len, value)) > MAX_STRING
         elif number in _SECTIONS:
             long = any(len(item.request_id) > MAX_STRING for item in value)
         else:
@@ -309,7 +310,6 @@ def _check_step_ids(step: pb.StepRequest) -> list[str]:
         if long:
             raise errors.InvalidArgument(f"{field.name}: a request_id is longer than "
                                          f"{MAX_STRING} characters")
-    return read_all
 
 
 def _step_items(step: pb.StepRequest) -> tuple[int, int]:
@@ -320,16 +320,54 @@ def _step_items(step: pb.StepRequest) -> tuple[int, int]:
                    + sum(len(a.block_indices) for a in step.accesses))
 
 
-def _reads_key(data: bytes) -> bytes:
-    """A Step message's bytes without its step_id (field 1, a varint, which protobuf writes
-    first): equal for two steps that differ in nothing else, as an engine's steps that read
-    the same batch do. (A message written otherwise only misses the shortcut.)"""
-    if data[:1] != b"\x08":
-        return data
-    end = 1
-    while data[end] & 0x80:  # the varint's continuation bytes (the message parsed: complete)
-        end += 1
-    return data[end + 1:]
+# Fields a Step message's read_all is looked for behind; past them, its steps are checked
+# whole (an engine's steps carry a handful of sections before their reads).
+_MAX_WALK = 32
+_READ_ALL_TAG = (_READ_ALL << 3) | 2  # a length-delimited field 7: one byte
+
+
+def _read_all_start(data: bytes) -> int | None:
+    """Where a parsed Step message's read_all begins: the offset of its first read_all
+    entry (len(data) when it has none), found by walking the fields before it; None when
+    more than _MAX_WALK come first or a tag takes more than one byte.
+
+    Protobuf writes fields in the order of their numbers and read_all's is the highest, so
+    an engine's read_all closes its message, and its steps that read the same batch end in
+    the same bytes whatever they allocate and free before. The bytes from that offset on
+    parse alike wherever they stand, and no read_all entry comes before them: equal bytes
+    there, equal read_all."""
+    pos, end = 0, len(data)
+    try:
+        for _ in range(_MAX_WALK):
+            if pos >= end:
+                return end if pos == end else None
+            tag = data[pos]
+            if tag == _READ_ALL_TAG:
+                return pos
+            if tag & 0x80:  # a field numbered over 15: none of StepRequest's
+                return None
+            pos += 1
+            wire = tag & 7
+            if wire == 0:  # a varint
+                while data[pos] & 0x80:
+                    pos += 1
+                pos += 1
+            elif wire == 2:  # a length, then that many bytes
+                length = shift = 0
+                while (byte := data[pos]) & 0x80:
+                    length |= (byte & 0x7F) << shift
+                    shift += 7
+                    pos += 1
+                pos += 1 + (length | (byte << shift))
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
 
 
 def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) -> None:
