@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.core.blocks import Phase, Priority, TierKind
+from kvd.core.blocks import Changes, Phase, Priority, TierKind
 from kvd.core.errors import (
     AlreadyExists,
     BlocksInTransit,
@@ -560,6 +560,51 @@ def test_a_read_answered_before_follows_blocks_added_freed_and_moved(make_pool):
     assert pool.read_all(batch)[0] == gone  # in transit: the general path
     settle(pool, plan)
     assert pool.read_all(batch)[0] == _not_readable(pool, batch) == gone  # on the host now
+
+
+def test_a_kept_answer_counts_a_request_named_twice_at_each_place(make_pool):
+    """A batch that names a request twice counts its blocks twice, as they are now, also
+    after blocks were added to it and freed since the answer was kept."""
+    pool = make_pool(device_pages=8, host_pages=8, policy="lru")
+    for rid in ("a", "b"):
+        pool.admit(rid, tenant="t", prompt_tokens=64, output_tokens=0)
+        settle(pool, pool.allocate(rid, 1))
+    batch = ["a", "b", "a"]
+
+    def read() -> int:
+        before = pool.counters.num_accesses
+        assert pool.read_all(batch)[:2] == ([], [])
+        pool.record_reads()
+        return pool.counters.num_accesses - before
+
+    assert read() == 3
+    settle(pool, pool.allocate("a", 2))
+    assert read() == 7
+    pool.free("a", [0])
+    assert read() == 5
+
+
+def test_a_kept_answer_outlived_by_its_changes_is_given_again_in_full(make_pool, monkeypatch):
+    """Changes keep only the last LIMIT requests noted: an answer kept from before them
+    cannot know which of its requests changed, and must look at all of them again."""
+    monkeypatch.setattr(Changes, "LIMIT", 4)
+    pool = make_pool(device_pages=16, host_pages=8, policy="lru")
+    for rid in ("a", "b", "c"):
+        pool.admit(rid, tenant="t", prompt_tokens=64, output_tokens=0)
+        settle(pool, pool.allocate(rid, 1))
+
+    def read(batch) -> int:
+        before = pool.counters.num_accesses
+        assert pool.read_all(batch)[:2] == ([], [])
+        pool.record_reads()
+        return pool.counters.num_accesses - before
+
+    assert read(["a", "b"]) == 2
+    settle(pool, pool.allocate("a", 1))  # noted first: forgotten by what comes next
+    for _ in range(2):
+        settle(pool, pool.allocate("c", 1))
+        pool.free("c", [len(pool.requests["c"].blocks) - 1])
+    assert read(["a", "b"]) == 3
 
 
 def test_a_new_block_still_being_placed_is_not_answered_at_once(make_pool):

@@ -132,15 +132,18 @@ class Block:
     # Requests using it that asked for it pinned (Prefixes.use_intent): pinned while any is.
     pin_users: int = 0
 
-    def refresh_flags(self) -> None:
+    def refresh_flags(self) -> bool:
         """DECODE_CRITICAL implies pinned: a decode step depends on the block. An access to
-        a decode-critical block that misses the device tier stalls a decode step."""
+        a decode-critical block that misses the device tier stalls a decode step. Returns
+        whether it turned decode-critical or stopped being so (its request's count changed:
+        the caller notes the request in its page table's Changes)."""
         self.pinned = self.pin_requested or self.priority == Priority.DECODE_CRITICAL
         critical = self.priority == Priority.DECODE_CRITICAL or self.phase == Phase.DECODE
-        if critical != self.decode_critical:
-            self.decode_critical = critical
-            self.request.num_critical += 1 if critical else -1
-            self.request.version += 1
+        if critical == self.decode_critical:
+            return False
+        self.decode_critical = critical
+        self.request.num_critical += 1 if critical else -1
+        return True
 
     @property
     def key(self) -> str:
@@ -179,11 +182,6 @@ class Request:
     num_critical: int = 0
     # Set when a block moved to a new device page; cleared once the engine was told.
     maybe_relocated: bool = False
-    # Bumped whenever blocks are added to it or taken away, or one of them becomes or stops
-    # being decode-critical: a step's read answered earlier still holds for the request
-    # while this is unchanged and no block of the pool has started to move since (see
-    # Reads.answer and PageTable.moves).
-    version: int = 0
     # What it went through (a RequestAccount), for Explain.
     account: Any = None
     # Bandwidth: bytes its transfers moved, blocks attention read, and its token buckets
@@ -208,6 +206,44 @@ class Request:
     def live_blocks(self) -> list[Block]:
         """The request's blocks that are not freed, in index order."""
         return [b for b in self.blocks if b is not None]
+
+
+class Changes:
+    """The requests of a pool whose blocks were added or taken away, or turned decode-
+    critical or not, in the order it happened. A step's read answered earlier still holds
+    while no block of the pool has started to move since (PageTable.moves) for each of its
+    requests not noted here since (see LastRead.still): it looks at those, not at all of
+    its requests (an engine's 64, which other engines' steps in between rarely touch).
+
+    Positions count from the pool's start; what lies before `start` is forgotten (at most
+    LIMIT are kept, and none once the answers kept are forgotten): an answer older than
+    that is given again the long way."""
+
+    __slots__ = ("start", "log")
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.log: list[Request] = []
+
+    def note(self, req: Request) -> None:
+        if len(self.log) >= self.LIMIT:
+            self.forget()
+        self.log.append(req)
+
+    @property
+    def end(self) -> int:
+        """The position the next noted request will have."""
+        return self.start + len(self.log)
+
+    def since(self, mark: int) -> list[Request] | None:
+        """The requests noted from position `mark` on; None when some are forgotten."""
+        return None if mark < self.start else self.log[mark - self.start:]
+
+    def forget(self) -> None:
+        self.start += len(self.log)
+        self.log = []
 
 
 def evictable(b: Block) -> bool:

@@ -78,8 +78,9 @@ def pinned_after(block: Block, fields: dict[str, Any]) -> bool:
     return bool(pin) or priority == Priority.DECODE_CRITICAL
 
 
-def apply(block: Block, fields: dict[str, Any], now: float) -> None:
-    """Set the block's intent fields (validated before) and its derived flags."""
+def apply(block: Block, fields: dict[str, Any], now: float) -> bool:
+    """Set the block's intent fields (validated before) and its derived flags; whether it
+    turned decode-critical or stopped being so (see Block.refresh_flags)."""
     for name, value in fields.items():
         if name == "deadline_us":
             block.deadline_at = now + value / 1e6
@@ -89,7 +90,7 @@ def apply(block: Block, fields: dict[str, Any], now: float) -> None:
             block.priority = Priority(value)
         else:
             setattr(block, name, value)
-    block.refresh_flags()
+    return block.refresh_flags()
 
 
 class Intents:
@@ -141,7 +142,8 @@ class Intents:
         to_prefetch: list[Block] = []
         for block, change in resolved:
             was_pinned = block.pinned
-            apply(block, change.fields, now)
+            if apply(block, change.fields, now):
+                pages.changes.note(block.request)
             resident = (block.tier is TierKind.DEVICE and not block.moving
                         and not block.held)
             if block.pinned != was_pinned:

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvd.core import intent as intents
 from kvd.core.attribution import Attribution
-from kvd.core.blocks import Block, Request, TierKind, evictable
+from kvd.core.blocks import Block, Changes, Request, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import BlocksInTransit, HostShort, InvalidArgument, ResourceExhausted
@@ -57,8 +57,9 @@ class PageTable:
         self.before_choice: Callable[[], None] = _nothing
         # Bumped whenever a block already placed starts to move (demoted, dropped, promoted,
         # handed off): a request whose blocks were all resident and still may not be since.
-        # (A new block starts moving too, but bumps its request's version instead.)
+        # (A new block starts moving too, but its request is noted in `changes` instead.)
         self.moves = 0
+        self.changes = Changes()
 
     # ------------------------------------------------------------------ queries
 
@@ -350,7 +351,7 @@ class PageTable:
         pages before."""
         now = self.clock.now()
         placed = []
-        req.version += 1
+        self.changes.note(req)
         for page, index in zip(page_numbers, indices):
             while len(req.blocks) < index:
                 req.blocks.append(None)
@@ -373,7 +374,7 @@ class PageTable:
     def discard(self, block: Block) -> None:
         """The block is gone (freed or released): its page, pin and hold go with it."""
         req = block.request
-        req.version += 1
+        self.changes.note(req)
         self.holds.forget(block)
         if block.tier is TierKind.DEVICE:
             if block in self.policy:

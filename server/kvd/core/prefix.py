@@ -298,14 +298,16 @@ class Prefixes:
                     self._set_pin(b, True)
             if deadline_us is not None and (b.deadline_at is None
                                             or now + deadline_us / 1e6 < b.deadline_at):
-                intents.apply(b, {"deadline_us": deadline_us}, now)
+                if intents.apply(b, {"deadline_us": deadline_us}, now):
+                    self.pages.changes.note(b.request)
                 if self._resident(b) and not b.pinned:
                     self.pages.policy.reorder(b)
 
     def _set_pin(self, b: Block, on: bool) -> None:
         was = b.pinned
         b.pin_requested = on
-        b.refresh_flags()
+        if b.refresh_flags():
+            self.pages.changes.note(b.request)
         if b.pinned != was:
             self.pages.add_pins(b.request.tenant, 1 if b.pinned else -1)
             if self._resident(b):

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import functools
 import operator
-from itertools import compress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvd.core.blocks import Block, Request, RequestState, TierKind
+from kvd.core.blocks import Block, Changes, Request, RequestState, TierKind
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import HostShort
@@ -128,44 +127,53 @@ class ReadRecord:
         return sizes, critical
 
 
-_VERSION = operator.attrgetter("version")
-
-
 class LastRead:
-    """A read answered wholly at once (see Reads.answer), and what it was answered on: each
-    request's version and the page table's moves then."""
+    """A read answered wholly at once (see Reads.answer), and what it was answered on: the
+    page table's moves then, and the position its Changes had reached."""
 
-    __slots__ = ("count", "tenant", "requests", "sizes", "critical", "versions", "moves")
+    __slots__ = ("count", "tenant", "requests", "sizes", "critical", "mark", "moves",
+                 "_where")
 
     def __init__(self, count: int, tenant: str | None, requests: list[Request],
-                 sizes: list[int], critical: list[int], moves: int) -> None:
+                 sizes: list[int], critical: list[int], moves: int, mark: int) -> None:
         self.count = count
         self.tenant = tenant
         self.requests = requests
         self.sizes = sizes
         self.critical = critical
-        self.versions = list(map(_VERSION, requests))
         self.moves = moves
+        self.mark = mark
+        self._where: dict[Request, int] | None = None  # each request's position, once asked
 
-    def still(self, moves: int) -> bool:
+    def still(self, moves: int, changes: Changes) -> bool:
         """Whether every request is still resident and still, its sizes brought up to date:
-        no block of the pool has started to move since (`moves`), and a request whose
-        version changed (blocks added or freed, intents) is looked at again. The lists a
-        pending ReadRecord shares are replaced, never changed."""
+        no block of the pool has started to move since (`moves`), and a request noted in
+        `changes` since (blocks added or freed, decode-critical or not) is looked at again.
+        The lists a pending ReadRecord shares are replaced, never changed."""
         if moves != self.moves:
             return False
-        versions = list(map(_VERSION, self.requests))
-        if versions == self.versions:
-            return True
-        sizes, critical = self.sizes.copy(), self.critical.copy()
-        requests = self.requests
-        for i in compress(range(len(versions)), map(operator.ne, versions, self.versions)):
-            req = requests[i]
+        changed = changes.since(self.mark)
+        if not changed:
+            return changed is not None
+        where = self._where
+        if where is None:
+            where = self._where = {req: i for i, req in enumerate(self.requests)}
+            if len(where) != len(self.requests):  # a request named twice: no shortcut
+                return False
+        sizes = critical = None
+        for req in changed:
+            i = where.get(req)
+            if i is None:
+                continue  # another's
             if (req.num_moving_blocks or req.num_device_blocks != req.num_live_blocks
                     or req.maybe_relocated):
                 return False
+            if sizes is None:
+                sizes, critical = self.sizes.copy(), self.critical.copy()
             sizes[i], critical[i] = req.num_live_blocks, req.num_critical
-        self.sizes, self.critical, self.versions = sizes, critical, versions
+        if sizes is not None:
+            self.sizes, self.critical = sizes, critical
+        self.mark = changes.end
         return True
 
 
@@ -231,7 +239,7 @@ class Reads:
         last = self._answers.get(key)
         pending = self.pending
         if (last is not None and last.count == len(request_ids) and last.tenant == tenant
-                and last.still(self.pages.moves)):
+                and last.still(self.pages.moves, self.pages.changes)):
             if pending and self._again(key, last.requests, last.sizes, last.critical):
                 return [], [], False, last.requests
             first = self._add(key, ReadRecord(self.clock.now(), last.requests, last.sizes,
@@ -263,7 +271,7 @@ class Reads:
             if len(answers) >= MAX_ANSWERS and key not in answers:
                 del answers[next(iter(answers))]  # the oldest
             answers[key] = LastRead(len(request_ids), tenant, read, sizes, critical,
-                                    self.pages.moves)
+                                    self.pages.moves, self.pages.changes.end)
         if pending and self._again(key, read, sizes, critical):
             return general, relocated, False, read
         first = self._add(key, ReadRecord(self.clock.now(), read, sizes, critical))
@@ -289,6 +297,7 @@ class Reads:
             self.record(self.take())
         if self._answers:
             self._answers.clear()
+            self.pages.changes.forget()
 
     def take(self) -> list[tuple[Request, float, float | None, int, int, int]]:
         """The pending reads, merged, as (request, last read, the read before or None, times,

@@ -82,7 +82,7 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
         pages.count_pin(b, -1)
         pages.holds.forget(b)
         req = b.request
-        req.version += 1
+        pages.changes.note(req)
         req.num_moving_blocks -= 1
         req.blocks[b.index] = None
         req.num_live_blocks -= 1
