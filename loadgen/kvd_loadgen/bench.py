@@ -472,6 +472,13 @@ def run_bench(args) -> int:
 
         results["overload"] = run_overload(console)
         more.update(overload_targets(results["overload"]))
+        from kvd_loadgen.soak import SOAK_CLIENTS, SOAK_S, run_soak, targets as soak_targets
+
+        with console.status(f"soak: {SOAK_CLIENTS} clients for {SOAK_S:.0f} s, kvd's "
+                            "memory over time"):
+            soak = uvloop.run(run_soak(SOAK_CLIENTS, SOAK_S, "fair", 30.0))
+        more.update(soak_targets(soak))
+        results["soak"] = {k: v for k, v in soak.items() if k != "rss_mib"}
     with console.status("intent traces under every policy against Belady's MIN (64 and 96 "
                         "device pages)"):
         from kvd_loadgen.replay import against_min, against_min_targets

@@ -202,6 +202,23 @@ def against_min_markdown(out: dict) -> list[str]:
     return lines
 
 
+def soak_markdown(soak: dict) -> list[str]:
+    """The soak's line: what it ran, its memory from the middle third to the last, and what
+    it left behind."""
+    periods = soak["periods"]
+    return ["## Soak: memory over time", "",
+            f"{soak['clients']} clients, {soak['duration_s']:.0f} s, policy {soak['policy']}: "
+            f"{soak['calls']:,} calls, errors {soak['errors'] or 'none'}; kvd's memory, mean of "
+            f"the last third of the run against the middle third's: heap "
+            f"{soak['heap_growth_last_vs_middle_third'] * 100:+.1f}%, RSS (heap and arenas) "
+            f"{soak['rss_growth_last_vs_middle_third'] * 100:+.1f}%; pages leaked "
+            f"{soak['pages_leaked']}, requests left {soak['requests_left']}, self-check "
+            f"{'sound' if soak['self_check_ok'] else 'NOT sound'}; p99 per "
+            f"{periods[1]['from_s'] - periods[0]['from_s'] if len(periods) > 1 else 0:.0f} s "
+            f"from {min(p['p99_ms'] for p in periods):.0f} to "
+            f"{max(p['p99_ms'] for p in periods):.0f} ms."]
+
+
 def results_markdown(results: dict) -> str:
     m = results["machine"]
     lines = ["# kvd benchmark results", "",
@@ -244,6 +261,8 @@ def results_markdown(results: dict) -> str:
         lines += ["", *overload_markdown(results["overload"])]
     if results.get("against_min"):
         lines += ["", *against_min_markdown(results["against_min"])]
+    if results.get("soak"):
+        lines += ["", *soak_markdown(results["soak"])]
     scen = results.get("scenarios")
     if scen:
         lines += ["", "## Scenarios at a small, fixed size", "",

@@ -120,6 +120,8 @@ async def _one_request(kvd: AsyncClient, rid: str, rng: random.Random, samples: 
 
 # kvd's memory may grow this much from the middle third of a soak to the last.
 GROWTH_TARGET = 0.05
+# The soak `make bench` runs (as `make soak` does): long enough for the thirds to settle.
+SOAK_CLIENTS, SOAK_S = 64, 240.0
 
 
 def thirds_growth(rss: list[tuple[float, float, float]], duration_s: float
@@ -197,6 +199,25 @@ async def run_soak(clients: int, duration_s: float, policy: str, interval_s: flo
             "self_check_ok": check.ok, "rss_mib": rss, "rss_growth_after_warmup": growth,
             "warmup_s": warmup_s, "caches_filled": bool(filled),
             "periods": periods, "lease_expiries": log.count("lease expired")}
+
+
+def targets(out: dict) -> dict[str, dict]:
+    """The soak's targets with their values and whether each was met: memory from the
+    middle third of the run to the last (heap, and RSS with the arenas), and nothing left
+    behind once every client is gone."""
+    heap, total = (out["heap_growth_last_vs_middle_third"],
+                   out["rss_growth_last_vs_middle_third"])
+    left = out["pages_leaked"] + out["requests_left"] + (not out["self_check_ok"])
+    return {
+        "soak_heap_growth_last_vs_middle_third_pct": {
+            "op": "<=", "value": GROWTH_TARGET * 100, "measured": heap * 100,
+            "met": heap <= GROWTH_TARGET},
+        "soak_rss_growth_last_vs_middle_third_pct": {
+            "op": "<=", "value": GROWTH_TARGET * 100, "measured": total * 100,
+            "met": total <= GROWTH_TARGET},
+        "soak_pages_requests_left_and_self_check_problems": {
+            "op": "<=", "value": 0, "measured": left, "met": left == 0},
+    }
 
 
 def run_cli(args) -> int:

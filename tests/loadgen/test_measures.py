@@ -23,3 +23,28 @@ def test_soak_memory_growth_compares_like_with_like():
     assert 0 < total < 0.15  # the arenas grew from the middle third to the last
     grow = [(t, 50 + t, 0.0) for t in range(90)]  # a leak: a page a second
     assert thirds_growth(grow, 90.0)[0] > 0.25
+
+
+def test_the_soak_targets_judge_memory_and_what_is_left():
+    """A short real soak: each target carries its measured value; a leak of heap or RSS, or
+    a page left behind, is not met; the report line says the figures."""
+    import uvloop
+
+    from kvd_loadgen.bench_report import soak_markdown
+    from kvd_loadgen.soak import GROWTH_TARGET, run_soak, targets
+
+    out = uvloop.run(run_soak(4, 6.0, "fair", 2.0))
+    judged = targets(out)
+    assert set(judged) == {"soak_heap_growth_last_vs_middle_third_pct",
+                           "soak_rss_growth_last_vs_middle_third_pct",
+                           "soak_pages_requests_left_and_self_check_problems"}
+    heap = judged["soak_heap_growth_last_vs_middle_third_pct"]
+    assert heap["measured"] == pytest.approx(out["heap_growth_last_vs_middle_third"] * 100)
+    assert judged["soak_pages_requests_left_and_self_check_problems"]["met"]
+    leaky = {**out, "heap_growth_last_vs_middle_third": GROWTH_TARGET * 2,
+             "rss_growth_last_vs_middle_third": GROWTH_TARGET + 0.001, "pages_leaked": 3}
+    assert not any(t["met"] for t in targets(leaky).values())
+    assert judged["soak_heap_growth_last_vs_middle_third_pct"]["met"] == (
+        out["heap_growth_last_vs_middle_third"] <= GROWTH_TARGET)
+    line = "\n".join(soak_markdown(leaky))
+    assert "heap +10.0%" in line and "pages leaked 3" in line
