@@ -523,6 +523,14 @@ def _not_readable(pool, rids):
                    for b in pool.requests[rid].live_blocks())]
 
 
+def _blocks_read(pool, batch) -> int:
+    """Read the batch, answered at once; the blocks the read counted."""
+    before = pool.counters.num_accesses
+    assert pool.read_all(batch)[:2] == ([], [])
+    pool.record_reads()
+    return pool.counters.num_accesses - before
+
+
 def test_a_read_answered_before_follows_blocks_added_freed_and_moved(make_pool):
     """An engine's steps read the same batch while they grow and free its requests: the
     answer kept for the batch must count the blocks as they are, and must not be given once
@@ -536,11 +544,7 @@ def test_a_read_answered_before_follows_blocks_added_freed_and_moved(make_pool):
     batch = ["a", "b"]
 
     def read() -> int:
-        """Read the batch; the blocks it counted."""
-        before = pool.counters.num_accesses
-        assert pool.read_all(batch)[:2] == ([], [])
-        pool.record_reads()
-        return pool.counters.num_accesses - before
+        return _blocks_read(pool, batch)
 
     assert read() == 4
     assert read() == 4  # answered from the answer kept
@@ -572,10 +576,7 @@ def test_a_kept_answer_counts_a_request_named_twice_at_each_place(make_pool):
     batch = ["a", "b", "a"]
 
     def read() -> int:
-        before = pool.counters.num_accesses
-        assert pool.read_all(batch)[:2] == ([], [])
-        pool.record_reads()
-        return pool.counters.num_accesses - before
+        return _blocks_read(pool, batch)
 
     assert read() == 3
     settle(pool, pool.allocate("a", 2))
@@ -594,10 +595,7 @@ def test_a_kept_answer_outlived_by_its_changes_is_given_again_in_full(make_pool,
         settle(pool, pool.allocate(rid, 1))
 
     def read(batch) -> int:
-        before = pool.counters.num_accesses
-        assert pool.read_all(batch)[:2] == ([], [])
-        pool.record_reads()
-        return pool.counters.num_accesses - before
+        return _blocks_read(pool, batch)
 
     assert read(["a", "b"]) == 2
     settle(pool, pool.allocate("a", 1))  # noted first: forgotten by what comes next
