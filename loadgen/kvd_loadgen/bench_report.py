@@ -125,6 +125,8 @@ def print_tables(results: dict, console: Console) -> None:
         for row in engines_rows(results["engines"]):
             e.add_row(*row)
         console.print(e)
+        if results["engines"].get("budget"):
+            console.print(budget_line(results["engines"]["budget"]))
     if results.get("against_min"):
         m = Table(title="intent traces: blocks brought to the device, each policy against "
                         "Belady's MIN (pins held until read)")
@@ -160,7 +162,24 @@ def engines_markdown(out: dict) -> list[str]:
              "| Step streams | kvd steps/s | empty steps/s | ratio | server CPU µs/step, kvd / "
              "empty |", "|---:|---:|---:|---:|---:|"]
     lines += ["| " + " | ".join(row) + " |" for row in engines_rows(out)]
+    if out.get("budget"):
+        lines += ["", budget_line(out["budget"])]
     return lines
+
+
+def budget_line(budget: dict) -> str:
+    """What a step may cost a handler for 0.7x, and what kvd's cost, in the same terms (see
+    bench_engines)."""
+
+    def us(x):
+        return f"more than {max(u for u, _ in budget['points']):.0f}" if x is None \
+            else f"{x:.0f}"
+
+    points = ", ".join(f"{u:.0f} µs {r:.2f}x" for u, r in budget["points"])
+    return (f"The empty server whose handler spends a fixed CPU time on each step, "
+            f"{budget['streams']} streams, against the empty server: {points}. 0.7x holds "
+            f"while a step costs its handler up to about {us(budget['target_us'])} µs; kvd "
+            f"steps as the empty server does with about {us(budget['kvd_us'])} µs a step.")
 
 
 def overload_markdown(out: dict) -> list[str]:

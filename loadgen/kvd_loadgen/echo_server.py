@@ -1,13 +1,19 @@
 """An empty gRPC server (unary echo, and bidi ping-pong on raw bytes: `Stream` echoes each
 message, `Ack` answers each with a two-byte message, as small as a Step reply that hands out
 nothing): the baseline kvd's control-plane overhead is measured against, run the same way kvd
-runs (grpc.aio, uvloop, unix socket, its own process)."""
+runs (grpc.aio, uvloop, unix socket, its own process).
+
+`Work<us>` (e.g. `Work60`) is `Ack` made to spend `us` microseconds of CPU time on each
+message before it answers: the empty server with a handler of that cost, which tells what a
+handler may cost for the server to keep a given share of the empty server's throughput."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
+import time
 
 import grpc
 import uvloop
@@ -32,6 +38,33 @@ async def _ack(request_iterator, context):
         yield ACK
 
 
+async def _work(ns: int, request_iterator, context):
+    clock = time.thread_time_ns
+    async for _ in request_iterator:
+        until = clock() + ns
+        while clock() < until:
+            pass
+        yield ACK
+
+
+class _WorkHandlers(grpc.GenericRpcHandler):
+    """`Work<us>` for any whole number of microseconds."""
+
+    PREFIX = f"/{SERVICE}/Work"
+
+    def __init__(self) -> None:
+        self._handlers: dict[int, grpc.RpcMethodHandler] = {}
+
+    def service(self, handler_call_details):
+        us = handler_call_details.method.removeprefix(self.PREFIX)
+        if us == handler_call_details.method or not us.isdigit():
+            return None
+        if int(us) not in self._handlers:
+            self._handlers[int(us)] = grpc.stream_stream_rpc_method_handler(
+                functools.partial(_work, int(us) * 1000))
+        return self._handlers[int(us)]
+
+
 async def serve(socket: str) -> None:
     server = grpc.aio.server()
     handler = grpc.method_handlers_generic_handler(SERVICE, {
@@ -39,7 +72,7 @@ async def serve(socket: str) -> None:
         "Stream": grpc.stream_stream_rpc_method_handler(_stream),
         "Ack": grpc.stream_stream_rpc_method_handler(_ack),
     })
-    server.add_generic_rpc_handlers((handler,))
+    server.add_generic_rpc_handlers((handler, _WorkHandlers()))
     server.add_insecure_port(f"unix:{socket}")
     await server.start()
     stop = asyncio.Event()

@@ -48,3 +48,38 @@ def test_the_soak_targets_judge_memory_and_what_is_left():
         out["heap_growth_last_vs_middle_third"] <= GROWTH_TARGET)
     line = "\n".join(soak_markdown(leaky))
     assert "heap +10.0%" in line and "pages leaked 3" in line
+
+
+def test_the_work_budget_is_read_where_the_ratios_cross():
+    """What a step may cost a handler for a ratio, along the measured (us, ratio) points."""
+    from kvd_loadgen.bench_engines import work_at
+
+    points = [(60, 0.5), (30, 0.8), (120, 0.4)]  # in any order
+    assert work_at(points, 0.7) == pytest.approx(40.0)  # a third of the way from 30 to 60
+    assert work_at(points, 0.9) == pytest.approx(15.0)  # between (0, 1) and (30, 0.8)
+    assert work_at(points, 0.45) == pytest.approx(90.0)
+    assert work_at(points, 0.8) == pytest.approx(30.0)
+    assert work_at(points, 1.2) == 0.0  # as fast as the empty server: no work to spare
+    assert work_at(points, 0.3) is None  # past the last point measured
+
+
+def test_the_empty_server_with_work_answers_slower_as_it_works_more():
+    """Work<us> spends the CPU time it names on each message (a real server, real streams)."""
+    import asyncio
+
+    from kvd_loadgen.bench_engines import ECHO, WORK, EchoEngine, _closed_loop, _echo
+
+    async def rates():
+        async with _echo(1) as (_, (channel,)):
+            out = {}
+            for method in (ECHO, WORK.format(0), WORK.format(2000)):
+                call = channel.stream_stream(method)()
+                out[method] = await _closed_loop(call, EchoEngine("e").message, 0.5)
+                await call.done_writing()
+            return out
+
+    steps = asyncio.run(rates())
+    # 2 ms of CPU a message: at most 250 in 0.5 s, where the empty server answers thousands.
+    assert 0 < steps[WORK.format(2000)] <= 250
+    assert steps[WORK.format(0)] > 4 * steps[WORK.format(2000)]
+    assert steps[ECHO] > 4 * steps[WORK.format(2000)]

@@ -148,7 +148,7 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
     from kvd_loadgen.bench_report import engines_markdown
 
     out = await bench_engines(ns=(1, 2), seconds=0.3, rounds=1, paced_engines=2, rate=20.0,
-                              paced_seconds=0.5)
+                              paced_seconds=0.5, work_us=(50, 2000))
     for n in (1, 2):
         assert out["saturated"][n]["kvd_steps_per_s"] > 0
         assert out["saturated"][n]["empty_steps_per_s"] > 0
@@ -157,8 +157,13 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
             us = out["saturated"][n][f"{server}_server_us_per_step"]
             busy = us * out["saturated"][n][f"{server}_steps_per_s"] / 1e6
             assert us > 0 and busy <= (os.cpu_count() or 1) + 0.5, (server, us, busy)
+    budget = out["budget"]
+    assert budget["streams"] == 2 and [u for u, _ in budget["points"]] == [50, 2000]
+    # 2 ms of CPU a step: at most 500 steps/s from the server's one thread, on two streams.
+    assert budget["points"][1][1] * out["saturated"][2]["empty_steps_per_s"] <= 600
     rows = engines_markdown(out)
-    assert [line.split(" | ")[0] for line in rows[-2:]] == ["| 1", "| 2"]
+    assert [line.split(" | ")[0] for line in rows[-4:-2]] == ["| 1", "| 2"]
+    assert rows[-1].startswith("The empty server whose handler spends")
     assert out["paced"]["kvd_p99_ms"] > 0 and out["paced"]["empty_p99_ms"] > 0
     assert set(targets(out)) == {"engines1_steps_vs_empty", "engines2_steps_vs_empty",
                                  "engines2_paced_p99_added_ms"}
