@@ -188,10 +188,13 @@ async def bench_engines(ns=(1, 2, 4, 8), seconds: float = 2.0, rounds: int = 2,
                     for rid in engine.rids:
                         await client.admit(rid, 2 * BLOCKS * 16)  # room to grow by one
                         await client.allocate(rid, BLOCKS)
+                # Each engine's stream with its client's lease, as StepStream opens it: an
+                # open stream holds the lease while the engine waits out the other turns.
                 kvd_calls = [c.channel.stream_stream("/kvd.v1.Memory/Step",
                                                      request_serializer=None,
                                                      response_deserializer=pb.StepResponse
-                                                     .FromString)() for c in clients]
+                                                     .FromString)(metadata=c.metadata)
+                             for c in clients]
                 echoes = [EchoEngine(f"e{i}") for i in range(most)]
                 echo_calls = [ch.stream_stream(ECHO)() for ch in echo_channels]
                 kvd_pid = kvd.proc.pid
