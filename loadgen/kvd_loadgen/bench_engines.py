@@ -172,11 +172,12 @@ def work_at(points: list[tuple[float, float]], ratio: float) -> float | None:
 
 async def bench_engines(ns=(1, 2, 4, 8), seconds: float = 2.0, rounds: int = 2,
                         paced_engines: int = 8, rate: float = 50.0,
-                        paced_seconds: float = 4.0, work_us=WORK_US) -> dict:
+                        paced_seconds: float = 4.0, work_us=WORK_US,
+                        kvd_args: tuple[str, ...] = ()) -> dict:
     most = max(max(ns), paced_engines)
     out: dict = {"saturated": {}, "paced": {}}
     args = ("--page-bytes", "4096", "--device-pages", "65536", "--host-pages", "65536",
-            "--policy", "fair")
+            "--policy", "fair", *kvd_args)
     async with _echo(most) as (echo_pid, echo_channels):
         with LocalKvd(*args) as kvd:
             clients = [AsyncClient(kvd.target, timeout_s=30) for _ in range(most)]

@@ -167,3 +167,15 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
     assert out["paced"]["kvd_p99_ms"] > 0 and out["paced"]["empty_p99_ms"] > 0
     assert set(targets(out)) == {"engines1_steps_vs_empty", "engines2_steps_vs_empty",
                                  "engines2_paced_p99_added_ms"}
+
+
+async def test_the_engines_bench_streams_hold_their_leases_through_the_other_turns():
+    """kvd's streams wait out the empty server's turns (here ~3 s, past a 2 s lease): each
+    stream carries its client's lease, as an engine's StepStream does, so the requests its
+    engine admitted stay; opened without it, kvd released them mid-run ('no request')."""
+    from kvd_loadgen.bench_engines import bench_engines
+
+    out = await bench_engines(ns=(1,), seconds=0.8, rounds=2, paced_engines=1, rate=20.0,
+                              paced_seconds=0.3, work_us=(10, 20, 40),
+                              kvd_args=("--lease-ttl-s", "2"))
+    assert out["saturated"][1]["kvd_steps_per_s"] > 0
