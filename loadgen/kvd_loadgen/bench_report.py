@@ -168,8 +168,9 @@ def engines_markdown(out: dict) -> list[str]:
 
 
 def budget_line(budget: dict) -> str:
-    """What a step may cost a handler for 0.7x, and what kvd's cost, in the same terms (see
-    bench_engines)."""
+    """What a step may cost a handler for the target ratio, and what kvd's cost, in the same
+    terms (see bench_engines)."""
+    from kvd_loadgen.bench_engines import TARGET
 
     def us(x):
         return f"more than {max(u for u, _ in budget['points']):.0f}" if x is None \
@@ -177,7 +178,8 @@ def budget_line(budget: dict) -> str:
 
     points = ", ".join(f"{u:.0f} µs {r:.2f}x" for u, r in budget["points"])
     return (f"The empty server whose handler spends a fixed CPU time on each step, "
-            f"{budget['streams']} streams, against the empty server: {points}. 0.7x holds "
+            f"{budget['streams']} streams, against the empty server: {points}. "
+            f"{TARGET:g}x holds "
             f"while a step costs its handler up to about {us(budget['target_us'])} µs; kvd "
             f"steps as the empty server does with about {us(budget['kvd_us'])} µs a step.")
 

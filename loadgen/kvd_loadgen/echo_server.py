@@ -56,13 +56,15 @@ class _WorkHandlers(grpc.GenericRpcHandler):
         self._handlers: dict[int, grpc.RpcMethodHandler] = {}
 
     def service(self, handler_call_details):
-        us = handler_call_details.method.removeprefix(self.PREFIX)
-        if us == handler_call_details.method or not us.isdigit():
+        method = handler_call_details.method
+        digits = method.removeprefix(self.PREFIX)
+        if digits == method or not digits.isdigit():
             return None
-        if int(us) not in self._handlers:
-            self._handlers[int(us)] = grpc.stream_stream_rpc_method_handler(
-                functools.partial(_work, int(us) * 1000))
-        return self._handlers[int(us)]
+        us = int(digits)
+        if us not in self._handlers:
+            self._handlers[us] = grpc.stream_stream_rpc_method_handler(
+                functools.partial(_work, us * 1000))
+        return self._handlers[us]
 
 
 async def serve(socket: str) -> None:
