@@ -174,14 +174,14 @@ def budget_line(budget: dict) -> str:
 
     def us(x):
         return f"more than {max(u for u, _ in budget['points']):.0f}" if x is None \
-            else f"{x:.0f}"
+            else f"about {x:.0f}"
 
     points = ", ".join(f"{u:.0f} µs {r:.2f}x" for u, r in budget["points"])
     return (f"The empty server whose handler spends a fixed CPU time on each step, "
             f"{budget['streams']} streams, against the empty server: {points}. "
             f"{TARGET:g}x holds "
-            f"while a step costs its handler up to about {us(budget['target_us'])} µs; kvd "
-            f"steps as the empty server does with about {us(budget['kvd_us'])} µs a step.")
+            f"while a step costs its handler up to {us(budget['target_us'])} µs; kvd "
+            f"steps as the empty server does with {us(budget['kvd_us'])} µs a step.")
 
 
 def overload_markdown(out: dict) -> list[str]:

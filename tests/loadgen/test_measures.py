@@ -83,3 +83,13 @@ def test_the_empty_server_with_work_answers_slower_as_it_works_more():
     assert 0 < steps[WORK.format(2000)] <= 250
     assert steps[WORK.format(0)] > 4 * steps[WORK.format(2000)]
     assert steps[ECHO] > 4 * steps[WORK.format(2000)]
+
+
+def test_the_budget_line_says_a_cost_past_the_points_plainly():
+    """A ratio past the last point measured reads 'more than N µs', not 'about more than'."""
+    from kvd_loadgen.bench_report import budget_line
+
+    line = budget_line({"streams": 8, "points": [(30, 0.65), (60, 0.53)],
+                        "target_us": 26.4, "kvd_us": None})
+    assert "up to about 26 µs" in line
+    assert "with more than 60 µs a step" in line and "about more" not in line
