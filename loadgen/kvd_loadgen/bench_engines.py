@@ -15,7 +15,9 @@ runs pay the engine's own work) and answers each with a two-byte reply.
 
 Each server's CPU time per step (its process's user + system time over the steps it
 served, read from /proc) says where the gap is: what gRPC costs the empty server, and what
-kvd spends on top of it.
+kvd spends on top of it; and its main thread's, which runs the event loop and every handler
+one at a time (gRPC's own threads do the socket work beside it): what each server does in
+the one thread no second core can share.
 
 - Work budget: at the most streams, the empty server also answers through handlers that spend
   a fixed CPU time on each step (`Work<us>`, see echo_server), in the same turns. Where its
@@ -118,14 +120,34 @@ async def _paced(call, make, rate: float, seconds: float, seen=None) -> list[flo
     return out
 
 
-def _cpu_s(pid: int) -> float | None:
-    """A process's CPU time so far (user + system, seconds); None where /proc has none."""
+def _cpu_s(pid: int, main_thread: bool = False) -> float | None:
+    """A process's CPU time so far (user + system, seconds), or its main thread's (the one
+    that runs its event loop and every handler); None where /proc has none."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Cpu:
+    """A server's CPU time (seconds) over the turns measured inside `with`: its process's,
+    and its main thread's (None where /proc has none)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.process: float | None = 0.0
+        self.main: float | None = 0.0
+
+    def __enter__(self) -> None:
+        self._at = (_cpu_s(self.pid), _cpu_s(self.pid, main_thread=True))
+
+    def __exit__(self, *exc) -> None:
+        now = (_cpu_s(self.pid), _cpu_s(self.pid, main_thread=True))
+        (p0, m0), (p1, m1) = self._at, now
+        self.process = None if None in (self.process, p0, p1) else self.process + p1 - p0
+        self.main = None if None in (self.main, m0, m1) else self.main + m1 - m0
 
 
 def _us_per_step(cpu_s: float | None, steps: int) -> float | None:
@@ -202,8 +224,7 @@ async def bench_engines(ns=(1, 2, 4, 8), seconds: float = 2.0, rounds: int = 2,
                 for n in ns:
                     kvd_steps = echo_steps = 0
                     kvd_s = echo_s = 0.0
-                    kvd_cpu: float | None = 0.0
-                    echo_cpu: float | None = 0.0
+                    kvd_cpu, echo_cpu = _Cpu(kvd_pid), _Cpu(echo_pid)
                     work_steps = dict.fromkeys(work_us if n == max(ns) else (), 0)
                     work_s = dict.fromkeys(work_steps, 0.0)
                     for _ in range(rounds):
@@ -217,26 +238,26 @@ async def bench_engines(ns=(1, 2, 4, 8), seconds: float = 2.0, rounds: int = 2,
                             work_s[us] += time.perf_counter() - t0
                             for call in calls:
                                 await call.done_writing()
-                        t0, c0 = time.perf_counter(), _cpu_s(kvd_pid)
-                        kvd_steps += sum(await asyncio.gather(*(
-                            _closed_loop(kvd_calls[i], engines[i].message, seconds,
-                                         engines[i].seen)
-                            for i in range(n))))
+                        t0 = time.perf_counter()
+                        with kvd_cpu:
+                            kvd_steps += sum(await asyncio.gather(*(
+                                _closed_loop(kvd_calls[i], engines[i].message, seconds,
+                                             engines[i].seen)
+                                for i in range(n))))
                         kvd_s += time.perf_counter() - t0
-                        c1 = _cpu_s(kvd_pid)
-                        kvd_cpu = None if None in (kvd_cpu, c0, c1) else kvd_cpu + c1 - c0
-                        t0, c0 = time.perf_counter(), _cpu_s(echo_pid)
-                        echo_steps += sum(await asyncio.gather(*(
-                            _closed_loop(echo_calls[i], echoes[i].message, seconds)
-                            for i in range(n))))
+                        t0 = time.perf_counter()
+                        with echo_cpu:
+                            echo_steps += sum(await asyncio.gather(*(
+                                _closed_loop(echo_calls[i], echoes[i].message, seconds)
+                                for i in range(n))))
                         echo_s += time.perf_counter() - t0
-                        c1 = _cpu_s(echo_pid)
-                        echo_cpu = None if None in (echo_cpu, c0, c1) else echo_cpu + c1 - c0
                     out["saturated"][n] = {
                         "kvd_steps_per_s": kvd_steps / kvd_s,
                         "empty_steps_per_s": echo_steps / echo_s,
-                        "kvd_server_us_per_step": _us_per_step(kvd_cpu, kvd_steps),
-                        "empty_server_us_per_step": _us_per_step(echo_cpu, echo_steps)}
+                        "kvd_server_us_per_step": _us_per_step(kvd_cpu.process, kvd_steps),
+                        "empty_server_us_per_step": _us_per_step(echo_cpu.process, echo_steps),
+                        "kvd_main_us_per_step": _us_per_step(kvd_cpu.main, kvd_steps),
+                        "empty_main_us_per_step": _us_per_step(echo_cpu.main, echo_steps)}
                     if work_steps:
                         empty = echo_steps / echo_s
                         points = [(us, work_steps[us] / work_s[us] / empty)

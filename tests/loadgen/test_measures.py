@@ -93,3 +93,33 @@ def test_the_budget_line_says_a_cost_past_the_points_plainly():
                         "target_us": 26.4, "kvd_us": None})
     assert "up to about 26 µs" in line
     assert "with more than 60 µs a step" in line and "about more" not in line
+
+
+def test_a_servers_main_thread_cpu_is_told_apart_from_its_other_threads():
+    """The engines bench's main-thread figure is the main thread's alone: a process whose
+    other thread spins while its main thread sleeps shows CPU time in the process, next to
+    none in its main thread."""
+    import subprocess
+    import sys
+    import time
+
+    from kvd_loadgen.bench_engines import _Cpu
+
+    spin = ("import threading, time\n"
+            "def spin():\n"
+            "    until = time.thread_time() + 5\n"
+            "    while time.thread_time() < until: pass\n"
+            "threading.Thread(target=spin, daemon=True).start()\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        cpu = _Cpu(proc.pid)
+        with cpu:
+            time.sleep(0.6)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cpu.process >= 0.3  # the spinning thread, on a core of its own most of the time
+    assert cpu.main <= 0.1  # asleep

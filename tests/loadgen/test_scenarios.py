@@ -157,6 +157,10 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
             us = out["saturated"][n][f"{server}_server_us_per_step"]
             busy = us * out["saturated"][n][f"{server}_steps_per_s"] / 1e6
             assert us > 0 and busy <= (os.cpu_count() or 1) + 0.5, (server, us, busy)
+            # Its main thread's share: some of it, and no more than one core.
+            main = out["saturated"][n][f"{server}_main_us_per_step"]
+            main_busy = main * out["saturated"][n][f"{server}_steps_per_s"] / 1e6
+            assert 0 < main <= us and main_busy <= 1.2, (server, main, us, main_busy)
     budget = out["budget"]
     assert budget["streams"] == 2 and [u for u, _ in budget["points"]] == [50, 2000]
     # 2 ms of CPU a step: at most 500 steps/s from the server's one thread, on two streams.
