@@ -253,6 +253,15 @@ class Node:
                 break
         return general, relocated, answered
 
+    def read_again(self, key: bytes, count: int, scope: str | None, holder: str) -> bool:
+        """A step that reads what the holder's last read (the same `count` ids, `key`) and
+        nothing else, answered by the pool that answered all of that one at once, without
+        looking at each request again (see Pool.read_again); whether it was: False when
+        its answer no longer holds (read_all then answers it)."""
+        for rt in self.pools.values():  # read_all offers the ids to the first pool whole
+            return rt.pool.read_again(key, count, scope, holder)
+        return False
+
     def hold_read(self, answered: list, holder: str) -> None:
         """The requests read_all answered are held for the step's holder until its next
         message: nothing may evict what the engine was told is in place while it reads."""

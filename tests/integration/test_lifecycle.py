@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvd_client import ResourceExhaustedError, pb
+from kvd_client import AsyncClient, ResourceExhaustedError, pb
 from kvd_client.arena import MappedPool
 
 
@@ -110,3 +110,29 @@ async def test_a_repeated_read_sees_what_changed_between_steps(client):
     assert stats.num_promotions == 8 and stats.tiers[0].used_pages == 8
     # 5 steps x 8 blocks, all counted though 4 of the steps were answered at once.
     assert stats.num_accesses == 5 * 8
+
+
+async def test_a_decode_step_sees_what_other_calls_changed_since_the_last(kvd):
+    """A decode step (the stream's last batch read again, and nothing else) is answered from
+    what the stream kept of the last read, never past a change another call made in between:
+    a block freed, blocks added, a request released."""
+    async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+            AsyncClient(kvd.target, timeout_s=10) as other:
+        for rid in ("r1", "r2"):
+            await engine.admit(rid, prompt_tokens=64)
+            await engine.allocate(rid, 2)
+        async with engine.step_stream() as stream:
+            for _ in range(2):
+                reply = await stream.step(read_all=["r1", "r2"])
+                assert not reply.errors and not reply.relocated
+            await other.free("r1", [1])
+            await other.allocate("r2", 2)
+            reply = await stream.step(read_all=["r1", "r2"])  # 1 + 4 blocks now
+            assert not reply.errors and not reply.relocated
+            await other.release("r2")
+            reply = await stream.step(read_all=["r1", "r2"])
+            assert [(e.section, e.item_index, e.code) for e in reply.errors] == [
+                ("read_all", 1, 5)]  # NOT_FOUND
+        stats = (await engine.pool_stats()).pools[0]
+        assert stats.num_accesses == 4 + 4 + 5 + 1
+        assert (await engine.self_check()).ok

@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import numpy as np
+import pytest
 
 from kvd_client import AsyncClient, pb
 from kvd_client.client import intent_update
@@ -139,11 +140,14 @@ async def test_two_engines_reading_past_the_device_at_once_both_get_answers(tmp_
             assert (await admin.self_check()).ok
 
 
+@pytest.mark.parametrize("reads", [1, 2, 3])
 async def test_a_request_a_step_answered_at_once_is_not_evicted_before_the_engines_next_message(
-        tmp_path):
+        tmp_path, reads):
     """The engine reads a request's pages after the reply that says they are in place, until
     its next message: another engine's allocation meanwhile waits for them (or for the hold to
-    lapse) instead of taking them and writing its own bytes there."""
+    lapse) instead of taking them and writing its own bytes there. Likewise after a decode
+    step that reads the same batch again (`reads` steps in a row), which the Step handler
+    answers from what it kept of the first."""
     with LocalKvd(*SMALL, workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target, timeout_s=10) as a, \
                 AsyncClient(kvd.target, timeout_s=10) as b:
@@ -156,8 +160,9 @@ async def test_a_request_a_step_answered_at_once_is_not_evicted_before_the_engin
                 _write(mapped, rng, data, told.values())
                 await b.admit("y", 4 * 16)
                 async with a.step_stream() as stream:
-                    reply = await stream.step(read_all=["x"])  # every page in place
-                    assert not reply.errors and not reply.relocated
+                    for _ in range(reads):
+                        reply = await stream.step(read_all=["x"])  # every page in place
+                        assert not reply.errors and not reply.relocated
                     # Another engine wants 4 pages now; the device holds only x's.
                     grow = asyncio.ensure_future(b.allocate("y", 4))
                     done, _ = await asyncio.wait([grow], timeout=0.3)

@@ -215,6 +215,22 @@ class Pool:
                 self.defer(self.record_reads)
         return general, relocated, answered
 
+    def read_again(self, key: bytes, count: int, tenant: str | None, holder: str) -> bool:
+        """read_all() of the step that read the same `count` requests under `key` last,
+        answered as that one was, its requests held for the holder (see hold_read); whether
+        it was (False: nothing done, read_all answers it)."""
+        again = self.reads.answer_again(key, count, tenant)
+        if again is None:
+            return False
+        requests, first = again
+        if first:
+            if self.defer is None:
+                self.record_reads()
+            else:
+                self.defer(self.record_reads)
+        self.pages.holds.hold_requests(holder, requests)
+        return True
+
     def hold_read(self, requests: list[Request], holder: str) -> None:
         """Hold the device blocks of these requests, read by a step, for the holder until its
         next call: nothing may take their pages while the engine reads them (see Step). Held

@@ -223,6 +223,20 @@ class Reads:
         self.pending.append(record)
         return len(self.pending) == 1
 
+    def answer_again(self, key: str | bytes, count: int, tenant: str | None
+                     ) -> tuple[list[Request], bool] | None:
+        """answer() of a repeated read, when the last answer under `key` (of `count` ids)
+        still holds: the requests answered, and whether the read is the first pending. None
+        when it does not hold (answer() then looks at each request)."""
+        last = self._answers.get(key)
+        if (last is None or last.count != count or last.tenant != tenant
+                or not last.still(self.pages.moves, self.pages.changes)):
+            return None
+        if self.pending and self._again(key, last.requests, last.sizes, last.critical):
+            return last.requests, False
+        return last.requests, self._add(key, ReadRecord(self.clock.now(), last.requests,
+                                                        last.sizes, last.critical))
+
     def answer(self, request_ids: Sequence[str], tenant: str | None = None,
                key: bytes | None = None
                ) -> tuple[list[str], list[Request], bool, list[Request]]:
@@ -236,15 +250,10 @@ class Reads:
         if key is None:
             request_ids = list(request_ids)  # their strings made once: joined and looked up
             key = "\0".join(request_ids)
-        last = self._answers.get(key)
+        again = self.answer_again(key, len(request_ids), tenant)
+        if again is not None:
+            return [], [], again[1], again[0]
         pending = self.pending
-        if (last is not None and last.count == len(request_ids) and last.tenant == tenant
-                and last.still(self.pages.moves, self.pages.changes)):
-            if pending and self._again(key, last.requests, last.sizes, last.critical):
-                return [], [], False, last.requests
-            first = self._add(key, ReadRecord(self.clock.now(), last.requests, last.sizes,
-                                              last.critical))
-            return [], [], first, last.requests
         requests = self._requests
         admitted = RequestState.ADMITTED
         general: list[str] = []

@@ -91,6 +91,9 @@ class StepStreams:
         # ids (with the caller's namespace): an engine reads the same batch step after step,
         # and its ids are checked and made Python strings once.
         checked = checked_read_all = None
+        # Whether the bytes from there on hold nothing but read_all entries (None: not
+        # known yet): a message with those and a step_id before them only reads.
+        checked_reads_only: bool | None = None
         ns = caller.ns
         streams.told_at_next.add(task)
         try:
@@ -99,32 +102,51 @@ class StepStreams:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
                 streams.working.add(task)  # a drain lets this message finish
                 data, step = message
-                start = None if type(step) is Malformed else _read_all_start(data)
-                key = None if start is None else data[start:]
-                if key is not None and key == checked:
-                    problem = self._check(data, step, start)
-                    read_all = checked_read_all
+                reply = None
+                if (checked_reads_only and checked_read_all and type(step) is not Malformed
+                        and data.endswith(checked)
+                        and _only_step_id(data, len(data) - len(checked))
+                        and self.auth.generation == generation):
+                    # The engine's decode step: a step_id, then the same batch as the last
+                    # message read and nothing else (the message parsed, and its bytes
+                    # before those of the last one's reads make one step_id field).
+                    node.end_holds(holder)
+                    started = time.perf_counter()
+                    if node.read_again(checked, len(checked_read_all), caller.scope, holder):
+                        reply = pb.StepResponse(step_id=step.step_id)
+                if reply is not None:
+                    problem = None
                 else:
-                    problem = self._check(data, step)
-                    read_all = list(step.read_all) if problem is None else None
-                    if ns and read_all:
-                        read_all = [ns + r for r in read_all]
-                    checked, checked_read_all = key, read_all
+                    start = None if type(step) is Malformed else _read_all_start(data)
+                    key = None if start is None else data[start:]
+                    if key is not None and key == checked:
+                        problem = self._check(data, step, start)
+                        read_all = checked_read_all
+                        if checked_reads_only is None and problem is None:
+                            checked_reads_only = _reads_only(pb.StepRequest.FromString(key))
+                    else:
+                        problem = self._check(data, step)
+                        read_all = list(step.read_all) if problem is None else None
+                        if ns and read_all:
+                            read_all = [ns + r for r in read_all]
+                        checked, checked_read_all = key, read_all
+                        checked_reads_only = None
                 if problem is not None:
                     await context.abort(*problem)
-                if self.auth.generation != generation:  # identities reloaded: still valid?
-                    generation = self.auth.generation
+                if reply is None:
+                    if self.auth.generation != generation:  # identities reloaded: still valid?
+                        generation = self.auth.generation
+                        try:
+                            self.auth.identify(context)
+                        except errors.KvdError as exc:
+                            await context.abort(status_of(exc), str(exc))
+                    node.end_holds(holder)
+                    started = time.perf_counter()
+                    node.serving.add(holder)  # its holds may not lapse while it is served
                     try:
-                        self.auth.identify(context)
-                    except errors.KvdError as exc:
-                        await context.abort(status_of(exc), str(exc))
-                node.end_holds(holder)
-                started = time.perf_counter()
-                node.serving.add(holder)  # its holds may not lapse while it is served
-                try:
-                    reply = await self.step(step, read_all, caller.scope, key, holder, ns)
-                finally:
-                    node.serving.discard(holder)
+                        reply = await self.step(step, read_all, caller.scope, key, holder, ns)
+                    finally:
+                        node.serving.discard(holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
                 await context.write(reply)
                 turn.leave()
@@ -312,6 +334,24 @@ def _check_step_ids(step: pb.StepRequest, read_all: bool = True) -> None:
                                          f"{MAX_STRING} characters")
 
 
+def _reads_only(step: pb.StepRequest) -> bool:
+    """Whether the step reads its read_all and does nothing else."""
+    return {field.number for field, _ in step.ListFields()} <= _READS_ONLY
+
+
+def _only_step_id(data: bytes, start: int) -> bool:
+    """Whether a step_id is all a parsed Step message holds before `start` (where its
+    read_all begins, see _read_all_start)."""
+    if start == 0:
+        return True
+    if data[0] != _STEP_ID_TAG:
+        return False
+    pos = 1
+    while pos < start and data[pos] & 0x80:  # the varint's bytes
+        pos += 1
+    return pos + 1 == start
+
+
 def _step_items(step: pb.StepRequest) -> tuple[int, int]:
     """A step's items (requests named, updates), and its block indices."""
     items = (len(step.intents) + len(step.releases) + len(step.allocations)
@@ -324,6 +364,7 @@ def _step_items(step: pb.StepRequest) -> tuple[int, int]:
 # whole (an engine's steps carry a handful of sections before their reads).
 _MAX_WALK = 32
 _READ_ALL_TAG = (_READ_ALL << 3) | 2  # a length-delimited field 7: one byte
+_STEP_ID_TAG = _FIELDS["step_id"].number << 3  # a varint field 1: one byte
 
 
 def _read_all_start(data: bytes) -> int | None:
