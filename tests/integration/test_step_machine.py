@@ -1,9 +1,10 @@
 """Random engine steps on real Step streams. Two engines, each with a client and a Step stream
 of its own, drive one kvd (its own process, real gRPC, real arenas and copies) with steps
 that allocate, free, release, update intents (pins, priorities, recompute_ok, prefetch) and
-read (read_all, and accesses of some or all blocks), under every policy and several device
-sizes, the engines' steps interleaved with each other and with the operator's evictions; the
-engines are one tenant, or a tenant each.
+read (read_all, and accesses of some or all blocks), and with decode steps, which read the
+last batch again and do nothing else, under every policy and several device sizes, the
+engines' steps interleaved with each other and with the operator's evictions; the engines
+are one tenant, or a tenant each.
 
 Each engine writes bytes of its own into every page it is handed, learns where its blocks
 went only from the replies (`allocated`, `relocated`), and checks every block a step read:
@@ -86,6 +87,7 @@ class Engine:
         self.pending: tuple[pb.StepRequest, asyncio.Future] | None = None
         self.steps = 0
         self.checked = 0
+        self.last_read: list[str] = []  # the read_all of its last step that had one
 
     async def open(self) -> None:
         self.call = self.client.memory.Step(metadata=self.client.metadata)
@@ -107,6 +109,8 @@ class Engine:
         self.readable = []
         self.steps += 1
         message.step_id = self.steps
+        if message.read_all:
+            self.last_read = list(message.read_all)
         await self.call.write(message)
         self.pending = (message, asyncio.ensure_future(self.call.read()))
         done, _ = await asyncio.wait([self.pending[1]], timeout=0.5)
@@ -160,6 +164,11 @@ class Engine:
                 read += [(a.request_id, index) for index in indices]
         self.check(read)
         self.readable = read + written
+
+    def again(self) -> pb.StepRequest:
+        """A decode step: the batch the engine read last (its requests still running),
+        read again, and nothing else."""
+        return pb.StepRequest(read_all=[rid for rid in self.last_read if rid in self.blocks])
 
     def step(self, choices) -> pb.StepRequest:
         """A step over the engine's requests, each choice made by the next of `choices`
@@ -305,8 +314,15 @@ async def _example(kvd, operations, policy: str) -> list[int]:
                     elif reply.decision == pb.DECISION_QUEUED:
                         await engine.client.release(rid)
                     continue
-                await _served(engine, _others(engine, engines))
-                await engine.send(engine.step(choices))
+                if kind == 2 and choices[1] % 2:
+                    # Decode steps: the last batch read again, once or a few times (the
+                    # Step handler answers a repeat of the same read from what it kept).
+                    for _ in range(1 + choices[2] % 3):
+                        await _served(engine, _others(engine, engines))
+                        await engine.send(engine.again())
+                else:
+                    await _served(engine, _others(engine, engines))
+                    await engine.send(engine.step(choices))
                 check = await admin.self_check()
                 assert check.ok, list(check.problems)
             # Last, each engine reads every block it has, then releases its requests.
