@@ -256,9 +256,12 @@ class Node:
     def read_again(self, key: bytes, count: int, scope: str | None, holder: str) -> bool:
         """A step that reads what the holder's last read (the same `count` ids, `key`) and
         nothing else, answered by the pool that answered all of that one at once, without
-        looking at each request again (see Pool.read_again); whether it was: False when
-        its answer no longer holds (read_all then answers it)."""
+        looking at each request again (see Pool.read_again), the holder's last holds ended;
+        whether it was: False when its answer no longer holds (read_all then answers it,
+        after end_holds)."""
         for rt in self.pools.values():  # read_all offers the ids to the first pool whole
+            if len(self.pools) > 1 or not rt.pool.pages.holds.only_requests(holder):
+                self.end_holds(holder)  # else the read's holds take the place of the last's
             return rt.pool.read_again(key, count, scope, holder)
         return False
 

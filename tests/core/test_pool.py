@@ -644,6 +644,28 @@ def test_a_repeated_read_all_is_checked_again_once_anything_changed(make_pool):
     assert pool.counters.num_accesses == 5 * 4 + 2 + 2  # each read answered at once counts
 
 
+def test_a_decode_step_holds_its_read_where_the_last_holds_were_taken_block_by_block(make_pool):
+    """A step's read is held by request until victims are looked for, then block by block. The
+    decode step after (the same read again, see Node.read_again) ends those holds and holds
+    its read in their place: victims looked for after it still cannot take those pages."""
+    pool = make_pool(device_pages=4, host_pages=16, policy="lru")
+    pool.admit("x", tenant="t", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("x", 4))  # the whole device
+    pool.admit("y", tenant="t", prompt_tokens=16, output_tokens=0)
+    _, _, answered = pool.read_all(["x"])
+    pool.hold_read(answered, "engine")
+    with pytest.raises(BlocksInTransit):  # the caller waits for the holds to end
+        pool.allocate("y", 1)  # only x's pages, held
+    assert not pool.pages.holds.only_requests("engine")  # held block by block now
+    pool.end_holds("engine")
+    assert pool.read_again("x", 1, None, "engine")  # the kept answer still holds
+    with pytest.raises(BlocksInTransit):
+        pool.allocate("y", 1)
+    assert all(b.tier is TierKind.DEVICE for b in pool.requests["x"].live_blocks())
+    pool.end_holds("engine")
+    settle(pool, pool.allocate("y", 1))  # the engine's next call gave them back
+
+
 @pytest.mark.parametrize("policy", policy_names())
 def test_an_access_that_finds_no_room_leaves_the_eviction_order_as_it_was(make_pool, policy):
     # The blocks an access reads are protected from its own evictions. They used to be taken

@@ -66,6 +66,20 @@ class Holds:
             self._lazy += 1
         lazy.append(requests)
 
+    def only_requests(self, holder: str) -> bool:
+        """Whether the holder holds no block itself (requests at most, or nothing)."""
+        entry = self._by_holder.get(holder)
+        return entry is None or not entry[1]
+
+    def hold_again(self, holder: str, requests: list[Request]) -> None:
+        """The holder's next call holds these requests (see hold_requests) in place of what
+        it held, which was requests at most (only_requests): ending those changes nothing
+        else (see end_if_only_requests), so the entry is replaced in one step."""
+        entry = self._by_holder.get(holder)
+        if entry is None or not entry[2]:
+            self._lazy += 1
+        self._by_holder[holder] = (self.clock.now(), [], [requests])
+
     def materialize(self) -> None:
         """Hold the blocks of every request held by request: called before victims are chosen
         (a request's blocks are then out of the policy's reach)."""

@@ -217,8 +217,9 @@ class Pool:
 
     def read_again(self, key: bytes, count: int, tenant: str | None, holder: str) -> bool:
         """read_all() of the step that read the same `count` requests under `key` last,
-        answered as that one was, its requests held for the holder (see hold_read); whether
-        it was (False: nothing done, read_all answers it)."""
+        answered as that one was, its requests held for the holder in place of what it held
+        (requests at most: see Holds.hold_again); whether it was (False: nothing done,
+        read_all answers it)."""
         again = self.reads.answer_again(key, count, tenant)
         if again is None:
             return False
@@ -228,7 +229,7 @@ class Pool:
                 self.record_reads()
             else:
                 self.defer(self.record_reads)
-        self.pages.holds.hold_requests(holder, requests)
+        self.pages.holds.hold_again(holder, requests)
         return True
 
     def hold_read(self, requests: list[Request], holder: str) -> None:

@@ -110,7 +110,6 @@ class StepStreams:
                     # The engine's decode step: a step_id, then the same batch as the last
                     # message read and nothing else (the message parsed, and its bytes
                     # before those of the last one's reads make one step_id field).
-                    node.end_holds(holder)
                     started = time.perf_counter()
                     if node.read_again(checked, len(checked_read_all), caller.scope, holder):
                         reply = pb.StepResponse(step_id=step.step_id)
