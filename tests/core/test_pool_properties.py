@@ -75,6 +75,7 @@ class PoolMachine(RuleBasedStateMachine):
         # holder -> the device page of each block of the requests a step answered at once
         # for it: the engine reads them there until its next call.
         self.told: dict[str, dict] = {}
+        self.last_read: dict[str, list[str]] = {}  # each holder's last read_all
 
     def _do(self, op):
         before = fingerprint(self.pool)
@@ -179,6 +180,7 @@ class PoolMachine(RuleBasedStateMachine):
     def read_all(self, rids, holder):
         """A Step's reads answered at once, held for its stream until its next message."""
         _, _, answered = self.pool.read_all(rids)
+        self.last_read[holder] = rids
         for req in answered:  # answered at once (perhaps from an answer kept): all in place
             assert all(b.tier is TierKind.DEVICE and not b.moving for b in req.live_blocks()), \
                 f"{req.request_id} answered at once with a block off the device tier"
@@ -187,6 +189,26 @@ class PoolMachine(RuleBasedStateMachine):
         for req in answered:
             for b in req.live_blocks():
                 told[b] = b.page
+
+    @rule(holder=st.sampled_from("ab"))
+    def read_again(self, holder):
+        """A decode step (the holder's last read again), as Node.read_again serves it: the
+        holder's holds end (replaced in one step when they are of requests only), and the
+        read is answered from the answer kept for the same ids, when it still holds."""
+        rids = self.last_read.get(holder)
+        if not rids:
+            return
+        if not self.pool.pages.holds.only_requests(holder):
+            self._do(lambda: self.pool.end_holds(holder))
+        if not self.pool.read_again("\0".join(rids), len(rids), None, holder):
+            self._do(lambda: self.pool.end_holds(holder))  # what the general path does first
+            self.told.pop(holder, None)
+            return
+        self.told[holder] = {b: b.page for rid in rids
+                             for b in self.pool.requests[rid].live_blocks()}
+        for b in self.told[holder]:
+            assert b.tier is TierKind.DEVICE and not b.moving, \
+                f"{b.request.request_id} answered again with a block off the device tier"
 
     @rule(holder=st.sampled_from("ab"))
     def end_holds(self, holder):
