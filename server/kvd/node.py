@@ -259,11 +259,12 @@ class Node:
         looking at each request again (see Pool.read_again), the holder's last holds ended;
         whether it was: False when its answer no longer holds (read_all then answers it,
         after end_holds)."""
-        for rt in self.pools.values():  # read_all offers the ids to the first pool whole
-            if len(self.pools) > 1 or not rt.pool.pages.holds.only_requests(holder):
-                self.end_holds(holder)  # else the read's holds take the place of the last's
-            return rt.pool.read_again(key, count, scope, holder)
-        return False
+        rt = next(iter(self.pools.values()), None)  # read_all offers it the ids whole
+        if rt is None:
+            return False
+        if len(self.pools) > 1 or not rt.pool.pages.holds.only_requests(holder):
+            self.end_holds(holder)  # else the read's holds take the place of the last's
+        return rt.pool.read_again(key, count, scope, holder)
 
     def hold_read(self, answered: list, holder: str) -> None:
         """The requests read_all answered are held for the step's holder until its next

@@ -209,10 +209,7 @@ class Pool:
         was told, and the requests read."""
         general, relocated, first, answered = self.reads.answer(request_ids, tenant, key)
         if first:
-            if self.defer is None:
-                self.record_reads()
-            else:
-                self.defer(self.record_reads)
+            self._record_reads_soon()
         return general, relocated, answered
 
     def read_again(self, key: bytes, count: int, tenant: str | None, holder: str) -> bool:
@@ -225,10 +222,7 @@ class Pool:
             return False
         requests, first = again
         if first:
-            if self.defer is None:
-                self.record_reads()
-            else:
-                self.defer(self.record_reads)
+            self._record_reads_soon()
         self.pages.holds.hold_again(holder, requests)
         return True
 
@@ -238,6 +232,14 @@ class Pool:
         by request: the blocks leave the policy only if victims are chosen meanwhile (reads
         left pending stay so: no block moves or changes hands here)."""
         self.pages.holds.hold_requests(holder, requests)  # read_all's: all admitted
+
+    def _record_reads_soon(self) -> None:
+        """The first pending read was answered: recorded a little after the reply has gone
+        (through `defer`), or now where nothing defers."""
+        if self.defer is None:
+            self.record_reads()
+        else:
+            self.defer(self.record_reads)
 
     def record_reads(self) -> None:
         """Record the reads read_all() answered (see Reads.record_pending)."""

@@ -216,7 +216,7 @@ class StepStreams:
         reply = pb.StepResponse(step_id=step.step_id)
         # Only the sections the step has: most steps are just read_all, and each look at an
         # empty repeated field costs a wrapper object on the hot path.
-        present = {field.number for field, _ in step.ListFields()}
+        present = _sections(step)
         general = None  # read_all's requests left for the general path, once it has run
         if present <= _READS_ONLY:  # nothing comes before read_all: run it now
             general = (self._read_all(read_all, reply, scope, reads_key, len(ns), holder)
@@ -333,9 +333,15 @@ def _check_step_ids(step: pb.StepRequest, read_all: bool = True) -> None:
                                          f"{MAX_STRING} characters")
 
 
+def _sections(step: pb.StepRequest) -> set[int]:
+    """The field numbers of the sections a step has (only those: each look at an empty
+    repeated field costs a wrapper object)."""
+    return {field.number for field, _ in step.ListFields()}
+
+
 def _reads_only(step: pb.StepRequest) -> bool:
     """Whether the step reads its read_all and does nothing else."""
-    return {field.number for field, _ in step.ListFields()} <= _READS_ONLY
+    return _sections(step) <= _READS_ONLY
 
 
 def _only_step_id(data: bytes, start: int) -> bool:
