@@ -524,11 +524,21 @@ def _not_readable(pool, rids):
 
 
 def _blocks_read(pool, batch) -> int:
-    """Read the batch, answered at once; the blocks the read counted."""
-    before = pool.counters.num_accesses
+    """Read the batch, answered at once; the blocks the read counted (the pool's count, which
+    each request's and each tenant's metering must match)."""
+
+    def metered():
+        requests = [pool.requests[rid] for rid in dict.fromkeys(batch)]  # each once
+        by_tenant = pool.tenancy.blocks_read_by_tenant
+        return (pool.counters.num_accesses, sum(req.blocks_read for req in requests),
+                sum(by_tenant[tenant] for tenant in {req.tenant for req in requests}))
+
+    before = metered()
     assert pool.read_all(batch)[:2] == ([], [])
     pool.record_reads()
-    return pool.counters.num_accesses - before
+    counted, by_request, by_tenant = (now - then for now, then in zip(metered(), before))
+    assert by_request == by_tenant == counted
+    return counted
 
 
 def test_a_read_answered_before_follows_blocks_added_freed_and_moved(make_pool):
