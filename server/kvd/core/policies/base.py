@@ -13,7 +13,7 @@ caller that must look at them before it commits (see Pool._evict).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import ClassVar
 
 from kvd.core.blocks import Block
@@ -65,6 +65,11 @@ class EvictionPolicy(ABC):
     def touch_request(self, req) -> None:
         """Every block of req was read, in index order (attention's read of a request)."""
         self.touch_many(req.blocks)
+
+    def touch_requests(self, requests: Iterable) -> None:
+        """touch_request() of each request in turn (a step's reads, recorded together)."""
+        for req in requests:
+            self.touch_request(req)
 
     @abstractmethod
     def reorder(self, block: Block) -> None:

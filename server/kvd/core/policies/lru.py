@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from itertools import islice
+from itertools import chain, islice
 
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
@@ -31,6 +31,10 @@ class LruPolicy(EvictionPolicy):
 
     def touch_many(self, blocks) -> None:
         self._order.requeue(blocks)  # pinned blocks are not held: skipped
+
+    def touch_requests(self, requests) -> None:
+        # Every block of each request in turn, in one pass (touch_many of each, chained).
+        self._order.requeue(chain.from_iterable(req.blocks for req in requests))
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.

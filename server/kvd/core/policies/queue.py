@@ -79,10 +79,11 @@ class BlockQueue:
                 yield block
 
     def _compact(self) -> None:
-        live = list(self)
         head = self._head
-        for i, block in enumerate(live):
-            block.queue_pos = head + i
+        live = [block for pos, block in enumerate(self._entries, head)
+                if block.queue is self and block.queue_pos == pos]  # __iter__, inline
+        for pos, block in enumerate(live, head):
+            block.queue_pos = pos
         self._entries = deque(live)
 
     def __len__(self) -> int:
