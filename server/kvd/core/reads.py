@@ -108,7 +108,8 @@ class ReadRecord:
     def again(self, now: float, sizes: list[int], critical: list[int]) -> None:
         """The same requests read again now, with these sizes."""
         self.before, self.at = self.at, now
-        if sizes == self.sizes and critical == self.critical:
+        if ((sizes is self.sizes or sizes == self.sizes)
+                and (critical is self.critical or critical == self.critical)):
             self.times += 1
         elif self.more_sizes is None:
             self.more_sizes, self.more_critical = sizes, critical
@@ -208,7 +209,8 @@ class Reads:
         """The pending record of the same requests, read again now; None when there is
         none (the caller makes one)."""
         record = self._open.get(key)
-        if record is None or record.requests != read:  # identity, in order (eq=False)
+        # The same requests, by identity and in order (eq=False): often the same list.
+        if record is None or (record.requests is not read and record.requests != read):
             return None
         record.again(self.clock.now(), sizes, critical)
         pending = self.pending
