@@ -183,7 +183,7 @@ class Daemon:
         self.turns.configure({t.name: t.weight for t in self.config.tenants})
         add_service(server, MemoryService(self.node, self.auth, self.gate, self.turns,
                                           self.streams),
-                    services["Memory"], with_bytes=MemoryService.WITH_BYTES,
+                    services["Memory"], raw=MemoryService.RAW,
                     streams=self.streams, finish=MemoryService.FINISH_AT_DRAIN)
         add_service(server, AdminService(self.node, self.auth, self.request_stop, self.gate),
                     services["Admin"])

@@ -193,3 +193,20 @@ async def test_a_stream_checks_each_message_that_differs_from_the_last_it_passed
             await stream.step(read_all=["r", "x" * 257])
     assert await client.health() == "SERVING"
     assert len((await client.access("r", [0])).handles) == 1
+
+
+async def test_a_step_id_after_the_reads_is_the_steps(client):
+    """Protobuf keeps a field's last value: a Step message whose step_id comes again after its
+    read_all is answered with that one, also when its bytes before the read_all are those
+    of an engine's decode step (another step_id, then the batch the last message read)."""
+    await client.admit("r", 32)
+    await client.allocate("r", 1)
+    call = client.channel.stream_stream("/kvd.v1.Memory/Step", request_serializer=None,
+                                        response_deserializer=pb.StepResponse.FromString)()
+    late = pb.StepRequest(step_id=7).SerializeToString()
+    for step_id in (1, 2, 3):
+        await call.write(pb.StepRequest(step_id=step_id, read_all=["r"] * 40)
+                         .SerializeToString() + late)
+        reply = await call.read()
+        assert reply.step_id == 7 and not reply.errors
+    await call.done_writing()

@@ -20,7 +20,7 @@ from kvd_api.v1 import kvd_pb2 as pb
 async def _messages(n: int):
     for i in range(n):
         step = pb.StepRequest(step_id=i + 1, read_all=["r"])
-        yield step.SerializeToString(), step
+        yield step.SerializeToString()  # Step handlers get the bytes (MemoryService.RAW)
 
 
 async def test_a_tenants_streams_take_turns_while_another_tenant_steps():

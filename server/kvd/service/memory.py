@@ -31,9 +31,10 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 
 class MemoryService(pb_grpc.MemoryServicer):
-    # Methods whose handler gets (bytes, message) pairs: a Step's bytes tell a repeated
-    # read at a glance (see _read_all_start).
-    WITH_BYTES = ("Step",)
+    # Methods whose handler gets each message's bytes and parses them itself: a Step's bytes
+    # tell a repeated read at a glance (see _read_all_start), and an engine's decode step
+    # is answered with only its step_id parsed.
+    RAW = ("Step",)
     # A handoff in flight is work a drain lets finish (a cut one rolls back): the other
     # streams are ended at once, a Step stream after the message it is serving.
     FINISH_AT_DRAIN = ("Handoff",)
@@ -252,6 +253,6 @@ class MemoryService(pb_grpc.MemoryServicer):
                           context: grpc.aio.ServicerContext) -> None:
         await self.streams.watch_events(request, context)
 
-    async def Step(self, request_iterator: AsyncIterator[tuple[bytes, pb.StepRequest]],
+    async def Step(self, request_iterator: AsyncIterator[bytes],
                    context: grpc.aio.ServicerContext) -> None:
         await self.steps.serve(request_iterator, context)

@@ -126,7 +126,10 @@ def _long_string(message, path: str = "") -> str | None:
 _STRING, _MESSAGE = FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_MESSAGE
 
 
-def _safe(parse, walk_limit: float = float("inf")):
+def safe_parser(parse, walk_limit: float = float("inf")):
+    """`parse` (a message class's FromString) made to return Malformed instead of raising,
+    and for a string longer than MAX_STRING (messages up to walk_limit bytes are walked)."""
+
     def deserialize(data: bytes):
         try:
             message = parse(data)
@@ -140,36 +143,24 @@ def _safe(parse, walk_limit: float = float("inf")):
     return deserialize
 
 
-def _safe_with_bytes(parse, walk_limit: float = float("inf")):
-    """As _safe, but the handler gets (the bytes, the message or Malformed)."""
-    safe = _safe(parse, walk_limit)
-
-    def deserialize(data: bytes):
-        return data, safe(data)
-
-    return deserialize
-
-
-def add_service(server: grpc.aio.Server, servicer, service, with_bytes=(),
+def add_service(server: grpc.aio.Server, servicer, service, raw=(),
                 streams: OpenStreams | None = None, finish=()) -> None:
     """Serve every method of `service` (a ServiceDescriptor) from `servicer`; the methods
-    named in `with_bytes` get each request's bytes with it; its streaming methods' calls are
-    kept in `streams` (ended at a drain), except those named in `finish`, which a drain lets
-    finish as it does unary calls."""
+    named in `raw` get each request's bytes, and parse them themselves (with safe_parser);
+    its streaming methods' calls are kept in `streams` (ended at a drain), except those
+    named in `finish`, which a drain lets finish as it does unary calls."""
     handlers = {}
     for method in service.methods:
         request = message_factory.GetMessageClass(method.input_type)
         response = message_factory.GetMessageClass(method.output_type)
         factory = _FACTORIES[(method.client_streaming, method.server_streaming)]
-        parse = _safe_with_bytes if method.name in with_bytes else _safe
         walk_limit = WALK_LIMIT.get(method.name, float("inf"))
+        parse = None if method.name in raw else safe_parser(request.FromString, walk_limit)
         served = getattr(servicer, method.name)
         streaming = method.client_streaming or method.server_streaming
         if streams is not None and streaming and method.name not in finish:
             served = streams.serve(served)
-        handlers[method.name] = factory(served,
-                                        request_deserializer=parse(request.FromString,
-                                                                   walk_limit),
+        handlers[method.name] = factory(served, request_deserializer=parse,
                                         response_serializer=response.SerializeToString)
     # Generic handlers only. grpc.aio also takes "registered" method handlers, but with kvd's
     # ~30 methods registered every call cost ~45 us more server CPU (measured with registered

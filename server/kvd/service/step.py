@@ -21,7 +21,8 @@ from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller, unprefixed
 from kvd.service.convert import handle, intent_change, intent_fields
 from kvd.service.gate import CallLimits, StepTurns
-from kvd.service.register import DRAINING, MAX_STRING, Malformed, OpenStreams
+from kvd.service.register import (DRAINING, MAX_STRING, WALK_LIMIT, Malformed,
+                                  OpenStreams, safe_parser)
 from kvd.service.status import status_of
 from kvd.waiters import ON_ROOM_WAIT
 from kvd_api.v1 import kvd_pb2 as pb
@@ -33,6 +34,10 @@ _INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES, _READ_ALL = (
 _READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
 # The sections of items that each name a request (request_id).
 _SECTIONS = frozenset({_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES})
+# A Step message's bytes parsed (the handler gets them raw, see MemoryService.RAW): the
+# StepRequest, or Malformed.
+_PARSE = safe_parser(pb.StepRequest.FromString, WALK_LIMIT["Step"])
+_NO_STEP_ID = pb.StepRequest()  # what a message's bytes before its read_all hold, if none
 
 
 class _Turn:
@@ -92,37 +97,42 @@ class StepStreams:
         # and its ids are checked and made Python strings once.
         checked = checked_read_all = None
         # Whether the bytes from there on hold nothing but read_all entries (None: not
-        # known yet): a message with those and a step_id before them only reads.
+        # known yet): a message with those and a step_id before them only reads, and its
+        # step_id is the one before them.
         checked_reads_only: bool | None = None
+        parse = _PARSE
         ns = caller.ns
         streams.told_at_next.add(task)
         try:
-            while (message := await self._next(messages, caller, turn, holder)) is not None:
+            while (data := await self._next(messages, caller, turn, holder)) is not None:
                 if streams.draining:  # told now: its client has written the message
                     await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
                 streams.working.add(task)  # a drain lets this message finish
-                data, step = message
                 reply = None
-                if (checked_reads_only and checked_read_all and type(step) is not Malformed
-                        and data.endswith(checked)
-                        and _only_step_id(data, len(data) - len(checked))
+                if (checked_reads_only and checked_read_all and data.endswith(checked)
+                        and _only_step_id(data, start := len(data) - len(checked))
                         and self.auth.generation == generation):
                     # The engine's decode step: a step_id, then the same batch as the last
-                    # message read and nothing else (the message parsed, and its bytes
-                    # before those of the last one's reads make one step_id field).
-                    started = time.perf_counter()
-                    if node.read_again(checked, len(checked_read_all), caller.scope, holder):
-                        reply = pb.StepResponse(step_id=step.step_id)
+                    # message read and nothing else. Only the step_id is parsed: the bytes
+                    # after it parsed in the last message, and field by field a message
+                    # parses as its parts do.
+                    head = parse(data[:start]) if start else _NO_STEP_ID
+                    if type(head) is not Malformed:
+                        started = time.perf_counter()
+                        if node.read_again(checked, len(checked_read_all), caller.scope,
+                                           holder):
+                            reply = pb.StepResponse(step_id=head.step_id)
                 if reply is not None:
                     problem = None
                 else:
+                    step = parse(data)
                     start = None if type(step) is Malformed else _read_all_start(data)
                     key = None if start is None else data[start:]
                     if key is not None and key == checked:
                         problem = self._check(data, step, start)
                         read_all = checked_read_all
                         if checked_reads_only is None and problem is None:
-                            checked_reads_only = _reads_only(pb.StepRequest.FromString(key))
+                            checked_reads_only = _reads_only(key)
                     else:
                         problem = self._check(data, step)
                         read_all = list(step.read_all) if problem is None else None
@@ -165,7 +175,7 @@ class StepStreams:
             node.leases.stream_closed(caller.lease)
 
     async def _next(self, messages, caller: Caller, turn: _Turn, holder: str):
-        """The stream's next (bytes, message), or None at its end; while tenants compete,
+        """The stream's next message (its bytes), or None at its end; while tenants compete,
         returned in one of the tenant's turns (see StepTurns).
 
         The message is read before the turn is taken, and ends the holds of the last
@@ -339,14 +349,16 @@ def _sections(step: pb.StepRequest) -> set[int]:
     return {field.number for field, _ in step.ListFields()}
 
 
-def _reads_only(step: pb.StepRequest) -> bool:
-    """Whether the step reads its read_all and does nothing else."""
-    return _sections(step) <= _READS_ONLY
+def _reads_only(key: bytes) -> bool:
+    """Whether a message's bytes from its read_all on (see _read_all_start) hold read_all
+    entries and nothing else: not even a step_id, which would stand for the message's."""
+    return _sections(pb.StepRequest.FromString(key)) == {_READ_ALL}
 
 
 def _only_step_id(data: bytes, start: int) -> bool:
-    """Whether a step_id is all a parsed Step message holds before `start` (where its
-    read_all begins, see _read_all_start)."""
+    """Whether a Step message's bytes before `start` (where the bytes its last message read
+    from begin) are one step_id field, or none: its tag, then a varint's bytes (whether the
+    varint is a valid one is for the parser to say)."""
     if start == 0:
         return True
     if data[0] != _STEP_ID_TAG:
