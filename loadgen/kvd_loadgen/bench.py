@@ -7,6 +7,7 @@ import uvloop
 
 import asyncio
 import contextlib
+import math
 import os
 import platform
 import statistics
@@ -30,6 +31,7 @@ from kvd_loadgen.bench_report import (
 )
 from kvd_loadgen.bench_scenarios import run_scenarios
 from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.measures import cpu_s
 
 console = Console()
 CONCURRENCY = 8  # calls in flight from the load process, for both baseline and kvd
@@ -59,12 +61,6 @@ async def _burst(call, indices) -> float:
     return time.perf_counter() - started
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # Two servers and the load process share two cores, whose speed drifts by tens of percent
 # over seconds here. Each kvd figure is therefore measured paired with the empty server's:
 # both run at once, and the load alternates between them in short turns, so both sides see
@@ -83,9 +79,10 @@ async def _paired_rates(sides: list[tuple[int, object]], n: int) -> list[dict]:
         warm = range(n + start // BURST * CONCURRENCY, n + (start // BURST + 1) * CONCURRENCY)
         for k, (pid, call) in enumerate(sides):
             await _burst(call, warm)  # warm-up calls, untimed, numbered after the timed ones
-            cpu0 = _cpu_s(pid)
+            cpu0 = cpu_s(pid)
             spent[k] += await _burst(call, range(start, min(n, start + BURST)))
-            cpu[k] += _cpu_s(pid) - cpu0
+            cpu1 = cpu_s(pid)
+            cpu[k] += math.nan if cpu0 is None or cpu1 is None else cpu1 - cpu0
     return [{"rps": n / t, "server_cpu_us": c / n * 1e6} for t, c in zip(spent, cpu)]
 
 

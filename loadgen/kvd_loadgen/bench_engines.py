@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import grpc
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_client import AsyncClient
 from kvd_loadgen.local import LocalKvd
+from kvd_loadgen.measures import cpu_s
 
 REQUESTS, BLOCKS = 64, 4
 ECHO = "/kvd.bench.Echo/Ack"  # answers each message with a reply as small as kvd's
@@ -120,17 +120,6 @@ async def _paced(call, make, rate: float, seconds: float, seen=None) -> list[flo
     return out
 
 
-def _cpu_s(pid: int, main_thread: bool = False) -> float | None:
-    """A process's CPU time so far (user + system, seconds), or its main thread's (the one
-    that runs its event loop and every handler); None where /proc has none."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class _Cpu:
     """A server's CPU time (seconds) over the turns measured inside `with`: its process's,
     and its main thread's (None where /proc has none)."""
@@ -141,10 +130,10 @@ class _Cpu:
         self.main: float | None = 0.0
 
     def __enter__(self) -> None:
-        self._at = (_cpu_s(self.pid), _cpu_s(self.pid, main_thread=True))
+        self._at = (cpu_s(self.pid), cpu_s(self.pid, main_thread=True))
 
     def __exit__(self, *exc) -> None:
-        now = (_cpu_s(self.pid), _cpu_s(self.pid, main_thread=True))
+        now = (cpu_s(self.pid), cpu_s(self.pid, main_thread=True))
         (p0, m0), (p1, m1) = self._at, now
         self.process = None if None in (self.process, p0, p1) else self.process + p1 - p0
         self.main = None if None in (self.main, m0, m1) else self.main + m1 - m0

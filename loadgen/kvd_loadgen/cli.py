@@ -146,8 +146,8 @@ def _whale_minnows_parser(sub) -> None:
 
 def _soak_parser(sub) -> None:
     soak = sub.add_parser("soak", help="many clients, mixed workload, minutes: leaks and drift")
-    soak.add_argument("--clients", type=int, default=64)
-    soak.add_argument("--duration-s", type=float, default=180.0)
+    soak.add_argument("--clients", type=int, help="default: as many as make bench's soak")
+    soak.add_argument("--duration-s", type=float, help="default: as long as make bench's soak")
     soak.add_argument("--interval-s", type=float, default=30.0, help="report period")
     soak.add_argument("--policy", default="fair")
     soak.add_argument("--json", type=Path)

@@ -193,7 +193,8 @@ async def run_soak(clients: int, duration_s: float, policy: str, interval_s: flo
     growth = (warm[-1] - warm[0]) / warm[0] if len(warm) > 1 else 0.0
     heap_growth, rss_growth = thirds_growth(rss, duration_s)
     return {"heap_growth_last_vs_middle_third": heap_growth,
-            "rss_growth_last_vs_middle_third": rss_growth,"clients": clients, "duration_s": duration_s, "policy": policy,
+            "rss_growth_last_vs_middle_third": rss_growth,
+            "clients": clients, "duration_s": duration_s, "policy": policy,
             "calls": len(samples), "errors": dict(errors), "pages_leaked": leaked,
             "reserved_pages_left": stats.reserved_pages, "requests_left": stats.num_requests,
             "self_check_ok": check.ok, "rss_mib": rss, "rss_growth_after_warmup": growth,
@@ -223,9 +224,11 @@ def targets(out: dict) -> dict[str, dict]:
 def run_cli(args) -> int:
     from kvd_loadgen.cli import write_json
 
+    clients = SOAK_CLIENTS if args.clients is None else args.clients
+    duration_s = SOAK_S if args.duration_s is None else args.duration_s
     console = Console(width=max(Console().width, 100))
-    with console.status(f"soak: {args.clients} clients for {args.duration_s:.0f} s"):
-        out = uvloop.run(run_soak(args.clients, args.duration_s, args.policy, args.interval_s))
+    with console.status(f"soak: {clients} clients for {duration_s:.0f} s"):
+        out = uvloop.run(run_soak(clients, duration_s, args.policy, args.interval_s))
     t = Table(title=f"soak: {out['clients']} clients, {out['duration_s']:.0f} s, "
                     f"policy {out['policy']}")
     for col in ("from s", "calls", "p50 ms", "p99 ms"):
