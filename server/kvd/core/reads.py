@@ -432,27 +432,18 @@ class Reads:
         policy = self.pages.policy
         tracks_reuse = policy.tracks_reuse
         num_critical = num_blocks = 0
-        by_tenant = self.tenancy.blocks_read_by_tenant
         for req, now, before, count, num_read, critical in reads:
             num_critical += critical
-            if tracks_reuse:
-                for b in req.blocks:
-                    if b is not None and b.last_access <= now:
+            for b in req.blocks:
+                if b is not None and b.last_access <= now:
+                    if tracks_reuse:
                         # A block added after the read before was first read at `now`.
                         last = b.last_access
                         b.reuse_s = now - (last if before is None or last > before
                                            else before)
-                        b.last_access = now
-            else:
-                for b in req.blocks:
-                    if b is not None and b.last_access <= now:
-                        b.last_access = now
+                    b.last_access = now
             num_blocks += num_read
-            # note(), inline: a step's reads record 64 requests and more at a time.
-            req.blocks_read += num_read
-            by_tenant[req.tenant] += num_read
-            if req.read_bucket is not None:
-                req.read_bucket.consume(num_read * self.page_bytes, now)
+            self.note(req, num_read, now)
         if policy.eager_touch:
             policy.touch_requests([read[0] for read in reads])
         self.counters.num_decode_critical_accesses += num_critical
