@@ -105,7 +105,7 @@ class PoolRuntime:
         if req is None:
             return False
         if indices is None:
-            return any(b is not None and b.decode_critical for b in req.blocks)
+            return any(b.decode_critical for b in req.live)
         return any(0 <= i < len(req.blocks) and req.blocks[i] is not None
                    and req.blocks[i].decode_critical for i in indices)
 

@@ -97,7 +97,7 @@ class InTransit:
         for req in requests:
             if not req.num_moving_blocks:
                 continue
-            orphans = [b for b in req.blocks if b is not None and b.moving
+            orphans = [b for b in req.live if b.moving
                        and (b not in owner or owner[b].done())]
             if not orphans:
                 continue

@@ -297,6 +297,46 @@ def test_a_sliding_window_stays_within_its_reservation(make_pool):
     assert pool.reserved_pages == 2
 
 
+class _IndexTable(list):
+    """A request's index table that refuses to be walked: what a read costs must not grow
+    with the blocks its request freed before."""
+
+    def __iter__(self):
+        raise AssertionError("walked the request's index table, freed slots and all")
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_reads_walk_the_blocks_a_request_holds_not_those_it_freed(make_pool, policy):
+    pool = make_pool(device_pages=8, host_pages=8, policy=policy)
+    pool.admit("w", tenant="t", prompt_tokens=64, output_tokens=0)
+    settle(pool, pool.allocate("w", 3))
+    pool.admit("o", tenant="t", prompt_tokens=48, output_tokens=0)  # the evictions' victims
+    settle(pool, pool.allocate("o", 3))
+    for step in range(3, 500):  # a decode loop that gives back what it no longer attends to
+        settle(pool, pool.allocate("w", 1))
+        pool.free("w", [step])
+    req = pool.get_request("w")
+    assert (req.num_live_blocks, len(req.blocks)) == (3, 500)
+    table, req.blocks = req.blocks, _IndexTable(req.blocks)
+    try:
+        for _ in range(3):
+            pool.read_all(["w"])
+            pool.record_reads()
+            pool.access("w", None, holder="engine")
+            pool.end_holds("engine")
+            pool.read_all(["w"])
+            pool.hold_read([req], "engine")
+            # A decision: the reads held become holds, those pending are recorded.
+            settle(pool, pool.evict(1))
+            pool.end_holds("engine")
+        settle(pool, pool.allocate("w", 1))
+        pool.free("w", [500])
+    finally:
+        req.blocks = list(table)
+    assert [b.index for b in req.live] == [0, 1, 2]
+    assert pool.counters.num_accesses == 3 * 3 * 3
+
+
 def test_fair_admission_counts_only_pages_above_other_tenants_shares(make_pool):
     pool = make_pool(device_pages=8, host_pages=16, policy="fair")
     pool.admit("whale", tenant="w", prompt_tokens=16 * 8, output_tokens=0)

@@ -175,6 +175,10 @@ class Request:
     working_set_cap: int | None = None
     # Index i holds block i; a freed block leaves None so indices stay stable.
     blocks: list[Block | None] = field(default_factory=list)
+    # Its live blocks in index order: what a read walks. A request that frees blocks as it
+    # grows (a sliding window, a decode loop giving back what it no longer attends to)
+    # leaves ever more None in `blocks`; its reads cost what it holds, not what it held.
+    live: list[Block] = field(default_factory=list)
     num_live_blocks: int = 0
     num_device_blocks: int = 0
     num_moving_blocks: int = 0
@@ -204,8 +208,22 @@ class Request:
     keeper: bool = False
 
     def live_blocks(self) -> list[Block]:
-        """The request's blocks that are not freed, in index order."""
-        return [b for b in self.blocks if b is not None]
+        """The request's blocks that are not freed, in index order (a copy: the caller may
+        free them while it walks it)."""
+        return self.live.copy()
+
+    def unlive(self, gone: list[Block]) -> None:
+        """These blocks were freed: out of `live`. O(live) whatever their number."""
+        live = self.live
+        if len(gone) == 1:
+            block = gone[0]
+            if live[-1] is block:  # the newest: a block that was just placed, or a decode
+                live.pop()
+            else:
+                live.remove(block)  # identity first (eq=False)
+        elif gone:
+            ids = {id(b) for b in gone}
+            self.live = [b for b in live if id(b) not in ids]
 
 
 class Changes:

@@ -91,7 +91,7 @@ class Holds:
                 for req in requests:
                     if (self.requests.get(req.request_id) is req
                             and req.state is RequestState.ADMITTED):  # else released since
-                        self.hold(holder, [b for b in req.blocks if b is not None])
+                        self.hold(holder, req.live)
             lazy.clear()
 
     def hold(self, holder: str, blocks: Iterable[Block]) -> None:

@@ -139,6 +139,9 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
     tally.reserved_by_tenant[req.tenant] += req.reserved_pages
     tally.device_by_tenant[req.tenant] += req.num_device_blocks
     live = [b for b in req.blocks if b is not None]
+    if len(live) != len(req.live) or any(a is not b for a, b in zip(live, req.live)):
+        problems.append(f"{name}: {rid}'s live blocks are not those of its index table, "
+                        f"in index order")
     if sum(b.decode_critical for b in live) != req.num_critical:
         problems.append(f"{name}: {rid} counts {req.num_critical} decode-critical blocks, "
                         f"has {sum(b.decode_critical for b in live)}")

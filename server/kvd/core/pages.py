@@ -363,6 +363,7 @@ class PageTable:
                 self.count_pin(block, 1)
             self.device.owner[page] = block
             req.blocks.append(block)
+            req.live.append(block)  # past every index it had: still in index order
             req.num_live_blocks += 1
             if holder:
                 self.holds.hold_one(holder, block)
@@ -371,8 +372,10 @@ class PageTable:
         self.note_peak()
         return placed
 
-    def discard(self, block: Block) -> None:
-        """The block is gone (freed or released): its page, pin and hold go with it."""
+    def discard(self, block: Block, unlive: bool = True) -> None:
+        """The block is gone (freed or released): its page, pin and hold go with it.
+        `unlive=False`: the caller takes it out of its request's `live` (with others at
+        once, see Request.unlive)."""
         req = block.request
         self.changes.note(req)
         self.holds.forget(block)
@@ -385,6 +388,8 @@ class PageTable:
             self.host.release(block.page)
         self.count_pin(block, -1)
         req.blocks[block.index] = None
+        if unlive:
+            req.unlive([block])
         req.num_live_blocks -= 1
         req.num_critical -= block.decode_critical
         block.tier, block.page = TierKind.NONE, -1

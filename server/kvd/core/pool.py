@@ -322,7 +322,8 @@ class Pool:
         blocks = resolve(req, indices)
         check_still(blocks)
         for b in blocks:
-            self.pages.discard(b)
+            self.pages.discard(b, unlive=False)
+        req.unlive(blocks)
         return len(blocks)
 
     @after_reads
@@ -338,7 +339,8 @@ class Pool:
         live = req.live_blocks()
         check_still(live + self.prefixes.unused(req))
         for b in live:
-            self.pages.discard(b)
+            self.pages.discard(b, unlive=False)
+        req.live = []
         self.prefixes.end_uses(req)
         self.attribution.close(request_id)
         self.admission.unreserve(req)

@@ -370,9 +370,8 @@ class Reads:
             self.record(((req, self.clock.now(), None, 1, req.num_live_blocks,
                           req.num_critical),))
             if holder:
-                for b in req.blocks:
-                    if b is not None:
-                        pages.holds.hold_one(holder, b)
+                for b in req.live:
+                    pages.holds.hold_one(holder, b)
             return AccessResult(None, None, req)
         blocks = resolve(req, indices)
         check_still(blocks)
@@ -434,8 +433,8 @@ class Reads:
         num_critical = num_blocks = 0
         for req, now, before, count, num_read, critical in reads:
             num_critical += critical
-            for b in req.blocks:
-                if b is not None and b.last_access <= now:
+            for b in req.live:
+                if b.last_access <= now:
                     if tracks_reuse:
                         # A block added after the read before was first read at `now`.
                         last = b.last_access

@@ -85,6 +85,7 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
         pages.changes.note(req)
         req.num_moving_blocks -= 1
         req.blocks[b.index] = None
+        req.unlive([b])
         req.num_live_blocks -= 1
         req.num_critical -= b.decode_critical
         pages.device_delta(b, -1)

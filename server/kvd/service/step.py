@@ -431,7 +431,7 @@ def _read_all_start(data: bytes) -> int | None:
 def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) -> None:
     """Report accessed blocks whose device page changed since the engine was last told."""
     req = result.request
-    blocks = result.blocks if result.blocks is not None else req.live_blocks()
+    blocks = result.blocks if result.blocks is not None else req.live
     moved = [b for b in blocks if b.epoch != b.seen_epoch]
     if moved:
         reply.relocated.extend(handle(b, page_bytes, cut) for b in moved)

@@ -64,7 +64,7 @@ class EvictionPolicy(ABC):
 
     def touch_request(self, req) -> None:
         """Every block of req was read, in index order (attention's read of a request)."""
-        self.touch_many(req.blocks)
+        self.touch_many(req.live)
 
     def touch_requests(self, requests: Iterable) -> None:
         """touch_request() of each request in turn (a step's reads, recorded together)."""

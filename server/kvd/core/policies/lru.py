@@ -34,7 +34,7 @@ class LruPolicy(EvictionPolicy):
 
     def touch_requests(self, requests) -> None:
         # Every block of each request in turn, in one pass (touch_many of each, chained).
-        self._order.requeue(chain.from_iterable(req.blocks for req in requests))
+        self._order.requeue(chain.from_iterable(req.live for req in requests))
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.

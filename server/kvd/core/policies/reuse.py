@@ -99,8 +99,8 @@ class ReusePolicy(EvictionPolicy):
         if held is None:
             return
         if req not in self._in_order:
-            for block in req.blocks:  # every held block to the end, in index order
-                if block is not None and block in held:
+            for block in req.live:  # every held block to the end, in index order
+                if block in held:
                     held.move_to_end(block)
             self._in_order.add(req)
         self._predict(req, next(reversed(held)))
