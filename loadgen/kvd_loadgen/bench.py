@@ -467,6 +467,13 @@ def run_bench(args) -> int:
         results["engines"] = uvloop.run(bench_engines(seconds=1.0 if quick else 2.0,
                                                       rounds=1 if quick else 2))
     more = engine_targets(results["engines"])
+    with console.status("a step's cost over a long run: one engine, 40,000 steps, early "
+                        "against late"):
+        from kvd_loadgen.bench_history import bench_step_history, targets as history_targets
+
+        results["step_history"] = uvloop.run(bench_step_history(
+            steps=12_000 if quick else 40_000, window=2_000 if quick else 4_000))
+    more.update(history_targets(results["step_history"]))
     if not quick:
         from kvd_loadgen.bench_overload import run_overload, targets as overload_targets
 

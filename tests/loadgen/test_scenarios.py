@@ -173,6 +173,24 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
                                  "engines2_paced_p99_added_ms"}
 
 
+async def test_the_step_history_bench_steps_a_real_engine_and_judges_late_against_early():
+    """The long-run bench, shortened: one engine's steps (a block grown and one freed per
+    step) succeed on a real kvd under each policy, kvd stays sound, and the target is the
+    late window's main-thread CPU a step over the early one's."""
+    from kvd_loadgen.bench_history import TARGET, bench_step_history, targets
+
+    out = await bench_step_history(steps=600, window=100)
+    assert set(out) == {"lru", "fair"}
+    for r in out.values():
+        assert r["steps"] == 600 and r["early_us"] > 0 and r["late_us"] > 0
+    judged = targets(out)
+    assert set(judged) == {"step_cost_late_vs_early_lru", "step_cost_late_vs_early_fair"}
+    for policy in ("lru", "fair"):
+        t = judged[f"step_cost_late_vs_early_{policy}"]
+        assert t["measured"] == out[policy]["late_us"] / out[policy]["early_us"]
+        assert t["met"] == (t["measured"] <= TARGET)
+
+
 async def test_the_engines_bench_streams_hold_their_leases_through_the_other_turns():
     """kvd's streams wait out the empty server's turns (here ~3 s, past a 2 s lease): each
     stream carries its client's lease, as an engine's StepStream does, so the requests its
