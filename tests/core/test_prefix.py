@@ -354,3 +354,35 @@ def test_taking_over_a_kept_block_counts_before_room_is_made(make_pool):
         pool.store("o1", NS, KEYS[2:4])
     assert pool.tenancy.usage("g") == 3 and pool.tenancy.usage("o") == 0
     assert pool.requests["o1"].shared == [] and pool.tenancy.idle_kept["g"] == 3
+
+
+class _CountedLive(list):
+    """A keeper's live list that counts the passes over it and the single removals."""
+
+    passes = removals = 0
+
+    def __iter__(self):
+        type(self).passes += 1
+        return super().__iter__()
+
+    def remove(self, value):
+        type(self).removals += 1
+        super().remove(value)
+
+
+def test_dropping_many_kept_blocks_passes_over_their_keeper_once(make_pool):
+    # A prefix cache of thousands of blocks drops its idle ones in batches when the host is
+    # full: each batch costs one pass over the keeper's blocks, not one pass a block.
+    pool = make_pool(device_pages=48, host_pages=1)
+    keys = [b"d%d" % i for i in range(40)]
+    _admit(pool, "a", tokens=16 * 40)
+    _stored(pool, "a", keys)
+    pool.release("a")  # kept, nobody uses them
+    keeper = pool.requests["\0kept/t"]
+    keeper.live = _CountedLive(keeper.live)
+    plan = settle(pool, pool.evict(30))
+    dropped = [m for m in plan.demotions if m.kind.name == "DROP"]
+    assert len(dropped) >= 29  # the host holds one; the rest have no bytes left
+    assert len(pool.lookup(NS, keys)) + len(dropped) <= 40
+    assert _CountedLive.removals == 0 and _CountedLive.passes <= 1
+    assert len(keeper.live) == keeper.num_live_blocks == 40 - len(dropped)

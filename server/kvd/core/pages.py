@@ -228,13 +228,13 @@ class PageTable:
         the host tier would keep the first blocks demoted forever, and drop every later
         one). None of `protected` goes. Returns the host pages made free."""
         kept = sorted(self._unused_kept_host(protected), key=lambda b: b.last_access)
-        freed = 0
+        going = []
         for victim, old in zip(dropping, kept):
             if old.last_access >= victim.last_access:
                 break
-            self.discard(old)
-            freed += 1
-        return freed
+            going.append(old)
+        self.discard_all(going)
+        return len(going)
 
     def _unused_kept_host(self, protected: Collection[Block]) -> list[Block]:
         """Kept blocks in the host tier nobody uses, holds or moves, and not `protected`
@@ -252,8 +252,7 @@ class PageTable:
             return 0
         self.before_choice()
         kept.sort(key=lambda b: b.last_access)
-        for b in kept[:num]:
-            self.discard(b)
+        self.discard_all(kept[:num])
         return num
 
     def check_new(self, req: Request, num: int, indices: Sequence[int] | None,
@@ -371,6 +370,16 @@ class PageTable:
             placed.append(block)
         self.note_peak()
         return placed
+
+    def discard_all(self, blocks: Iterable[Block]) -> None:
+        """discard() of each block, taking them out of their requests' `live` in one pass a
+        request: letting go of k of a keeper's n kept blocks costs O(n), not O(k n)."""
+        gone: dict[int, tuple[Request, list[Block]]] = {}
+        for b in blocks:
+            self.discard(b, unlive=False)
+            gone.setdefault(id(b.request), (b.request, []))[1].append(b)
+        for req, blocks_gone in gone.values():
+            req.unlive(blocks_gone)
 
     def discard(self, block: Block, unlive: bool = True) -> None:
         """The block is gone (freed or released): its page, pin and hold go with it.

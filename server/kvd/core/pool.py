@@ -321,9 +321,7 @@ class Pool:
         req = self.get_admitted(request_id)
         blocks = resolve(req, indices)
         check_still(blocks)
-        for b in blocks:
-            self.pages.discard(b, unlive=False)
-        req.unlive(blocks)
+        self.pages.discard_all(blocks)
         return len(blocks)
 
     @after_reads

@@ -17,6 +17,7 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
     c = pages.counters
     if plan.demotions:
         _record_evictions(pages, plan, now)
+    dropped_named = []
     for m in plan.demotions:
         b = m.block
         b.moving = False
@@ -29,11 +30,12 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
             b.tier, b.page = TierKind.NONE, -1
             c.num_drops += 1
             if b.name is not None:  # a shared block without bytes is no use to anyone
-                pages.discard(b)
+                dropped_named.append(b)
         else:
             b.tier, b.page = TierKind.HOST, m.dst_page
             c.num_demotions += 1
             c.bytes_moved += pages.page_bytes
+    pages.discard_all(dropped_named)
     for m in plan.promotions:
         b = m.block
         b.moving = False
