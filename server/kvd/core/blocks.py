@@ -222,8 +222,8 @@ class Request:
             else:
                 live.remove(block)  # identity first (eq=False)
         elif gone:
-            ids = {id(b) for b in gone}
-            self.live = [b for b in live if id(b) not in ids]
+            going = set(gone)  # by identity (eq=False)
+            self.live = [b for b in live if b not in going]
 
 
 class Changes:

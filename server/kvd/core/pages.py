@@ -374,11 +374,11 @@ class PageTable:
     def discard_all(self, blocks: Iterable[Block]) -> None:
         """discard() of each block, taking them out of their requests' `live` in one pass a
         request: letting go of k of a keeper's n kept blocks costs O(n), not O(k n)."""
-        gone: dict[int, tuple[Request, list[Block]]] = {}
+        gone: dict[Request, list[Block]] = {}  # both hash by identity (eq=False)
         for b in blocks:
             self.discard(b, unlive=False)
-            gone.setdefault(id(b.request), (b.request, []))[1].append(b)
-        for req, blocks_gone in gone.values():
+            gone.setdefault(b.request, []).append(b)
+        for req, blocks_gone in gone.items():
             req.unlive(blocks_gone)
 
     def discard(self, block: Block, unlive: bool = True) -> None:

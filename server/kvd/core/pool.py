@@ -336,9 +336,7 @@ class Pool:
             return 0, self.admission.admit_from_queue()
         live = req.live_blocks()
         check_still(live + self.prefixes.unused(req))
-        for b in live:
-            self.pages.discard(b, unlive=False)
-        req.live = []
+        self.pages.discard_all(live)
         self.prefixes.end_uses(req)
         self.attribution.close(request_id)
         self.admission.unreserve(req)

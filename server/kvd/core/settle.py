@@ -5,7 +5,7 @@ was cancelled."""
 from __future__ import annotations
 
 from kvd.core.attribution import NO_REQUEST, EvictionRecord
-from kvd.core.blocks import Block, TierKind, evictable
+from kvd.core.blocks import Block, Request, TierKind, evictable
 from kvd.core.pages import PageTable
 from kvd.core.transfer import MoveKind, Reason, TransferPlan
 
@@ -35,7 +35,8 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
             b.tier, b.page = TierKind.HOST, m.dst_page
             c.num_demotions += 1
             c.bytes_moved += pages.page_bytes
-    pages.discard_all(dropped_named)
+    if dropped_named:
+        pages.discard_all(dropped_named)
     for m in plan.promotions:
         b = m.block
         b.moving = False
@@ -78,6 +79,7 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
             pages.device.release(m.dst_page)
         m.block.moving = False
         m.block.request.num_moving_blocks -= 1
+    gone: dict[Request, list[Block]] = {}
     for b in plan.allocated:
         if b.page not in victim_pages:
             pages.device.release(b.page)
@@ -87,7 +89,7 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
         pages.changes.note(req)
         req.num_moving_blocks -= 1
         req.blocks[b.index] = None
-        req.unlive([b])
+        gone.setdefault(req, []).append(b)
         req.num_live_blocks -= 1
         req.num_critical -= b.decode_critical
         pages.device_delta(b, -1)
@@ -99,7 +101,8 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
         plan.cause.shared = [b for b in plan.cause.shared if id(b) not in named]
         plan.cause.pinned_shared = [b for b in plan.cause.pinned_shared
                                     if id(b) not in named]
-    for req in {id(b.request): b.request for b in plan.allocated}.values():
+    for req, blocks in gone.items():
+        req.unlive(blocks)
         while req.blocks and req.blocks[-1] is None:  # indices nobody was told of
             req.blocks.pop()
     for m in plan.demotions:
