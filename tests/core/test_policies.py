@@ -39,6 +39,7 @@ def policy(request):
 
 
 def test_choose_is_atomic_and_exact(policy):
+    assert policy.choose(0) == []  # none wanted of none held (a refill of an empty policy)
     blocks = _blocks(5)
     for b in blocks:
         policy.insert(b)

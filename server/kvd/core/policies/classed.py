@@ -131,6 +131,8 @@ class ClassedPolicy(EvictionPolicy):
             return self.choose_around(n, for_tenant, protected)
         if n > self._num:
             return None
+        if n <= 0:
+            return []
         keys, classes = self._keys, self._classes
         while (first := classes.get(keys[0])) is None:
             heapq.heappop(keys)  # stale: that class emptied
