@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvd.core.blocks import Block, Phase, Priority, Request, RequestState, TierKind
 from kvd.core.clock import FakeClock
@@ -282,6 +284,56 @@ def test_fair_makes_the_tenant_that_needs_room_pay_when_nobody_is_over_share():
         policy.insert(b)
     assert {v.request.tenant for v in policy.choose(4, for_tenant="w")} == {"w"}
     assert {v.request.tenant for v in policy.choose(4, for_tenant="m")} == {"m"}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "remove", "touch", "choose"]),
+                          st.integers(0, 3), st.integers(0, 7), st.integers(0, 100)),
+                max_size=80))
+def test_reuse_chooses_requests_by_furthest_next_read_then_blocks_by_last_read(ops):
+    """choose(n) against the order the policy promises, worked out from scratch: requests
+    by predicted next read (furthest first; among equal ones the one predicted longest
+    ago), each request's blocks most recently read first. The heap behind it keeps stale
+    entries as requests are re-predicted (later or sooner) and emptied; no choice may see
+    one."""
+    policy = make_policy("reuse", FakeClock())
+    reqs = [Request(f"r{j}", "t", "default", 0, 8, RequestState.ADMITTED) for j in range(4)]
+    blocks = [[Block(r, i, TierKind.DEVICE, 8 * j + i) for i in range(8)]
+              for j, r in enumerate(reqs)]
+    held: dict = {}  # request -> its blocks in the policy, least recently read first
+    predicted: dict = {}  # request -> (next read, when predicted)
+    for now, (op, j, i, x) in enumerate(ops):
+        req = reqs[j]
+        mine = held.get(req, [])
+        if op == "insert":
+            out = [b for b in blocks[j] if b not in mine]
+            if not out:
+                continue
+            block = out[i % len(out)]
+            block.last_access, block.reuse_s = float(now), float(x)  # x: sooner or later
+            policy.insert(block)
+            held.setdefault(req, []).append(block)
+            predicted[req] = (block.last_access + block.reuse_s, now)
+        elif op == "remove" and mine:
+            policy.remove(block := mine[i % len(mine)])
+            mine.remove(block)
+            if not mine:
+                del held[req], predicted[req]
+        elif op == "touch" and mine:
+            block = mine[i % len(mine)]
+            block.last_access, block.reuse_s = float(now), float(x)
+            policy.touch(block)
+            mine.remove(block)
+            mine.append(block)
+            predicted[req] = (block.last_access + block.reuse_s, now)
+        elif op == "choose":
+            order = sorted(held, key=lambda r: (-predicted[r][0], predicted[r][1]))
+            want = [b for r in order for b in reversed(held[r])]
+            n = 1 + x % (len(want) + 1)
+            got = policy.choose(n)
+            assert got == (want[:n] if n <= len(want) else None)
+            assert policy.choose(n) == got  # choosing changed nothing
+        assert len(policy) == sum(map(len, held.values()))
 
 
 def test_reuse_evicts_the_furthest_predicted_next_read():

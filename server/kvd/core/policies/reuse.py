@@ -15,11 +15,13 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Collection
-from itertools import count
+from itertools import count, islice
 
 from kvd.core.blocks import Block, Request
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
+
+_STALE = (None, None)  # the key of a request no longer held
 
 
 class ReusePolicy(EvictionPolicy):
@@ -126,18 +128,24 @@ class ReusePolicy(EvictionPolicy):
             return self.choose_around(n, for_tenant, protected)
         if n > self._num:
             return None
+        if n <= 0:
+            return []
         heap = self._heap_now()
+        key, held = self._key, self._blocks
         victims: list[Block] = []
-        popped = []
-        while len(victims) < n:
-            neg, seq, req = heapq.heappop(heap)
-            if self._key.get(req, (None, None))[1] != seq:
-                continue  # stale
-            popped.append((neg, seq, req))
-            for block in reversed(self._blocks[req]):  # most recently read first
-                victims.append(block)
-                if len(victims) == n:
-                    break
+        popped = []  # requests looked past, put back after
+        while True:
+            _, seq, req = heap[0]
+            if key.get(req, _STALE)[1] != seq:
+                heapq.heappop(heap)  # a stale entry: gone for good
+                continue
+            blocks = reversed(held[req])  # most recently read first
+            want = n - len(victims)
+            if len(held[req]) >= want:  # the request on top is enough: it stays there
+                victims += islice(blocks, want)
+                break
+            victims += blocks
+            popped.append(heapq.heappop(heap))
         for entry in popped:  # choose() changes nothing
             heapq.heappush(heap, entry)
         return victims
