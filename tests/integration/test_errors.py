@@ -195,6 +195,29 @@ async def test_a_stream_checks_each_message_that_differs_from_the_last_it_passed
     assert len((await client.access("r", [0])).handles) == 1
 
 
+async def test_a_decode_step_is_answered_with_its_step_id_however_it_is_written(client):
+    """A decode step (a step_id, then the batch the last message read) is answered from the
+    read kept, with the step_id the message holds: canonical varints of every length, the
+    field left out or written as zero, a varint padded with bytes that add nothing, and
+    one whose tenth byte overflows 64 bits (protobuf keeps the low 64)."""
+    await client.admit("r", 32)
+    await client.allocate("r", 1)
+    call = client.channel.stream_stream("/kvd.v1.Memory/Step", request_serializer=None,
+                                        response_deserializer=pb.StepResponse.FromString)()
+    batch = pb.StepRequest(read_all=["r"] * 40).SerializeToString()
+    heads = [(pb.StepRequest(step_id=v).SerializeToString(), v)
+             for v in (1, 0, 127, 128, 2**56, 2**63 - 1, 2**63, 2**64 - 1, 5)]
+    heads += [(b"\x08\x00", 0), (b"\x08\x81\x80\x00", 1),
+              (b"\x08" + b"\xff" * 9 + b"\x7f", 2**64 - 1), (b"\x08\x82\x80\x80\x00", 2)]
+    for head, step_id in heads:
+        await call.write(head + batch)
+        reply = await call.read()
+        assert (reply.step_id, list(reply.errors)) == (step_id, []), head.hex()
+    await call.done_writing()
+    stats = (await client.pool_stats()).pools[0]
+    assert stats.num_accesses == 40 * len(heads)  # each step read the one block 40 times
+
+
 async def test_a_step_id_after_the_reads_is_the_steps(client):
     """Protobuf keeps a field's last value: a Step message whose step_id comes again after its
     read_all is answered with that one, also when its bytes before the read_all are those

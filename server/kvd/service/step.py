@@ -37,7 +37,6 @@ _SECTIONS = frozenset({_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES})
 # A Step message's bytes parsed (the handler gets them raw, see MemoryService.RAW): the
 # StepRequest, or Malformed.
 _PARSE = safe_parser(pb.StepRequest.FromString, WALK_LIMIT["Step"])
-_NO_STEP_ID = pb.StepRequest()  # what a message's bytes before its read_all hold, if none
 
 
 class _Turn:
@@ -113,15 +112,18 @@ class StepStreams:
                         and _only_step_id(data, start := len(data) - len(checked))
                         and self.auth.generation == generation):
                     # The engine's decode step: a step_id, then the same batch as the last
-                    # message read and nothing else. Only the step_id is parsed: the bytes
-                    # after it parsed in the last message, and field by field a message
-                    # parses as its parts do.
-                    head = parse(data[:start]) if start else _NO_STEP_ID
-                    if type(head) is not Malformed:
+                    # message read and nothing else. The bytes after the step_id parsed in
+                    # the last message, and field by field a message parses as its parts
+                    # do; the step_id's own bytes (a tag, then a varint that ends where
+                    # the batch begins) are, up to nine varint bytes, a StepResponse with
+                    # that step_id, which is the reply. A longer varint is parsed.
+                    head = (data[:start] if start <= _ECHOED else
+                            _reply_of(parse(data[:start])))
+                    if head is not None:
                         started = time.perf_counter()
                         if node.read_again(checked, len(checked_read_all), caller.scope,
                                            holder):
-                            reply = pb.StepResponse(step_id=head.step_id)
+                            reply = head
                 if reply is not None:
                     problem = None
                 else:
@@ -367,6 +369,18 @@ def _only_step_id(data: bytes, start: int) -> bool:
     while pos < start and data[pos] & 0x80:  # the varint's bytes
         pos += 1
     return pos + 1 == start
+
+
+# The longest step_id field (tag and varint) whose bytes are answered as they came: a
+# varint of up to nine bytes holds less than 2**63, and parses whatever its padding; past
+# that a varint may overflow, and only the parser says whether it is one.
+_ECHOED = 10
+
+
+def _reply_of(head) -> pb.StepResponse | None:
+    """The reply to a decode step whose bytes before its batch parsed to `head` (None when
+    they did not)."""
+    return None if type(head) is Malformed else pb.StepResponse(step_id=head.step_id)
 
 
 def _step_items(step: pb.StepRequest) -> tuple[int, int]:
