@@ -139,12 +139,12 @@ class ReusePolicy(EvictionPolicy):
             if key.get(req, _STALE)[1] != seq:
                 heapq.heappop(heap)  # a stale entry: gone for good
                 continue
-            blocks = reversed(held[req])  # most recently read first
+            blocks = held[req]
             want = n - len(victims)
-            if len(held[req]) >= want:  # the request on top is enough: it stays there
-                victims += islice(blocks, want)
+            if len(blocks) >= want:  # the request on top is enough: it stays there
+                victims += islice(reversed(blocks), want)  # most recently read first
                 break
-            victims += blocks
+            victims += reversed(blocks)
             popped.append(heapq.heappop(heap))
         for entry in popped:  # choose() changes nothing
             heapq.heappush(heap, entry)
