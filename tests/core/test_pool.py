@@ -113,6 +113,24 @@ def test_access_promotes_without_evicting_its_own_blocks(make_pool):
     assert all(b.tier is TierKind.DEVICE for b in pool.get_request("a").live_blocks())
 
 
+@pytest.mark.parametrize("policy", ["lru", "fair"])
+def test_reading_more_blocks_than_the_device_holds_is_refused_as_such(make_pool, policy):
+    # Grown past the device a block at a time (each allocation demotes the oldest), the
+    # request cannot be read whole: no retry ever could, and the refusal says so rather
+    # than that some pages could not be freed. Its parts read as ever.
+    pool = make_pool(device_pages=3, host_pages=8, policy=policy)
+    assert pool.admit("a", tenant="t", prompt_tokens=16 * 3,
+                      output_tokens=0).decision == "admitted"
+    for _ in range(5):
+        settle(pool, pool.allocate("a", 1))
+    with pytest.raises(InvalidArgument, match="reading 5 blocks at once.* holds 3 pages"):
+        pool.access("a", None)
+    with pytest.raises(InvalidArgument, match="reading 4 blocks at once"):
+        pool.access("a", [0, 1, 2, 3])
+    settle(pool, pool.access("a", [0, 1, 2]).plan)
+    assert [b.tier for b in pool.get_request("a").live_blocks()[:3]] == [TierKind.DEVICE] * 3
+
+
 def test_abort_restores_everything(make_pool):
     pool = make_pool(device_pages=2, host_pages=4)
     pool.admit("a", tenant="t", prompt_tokens=32, output_tokens=0)

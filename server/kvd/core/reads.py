@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from kvd.core.blocks import Block, Changes, Request, RequestState, TierKind
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import HostShort
+from kvd.core.errors import HostShort, InvalidArgument
 from kvd.core.requests import check_still, resolve
 from kvd.core.tenancy import Tenancy
 from kvd.core.transfer import Reason, TransferPlan
@@ -379,6 +379,11 @@ class Reads:
         counters = self.counters
         plan = None
         if missing:
+            if len(blocks) > pages.device.capacity:
+                raise InvalidArgument(
+                    f"reading {len(blocks)} blocks at once needs as many device pages; the "
+                    f"device tier of pool {pages.name!r} holds {pages.device.capacity} pages: "
+                    "read them in parts")
             try:
                 plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
             except HostShort as short:
