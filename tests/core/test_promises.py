@@ -118,3 +118,58 @@ def test_dropped_block_comes_back_flagged_and_zeroed_never_as_data(make_pool):
     assert [b.lost for b in a.live_blocks()] == [b is dropped for b in a.live_blocks()]
     assert pool.counters.num_lost_blocks == 1
     assert a.account.num_recomputes == 1
+
+
+def test_a_request_alone_under_fair_reads_every_block_the_device_holds(make_pool):
+    # Six device pages under `fair`, one of them the free reserve: a request grown a block at
+    # a time has its sixth in a free page's stead on the host (a tenant at its fair share
+    # demotes rather than take the reserve). Reading all six then has nothing to evict but
+    # its own blocks, which the read keeps; it takes the reserve rather than being refused
+    # for as long as nothing changes (for ever, alone in the pool).
+    pool = make_pool(device_pages=6, host_pages=10, policy="fair")
+    assert pool.pages.reserve_pages == 1
+    pool.admit("r", tenant="t", prompt_tokens=16 * 6, output_tokens=0)
+    for _ in range(6):
+        settle(pool, pool.allocate("r", 1))
+    r = pool.requests["r"]
+    assert r.num_device_blocks == 5 and pool.device.num_free == 1
+    settle(pool, pool.access("r", None).plan)
+    assert r.num_device_blocks == 6 and pool.device.num_free == 0
+    # Over its share by the reserve's page, which the refill takes back once it may.
+    refill = settle(pool, pool.refill_plan())
+    assert [m.block.request for m in refill.demotions] == [r]
+    assert pool.device.num_free == 1
+
+
+def test_the_reserve_taken_as_a_last_resort_comes_back_for_a_tenant_below_its_share(make_pool):
+    # A tenant over its share reads a request that fills the device but for the reserve's
+    # page; another tenant arriving below its share still grows, at once, by the refill's
+    # taking the page back or by evicting the first tenant's blocks.
+    pool = make_pool(device_pages=6, host_pages=10, policy="fair")
+    pool.admit("r", tenant="a", prompt_tokens=16 * 6, output_tokens=0)
+    for _ in range(6):
+        settle(pool, pool.allocate("r", 1))
+    settle(pool, pool.access("r", None).plan)
+    pool.admit("s", tenant="b", prompt_tokens=16 * 2, output_tokens=0)
+    settle(pool, pool.allocate("s", 2))
+    assert pool.requests["s"].num_device_blocks == 2
+    assert pool.tenancy.device_by_tenant["a"] == 4
+
+
+def test_a_read_under_fair_takes_the_reserve_rather_than_wait_on_others_holds(make_pool):
+    # Tenant t at its fair share (5 of 6 pages; the sixth is the free reserve): r has four
+    # blocks on the device and one on the host, s one block on the device held by an engine
+    # until its next call. Reading r has nothing to evict but s's held block: it takes the
+    # free page now instead of waiting on the other engine's next call (which, with engines
+    # always holding something, kept it waiting for as long as they ran).
+    pool = make_pool(device_pages=6, host_pages=10, policy="fair")
+    pool.admit("r", tenant="t", prompt_tokens=16 * 5, output_tokens=0)
+    for _ in range(5):
+        settle(pool, pool.allocate("r", 1))
+    pool.admit("s", tenant="t", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("s", 1, holder="h"))
+    r = pool.requests["r"]
+    assert (r.num_device_blocks, pool.device.num_free) == (4, 1)
+    plan = settle(pool, pool.access("r", None).plan)
+    assert not plan.demotions and len(plan.promotions) == 1
+    assert r.num_device_blocks == 5 and pool.requests["s"].num_device_blocks == 1

@@ -59,6 +59,14 @@ class BlocksInTransit(Exception):
         self.blocks = blocks
 
 
+class NoVictims(BlocksInTransit):
+    """Internal: the policy has no victim to offer now, and may have once copies finish or
+    engines' holds end; the caller waits for room as for blocks in transit."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+
+
 def short_repr(text: str, limit: int = 64) -> str:
     """A repr of text for an error message, at most about `limit` characters."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"

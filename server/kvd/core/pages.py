@@ -18,7 +18,8 @@ from kvd.core.attribution import Attribution
 from kvd.core.blocks import Block, Changes, Request, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import BlocksInTransit, HostShort, InvalidArgument, ResourceExhausted
+from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVictims,
+                             ResourceExhausted)
 from kvd.core.holds import Holds
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tenancy import Tenancy
@@ -176,7 +177,7 @@ class PageTable:
             if self.num_moving_blocks() or holds.some_may_end():
                 # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).
-                raise BlocksInTransit([])
+                raise NoVictims()
             if holds.count:
                 own = holds.count_of(holder) if holder else 0
                 raise ResourceExhausted(
@@ -279,23 +280,37 @@ class PageTable:
                   protected: Collection[Block] = (), holder: str = ""
                   ) -> tuple[list[int], list[Move]]:
         """Claim num device pages: free ones first (the reserve only up to the tenant's fair
-        share), then victims' pages (which their incoming blocks may use once the demotions
-        are copied)."""
-        free = self.device.num_free
+        share, or where nothing else can be taken), then victims' pages (which their
+        incoming blocks may use once the demotions are copied)."""
+        free = usable = self.device.num_free
         if self.policy.fair and cause is not None:
             # The reserve is for growth up to one's fair share, not beyond it.
             spare = max(0, free - self.reserve_pages)
             headroom = max(0, self.tenancy.reserve_headroom(cause.tenant))
-            free = spare + min(free - spare, headroom)
-        short = num - free
+            usable = spare + min(free - spare, headroom)
         try:
-            demotions = (self.evict(short, cause, reason, True, protected, holder=holder)
-                         if short > 0 else [])
+            demotions = self._victims(num - usable, cause, reason, protected, holder)
         except HostShort as exc:
-            raise HostShort(str(exc), free + exc.possible) from None
+            raise HostShort(str(exc), usable + exc.possible) from None
+        except (NoVictims, ResourceExhausted):
+            if usable == free:
+                raise
+            # The policy has nothing to take now (what the device holds is kept by this
+            # call, pinned or held): the reserve is a buffer, not a wall. Waiting for holds
+            # to end would stall the call, and for ever when its own blocks are all there
+            # is (a request alone in the pool); the refill takes the page back from a
+            # tenant over its share once it may.
+            demotions = self._victims(num - free, cause, reason, protected, holder)
         pages = [self.device.take(None) for _ in range(num - len(demotions))]
         pages.extend(m.src_page for m in demotions)
         return pages, demotions
+
+    def _victims(self, short: int, cause: Request | None, reason: Reason,
+                 protected: Collection[Block], holder: str) -> list[Move]:
+        """The demotions making `short` more device pages (none when short <= 0)."""
+        if short <= 0:
+            return []
+        return self.evict(short, cause, reason, True, protected, holder=holder)
 
     def promote(self, req: Request | None, missing: list[Block], keep: Iterable[Block],
                 reason: Reason, holder: str = "") -> TransferPlan:
