@@ -55,14 +55,16 @@ policy = "lru"
 """
 
 # What an item of a step may be refused with: there was no room (for the blocks, or for a
-# pin). Anything else is a bug: the engines name only live requests and blocks.
+# pin), or a read named more blocks than the device tier holds (checked in Engine.absorb).
+# Anything else is a bug: the engines name only live requests and blocks.
+TOO_MANY = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 REFUSALS = {
     "intents": {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]},
     "frees": set(),
     "releases": set(),
     "allocations": {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]},
-    "read_all": {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]},
-    "accesses": {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]},
+    "read_all": {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], TOO_MANY},
+    "accesses": {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], TOO_MANY},
 }
 
 INTENTS = [dict(pin_requested=True), dict(pin_requested=False),
@@ -75,8 +77,10 @@ class Engine:
     """One engine: its requests' blocks and the bytes it wrote into each, where it was last
     told each block is, and the blocks its last step let it read."""
 
-    def __init__(self, name: str, client: AsyncClient, mapped: MappedPool, seed: int) -> None:
+    def __init__(self, name: str, client: AsyncClient, mapped: MappedPool, seed: int,
+                 device_pages: int) -> None:
         self.name = name
+        self.device_pages = device_pages
         self.client = client
         self.mapped = mapped
         self.rng = random.Random(seed)
@@ -127,9 +131,12 @@ class Engine:
 
     def absorb(self, message: pb.StepRequest, reply: pb.StepResponse) -> None:
         failed = set()
+        too_many = []
         for e in reply.errors:
             assert e.code in REFUSALS[e.section], (self.name, e.section, e.code, e.message)
             failed.add((e.section, e.item_index))
+            if e.code == TOO_MANY:
+                too_many.append(e)
         for i, f in enumerate(message.frees):
             if ("frees", i) not in failed:
                 for index in f.block_indices:
@@ -154,6 +161,13 @@ class Engine:
             if h.recompute:  # dropped and back: zeros, until the engine recomputes it
                 assert not self.mapped.read(h).any(), (self.name, key, "not zeroed")
                 self.mapped.write(h, self.blocks[key[0]][key[1]])
+        for e in too_many:  # the read's blocks, as the step's frees and allocations left them
+            if e.section == "read_all":
+                count = len(self.blocks[message.read_all[e.item_index]])
+            else:
+                a = message.accesses[e.item_index]
+                count = len(self.blocks[a.request_id]) if a.all_blocks else len(a.block_indices)
+            assert count > self.device_pages, (self.name, e.section, count, e.message)
         read = []
         for i, rid in enumerate(message.read_all):
             if ("read_all", i) not in failed:
@@ -276,6 +290,7 @@ def step_kvd(request, tmp_path_factory):
     with LocalKvd("--config", str(config), workdir=tmp) as kvd:
         kvd.examples = 0
         kvd.tenants = tenants
+        kvd.device = device
         yield kvd
         assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
 
@@ -290,7 +305,8 @@ async def _example(kvd, operations, policy: str) -> list[int]:
         clients = [AsyncClient(kvd.target, timeout_s=STUCK_S,
                                token=f"engine{i}-token" if kvd.tenants else None)
                    for i in range(2)]
-        engines = [Engine(f"engine{i}", c, mapped, seed=kvd.examples * 2 + i)
+        engines = [Engine(f"engine{i}", c, mapped, seed=kvd.examples * 2 + i,
+                          device_pages=kvd.device)
                    for i, c in enumerate(clients)]
         try:
             for e in engines:
