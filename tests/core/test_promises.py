@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvd.core.errors import ResourceExhausted
+from kvd.core.errors import HostShort, ResourceExhausted
 from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange
 from kvd.core.transfer import MoveKind
@@ -173,3 +173,24 @@ def test_a_read_under_fair_takes_the_reserve_rather_than_wait_on_others_holds(ma
     plan = settle(pool, pool.access("r", None).plan)
     assert not plan.demotions and len(plan.promotions) == 1
     assert r.num_device_blocks == 5 and pool.requests["s"].num_device_blocks == 1
+
+
+
+def test_a_read_under_fair_leaves_the_reserve_whole_when_the_host_is_full(make_pool):
+    # Tenant t at its share: r holds four device blocks and two on a full two-page host, s
+    # one device block that cannot be recomputed; the sixth page is the free reserve. Reading
+    # r whole would need s's block gone, and it has nowhere to go: the read is refused (the
+    # engine frees or releases), and the reserve is not spent on a tenant at its share, as it
+    # is where nothing could be taken at all. Nothing changed.
+    pool = make_pool(device_pages=6, host_pages=2, policy="fair")
+    pool.admit("r", tenant="t", prompt_tokens=16 * 6, output_tokens=0)
+    for _ in range(6):
+        settle(pool, pool.allocate("r", 1))
+    pool.admit("s", tenant="t", prompt_tokens=16, output_tokens=0)
+    settle(pool, pool.allocate("s", 1))
+    r, s = pool.requests["r"], pool.requests["s"]
+    assert (r.num_device_blocks, pool.device.num_free, pool.host.num_free) == (4, 1, 0)
+    with pytest.raises(HostShort, match="host tier full") as refused:
+        pool.access("r", None)
+    assert refused.value.possible == 0
+    assert (r.num_device_blocks, s.num_device_blocks, pool.device.num_free) == (4, 1, 1)

@@ -300,7 +300,10 @@ class PageTable:
             # to end would stall the call, and for ever when its own blocks are all there
             # is (a request alone in the pool); the refill takes the page back from a
             # tenant over its share once it may.
-            demotions = self._victims(num - free, cause, reason, protected, holder)
+            try:
+                demotions = self._victims(num - free, cause, reason, protected, holder)
+            except HostShort as exc:  # no room on the host: the reserve stays whole
+                raise HostShort(str(exc), usable + exc.possible) from None
         pages = [self.device.take(None) for _ in range(num - len(demotions))]
         pages.extend(m.src_page for m in demotions)
         return pages, demotions
