@@ -1,13 +1,14 @@
 """Where the shared traces are: $KVD_DATA_DIR, else `shared/data` beside the project (the
-source), else the copy committed in `loadgen/data` (so a clone anywhere can run the tests;
-a test checks the copy still equals the source when both are there)."""
+source), else the copy that ships inside this package, `kvd_loadgen/traces` (so a clone
+anywhere, or an installed wheel, can run the tests and the bench; a test checks the copy
+still equals the source when both are there)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-COMMITTED_COPY = Path(__file__).resolve().parent.parent / "data"
+COMMITTED_COPY = Path(__file__).resolve().parent / "traces"
 INTENT_PROFILES = ("balanced", "deadline_pressure", "rag_mixed_priority", "speculative_decode",
                    "long_context_extreme")
 
