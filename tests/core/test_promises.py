@@ -14,6 +14,15 @@ from kvd.core.transfer import MoveKind
 from .conftest import settle
 
 
+def grown(pool, rid: str, blocks: int, tenant: str = "t", holder: str = ""):
+    """rid admitted for `blocks` blocks and grown to them one allocation at a time (each
+    demoting the oldest block once the tenant is at its share), every copy done."""
+    pool.admit(rid, tenant=tenant, prompt_tokens=16 * blocks, output_tokens=0)
+    for _ in range(blocks):
+        settle(pool, pool.allocate(rid, 1, holder=holder))
+    return pool.requests[rid]
+
+
 def test_tenant_limit_holds_when_a_request_grows_after_admission(make_pool):
     pool = make_pool(device_pages=64, host_pages=64,
                      quotas={"t": TenantQuota(limit=48)})
@@ -128,10 +137,7 @@ def test_a_request_alone_under_fair_reads_every_block_the_device_holds(make_pool
     # for as long as nothing changes (for ever, alone in the pool).
     pool = make_pool(device_pages=6, host_pages=10, policy="fair")
     assert pool.pages.reserve_pages == 1
-    pool.admit("r", tenant="t", prompt_tokens=16 * 6, output_tokens=0)
-    for _ in range(6):
-        settle(pool, pool.allocate("r", 1))
-    r = pool.requests["r"]
+    r = grown(pool, "r", 6)
     assert r.num_device_blocks == 5 and pool.device.num_free == 1
     settle(pool, pool.access("r", None).plan)
     assert r.num_device_blocks == 6 and pool.device.num_free == 0
@@ -146,9 +152,7 @@ def test_the_reserve_taken_as_a_last_resort_comes_back_for_a_tenant_below_its_sh
     # page; another tenant arriving below its share still grows, at once, by the refill's
     # taking the page back or by evicting the first tenant's blocks.
     pool = make_pool(device_pages=6, host_pages=10, policy="fair")
-    pool.admit("r", tenant="a", prompt_tokens=16 * 6, output_tokens=0)
-    for _ in range(6):
-        settle(pool, pool.allocate("r", 1))
+    grown(pool, "r", 6, tenant="a")
     settle(pool, pool.access("r", None).plan)
     pool.admit("s", tenant="b", prompt_tokens=16 * 2, output_tokens=0)
     settle(pool, pool.allocate("s", 2))
@@ -163,17 +167,12 @@ def test_a_read_under_fair_takes_the_reserve_rather_than_wait_on_others_holds(ma
     # free page now instead of waiting on the other engine's next call (which, with engines
     # always holding something, kept it waiting for as long as they ran).
     pool = make_pool(device_pages=6, host_pages=10, policy="fair")
-    pool.admit("r", tenant="t", prompt_tokens=16 * 5, output_tokens=0)
-    for _ in range(5):
-        settle(pool, pool.allocate("r", 1))
-    pool.admit("s", tenant="t", prompt_tokens=16, output_tokens=0)
-    settle(pool, pool.allocate("s", 1, holder="h"))
-    r = pool.requests["r"]
+    r = grown(pool, "r", 5)
+    grown(pool, "s", 1, holder="h")
     assert (r.num_device_blocks, pool.device.num_free) == (4, 1)
     plan = settle(pool, pool.access("r", None).plan)
     assert not plan.demotions and len(plan.promotions) == 1
     assert r.num_device_blocks == 5 and pool.requests["s"].num_device_blocks == 1
-
 
 
 def test_a_read_under_fair_leaves_the_reserve_whole_when_the_host_is_full(make_pool):
@@ -183,12 +182,7 @@ def test_a_read_under_fair_leaves_the_reserve_whole_when_the_host_is_full(make_p
     # engine frees or releases), and the reserve is not spent on a tenant at its share, as it
     # is where nothing could be taken at all. Nothing changed.
     pool = make_pool(device_pages=6, host_pages=2, policy="fair")
-    pool.admit("r", tenant="t", prompt_tokens=16 * 6, output_tokens=0)
-    for _ in range(6):
-        settle(pool, pool.allocate("r", 1))
-    pool.admit("s", tenant="t", prompt_tokens=16, output_tokens=0)
-    settle(pool, pool.allocate("s", 1))
-    r, s = pool.requests["r"], pool.requests["s"]
+    r, s = grown(pool, "r", 6), grown(pool, "s", 1)
     assert (r.num_device_blocks, pool.device.num_free, pool.host.num_free) == (4, 1, 0)
     with pytest.raises(HostShort, match="host tier full") as refused:
         pool.access("r", None)
