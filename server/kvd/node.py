@@ -205,7 +205,7 @@ class Node:
         engine writes them meanwhile)."""
         rt = self.runtime_of(request_id, scope)
         plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent,
-                                                     holder=holder))
+                                                     holder=holder), holder=holder)
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
                             request_id=request_id, count=len(plan.allocated))
@@ -243,6 +243,8 @@ class Node:
         relocated: list[tuple[Request, int]] = []
         answered = []
         for rt in self.pools.values():
+            if rt.room_line and rt.room_line.stalled():
+                continue  # its reads join the line: the general path (see RoomLine)
             general, moved, read = rt.pool.read_all(general, scope, key)
             key = None  # the next pool reads what this one left
             if moved:
@@ -260,7 +262,7 @@ class Node:
         whether it was: False when its answer no longer holds (read_all then answers it,
         after end_holds)."""
         rt = next(iter(self.pools.values()), None)  # read_all offers it the ids whole
-        if rt is None:
+        if rt is None or (rt.room_line and rt.room_line.stalled()):
             return False
         if len(self.pools) > 1 or not rt.pool.pages.holds.only_requests(holder):
             self.end_holds(holder)  # else the read's holds take the place of the last's

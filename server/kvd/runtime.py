@@ -12,7 +12,7 @@ import structlog
 
 from kvd.core.jobs import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
-from kvd.core.errors import BlocksInTransit, NotFound
+from kvd.core.errors import BlocksInTransit, NotFound, NoVictims
 from kvd.core.pool import AccessResult, Pool
 from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer
@@ -86,10 +86,14 @@ class PoolRuntime:
         return result
 
     async def _access(self, request_id: str, indices, holder: str) -> AccessResult:
-        try:
-            return self.pool.access(request_id, indices, holder)
-        except BlocksInTransit as exc:
-            busy: BlocksInTransit | None = exc
+        busy: BlocksInTransit | None
+        if self.room_line and self.yields(holder):
+            busy = NoVictims()  # behind the line, which goes first
+        else:
+            try:
+                return self.pool.access(request_id, indices, holder)
+            except BlocksInTransit as exc:
+                busy = exc
         late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
         critical = self._critical(request_id, indices)
         if busy.blocks:
@@ -109,20 +113,32 @@ class PoolRuntime:
         return any(0 <= i < len(req.blocks) and req.blocks[i] is not None
                    and req.blocks[i].decode_critical for i in indices)
 
+    def yields(self, holder: str | None) -> bool:
+        """Whether an operation that takes device pages for `holder` joins the stalled room
+        line rather than try first (see RoomLine). A holder that holds pages already goes
+        on: its holds end only with its next call, which the line may be waiting for (a
+        Step message's later items); its next call then yields."""
+        return (holder is not None and self.room_line.stalled()
+                and not self.pool.pages.holds.has(holder))
+
     async def run(self, op: Callable[[], T], critical: bool = False,
                   busy: BlocksInTransit | None = None,
-                  undo: Callable[[T], None] | None = None) -> T:
+                  undo: Callable[[T], None] | None = None, holder: str | None = None) -> T:
         """Call a pool operation, waiting out blocks in transit and calling again. One that
-        finds no device room while pages are in transit waits in line for room (decode-
-        critical first under fair link scheduling, else in arrival order) and is called
-        again, in that order, the moment a transfer completes: a stream of others cannot
-        take the room from under it."""
+        finds no device room while pages are in transit or held waits in line for room
+        (decode-critical first under fair link scheduling, else in arrival order) and is
+        called again, in that order, the moment a transfer completes or a hold ends: a
+        stream of others cannot take the room from under it. `holder`: the operation
+        takes device pages for it, and joins a stalled line rather than try first."""
         if busy is None:
-            try:  # the common case: nothing in the way, no suspension
-                return op()
-            except BlocksInTransit as exc:
-                pending = exc
-            busy = pending
+            if self.room_line and self.yields(holder):
+                busy = NoVictims()
+            else:
+                try:  # the common case: nothing in the way, no suspension
+                    return op()
+                except BlocksInTransit as exc:
+                    pending = exc
+                busy = pending
         while True:
             if busy.blocks:
                 await self.transit.wait_for(busy.blocks)
@@ -141,6 +157,10 @@ class PoolRuntime:
                     # otherwise stay in transit for ever).
                     if future.done() and not future.cancelled() and future.exception() is None:
                         self._orphaned(future.result(), undo)
+                    else:
+                        # Those behind it may have room (they yielded to a stalled line):
+                        # nothing else need come to serve them.
+                        asyncio.get_running_loop().call_soon(self.room_may_have_changed)
                     raise
                 if result is not RETRY:
                     return result

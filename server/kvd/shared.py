@@ -32,7 +32,7 @@ class SharedBlocks:
         Fresh ones are new pages, held for the holder, which writes them and commits."""
         rt = self.runtime_of(request_id, scope)
         plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
-                                                          holder, intent))
+                                                          holder, intent), holder=holder)
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         if any(b.tier is TierKind.NONE for b in blocks):
             # Let go while the room was being made: the holder ended its hold with another
@@ -55,4 +55,4 @@ class SharedBlocks:
         """The leading run of these keys, held for the holder to copy from."""
         rt = self.runtime_of(request_id, scope)
         return await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder,
-                                                 intent))
+                                                 intent), holder=holder)

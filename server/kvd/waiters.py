@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 
@@ -21,6 +22,9 @@ RETRY = object()
 # waiting for that very turn, whose next message would end their holds.
 ON_ROOM_WAIT: ContextVar[Callable[[], None] | None] = ContextVar("kvd_on_room_wait",
                                                                  default=None)
+# How long the operation next in line for room waits before the others stop going first
+# (see RoomLine.stalled). Engines' holds come and go each step, a few milliseconds apart.
+STALLED_AFTER_S = 0.1
 
 
 class AdmissionWaiters:
@@ -70,14 +74,22 @@ class AdmissionWaiters:
 
 
 class RoomLine:
-    """Operations that found no device room while pages were in transit, in line for it:
-    served as transfers complete, best rank first, then in arrival order, so a stream of
-    later callers cannot take the room from under them."""
+    """Operations that found no device room while pages were in transit or held, in line
+    for it: served as transfers complete and holds end, best rank first, then in arrival
+    order.
 
-    def __init__(self) -> None:
-        # (rank, arrival, op, future)
-        self._line: list[tuple[int, int, Callable, asyncio.Future]] = []
+    Room freed while others keep stepping is taken again at once: each engine's read holds
+    its pages until its next call, a few milliseconds later, and an operation that needs
+    the pages of several engines at once finds them all free at no instant. Once the one
+    next in line has waited STALLED_AFTER_S, the line is `stalled`: operations that would
+    take device pages join it instead of trying first (see PoolRuntime.run), the engines'
+    holds end as they call again, and the line goes first."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        # (rank, arrival, joined at, op, future)
+        self._line: list[tuple[int, int, float, Callable, asyncio.Future]] = []
         self._arrivals = itertools.count()
+        self._clock = clock
 
     def __bool__(self) -> bool:
         return bool(self._line)
@@ -86,15 +98,22 @@ class RoomLine:
         """Wait in line: the future gets op's result once it found room (or RETRY when the
         op then waited on blocks in transit, or the op's exception)."""
         future = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._line, (rank, next(self._arrivals), op, future))
+        heapq.heappush(self._line, (rank, next(self._arrivals), self._clock(), op, future))
         return future
+
+    def stalled(self) -> bool:
+        """Whether the operation next in line has waited STALLED_AFTER_S or more."""
+        line = self._line
+        while line and line[0][4].done():  # its caller gave up
+            heapq.heappop(line)
+        return bool(line) and self._clock() - line[0][2] >= STALLED_AFTER_S
 
     def serve(self) -> None:
         """Room may have come free: call waiting operations in line until one still finds
         none."""
         line = self._line
         while line:
-            _, _, op, future = line[0]
+            _, _, _, op, future = line[0]
             if future.done():  # its caller gave up
                 heapq.heappop(line)
                 continue
