@@ -23,13 +23,13 @@ from kvd_loadgen.local import LocalKvd
 PAGE = 16 * 1024
 ENGINES = 4
 STEPS = int(os.environ.get("KVD_CUT_OFF_STEPS", "80"))  # per engine
-# Two shapes, each (a request's blocks at most, pinned blocks at most, all engines
+# Three shapes, each (a request's blocks at most, pinned blocks at most, all engines
 # together) such that a request read whole always finds room beside the pins, and no engine
-# waits on itself: requests of all but one of the device's pages (under `fair` as many as
-# a tenant's share of it, the free reserve being nobody's), and pins beside smaller
-# requests. (A read of the whole device waits until no other engine holds a page, which
-# with three others stepping may not come within the patient client's 20 s.)
-SHAPES = {"large": (5, 0), "pins": (4, 2)}
+# waits on itself: requests of the whole device, which a read gets only once no other
+# engine holds a page (kvd's room line makes the others' reads wait behind it); of all but
+# one of its pages (under `fair` as many as a tenant's share of it, the free reserve being
+# nobody's); and pins beside smaller requests.
+SHAPES = {"whole": (6, 0), "large": (5, 0), "pins": (4, 2)}
 # Blocks at most, all engines together: the host tier seldom fills, so that a request read
 # whole can swap its blocks in (with both tiers full kvd refuses, rightly, until something
 # is freed; see Engine.read_whole). Under `fair` a tenant at its share leaves the free
