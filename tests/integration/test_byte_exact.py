@@ -26,12 +26,13 @@ def _digest(page: np.ndarray) -> bytes:
     return hashlib.blake2b(page.tobytes(), digest_size=8).digest()
 
 
-async def _run(num_ops: int, seed: int, backend: str = "host") -> dict:
+async def _run(num_ops: int, seed: int, backend: str = "host", gpus: tuple[int, int] = (0, 0)
+               ) -> dict:
     config = Config(socket="", tcp="x", workers=2, inline_copy_bytes=4 * PAGE, pools=(
         PoolConfig(page_bytes=PAGE, block_tokens=16, device_pages=48, host_pages=160,
-                   policy="lru", device_backend=backend, link_chunk=2 * PAGE),
+                   policy="lru", device_backend=backend, link_chunk=2 * PAGE, gpu=gpus[0]),
         PoolConfig(name="decode", page_bytes=PAGE, block_tokens=16, device_pages=32,
-                   host_pages=96, policy="lru", device_backend=backend)),
+                   host_pages=96, policy="lru", device_backend=backend, gpu=gpus[1])),
         links=(LinkConfig("default", "decode", chunk=2 * PAGE),))
     daemon = Node(config)
     engines = {name: MappedPool(pb.ExportPoolResponse(page_bytes=PAGE, tiers=[
@@ -169,3 +170,20 @@ def test_the_same_on_the_cupy_backend():
         pytest.skip("no GPU here")
     counts = asyncio.run(_run(100_000, seed=12, backend="cupy"))
     assert counts["mismatches"] == 0 and counts["problems"] == []
+
+
+@pytest.mark.gpu
+def test_the_same_with_the_decode_pool_on_another_gpu():
+    """Pools on two GPUs: each one's copies run with its own GPU current (the copy threads'
+    is GPU 0's), and handoffs copy from one GPU to the other."""
+    pytest.importorskip("cupy")
+    import cupy
+
+    from kvd.memory.cuda import gpu_available
+
+    if not gpu_available() or cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("fewer than two GPUs here")
+    last = cupy.cuda.runtime.getDeviceCount() - 1
+    counts = asyncio.run(_run(20_000, seed=13, backend="cupy", gpus=(0, last)))
+    assert counts["mismatches"] == 0 and counts["problems"] == []
+    assert counts["handoffs"] > 50, counts

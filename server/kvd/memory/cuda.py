@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from kvd.memory.arena import ArenaExport
 
+HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
+
 
 def gpu_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
@@ -58,7 +60,8 @@ class CupyArena:
     def close(self) -> None:
         self.stream.synchronize()
         self.pages = None
-        self._cupy.get_default_memory_pool().free_all_blocks()
+        with self._cupy.cuda.Device(self.device):  # CuPy keeps a pool per GPU
+            self._cupy.get_default_memory_pool().free_all_blocks()
 
 
 def pin_host_arena(arena) -> None:
@@ -70,20 +73,28 @@ def pin_host_arena(arena) -> None:
     import cupy
 
     ptr = arena.pages.ctypes.data
-    cupy.cuda.runtime.hostRegister(ptr, arena.pages.nbytes, 0)
+    # Portable: page-locked for every GPU's context, not only the current one's (pools on
+    # several GPUs copy to and from host arenas in their own device's context).
+    cupy.cuda.runtime.hostRegister(ptr, arena.pages.nbytes, HOST_REGISTER_PORTABLE)
     arena.on_close.append(lambda: cupy.cuda.runtime.hostUnregister(ptr))
 
 
 def copy_device_host(src, src_pages, dst, dst_pages, stream) -> None:
-    """Copy a run of consecutive pages between a CuPy arena and a numpy arena (either way)
-    on a CUDA stream, and wait for it."""
+    """Copy a run of consecutive pages between a CuPy arena and a numpy arena (either way),
+    or between two CuPy arenas (on one GPU or two), on a CUDA stream of the GPU of the CuPy
+    side (the destination's, for two), and wait for it. The copy threads' current device is
+    GPU 0's unless set: the copy runs with the stream's GPU current."""
     import cupy
 
     src_pages, dst_pages = list(src_pages), list(dst_pages)
     s0, s1, d0, d1 = src_pages[0], src_pages[-1] + 1, dst_pages[0], dst_pages[-1] + 1
-    with stream:
+    gpu = dst.device if isinstance(dst, cupy.ndarray) else src.device
+    with gpu, stream:
         if isinstance(dst, cupy.ndarray) and isinstance(src, cupy.ndarray):
-            dst[d0:d1] = src[s0:s1]
+            # One copy of the run's bytes (rows of a C-ordered array: contiguous), also from
+            # another GPU (peer), which an element-wise assignment refuses.
+            run = src[s0:s1]
+            dst[d0:d1].data.copy_from_device_async(run.data, run.nbytes, stream)
         elif isinstance(dst, cupy.ndarray):
             dst[d0:d1].set(src[s0:s1], stream=stream)
         else:
