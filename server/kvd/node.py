@@ -243,7 +243,7 @@ class Node:
         relocated: list[tuple[Request, int]] = []
         answered = []
         for rt in self.pools.values():
-            if rt.room_line and rt.room_line.stalled():
+            if rt.line_stalled():
                 continue  # its reads join the line: the general path (see RoomLine)
             general, moved, read = rt.pool.read_all(general, scope, key)
             key = None  # the next pool reads what this one left
@@ -262,7 +262,7 @@ class Node:
         whether it was: False when its answer no longer holds (read_all then answers it,
         after end_holds)."""
         rt = next(iter(self.pools.values()), None)  # read_all offers it the ids whole
-        if rt is None or (rt.room_line and rt.room_line.stalled()):
+        if rt is None or rt.line_stalled():
             return False
         if len(self.pools) > 1 or not rt.pool.pages.holds.only_requests(holder):
             self.end_holds(holder)  # else the read's holds take the place of the last's

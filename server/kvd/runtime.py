@@ -87,7 +87,7 @@ class PoolRuntime:
 
     async def _access(self, request_id: str, indices, holder: str) -> AccessResult:
         busy: BlocksInTransit | None
-        if self.room_line and self.yields(holder):
+        if self.yields(holder):
             busy = NoVictims()  # behind the line, which goes first
         else:
             try:
@@ -113,12 +113,17 @@ class PoolRuntime:
         return any(0 <= i < len(req.blocks) and req.blocks[i] is not None
                    and req.blocks[i].decode_critical for i in indices)
 
+    def line_stalled(self) -> bool:
+        """Whether operations that take device pages go behind the room line (see
+        RoomLine.stalled); cheap while nothing waits."""
+        return bool(self.room_line) and self.room_line.stalled()
+
     def yields(self, holder: str | None) -> bool:
         """Whether an operation that takes device pages for `holder` joins the stalled room
         line rather than try first (see RoomLine). A holder that holds pages already goes
         on: its holds end only with its next call, which the line may be waiting for (a
         Step message's later items); its next call then yields."""
-        return (holder is not None and self.room_line.stalled()
+        return (holder is not None and self.line_stalled()
                 and not self.pool.pages.holds.has(holder))
 
     async def run(self, op: Callable[[], T], critical: bool = False,
@@ -131,7 +136,7 @@ class PoolRuntime:
         stream of others cannot take the room from under it. `holder`: the operation
         takes device pages for it, and joins a stalled line rather than try first."""
         if busy is None:
-            if self.room_line and self.yields(holder):
+            if self.yields(holder):
                 busy = NoVictims()
             else:
                 try:  # the common case: nothing in the way, no suspension
