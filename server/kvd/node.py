@@ -34,7 +34,7 @@ from kvd.quotas import Quotas
 from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
 from kvd.peers import Peers, RemoteReserver, Reservers, is_remote
-from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
+from kvd.runtime import SWAP_HOLDER, PoolRuntime, StartedAccess, find_runtime
 from kvd.shared import SharedBlocks
 
 log = structlog.get_logger("kvd.node")
@@ -288,11 +288,12 @@ class Node:
 
     def lapse_holds(self, max_age_s: float) -> int:
         """End holds older than max_age_s (a holder that never calls again): liveness over
-        the engine's claim on a page it was handed long ago."""
+        the engine's claim on a page it was handed long ago. A read's swap rounds hold
+        theirs until they end, which they do."""
         now = self.clock.now()
         stale = {h for rt in self.pools.values()
                  for h, since in rt.pool.pages.holds.since().items()
-                 if now - since > max_age_s and h not in self.serving}
+                 if now - since > max_age_s and h not in self.serving and h != SWAP_HOLDER}
         for holder in stale:
             self.end_holds(holder)
         return len(stale)

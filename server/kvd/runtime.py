@@ -30,6 +30,10 @@ log = structlog.get_logger("kvd.runtime")
 # included, records them first, whenever it comes.
 RECORD_READS_AFTER_S = 0.05
 
+# Who holds the blocks a read swapping in rounds brought in, until it is done (see
+# PoolRuntime.access); one such read at a time.
+SWAP_HOLDER = "kvd:swap-rounds"
+
 
 def record_later(fn: Callable[[], None]) -> None:
     """fn on the event loop RECORD_READS_AFTER_S from now; at once without a running loop."""
@@ -54,6 +58,7 @@ class PoolRuntime:
         self.transit = InTransit(pool.name)
         self.waiters = AdmissionWaiters(pool.admission.queue_positions)
         self.room_line = RoomLine()
+        self._swapping = asyncio.Lock()  # the read swapping in rounds (see access)
         self._refilling = False
         # Told of every plan done, with its stall (the node's events and stall metric).
         self.on_plan_done = on_plan_done
@@ -76,22 +81,69 @@ class PoolRuntime:
     async def access(self, request_id: str, indices, holder: str = "") -> AccessResult:
         """pool.access, waiting out transfers; an access that waited for its own blocks'
         promotion (started by a prefetch that came too late) counts those as misses. A swap
-        the host tier cannot take at once goes in rounds; their stall is recorded here, and
-        the last round's plan is returned for the caller to execute."""
+        the host tier cannot take at once goes in rounds (see _swap_in_rounds); the last
+        round's plan is returned for the caller to execute."""
         result = await self._access(request_id, indices, holder)
-        while result.partial:
-            stall_s = await self.execute(result.plan)
-            self.pool.record_stall(stall_s, result.plan)
-            result = await self._access(request_id, indices, holder)
+        if result.partial:
+            result = await self._swap_in_rounds(request_id, indices, holder, result)
         return result
 
-    async def _access(self, request_id: str, indices, holder: str) -> AccessResult:
+    async def _swap_in_rounds(self, request_id: str, indices, holder: str,
+                              result: AccessResult) -> AccessResult:
+        """Each round brings in what the host tier can take out now; their stall is recorded
+        here. One read at a time goes in rounds: the blocks its rounds brought in are held
+        for it until it is done, and it goes first in the room line. Reads that took turns
+        each evicted what the others' last rounds had brought in, and none of them ended.
+        The first round, planned before its turn, is copied before it waits for it (blocks
+        whose plan never starts would stay in transit for everyone waiting on them)."""
+        await self._round(result.plan)
+        pages = self.pool.pages
+        if self._swapping.locked() and (give_back := ON_ROOM_WAIT.get()) is not None:
+            give_back()  # as one waiting for room does (see RoomLine)
+        async with self._swapping:
+            pages.swapping = (self.pool.requests.get(request_id), SWAP_HOLDER)
+            try:
+                while True:
+                    result = await self._access(request_id, indices, holder, swapping=True)
+                    if not result.partial:
+                        return result
+                    await self._round(result.plan)
+            finally:
+                pages.swapping = None
+                if pages.holds.end(SWAP_HOLDER):
+                    self.room_may_have_changed()
+
+    async def _round(self, plan: TransferPlan) -> None:
+        self.pool.record_stall(await self.execute(plan), plan)
+
+    def _held_for_rounds(self, result: AccessResult) -> AccessResult:
+        """A round's answer: the read's blocks in the device tier, and those it brings in,
+        held for the rounds to come (in the same call as the plan: a transfer completing
+        meanwhile lets others choose victims)."""
+        if result.partial:
+            holds = self.pool.pages.holds
+            for b in result.blocks:
+                if b.tier is TierKind.DEVICE and not b.moving:
+                    holds.hold_one(SWAP_HOLDER, b)
+            for m in result.plan.promotions:
+                holds.hold_one(SWAP_HOLDER, m.block)
+        return result
+
+    async def _access(self, request_id: str, indices, holder: str,
+                      swapping: bool = False) -> AccessResult:
+        """`swapping`: the read in rounds (see _swap_in_rounds), which never yields."""
+        if swapping:
+            def op():
+                return self._held_for_rounds(self.pool.access(request_id, indices, holder))
+        else:
+            def op():
+                return self.pool.access(request_id, indices, holder)
         busy: BlocksInTransit | None
-        if self.yields(holder):
+        if not swapping and self.yields(holder):
             busy = NoVictims()  # behind the line, which goes first
         else:
             try:
-                return self.pool.access(request_id, indices, holder)
+                return op()
             except BlocksInTransit as exc:
                 busy = exc
         late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
@@ -99,8 +151,7 @@ class PoolRuntime:
         if busy.blocks:
             await self.transit.wait_for(busy.blocks)
             busy = None
-        result = await self.run(lambda: self.pool.access(request_id, indices, holder),
-                                critical, busy)
+        result = await self.run(op, critical, busy, first=swapping)
         self.pool.note_late(late)
         return result
 
@@ -128,13 +179,15 @@ class PoolRuntime:
 
     async def run(self, op: Callable[[], T], critical: bool = False,
                   busy: BlocksInTransit | None = None,
-                  undo: Callable[[T], None] | None = None, holder: str | None = None) -> T:
+                  undo: Callable[[T], None] | None = None, holder: str | None = None,
+                  first: bool = False) -> T:
         """Call a pool operation, waiting out blocks in transit and calling again. One that
         finds no device room while pages are in transit or held waits in line for room
         (decode-critical first under fair link scheduling, else in arrival order) and is
         called again, in that order, the moment a transfer completes or a hold ends: a
         stream of others cannot take the room from under it. `holder`: the operation
-        takes device pages for it, and joins a stalled line rather than try first."""
+        takes device pages for it, and joins a stalled line rather than try first.
+        `first`: ahead of everyone in the line (the read swapping in rounds)."""
         if busy is None:
             if self.yields(holder):
                 busy = NoVictims()
@@ -148,7 +201,8 @@ class PoolRuntime:
             if busy.blocks:
                 await self.transit.wait_for(busy.blocks)
             else:
-                rank = 0 if critical and self.link.sched.serves_by_class else 1
+                rank = (-1 if first else 0 if critical and self.link.sched.serves_by_class
+                        else 1)
                 future = self.room_line.join(op, rank)
                 if not self.pool.pages.num_moving_blocks():
                     self.room_line.serve()  # the transfer it waited for is done already

@@ -116,13 +116,15 @@ class Holds:
         entry = self._by_holder.get(holder)
         return 0 if entry is None else sum(1 for b in entry[1] if b.held)
 
-    def some_may_end(self) -> bool:
+    def some_may_end(self, own: str = "") -> bool:
         """Whether some holds may end while a caller waits: those of a holder whose message
-        is not being served (its next call ends them, or they lapse). A Step stream being
-        served gives nothing back until its next message, which waits for this one: waiting
-        on its holds, its own or another's waiting likewise, would wait for ever."""
+        is not being served (its next call ends them, or they lapse), other than the
+        caller's `own`. A Step stream being served gives nothing back until its next
+        message, which waits for this one: waiting on its holds, its own or another's
+        waiting likewise, would wait for ever."""
         serving = self.serving
-        return any(h not in serving and blocks for h, (_, blocks, _) in self._by_holder.items())
+        return any(h not in serving and h != own and blocks
+                   for h, (_, blocks, _) in self._by_holder.items())
 
     def end_if_only_requests(self, holder: str) -> bool:
         """End the holder's holds if they are of requests whose blocks never left the policy

@@ -61,6 +61,9 @@ class PageTable:
         # (A new block starts moving too, but its request is noted in `changes` instead.)
         self.moves = 0
         self.changes = Changes()
+        # The read swapping in rounds whose blocks are held for it between them, and their
+        # holder (see PoolRuntime.access): its own holds are no room it may wait for.
+        self.swapping: tuple[Request, str] | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -174,7 +177,9 @@ class PageTable:
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
             holds = self.holds
-            if self.num_moving_blocks() or holds.some_may_end():
+            swapping = self.swapping
+            own = swapping[1] if swapping is not None and swapping[0] is cause else ""
+            if self.num_moving_blocks() or holds.some_may_end(own):
                 # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).
                 raise NoVictims()
