@@ -110,7 +110,8 @@ async def test_a_read_whose_rounds_find_no_more_room_is_refused_not_left_waiting
         await daemon.update_intents([IntentChange("q", b.index, {"pin_requested": True})
                                      for b in q.live if b.tier is TierKind.DEVICE
                                      and not b.moving])
-        with pytest.raises(ResourceExhausted):
+        with pytest.raises(ResourceExhausted, match=r"0 held by engine steps .*, "
+                           r"[1-5] by this read's own swap rounds"):
             await asyncio.wait_for(read, 5)
         assert not pool.pages.holds.count and pool.pages.swapping is None
         assert await daemon.self_check() == []

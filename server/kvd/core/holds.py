@@ -112,9 +112,9 @@ class Holds:
         return holder in self._by_holder
 
     def count_of(self, holder: str) -> int:
-        """Blocks held for this holder now."""
+        """Blocks held for this holder now (a block it held twice counts once)."""
         entry = self._by_holder.get(holder)
-        return 0 if entry is None else sum(1 for b in entry[1] if b.held)
+        return 0 if entry is None else len({id(b) for b in entry[1] if b.held})
 
     def some_may_end(self, own: str = "") -> bool:
         """Whether some holds may end while a caller waits: those of a holder whose message

@@ -178,20 +178,22 @@ class PageTable:
         if victims is None:
             holds = self.holds
             swapping = self.swapping
-            own = swapping[1] if swapping is not None and swapping[0] is cause else ""
-            if self.num_moving_blocks() or holds.some_may_end(own):
+            rounds = swapping[1] if swapping is not None and swapping[0] is cause else ""
+            if self.num_moving_blocks() or holds.some_may_end(rounds):
                 # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).
                 raise NoVictims()
             if holds.count:
                 own = holds.count_of(holder) if holder else 0
+                kept = holds.count_of(rounds) if rounds else 0
                 raise ResourceExhausted(
                     f"pool {self.name!r}: cannot free {num} device page(s): "
                     f"{len(self.policy)} evictable, {self.num_pinned} of "
-                    f"{self.device.capacity} pinned, {holds.count} held by engine steps "
-                    f"being served ({own} by this one) until their next messages; a step "
-                    "cannot read or allocate more than the device tier holds beside the "
-                    "others', read it in smaller steps")
+                    f"{self.device.capacity} pinned, {holds.count - kept} held by engine "
+                    f"steps being served ({own} by this one) until their next messages"
+                    + (f", {kept} by this read's own swap rounds" if kept else "")
+                    + "; a step cannot read or allocate more than the device tier holds "
+                    "beside the others', read it in smaller steps")
             raise self.no_room(num)
         num_host = self.host.num_free if host_room is None else min(host_room,
                                                                      self.host.num_free)
