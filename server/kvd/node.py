@@ -21,6 +21,7 @@ from kvd.core.attribution import RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
 from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
+from kvd.core.holds import SWAP_HOLDER
 from kvd.core.intent import IntentChange
 from kvd.core.prefix import Shares
 from kvd.core.reservation import PoolReserver, Verdict
@@ -34,7 +35,7 @@ from kvd.quotas import Quotas
 from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
 from kvd.peers import Peers, RemoteReserver, Reservers, is_remote
-from kvd.runtime import SWAP_HOLDER, PoolRuntime, StartedAccess, find_runtime
+from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
 from kvd.shared import SharedBlocks
 
 log = structlog.get_logger("kvd.node")

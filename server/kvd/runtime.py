@@ -18,7 +18,8 @@ from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer
 from kvd.memory.copier import PageCopier, chunk_runs, plan_runs
 from kvd.transit import InTransit
-from kvd.waiters import ON_ROOM_WAIT, RETRY, AdmissionWaiters, RoomLine
+from kvd.core.holds import SWAP_HOLDER
+from kvd.waiters import RETRY, AdmissionWaiters, RoomLine, give_back_turn
 
 T = TypeVar("T")
 log = structlog.get_logger("kvd.runtime")
@@ -29,10 +30,6 @@ log = structlog.get_logger("kvd.runtime")
 # cost of one. Nothing sees them late: every other pool operation, stats and metrics
 # included, records them first, whenever it comes.
 RECORD_READS_AFTER_S = 0.05
-
-# Who holds the blocks a read swapping in rounds brought in, until it is done (see
-# PoolRuntime.access); one such read at a time.
-SWAP_HOLDER = "kvd:swap-rounds"
 
 
 def record_later(fn: Callable[[], None]) -> None:
@@ -98,10 +95,10 @@ class PoolRuntime:
         whose plan never starts would stay in transit for everyone waiting on them)."""
         await self._round(result.plan)
         pages = self.pool.pages
-        if self._swapping.locked() and (give_back := ON_ROOM_WAIT.get()) is not None:
-            give_back()  # as one waiting for room does (see RoomLine)
+        if self._swapping.locked():
+            give_back_turn()  # as one waiting for room does (see RoomLine)
         async with self._swapping:
-            pages.swapping = (self.pool.requests.get(request_id), SWAP_HOLDER)
+            pages.swapping = self.pool.requests.get(request_id)
             try:
                 while True:
                     result = await self._access(request_id, indices, holder, swapping=True)
@@ -117,14 +114,13 @@ class PoolRuntime:
         self.pool.record_stall(await self.execute(plan), plan)
 
     def _held_for_rounds(self, result: AccessResult) -> AccessResult:
-        """A round's answer: the read's blocks in the device tier, and those it brings in,
-        held for the rounds to come (in the same call as the plan: a transfer completing
-        meanwhile lets others choose victims)."""
+        """A round's answer: the read's blocks in the device tier (at its first round; they
+        stay there, held), and those it brings in, held for the rounds to come (in the same
+        call as the plan: a transfer completing meanwhile lets others choose victims)."""
         if result.partial:
             holds = self.pool.pages.holds
-            for b in result.blocks:
-                if b.tier is TierKind.DEVICE and not b.moving:
-                    holds.hold_one(SWAP_HOLDER, b)
+            if not holds.has(SWAP_HOLDER):
+                holds.hold(SWAP_HOLDER, result.blocks)
             for m in result.plan.promotions:
                 holds.hold_one(SWAP_HOLDER, m.block)
         return result
@@ -132,12 +128,10 @@ class PoolRuntime:
     async def _access(self, request_id: str, indices, holder: str,
                       swapping: bool = False) -> AccessResult:
         """`swapping`: the read in rounds (see _swap_in_rounds), which never yields."""
-        if swapping:
-            def op():
-                return self._held_for_rounds(self.pool.access(request_id, indices, holder))
-        else:
-            def op():
-                return self.pool.access(request_id, indices, holder)
+        def op():
+            result = self.pool.access(request_id, indices, holder)
+            return self._held_for_rounds(result) if swapping else result
+
         busy: BlocksInTransit | None
         if not swapping and self.yields(holder):
             busy = NoVictims()  # behind the line, which goes first
@@ -206,8 +200,8 @@ class PoolRuntime:
                 future = self.room_line.join(op, rank)
                 if not self.pool.pages.num_moving_blocks():
                     self.room_line.serve()  # the transfer it waited for is done already
-                if not future.done() and (give_back := ON_ROOM_WAIT.get()) is not None:
-                    give_back()
+                if not future.done():
+                    give_back_turn()
                 try:
                     result = await future
                 except asyncio.CancelledError:

@@ -22,6 +22,15 @@ RETRY = object()
 # waiting for that very turn, whose next message would end their holds.
 ON_ROOM_WAIT: ContextVar[Callable[[], None] | None] = ContextVar("kvd_on_room_wait",
                                                                  default=None)
+
+
+def give_back_turn() -> None:
+    """The task is about to wait on others: give back what it holds that they may need (a
+    Step stream's turn, see ON_ROOM_WAIT)."""
+    if (give_back := ON_ROOM_WAIT.get()) is not None:
+        give_back()
+
+
 # How long the operation next in line for room waits before the others stop going first
 # (see RoomLine.stalled). Engines' holds come and go each step, a few milliseconds apart.
 STALLED_AFTER_S = 0.1

@@ -18,7 +18,7 @@ from kvd.core.blocks import TierKind
 from kvd.core.errors import ResourceExhausted
 from kvd.core.intent import IntentChange
 from kvd.node import Node
-from kvd.runtime import SWAP_HOLDER
+from kvd.core.holds import SWAP_HOLDER
 
 READS = 3  # by each reader
 

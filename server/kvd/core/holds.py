@@ -21,6 +21,10 @@ from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.policies import EvictionPolicy
 
+# Who holds the blocks a read swapping in rounds brought in, until it is done (see
+# PoolRuntime.access and PageTable.swapping); one such read at a time.
+SWAP_HOLDER = "kvd:swap-rounds"
+
 
 class Holds:
     """Blocks held by holder (a client's lease, a Step stream), and since when."""

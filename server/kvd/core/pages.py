@@ -20,7 +20,7 @@ from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVictims,
                              ResourceExhausted)
-from kvd.core.holds import Holds
+from kvd.core.holds import SWAP_HOLDER, Holds
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tenancy import Tenancy
 from kvd.core.tier import TierPages
@@ -61,9 +61,9 @@ class PageTable:
         # (A new block starts moving too, but its request is noted in `changes` instead.)
         self.moves = 0
         self.changes = Changes()
-        # The read swapping in rounds whose blocks are held for it between them, and their
-        # holder (see PoolRuntime.access): its own holds are no room it may wait for.
-        self.swapping: tuple[Request, str] | None = None
+        # The request of the read swapping in rounds, whose blocks SWAP_HOLDER holds for it
+        # between them (see PoolRuntime.access): its own holds are no room it may wait for.
+        self.swapping: Request | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -177,8 +177,7 @@ class PageTable:
         victims = self.policy.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
             holds = self.holds
-            swapping = self.swapping
-            rounds = swapping[1] if swapping is not None and swapping[0] is cause else ""
+            rounds = SWAP_HOLDER if cause is not None and cause is self.swapping else ""
             if self.num_moving_blocks() or holds.some_may_end(rounds):
                 # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).
