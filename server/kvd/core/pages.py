@@ -69,8 +69,14 @@ class PageTable:
 
     @property
     def capacity_pages(self) -> int:
-        """Pages admission may reserve: both tiers, less the transit headroom."""
-        return self.device.capacity + self.host.capacity - self.transit_headroom
+        """Pages admission may reserve: both tiers, less the transit headroom. Under a fair
+        policy the headroom is counted beside the device's free reserve, not in it: a tenant
+        at its share may not spend the reserve, so its reads swap in through free host pages
+        alone (with the host full of what admission let in and the spare page left in the
+        reserve, every read that must swap would be refused)."""
+        if not self.host.capacity:
+            return self.device.capacity
+        return self.share_capacity + self.host.capacity - self.transit_headroom
 
     @property
     def transit_headroom(self) -> int:
