@@ -30,6 +30,8 @@ from kvd_client import (
 
 # Items (requests named, updates) one Step message may hold: kvd's max_items_per_call default.
 MAX_ITEMS = 1024
+# Steps in a row with nothing refused after which chunks shrunk by refusals double again.
+GROW_AFTER = 8
 
 
 @dataclass(slots=True)
@@ -113,6 +115,8 @@ class Engine:
         self.step_s = step_s
         self.chunk_blocks = chunk_blocks
         self.alloc_chunk = chunk_blocks
+        self.max_chunk = chunk_blocks
+        self.clean_steps = 0  # steps in a row kvd refused nothing
         self.pool = pool
         self.tenant = tenant
         self.stats = EngineStats()
@@ -207,8 +211,10 @@ class Engine:
         """A chunk kvd could not make room for (its tenant's fair share holds less than the
         chunk) is retried next step in smaller chunks, as an engine sizes its prefill and
         attention chunks to the memory it gets; that request makes no progress this step.
+        The chunks halve once a step, however many were refused in it (see resize_chunks).
         Anything else is a bug in the run. Returns the requests that stalled."""
         short: set[str] = set()
+        alloc_short = read_short = False
         for err in reply.errors:
             if err.code != 8:  # RESOURCE_EXHAUSTED
                 continue
@@ -216,11 +222,12 @@ class Engine:
                 req, n = allocations[err.item_index]
                 req.num_blocks -= n
                 short.add(req.request_id)
-                self.alloc_chunk = max(1, self.alloc_chunk // 2)
+                alloc_short = True
             elif err.section in ("accesses", "read_all"):
                 short.add(step.accesses[err.item_index].request_id
                           if err.section == "accesses" else step.read_all[err.item_index])
-                self.chunk_blocks = max(1, self.chunk_blocks // 2)
+                read_short = True
+        self.resize_chunks(alloc_short, read_short)
         for err in reply.errors:
             rid = (step.accesses[err.item_index].request_id if err.section == "accesses"
                    else step.read_all[err.item_index] if err.section == "read_all"
@@ -235,6 +242,24 @@ class Engine:
             if req.request_id in short:
                 finished.remove(req)
         return short
+
+    def resize_chunks(self, alloc_short: bool, read_short: bool) -> None:
+        """After a step: a kind of chunk kvd refused halves; after GROW_AFTER steps in a row
+        with nothing refused both double, up to where they started. Without growing back,
+        one burst of refusals (each halving) left every later step reading one block a
+        message, long after the memory had come back."""
+        if alloc_short:
+            self.alloc_chunk = max(1, self.alloc_chunk // 2)
+        if read_short:
+            self.chunk_blocks = max(1, self.chunk_blocks // 2)
+        if alloc_short or read_short:
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= GROW_AFTER:
+            self.clean_steps = 0
+            self.alloc_chunk = min(self.max_chunk, self.alloc_chunk * 2)
+            self.chunk_blocks = min(self.max_chunk, self.chunk_blocks * 2)
 
     async def _send(self, stream, step: pb.StepRequest) -> pb.StepResponse:
         """One engine step: the message (several, past MAX_ITEMS items), then each chunk of
@@ -294,8 +319,11 @@ class Engine:
                 for req in self.running:
                     if req.first_token_at is None and req.prefilled:
                         req.first_token_at = t1
-                short = (self._absorb_errors(step, reply, allocations, finished, decoded)
-                         if reply.errors else set())
+                if reply.errors:
+                    short = self._absorb_errors(step, reply, allocations, finished, decoded)
+                else:
+                    short = set()
+                    self.resize_chunks(False, False)
                 self.stats.tokens += sum(1 for r in decoded if r.request_id not in short)
                 self.stats.steps.append(StepSample(t1, t1 - t0, reply.stall_us / 1e6,
                                                    len(self.running), len(reply.errors),
