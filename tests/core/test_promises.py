@@ -187,8 +187,7 @@ def test_a_read_under_fair_leaves_the_reserve_whole_when_the_host_is_full(make_p
     # is where nothing could be taken at all. Nothing changed. Admission under a fair policy
     # keeps a host page free for the swap (see the test below), so this state takes the
     # capacity it had before it did: the rule stands for pages admission does not count.
-    monkeypatch.setattr(PageTable, "capacity_pages", property(
-        lambda pages: pages.device.capacity + pages.host.capacity - pages.transit_headroom))
+    monkeypatch.setattr(PageTable, "capacity_pages", property(lambda pages: pages.tiers_pages))
     pool = make_pool(device_pages=6, host_pages=2, policy="fair")
     r, s = grown(pool, "r", 6), grown(pool, "s", 1)
     assert (r.num_device_blocks, pool.device.num_free, pool.host.num_free) == (4, 1, 0)

@@ -201,9 +201,7 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
         problems.append(f"{name}: reserved pages {pool.reserved_pages} != sum over requests "
                         f"{t.reserved}")
     # A switch to a fair policy lowers the capacity by the free reserve; what was admitted
-    # before it stays admitted until it ends, within both tiers less the transit headroom.
-    pages = pool.pages
-    most = max(pages.capacity_pages,
-               pages.device.capacity + pages.host.capacity - pages.transit_headroom)
-    if pool.reserved_pages > most:
-        problems.append(f"{name}: {pool.reserved_pages} reserved pages exceed capacity {most}")
+    # before it stays admitted until it ends, within what any policy admits.
+    if pool.reserved_pages > pool.pages.tiers_pages:
+        problems.append(f"{name}: {pool.reserved_pages} reserved pages exceed capacity "
+                        f"{pool.pages.tiers_pages}")

@@ -68,15 +68,21 @@ class PageTable:
     # ------------------------------------------------------------------ queries
 
     @property
+    def tiers_pages(self) -> int:
+        """Both tiers, less the transit headroom: the most admission reserves under any
+        policy."""
+        return self.device.capacity + self.host.capacity - self.transit_headroom
+
+    @property
     def capacity_pages(self) -> int:
-        """Pages admission may reserve: both tiers, less the transit headroom. Under a fair
-        policy the headroom is counted beside the device's free reserve, not in it: a tenant
-        at its share may not spend the reserve, so its reads swap in through free host pages
-        alone (with the host full of what admission let in and the spare page left in the
-        reserve, every read that must swap would be refused)."""
+        """Pages admission may reserve: tiers_pages, and under a fair policy with a host tier
+        less the device's free reserve too. The headroom is counted beside the reserve, not
+        in it: a tenant at its share may not spend the reserve, so its reads swap in through
+        free host pages alone (with the host full of what admission let in and the spare
+        page left in the reserve, every read that must swap would be refused)."""
         if not self.host.capacity:
             return self.device.capacity
-        return self.share_capacity + self.host.capacity - self.transit_headroom
+        return self.tiers_pages - (self.device.capacity - self.share_capacity)
 
     @property
     def transit_headroom(self) -> int:
