@@ -1,6 +1,6 @@
 """The kvd server's lifecycle, top to bottom: allocate arenas, listen, report SERVING, wait for
-a signal, drain (NOT_SERVING, stop accepting, let in-flight calls finish within the grace
-period), free the arenas, exit 0. A second SIGINT forces exit."""
+a signal, drain (NOT_SERVING, end the open streams, stop accepting, let in-flight calls finish
+within the grace period), free the arenas, exit 0. A second SIGINT forces exit."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from kvd.service.gate import CallGate, StepTurns
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
 from kvd.service.peer import PeerService
-from kvd.service.register import OpenStreams, add_service
+from kvd.service.register import DRAINING, OpenStreams, add_service
 from kvd_api.v1 import kvd_pb2
 
 log = structlog.get_logger("kvd.daemon")
@@ -94,14 +94,49 @@ def check_gpu_memory(config: Config) -> None:
 
 
 class _Health(health.aio.HealthServicer):
-    """grpc's health service, whose Watch streams end at a drain as kvd's own do."""
+    """grpc's health service, whose Watch streams end at a drain as kvd's own do: each once
+    it has sent NOT_SERVING (ended by the drain, a watcher could miss it)."""
 
     def __init__(self, streams: OpenStreams) -> None:
         super().__init__()
-        self._watch = streams.serve(super().Watch)
+        self._streams = streams
+        self._watch = streams.serve(self._watch_to_the_end)
+        self._watched: set[str] = set()
+        self.shutting_down = False
+
+    async def enter_graceful_shutdown(self) -> None:
+        self.shutting_down = True
+        for service in self._watched:  # services kvd does not serve too: their watches end
+            await self.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await super().enter_graceful_shutdown()
 
     async def Watch(self, request, context):
         await self._watch(request, context)
+
+    async def _watch_to_the_end(self, request, context):
+        task = asyncio.current_task()
+        self._streams.end_themselves.add(task)
+        self._watched.add(request.service)
+        try:
+            await super().Watch(request, _EndsAfterShutdownWrite(context, self))
+        finally:
+            self._streams.end_themselves.discard(task)
+
+
+class _EndsAfterShutdownWrite:
+    """A Watch's context whose first write after the shutdown began ends the stream."""
+
+    def __init__(self, context, health: _Health) -> None:
+        self._context = context
+        self._health = health
+
+    async def write(self, message) -> None:
+        await self._context.write(message)
+        if self._health.shutting_down:
+            await self._context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
 
 
 class Daemon:
@@ -314,13 +349,16 @@ class Daemon:
         if self.node is not None and self.node.cluster is not None:
             await self.node.cluster.aclose()  # leaves the picture now, not at its lease's end
         if self._grpc is not None:
-            # New calls are refused from here; open streams are told kvd is draining and
-            # end; the stop is done when the unary calls in flight are (grace_s at most).
-            stopping = asyncio.ensure_future(self._grpc.stop(self.config.grace_s))
-            await asyncio.sleep(0)
-            ended = self.streams.drain()
+            # Open streams are told kvd is draining and end first (new ones are refused),
+            # while their connections are up; then grpc's stop refuses new calls and is done
+            # when the unary calls in flight are: grace_s for both. Stopped first, grpc
+            # would send its GOAWAY at once and close each connection the moment its last
+            # stream ended: a client writing its next message in that moment lost the
+            # status, and read "Stream removed" where kvd said "kvd is draining".
             started = time.monotonic()
-            await stopping
+            ended = self.streams.drain()
+            await self.streams.ended(self.config.grace_s)
+            await self._grpc.stop(max(0.0, self.config.grace_s - (time.monotonic() - started)))
             log.info("drained", streams_ended=ended,
                      seconds=round(time.monotonic() - started, 3))
         if self._health_grpc is not None:  # NOT_SERVING until the end, as /readyz

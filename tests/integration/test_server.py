@@ -37,6 +37,29 @@ async def test_sigterm_drains_reports_not_serving_and_exits_zero(tmp_path):
         kvd.stop()
 
 
+async def test_every_health_watch_is_told_not_serving_before_its_stream_ends(tmp_path):
+    """Ended by the drain before it wrote NOT_SERVING, a watch (a load balancer's) would only
+    see its stream end; a watch of a service kvd does not serve is told too."""
+    kvd = LocalKvd(*SMALL, "--grace-s", "30", workdir=tmp_path).start()
+    try:
+        async with grpc.aio.insecure_channel(kvd.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watches = [stub.Watch(health_pb2.HealthCheckRequest(service=name))
+                       for name in ("", "kvd.v1.Memory", "no.such.Service")]
+            first = [(await watch.read()).status for watch in watches]
+            assert first == [health_pb2.HealthCheckResponse.SERVING] * 2 + [
+                health_pb2.HealthCheckResponse.SERVICE_UNKNOWN]
+            kvd.proc.send_signal(signal.SIGTERM)
+            for watch in watches:
+                second = await asyncio.wait_for(watch.read(), 10)
+                assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert await asyncio.wait_for(watch.code(), 10) == grpc.StatusCode.UNAVAILABLE
+                assert await watch.details() == "kvd is draining"
+        assert await asyncio.to_thread(kvd.proc.wait, 20) == 0
+    finally:
+        kvd.stop()
+
+
 async def test_a_drain_ends_open_streams_at_once_saying_kvd_is_draining(tmp_path):
     """Engines keep a Step and an events stream open all the time: a stop must not wait
     its whole grace period for them. Each is told "kvd is draining" (UNAVAILABLE, which
@@ -92,7 +115,12 @@ async def test_a_step_sent_to_a_stream_idle_when_the_drain_began_is_told_kvd_is_
 
 
 async def test_a_step_being_served_when_the_drain_starts_gets_its_reply(tmp_path):
-    """A Step message kvd is serving finishes and is answered; the stream ends after it."""
+    """A Step message kvd is serving finishes and is answered; the stream ends after it.
+
+    The connection stays up (no GOAWAY: the channel stays READY) until the stream has
+    ended. grpc closes a connection the moment its last stream ends once it has sent its
+    GOAWAY, and a client writing its next message in that moment lost the stream's status:
+    it read UNAVAILABLE "Stream removed (sendmsg: Broken pipe)", not "kvd is draining"."""
     kvd = slow_link_kvd(tmp_path, "--grace-s", "30").start()
     try:
         async with AsyncClient(kvd.target) as client:
@@ -100,6 +128,11 @@ async def test_a_step_being_served_when_the_drain_starts_gets_its_reply(tmp_path
                 pending = await start_slow_read(client, stream)
                 await asyncio.sleep(0.3)  # kvd is serving it, waiting on the link
                 kvd.proc.send_signal(signal.SIGTERM)
+                states = set()
+                while not pending.done():
+                    states.add(client.channel.get_state().name)
+                    await asyncio.wait([pending], timeout=0.02)
+                assert states == {"READY"}, states
                 reply = await asyncio.wait_for(pending, 20)
                 assert not reply.errors
                 assert reply.stall_us > 500_000  # it did wait on the link, past the signal

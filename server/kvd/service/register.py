@@ -44,7 +44,8 @@ class OpenStreams:
     in flight finish."""
 
     # A Step stream waiting for its next message when the drain begins is told at that
-    # message (an engine in step sends it at once), or after this long without one.
+    # message (an engine in step sends it at once), or after this long without one; a
+    # stream that ends itself is ended after this long if it has not.
     LAST_READ_S = 1.0
 
     def __init__(self) -> None:
@@ -56,6 +57,8 @@ class OpenStreams:
         # one, a stream's client sees grpc's INTERNAL "Internal error from Core", which its
         # retry policy does not retry, instead of UNAVAILABLE "kvd is draining".
         self.told_at_next: set[asyncio.Task] = set()
+        # Streams that end themselves at a drain (health watches: after their NOT_SERVING).
+        self.end_themselves: set[asyncio.Task] = set()
         self.draining = False
 
     def serve(self, handler):
@@ -82,11 +85,17 @@ class OpenStreams:
         self.draining = True
         loop = asyncio.get_running_loop()
         for task in self.tasks - self.working:
-            if task in self.told_at_next:
+            if task in self.told_at_next or task in self.end_themselves:
                 loop.call_later(self.LAST_READ_S, self._end_if_idle, task)
             else:
                 task.cancel()
         return len(self.tasks)
+
+    async def ended(self, timeout_s: float) -> None:
+        """Waits, timeout_s at most, for the streams drain() ended to be done (no stream
+        starts after a drain)."""
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=timeout_s)
 
     def _end_if_idle(self, task: asyncio.Task) -> None:
         if not task.done() and task not in self.working:
