@@ -49,10 +49,14 @@ async def test_every_health_watch_is_told_not_serving_before_its_stream_ends(tmp
             first = [(await watch.read()).status for watch in watches]
             assert first == [health_pb2.HealthCheckResponse.SERVING] * 2 + [
                 health_pb2.HealthCheckResponse.SERVICE_UNKNOWN]
+            # Each read waiting (grpc's aio client raises the status at a read of a call
+            # that has ended, a message it had not read yet or not).
+            seconds = [asyncio.ensure_future(watch.read()) for watch in watches]
+            await asyncio.sleep(0.1)
             kvd.proc.send_signal(signal.SIGTERM)
-            for watch in watches:
-                second = await asyncio.wait_for(watch.read(), 10)
-                assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            for watch, second in zip(watches, seconds):
+                assert (await asyncio.wait_for(second, 10)).status == \
+                    health_pb2.HealthCheckResponse.NOT_SERVING
                 assert await asyncio.wait_for(watch.code(), 10) == grpc.StatusCode.UNAVAILABLE
                 assert await watch.details() == "kvd is draining"
         assert await asyncio.to_thread(kvd.proc.wait, 20) == 0
