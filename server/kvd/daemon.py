@@ -230,7 +230,9 @@ class Daemon:
 
     async def _listen(self, loop) -> None:
         self._metrics_server = None
-        if self.config.metrics:  # first: a port in use stops the start before gRPC serves
+        if self.config.socket:  # first: a second kvd on it is told so, not that a port is in use
+            _prepare_socket_path(Path(self.config.socket))
+        if self.config.metrics:  # a port in use stops the start before gRPC serves
             try:
                 self._metrics_server = serve_metrics(self.config.metrics, self.node, loop,
                                                      lambda: self._ready, self._health_detail)
@@ -247,7 +249,6 @@ class Daemon:
             log.info("health listening", address=f"{self.config.health.rsplit(':', 1)[0]}:{port}")
         if self.config.socket:
             path = Path(self.config.socket)
-            _prepare_socket_path(path)
             _bind(server, f"unix:{path}")
             self.addresses.append(f"unix://{path}")
         if self.config.tcp:
