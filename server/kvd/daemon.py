@@ -167,6 +167,8 @@ class Daemon:
         # step that moves many pages. 0.5 ms keeps hand-offs short.
         sys.setswitchinterval(self.config.switch_interval_s)
         loop = asyncio.get_running_loop()
+        if self.config.socket:  # first: a second kvd is told so, not that memory is short
+            _prepare_socket_path(Path(self.config.socket))
         check_shared_memory(self.config)
         check_gpu_memory(self.config)
         # Arena allocation can take a while for large pools: keep the loop free.
@@ -230,8 +232,6 @@ class Daemon:
 
     async def _listen(self, loop) -> None:
         self._metrics_server = None
-        if self.config.socket:  # first: a second kvd on it is told so, not that a port is in use
-            _prepare_socket_path(Path(self.config.socket))
         if self.config.metrics:  # a port in use stops the start before gRPC serves
             try:
                 self._metrics_server = serve_metrics(self.config.metrics, self.node, loop,

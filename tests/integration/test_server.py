@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import socket
 import subprocess
@@ -193,12 +194,17 @@ async def test_a_generic_client_discovers_services_by_reflection(kvd):
 
 def test_a_second_kvd_refuses_a_live_socket(kvd):
     """Started with the first's config, a second kvd says another kvd is on the socket: its
-    metrics port is taken too (as here), but that is not the cause to report."""
+    metrics port is taken too and the first holds the shared memory its pools need (both
+    as here), but neither is the cause to report."""
+    page_bytes = 16 * 1024  # SMALL's
+    too_many = shutil.disk_usage("/dev/shm").free // page_bytes + 1
+    args = [*SMALL]
+    args[args.index("--host-pages") + 1] = str(too_many)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         second = subprocess.run(
-            [sys.executable, "-m", "kvd", "--socket", str(kvd.socket), *SMALL,
+            [sys.executable, "-m", "kvd", "--socket", str(kvd.socket), *args,
              "--metrics", "127.0.0.1:%d" % taken.getsockname()[1]],
             capture_output=True, text=True, timeout=30,
         )
