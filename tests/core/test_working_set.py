@@ -101,6 +101,31 @@ def test_a_whale_under_a_fair_policy_is_counted_for_its_fair_share(make_pool):
     assert pool.tenancy.device_by_tenant["whale"] < 40
 
 
+def test_a_whale_with_a_shared_prefix_counts_its_own_pages_up_to_its_share(make_pool):
+    """A whale's shared prefix blocks are no more its working set than anyone's: it counts
+    its own pages, up to its fair share. Its prefix was taken off what its share counted,
+    so a whale with a long prefix counted below zero: the working sets read less than the
+    device held (kvd's stats refused to answer: "Value out of range: -10" on a uint), and
+    admission let in what did not fit."""
+    pool = make_pool(device_pages=50, host_pages=200, policy="fair", admission="working_set")
+    share = pool.pages.share_capacity
+    for i in range(4):  # minnows: 4 x 5 pages, written
+        assert _decision(pool, f"m{i}", 5, tenant="minnows").decision == "admitted"
+        settle(pool, pool.allocate(f"m{i}", 5))
+    assert _decision(pool, "w", 40, tenant="whale").decision == "admitted"
+    cap = pool.get_request("w").working_set_cap
+    assert cap is not None and 10 < cap < 30
+    keys = [b"p%d" % i for i in range(30)]  # its prompt's first 30 pages: a shared prefix
+    settle(pool, pool.store("w", NS, keys)[0])
+    pool.commit("w", NS, keys)
+    assert pool.admission.working_set_used() == 20 + 10  # its 10 own pages, within its cap
+    late = share - 30 + 1  # one page more than the device has room for
+    assert _decision(pool, "late", late, tenant="minnows").decision == "queued"
+    _, admitted = pool.release("w")
+    assert [r.request_id for r in admitted] == ["late"]
+    assert pool.admission.working_set_used() == 20 + late
+
+
 def test_under_a_plain_policy_a_big_request_waits_for_the_whole_device(make_pool):
     pool = make_pool(device_pages=50, host_pages=200, policy="lru", admission="working_set")
     for i in range(4):

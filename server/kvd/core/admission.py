@@ -74,9 +74,10 @@ class Admission:
         self.reserver = reserver
         self.queue: OrderedDict[str, Request] = OrderedDict()
         self.reserved_pages = 0
-        # Of those, the pages counted as working set (a whale's only up to its cap), and the
-        # shared prefix blocks admitted requests use (counted in their reservations, not
-        # their working sets; kept by Prefixes).
+        # Of those, the pages counted as working set: each request's own, not the shared
+        # prefix blocks it uses (counted in its reservation, not its working set), and a
+        # whale's only up to its cap (see counted_pages). And how many uses of shared blocks
+        # the requests make (kept by Prefixes, through shared_uses_changed).
         self.working_set_pages = 0
         self.shared_uses = 0
         self._newly_admitted: list[Request] = []
@@ -190,7 +191,13 @@ class Admission:
 
     def working_set_used(self) -> int:
         """Device pages the admitted requests' working sets take (see the module)."""
-        return self.working_set_pages - self.shared_uses
+        return self.working_set_pages
+
+    def shared_uses_changed(self, req: Request, counted_before: int, uses: int) -> None:
+        """req uses `uses` more shared blocks (fewer when negative) than when it counted
+        `counted_before` pages of working set (counted_pages, before req.shared changed)."""
+        self.shared_uses += uses
+        self.working_set_pages += counted_pages(req) - counted_before
 
     def working_set_cap(self, req: Request) -> int | None:
         """The most pages req is counted for: under a fair policy, a request bigger than its
@@ -310,9 +317,9 @@ class Admission:
 
     def reserve(self, req: Request, pages: int) -> None:
         """`pages` more are reserved for req (at admission, or as it grows past them)."""
-        before = _counted(req)
+        before = counted_pages(req)
         req.reserved_pages += pages
-        self.working_set_pages += _counted(req) - before
+        self.working_set_pages += counted_pages(req) - before
         self.reserved_pages += pages
         self.tenancy.reserved_by_tenant[req.tenant] += pages
         self.tenancy.demand_changed()
@@ -320,7 +327,7 @@ class Admission:
     def unreserve(self, req: Request) -> None:
         """req is gone: what was reserved for it is free to reserve again."""
         self.reserved_pages -= req.reserved_pages
-        self.working_set_pages -= _counted(req)
+        self.working_set_pages -= counted_pages(req)
         self.tenancy.reserved_by_tenant[req.tenant] -= req.reserved_pages
         req.reserved_pages = 0
         self.tenancy.demand_changed()
@@ -406,7 +413,10 @@ class Admission:
                 f"request {short_repr(req.request_id)} asks for {growth} more")
 
 
-def _counted(req: Request) -> int:
-    """The pages req's reservation counts for in the working set."""
+def counted_pages(req: Request) -> int:
+    """The pages req counts for in the working set: its reservation less the shared blocks
+    it uses (its own pages), up to its cap. (Its shared blocks taken off the capped count
+    instead, a whale with a long shared prefix counted below zero.)"""
+    own = max(0, req.reserved_pages - len(req.shared))
     cap = req.working_set_cap
-    return req.reserved_pages if cap is None else min(req.reserved_pages, cap)
+    return own if cap is None else min(own, cap)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvd.core import prefix, settle
-from kvd.core.admission import Admission, AdmitResult, Decision
+from kvd.core.admission import Admission, AdmitResult, Decision, counted_pages
 from kvd.core.attribution import Attribution
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock
@@ -377,10 +377,11 @@ class Pool:
     def abort(self, plan: TransferPlan) -> None:
         """The copy failed or was cancelled: put everything back as it was before the plan."""
         storer = plan.cause
-        uses = len(storer.shared) if storer is not None else 0
+        if storer is not None:
+            uses, counted = len(storer.shared), counted_pages(storer)
         settle.abort(self.pages, plan)
         if storer is not None:  # the blocks it stored are gone: it uses them no more
-            self.admission.shared_uses -= uses - len(storer.shared)
+            self.admission.shared_uses_changed(storer, counted, len(storer.shared) - uses)
 
     def record_stall(self, seconds: float, plan: TransferPlan | None = None) -> None:
         """An access waited `seconds` for `plan`'s promotions: charge it to the evictions

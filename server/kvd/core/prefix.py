@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvd.core import intent as intents
-from kvd.core.admission import Admission
+from kvd.core.admission import Admission, counted_pages
 from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.errors import FailedPrecondition, InvalidArgument
 from kvd.core.pages import PageTable
@@ -228,13 +228,13 @@ class Prefixes:
             if not b.pin_users and self.named.get(b.name) is b:
                 self._set_pin(b, False)
         req.pinned_shared.clear()
+        counted = counted_pages(req)
         for b in req.shared:
             n = b.users.get(req.tenant, 0) - 1
             if n > 0:
                 b.users[req.tenant] = n
             else:
                 b.users.pop(req.tenant, None)
-            self.admission.shared_uses -= 1
             if self.named.get(b.name) is not b:
                 continue  # already let go
             if not b.users and b.tier is TierKind.DEVICE:
@@ -243,7 +243,9 @@ class Prefixes:
                 self.pages.discard(b)
             else:
                 self._recharge(b)
+        uses = len(req.shared)
         req.shared.clear()
+        self.admission.shared_uses_changed(req, counted, -uses)
 
     def keeper(self, tenant: str) -> Request:
         """The request that owns the tenant's named blocks (made on first use)."""
@@ -337,11 +339,12 @@ class Prefixes:
         return Shares(in_use, shared, self.tenancy.usage(tenant), saved)
 
     def _use(self, req: Request, b: Block) -> None:
-        self.admission.shared_uses += 1
+        counted = counted_pages(req)
         if not b.users and b.tier is TierKind.DEVICE:
             self.tenancy.idle_changed(b.payers, -1)
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
         req.shared.append(b)
+        self.admission.shared_uses_changed(req, counted, 1)
         self._recharge(b)
 
     def _unuse(self, req: Request, b: Block, payers: tuple[str, ...]) -> None:
@@ -351,8 +354,9 @@ class Prefixes:
             b.users[req.tenant] = n
         else:
             del b.users[req.tenant]
+        counted = counted_pages(req)
         req.shared.pop()
-        self.admission.shared_uses -= 1
+        self.admission.shared_uses_changed(req, counted, -1)
         if b.payers != payers:
             if b.tier is TierKind.DEVICE:
                 owner = b.request.tenant
