@@ -6,8 +6,37 @@ import uvloop
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+
+
+def _number(kind, least, strictly: bool):
+    """An argparse type: a `kind` above `least` (or at least `least`), else argparse's own
+    one-line error (exit 2) instead of a traceback from deep in a run."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value < least or (strictly and value == least):
+            raise argparse.ArgumentTypeError(
+                f"must be {'more than' if strictly else 'at least'} {least} (got {text})")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _number(int, 0, strictly=True)
+POSITIVE = _number(float, 0, strictly=True)
+COUNT = _number(int, 0, strictly=False)  # 0 allowed: none, or "as the option says"
+
+
+def _existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return path
 
 
 def _demo(args) -> int:
@@ -111,9 +140,9 @@ def _replay_intents_parser(sub) -> None:
     replay.add_argument("trace", nargs="+",
                         help="trace files, profile names, or 'all' for the five profiles")
     replay.add_argument("--policy", default="all", help="a policy, a,b,c, or 'all'")
-    replay.add_argument("--device-pages", type=int, default=128)
-    replay.add_argument("--host-pages", type=int, default=4096)
-    replay.add_argument("--page-bytes", type=int, default=4096,
+    replay.add_argument("--device-pages", type=POSITIVE_INT, default=128)
+    replay.add_argument("--host-pages", type=COUNT, default=4096)
+    replay.add_argument("--page-bytes", type=POSITIVE_INT, default=4096,
                         help="scaled-down page size (page counts decide misses)")
     replay.add_argument("--pins", choices=PIN_MODES, default="trace",
                         help="hold the trace's pins as written (never let go), or until the "
@@ -126,19 +155,19 @@ def _replay_intents_parser(sub) -> None:
 
 def _whale_minnows_parser(sub) -> None:
     wm = sub.add_parser("whale-minnows", help="one whale and forty minnows on one device: lru against fair")
-    wm.add_argument("--whales", type=int, default=1)
-    wm.add_argument("--whale-tokens", type=int, default=131072)
-    wm.add_argument("--minnows", type=int, default=40)
-    wm.add_argument("--minnow-tokens", type=int, default=2048)
-    wm.add_argument("--minnow-tenants", type=int, default=1,
+    wm.add_argument("--whales", type=POSITIVE_INT, default=1)
+    wm.add_argument("--whale-tokens", type=POSITIVE_INT, default=131072)
+    wm.add_argument("--minnows", type=POSITIVE_INT, default=40)
+    wm.add_argument("--minnow-tokens", type=POSITIVE_INT, default=2048)
+    wm.add_argument("--minnow-tenants", type=POSITIVE_INT, default=1,
                     help="split the minnows across this many tenants")
-    wm.add_argument("--duration-s", type=float, default=3.0,
+    wm.add_argument("--duration-s", type=POSITIVE, default=3.0,
                     help="how long both engines decode side by side")
-    wm.add_argument("--block-tokens", type=int, default=64)
-    wm.add_argument("--page-bytes", type=int, default=16384)
-    wm.add_argument("--device-pages", type=int, default=0,
+    wm.add_argument("--block-tokens", type=POSITIVE_INT, default=64)
+    wm.add_argument("--page-bytes", type=POSITIVE_INT, default=16384)
+    wm.add_argument("--device-pages", type=COUNT, default=0,
                     help="0: 90%% of the whole demand")
-    wm.add_argument("--step-ms", type=float, default=20.0, help="engine step pace")
+    wm.add_argument("--step-ms", type=POSITIVE, default=20.0, help="engine step pace")
     wm.add_argument("--json", type=Path)
     wm.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     wm.set_defaults(func=_whale_minnows)
@@ -146,9 +175,9 @@ def _whale_minnows_parser(sub) -> None:
 
 def _soak_parser(sub) -> None:
     soak = sub.add_parser("soak", help="many clients, mixed workload, minutes: leaks and drift")
-    soak.add_argument("--clients", type=int, help="default: as many as make bench's soak")
-    soak.add_argument("--duration-s", type=float, help="default: as long as make bench's soak")
-    soak.add_argument("--interval-s", type=float, default=30.0, help="report period")
+    soak.add_argument("--clients", type=POSITIVE_INT, help="default: as many as make bench's soak")
+    soak.add_argument("--duration-s", type=POSITIVE, help="default: as long as make bench's soak")
+    soak.add_argument("--interval-s", type=POSITIVE, default=30.0, help="report period")
     soak.add_argument("--policy", default="fair")
     soak.add_argument("--json", type=Path)
     soak.set_defaults(func=_soak)
@@ -156,24 +185,24 @@ def _soak_parser(sub) -> None:
 
 def _request_trace_parser(sub) -> None:
     rt = sub.add_parser("request-trace", help="play a request trace (Mooncake or simulator)")
-    rt.add_argument("trace", type=Path)
+    rt.add_argument("trace", type=_existing_file)
     rt.add_argument("--policy", default="lru,fair,deadline",
                     help="a,b,c: one run each; POLICY@reservation admits while pages fit "
                     "both tiers instead of the working sets the device")
-    rt.add_argument("--speed", type=float, default=4.0, help="time compression")
-    rt.add_argument("--limit", type=int, default=600, help="first N requests (0: all)")
+    rt.add_argument("--speed", type=POSITIVE, default=4.0, help="time compression")
+    rt.add_argument("--limit", type=COUNT, default=600, help="first N requests (0: all)")
     rt.add_argument("--tenants", default="length:16384",
                     help="length:N | round-robin:K | field:NAME")
-    rt.add_argument("--block-tokens", type=int, default=512)
+    rt.add_argument("--block-tokens", type=POSITIVE_INT, default=512)
     rt.add_argument("--model", default="",
                     help="a model preset (llama-3-8b, ...): page bytes = block tokens x its "
                          "bytes per token; default: --page-bytes")
-    rt.add_argument("--page-bytes", type=int, default=16384,
+    rt.add_argument("--page-bytes", type=POSITIVE_INT, default=16384,
                     help="scaled-down page size (page counts decide evictions)")
-    rt.add_argument("--device-pages", type=int, default=1200)
-    rt.add_argument("--host-pages", type=int, default=40000)
-    rt.add_argument("--step-ms", type=float, default=20.0)
-    rt.add_argument("--max-output-tokens", type=int, default=128)
+    rt.add_argument("--device-pages", type=POSITIVE_INT, default=1200)
+    rt.add_argument("--host-pages", type=COUNT, default=40000)
+    rt.add_argument("--step-ms", type=POSITIVE, default=20.0)
+    rt.add_argument("--max-output-tokens", type=COUNT, default=128)
     rt.add_argument("--no-share", action="store_true",
                     help="ignore the trace's prefix blocks (hash_ids): every prompt's blocks "
                          "are its own")
@@ -186,11 +215,11 @@ def _request_trace_parser(sub) -> None:
 def _bandwidth_hog_parser(sub) -> None:
     hog = sub.add_parser("bandwidth-hog",
                          help="a tenant's bulk promotions beside a latency-sensitive one, on one link")
-    hog.add_argument("--link-mib-s", type=float, default=16.0, help="the link's cap")
-    hog.add_argument("--hog-streams", type=int, default=8)
-    hog.add_argument("--hog-weight", type=float, default=1.0)
-    hog.add_argument("--sensitive-weight", type=float, default=1.0)
-    hog.add_argument("--duration-s", type=float, default=4.0, help="per phase")
+    hog.add_argument("--link-mib-s", type=POSITIVE, default=16.0, help="the link's cap")
+    hog.add_argument("--hog-streams", type=POSITIVE_INT, default=8)
+    hog.add_argument("--hog-weight", type=POSITIVE, default=1.0)
+    hog.add_argument("--sensitive-weight", type=POSITIVE, default=1.0)
+    hog.add_argument("--duration-s", type=POSITIVE, default=4.0, help="per phase")
     hog.add_argument("--json", type=Path)
     hog.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     hog.set_defaults(func=_bandwidth_hog)
@@ -199,19 +228,23 @@ def _bandwidth_hog_parser(sub) -> None:
 def _hostile_parser(sub) -> None:
     hos = sub.add_parser("hostile", help="a victim tenant's steps under another's flood, "
                          "against a control flooding a second kvd")
-    hos.add_argument("--duration-s", type=float, default=6.0, help="per phase")
-    hos.add_argument("--step-ms", type=float, default=2.0, help="the victim's pace")
-    hos.add_argument("--streams", type=int, default=64, help="the attacker's Step streams")
+    hos.add_argument("--duration-s", type=POSITIVE, default=6.0, help="per phase")
+    hos.add_argument("--step-ms", type=POSITIVE, default=2.0, help="the victim's pace")
+    hos.add_argument("--streams", type=POSITIVE_INT, default=64, help="the attacker's Step streams")
     hos.add_argument("--json", type=Path)
     hos.set_defaults(func=_hostile)
 
 
 def _disagg_parser(sub) -> None:
     dis = sub.add_parser("disagg", help="prefill and decode pools, handoff, reservation")
-    dis.add_argument("--requests", type=int, default=120)
-    dis.add_argument("--link-mib-s", type=float, default=64.0, help="the handoff link's cap")
-    dis.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
-    dis.add_argument("--decode-pages", type=int, default=192)
+    dis.add_argument("--requests", type=POSITIVE_INT, default=120)
+    dis.add_argument("--link-mib-s", type=POSITIVE, default=64.0, help="the handoff link's cap")
+    dis.add_argument("--rate", type=POSITIVE, default=40.0, help="arrivals per second")
+    from kvd_loadgen.disagg import min_decode_pages
+
+    dis.add_argument("--decode-pages", type=_number(int, min_decode_pages(), strictly=False),
+                     default=192, help="the decode pool's device tier: at least a request's "
+                     "smallest prompt and longest output")
     dis.add_argument("--json", type=Path)
     dis.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     dis.set_defaults(func=_disagg)
@@ -229,11 +262,11 @@ class _WithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 def _cluster_parser(sub) -> None:
     cl = sub.add_parser("cluster", help="three kvds and an etcd: cluster quotas, handoffs "
                         "across nodes, a node killed, etcd stopped and restarted")
-    cl.add_argument("--duration-s", type=float, default=24.0,
+    cl.add_argument("--duration-s", type=POSITIVE, default=24.0,
                     help="node c dies at a third of it; etcd is away from half to two thirds")
-    cl.add_argument("--link-mib-s", type=float, default=8.0,
+    cl.add_argument("--link-mib-s", type=POSITIVE, default=8.0,
                     help="each of a's links to b's and c's decode pools")
-    cl.add_argument("--chat-limit", type=int, default=300, help="chat's cluster limit, pages")
+    cl.add_argument("--chat-limit", type=POSITIVE_INT, default=300, help="chat's cluster limit, pages")
     cl.add_argument("--json", type=Path)
     cl.add_argument("--report", type=Path, help="directory for REPORT.md and PNG plots")
     cl.set_defaults(func=_cluster)

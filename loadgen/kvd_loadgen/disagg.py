@@ -58,6 +58,13 @@ class DisaggScenario:
         return out
 
 
+def min_decode_pages(s: DisaggScenario | None = None) -> int:
+    """The fewest decode device pages the scenario runs on: its smallest prompt with its
+    longest output, and a page to spare (arrivals() caps prompts to fit)."""
+    s = s or DisaggScenario()
+    return math.ceil((s.prompt_min + s.output_max) / BLOCK_TOKENS) + 1
+
+
 def kvd_config(s: DisaggScenario) -> str:
     return f"""
 [server]
@@ -200,13 +207,22 @@ async def run_mode(s: DisaggScenario, reserved: bool) -> dict:
 
 async def handoff_burst(s: DisaggScenario, requests: int = 4, blocks: int = 80) -> dict:
     """Prefill a few long requests, then hand them all off at once: the link's throughput
-    when handoffs keep it busy, against its cap."""
+    when handoffs keep it busy, against its cap. On a small decode pool, requests of what
+    its device tier holds, as many as it admits at once (one at least)."""
+    blocks = min(blocks, s.decode_pages - 2)  # and its output block, and one to spare
     async with local_kvd(kvd_config(s), prefix="kvd-disagg-") as (_, c):
+        admitted = 0
         for i in range(requests):
             reply = await c.admit(f"b{i}", blocks * BLOCK_TOKENS, BLOCK_TOKENS,
                                   pool="prefill", handoff_pool="decode")
+            if reply.decision != pb.DECISION_ADMITTED and admitted:
+                if reply.decision == pb.DECISION_QUEUED:
+                    await c.release(f"b{i}")
+                break
             assert reply.decision == pb.DECISION_ADMITTED, reply
             await c.allocate(f"b{i}", blocks)
+            admitted += 1
+        requests = admitted
         started = time.perf_counter()
         done = await asyncio.gather(*(c.handoff_all(f"b{i}") for i in range(requests)))
         elapsed = time.perf_counter() - started

@@ -72,3 +72,23 @@ def test_a_tiny_trace_against_a_real_kvd_with_a_full_report(tmp_path):
     for png in ("stall_cdf.png", "occupancy.png", "policies.png"):
         data = (tmp_path / "report" / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["request-trace", "/no/such/trace.jsonl"], "argument trace: no such file"),
+    (["request-trace", __file__, "--speed", "0"], "argument --speed: must be more than 0"),
+    (["whale-minnows", "--minnows", "-1"], "argument --minnows: must be more than 0"),
+    (["disagg", "--decode-pages", "16"], "argument --decode-pages: must be at least"),
+    (["bandwidth-hog", "--duration-s", "nan"], "argument --duration-s: must be more than 0"),
+    (["soak", "--clients", "x"], "argument --clients: not a number"),
+])
+def test_a_bad_option_is_one_line_and_exit_2(argv, says, capsys):
+    """Each of these ran into a traceback, some after a run's worth of time (ZeroDivision,
+    KeyError, a negative token count sent to kvd, an AssertionError in the handoff burst)."""
+    from kvd_loadgen.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(argv)
+    assert ended.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err

@@ -49,6 +49,16 @@ async def test_bandwidth_hog_small(tmp_path):
     assert "| backlogged fair | hog | 3 |" in text
 
 
+@pytest.mark.parametrize("decode_pages", [disagg.min_decode_pages(), 100])
+async def test_the_handoff_burst_runs_on_any_decode_pool_the_cli_takes(decode_pages):
+    """Its four requests of 81 decode pages asked for more than a small decode pool holds
+    (an AssertionError at 48 pages: "it can never be resident"): it hands off what the
+    pool holds, as many as it admits at once."""
+    out = await disagg.handoff_burst(disagg.DisaggScenario(decode_pages=decode_pages))
+    assert 1 <= out["requests"] <= 4 and out["mib_s"] > 0
+    assert out["bytes"] == out["requests"] * min(80, decode_pages - 2) * 16 * 1024
+
+
 async def test_disagg_small(tmp_path):
     s = disagg.DisaggScenario(requests=30, rate=80.0, output_min=256, output_max=512)
     out = await disagg.run_all(s)
