@@ -272,6 +272,28 @@ def _finite(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    value = _finite(text)
+    if not value:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
+    return value
+
+
+def _count(least: int):
+    """An int of at least `least`: a negative --limit or page count reached kvd's protobuf
+    as a traceback, a negative --count never stopped."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvctl", description="Look at and steer a running kvd.")
     p.add_argument("--target", default=None, help=f"kvd address (default: {default_target()})")
@@ -284,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TLS to a TCP target: the CA's PEM file (default: $KVD_TLS_CA)")
     p.add_argument("--tls-cert", default=None, help="client certificate for mTLS (PEM)")
     p.add_argument("--tls-key", default=None, help="client key for mTLS (PEM)")
-    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--timeout-s", type=_positive, default=10.0)
     sub = p.add_subparsers(dest="command", required=True)
     for name, help_ in (("status", "pools, tiers, occupancy, backend, policy, uptime"),
                         ("tenants", "usage vs fair share vs quota"),
@@ -294,11 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--json", action="store_true")
     c = sub.add_parser("requests", help="the busiest requests")
     c.add_argument("--pool", default="")
-    c.add_argument("--limit", type=int, default=20)
+    c.add_argument("--limit", type=_count(1), default=20)
     c.add_argument("--json", action="store_true")
     c = sub.add_parser("top", help="a refreshing view of pools, tenants, busiest requests")
-    c.add_argument("--interval-s", type=float, default=1.0)
-    c.add_argument("--count", type=int, default=None, help="stop after this many refreshes")
+    c.add_argument("--interval-s", type=_positive, default=1.0)
+    c.add_argument("--count", type=_count(1), default=None,
+                   help="stop after this many refreshes")
     c = sub.add_parser("explain", help="how long a request stalled on memory, because of whom")
     c.add_argument("request_id")
     c.add_argument("--json", action="store_true")
@@ -312,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--guaranteed", type=_quota_size,
                    help="pages, or a size: 4096, 8GiB (rounded up to whole pages)")
     c.add_argument("--limit", type=_quota_size, help="pages or a size; 0 for none")
-    c.add_argument("--max-request-pages", type=int)
+    c.add_argument("--max-request-pages", type=_count(0))
     c.add_argument("--max-request-fraction", type=_finite)
     c.add_argument("--bandwidth-cap", type=_rate, dest="bandwidth_cap_bytes_per_s",
                    help="over each link: bytes/s or e.g. 8GiB/s; 0 for none")
@@ -331,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kind", action="append", default=[], dest="kinds")
     c.add_argument("--tenant", action="append", default=[], dest="tenants")
     c.add_argument("--pool", action="append", default=[], dest="pools")
-    c.add_argument("--count", type=int, default=None, help="stop after this many events")
+    c.add_argument("--count", type=_count(1), default=None, help="stop after this many events")
     c.add_argument("--json", action="store_true", help="one JSON object per line")
     c = sub.add_parser("cluster", help="nodes, and each tenant's cluster usage vs share vs "
                        "each node's part (kvds sharing quotas through etcd)")

@@ -199,3 +199,19 @@ def test_self_check(busy_kvd):
     checked = kvctl(busy_kvd.target, "self-check")
     assert checked.returncode == 0 and "sound" in checked.stdout
     assert json.loads(kvctl(busy_kvd.target, "self-check", "--json").stdout) == {"problems": []}
+
+
+@pytest.mark.parametrize("args, says", [
+    (["requests", "--limit", "-3"], "argument --limit: must be at least 1"),
+    (["set-quota", "t1", "--max-request-pages", "-4"], "--max-request-pages: must be at least 0"),
+    (["events", "--count", "-2"], "argument --count: must be at least 1"),
+    (["top", "--count", "0"], "argument --count: must be at least 1"),
+    (["--timeout-s", "0", "status"], "argument --timeout-s: must be more than 0"),
+    (["top", "--interval-s", "-1", "--count", "1"], "argument --interval-s: must be"),
+])
+def test_a_bad_number_is_one_line_and_exit_2(kvd, args, says):
+    """A negative --limit or page count reached protobuf as a traceback; a negative --count
+    never stopped; a timeout of 0 read DEADLINE_EXCEEDED, as if kvd were slow."""
+    out = kvctl(kvd.target, *args)
+    assert out.returncode == 2, out
+    assert says in out.stderr and "Traceback" not in out.stderr
