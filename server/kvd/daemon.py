@@ -13,6 +13,7 @@ import socket
 import stat
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -101,13 +102,13 @@ class _Health(health.aio.HealthServicer):
         super().__init__()
         self._streams = streams
         self._watch = streams.serve(self._watch_to_the_end)
-        self._watched: set[str] = set()
+        self._watched: Counter[str] = Counter()  # the services watched now, and by how many
         self.shutting_down = False
 
     async def enter_graceful_shutdown(self) -> None:
         self.shutting_down = True
-        for service in self._watched:  # services kvd does not serve too: their watches end
-            await self.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in list(self._watched):  # services kvd does not serve too: their
+            await self.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)  # watches end
         await super().enter_graceful_shutdown()
 
     async def Watch(self, request, context):
@@ -116,11 +117,16 @@ class _Health(health.aio.HealthServicer):
     async def _watch_to_the_end(self, request, context):
         task = asyncio.current_task()
         self._streams.end_themselves.add(task)
-        self._watched.add(request.service)
+        self._watched[request.service] += 1
         try:
             await super().Watch(request, _EndsAfterShutdownWrite(context, self))
         finally:
             self._streams.end_themselves.discard(task)
+            left = self._watched[request.service] - 1  # only the names watched now: a
+            if left:                                    # client's names do not pile up
+                self._watched[request.service] = left
+            else:
+                del self._watched[request.service]
 
 
 class _EndsAfterShutdownWrite:

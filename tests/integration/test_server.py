@@ -227,3 +227,33 @@ def test_the_socket_is_owner_and_group_only(tmp_path):
         mode = kvd.socket.stat().st_mode
         assert stat.S_IMODE(mode) == 0o660
         assert kvd.socket.stat().st_gid == grp.getgrnam(group).gr_gid
+
+
+async def test_health_watches_of_many_names_leave_nothing_behind(tmp_path):
+    """kvd remembers the services watched (to tell each NOT_SERVING at a drain) only while
+    they are watched: a client watching name after name must not grow it for ever."""
+    from kvd.daemon import _Health
+    from kvd.service.register import OpenStreams
+
+    health = _Health(OpenStreams())
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(f"unix://{tmp_path}/h.sock")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{tmp_path}/h.sock") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watches = [stub.Watch(health_pb2.HealthCheckRequest(service=f"s{i}"))
+                       for i in range(50)]
+            for watch in watches:
+                await watch.read()
+            assert len(health._watched) == 50
+            for watch in watches:
+                watch.cancel()
+            for _ in range(100):
+                if not health._watched:
+                    break
+                await asyncio.sleep(0.05)
+            assert not health._watched
+    finally:
+        await server.stop(0)
