@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from kvd.config_values import bytes_of
 from kvd.core.errors import KvdError
 from kvd_client import (Client, DrainingError, KvdClientError, Tls, UnavailableError,
                         default_target, pb)
+from kvd_client.cli_args import number
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 
@@ -261,37 +261,15 @@ def cluster_tables(view: pb.GetClusterResponse, peer_links=()):
     return Group(nodes, tenants, *([links] if links else []))
 
 
-def _finite(text: str) -> float:
-    """A number kvd can act on: not NaN, not infinite, not negative."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> float:
-    value = _finite(text)
-    if not value:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {text!r}")
-    return value
+# Numbers kvd can act on: not NaN, not infinite, not negative (nor 0 where that means
+# nothing). A negative --limit or page count reached kvd's protobuf as a traceback, a
+# negative --count never stopped.
+_finite = number(float, 0)
+_positive = number(float, 0, strictly=True)
 
 
 def _count(least: int):
-    """An int of at least `least`: a negative --limit or page count reached kvd's protobuf
-    as a traceback, a negative --count never stopped."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text!r}")
-        return value
-
-    return parse
+    return number(int, least)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,30 +6,15 @@ import uvloop
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
-
-def _number(kind, least, strictly: bool):
-    """An argparse type: a `kind` above `least` (or at least `least`), else argparse's own
-    one-line error (exit 2) instead of a traceback from deep in a run."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not math.isfinite(value) or value < least or (strictly and value == least):
-            raise argparse.ArgumentTypeError(
-                f"must be {'more than' if strictly else 'at least'} {least} (got {text})")
-        return value
-
-    return parse
+from kvd_client.cli_args import number
 
 
-POSITIVE_INT = _number(int, 0, strictly=True)
-POSITIVE = _number(float, 0, strictly=True)
-COUNT = _number(int, 0, strictly=False)  # 0 allowed: none, or "as the option says"
+POSITIVE_INT = number(int, 0, strictly=True)
+POSITIVE = number(float, 0, strictly=True)
+COUNT = number(int, 0)  # 0 allowed: none, or "as the option says"
 
 
 def _existing_file(text: str) -> Path:
@@ -242,7 +227,7 @@ def _disagg_parser(sub) -> None:
     dis.add_argument("--rate", type=POSITIVE, default=40.0, help="arrivals per second")
     from kvd_loadgen.disagg import min_decode_pages
 
-    dis.add_argument("--decode-pages", type=_number(int, min_decode_pages(), strictly=False),
+    dis.add_argument("--decode-pages", type=number(int, min_decode_pages()),
                      default=192, help="the decode pool's device tier: at least a request's "
                      "smallest prompt and longest output")
     dis.add_argument("--json", type=Path)
