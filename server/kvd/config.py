@@ -24,6 +24,7 @@ from kvd.config_values import (
     SCHEMA,
     Address,
     Count,
+    QuotaPages,
     FileMode,
     Fraction,
     Name,
@@ -194,7 +195,7 @@ class QuotaOverrides(TypedDict, total=False):
     weight: Positive
     guaranteed: Quota
     limit: Quota
-    max_request_pages: Count
+    max_request_pages: QuotaPages
     max_request_fraction: Fraction
     bandwidth_cap: Size
     bandwidth_burst: Size
@@ -253,7 +254,7 @@ class TenantConfig:
     weight: Positive = 1.0
     guaranteed: Quota = 0
     limit: Quota = 0  # 0: no limit
-    max_request_pages: Count = 0
+    max_request_pages: QuotaPages = 0
     max_request_fraction: Fraction = 0.0
     # Bytes per second (a number or "200MiB/s"; 0: none); see TenantQuota.
     bandwidth_cap: Size = 0
@@ -294,7 +295,10 @@ class TenantConfig:
             if pool not in names:
                 raise InvalidArgument(f"tenant {self.name!r}: no pool {pool!r}")
         for pool in pools:
-            quota = self.quota_for(pool.name, pool.resolved_page_bytes)
+            try:
+                quota = self.quota_for(pool.name, pool.resolved_page_bytes)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"tenant {self.name!r}, pool {pool.name!r}: {exc}") from None
             if quota.limit is not None and quota.guaranteed > quota.limit:
                 raise InvalidArgument(
                     f"tenant {self.name!r}, pool {pool.name!r}: guaranteed "

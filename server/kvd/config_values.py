@@ -14,6 +14,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ConfigDict, Field
 
 from kvd.core.errors import InvalidArgument
+from kvd.core.fairness import MAX_QUOTA_PAGES
 from kvd.core.policies import accepted_policy_names
 
 
@@ -58,7 +59,7 @@ def _positive_size_or_auto(value: Any) -> Any:
 
 def _quota(value: Any) -> Any:
     try:
-        pages_of(value, 1)
+        pages_of(value, 1, bounded=False)  # in pages of the pool's size: see quota_for
     except InvalidArgument as exc:
         raise ValueError(str(exc)) from None
     return value
@@ -90,6 +91,7 @@ def _mode(value: int) -> int:
 _STRICT = {"strict": True}
 PositiveInt = Annotated[int, Field(gt=0, **_STRICT)]
 Count = Annotated[int, Field(ge=0, **_STRICT)]
+QuotaPages = Annotated[int, Field(ge=0, le=MAX_QUOTA_PAGES, **_STRICT)]
 Positive = Annotated[float, Field(gt=0, **_STRICT)]  # seconds, milliseconds, weights
 NonNegative = Annotated[float, Field(ge=0, **_STRICT)]
 Fraction = Annotated[float, Field(ge=0, le=1, **_STRICT)]
@@ -124,16 +126,31 @@ def bytes_of(value: int | float | str) -> float:
     return float(match.group(1)) * _UNITS[unit]
 
 
-def pages_of(value: int | str, page_bytes: int) -> int:
+def pages_of(value: int | str, page_bytes: int, bounded: bool = True) -> int:
     """A quota in pages: an int is pages; a string is bytes with a unit ("512MiB", "2GB"),
-    rounded up to whole pages."""
+    rounded up to whole pages. `bounded`: at most MAX_QUOTA_PAGES (what kvd reports)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise InvalidArgument(f"a quota is pages (int) or bytes ('512MiB'), got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise InvalidArgument(f"a quota must be >= 0, got {value}")
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidArgument(f"cannot read {value!r} as a size; use e.g. 512MiB or 2GB")
-    return math.ceil(float(match.group(1)) * _UNITS[match.group(2).lower()] / page_bytes)
+        pages = value
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise InvalidArgument(f"cannot read {value!r} as a size; use e.g. 512MiB or 2GB")
+        pages = math.ceil(float(match.group(1)) * _UNITS[match.group(2).lower()] / page_bytes)
+    if bounded:
+        check_quota_pages(pages, value if isinstance(value, str) else None, page_bytes)
+    return pages
+
+
+def check_quota_pages(pages: int, size: str | int | None = None, page_bytes: int = 0) -> None:
+    """Refuse a quota of more pages than kvd counts (see MAX_QUOTA_PAGES); `size`: the bytes
+    it was given in, if it was."""
+    if pages > MAX_QUOTA_PAGES:
+        given = (f"{pages} pages" if size is None else
+                 f"{size if isinstance(size, str) else f'{size} bytes'} is {pages} pages of "
+                 f"{page_bytes} bytes")
+        raise InvalidArgument(f"a quota of {given}: at most {MAX_QUOTA_PAGES} pages "
+                              "(a limit of 0 is none)")

@@ -11,6 +11,7 @@ import structlog
 
 from kvd.assembly import Links, apply_caps
 from kvd.config import Config
+from kvd.config_values import check_quota_pages
 from kvd.core.clock import Clock
 from kvd.core.errors import InvalidArgument, NotFound
 from kvd.core.fairness import TenantQuota
@@ -136,6 +137,11 @@ class Quotas:
         if fraction is not None and not 0 <= fraction <= 1:
             raise InvalidArgument("max_request_fraction is 0..1")
         per_pool = {rt: _in_pages(changes, rt.pool.page_bytes) for rt in runtimes}
+        for rt, pages in per_pool.items():  # from bytes: more pages than kvd counts?
+            for key in ("guaranteed", "limit"):
+                if pages.get(key) is not None and f"{key}_bytes" in changes:
+                    check_quota_pages(pages[key], changes[f"{key}_bytes"],
+                                      rt.pool.page_bytes)
         new = {rt: dataclasses.replace(rt.pool.tenancy.quota(tenant), **per_pool[rt])
                for rt in runtimes}
         for rt, quota in new.items():  # every pool checked before any changes
@@ -169,7 +175,7 @@ def _in_pages(changes: dict, page_bytes: int) -> dict:
     0 bytes is no limit, as 0 pages is)."""
     out = {k: v for k, v in changes.items() if not k.endswith("_bytes")}
     if "guaranteed_bytes" in changes:
-        out["guaranteed"] = math.ceil(changes["guaranteed_bytes"] / page_bytes)
+        out["guaranteed"] = -(-changes["guaranteed_bytes"] // page_bytes)  # exact, any size
     if "limit_bytes" in changes:
-        out["limit"] = math.ceil(changes["limit_bytes"] / page_bytes) or None
+        out["limit"] = -(-changes["limit_bytes"] // page_bytes) or None
     return out

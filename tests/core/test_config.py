@@ -91,6 +91,15 @@ def test_the_shipped_example_config_loads(tmp_path):
     ({"server": {"tls_cert": "c.pem", "tls_key": "k.pem"}}, "set tcp too"),
     ({"server": {"tcp": "127.0.0.1:1", "tls_client_ca": "ca.pem"}}, "needs tls_cert"),
     ({"server": {"allow_plaintext_tokens": "yes"}}, "allow_plaintext_tokens: Input should"),
+    # Quotas of more pages than kvd reports (uint32 in the API): every tenant listing and
+    # pool's stats would fail.
+    ({"tenant": [{"name": "a", "guaranteed": 2**32}]},
+     "tenant 'a', pool 'default': a quota of 4294967296 pages: at most 4294967295"),
+    ({"pool": [{"name": "default", "page_bytes": 4096}],
+      "tenant": [{"name": "a", "pools": {"default": {"limit": "100TiB"}}}]},
+     "a quota of 100TiB is 26843545600 pages of 4096 bytes: at most 4294967295"),
+    ({"tenant": [{"name": "a", "max_request_pages": 2**32}]},
+     "max_request_pages: Input should be less than or equal to 4294967295"),
 ])
 def test_bad_values_are_one_line_naming_the_key(data, message):
     with pytest.raises(InvalidArgument, match=message) as err:

@@ -84,6 +84,26 @@ async def test_bad_input_is_refused_with_a_clear_status(client, call, error, wor
     assert await client.health() == "SERVING"
 
 
+async def test_a_quota_of_more_pages_than_kvd_counts_is_refused_and_changes_nothing(client):
+    """A quota in bytes past what the API counts in pages (uint32) was taken, and from then
+    on every listing of the tenant and every pool's stats failed."""
+    before = await client.list_tenants()
+    for fields in ({"guaranteed_bytes": 2**53}, {"limit_bytes": 2**64 - 1},
+                   {"limit_bytes": 2**63, "weight": 2.0}):
+        with pytest.raises(InvalidArgumentError) as info:
+            await client.set_quota("default", create=True, **fields)
+        assert "at most 4294967295 pages" in info.value.details
+    assert await client.list_tenants() == before
+    assert (await client.pool_stats()).pools
+    # The most it counts is taken, to the page: bytes are rounded up exactly.
+    page_bytes = (await client.pool_stats()).pools[0].page_bytes
+    [info] = await client.set_quota("default", limit_bytes=(2**32 - 1) * page_bytes,
+                                    create=True)
+    assert info.limit_pages == 2**32 - 1
+    [info] = await client.set_quota("default", guaranteed_bytes=2**40 + 1, limit_bytes=0)
+    assert info.guaranteed_pages == -(-(2**40 + 1) // page_bytes)
+
+
 async def test_duplicate_and_queued_requests(client):
     # 8 device + 32 host pages, less 1 of transit headroom: four 8-page requests fit.
     for i in range(4):

@@ -25,6 +25,10 @@ DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusC
 U32 = st.integers(0, 2**32 - 1) | st.integers(0, 40)
 I32 = st.integers(-(2**31), 2**31 - 1) | st.integers(-2, 5)
 I64 = st.integers(-(2**63), 2**63 - 1) | st.integers(-5, 10**7)
+# Sizes in bytes: any, small ones, and the edges of what a page count holds (uint32 pages
+# of a few KiB to a few MiB).
+U64 = (st.integers(0, 2**64 - 1) | st.integers(0, 2**20)
+       | st.sampled_from([2**32 - 1, 2**32, 2**44, 2**46, 2**53, 2**63, 2**64 - 1]))
 IDS = st.sampled_from(["r0", "r1", "r2", "r3"]) | st.text(max_size=3) | st.just("x" * 10_000)
 BLOCKS = st.lists(U32, max_size=6)
 INTENT = st.builds(
@@ -37,6 +41,31 @@ INTENT = st.builds(
 )
 UPDATE = st.builds(pb.IntentUpdate, request_id=IDS, block_index=U32, intent=INTENT,
                    prefetch=st.booleans())
+
+
+def _set_quota(data) -> pb.SetQuotaRequest:
+    """A SetQuota that mostly passes validation (a tenant, each size in pages or in bytes,
+    numbers mostly in range), so that what it sets is what the other calls then meet."""
+    draw = data.draw
+    fields = {"tenant": draw(st.sampled_from(["t1", "t2", "t1", "", "nobody"])),
+              "pool": draw(st.sampled_from(["", "default", "default", "nope"])),
+              "create": draw(st.booleans() | st.just(True))}
+    for unit in ("guaranteed", "limit"):
+        size = draw(st.none() | st.tuples(st.just("pages"), U32) | st.tuples(st.just("bytes"),
+                                                                              U64))
+        if size is not None:
+            fields[f"{unit}_{size[0]}"] = size[1]
+    for name, sane in (("weight", st.floats(0.1, 10)),
+                       ("max_request_fraction", st.floats(0, 1)),
+                       ("read_budget_bytes_per_s", st.floats(0, 1e12))):
+        value = draw(st.none() | sane | st.floats())
+        if value is not None:
+            fields[name] = value
+    if draw(st.booleans()):
+        fields["max_request_pages"] = draw(U32)
+    return pb.SetQuotaRequest(**fields)
+
+
 CALLS = st.one_of(
     st.tuples(st.just("Admit"), st.builds(
         pb.AdmitRequest, request_id=IDS, tenant=st.sampled_from(["", "t1", "t2"]),
@@ -66,6 +95,7 @@ CALLS = st.one_of(
         accesses=st.lists(st.builds(pb.AccessRequest, request_id=IDS, block_indices=BLOCKS,
                                     all_blocks=st.booleans()), max_size=3),
         read_all=st.lists(IDS, max_size=4))),
+    st.tuples(st.just("SetQuota"), st.builds(_set_quota, st.data())),
     st.tuples(st.just("raw"), st.tuples(
         st.sampled_from(["Admit", "Allocate", "UpdateIntents", "Step", "SetQuota"]),
         st.binary(max_size=64))),
@@ -80,7 +110,7 @@ def fuzz_kvd(tmp_path_factory):
         channel.close()
 
 
-def _call(channel, memory, name, message):
+def _call(channel, memory, admin, name, message):
     if name == "raw":
         method, payload = message
         service = "Admin" if method == "SetQuota" else "Memory"
@@ -96,6 +126,8 @@ def _call(channel, memory, name, message):
             for error in reply.errors:
                 assert grpc.StatusCode(next(c for c in grpc.StatusCode
                                             if c.value[0] == error.code)) in DOCUMENTED
+    elif name == "SetQuota":
+        admin.SetQuota(message, timeout=10)
     else:
         getattr(memory, name)(message, timeout=10)
 
@@ -107,9 +139,12 @@ def test_random_calls_get_documented_answers_and_keep_invariants(fuzz_kvd, calls
     kvd, channel, memory, admin = fuzz_kvd
     for name, message in calls:
         try:
-            _call(channel, memory, name, message)
+            _call(channel, memory, admin, name, message)
         except grpc.RpcError as err:
             assert err.code() in DOCUMENTED, (name, err.code(), err.details())
+    # What anyone may ask with no input at all is answered whatever the cases did.
+    assert memory.GetPoolStats(pb.GetPoolStatsRequest(), timeout=10).pools
+    admin.ListTenants(pb.ListTenantsRequest(), timeout=10)
     check = admin.SelfCheck(pb.SelfCheckRequest(), timeout=10)
     assert check.ok, list(check.problems)
     assert kvd.proc.poll() is None, kvd.log()

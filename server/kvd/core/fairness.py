@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# The most pages a quota's guarantee, limit or per-request cap may count: the API tells them
+# in uint32 fields (TenantInfo), and a tenant's figures must stay readable to everyone.
+MAX_QUOTA_PAGES = 2**32 - 1
+
+
 @dataclass(slots=True)
 class TenantQuota:
     """One tenant's quota in one pool, in pages."""
