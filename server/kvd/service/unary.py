@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+import structlog
 
 from kvd.core import errors
 from kvd.metrics import observe_rpc
@@ -17,14 +18,16 @@ from kvd.service.auth import Caller
 from kvd.service.register import Malformed
 from kvd.service.status import local_message, status_of
 
+log = structlog.get_logger("kvd.service")
+
 Handler = Callable[[object, object, Caller], Awaitable[object]]
 
 
 def unary(method: Handler) -> Callable:
     """A unary handler `method(self, request, caller)`: the caller identified once (who, and
     whose lease, which the call renews), the client's call gate passed, domain errors turned
-    into their gRPC status, the call timed. Anything else is a bug: reported as INTERNAL by
-    grpc, and the daemon serves on."""
+    into their gRPC status, the call timed. Anything else is a bug: reported as INTERNAL,
+    logged, and the daemon serves on."""
     name = method.__name__
 
     @functools.wraps(method)
@@ -64,10 +67,14 @@ def unary(method: Handler) -> Callable:
             status = status_of(exc)
             code = status.name
             await context.abort(status, local_message(exc, caller))
-        except (ValueError, OverflowError, TypeError) as exc:
-            # Out-of-range values that slipped past validation: the caller's input.
-            code = "INVALID_ARGUMENT"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad argument: {exc}")
+        except Exception as exc:
+            # A bug in kvd: the caller's input is refused by validation, with its own
+            # status. Said as such (not as the caller's bad argument), and logged whole.
+            code = "INTERNAL"
+            log.exception("a call failed inside kvd", method=name)
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"kvd failed serving {name}: {type(exc).__name__}: "
+                                f"{str(exc)[:200]} (a bug in kvd; its log has the rest)")
         finally:
             if in_call is not None:
                 in_call.stream_closed(caller.lease)

@@ -1,0 +1,69 @@
+"""The wrapper every unary handler runs in tells the caller's bad input from kvd's own
+failure: a domain error is the caller's status; anything else is a bug, said as INTERNAL
+(never as the caller's bad argument) and logged whole, and the daemon serves on."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvd.core import errors
+from kvd.service.auth import Caller
+from kvd.service.gate import CallGate
+from kvd.service.unary import unary
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        raise _Aborted
+
+    def peer(self) -> str:
+        return "unix:test"
+
+
+class _Auth:
+    leases = None
+
+    def identify(self, context) -> Caller:
+        return Caller(tenant="t", admin=False)
+
+
+class _Service:
+    gate = CallGate(0)
+    auth = _Auth()
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    @unary
+    async def Stats(self, request, caller: Caller):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [ValueError("Value out of range: -10"),
+                                 OverflowError("int too big"), TypeError("bad"),
+                                 KeyError("pool"), ZeroDivisionError("division by zero")])
+async def test_a_failure_inside_kvd_is_internal_not_the_callers_bad_argument(exc):
+    context = _Context()
+    with pytest.raises(_Aborted):
+        await _Service(exc).Stats(object(), context)
+    code, details = context.status
+    assert code is grpc.StatusCode.INTERNAL
+    assert details.startswith(f"kvd failed serving Stats: {type(exc).__name__}")
+    assert "bug in kvd" in details
+
+
+async def test_a_domain_error_is_the_callers_status():
+    context = _Context()
+    with pytest.raises(_Aborted):
+        await _Service(errors.InvalidArgument("num_blocks must be positive")).Stats(
+            object(), context)
+    assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be positive")
