@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvd.core.admission import Decision
 from kvd.core.blocks import Block, TierKind
 from kvd.core.intent import IntentChange
@@ -30,18 +32,24 @@ def handle(block: Block, page_bytes: int, ns: int = 0) -> pb.PageHandle:
     """The block's page as the engine addresses it. The engine is told here that the block
     moved (its epoch is seen) and, once, that its bytes are lost and must be recomputed.
     `ns`: the length of the namespace the caller's request ids are kept in (not shown)."""
+    return pb.PageHandle(**_told(block, page_bytes, ns))
+
+
+def add_handles(handles, blocks: Iterable[Block], page_bytes: int, ns: int = 0) -> None:
+    """Append the blocks' handles (see handle) to a reply's repeated PageHandle field, each
+    made in place (a made handle appended is copied)."""
+    for block in blocks:
+        handles.add(**_told(block, page_bytes, ns))
+
+
+def _told(block: Block, page_bytes: int, ns: int) -> dict:
+    """A PageHandle's fields for the block, the engine told (see handle)."""
     block.seen_epoch = block.epoch
     lost, block.lost = block.lost, False
-    return pb.PageHandle(
-        request_id=block.request.request_id[ns:],
-        block_index=block.index,
-        pool=block.request.pool,
-        tier=int(block.tier),
-        page_index=block.page,
-        offset_bytes=block.page * page_bytes,
-        length_bytes=page_bytes,
-        recompute=lost,
-    )
+    return {"request_id": block.request.request_id[ns:], "block_index": block.index,
+            "pool": block.request.pool, "tier": int(block.tier), "page_index": block.page,
+            "offset_bytes": block.page * page_bytes, "length_bytes": page_bytes,
+            "recompute": lost}
 
 
 def shared_handle(block: Block, page_bytes: int, request_id: str,

@@ -19,7 +19,7 @@ from kvd.core.reads import AccessResult
 from kvd.metrics import observe_rpc
 from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller, unprefixed
-from kvd.service.convert import handle, intent_change, intent_fields
+from kvd.service.convert import add_handles, intent_change, intent_fields
 from kvd.service.gate import CallLimits, StepTurns
 from kvd.service.register import (DRAINING, MAX_STRING, WALK_LIMIT, Malformed,
                                   OpenStreams, safe_parser)
@@ -280,7 +280,7 @@ class StepStreams:
                                                       holder=holder)
                 stalled |= stall_s > 0
                 page_bytes = node.runtime_of(rid).pool.page_bytes
-                reply.allocated.extend(handle(b, page_bytes, len(ns)) for b in blocks)
+                add_handles(reply.allocated, blocks, page_bytes, len(ns))
             except errors.KvdError as exc:
                 _step_error(reply, "allocations", i, exc, ns)
         return stalled
@@ -448,7 +448,7 @@ def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) ->
     blocks = result.blocks if result.blocks is not None else req.live
     moved = [b for b in blocks if b.epoch != b.seen_epoch]
     if moved:
-        reply.relocated.extend(handle(b, page_bytes, cut) for b in moved)
+        add_handles(reply.relocated, moved, page_bytes, cut)
     if len(blocks) == req.num_live_blocks:
         req.maybe_relocated = False
 
