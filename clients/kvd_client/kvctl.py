@@ -21,7 +21,7 @@ from kvd.config_values import bytes_of
 from kvd.core.errors import KvdError
 from kvd_client import (Client, DrainingError, KvdClientError, Tls, UnavailableError,
                         default_target, pb)
-from kvd_client.cli_args import number
+from kvd_client.cli_args import UINT32_MAX, number
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
 
@@ -204,12 +204,18 @@ def _quota_size(text: str) -> tuple[str, int]:
     """A guarantee or a limit: pages ("4096"), or bytes with a unit ("8GiB", "512MB") as
     the config takes them."""
     if text.strip().isdigit():
-        return "pages", int(text)
+        pages = int(text)
+        if pages > UINT32_MAX:
+            raise argparse.ArgumentTypeError(f"{pages} pages: at most {UINT32_MAX}")
+        return "pages", pages
     try:
-        return "bytes", int(bytes_of(text))
+        size = int(bytes_of(text))
     except KvdError:
         raise argparse.ArgumentTypeError(
             f"not pages or a size: {text!r} (e.g. 4096 pages, or 8GiB)") from None
+    if size >= 2**64:  # kvd says whether it is too many pages
+        raise argparse.ArgumentTypeError(f"{text}: at most {2**64 - 1} bytes")
+    return "bytes", size
 
 
 def _rate(text: str) -> float:
@@ -269,7 +275,7 @@ _positive = number(float, 0, strictly=True)
 
 
 def _count(least: int):
-    return number(int, least)
+    return number(int, least, most=UINT32_MAX)  # counts go in the API's uint32 fields
 
 
 def build_parser() -> argparse.ArgumentParser:

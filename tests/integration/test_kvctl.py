@@ -82,6 +82,14 @@ def test_changes_and_exit_codes(busy_kvd):
     for bad in ("nan", "inf", "-1", "lots"):
         refused = kvctl(busy_kvd.target, "set-quota", "t2", "--weight", bad)
         assert refused.returncode == 2 and "weight" in refused.stderr, refused.stderr
+    # Counts past the API's uint32 fields ran into a traceback from protobuf.
+    for args in (("set-quota", "t2", "--limit", "5000000000"),
+                 ("set-quota", "t2", "--max-request-pages", "5000000000"),
+                 ("requests", "--limit", "5000000000")):
+        refused = kvctl(busy_kvd.target, *args)
+        assert refused.returncode == 2 and "at most 4294967295" in refused.stderr, \
+            refused.stderr
+        assert "Traceback" not in refused.stderr
     refused = kvctl(busy_kvd.target, "explain", "nope")
     assert refused.returncode == 1 and "NOT_FOUND" in refused.stderr
     bad_policy = kvctl(busy_kvd.target, "set-policy", "belady")
