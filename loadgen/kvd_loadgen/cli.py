@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from kvd_client.cli_args import number
+from kvd_loadgen.local import KvdStartError
 
 
 POSITIVE_INT = number(int, 0, strictly=True)
@@ -275,7 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KvdStartError as exc:  # options kvd refuses: its one line, as argparse's are
+        print(f"kvd-loadgen {args.command}: kvd did not start: {exc.line}", file=sys.stderr)
+        return 2
 
 
 def write_json(path: Path | None, data) -> None:

@@ -13,6 +13,20 @@ from pathlib import Path
 from kvd_client import Client, KvdClientError
 
 
+class KvdStartError(RuntimeError):
+    """kvd refused its options or config, or did not come up: `line` says why."""
+
+    def __init__(self, message: str, line: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+def _why(log: str) -> str:
+    """kvd's own one-line reason (its last line that is not a JSON log record)."""
+    lines = [line for line in log.splitlines() if line.strip() and not line.startswith("{")]
+    return lines[-1] if lines else "see its log"
+
+
 class LocalKvd:
     """`with LocalKvd("--device-pages", "64") as kvd: Client(kvd.target)...`"""
 
@@ -45,7 +59,8 @@ class LocalKvd:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvd exited with {self.proc.returncode}:\n{self.log()}")
+                log = self.log()
+                raise KvdStartError(f"kvd exited with {self.proc.returncode}:\n{log}", _why(log))
             if self.socket.exists():
                 try:
                     with Client(self.target, timeout_s=2) as client:
@@ -55,7 +70,9 @@ class LocalKvd:
                     pass
             time.sleep(0.05)
         self.stop(signal.SIGKILL)
-        raise RuntimeError(f"kvd did not become SERVING in {timeout_s}s:\n{self.log()}")
+        log = self.log()
+        raise KvdStartError(f"kvd did not become SERVING in {timeout_s}s:\n{log}",
+                            f"kvd did not become SERVING in {timeout_s}s")
 
     def log(self) -> str:
         try:

@@ -79,7 +79,7 @@ def test_a_tiny_trace_against_a_real_kvd_with_a_full_report(tmp_path):
     (["request-trace", __file__, "--speed", "0"], "argument --speed: must be more than 0"),
     (["whale-minnows", "--minnows", "-1"], "argument --minnows: must be more than 0"),
     (["disagg", "--decode-pages", "16"], "argument --decode-pages: must be at least"),
-    (["bandwidth-hog", "--duration-s", "nan"], "argument --duration-s: must be more than 0"),
+    (["bandwidth-hog", "--duration-s", "nan"], "argument --duration-s: must be a finite number"),
     (["soak", "--clients", "x"], "argument --clients: not a number"),
 ])
 def test_a_bad_option_is_one_line_and_exit_2(argv, says, capsys):
@@ -92,3 +92,17 @@ def test_a_bad_option_is_one_line_and_exit_2(argv, says, capsys):
     assert ended.value.code == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_options_kvd_refuses_are_its_one_line_and_exit_2(capsys):
+    """kvd says why in one line and exits 2; the load generator that started it said so with
+    a traceback."""
+    from kvd_loadgen.cli import main
+
+    trace = data_dir() / "request-traces" / "sample_request_trace.jsonl"
+    code = main(["request-trace", str(trace), "--device-pages", str(2**40), "--limit", "5",
+                 "--policy", "lru"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "kvd-loadgen request-trace: kvd did not start: kvd: the pools need" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
