@@ -394,3 +394,32 @@ async def test_a_tenant_cannot_open_watchers_and_waiters_without_bound(tenants_k
         await asyncio.gather(*pending, return_exceptions=True)
         for w in waits:
             await w.aclose()
+
+
+def test_a_tenant_filling_the_queue_with_whales_leaves_every_listing_readable(tmp_path):
+    """Each queued request fits the device, but 1,024 of them near its size ask for more
+    than 2**32 pages: the tenant's queued_pages overflowed its uint32 field, and every
+    ListTenants (and GetCluster's node totals) failed for everyone while they waited."""
+    import grpc
+
+    from kvd_api.v1 import kvd_pb2 as pb
+    from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+
+    pages = 2**22 + 200  # one-byte pages: 4 MiB of shared memory a tier
+    whale = pages - 50
+    with LocalKvd("--device-pages", str(pages), "--host-pages", str(pages), "--page-bytes",
+                  "1", "--block-tokens", "16", workdir=tmp_path) as kvd:
+        channel = grpc.insecure_channel(kvd.target)
+        memory, admin = pb_grpc.MemoryStub(channel), pb_grpc.AdminStub(channel)
+        queued = 0
+        for i in range(1025):
+            reply = memory.Admit(pb.AdmitRequest(request_id=f"w{i}", tenant="whales",
+                                                 prompt_tokens=whale * 16), timeout=10)
+            queued += reply.decision == pb.DECISION_QUEUED
+        assert queued == 1024
+        [info] = [t for t in admin.ListTenants(pb.ListTenantsRequest(), timeout=10).tenants
+                  if t.tenant == "whales"]
+        assert info.queued_pages == 1024 * whale > 2**32
+        assert memory.GetPoolStats(pb.GetPoolStatsRequest(), timeout=10).pools[0].num_queued \
+            == 1024
+        channel.close()
