@@ -13,7 +13,7 @@ from kvd.service.gate import CallGate
 from kvd.service.unary import unary
 
 
-class _Aborted(Exception):
+class _Aborted(grpc.aio.AbortError):  # what grpc.aio's abort() raises
     pass
 
 
@@ -67,3 +67,38 @@ async def test_a_domain_error_is_the_callers_status():
         await _Service(errors.InvalidArgument("num_blocks must be positive")).Stats(
             object(), context)
     assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be positive")
+
+
+class _StreamContext(_Context):
+    def done(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("exc", [ValueError("Value out of range: 4295120896"),
+                                 KeyError("pool")])
+async def test_a_stream_that_fails_inside_kvd_ends_internal(exc):
+    """Streams (Step, WatchEvents, WaitAdmission, Receive) went out as grpc's UNKNOWN
+    'Unexpected <class ...>', and kvd's log said nothing."""
+    from kvd.service.register import OpenStreams
+
+    async def Step(request_iterator, context):
+        raise exc
+
+    context = _StreamContext()
+    with pytest.raises(_Aborted):
+        await OpenStreams().serve(Step)(iter(()), context)
+    code, details = context.status
+    assert code is grpc.StatusCode.INTERNAL
+    assert details.startswith(f"kvd failed serving Step: {type(exc).__name__}")
+
+
+async def test_a_stream_ended_with_its_own_status_keeps_it():
+    from kvd.service.register import OpenStreams
+
+    async def Step(request_iterator, context):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad step")
+
+    context = _StreamContext()
+    with pytest.raises(_Aborted):
+        await OpenStreams().serve(Step)(iter(()), context)
+    assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "bad step")

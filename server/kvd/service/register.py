@@ -11,9 +11,12 @@ import asyncio
 import functools
 
 import grpc
+import structlog
 from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
+
+log = structlog.get_logger("kvd.service")
 
 # Characters in any string of a request (request ids, tenant and pool names).
 MAX_STRING = 256
@@ -74,6 +77,10 @@ class OpenStreams:
                 if not self.draining or context.done():
                     raise  # the client went away (or the stream already ended)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            except grpc.aio.AbortError:
+                raise  # the handler ended the stream with its status
+            except Exception as exc:
+                await abort_internal(context, handler.__name__, exc)
             finally:
                 self.tasks.discard(task)
 
@@ -100,6 +107,16 @@ class OpenStreams:
     def _end_if_idle(self, task: asyncio.Task) -> None:
         if not task.done() and task not in self.working:
             task.cancel()
+
+
+async def abort_internal(context, method: str, exc: Exception) -> None:
+    """End a call that failed inside kvd: INTERNAL, said to be a bug in kvd (never the
+    caller's bad argument: input is refused by validation with its own status), its
+    traceback logged; the daemon serves on."""
+    log.error("a call failed inside kvd", method=method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        f"kvd failed serving {method}: {type(exc).__name__}: "
+                        f"{str(exc)[:200]} (a bug in kvd; its log has the rest)")
 
 
 class Malformed:

@@ -10,15 +10,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-import structlog
 
 from kvd.core import errors
 from kvd.metrics import observe_rpc
 from kvd.service.auth import Caller
-from kvd.service.register import Malformed
+from kvd.service.register import Malformed, abort_internal
 from kvd.service.status import local_message, status_of
-
-log = structlog.get_logger("kvd.service")
 
 Handler = Callable[[object, object, Caller], Awaitable[object]]
 
@@ -67,14 +64,11 @@ def unary(method: Handler) -> Callable:
             status = status_of(exc)
             code = status.name
             await context.abort(status, local_message(exc, caller))
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:
-            # A bug in kvd: the caller's input is refused by validation, with its own
-            # status. Said as such (not as the caller's bad argument), and logged whole.
             code = "INTERNAL"
-            log.exception("a call failed inside kvd", method=name)
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"kvd failed serving {name}: {type(exc).__name__}: "
-                                f"{str(exc)[:200]} (a bug in kvd; its log has the rest)")
+            await abort_internal(context, name, exc)
         finally:
             if in_call is not None:
                 in_call.stream_closed(caller.lease)
