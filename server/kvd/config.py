@@ -24,7 +24,6 @@ from kvd.config_values import (
     SCHEMA,
     Address,
     Count,
-    QuotaPages,
     FileMode,
     Fraction,
     Name,
@@ -34,6 +33,7 @@ from kvd.config_values import (
     PolicyName,
     PositiveSizeOrAuto,
     Quota,
+    QuotaPages,
     Size,
     bytes_of,
     pages_of,
@@ -298,7 +298,8 @@ class TenantConfig:
             try:
                 quota = self.quota_for(pool.name, pool.resolved_page_bytes)
             except InvalidArgument as exc:
-                raise InvalidArgument(f"tenant {self.name!r}, pool {pool.name!r}: {exc}") from None
+                raise InvalidArgument(
+                    f"tenant {self.name!r}, pool {pool.name!r}: {exc}") from None
             if quota.limit is not None and quota.guaranteed > quota.limit:
                 raise InvalidArgument(
                     f"tenant {self.name!r}, pool {pool.name!r}: guaranteed "
