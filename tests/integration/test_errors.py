@@ -86,7 +86,7 @@ async def test_bad_input_is_refused_with_a_clear_status(client, call, error, wor
 
 async def test_a_quota_of_more_pages_than_kvd_counts_is_refused_and_changes_nothing(client):
     """A quota in bytes past what the API counts in pages (uint32) was taken, and from then
-    on every listing of the tenant and every pool's stats failed."""
+    on every listing of the tenant (ListTenants, SetQuota's reply) failed."""
     before = await client.list_tenants()
     for fields in ({"guaranteed_bytes": 2**53}, {"limit_bytes": 2**64 - 1},
                    {"limit_bytes": 2**63, "weight": 2.0}):
