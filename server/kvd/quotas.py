@@ -137,11 +137,6 @@ class Quotas:
         if fraction is not None and not 0 <= fraction <= 1:
             raise InvalidArgument("max_request_fraction is 0..1")
         per_pool = {rt: _in_pages(changes, rt.pool.page_bytes) for rt in runtimes}
-        for rt, pages in per_pool.items():  # from bytes: more pages than kvd counts?
-            for key in ("guaranteed", "limit"):
-                if pages.get(key) is not None and f"{key}_bytes" in changes:
-                    check_quota_pages(pages[key], changes[f"{key}_bytes"],
-                                      rt.pool.page_bytes)
         new = {rt: dataclasses.replace(rt.pool.tenancy.quota(tenant), **per_pool[rt])
                for rt in runtimes}
         for rt, quota in new.items():  # every pool checked before any changes
@@ -171,11 +166,14 @@ class Quotas:
 
 
 def _in_pages(changes: dict, page_bytes: int) -> dict:
-    """The changes with sizes in bytes turned into this pool's pages (rounded up; a limit of
-    0 bytes is no limit, as 0 pages is)."""
+    """The changes with sizes in bytes turned into this pool's pages (rounded up, exactly at
+    any size; a limit of 0 bytes is no limit, as 0 pages is), each at most what kvd counts
+    (see check_quota_pages)."""
     out = {k: v for k, v in changes.items() if not k.endswith("_bytes")}
-    if "guaranteed_bytes" in changes:
-        out["guaranteed"] = -(-changes["guaranteed_bytes"] // page_bytes)  # exact, any size
-    if "limit_bytes" in changes:
-        out["limit"] = -(-changes["limit_bytes"] // page_bytes) or None
+    for key in ("guaranteed", "limit"):
+        size = changes.get(f"{key}_bytes")
+        if size is not None:
+            pages = -(-size // page_bytes)
+            check_quota_pages(pages, size, page_bytes)
+            out[key] = pages or (None if key == "limit" else 0)
     return out
