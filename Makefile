@@ -35,7 +35,7 @@ demo: $(STAMP) ## in another terminal: create memory pressure against a running 
 	$(BIN)/kvd-loadgen demo --target unix://$(RUN_DIR)/kvd.sock
 
 test: $(STAMP) tools ## the whole test suite (the engines have a tier of their own)
-	$(BIN)/python -m pytest -q --ignore=tests/engines
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --ignore=tests/engines
 
 # Tools the suite runs, from Debian's packages: promtool (package prometheus) checks and
 # unit-tests the alert rules; etcd (package etcd-server) is the cluster tests' coordination
