@@ -47,31 +47,38 @@ async def _until_used(client, pages: int, tries: int) -> int:
     return sum(await _used_pages(client))
 
 
+async def _keep_alive(client) -> None:
+    """The client's lease kept, as long as the task runs."""
+    while True:
+        await client.keep_alive()
+        await asyncio.sleep(0.1)
+
+
 async def test_a_killed_client_gets_every_page_back(tmp_path):
-    with LocalKvd(*SMALL, "--lease-ttl-s", "0.5", workdir=tmp_path) as kvd:
+    with LocalKvd(*SMALL, "--lease-ttl-s", "1", workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target) as survivor:
             await survivor.admit("survivor", 32)
             await survivor.allocate("survivor", 2)
             # Its next call says it is done writing: its pages may be demoted from now on
-            # (until then they are held for it, and the holder would wait for them).
-            await survivor.keep_alive()
+            # (until then they are held for it, and the holder would wait for them). Kept
+            # alive all along: the holder's start alone once took longer than a TTL.
+            keeping = asyncio.ensure_future(_keep_alive(survivor))
             holder = subprocess.Popen([sys.executable, "-c", HOLDER, kvd.target],
                                       stdout=subprocess.PIPE, text=True)
             try:
-                assert holder.stdout.readline().strip() == "ready"
+                ready = await asyncio.to_thread(holder.stdout.readline)
+                assert ready.strip() == "ready"
                 device, host = await _used_pages(survivor)
                 assert device + host == 2 + 24  # 3 x 8 held, demoted where needed
-                # The open stream holds the holder's lease well past its TTL (the survivor
-                # keeps its own alive meanwhile).
-                for _ in range(12):
-                    await survivor.keep_alive()
-                    await asyncio.sleep(0.1)
+                # The open stream holds the holder's lease well past its TTL.
+                await asyncio.sleep(2.0)
                 assert sum(await _used_pages(survivor)) == 26
                 holder.send_signal(signal.SIGKILL)
                 holder.wait()
                 assert await _until_used(survivor, 2, tries=100) == 2
             finally:
                 holder.kill()
+                keeping.cancel()
             # Nothing else changed: the survivor's request is whole and readable.
             access = await survivor.access("survivor")
             assert len(access.handles) == 2
