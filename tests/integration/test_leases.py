@@ -90,12 +90,14 @@ async def test_a_killed_client_gets_every_page_back(tmp_path):
 
 
 async def test_keep_alive_holds_a_unary_client_and_silence_expires_it(tmp_path):
-    with LocalKvd(*SMALL, "--lease-ttl-s", "0.4", workdir=tmp_path) as kvd:
+    # Keep-alives at a quarter of the TTL: at half of it, one 0.2 s late (a busy machine)
+    # would lapse the lease.
+    with LocalKvd(*SMALL, "--lease-ttl-s", "0.8", workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target, lease="unary-client") as client:
             assert (await client.admit("r", 16)).decision == pb.DECISION_ADMITTED
-            for _ in range(6):  # 1.2 s of keep-alives, three TTLs
+            for _ in range(12):  # 2.4 s of keep-alives, three TTLs
                 reply = await client.keep_alive()
-                assert reply.leased and reply.lease_ttl_s == 0.4
+                assert reply.leased and reply.lease_ttl_s == 0.8
                 await asyncio.sleep(0.2)
             assert (await client.explain("r")).active
         async with AsyncClient(kvd.target, lease="") as observer:  # holds no lease itself
