@@ -155,7 +155,21 @@ def test_kvctl_says_kvd_is_draining_not_that_it_cannot_be_reached(tmp_path):
         kvctl = [str(Path(sys.executable).with_name("kvctl")), "--target", kvd.target]
         events = subprocess.Popen([*kvctl, "events"], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
-        time.sleep(1.0)
+
+        async def until_it_watches() -> None:
+            # Watching once it shows an event: admissions until it does (how long kvctl
+            # takes to start is its own; stopped before it watches, kvd is gone instead).
+            line = asyncio.ensure_future(asyncio.to_thread(events.stdout.readline))
+            async with AsyncClient(kvd.target) as client:
+                for i in range(200):
+                    await client.admit(f"w{i}", 16)
+                    done, _ = await asyncio.wait({line}, timeout=0.1)
+                    if done:
+                        assert line.result(), "kvctl events ended"
+                        return
+            raise AssertionError("kvctl events showed no event")
+
+        asyncio.run(until_it_watches())
         kvd.proc.send_signal(signal.SIGTERM)
         _, err = events.communicate(timeout=20)
         assert "is draining" in err, err
