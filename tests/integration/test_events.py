@@ -15,6 +15,8 @@ import grpc
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 from kvd_client import AsyncClient, pb
 
+from .conftest import admit_until
+
 
 async def _collect(client, n, **filters):
     events = []
@@ -123,18 +125,10 @@ def test_kvctl_events_follows_the_stream(kvd):
     proc = subprocess.Popen([kvctl, "--target", kvd.target, "events", "--json", "--count", "2",
                              "--kind", "admission"], stdout=subprocess.PIPE, text=True)
 
-    async def admit_until_it_has_two():
-        # One admission after another until kvctl has its two: when it starts watching is
-        # its own (a second on a busy machine was once not enough), and it is told only
-        # what happens after.
-        async with AsyncClient(kvd.target) as client:
-            for i in range(200):
-                if proc.poll() is not None:
-                    return
-                await client.admit(f"e{i}", 16)
-                await asyncio.sleep(0.1)
-
-    asyncio.run(admit_until_it_has_two())
+    # One admission after another until kvctl has its two: when it starts watching is its
+    # own (a second on a busy machine was once not enough), and it is told only what
+    # happens after.
+    asyncio.run(admit_until(kvd.target, lambda: proc.poll() is not None, "e"))
     out, _ = proc.communicate(timeout=20)
     assert proc.returncode == 0
     ids = [json.loads(line)["request_id"] for line in out.splitlines()]
