@@ -130,7 +130,9 @@ class _Health(health.aio.HealthServicer):
 
 
 class _EndsAfterShutdownWrite:
-    """A Watch's context whose first write after the shutdown began ends the stream."""
+    """A Watch's context that ends the stream once it has written NOT_SERVING in the
+    shutdown. Not at the first write to finish after the shutdown began: that can be the
+    SERVING the watch was still writing, and its watcher would never be told."""
 
     def __init__(self, context, health: _Health) -> None:
         self._context = context
@@ -138,7 +140,8 @@ class _EndsAfterShutdownWrite:
 
     async def write(self, message) -> None:
         await self._context.write(message)
-        if self._health.shutting_down:
+        if (self._health.shutting_down
+                and message.status == health_pb2.HealthCheckResponse.NOT_SERVING):
             await self._context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
 
     def __getattr__(self, name):

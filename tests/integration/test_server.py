@@ -265,3 +265,48 @@ async def test_health_watches_of_many_names_leave_nothing_behind(tmp_path):
             assert not health._watched
     finally:
         await server.stop(0)
+
+
+class _WatchContext:
+    """A health Watch's context whose first write (SERVING) stays in flight until released:
+    the moment a drain can begin in."""
+
+    def __init__(self) -> None:
+        self.written: list[int] = []
+        self.writing = asyncio.Event()
+        self.release = asyncio.Event()
+        self.status: tuple[grpc.StatusCode, str] | None = None
+
+    async def write(self, message) -> None:
+        self.writing.set()
+        if not self.written:
+            await self.release.wait()
+        self.written.append(message.status)
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.status = (code, details)
+        raise grpc.aio.AbortError()
+
+    def done(self) -> bool:
+        return self.status is not None
+
+
+async def test_a_watch_writing_serving_when_the_drain_begins_is_told_not_serving():
+    """The drain began while a watch's SERVING was still being written: the watch ended
+    UNAVAILABLE there, its watcher never told NOT_SERVING."""
+    from kvd.daemon import _Health
+    from kvd.service.register import DRAINING, OpenStreams
+
+    health = _Health(OpenStreams())
+    context = _WatchContext()
+    watch = asyncio.ensure_future(health.Watch(health_pb2.HealthCheckRequest(), context))
+    await asyncio.wait_for(context.writing.wait(), 5)
+    shutdown = asyncio.ensure_future(health.enter_graceful_shutdown())
+    await asyncio.sleep(0.01)  # shutting down, waiting for the watch's lock
+    context.release.set()
+    with pytest.raises(grpc.aio.AbortError):
+        await asyncio.wait_for(watch, 5)
+    await asyncio.wait_for(shutdown, 5)
+    assert context.written == [health_pb2.HealthCheckResponse.SERVING,
+                               health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert context.status == (grpc.StatusCode.UNAVAILABLE, DRAINING)
