@@ -38,9 +38,11 @@ async def test_bandwidth_hog_small(tmp_path):
     bl = ph["backlogged fair"]
     total = sum(bl["bytes_per_s"].values())
     assert bl["bytes_per_s"]["hog"] / total == pytest.approx(0.75, abs=0.08)
-    # Busy while both are backlogged; the target (90% of the cap) is the benchmark's. With
-    # four test workers on two cores this 0.8 s run once used 79% of it.
-    assert bl["utilisation"] > 0.6
+    # Fair scheduling keeps a backlogged link as busy as FIFO does, in the same run: the
+    # link's figure alone is the machine's speed too (with two test workers per core this
+    # 0.8 s run once kept it 59% busy). The 90% target is the benchmark's.
+    assert bl["utilisation"] > 0.3
+    assert bl["utilisation"] >= 0.75 * ph["backlogged fifo"]["utilisation"]
     report = bandwidth_hog.build_report(out)
     assert set(report.verdict) == {
         "sensitive p99 wait with budgets <= 1.5x solo",
