@@ -73,7 +73,7 @@ class Engine:
                               intents=intents).SerializeToString()
 
     def seen(self, reply: pb.StepResponse) -> None:
-        for handle in reply.allocated:
+        for handle in reply.allocated[:]:  # a slice: upb's containers have no __iter__
             self.grown[handle.request_id].append(handle.block_index)
 
 

@@ -137,7 +137,7 @@ class StepStreams:
                             checked_reads_only = _reads_only(key)
                     else:
                         problem = self._check(data, step)
-                        read_all = list(step.read_all) if problem is None else None
+                        read_all = step.read_all[:] if problem is None else None
                         if ns and read_all:
                             read_all = [ns + r for r in read_all]
                         checked, checked_read_all = key, read_all
@@ -245,8 +245,8 @@ class StepStreams:
             positions = {rid: i for i, rid in enumerate(read_all)}
             items += [("read_all", positions[rid], rid, None) for rid in general]
         items += [("accesses", i, ns + item.request_id,
-                   None if item.all_blocks else list(item.block_indices))
-                  for i, item in enumerate(step.accesses if _ACCESSES in present else ())]
+                   None if item.all_blocks else item.block_indices[:])
+                  for i, item in enumerate(step.accesses[:] if _ACCESSES in present else ())]
         stalled |= await self._reads(items, reply, scope, holder, ns)
         if stalled:
             reply.stall_us = int((time.perf_counter() - started) * 1e6)
@@ -259,20 +259,20 @@ class StepStreams:
         stalled = False
         if _INTENTS in present:
             try:
-                await node.update_intents([intent_change(u, ns) for u in step.intents], scope)
+                await node.update_intents([intent_change(u, ns) for u in step.intents[:]], scope)
             except errors.KvdError as exc:
                 _step_error(reply, "intents", 0, exc, ns)
-        for i, item in enumerate(step.frees if _FREES in present else ()):
+        for i, item in enumerate(step.frees[:] if _FREES in present else ()):
             try:
-                await node.free(ns + item.request_id, list(item.block_indices), scope)
+                await node.free(ns + item.request_id, item.block_indices[:], scope)
             except errors.KvdError as exc:
                 _step_error(reply, "frees", i, exc, ns)
-        for i, item in enumerate(step.releases if _RELEASES in present else ()):
+        for i, item in enumerate(step.releases[:] if _RELEASES in present else ()):
             try:
                 await node.release(ns + item.request_id, scope)
             except errors.KvdError as exc:
                 _step_error(reply, "releases", i, exc, ns)
-        for i, item in enumerate(step.allocations if _ALLOCATIONS in present else ()):
+        for i, item in enumerate(step.allocations[:] if _ALLOCATIONS in present else ()):
             try:
                 rid = ns + item.request_id
                 blocks, stall_s = await node.allocate(rid, item.num_blocks,
