@@ -27,17 +27,28 @@ log = structlog.get_logger("kvd.runtime")
 
 # How long a step's reads may wait to be recorded. Off the reply's path, and the steps that
 # come meanwhile (an engine reads the same batch every step) are recorded together, at the
-# cost of one. Nothing sees them late: every other pool operation, stats and metrics
-# included, records them first, whenever it comes.
-RECORD_READS_AFTER_S = 0.05
+# cost of one (a node's engines read hundreds of requests in between, recorded a slice at a
+# time: see Pool.record_some_reads). Nothing sees them late: every other pool operation,
+# stats and metrics included, records them first, whenever it comes.
+RECORD_READS_AFTER_S = 0.2
 
 
-def record_later(fn: Callable[[], None]) -> None:
-    """fn on the event loop RECORD_READS_AFTER_S from now; at once without a running loop."""
+def record_later(fn: Callable[[], bool]) -> None:
+    """fn on the event loop RECORD_READS_AFTER_S from now, and again on the loop's next turn
+    while it says more is left (what came meanwhile is served in between); without a
+    running loop, at once until it is done."""
     try:
-        asyncio.get_running_loop().call_later(RECORD_READS_AFTER_S, fn)
+        loop = asyncio.get_running_loop()
     except RuntimeError:
-        fn()
+        while fn():
+            pass
+        return
+
+    def go() -> None:
+        if fn():
+            loop.call_soon(go)
+
+    loop.call_later(RECORD_READS_AFTER_S, go)
 
 
 class PoolRuntime:

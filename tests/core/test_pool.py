@@ -440,7 +440,7 @@ def test_read_all_answers_at_once_and_records_the_reads_before_any_decision(make
         make_pool.clock.advance(1.0)
     general, relocated, answered = pool.read_all(["old", "gone"])
     assert general == ["gone"] and relocated == [] and answered == [pool.requests["old"]]
-    assert deferred == [pool.record_reads]  # one call scheduled, nothing recorded yet
+    assert deferred == [pool.record_some_reads]  # one call scheduled, nothing recorded yet
     assert pool.counters.num_accesses == 0
     assert {b.last_access for b in pool.requests["old"].blocks} == {t0}
     pool.read_all(["old"])
@@ -757,3 +757,65 @@ def test_an_access_that_finds_no_room_leaves_the_eviction_order_as_it_was(make_p
     assert pool.policy.choose(2) == order
     if policy == "lru":
         assert [b.request.request_id for b in order] == ["r", "u"]
+
+
+@pytest.mark.parametrize("policy", policy_names())
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(1, 3), steps=st.lists(st.tuples(
+    st.integers(0, 3),
+    st.sampled_from([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [4, 2], [1, 1, 3], []]),
+    st.sampled_from(["grow", "free", "release", "none", "none"]),
+    st.integers(0, 4),
+    st.integers(0, 3)), min_size=1, max_size=14))
+def test_reads_recorded_a_slice_at_a_time_leave_what_recording_each_step_would(
+        policy, size, steps):
+    """The runtime records a batch of reads a few requests at a time, the event loop serving
+    steps in between: reads, frees, allocations and releases come between the slices. That
+    leaves the recency, reuse distances, metering, counters and eviction order that
+    recording each step's reads as it came leaves."""
+    factory = PoolFactory()
+    pools = [factory(device_pages=48, host_pages=48, policy=policy, admission="reservation")
+             for _ in range(2)]
+    first, later = pools
+    due = []  # the calls later's reads are deferred to, as the runtime makes them
+    later.defer = due.append
+    later.reads.slice = size
+    rids = [f"r{i}" for i in range(5)]
+    grown = {pool: {rid: [] for rid in rids} for pool in pools}
+    for pool in pools:
+        for rid in rids:
+            pool.admit(rid, tenant=rid[-1], prompt_tokens=48, output_tokens=64)
+            settle(pool, pool.allocate(rid, 3))
+    for advance_ms, read, op, who, calls in steps:
+        factory.clock.advance(advance_ms / 1000)
+        rid = rids[who]
+        for pool in pools:
+            if op == "grow" and len(grown[pool][rid]) < 3:
+                plan = pool.allocate(rid, 1)
+                settle(pool, plan)
+                grown[pool][rid].append(plan.allocated[0].index)
+            elif op == "free" and grown[pool][rid]:
+                pool.free(rid, [grown[pool][rid].pop(0)])
+            elif op == "release":
+                pool.release(rid)
+                pool.admit(rid, tenant=rid[-1], prompt_tokens=48, output_tokens=64)
+                settle(pool, pool.allocate(rid, 3))
+                grown[pool][rid] = []
+            pool.read_all([rids[i] for i in read])
+        first.record_reads()
+        for _ in range(calls):  # the loop's turns before the next step
+            if due and due.pop(0)():
+                due.append(later.record_some_reads)  # more left: again on the next turn
+        # Reads left to record always have a call due: none waits for a decision to come.
+        assert due or not (later.reads.pending or later.reads._recording)
+        assert later.counters.num_accesses <= first.counters.num_accesses
+    assert len(due) <= 1  # never more than one call due
+    later.record_reads()
+
+    def state(pool):
+        blocks = [b for rid in rids for b in pool.requests[rid].blocks if b is not None]
+        return ([(b.request.request_id, b.index, b.last_access, b.reuse_s) for b in blocks],
+                [pool.requests[rid].blocks_read for rid in rids],
+                dict(pool.tenancy.blocks_read_by_tenant), pool.counters,
+                [(b.request.request_id, b.index) for b in pool.policy.choose(len(pool.policy))])
+    assert state(later) == state(first)

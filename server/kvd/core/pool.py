@@ -56,7 +56,7 @@ class Pool:
         reserve_pages: int | None = None,
         attribution: Attribution | None = None,
         reserver: Reserver | None = None,
-        defer: Callable[[Callable[[], None]], Any] | None = None,
+        defer: Callable[[Callable[[], bool]], Any] | None = None,
     ) -> None:
         if page_bytes <= 0 or block_tokens <= 0:
             raise InvalidArgument("page_bytes and block_tokens must be positive")
@@ -90,6 +90,7 @@ class Pool:
         self.pages.before_choice = self.reads.record_pending
         # How recording the reads is put off (the runtime's event loop; None: at once).
         self.defer = defer
+        self._record_due = False  # a call of record_some_reads is deferred or under way
         self.intents = Intents(self.pages, self.counters, self.get_admitted)
         self.prefixes = Prefixes(name, requests=self.requests, pages=self.pages,
                                  admission=self.admission, tenancy=self.tenancy)
@@ -238,12 +239,24 @@ class Pool:
         (through `defer`), or now where nothing defers."""
         if self.defer is None:
             self.record_reads()
-        else:
-            self.defer(self.record_reads)
+        elif not self._record_due:  # else the call that is due takes them too
+            self._record_due = True
+            self.defer(self.record_some_reads)
 
     def record_reads(self) -> None:
         """Record the reads read_all() answered (see Reads.record_pending)."""
         self.reads.record_pending()
+
+    def record_some_reads(self) -> bool:
+        """Record a slice of the reads read_all() answered (see Reads.record_some); whether
+        more are left, for a call on the event loop's next turn (the steps that came
+        meanwhile are served in between)."""
+        if self.reads.record_some():
+            return True
+        self._record_due = False
+        if self.reads.pending:  # answered while these were recorded: their turn comes
+            self._record_reads_soon()
+        return False
 
     @after_reads
     def snapshot(self) -> Pool:

@@ -81,6 +81,10 @@ def changes_blocks(method):
 
 # Answers kept for reads to come (about one per engine stepping on the pool).
 MAX_ANSWERS = 64
+# Requests recorded at a time by record_some: a node's engines read hundreds of requests
+# between two recordings, and one pass over them all would hold the event loop (and every
+# engine's next step) for milliseconds.
+RECORD_SLICE = 64
 
 
 class ReadRecord:
@@ -203,6 +207,10 @@ class Reads:
         # engine reads its batch every step, several engines in turn) is merged into its
         # record, which moves to the end of `pending`, rather than pending as one more.
         self._open: dict[str | bytes, ReadRecord] = {}
+        # The reads taken to be recorded a slice at a time (record_some) and not recorded
+        # yet, as take() gives them: older than any pending, so recorded before them.
+        self._recording: list[tuple[Request, float, float | None, int, int, int]] = []
+        self.slice = RECORD_SLICE
 
     def _again(self, key: str | bytes, read: list[Request], sizes: list[int],
                critical: list[int]) -> ReadRecord | None:
@@ -291,21 +299,39 @@ class Reads:
     def before_block_changes(self) -> None:
         """Blocks are about to be added or taken away: see changes_blocks. The answers
         stay: they follow such changes (LastRead.still)."""
-        if self.pending and not self.pages.policy.per_request_order:
-            self.record(self.take())
+        if (self.pending or self._recording) and not self.pages.policy.per_request_order:
+            self.record_pending()
 
     def record_pending(self) -> None:
         """Record the reads answered so far (a no-op when there are none). Only a read budget
         is charged late: at the last read rather than each (the refill of that moment is
         lost, never gained)."""
+        if self._recording:
+            rest, self._recording = self._recording, []
+            self.record(_still_admitted(rest))
         if self.pending:
             self.record(self.take())
+
+    def record_some(self) -> bool:
+        """Record the pending reads `slice` requests at a time: the first call takes them
+        (merged, see take), each call records the next of them; whether some are left. Reads
+        answered in between wait until those taken are recorded (record_pending records
+        both, in that order): recorded in slices, the reads leave what recording them at
+        once would."""
+        if not self._recording:
+            if not self.pending:
+                return False
+            self._recording = self.take()
+        batch, limit = self._recording, self.slice
+        self._recording = batch[limit:]
+        self.record(_still_admitted(batch[:limit]))
+        return bool(self._recording)
 
     def settle(self) -> None:
         """Before any other call on the pool: the pending reads recorded, the last answer
         forgotten."""
-        if self.pending:
-            self.record(self.take())
+        if self.pending or self._recording:
+            self.record_pending()
         if self._answers:
             self._answers.clear()
             self.pages.changes.forget()
@@ -459,3 +485,9 @@ class Reads:
         self.tenancy.blocks_read_by_tenant[req.tenant] += num_blocks
         if req.read_bucket is not None:
             req.read_bucket.consume(num_blocks * self.page_bytes, now)
+
+
+def _still_admitted(reads: list[tuple]) -> list[tuple]:
+    """Reads (as take() gives them) of requests not released since they were taken."""
+    admitted = RequestState.ADMITTED
+    return [read for read in reads if read[0].state is admitted]
