@@ -559,18 +559,21 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
                 .demotions] for p in pools]
     assert evicted[0] == evicted[1]
     later.record_reads()
-
-    def state(pool):
-        blocks = [b for rid in rids for b in pool.requests[rid].blocks if b is not None]
-        return ([(b.request.request_id, b.index, b.last_access, b.reuse_s) for b in blocks],
-                [pool.requests[rid].blocks_read for rid in rids],
-                dict(pool.tenancy.blocks_read_by_tenant), pool.counters,
-                [(b.request.request_id, b.index) for b in pool.policy.choose(len(pool.policy))])
-    assert state(later) == state(first)
+    assert _read_state(later, rids) == _read_state(first, rids)
     # The steps' reads added exactly what they read.
     assert (first.counters.num_accesses, first.counters.num_decode_critical_accesses) == (
         before[0], before[1]) and before[0] - base[0] == expected[0] and (
         before[1] - base[1] == expected[1])
+
+
+def _read_state(pool, rids):
+    """What recording reads leaves: each live block's recency and reuse distance, the
+    metering by request and tenant, the counters, and the eviction order."""
+    blocks = [b for rid in rids for b in pool.requests[rid].blocks if b is not None]
+    return ([(b.request.request_id, b.index, b.last_access, b.reuse_s) for b in blocks],
+            [pool.requests[rid].blocks_read for rid in rids],
+            dict(pool.tenancy.blocks_read_by_tenant), pool.counters,
+            [(b.request.request_id, b.index) for b in pool.policy.choose(len(pool.policy))])
 
 
 def _not_readable(pool, rids):
@@ -811,11 +814,4 @@ def test_reads_recorded_a_slice_at_a_time_leave_what_recording_each_step_would(
         assert later.counters.num_accesses <= first.counters.num_accesses
     assert len(due) <= 1  # never more than one call due
     later.record_reads()
-
-    def state(pool):
-        blocks = [b for rid in rids for b in pool.requests[rid].blocks if b is not None]
-        return ([(b.request.request_id, b.index, b.last_access, b.reuse_s) for b in blocks],
-                [pool.requests[rid].blocks_read for rid in rids],
-                dict(pool.tenancy.blocks_read_by_tenant), pool.counters,
-                [(b.request.request_id, b.index) for b in pool.policy.choose(len(pool.policy))])
-    assert state(later) == state(first)
+    assert _read_state(later, rids) == _read_state(first, rids)
