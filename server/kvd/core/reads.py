@@ -84,7 +84,7 @@ MAX_ANSWERS = 64
 # Requests recorded at a time by record_some: a node's engines read hundreds of requests
 # between two recordings, and one pass over them all would hold the event loop (and every
 # engine's next step) for milliseconds.
-RECORD_SLICE = 64
+RECORD_SLICE = 16
 
 
 class ReadRecord:
@@ -314,7 +314,8 @@ class Reads:
 
     def record_some(self) -> bool:
         """Record the pending reads `slice` requests at a time: the first call takes them
-        (merged, see take), each call records the next of them; whether some are left. Reads
+        (merged, see take), each call after records the next of them; whether some are left
+        (each call holds the caller's loop for about as long as the merge or a slice). Reads
         answered in between wait until those taken are recorded (record_pending records
         both, in that order): recorded in slices, the reads leave what recording them at
         once would."""
@@ -322,6 +323,7 @@ class Reads:
             if not self.pending:
                 return False
             self._recording = self.take()
+            return bool(self._recording)
         batch, limit = self._recording, self.slice
         self._recording = batch[limit:]
         self.record(_still_admitted(batch[:limit]))
