@@ -134,3 +134,36 @@ def test_a_servers_main_thread_cpu_is_told_apart_from_its_other_threads():
         proc.wait()
     assert cpu.process >= 0.3  # the spinning thread
     assert cpu.main <= 0.1  # asleep
+
+
+def test_spread_engines_send_at_their_own_phases():
+    """The spread paced run's engines each send at the pace, their first step `offset` into
+    the period: their sends do not come at the same instants as the lock-step run's do."""
+    import asyncio
+    import time
+
+    from kvd_loadgen.bench_engines import _paced
+
+    class Call:
+        def __init__(self) -> None:
+            self.sent: list[float] = []
+
+        async def write(self, message) -> None:
+            self.sent.append(time.perf_counter())
+
+        async def read(self):
+            return None
+
+    async def run(offsets):
+        calls = [Call() for _ in offsets]
+        start = time.perf_counter()
+        trips = await asyncio.gather(*(_paced(call, lambda: b"", 10.0, 0.35, offset=offset)
+                                       for call, offset in zip(calls, offsets)))
+        return start, calls, trips
+
+    start, (first, second), trips = asyncio.run(run([0.0, 0.05]))
+    assert [len(t) for t in trips] == [len(first.sent), len(second.sent)] == [4, 4]
+    # Each sends every 0.1 s; the second's sends come 0.05 s after the first's.
+    assert second.sent[0] - start >= 0.049
+    gaps = sorted(b - a for a, b in zip(first.sent, second.sent))
+    assert 0.02 < (gaps[1] + gaps[2]) / 2 < 0.08, gaps  # the median, what jitter leaves

@@ -182,9 +182,12 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
     rows = engines_markdown(out)
     assert [line.split(" | ")[0] for line in rows[-4:-2]] == ["| 1", "| 2"]
     assert rows[-1].startswith("The empty server whose handler spends")
-    assert out["paced"]["kvd_p99_ms"] > 0 and out["paced"]["empty_p99_ms"] > 0
+    for paced in ("paced", "paced_spread"):
+        assert out[paced]["kvd_p99_ms"] > 0 and out[paced]["empty_p99_ms"] > 0
     assert set(targets(out)) == {"engines1_steps_vs_empty", "engines2_steps_vs_empty",
-                                 "engines2_paced_p99_added_ms"}
+                                 "engines2_paced_p99_added_ms",
+                                 "engines2_paced_spread_p99_added_ms"}
+    assert "op" not in targets(out)["engines2_paced_spread_p99_added_ms"]  # reported only
 
 
 async def test_the_step_history_bench_steps_a_real_engine_and_judges_late_against_early():
