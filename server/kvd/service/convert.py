@@ -62,7 +62,8 @@ def shared_handle(block: Block, page_bytes: int, request_id: str,
 
 
 def indices(message) -> list[int] | None:
-    return None if message.all_blocks else list(message.block_indices)
+    """The block indices an access names (None: all of its request's blocks)."""
+    return None if message.all_blocks else message.block_indices[:]
 
 
 _TIERS = {TierKind.DEVICE: pb.TIER_DEVICE, TierKind.HOST: pb.TIER_HOST}

@@ -19,7 +19,7 @@ from kvd.core.reads import AccessResult
 from kvd.metrics import observe_rpc
 from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller, unprefixed
-from kvd.service.convert import add_handles, intent_change, intent_fields
+from kvd.service.convert import add_handles, indices, intent_change, intent_fields
 from kvd.service.gate import CallLimits, StepTurns
 from kvd.service.register import (DRAINING, MAX_STRING, WALK_LIMIT, Malformed,
                                   OpenStreams, safe_parser)
@@ -35,7 +35,8 @@ _READS_ONLY = frozenset({_FIELDS["step_id"].number, _READ_ALL})
 # The sections of items that each name a request (request_id).
 _SECTIONS = frozenset({_INTENTS, _FREES, _RELEASES, _ALLOCATIONS, _ACCESSES})
 # A Step message's bytes parsed (the handler gets them raw, see MemoryService.RAW): the
-# StepRequest, or Malformed.
+# StepRequest, or Malformed. Its repeated fields are taken out with a slice (field[:]):
+# upb's containers have no __iter__, and a for loop over one ends on an IndexError.
 _PARSE = safe_parser(pb.StepRequest.FromString, WALK_LIMIT["Step"])
 
 
@@ -244,8 +245,7 @@ class StepStreams:
         if general:
             positions = {rid: i for i, rid in enumerate(read_all)}
             items += [("read_all", positions[rid], rid, None) for rid in general]
-        items += [("accesses", i, ns + item.request_id,
-                   None if item.all_blocks else item.block_indices[:])
+        items += [("accesses", i, ns + item.request_id, indices(item))
                   for i, item in enumerate(step.accesses[:] if _ACCESSES in present else ())]
         stalled |= await self._reads(items, reply, scope, holder, ns)
         if stalled:
@@ -387,8 +387,8 @@ def _step_items(step: pb.StepRequest) -> tuple[int, int]:
     """A step's items (requests named, updates), and its block indices."""
     items = (len(step.intents) + len(step.releases) + len(step.allocations)
              + len(step.read_all) + len(step.frees) + len(step.accesses))
-    return items, (sum(len(f.block_indices) for f in step.frees)
-                   + sum(len(a.block_indices) for a in step.accesses))
+    return items, (sum(len(f.block_indices) for f in step.frees[:])
+                   + sum(len(a.block_indices) for a in step.accesses[:]))
 
 
 # Fields a Step message's read_all is looked for behind; past them, its steps are checked
