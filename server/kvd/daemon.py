@@ -162,6 +162,11 @@ class Daemon:
         self._metrics_server = None
         self._health_grpc: grpc.aio.Server | None = None
         self._ready = False  # serving and not draining: /readyz
+        # A client's unary calls past its limit, and a tenant's calls and Step messages while
+        # tenants compete, wait in lines of their own (see kvd.service.gate).
+        self.gate = CallGate(config.max_calls_per_client)
+        self.turns = StepTurns(config.step_turns_per_tenant)
+        self.turns.configure({t.name: t.weight for t in config.tenants})
 
     async def serve(self) -> int:
         await self.start()
@@ -224,9 +229,6 @@ class Daemon:
             ("grpc.http2.max_pings_without_data", 0),
         ])
         services = kvd_pb2.DESCRIPTOR.services_by_name
-        self.gate = CallGate(self.config.max_calls_per_client)
-        self.turns = StepTurns(self.config.step_turns_per_tenant)
-        self.turns.configure({t.name: t.weight for t in self.config.tenants})
         add_service(server, MemoryService(self.node, self.auth, self.gate, self.turns,
                                           self.streams),
                     services["Memory"], raw=MemoryService.RAW,
@@ -243,8 +245,10 @@ class Daemon:
         self._metrics_server = None
         if self.config.metrics:  # a port in use stops the start before gRPC serves
             try:
-                self._metrics_server = serve_metrics(self.config.metrics, self.node, loop,
-                                                     lambda: self._ready, self._health_detail)
+                self._metrics_server = serve_metrics(
+                    self.config.metrics, self.node, loop, lambda: self._ready,
+                    self._health_detail,
+                    gates={"client_calls": self.gate, "tenant_turns": self.turns.gate})
             except OSError as exc:
                 raise StartupError(f"cannot serve metrics on {self.config.metrics}: {exc} "
                                    '(metrics = "" runs without)') from None

@@ -110,9 +110,10 @@ class KvdCollector(Collector):
     """The node's figures (kvd.stats, the builder GetPoolStats and ListTenants use too), taken
     on the event loop at scrape time, as Prometheus families."""
 
-    def __init__(self, node, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, node, loop: asyncio.AbstractEventLoop, gates: dict | None = None) -> None:
         self.node = node
         self.loop = loop
+        self.gates = gates or {}  # name -> CallGate, whose waits are counted
 
     async def _take(self) -> NodeFigures:
         return node_figures(self.node)
@@ -126,6 +127,13 @@ class KvdCollector(Collector):
         yield from _tenant_families(figures.pools)
         yield from _link_families(figures.links)
         yield from _node_families(figures)
+        waits = _counter("kvd_gate_waits", "Calls that waited in their line at a gate: a "
+                         "client's unary calls past max_calls_per_client (client_calls), a "
+                         "tenant's calls and Step messages while tenants compete "
+                         "(tenant_turns)", ["gate"])
+        for name, gate in self.gates.items():
+            waits.add_metric([name], gate.num_waited)  # an int read whole from this thread
+        yield waits
 
 
 def _pool_families(pools: list[PoolFigures]):
@@ -359,12 +367,12 @@ def http_app(ready: Callable[[], bool], detail: Callable[[], str] = lambda: ""):
 
 
 def serve_metrics(address: str, node, loop, ready: Callable[[], bool],
-                  detail: Callable[[], str] = lambda: ""):
+                  detail: Callable[[], str] = lambda: "", gates: dict | None = None):
     """Serve http_app on HOST:PORT in a thread of its own; returns the server. Raises
     OSError when it cannot listen: an operator who asked for metrics gets them or an error
     (metrics = "" runs without)."""
     host, _, port = address.rpartition(":")
-    collector = KvdCollector(node, loop)
+    collector = KvdCollector(node, loop, gates)
     try:
         REGISTRY.register(collector)
     except ValueError:

@@ -2,9 +2,11 @@
 calls; below, a tenant's turns at the loop while tenants compete).
 
 grpc.aio runs every call as a task on one event loop, first come first served: a client that
-keeps hundreds of calls in flight puts hundreds of tasks ahead of every other client's call and
-Step message. The gate makes each client's extra calls wait in a line of their own, so the
-loop round-robins across clients instead of across calls. A client is its lease (the client
+keeps hundreds of calls in flight, each waiting inside kvd (for copies, for room), puts
+hundreds of tasks and their copies ahead of every other client's call and Step message. (A
+call that never suspends runs whole in one turn of the loop, and never meets the gate's
+limit.) The gate makes each client's extra calls wait in a line of their own, so the loop
+and the links round-robin across clients instead of across calls. A client is its lease (the client
 library sends one per client), else its peer address.
 """
 
