@@ -139,7 +139,7 @@ async def _echo_server():
 
 
 async def bench_pair(n_unary: int, n_stream: int, step_requests: int, step_blocks: int,
-                     policies=("lru", "intent")) -> dict:
+                     policies=("lru", "intent"), kvd_args: tuple[str, ...] = ()) -> dict:
     """kvd's unary Admit / Allocate / Access and a Step of `step_requests` x `step_blocks`
     resident blocks, each paired with the empty server's unary call and ping-pong."""
     args = ("--page-bytes", "4096", "--device-pages", "65536", "--host-pages", "65536")
@@ -153,7 +153,7 @@ async def bench_pair(n_unary: int, n_stream: int, step_requests: int, step_block
         payload = pb.StepRequest(step_id=1, read_all=rids).SerializeToString()
         echo_ping = _ping(echo_stream, payload)
         for policy in policies:
-            with LocalKvd(*args, "--policy", policy) as kvd:
+            with LocalKvd(*args, "--policy", policy, *kvd_args) as kvd:
                 async with AsyncClient(kvd.target) as client:
                     # A batch of running requests, each with step_blocks resident blocks;
                     # one Step message reads every block of every request, as attention does.
@@ -164,7 +164,11 @@ async def bench_pair(n_unary: int, n_stream: int, step_requests: int, step_block
                     # The Step first, on a daemon that holds the step's requests and nothing
                     # else under every policy: the unary calls after it leave thousands of
                     # requests admitted.
-                    step = client.channel.stream_stream("/kvd.v1.Memory/Step")()
+                    # The raw calls carry the client's lease, as its own calls do: the step's
+                    # requests are the client's, and a lease no call renews lapses (30 s)
+                    # and releases them in the middle of a long run.
+                    step = client.channel.stream_stream("/kvd.v1.Memory/Step")(
+                        metadata=client.metadata)
                     e, k = await _paired_pingpong([echo_ping, _ping(step, payload)], n_stream)
                     await step.done_writing()
                     side.update(empty_pingpong_p50_us=e["p50_us"],
@@ -198,8 +202,9 @@ async def _unary_pairs(client, kvd_pid: int, echo_pid: int, echo_unary, n: int,
     for name, (method, make) in methods.items():
         call = client.channel.unary_unary(f"/kvd.v1.Memory/{method}")
         payloads = [make(i).SerializeToString() for i in range(n + _num_warmups(n))]
-        e, k = await _paired_rates([(echo_pid, lambda i: echo_unary(b"")),
-                                    (kvd_pid, lambda i: call(payloads[i]))], n)
+        md = client.metadata  # the client's lease (see bench_pair), to both servers
+        e, k = await _paired_rates([(echo_pid, lambda i: echo_unary(b"", metadata=md)),
+                                    (kvd_pid, lambda i: call(payloads[i], metadata=md))], n)
         side[f"empty_unary_rps_{name}"] = e["rps"]
         side["empty_unary_server_cpu_us"] = e["server_cpu_us"]
         side[f"{name}_rps"] = k["rps"]

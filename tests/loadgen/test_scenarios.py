@@ -218,3 +218,13 @@ async def test_the_engines_bench_streams_hold_their_leases_through_the_other_tur
                               paced_seconds=0.3, work_us=(10, 20, 40),
                               kvd_args=("--lease-ttl-s", "2"))
     assert out["saturated"][1]["kvd_steps_per_s"] > 0
+
+
+async def test_the_unary_and_step_bench_keeps_its_clients_lease_through_the_run():
+    """The bench's raw Step stream and unary calls carry its client's lease: the step's
+    requests are that client's, and with a lease nothing renewed (here 1 s, the run about
+    3 s) kvd released them mid-run and the bench failed its own check ('a call failed')."""
+    from kvd_loadgen.bench import bench_pair
+
+    out = await bench_pair(300, 300, 8, 1, policies=("lru",), kvd_args=("--lease-ttl-s", "1"))
+    assert out["lru"]["step_p50_us"] > 0 and out["lru"]["admit_rps"] > 0
