@@ -42,10 +42,18 @@ log = structlog.get_logger("kvd.daemon")
 SERVICE_NAMES = tuple(
     kvd_pb2.DESCRIPTOR.services_by_name[name].full_name for name in ("Memory", "Admin", "Peer")
 )
+# Calls grpc holds for kvd to take up (see GRPC_OPTIONS).
+MAX_PENDING_CALLS = 65536
 # Engines send big Step batches; allow them.
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
+    # Calls that arrived and wait for the server to take them up (grpc.aio takes them up
+    # one at a time). Past grpc's default (1,000) it cancels new calls, whichever client
+    # made them: one client's burst cancelled other clients' calls. Taken up, a client's calls
+    # past max_calls_per_client wait in its own line (CallGate).
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
 ]
 
 
