@@ -115,3 +115,78 @@ async def test_a_stream_waiting_for_its_next_message_holds_no_turn():
         assert not turns.gate.busy("a")
     finally:
         await node.aclose()
+
+
+class _Engine:
+    """What StepStreams.serve sees of one engine's stream: its messages (bytes, as
+    MemoryService.RAW hands them over), its metadata, and its replies. `reads`: False for
+    an engine that never reads its replies, whose stream's writes then never complete."""
+
+    def __init__(self, lease: str, reads: bool = True) -> None:
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.replies: asyncio.Queue = asyncio.Queue()
+        self.lease = lease
+        self.reads = reads
+
+    async def messages(self):
+        while (data := await self.inbox.get()) is not None:
+            yield data
+
+    def send(self, step_id: int) -> None:
+        self.inbox.put_nowait(pb.StepRequest(step_id=step_id).SerializeToString())
+
+    def invocation_metadata(self):
+        return (("kvd-lease", self.lease),)
+
+    def peer(self) -> str:
+        return "unix:"
+
+    async def write(self, reply) -> None:
+        if not self.reads:
+            await asyncio.Event().wait()  # flow control: the window stays full
+        self.replies.put_nowait(reply)
+
+    async def abort(self, code, message):
+        raise AssertionError(f"aborted: {code} {message}")
+
+
+class _Auth:
+    generation = 0
+
+    def identify(self, context) -> Caller:
+        return Caller(tenant="a", admin=False, lease=f"a/{context.lease}")
+
+
+async def test_a_stream_whose_engine_reads_no_replies_holds_no_turn():
+    """A step's reply is written after the step gives its turn back: an engine that stops
+    reading its replies (its stream's window full, the write waiting for ever) kept its
+    tenant's turn, and while tenants competed every other stream and call of the tenant
+    waited behind it."""
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    turns = StepTurns(1)
+    streams = StepStreams(node, _Auth(), turns, CallLimits(1024, 65536), OpenStreams())
+
+    async def other_tenant_steps():
+        while True:
+            turns.contended("b", time.monotonic())
+            await asyncio.sleep(0.01)
+
+    deaf, live = _Engine("deaf", reads=False), _Engine("live")
+    served = [asyncio.ensure_future(streams.serve(e.messages(), e)) for e in (deaf, live)]
+    b = asyncio.ensure_future(other_tenant_steps())
+    try:
+        await asyncio.sleep(0.02)
+        deaf.send(1)
+        await asyncio.sleep(0.05)  # its step is served; its reply is never taken
+        for step_id in (1, 2, 3):
+            live.send(step_id)
+            reply = await asyncio.wait_for(live.replies.get(), 2)
+            assert reply.step_id == step_id
+        assert not turns.gate.busy("a")  # nobody holds a turn while the deaf write waits
+    finally:
+        b.cancel()
+        for task in served:
+            task.cancel()
+        await asyncio.gather(b, *served, return_exceptions=True)
+        await node.aclose()

@@ -160,8 +160,11 @@ class StepStreams:
                     finally:
                         node.serving.discard(holder)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
-                await context.write(reply)
+                # The turn goes back before the reply is written: the write needs none, and
+                # it waits for as long as the engine does not read (its stream's window
+                # full), while the tenant's other streams and calls would wait for the turn.
                 turn.leave()
+                await context.write(reply)
                 streams.working.discard(task)
                 if streams.draining:
                     # Told with the answer to its next message, which an engine in step
