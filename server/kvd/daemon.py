@@ -50,8 +50,8 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),
     # Calls that arrived and wait for the server to take them up (grpc.aio takes them up
     # one at a time). Past grpc's default (1,000) it cancels new calls, whichever client
-    # made them: one client's burst cancelled other clients' calls. Taken up, a client's calls
-    # past max_calls_per_client wait in its own line (CallGate).
+    # made them: one client's burst cancelled other clients' calls. Taken up, a client's
+    # calls past max_calls_per_client wait in its own line (CallGate).
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
     ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
 ]

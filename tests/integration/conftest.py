@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvd_client import AsyncClient
 from kvd_loadgen.local import LocalKvd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> tuple[str, dict]:
+    """A kvd's /metrics: the text, and each sample's value by (name, sorted labels)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return text, samples
+
 
 def slow_link_kvd(tmp_path, *args: str) -> LocalKvd:
     """A kvd (not started) whose device<->host link moves 8 pages (64 KiB) a second: a read

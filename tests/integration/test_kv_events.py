@@ -11,28 +11,20 @@ publishers of both packages."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
-import urllib.request
 
 import msgpack
 import zmq
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.memory.cuda import gpu_available
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
+from .conftest import free_port, scrape
 from .test_startup import kvd as run_kvd, one_line
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Publisher:
@@ -86,12 +78,6 @@ def stored(hashes, medium="GPU") -> dict:
             "token_ids": [], "block_size": 16, "lora_id": None, "medium": medium}
 
 
-def _samples(port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
-
-
 async def _until(cond, timeout_s: float = 10.0):
     deadline = time.monotonic() + timeout_s
     while not await cond():
@@ -100,8 +86,8 @@ async def _until(cond, timeout_s: float = 10.0):
 
 
 async def test_an_engines_gpu_blocks_count_to_the_tenants_kvd_charges_for_them(tmp_path):
-    endpoint, replay = f"ipc://{tmp_path}/ev", f"tcp://127.0.0.1:{_free_port()}"
-    port = _free_port()
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()
     config = tmp_path / "kvd.toml"
     config.write_text(
         '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 16\nhost_pages = 16\n'
@@ -128,7 +114,7 @@ async def test_an_engines_gpu_blocks_count_to_the_tenants_kvd_charges_for_them(t
                 publisher.publish([stored([9])])
 
                 async def caught_up():
-                    s = _samples(port)
+                    s = scrape(port)[1]
                     return s.get(("kvd_engine_event_batches_total",
                                   (("engine", "gpu0"), ("outcome", "replayed")))) is not None \
                         and s.get(("kvd_engine_blocks",
@@ -139,13 +125,13 @@ async def test_an_engines_gpu_blocks_count_to_the_tenants_kvd_charges_for_them(t
                 publisher.publish([stored([10])], lose=True)
 
                 async def trailing_loss_recovered():
-                    return _samples(port)[("kvd_engine_blocks", (("engine", "gpu0"),
+                    return scrape(port)[1][("kvd_engine_blocks", (("engine", "gpu0"),
                                                                  ("medium", "GPU")))] == 4
 
                 await _until(trailing_loss_recovered)
             async with AsyncClient(kvd.target, token="admin-token") as admin:
                 gpu = {t.tenant: t.engine_gpu_blocks for t in await admin.list_tenants()}
-            samples = _samples(port)
+            samples = scrape(port)[1]
     finally:
         publisher.close()
     # On the GPU: hashes[0] (x's, in kvd), 7, 9 and 10 (unknown to kvd: y's); hashes[1]
@@ -227,7 +213,7 @@ async def test_the_tenant_holding_more_on_the_engines_gpu_pays_first_in_kvd(tmp_
     # engine's events say x's four are on its GPU too: an eviction takes x's page, where
     # without them the tie would go to y.
     endpoint = f"ipc://{tmp_path}/ev"
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "kvd.toml"
     config.write_text(
         '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 9\nhost_pages = 16\n'
@@ -250,7 +236,7 @@ async def test_the_tenant_holding_more_on_the_engines_gpu_pays_first_in_kvd(tmp_
 
             async def seen():
                 publisher.publish([stored(hashes)])  # until the SUB socket has joined
-                return _samples(port).get(("kvd_engine_gpu_blocks", (("engine", "gpu0"),
+                return scrape(port)[1].get(("kvd_engine_gpu_blocks", (("engine", "gpu0"),
                                                                      ("tenant", "x")))) == 4
 
             await _until(seen)

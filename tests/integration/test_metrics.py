@@ -7,7 +7,6 @@ import asyncio
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,22 +20,8 @@ from kvd import __version__
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL, slow_link_kvd, start_slow_read
+from .conftest import SMALL, free_port, scrape, slow_link_kvd, start_slow_read
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> tuple[str, dict]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return text, samples
 
 
 def _value(samples, name, **labels):
@@ -44,7 +29,7 @@ def _value(samples, name, **labels):
 
 
 async def test_metrics_after_a_workload(tmp_path):
-    port = _free_port()
+    port = free_port()
     launched = time.time()
     with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target) as client:
@@ -53,7 +38,7 @@ async def test_metrics_after_a_workload(tmp_path):
                 await client.allocate(rid, 4)
             await client.access("a")
             stats = (await client.pool_stats()).pools[0]
-            text, samples = _scrape(port)
+            text, samples = scrape(port)
     labels = dict(pool="default", tier="device", state="used")
     assert _value(samples, "kvd_pool_pages", **labels) == stats.tiers[0].used_pages == 8
     assert _value(samples, "kvd_pool_pages", pool="default", tier="host", state="used") == 4
@@ -135,7 +120,7 @@ def _get(port: int, path: str) -> tuple[int, str]:
 
 async def test_health_and_readiness_beside_the_metrics_until_the_drain_ends(tmp_path):
 
-    port = _free_port()
+    port = free_port()
     with slow_link_kvd(tmp_path, "--metrics", f"127.0.0.1:{port}", "--grace-s", "10") as kvd:
         assert _get(port, "/healthz") == (200, "ok\n")
         assert _get(port, "/readyz") == (200, "ready\n")
@@ -211,7 +196,7 @@ async def test_kubernetes_grpc_probes_get_health_on_the_health_listener(tmp_path
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     import grpc
 
-    port = _free_port()
+    port = free_port()
     kvd = slow_link_kvd(tmp_path, "--health", f"127.0.0.1:{port}", "--grace-s", "10").start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

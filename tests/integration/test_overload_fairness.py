@@ -5,18 +5,16 @@ and the gate itself: a limit per client, turns handed over in order, cancellatio
 from __future__ import annotations
 
 import asyncio
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.service.gate import CallGate
 from kvd_client import AsyncClient
 from kvd_loadgen.local import LocalKvd
+
+from .conftest import free_port, scrape
 
 FLOOD = 256  # calls the flooding client keeps in flight
 LIMIT = 4  # max_calls_per_client
@@ -43,17 +41,6 @@ asyncio.run(main(sys.argv[1], int(sys.argv[2])))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text.decode())
-            for sample in family.samples}
 
 
 async def step_latencies(tmp_path, limit: int, steps: int = 40
@@ -61,14 +48,14 @@ async def step_latencies(tmp_path, limit: int, steps: int = 40
     """An engine's step latencies while another client of its tenant floods kvd with reads
     that page over the link the engine's reads page over too; the flood's calls served
     (Access OK) and the client gate's waits, at the steps' start and end."""
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "kvd.toml"
     config.write_text(f"[server]\nmax_calls_per_client = {limit}\n\n"
                       "[[pool]]\nmodel = \"tiny\"\ndevice_pages = 64\nhost_pages = 512\n"
                       "admission = \"reservation\"\nlink_bandwidth = \"256MiB\"\n")
 
     def figures() -> dict:
-        samples = _scrape(port)
+        samples = scrape(port)[1]
         return {"served": samples.get(("kvd_rpc_duration_seconds_count",
                                        (("code", "OK"), ("method", "Access"))), 0),
                 "waited": samples[("kvd_gate_waits_total", (("gate", "client_calls"),))]}

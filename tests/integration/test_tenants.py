@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 
 import pytest
 
@@ -18,6 +17,8 @@ from kvd_client import (
     pb,
 )
 from kvd_loadgen.local import LocalKvd
+
+from .conftest import free_port
 
 CONFIG = """
 [server]
@@ -48,15 +49,9 @@ token_file = "beta.token"
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def tenants_kvd(tmp_path):
-    port = _free_port()
+    port = free_port()
     (tmp_path / "beta.token").write_text("beta-token\n")
     config = tmp_path / "kvd.toml"
     config.write_text(CONFIG.format(tcp=f'tcp = "127.0.0.1:{port}"', policy="lru"))

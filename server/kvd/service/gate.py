@@ -6,8 +6,8 @@ keeps hundreds of calls in flight, each waiting inside kvd (for copies, for room
 hundreds of tasks and their copies ahead of every other client's call and Step message. (A
 call that never suspends runs whole in one turn of the loop, and never meets the gate's
 limit.) The gate makes each client's extra calls wait in a line of their own, so the loop
-and the links round-robin across clients instead of across calls. A client is its lease (the client
-library sends one per client), else its peer address.
+and the links round-robin across clients instead of across calls. A client is its lease
+(the client library sends one per client), else its peer address.
 """
 
 from __future__ import annotations
