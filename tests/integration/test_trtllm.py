@@ -23,7 +23,7 @@ from kvd.kv_events import Residency, TrtllmPoller, from_trtllm
 from kvd_client.trtllm import DEFAULT_PRIORITY, retention
 from kvd_loadgen.local import LocalKvd
 
-from .test_kv_events import _free_port
+from .conftest import free_port
 
 
 def stored(event_id, hashes, level=0, parent=None):
@@ -99,7 +99,7 @@ def test_trtllm_events_become_the_blocks_an_engine_holds():
 
 async def test_kvd_polls_a_trtllm_server_and_counts_its_gpu_blocks(tmp_path):
     server = FakeTrtllmServe()
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "kvd.toml"
     config.write_text('[[pool]]\nmodel = "tiny"\ndevice_pages = 8\nhost_pages = 8\n'
                       f'[[engine]]\nname = "trt0"\nurl = "{server.url}"\npoll_s = 0.05\n'
