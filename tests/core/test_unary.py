@@ -4,12 +4,15 @@ failure: a domain error is the caller's status; anything else is a bug, said as 
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import grpc
 import pytest
 
 from kvd.core import errors
 from kvd.service.auth import Caller
-from kvd.service.gate import CallGate
+from kvd.service.gate import CallGate, StepTurns
 from kvd.service.unary import unary
 
 
@@ -102,3 +105,57 @@ async def test_a_stream_ended_with_its_own_status_keeps_it():
     with pytest.raises(_Aborted):
         await OpenStreams().serve(Step)(iter(()), context)
     assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "bad step")
+
+
+class _Tenant:
+    leases = None
+
+    def identify(self, context) -> Caller:
+        return Caller(tenant="t", admin=False, lease=context.lease)
+
+
+class _LeasedContext(_Context):
+    def __init__(self, lease: str) -> None:
+        super().__init__()
+        self.lease = lease
+
+
+class _Blocking:
+    """A service whose Stats waits until let go; its tenant competes with another."""
+
+    def __init__(self) -> None:
+        self.gate = CallGate(16)
+        self.turns = StepTurns(1)
+        self.auth = _Tenant()
+        self.go = asyncio.Event()
+        self.running = self.most = 0  # calls inside the handler: now, and at most
+
+    @unary
+    async def Stats(self, request, caller: Caller):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await self.go.wait()
+        self.running -= 1
+        return "done"
+
+
+async def test_a_call_cancelled_in_its_tenants_line_gives_back_no_turn_it_never_had():
+    """A unary call cancelled while it waited for its tenant's turn gave one back all the
+    same: the next call in the line then ran beside the turn's holder, and when both ended
+    the gate's count went below zero, which failed the call (KeyError) and leaked its
+    client's slot in the call gate."""
+    service = _Blocking()
+    service.turns.contended("other", time.monotonic())  # another tenant: calls take turns
+    holder = asyncio.ensure_future(service.Stats(object(), _LeasedContext("c1")))
+    await asyncio.sleep(0.01)
+    cancelled = asyncio.ensure_future(service.Stats(object(), _LeasedContext("c2")))
+    queued = asyncio.ensure_future(service.Stats(object(), _LeasedContext("c3")))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    await asyncio.sleep(0.01)
+    assert service.most == 1  # the next in line still waits for the holder's turn
+    service.go.set()
+    assert await asyncio.wait_for(holder, 1) == "done"
+    assert await asyncio.wait_for(queued, 1) == "done"
+    assert not service.turns.gate.busy("t")
+    assert not any(service.gate.busy(c) for c in ("c1", "c2", "c3"))

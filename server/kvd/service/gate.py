@@ -94,6 +94,12 @@ class StepTurns:
         base = self.gate.limit
         self.gate.limits = {t: max(1, round(base * w)) for t, w in weights.items()}
 
+    async def take(self, tenant: str) -> None:
+        """Take one of the tenant's turns, in its line if they are all taken. Returns
+        holding it; raises holding none."""
+        if not self.gate.try_enter(tenant):
+            await self.gate.wait(tenant)
+
     def contended(self, tenant: str, now: float) -> bool:
         """Whether another tenant stepped within WINDOW_S (and note that this one did)."""
         if not self.gate.limit:

@@ -52,9 +52,8 @@ class _Turn:
         self.held = False
 
     async def take(self) -> None:
-        """Take one of the tenant's turns, waiting for it if they are all taken."""
-        if not self.turns.gate.try_enter(self.who):
-            await self.turns.gate.wait(self.who)
+        """Take one of the tenant's turns (StepTurns.take)."""
+        await self.turns.take(self.who)
         self.held = True
 
     def leave(self) -> None:

@@ -50,10 +50,10 @@ def unary(method: Handler) -> Callable:
             if (turns is not None and not caller.admin
                     and turns.contended(caller.tenant, time.monotonic())):
                 # While tenants compete, a tenant's calls and Step messages share its turns
-                # (the operator's calls are not a tenant's and wait for none).
+                # (the operator's calls are not a tenant's and wait for none). Held once
+                # take returns: a call cancelled in the line has none to give back.
+                await turns.take(caller.tenant)
                 turn = caller.tenant
-                if not turns.gate.try_enter(turn):
-                    await turns.gate.wait(turn)
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             end_holds = getattr(self, "end_holds", None)
