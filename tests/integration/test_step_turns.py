@@ -122,11 +122,12 @@ class _Engine:
     MemoryService.RAW hands them over), its metadata, and its replies. `reads`: False for
     an engine that never reads its replies, whose stream's writes then never complete."""
 
-    def __init__(self, lease: str, reads: bool = True) -> None:
+    def __init__(self, lease: str, reads: bool = True, served: list | None = None) -> None:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.replies: asyncio.Queue = asyncio.Queue()
         self.lease = lease
         self.reads = reads
+        self.served = served  # where each reply written is noted (the stream's lease)
 
     async def messages(self):
         while (data := await self.inbox.get()) is not None:
@@ -144,6 +145,8 @@ class _Engine:
     async def write(self, reply) -> None:
         if not self.reads:
             await asyncio.Event().wait()  # flow control: the window stays full
+        if self.served is not None:
+            self.served.append(self.lease.rstrip("0123456789"))
         self.replies.put_nowait(reply)
 
     async def abort(self, code, message):
@@ -190,3 +193,52 @@ async def test_a_stream_whose_engine_reads_no_replies_holds_no_turn():
             task.cancel()
         await asyncio.gather(b, *served, return_exceptions=True)
         await node.aclose()
+
+
+class _Tenants:
+    """Callers whose tenant is their lease's name up to its first digit ("flood3": flood)."""
+
+    generation = 0
+
+    def identify(self, context) -> Caller:
+        return Caller(tenant=context.lease.rstrip("0123456789"), admin=False,
+                      lease=context.lease)
+
+
+async def _flood_steps_before_the_victims(per_tenant: int, streams_of_flood: int) -> int:
+    """How many of a flooding tenant's steps kvd serves before another tenant's, when the
+    flood's messages (one on each of its streams) came just before the other's message."""
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    turns = StepTurns(per_tenant)
+    streams = StepStreams(node, _Tenants(), turns, CallLimits(1024, 65536), OpenStreams())
+    order: list[str] = []
+    flood = [_Engine(f"flood{i}", served=order) for i in range(streams_of_flood)]
+    victim = _Engine("victim", served=order)
+    served = [asyncio.ensure_future(streams.serve(e.messages(), e)) for e in (*flood, victim)]
+    try:
+        victim.send(1)
+        await asyncio.wait_for(victim.replies.get(), 2)  # the victim steps: tenants compete
+        order.clear()
+        for engine in flood:
+            engine.send(1)
+        victim.send(2)
+        await asyncio.wait_for(victim.replies.get(), 2)
+        return order.index("victim")
+    finally:
+        for task in served:
+            task.cancel()
+        await asyncio.gather(*served, return_exceptions=True)
+        await node.aclose()
+
+
+async def test_a_flood_of_ready_steps_does_not_go_ahead_of_another_tenants_step():
+    """A Step message whose step never waits is served whole in one turn of kvd's loop, in
+    the order the messages came: a tenant with a message ready on each of 16 streams put 16
+    steps ahead of another tenant's step, whatever its turns. While tenants compete, a step
+    that takes its tenant's turn at once lets the loop serve what is ready before it is
+    served: the tenant's other streams wait in its line, and another tenant's step waits for
+    at most the turns in progress."""
+    assert await _flood_steps_before_the_victims(0, 16) == 16  # no turns: arrival order
+    assert await _flood_steps_before_the_victims(1, 16) <= 1
+    assert await _flood_steps_before_the_victims(4, 16) <= 4

@@ -79,9 +79,16 @@ class StepTurns:
     sending as fast as they can puts 64 steps ahead of another tenant's every step. While
     another tenant has stepped within WINDOW_S, a stream that has read its next message
     takes one of its tenant's turns (`per_tenant` times the tenant's weight, at least 1)
-    before the step is served, and gives it back once the reply is written: the flood's
+    before the step is served, and gives it back before the reply is written: the flood's
     steps wait in its own line, and another tenant's step waits for at most the turns in
     progress. A tenant alone is never gated.
+
+    A step that never waits inside kvd runs whole in one pass of the loop, so its turn would
+    be taken and given back before any other message is looked at, and the flood's messages
+    would be served in arrival order all the same. A turn taken at once is therefore held
+    over one pass of the loop before the step is served (take): what is ready meanwhile
+    runs first, the tenant's other messages to wait in its line, another tenant's to take
+    a turn of its own.
     """
 
     WINDOW_S = 0.05
@@ -95,10 +102,16 @@ class StepTurns:
         self.gate.limits = {t: max(1, round(base * w)) for t, w in weights.items()}
 
     async def take(self, tenant: str) -> None:
-        """Take one of the tenant's turns, in its line if they are all taken. Returns
-        holding it; raises holding none."""
+        """Take one of the tenant's turns, in its line if they are all taken; one free is
+        held over one pass of the loop first. Returns holding it; raises holding none."""
         if not self.gate.try_enter(tenant):
             await self.gate.wait(tenant)
+            return
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.gate.leave(tenant)
+            raise
 
     def contended(self, tenant: str, now: float) -> bool:
         """Whether another tenant stepped within WINDOW_S (and note that this one did)."""
