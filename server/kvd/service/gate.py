@@ -88,7 +88,9 @@ class StepTurns:
     would be served in arrival order all the same. A turn taken at once is therefore held
     over one pass of the loop before the step is served (take): what is ready meanwhile
     runs first, the tenant's other messages to wait in its line, another tenant's to take
-    a turn of its own.
+    a turn of its own. Only by a tenant with something else open that could take a turn (a
+    second stream, a call): a tenant's only stream has nothing of its own to queue behind
+    it, and its step goes on at once.
     """
 
     WINDOW_S = 0.05
@@ -96,6 +98,20 @@ class StepTurns:
     def __init__(self, per_tenant: int) -> None:
         self.gate = CallGate(per_tenant)
         self._last: dict[str, float] = {}  # tenant -> when it last stepped
+        # tenant -> its open Step streams and its calls taking or holding a turn
+        self.members: dict[str, int] = {}
+
+    def join(self, tenant: str) -> None:
+        """A Step stream of the tenant opened, or a call of its goes to take a turn (part
+        when it ends)."""
+        self.members[tenant] = self.members.get(tenant, 0) + 1
+
+    def part(self, tenant: str) -> None:
+        left = self.members[tenant] - 1
+        if left:
+            self.members[tenant] = left
+        else:
+            del self.members[tenant]
 
     def configure(self, weights: dict[str, float]) -> None:
         base = self.gate.limit
@@ -103,10 +119,13 @@ class StepTurns:
 
     async def take(self, tenant: str) -> None:
         """Take one of the tenant's turns, in its line if they are all taken; one free is
-        held over one pass of the loop first. Returns holding it; raises holding none."""
+        held over one pass of the loop first, unless the tenant has nothing else open (see
+        join). Returns holding it; raises holding none."""
         if not self.gate.try_enter(tenant):
             await self.gate.wait(tenant)
             return
+        if self.members.get(tenant, 0) <= 1:
+            return  # nothing else of the tenant's could queue behind it
         try:
             await asyncio.sleep(0)
         except asyncio.CancelledError:

@@ -102,6 +102,7 @@ class StepStreams:
         parse = _PARSE
         ns = caller.ns
         streams.told_at_next.add(task)
+        self.turns.join(turn.who)
         try:
             while (data := await self._next(messages, caller, turn, holder)) is not None:
                 if streams.draining:  # told now: its client has written the message
@@ -176,6 +177,7 @@ class StepStreams:
             streams.told_at_next.discard(task)
             streams.working.discard(task)
             turn.leave()
+            self.turns.part(turn.who)
             node.end_holds(holder)
             node.leases.stream_closed(caller.lease)
 

@@ -32,7 +32,7 @@ def unary(method: Handler) -> Callable:
         started = time.perf_counter()
         code = "OK"
         gate = self.gate
-        key = turn = None
+        key = turn = member = None
         in_call = caller = None
         try:
             caller = self.auth.identify(context)
@@ -52,6 +52,8 @@ def unary(method: Handler) -> Callable:
                 # While tenants compete, a tenant's calls and Step messages share its turns
                 # (the operator's calls are not a tenant's and wait for none). Held once
                 # take returns: a call cancelled in the line has none to give back.
+                member = caller.tenant
+                turns.join(member)
                 await turns.take(caller.tenant)
                 turn = caller.tenant
             if type(request) is Malformed:
@@ -74,6 +76,8 @@ def unary(method: Handler) -> Callable:
                 in_call.stream_closed(caller.lease)
             if turn is not None:
                 self.turns.gate.leave(turn)
+            if member is not None:
+                self.turns.part(member)
             if key is not None:
                 gate.leave(key)
             observe_rpc(name, code, time.perf_counter() - started)
