@@ -4,6 +4,10 @@ A client names its lease in call metadata (`kvd-lease`; the Python client sends 
 client instance). Every call renews the lease, and an open Step stream holds it. A lease that
 has been silent longer than its TTL with no stream open is expired: its requests are
 released, their pages go back to the free lists, and kvd logs and counts it.
+
+Only a lease that holds something (requests admitted under it, or open streams) is kept: a
+client may name a new lease on every call, and leases holding nothing would pile up for a
+TTL each, in memory and in every look for silent ones.
 """
 
 from __future__ import annotations
@@ -39,9 +43,13 @@ class LeaseTable:
         self.num_expired = 0
         self.num_requests_released = 0
 
-    def renew(self, lease_id: str, tenant: str) -> Lease | None:
-        if not lease_id:
-            return None
+    def renew(self, lease_id: str, tenant: str) -> None:
+        """A call under the lease: it is not silent (if kept: see the module's docstring)."""
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            lease.last_seen = self.clock.now()
+
+    def _held(self, lease_id: str, tenant: str) -> Lease:
         lease = self.leases.get(lease_id)
         if lease is None:
             lease = self.leases[lease_id] = Lease(lease_id, tenant, self.clock.now())
@@ -49,10 +57,13 @@ class LeaseTable:
             lease.last_seen = self.clock.now()
         return lease
 
+    def _forget_if_empty(self, lease: Lease) -> None:
+        if not lease.requests and lease.open_streams <= 0:
+            del self.leases[lease.lease_id]
+
     def attach(self, lease_id: str, tenant: str, request_id: str) -> None:
-        lease = self.renew(lease_id, tenant)
-        if lease is not None:
-            lease.requests.add(request_id)
+        if lease_id:
+            self._held(lease_id, tenant).requests.add(request_id)
             self._lease_of[request_id] = lease_id
 
     def detach(self, request_id: str) -> None:
@@ -60,17 +71,18 @@ class LeaseTable:
         lease = self.leases.get(self._lease_of.pop(request_id, ""))
         if lease is not None:
             lease.requests.discard(request_id)
+            self._forget_if_empty(lease)
 
     def stream_opened(self, lease_id: str, tenant: str) -> None:
-        lease = self.renew(lease_id, tenant)
-        if lease is not None:
-            lease.open_streams += 1
+        if lease_id:
+            self._held(lease_id, tenant).open_streams += 1
 
     def stream_closed(self, lease_id: str) -> None:
         lease = self.leases.get(lease_id)
         if lease is not None:
             lease.open_streams -= 1
             lease.last_seen = self.clock.now()
+            self._forget_if_empty(lease)
 
     def expired(self) -> list[Lease]:
         """Leases silent for longer than the TTL with no stream open; removed from the table."""

@@ -261,7 +261,7 @@ def _node_families(figures: NodeFigures):
             hand.add_metric([outcome], n)
     hbytes = _counter("kvd_handoff_bytes", "Bytes handed off between pools", [])
     hbytes.add_metric([], figures.handoffs.get("bytes", 0))
-    leases = _gauge("kvd_leases", "Client leases kvd is tracking", [])
+    leases = _gauge("kvd_leases", "Client leases holding requests or open streams", [])
     leases.add_metric([], figures.leases_active)
     expired = _counter("kvd_lease_expirations", "Leases expired (their client went silent)", [])
     expired.add_metric([], figures.leases_expired)

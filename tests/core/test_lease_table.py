@@ -49,3 +49,37 @@ async def test_a_busy_kvd_does_not_count_as_a_silent_client():
         assert released == ["a"]
     finally:
         reaper.cancel()
+
+
+def test_a_lease_that_holds_nothing_is_not_kept():
+    """Every call renews its caller's lease, and a client may name a new one on each call:
+    kept, 100,000 of them (30 s of a client's calls) took 51 MiB, and each second's look for
+    silent leases walked them all, holding kvd's loop for tens of milliseconds. A lease
+    matters only while it holds requests or an open stream, and only then is it kept."""
+    clock = FakeClock()
+    table = LeaseTable(clock, ttl_s=5.0)
+    for i in range(1000):
+        table.renew(f"t/{i}", "t")
+    assert table.leases == {}
+    table.stream_opened("t/s", "t")  # a stream opened and closed, nothing admitted
+    table.stream_closed("t/s")
+    assert table.leases == {}
+    # A stream opened, a request admitted under its lease meanwhile, the stream closed: the
+    # lease holds the request, renewed by calls and silent from the stream's end.
+    table.stream_opened("t/e", "t")
+    table.attach("t/e", "t", "a")
+    clock.advance(10.0)
+    assert table.expired() == []  # the open stream holds it
+    table.stream_closed("t/e")
+    clock.advance(4.0)
+    table.renew("t/e", "t")
+    clock.advance(4.0)
+    assert table.expired() == []
+    table.detach("a")  # released by its owner: nothing left to hold
+    assert table.leases == {}
+    # A request's lease outlives its stream's holding nothing else, and lapses when silent.
+    table.attach("t/f", "t", "b")
+    table.stream_opened("t/f", "t")
+    table.stream_closed("t/f")
+    clock.advance(6.0)
+    assert [lease.lease_id for lease in table.expired()] == ["t/f"]

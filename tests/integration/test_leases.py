@@ -12,7 +12,7 @@ import textwrap
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL
+from .conftest import SMALL, free_port, scrape
 
 HOLDER = textwrap.dedent("""
     import asyncio, sys
@@ -156,3 +156,19 @@ async def test_a_client_that_names_no_lease_is_held_by_its_connection(tmp_path):
                 await asyncio.sleep(0.05)
             assert not (await observer.explain("t/r")).active
             assert sum(await _used_pages(observer)) == 0
+
+
+async def test_a_client_naming_a_new_lease_on_every_call_leaves_none_behind(tmp_path):
+    """Leases kvd keeps are those holding requests or streams: a client that names a fresh
+    lease on each of its calls (its own mistake, or a tenant's attack on kvd's memory and
+    loop) leaves nothing in the table."""
+    port = free_port()
+    with LocalKvd("--model", "tiny", "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as holder:
+            await holder.admit("held", 16)  # one lease holds a request
+            stub = holder.memory
+            for i in range(500):
+                await stub.KeepAlive(pb.KeepAliveRequest(),
+                                     metadata=(("kvd-lease", f"fresh-{i}"),))
+            _, samples = scrape(port)
+    assert samples[("kvd_leases", ())] == 1
