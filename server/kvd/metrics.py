@@ -268,7 +268,8 @@ def _node_families(figures: NodeFigures):
     released = _counter("kvd_lease_released_requests", "Requests released by lease expiry", [])
     released.add_metric([], figures.lease_released_requests)
     runs = _counter("kvd_self_check_runs", "Periodic self-checks by result (ok, failed; "
-                    "skipped: the pool was copying)", ["result"])
+                    "skipped: the pool was copying, or the check's child could not be "
+                    "made or did not answer)", ["result"])
     for result, n in figures.self_check_runs.items():
         runs.add_metric([result], n)
     yield from (hand, hbytes, leases, expired, released, runs)
