@@ -168,6 +168,7 @@ async def check_apart(pool) -> tuple[int, list[str]] | None:
         count, problems = json.loads(b"".join(chunks))
     except ValueError:
         if answered.done():
-            log.error("self-check child failed", exit_status=status)
+            log.error("self-check child failed",
+                      exit_code=os.waitstatus_to_exitcode(status))
         return None
     return count, problems

@@ -36,7 +36,7 @@ class _Auth:
     leases = None
 
     def identify(self, context) -> Caller:
-        return Caller(tenant="t", admin=False)
+        return Caller(tenant="t", admin=False, lease=getattr(context, "lease", ""))
 
 
 class _Service:
@@ -107,13 +107,6 @@ async def test_a_stream_ended_with_its_own_status_keeps_it():
     assert context.status == (grpc.StatusCode.INVALID_ARGUMENT, "bad step")
 
 
-class _Tenant:
-    leases = None
-
-    def identify(self, context) -> Caller:
-        return Caller(tenant="t", admin=False, lease=context.lease)
-
-
 class _LeasedContext(_Context):
     def __init__(self, lease: str) -> None:
         super().__init__()
@@ -126,7 +119,7 @@ class _Blocking:
     def __init__(self) -> None:
         self.gate = CallGate(16)
         self.turns = StepTurns(1)
-        self.auth = _Tenant()
+        self.auth = _Auth()
         self.go = asyncio.Event()
         self.running = self.most = 0  # calls inside the handler: now, and at most
 

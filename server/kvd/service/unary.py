@@ -54,8 +54,8 @@ def unary(method: Handler) -> Callable:
                 # take returns: a call cancelled in the line has none to give back.
                 member = caller.tenant
                 turns.join(member)
-                await turns.take(caller.tenant)
-                turn = caller.tenant
+                await turns.take(member)
+                turn = member
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
             end_holds = getattr(self, "end_holds", None)
