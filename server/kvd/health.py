@@ -14,6 +14,7 @@ import warnings
 
 import structlog
 
+import kvd
 from kvd.core.invariants import check_pool
 from kvd.runtime import PoolRuntime
 
@@ -104,8 +105,9 @@ async def check_apart(pool) -> tuple[int, list[str]] | None:
     pages, 1 s at 262,144), and would hold kvd's loop, and every engine's step, as long;
     the fork holds it for a few milliseconds. Returns how many problems the walk found and
     the first FORKED_PROBLEMS of them; None when no child could be made or it did not
-    answer."""
-    if not hasattr(os, "fork"):
+    answer. Walks in the loop where a child could not be the walk alone: no fork, or gRPC
+    loaded before kvd with its fork support on (see kvd/__init__.py)."""
+    if not hasattr(os, "fork") or not kvd.GRPC_FORKS_BARE:
         problems = check_pool(pool)
         return len(problems), problems[:FORKED_PROBLEMS]
     read_end, write_end = os.pipe()

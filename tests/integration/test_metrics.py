@@ -10,6 +10,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -192,6 +193,52 @@ async def test_the_periodic_self_check_reports_broken_bookkeeping(tmp_path):
         await asyncio.wait_for(node.aclose(), 10)
 
 
+def test_kvd_loads_grpc_with_fork_support_off_and_leaves_the_variable_as_it_was():
+    """Loaded first, kvd loads gRPC with fork support off and puts the variable back (the
+    processes kvd starts see the user's). Loaded after gRPC (fork support on by default),
+    kvd cannot fork a bare child, and says so."""
+    code = ("import os, sys\n{first}\nimport kvd\n"
+            "print(kvd.GRPC_FORKS_BARE, os.environ.get('GRPC_ENABLE_FORK_SUPPORT'))")
+    runs = {(first, asked): subprocess.run(
+        [sys.executable, "-c", code.format(first=first)], capture_output=True, text=True,
+        env={**{k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"},
+             **({"GRPC_ENABLE_FORK_SUPPORT": asked} if asked else {})}, check=True).stdout.split()
+        for first in ("", "import grpc") for asked in ("", "true", "false")}
+    assert runs == {("", ""): ["True", "None"], ("", "true"): ["True", "true"],
+                    ("", "false"): ["True", "false"],
+                    ("import grpc", ""): ["False", "None"],
+                    ("import grpc", "true"): ["False", "true"],
+                    ("import grpc", "false"): ["True", "false"]}
+
+
+async def test_a_self_check_that_cannot_fork_a_bare_child_walks_in_the_loop(monkeypatch):
+    """Where gRPC was loaded with fork support on, the check walks the pool where it is
+    (a problem planted in the pool is found) and forks nothing."""
+    import kvd
+    from kvd.config import config_from_dict
+    from kvd.health import check_apart
+    from kvd.node import Node
+
+    def no_fork():
+        raise AssertionError("forked")
+
+    monkeypatch.setattr(kvd, "GRPC_FORKS_BARE", False)
+    monkeypatch.setattr(os, "fork", no_fork)
+    node = Node(config_from_dict({"pool": [{"name": "default", "page_bytes": 64,
+                                            "device_pages": 64, "host_pages": 64}]}))
+    try:
+        node.admit("r", tenant="t", pool="default", prompt_tokens=64, output_tokens=0,
+                   priority=0)
+        await node.allocate("r", 4)
+        pool = node.runtime("default").pool
+        assert await check_apart(pool) == (0, [])
+        pool.tenancy.device_by_tenant["t"] += 3  # figures now lie
+        count, problems = await check_apart(pool)
+        assert count >= 1 and problems
+    finally:
+        await asyncio.wait_for(node.aclose(), 10)
+
+
 async def test_the_periodic_self_check_does_not_hold_kvds_loop():
     """The self-check walks every page of a pool: about 0.2 s at 65,536 device pages here,
     1 s at 262,144, and once a minute every engine's step waited that long. It checks a
@@ -287,6 +334,28 @@ async def test_the_forked_self_check_runs_beside_a_serving_kvd_and_leaves_it_who
         assert not any(a & b for a, b in zip(seen, seen[1:])), seen
     finally:
         assert kvd.stop() == 0, kvd.log
+
+
+def test_the_self_checks_forked_child_runs_no_grpc_threads(tmp_path):
+    """gRPC's fork support (on by default) restarts gRPC's threads in a forked child, beside
+    the walk (five more threads here). kvd turns it off before gRPC is loaded, so the child is
+    the walk alone: one thread. Its walk (262,144 empty device pages) lasts long enough here
+    to be looked at."""
+    config = tmp_path / "kvd.toml"
+    config.write_text('[server]\nself_check_s = 0.05\n\n[[pool]]\npage_bytes = 64\n'
+                      'device_pages = 262144\nhost_pages = 64\n')
+    kvd = LocalKvd("--config", str(config), workdir=tmp_path).start()
+    threads: dict[int, int] = {}  # each forked child seen: its thread count
+    try:
+        deadline = time.monotonic() + 60
+        while len(threads) < 5 and time.monotonic() < deadline:
+            for child, count in forked_children(kvd.proc.pid).items():
+                threads[child] = max(threads.get(child, 0), count)
+            time.sleep(0.005)
+    finally:
+        assert kvd.stop() == 0, kvd.log
+    assert len(threads) >= 5, threads
+    assert set(threads.values()) == {1}, threads
 
 
 async def test_kubernetes_grpc_probes_get_health_on_the_health_listener(tmp_path):
