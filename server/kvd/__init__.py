@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 # gRPC's fork handlers around every fork (3-6 ms a fork, against 1-2 ms without, beside a
 # small gRPC server here) and restarts gRPC's threads in the child: a child that should be
 # the walk alone runs five more threads, and clients' calls were seen to stall past a 3 s
-# deadline while kvd forked every few milliseconds. kvd loads gRPC with it off; the variable is put back as it was, so the
-# processes kvd starts see what the user set.
+# deadline while kvd forked every few milliseconds. kvd loads gRPC with it off; the variable
+# is put back as it was, so the processes kvd starts see what the user set.
 if "grpc" not in sys.modules:
     _asked = os.environ.get("GRPC_ENABLE_FORK_SUPPORT")
     os.environ["GRPC_ENABLE_FORK_SUPPORT"] = "false"

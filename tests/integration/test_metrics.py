@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -289,13 +290,13 @@ def forked_children(pid: int) -> dict[int, int]:
     """The children a kvd forked (its multiprocessing resource tracker aside), each with its
     thread count; read from /proc, whole (ps cuts command lines to its column width)."""
     found = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
+    for task in Path(f"/proc/{pid}/task").iterdir():
         with contextlib.suppress(OSError):
-            for child in map(int, open(f"/proc/{pid}/task/{task}/children").read().split()):
+            for child in map(int, (task / "children").read_text().split()):
                 with contextlib.suppress(OSError, StopIteration):
-                    if "resource_tracker" in open(f"/proc/{child}/cmdline").read():
+                    if "resource_tracker" in Path(f"/proc/{child}/cmdline").read_text():
                         continue
-                    status = open(f"/proc/{child}/status").read().splitlines()
+                    status = Path(f"/proc/{child}/status").read_text().splitlines()
                     line = next(x for x in status if x.startswith("Threads:"))
                     found[child] = int(line.split()[1])
     return found
