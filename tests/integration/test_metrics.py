@@ -359,6 +359,83 @@ def test_the_self_checks_forked_child_runs_no_grpc_threads(tmp_path):
     assert set(threads.values()) == {1}, threads
 
 
+async def test_an_operators_self_check_does_not_hold_the_engines(tmp_path):
+    """`kvctl self-check` (the SelfCheck RPC) walks every page as the periodic check does:
+    about 1 s at 262,144 device pages (half of them held) here, and every engine's call
+    waited as long. A big pool is walked in a forked copy, as the periodic check's is: a
+    client's calls meanwhile wait for the fork, not for the walk."""
+    config = tmp_path / "kvd.toml"
+    config.write_text('[[pool]]\npage_bytes = 64\ndevice_pages = 262144\nhost_pages = 64\n')
+    kvd = LocalKvd("--config", str(config), workdir=tmp_path).start()
+    try:
+        async with AsyncClient(kvd.target) as client, AsyncClient(kvd.target) as operator:
+            for i in range(64):
+                await client.admit(f"r{i}", 16 * 2048)
+                await client.allocate(f"r{i}", 2048)
+            longest = 0.0
+            checked = asyncio.Event()
+
+            async def engine():
+                nonlocal longest
+                while not checked.is_set():
+                    started = time.perf_counter()
+                    assert len((await client.access("r0", [0, 1, 2, 3])).handles) == 4
+                    longest = max(longest, time.perf_counter() - started)
+                    await asyncio.sleep(0.002)
+
+            calls = asyncio.ensure_future(engine())
+            await asyncio.sleep(0.05)
+            started = time.perf_counter()
+            check = await operator.self_check()
+            walk_s = time.perf_counter() - started
+            checked.set()
+            await calls
+        assert check.ok, check.problems
+        assert longest < walk_s / 4, (longest, walk_s)
+    finally:
+        assert kvd.stop() == 0, kvd.log
+
+
+async def test_an_operators_self_check_of_a_big_pool_finds_what_is_wrong(monkeypatch):
+    """The forked walk's findings reach the caller: a planted problem is found, in a child,
+    and problems past the first FORKED_PROBLEMS are counted, not lost."""
+    from kvd import health
+    from kvd.config import config_from_dict
+    from kvd.node import Node
+
+    forks = []
+    real_fork = os.fork
+
+    def fork():
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", fork)
+    node = Node(config_from_dict({"pool": [
+        {"name": "default", "page_bytes": 64, "device_pages": health.APART_FROM_PAGES,
+         "host_pages": 64}]}))
+    try:
+        for i in range(3):
+            node.admit(f"r{i}", tenant=f"t{i}", pool="default", prompt_tokens=64,
+                       output_tokens=0, priority=0)
+            await node.allocate(f"r{i}", 4)
+        assert await node.self_check() == [] and len(forks) == 1
+        pool = node.runtime("default").pool
+        for i in range(3):
+            pool.requests[f"r{i}"].num_device_blocks += 1  # figures now lie, each request's
+        found = await node.self_check()
+        assert len(forks) == 2
+        assert [p for p in found if "r0 counts" in p] and [p for p in found if "r2 counts" in p]
+        monkeypatch.setattr(health, "FORKED_PROBLEMS", 1)
+        cut = await node.self_check()
+        assert cut[:1] == found[:1] and len(cut) == 2, cut
+        assert cut[1] == f"default: {len(found) - 1} more problems", cut
+    finally:
+        await asyncio.wait_for(node.aclose(), 10)
+
+
 async def test_kubernetes_grpc_probes_get_health_on_the_health_listener(tmp_path):
     """`health = HOST:PORT`: grpc.health.v1 alone, in clear, for Kubernetes' grpc: probes;
     NOT_SERVING once kvd drains; nothing of kvd's API there."""
