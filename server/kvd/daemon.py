@@ -160,7 +160,7 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.node: Node | None = None
-        self.streams = OpenStreams()
+        self.streams = OpenStreams(config.max_streams_per_tenant)
         self.health = _Health(self.streams)
         self._grpc: grpc.aio.Server | None = None
         self._stop = asyncio.Event()
@@ -223,6 +223,7 @@ class Daemon:
     def _grpc_server(self) -> grpc.aio.Server:
         """The gRPC server with kvd's services on it, not yet bound."""
         self.auth = Authenticator(self.config, self.node.leases)
+        self.streams.owner = self.auth.stream_owner
         # kvd pings its clients: one that stops answering (a stopped or partitioned engine
         # with a Step stream open) loses its connection, so its streams close and its lease
         # can lapse, instead of an open stream holding its pages for ever.
@@ -256,7 +257,8 @@ class Daemon:
                 self._metrics_server = serve_metrics(
                     self.config.metrics, self.node, loop, lambda: self._ready,
                     self._health_detail,
-                    gates={"client_calls": self.gate, "tenant_turns": self.turns.gate})
+                    gates={"client_calls": self.gate, "tenant_turns": self.turns.gate},
+                    streams=self.streams)
             except OSError as exc:
                 raise StartupError(f"cannot serve metrics on {self.config.metrics}: {exc} "
                                    '(metrics = "" runs without)') from None

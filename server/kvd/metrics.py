@@ -110,16 +110,22 @@ class KvdCollector(Collector):
     """The node's figures (kvd.stats, the builder GetPoolStats and ListTenants use too), taken
     on the event loop at scrape time, as Prometheus families."""
 
-    def __init__(self, node, loop: asyncio.AbstractEventLoop, gates: dict | None = None) -> None:
+    def __init__(self, node, loop: asyncio.AbstractEventLoop, gates: dict | None = None,
+                 streams=None) -> None:
         self.node = node
         self.loop = loop
         self.gates = gates or {}  # name -> CallGate, whose waits are counted
+        self.streams = streams  # OpenStreams: streams open and refused by tenant
 
-    async def _take(self) -> NodeFigures:
-        return node_figures(self.node)
+    async def _take(self) -> tuple[NodeFigures, dict[str, int], dict[str, int]]:
+        streams = self.streams
+        if streams is None:
+            return node_figures(self.node), {}, {}
+        return node_figures(self.node), dict(streams.open_by), dict(streams.refused)
 
     def collect(self):
-        figures = asyncio.run_coroutine_threadsafe(self._take(), self.loop).result(timeout=5)
+        figures, open_by, refused = asyncio.run_coroutine_threadsafe(
+            self._take(), self.loop).result(timeout=5)
         up = _gauge("kvd_uptime_seconds", "Seconds since kvd started", [])
         up.add_metric([], figures.uptime_s)
         yield up
@@ -134,6 +140,18 @@ class KvdCollector(Collector):
         for name, gate in self.gates.items():
             waits.add_metric([name], gate.num_waited)  # an int read whole from this thread
         yield waits
+        if self.streams is not None:
+            opened = _gauge("kvd_streams_open", "Streams a tenant keeps open (Step, "
+                            "WaitAdmission, WatchEvents, Handoff; the admin's are not "
+                            "counted)", ["tenant"])
+            for tenant, count in open_by.items():
+                opened.add_metric([tenant], count)
+            yield opened
+            cut = _counter("kvd_streams_refused", "Streams refused because their tenant had "
+                           "max_streams_per_tenant open", ["tenant"])
+            for tenant, count in refused.items():
+                cut.add_metric([tenant], count)
+            yield cut
 
 
 def _pool_families(pools: list[PoolFigures]):
@@ -368,12 +386,13 @@ def http_app(ready: Callable[[], bool], detail: Callable[[], str] = lambda: ""):
 
 
 def serve_metrics(address: str, node, loop, ready: Callable[[], bool],
-                  detail: Callable[[], str] = lambda: "", gates: dict | None = None):
+                  detail: Callable[[], str] = lambda: "", gates: dict | None = None,
+                  streams=None):
     """Serve http_app on HOST:PORT in a thread of its own; returns the server. Raises
     OSError when it cannot listen: an operator who asked for metrics gets them or an error
     (metrics = "" runs without)."""
     host, _, port = address.rpartition(":")
-    collector = KvdCollector(node, loop, gates)
+    collector = KvdCollector(node, loop, gates, streams)
     try:
         REGISTRY.register(collector)
     except ValueError:

@@ -7,7 +7,7 @@ import hmac
 from dataclasses import dataclass
 
 from kvd.config import Config
-from kvd.core.errors import PermissionDenied, Unauthenticated
+from kvd.core.errors import KvdError, PermissionDenied, Unauthenticated
 from kvd.leases import LEASE_METADATA
 
 
@@ -89,6 +89,16 @@ class Authenticator:
         if lease and self.leases is not None:
             self.leases.renew(lease, tenant)
         return Caller(tenant, admin, lease)
+
+    def stream_owner(self, context) -> str | None:
+        """The tenant whose open streams a new stream counts among (max_streams_per_tenant):
+        None for the admin's, which are not counted; "" for callers kvd cannot identify
+        (grpc's health watches ask for no identity; kvd's own streams refuse them)."""
+        try:
+            caller = self.identify(context)
+        except KvdError:
+            return ""
+        return caller.tenant if caller.tenant or not caller.admin else None
 
     def _who(self, token: str, peer: str) -> tuple[str, bool]:
         """(tenant, admin?) of the caller, calling from `peer` (its address)."""

@@ -51,7 +51,7 @@ class OpenStreams:
     # stream that ends itself is ended after this long if it has not.
     LAST_READ_S = 1.0
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 0) -> None:
         self.tasks: set[asyncio.Task] = set()
         # Streams in the middle of a message (a Step being served): drain() lets each finish
         # it and reply; the stream ends when it looks for its next message.
@@ -63,12 +63,30 @@ class OpenStreams:
         # Streams that end themselves at a drain (health watches: after their NOT_SERVING).
         self.end_themselves: set[asyncio.Task] = set()
         self.draining = False
+        # At most `limit` streams open per tenant (max_streams_per_tenant; 0: no limit),
+        # counted by `owner(context)`: the tenant whose streams a new one counts among, or
+        # None for one not counted (Authenticator.stream_owner).
+        self.limit = limit
+        self.owner = None
+        self.open_by: dict[str, int] = {}  # tenant -> its streams open
+        self.refused: dict[str, int] = {}  # tenant -> its streams refused at the limit
 
     def serve(self, handler):
         @functools.wraps(handler)
         async def served(request, context):
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
+            owner = None if not self.limit or self.owner is None else self.owner(context)
+            if owner is not None:
+                count = self.open_by.get(owner, 0)
+                if count >= self.limit:
+                    self.refused[owner] = self.refused.get(owner, 0) + 1
+                    who = f"tenant {owner!r} has" if owner else "callers kvd cannot identify have"
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{who} {count} streams open, the most kvd keeps open for one "
+                        f"(max_streams_per_tenant): close one first")
+                self.open_by[owner] = count + 1
             task = asyncio.current_task()
             self.tasks.add(task)
             try:
@@ -83,6 +101,12 @@ class OpenStreams:
                 await abort_internal(context, handler.__name__, exc)
             finally:
                 self.tasks.discard(task)
+                if owner is not None:
+                    left = self.open_by[owner] - 1
+                    if left:
+                        self.open_by[owner] = left
+                    else:
+                        del self.open_by[owner]
 
         return served
 
