@@ -43,7 +43,7 @@ def test_the_shipped_config_starts_as_written_and_creates_its_tokens(tmp_path):
         first = {name: path.read_text() for name, path in tokens.items()}
         assert '"created a token file at first start' in kvd.log()
         # Each token names its caller: chat's admits as chat; admin's reads every tenant.
-        with Client(kvd.target, token=first["chat"].strip(), lease="") as chat:
+        with Client(kvd.target, token=first["chat"].strip()) as chat:
             chat.admit("r", 16)
             with pytest.raises(PermissionDeniedError):
                 chat.list_tenants()
@@ -91,7 +91,7 @@ def test_tokens_from_the_environment(tmp_path):
     env = {"KVD_ADMIN_TOKEN": "admin-secret-0123456789", "KVD_CHAT_TOKEN": "chat-secret-0123"}
     with LocalKvd("--config", str(config), "--model", "tiny", "--device-pages", "8",
                   "--host-pages", "8", workdir=tmp_path, env=env) as kvd:
-        with Client(kvd.target, token="chat-secret-0123", lease="") as chat:
+        with Client(kvd.target, token="chat-secret-0123") as chat:
             chat.admit("r", 16)
         assert _kvctl(kvd, "--token", "admin-secret-0123456789", "tenants").returncode == 0
     unset = subprocess.run([sys.executable, "-m", "kvd", "--config", str(config)],

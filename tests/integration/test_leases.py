@@ -158,6 +158,49 @@ async def test_a_client_that_names_no_lease_is_held_by_its_connection(tmp_path):
             assert sum(await _used_pages(observer)) == 0
 
 
+async def test_on_the_unix_socket_a_tenant_admits_only_under_a_lease(tmp_path):
+    """gRPC names every unix-socket connection "unix:", so a connection's lease there was
+    every lease-less client's: one that admitted and went away kept its pages for as long
+    as another called (a request still held after 6 TTLs of another client's calls). A
+    tenant's Admit without a lease is refused there, saying why; the same request under a
+    lease is released when its client goes away, whatever the lease-less client calls."""
+    import grpc
+
+    from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+
+    config = tmp_path / "kvd.toml"
+    config.write_text('[server]\nlease_ttl_s = 0.5\n'
+                      '[auth]\nunix_tenant = "t"\nunix_admin = false\n'
+                      'admin_token = "admin-token-0123456789"\n'
+                      '[[pool]]\nmodel = "tiny"\ndevice_pages = 8\nhost_pages = 8\n'
+                      '[[tenant]]\nname = "t"\n')
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with grpc.aio.insecure_channel(kvd.target) as channel:  # no lease metadata
+            memory = pb_grpc.MemoryStub(channel)
+            try:
+                await memory.Admit(pb.AdmitRequest(request_id="r", prompt_tokens=32))
+            except grpc.aio.AioRpcError as exc:
+                refused = exc
+            else:
+                refused = None
+            assert refused is not None, "admitted without a lease on the unix socket"
+            assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "kvd-lease" in refused.details()
+            async with AsyncClient(kvd.target) as holder:  # the client library's lease
+                await holder.admit("r", 32)
+                await holder.allocate("r", 2)
+            async with AsyncClient(kvd.target, token="admin-token-0123456789",
+                                   lease="") as admin:
+                assert (await admin.explain("t/r")).active
+                for _ in range(60):  # the lease-less client calls on meanwhile
+                    await memory.KeepAlive(pb.KeepAliveRequest())
+                    if not (await admin.explain("t/r")).active:
+                        break
+                    await asyncio.sleep(0.05)
+                assert not (await admin.explain("t/r")).active
+                assert sum(await _used_pages(admin)) == 0
+
+
 async def test_a_client_naming_a_new_lease_on_every_call_leaves_none_behind(tmp_path):
     """Leases kvd keeps are those holding requests or streams: a client that names a fresh
     lease on each of its calls (its own mistake, or a tenant's attack on kvd's memory and

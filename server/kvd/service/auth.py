@@ -11,6 +11,12 @@ from kvd.core.errors import KvdError, PermissionDenied, Unauthenticated
 from kvd.leases import LEASE_METADATA
 
 
+# Why a tenant's Admit without a lease is refused on the unix socket (see identify).
+UNLEASED = ("name a lease in the call's kvd-lease metadata (the client library sends one "
+            "per client): kvd cannot tell unix-socket connections apart, so a request "
+            "admitted without one could never be released if its client went away")
+
+
 def namespace(tenant: str) -> str:
     """The prefix of a tenant's request ids inside kvd (see Caller.ns)."""
     return f"{tenant}/"
@@ -78,9 +84,13 @@ class Authenticator:
                 lease = value[:128]
         peer = context.peer() or ""
         tenant, admin = self._who(token, peer)
-        if not lease and not admin:
-            # No lease named: the connection is the lease, so what a client that never says
-            # who it is admits is still released when it goes quiet.
+        if not lease and not admin and not peer.startswith("unix:"):
+            # No lease named: the connection is the lease (over TCP its address and port),
+            # so what a client that never says who it is admits is still released when it
+            # goes quiet. gRPC names every unix-socket connection alike ("unix:"): one such
+            # lease would be every lease-less client's, and a dead client's requests would
+            # live on while any other called. There the caller has none, and Admit asks for
+            # one (UNLEASED).
             lease = f"peer:{peer or '?'}"
         if lease:
             # A lease belongs to its tenant: another tenant naming the same id gets a lease

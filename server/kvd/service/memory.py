@@ -12,7 +12,7 @@ from kvd import __version__, stats
 from kvd.core import errors
 from kvd.node import Node
 from kvd.service import convert
-from kvd.service.auth import Authenticator, Caller
+from kvd.service.auth import UNLEASED, Authenticator, Caller
 from kvd.service.convert import (
     DECISIONS,
     handle,
@@ -72,6 +72,8 @@ class MemoryService(pb_grpc.MemoryServicer):
                 f"caller is tenant {caller.tenant!r}; it cannot admit for {tenant!r}")
         for pool in (request.pool or "default", request.handoff_pool):
             self._may_use(pool, tenant)
+        if not caller.lease and not caller.admin:
+            raise errors.FailedPrecondition(UNLEASED)
         result = await self.node.admit_async(
             caller.ns + request.request_id,
             tenant=tenant,
