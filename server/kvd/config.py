@@ -348,8 +348,8 @@ class Config:
     max_calls_per_client: Count = 16
     # Streams (Step, WaitAdmission, WatchEvents, Handoff) one tenant keeps open at once;
     # past it a new one is refused: each open stream holds about 25 KiB of kvd's memory, and
-    # a tenant opening them without end would run the node's daemon out of it. The admin's
-    # are not counted. 0: no limit.
+    # a tenant opening them without end would run the node's daemon out of it. The admin
+    # token's are not counted. 0: no limit.
     max_streams_per_tenant: Count = 4096
     # While tenants compete, the Step messages of one tenant kvd reads at once, times its
     # weight (at least 1): a tenant's flood of streams waits its turn. 0: no turns.

@@ -142,8 +142,8 @@ class KvdCollector(Collector):
         yield waits
         if self.streams is not None:
             opened = _gauge("kvd_streams_open", "Streams a tenant keeps open (Step, "
-                            "WaitAdmission, WatchEvents, Handoff; the admin's are not "
-                            "counted)", ["tenant"])
+                            "WaitAdmission, WatchEvents, Handoff; those of the admin "
+                            "token are not counted)", ["tenant"])
             for tenant, count in open_by.items():
                 opened.add_metric([tenant], count)
             yield opened

@@ -102,7 +102,8 @@ class Authenticator:
 
     def stream_owner(self, context) -> str | None:
         """The tenant whose open streams a new stream counts among (max_streams_per_tenant):
-        None for the admin's, which are not counted; "" for callers kvd cannot identify
+        None for the admin token's, which are not counted (a unix caller that may call
+        admin calls counts as its unix_tenant); "" for callers kvd cannot identify
         (grpc's health watches ask for no identity; kvd's own streams refuse them)."""
         try:
             caller = self.identify(context)
