@@ -44,7 +44,7 @@ class Health:
         owns: logged when first found, kept for the metric and SelfCheck."""
         found = []
         for name, rt in self.pools.items():
-            problems = rt.transit.stuck(rt.pool.requests.values(), STUCK_AFTER_S)
+            problems = rt.transit.stuck(rt.pool.pages.moving_requests(), STUCK_AFTER_S)
             for problem in set(problems) - set(self.stuck.get(name, ())):
                 log.error("transfer stuck", pool=name, problem=problem)
             self.stuck[name] = problems

@@ -815,3 +815,36 @@ def test_reads_recorded_a_slice_at_a_time_leave_what_recording_each_step_would(
     assert len(due) <= 1  # never more than one call due
     later.record_reads()
     assert _read_state(later, rids) == _read_state(first, rids)
+
+
+class _Unwalked(dict):
+    """A pool's request table that refuses to be walked: looking for the blocks in transit
+    must not cost a walk of every request (a call waiting for room looked, and the stuck
+    check four times a second)."""
+
+    def __iter__(self):
+        raise AssertionError("walked every request to find the blocks in transit")
+
+    values = items = keys = __iter__
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_blocks_in_transit_are_found_without_walking_every_request(make_pool, policy):
+    pool = make_pool(device_pages=8, host_pages=16, policy=policy)
+    for i in range(4):
+        pool.admit(f"r{i}", tenant="t", prompt_tokens=32, output_tokens=0)
+        settle(pool, pool.allocate(f"r{i}", 2))
+    pool.admit("new", tenant="t", prompt_tokens=32, output_tokens=0)
+    plan = pool.allocate("new", 2)  # two victims demoted, two new blocks written
+    table = pool.pages.requests
+    moving = {r.request_id: r.num_moving_blocks for r in table.values() if r.num_moving_blocks}
+    assert sum(moving.values()) == 4 and "new" in moving
+    pool.pages.requests = _Unwalked(table)
+    try:
+        assert pool.pages.num_moving_blocks() == 4
+        assert {r.request_id: r.num_moving_blocks
+                for r in pool.pages.moving_requests()} == moving
+    finally:
+        pool.pages.requests = table
+    settle(pool, plan)
+    assert pool.pages.num_moving_blocks() == 0 and not pool.pages.moving_requests()

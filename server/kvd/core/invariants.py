@@ -148,6 +148,9 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
     if len(live) != req.num_live_blocks:
         problems.append(f"{name}: {rid} counts {req.num_live_blocks} live blocks, "
                         f"has {len(live)}")
+    if req.num_moving_blocks and not pool.pages.noted_moving(req):
+        problems.append(f"{name}: {rid} has {req.num_moving_blocks} block(s) in transit "
+                        "that the pool's look for them would miss")
     on_device = sum(b.tier is TierKind.DEVICE for b in live)
     if on_device != req.num_device_blocks:
         problems.append(f"{name}: {rid} counts {req.num_device_blocks} device blocks, "

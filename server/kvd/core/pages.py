@@ -53,6 +53,11 @@ class PageTable:
         self.holds = Holds(clock, requests, self.policy)
         # Shared prefix blocks by (namespace, key): see prefix.py.
         self.named: dict[tuple[str, bytes], Block] = {}
+        # Every request with blocks in transit, and some that had them (moving_requests()
+        # sheds those): what is in transit is looked for among these, not among every
+        # request (with thousands running, a walk of them all each time a call waits for
+        # room, and four times a second for stuck transfers).
+        self._moving: set[Request] = set()
         # Called before the policy chooses (or host blocks are picked by recency): records
         # the reads the pool's hot path left pending (see reads.changes_blocks).
         self.before_choice: Callable[[], None] = _nothing
@@ -104,7 +109,23 @@ class PageTable:
 
     def num_moving_blocks(self) -> int:
         """Blocks in transit between tiers in this pool."""
-        return sum(r.num_moving_blocks for r in self.requests.values())
+        return sum(r.num_moving_blocks for r in self.moving_requests())
+
+    def note_moving(self, req: Request) -> None:
+        """A block of req starts to move (its num_moving_blocks goes up)."""
+        self._moving.add(req)
+
+    def moving_requests(self) -> set[Request]:
+        """The pool's requests with blocks in transit (those without are shed here)."""
+        moving, requests = self._moving, self.requests
+        done = [r for r in moving
+                if not r.num_moving_blocks or requests.get(r.request_id) is not r]
+        moving.difference_update(done)
+        return moving
+
+    def noted_moving(self, req: Request) -> bool:
+        """Whether req is among those moving_requests() looks at (the self-check's)."""
+        return req in self._moving
 
     def no_room(self, needed: int) -> ResourceExhausted:
         """The error for `num_pages` that no eviction can free (all pinned, held or moving)."""
@@ -233,6 +254,7 @@ class PageTable:
             assert not victim.pinned, "a policy offered a pinned block"
             victim.moving = True
             victim.request.num_moving_blocks += 1
+            self._moving.add(victim.request)
             if i < num_host:
                 moves.append(Move(victim, MoveKind.DEMOTE, TierKind.DEVICE, victim.page,
                                   TierKind.HOST, self.host.take(victim), reassign))
@@ -344,6 +366,7 @@ class PageTable:
             self.device.owner[page] = block
             block.moving = True
             block.request.num_moving_blocks += 1
+            self._moving.add(block.request)
             kind = MoveKind.PROMOTE if block.tier is TierKind.HOST else MoveKind.REMATERIALIZE
             plan.promotions.append(
                 Move(block, kind, block.tier, block.page, TierKind.DEVICE, page, False)
@@ -387,6 +410,7 @@ class PageTable:
         now = self.clock.now()
         placed = []
         self.changes.note(req)
+        self._moving.add(req)
         for page, index in zip(page_numbers, indices):
             while len(req.blocks) < index:
                 req.blocks.append(None)

@@ -164,6 +164,7 @@ class Reservations:
                 policy.remove(b)
             b.moving = True
             req.num_moving_blocks += 1
+        self.pages.note_moving(req)
         return live
 
     @after_reads
