@@ -121,7 +121,7 @@ class KvdCollector(Collector):
         streams = self.streams
         if streams is None:
             return node_figures(self.node), {}, {}
-        return node_figures(self.node), dict(streams.open_by), dict(streams.refused)
+        return node_figures(self.node), streams.per_tenant.running(), dict(streams.refused)
 
     def collect(self):
         figures, open_by, refused = asyncio.run_coroutine_threadsafe(

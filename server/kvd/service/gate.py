@@ -33,6 +33,10 @@ class CallGate:
             return True
         return False
 
+    def running(self) -> dict[str, int]:
+        """Each key with calls running now, and how many (a copy)."""
+        return dict(self._running)
+
     def busy(self, key: str) -> bool:
         """Whether the key has a call running (or waiting) now."""
         return key in self._running

@@ -16,6 +16,8 @@ from google.protobuf import message_factory
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
+from kvd.service.gate import CallGate
+
 log = structlog.get_logger("kvd.service")
 
 # Characters in any string of a request (request ids, tenant and pool names).
@@ -65,10 +67,10 @@ class OpenStreams:
         self.draining = False
         # At most `limit` streams open per tenant (max_streams_per_tenant; 0: no limit),
         # counted by `owner(context)`: the tenant whose streams a new one counts among, or
-        # None for one not counted (Authenticator.stream_owner).
-        self.limit = limit
+        # None for one not counted (Authenticator.stream_owner). A stream past it is
+        # refused, not made to wait: the gate's line is never used.
+        self.per_tenant = CallGate(limit)
         self.owner = None
-        self.open_by: dict[str, int] = {}  # tenant -> its streams open
         self.refused: dict[str, int] = {}  # tenant -> its streams refused at the limit
 
     def serve(self, handler):
@@ -76,17 +78,15 @@ class OpenStreams:
         async def served(request, context):
             if self.draining:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
-            owner = None if not self.limit or self.owner is None else self.owner(context)
-            if owner is not None:
-                count = self.open_by.get(owner, 0)
-                if count >= self.limit:
-                    self.refused[owner] = self.refused.get(owner, 0) + 1
-                    who = f"tenant {owner!r} has" if owner else "callers kvd cannot identify have"
-                    await context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{who} {count} streams open, the most kvd keeps open for one "
-                        f"(max_streams_per_tenant): close one first")
-                self.open_by[owner] = count + 1
+            gate = self.per_tenant
+            owner = None if not gate.limit or self.owner is None else self.owner(context)
+            if owner is not None and not gate.try_enter(owner):
+                self.refused[owner] = self.refused.get(owner, 0) + 1
+                who = f"tenant {owner!r} has" if owner else "callers kvd cannot identify have"
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{who} {gate.limit} streams open, the most kvd keeps open for one "
+                    f"(max_streams_per_tenant): close one first")
             task = asyncio.current_task()
             self.tasks.add(task)
             try:
@@ -102,11 +102,7 @@ class OpenStreams:
             finally:
                 self.tasks.discard(task)
                 if owner is not None:
-                    left = self.open_by[owner] - 1
-                    if left:
-                        self.open_by[owner] = left
-                    else:
-                        del self.open_by[owner]
+                    gate.leave(owner)
 
         return served
 
