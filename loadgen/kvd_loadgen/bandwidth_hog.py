@@ -18,10 +18,9 @@ import asyncio
 import time
 from dataclasses import asdict, dataclass
 
-import uvloop
 from rich.console import Console
 
-from kvd_client import AsyncClient, pb
+from kvd_client import AsyncClient, eventloop, pb
 from kvd_client.client import intent_update
 from kvd_loadgen.engine import percentile
 from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd
@@ -314,7 +313,7 @@ def run_cli(args) -> int:
     console = Console(width=max(Console().width, 120))
     started = time.perf_counter()
     with console.status("bandwidth hog") as status:
-        out = uvloop.run(run_all(s, lambda phase: status.update(f"bandwidth hog: {phase}")))
+        out = eventloop.run(run_all(s, lambda phase: status.update(f"bandwidth hog: {phase}")))
     for p in out["phases"].values():  # the raw series stay in --json, not on the terminal
         p["samples_kept"] = len(p["samples"])
     return finish(build_report(out), console, args.json, args.report, started)

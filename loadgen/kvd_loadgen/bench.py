@@ -3,7 +3,6 @@ the Step stream, tier copies against numpy.copyto, and victim selection scaling.
 
 from __future__ import annotations
 
-import uvloop
 
 import asyncio
 import contextlib
@@ -21,7 +20,7 @@ import grpc
 import numpy as np
 from rich.console import Console
 
-from kvd_client import AsyncClient, pb
+from kvd_client import AsyncClient, eventloop, pb
 from kvd_loadgen.bench_report import (
     judge,
     print_tables,
@@ -452,9 +451,9 @@ def run_bench(args) -> int:
     for r in range(rounds):
         with console.status(f"round {r + 1}/{rounds}: unary calls and the Step stream, kvd "
                             "and the empty server in turns"):
-            runs.append(uvloop.run(bench_pair(n_unary, n_stream, 64, 4)))
+            runs.append(eventloop.run(bench_pair(n_unary, n_stream, 64, 4)))
     with console.status("intent updates on the Step stream"):
-        results["intent_updates"] = uvloop.run(bench_intent_updates())
+        results["intent_updates"] = eventloop.run(bench_intent_updates())
     with console.status("engines' KV cache events into kvd"):
         results["kv_events"] = bench_kv_events(batches=500 if quick else 2000)
     results.update(split_runs(runs), rounds=rounds)
@@ -474,14 +473,14 @@ def run_bench(args) -> int:
                         "empty server in turns"):
         from kvd_loadgen.bench_engines import bench_engines, targets as engine_targets
 
-        results["engines"] = uvloop.run(bench_engines(seconds=1.0 if quick else 2.0,
+        results["engines"] = eventloop.run(bench_engines(seconds=1.0 if quick else 2.0,
                                                       rounds=1 if quick else 2))
     more = engine_targets(results["engines"])
     with console.status("a step's cost over a long run: one engine, 40,000 steps, early "
                         "against late"):
         from kvd_loadgen.bench_history import bench_step_history, targets as history_targets
 
-        results["step_history"] = uvloop.run(bench_step_history(
+        results["step_history"] = eventloop.run(bench_step_history(
             steps=12_000 if quick else 40_000, window=2_000 if quick else 4_000))
     more.update(history_targets(results["step_history"]))
     if not quick:
@@ -493,14 +492,14 @@ def run_bench(args) -> int:
 
         with console.status(f"soak: {SOAK_CLIENTS} clients for {SOAK_S:.0f} s, kvd's "
                             "memory over time"):
-            soak = uvloop.run(run_soak(SOAK_CLIENTS, SOAK_S, "fair", 30.0))
+            soak = eventloop.run(run_soak(SOAK_CLIENTS, SOAK_S, "fair", 30.0))
         more.update(soak_targets(soak))
         results["soak"] = {k: v for k, v in soak.items() if k != "rss_mib"}
     with console.status("intent traces under every policy against Belady's MIN (64 and 96 "
                         "device pages)"):
         from kvd_loadgen.replay import against_min, against_min_targets
 
-        results["against_min"] = uvloop.run(against_min())
+        results["against_min"] = eventloop.run(against_min())
     more.update(against_min_targets(results["against_min"]))
     for key, target in more.items():
         results["ratios"][key] = target["measured"]

@@ -16,8 +16,9 @@ The same runs, with a report and plots:
 
 from __future__ import annotations
 
-import uvloop
 from rich.console import Console
+
+from kvd_client import eventloop
 
 OVERLOAD_RUNS = ("lru@reservation", "lru", "fair")
 CALM_RUNS = ("fair@reservation", "fair")
@@ -49,7 +50,7 @@ def run_overload(console: Console, limit: int = 600) -> dict:
         out[name] = {"speed": speed}
         for spec in specs:
             with console.status(f"overload bench: {spec} at x{speed:g}"):
-                out[name][spec] = _figures(uvloop.run(run_policy(run, spec, trace)))
+                out[name][spec] = _figures(eventloop.run(run_policy(run, spec, trace)))
     return out
 
 

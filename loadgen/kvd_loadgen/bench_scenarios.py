@@ -3,8 +3,9 @@ measurements: figures to compare runs by, not pass/fail."""
 
 from __future__ import annotations
 
-import uvloop
 from rich.console import Console
+
+from kvd_client import eventloop
 
 
 def run_scenarios(console: Console) -> dict:
@@ -19,19 +20,19 @@ def run_scenarios(console: Console) -> dict:
 
     out = {}
     with console.status("scenario: bandwidth-hog (1.5 s a phase)"):
-        hog = uvloop.run(bandwidth_hog.run_all(bandwidth_hog.HogScenario(duration_s=1.5)))
+        hog = eventloop.run(bandwidth_hog.run_all(bandwidth_hog.HogScenario(duration_s=1.5)))
         out["bandwidth_hog"] = {k: v for k, v in
                                 bandwidth_hog.build_report(hog).json()["verdict"].items()}
     with console.status("scenario: disagg (60 requests)"):
-        dis = uvloop.run(disagg.run_all(disagg.DisaggScenario(requests=60)))
+        dis = eventloop.run(disagg.run_all(disagg.DisaggScenario(requests=60)))
         out["disagg"] = {k: v for k, v in disagg.build_report(dis).json()["verdict"].items()}
     with console.status("scenario: replay-intents balanced"):
-        rows = uvloop.run(replay_profile(resolve_intent_trace("balanced"), "balanced",
+        rows = eventloop.run(replay_profile(resolve_intent_trace("balanced"), "balanced",
                                          ("lru", "intent", "deadline"), device_pages=128,
                                          host_pages=4096, page_bytes=4096))
         out["replay_balanced_dc_misses"] = {r.policy: r.decode_critical_misses for r in rows}
     with console.status("scenario: whale-minnows (1.5 s)"):
-        wm = uvloop.run(run_all(Scenario(duration_s=1.5)))
+        wm = eventloop.run(run_all(Scenario(duration_s=1.5)))
         out["whale_minnows"] = wm["verdict"]
     with console.status("scenario: request-trace (150 Mooncake requests)"):
         path = data_dir() / "request-traces" / "mooncake_conversation_trace_head4000.jsonl"
@@ -39,7 +40,7 @@ def run_scenarios(console: Console) -> dict:
         trace = read_request_trace(path, limit=150)
         out["request_trace"] = {}
         for policy in ("lru", "fair"):
-            r = uvloop.run(run_policy(run, policy, trace))
+            r = eventloop.run(run_policy(run, policy, trace))
             out["request_trace"][policy] = {
                 c["tenant"]: {k: c[k] for k in ("step_stall_p99_ms", "evictions_suffered",
                                                 "tokens_per_s")} for c in r["classes"]}

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import uvloop
-
 import argparse
 import json
 import sys
 from pathlib import Path
 
+from kvd_client import eventloop
 from kvd_client.cli_args import number
 from kvd_loadgen.local import KvdStartError
 
@@ -37,7 +36,7 @@ def _demo(args) -> int:
             print(f"kvd-loadgen demo: cannot read --token-file: {exc}", file=sys.stderr)
             return 2
     try:
-        summary = uvloop.run(run_demo(args.target, token=token, tenant=args.tenant))
+        summary = eventloop.run(run_demo(args.target, token=token, tenant=args.tenant))
     except UnavailableError as exc:
         print(f"kvd-loadgen demo: cannot reach kvd at {args.target} ({exc.details}); is it "
               "running? `make run` starts one", file=sys.stderr)

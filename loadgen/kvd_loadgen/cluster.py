@@ -22,10 +22,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import uvloop
 from rich.console import Console
 
-from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_client import AsyncClient, KvdClientError, eventloop, pb
 from kvd_loadgen.etcd import LocalEtcd, etcd_binary, free_port
 from kvd_loadgen.local import LocalKvd
 from kvd_loadgen.scenario_report import ScenarioReport, finish
@@ -411,7 +410,7 @@ def run_cli(args) -> int:
     started = time.perf_counter()
     try:
         with console.status("cluster") as status:
-            out = uvloop.run(run(s, status.update))
+            out = eventloop.run(run(s, status.update))
     except RuntimeError as exc:
         console.print(f"kvd-loadgen cluster: {exc}")
         return 2

@@ -17,10 +17,9 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
-import uvloop
 from rich.console import Console
 
-from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, pb
+from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, eventloop, pb
 from kvd_loadgen.engine import percentile
 from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd
 from kvd_loadgen.scenario_report import ScenarioReport, draw_utilisation, finish, label_bars
@@ -333,5 +332,5 @@ def run_cli(args) -> int:
     console = Console(width=max(Console().width, 140))
     started = time.perf_counter()
     with console.status("disagg") as status:
-        out = uvloop.run(run_all(s, lambda mode: status.update(f"disagg: {mode}")))
+        out = eventloop.run(run_all(s, lambda mode: status.update(f"disagg: {mode}")))
     return finish(build_report(out), console, args.json, args.report, started)

@@ -1,7 +1,7 @@
 """An empty gRPC server (unary echo, and bidi ping-pong on raw bytes: `Stream` echoes each
 message, `Ack` answers each with a two-byte message, as small as a Step reply that hands out
 nothing): the baseline kvd's control-plane overhead is measured against, run the same way kvd
-runs (grpc.aio, uvloop, unix socket, its own process).
+runs (grpc.aio on kvd's event loop, unix socket, its own process).
 
 `Work<us>` (e.g. `Work60`) is `Ack` made to spend `us` microseconds of CPU time on each
 message before it answers: the empty server with a handler of that cost, which tells what a
@@ -16,7 +16,8 @@ import signal
 import time
 
 import grpc
-import uvloop
+
+from kvd_client import eventloop
 
 SERVICE = "kvd.bench.Echo"
 
@@ -88,7 +89,7 @@ async def serve(socket: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", required=True)
-    uvloop.run(serve(parser.parse_args().socket))
+    eventloop.run(serve(parser.parse_args().socket))
 
 
 if __name__ == "__main__":

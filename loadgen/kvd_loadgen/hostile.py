@@ -23,11 +23,10 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_client import AsyncClient, KvdClientError, eventloop, pb
 from kvd_client.client import intent_update
 from kvd_loadgen.engine import percentile
 from kvd_loadgen.local import LocalKvd
@@ -237,4 +236,4 @@ def run_cli(args) -> int:
 if __name__ == "__main__":  # the two tenants' processes
     role, target, scenario, out = sys.argv[1:5]
     s = Hostile(**json.loads(scenario))
-    uvloop.run((victim if role == "victim" else attacker)(target, s, Path(out)))
+    eventloop.run((victim if role == "victim" else attacker)(target, s, Path(out)))

@@ -3,7 +3,6 @@ would, and compare policies with the reference simulator and with Belady's MIN."
 
 from __future__ import annotations
 
-import uvloop
 
 import time
 from collections import Counter
@@ -13,7 +12,7 @@ from pathlib import Path
 import grpc
 from rich.console import Console
 
-from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_client import AsyncClient, KvdClientError, eventloop, pb
 from kvd_loadgen.belady import belady_min
 from kvd_loadgen.data import INTENT_PROFILES, resolve_intent_trace
 from kvd_loadgen.intent_trace import IntentEvent, read_intent_trace
@@ -467,7 +466,7 @@ def run_replay_cli(args) -> int:
         profile = path.name.split(".")[0]
         with console.status(f"replaying {profile} under {', '.join(policies)}"):
             try:
-                results += uvloop.run(replay_profile(
+                results += eventloop.run(replay_profile(
                     path, profile, policies, device_pages=args.device_pages,
                     host_pages=args.host_pages, page_bytes=args.page_bytes,
                     target=args.target, pins=args.pins))

@@ -17,11 +17,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import uvloop
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvd_client import AsyncClient
+from kvd_client import AsyncClient, eventloop
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.measures import jain_index
 from kvd_loadgen.scenario import Samplers, assert_sound, link_sample, local_kvd, split_run
@@ -218,6 +217,6 @@ def run_cli(args) -> int:
                   TextColumn("{task.completed}/{task.total} requests"), TimeElapsedColumn(),
                   console=console) as progress:
         for policy in args.policy.split(","):
-            results.append(uvloop.run(run_policy(run, policy, trace, progress)))
+            results.append(eventloop.run(run_policy(run, policy, trace, progress)))
     out = {"run": asdict(run), "results": results}
     return finish(build_report(out), console, args.json, args.report)

@@ -3,7 +3,6 @@ then keep serving until Ctrl-C (which drains kvd cleanly)."""
 
 from __future__ import annotations
 
-import uvloop
 
 import argparse
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from kvd_client import Client, KvdClientError
+from kvd_client import Client, KvdClientError, eventloop
 from kvd_loadgen.demo import run_demo
 
 
@@ -46,7 +45,7 @@ def main() -> int:
                 return 1
             time.sleep(0.1)
         console.rule(f"kvd is serving on {target}: a short demo")
-        uvloop.run(run_demo(target, console=console))
+        eventloop.run(run_demo(target, console=console))
         console.rule("kvd keeps serving")
         console.print(f"Talk to it at {target}. In another terminal, from this directory:\n"
                       "  make demo                                    # the demo again\n"

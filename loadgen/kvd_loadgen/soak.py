@@ -11,11 +11,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import uvloop
 from rich.console import Console
 from rich.table import Table
 
-from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_client import AsyncClient, KvdClientError, eventloop, pb
 from kvd_loadgen.engine import percentile
 from kvd_loadgen.local import LocalKvd
 
@@ -228,7 +227,7 @@ def run_cli(args) -> int:
     duration_s = SOAK_S if args.duration_s is None else args.duration_s
     console = Console(width=max(Console().width, 100))
     with console.status(f"soak: {clients} clients for {duration_s:.0f} s"):
-        out = uvloop.run(run_soak(clients, duration_s, args.policy, args.interval_s))
+        out = eventloop.run(run_soak(clients, duration_s, args.policy, args.interval_s))
     t = Table(title=f"soak: {out['clients']} clients, {out['duration_s']:.0f} s, "
                     f"policy {out['policy']}")
     for col in ("from s", "calls", "p50 ms", "p99 ms"):

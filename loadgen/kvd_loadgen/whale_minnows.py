@@ -13,10 +13,9 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-import uvloop
 from rich.console import Console
 
-from kvd_client import AsyncClient
+from kvd_client import AsyncClient, eventloop
 from kvd_loadgen.engine import Engine, SimRequest, percentile
 from kvd_loadgen.measures import jain_index
 from kvd_loadgen.scenario import Samplers, assert_sound, local_kvd, split_run
@@ -301,5 +300,5 @@ def run_cli(args) -> int:
     console = Console(width=max(Console().width, 140))
     started = time.perf_counter()
     with console.status(f"whale and minnows: device {s.device} pages, demand {s.demand_pages}"):
-        out = uvloop.run(run_all(s))
+        out = eventloop.run(run_all(s))
     return finish(build_report(out), console, args.json, args.report, started)

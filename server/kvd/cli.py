@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from kvd import __version__
@@ -80,8 +79,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(coro) -> int:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency; be forgiving anyway
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+    from kvd_client.eventloop import run
+
+    return run(coro)
