@@ -167,9 +167,8 @@ async def test_blocks_in_transit_that_nothing_owns_are_reported(tmp_path, monkey
                      priority=0)
         blocks, _ = await daemon.allocate("r", 2)
         assert await daemon.self_check() == []
-        blocks[0].moving = True  # what the handoff race used to leave behind
-        blocks[0].request.num_moving_blocks += 1
-        daemon.runtime("prefill").pool.pages.note_moving(blocks[0].request)
+        # what the handoff race used to leave behind
+        daemon.runtime("prefill").pool.pages.start_moving(blocks[0])
         with capture_logs() as logs:
             problems = await asyncio.wait_for(daemon.self_check(), 10)
         assert any("in transit with no owner" in p for p in problems), problems

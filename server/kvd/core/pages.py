@@ -111,9 +111,12 @@ class PageTable:
         """Blocks in transit between tiers in this pool."""
         return sum(r.num_moving_blocks for r in self.moving_requests())
 
-    def note_moving(self, req: Request) -> None:
-        """A block of req starts to move (its num_moving_blocks goes up)."""
-        self._moving.add(req)
+    def start_moving(self, block: Block) -> None:
+        """The block starts to move between tiers: marked, counted in its request, and its
+        request noted among those moving_requests() looks at."""
+        block.moving = True
+        block.request.num_moving_blocks += 1
+        self._moving.add(block.request)
 
     def moving_requests(self) -> set[Request]:
         """The pool's requests with blocks in transit (those without are shed here)."""
@@ -252,9 +255,7 @@ class PageTable:
         moves = []
         for i, victim in enumerate(victims):
             assert not victim.pinned, "a policy offered a pinned block"
-            victim.moving = True
-            victim.request.num_moving_blocks += 1
-            self._moving.add(victim.request)
+            self.start_moving(victim)
             if i < num_host:
                 moves.append(Move(victim, MoveKind.DEMOTE, TierKind.DEVICE, victim.page,
                                   TierKind.HOST, self.host.take(victim), reassign))
@@ -364,9 +365,7 @@ class PageTable:
         self.moves += 1
         for block, page in zip(missing, pages):
             self.device.owner[page] = block
-            block.moving = True
-            block.request.num_moving_blocks += 1
-            self._moving.add(block.request)
+            self.start_moving(block)
             kind = MoveKind.PROMOTE if block.tier is TierKind.HOST else MoveKind.REMATERIALIZE
             plan.promotions.append(
                 Move(block, kind, block.tier, block.page, TierKind.DEVICE, page, False)

@@ -157,14 +157,12 @@ class Reservations:
             raise FailedPrecondition(
                 f"blocks {dropped[:8]} of request {req.request_id!r} were dropped for the "
                 "engine to recompute; access them (and recompute) before the handoff")
-        policy = self.pages.policy
-        self.pages.moves += 1
+        pages = self.pages
+        pages.moves += 1
         for b in live:
-            if b in policy:
-                policy.remove(b)
-            b.moving = True
-            req.num_moving_blocks += 1
-        self.pages.note_moving(req)
+            if b in pages.policy:
+                pages.policy.remove(b)
+            pages.start_moving(b)
         return live
 
     @after_reads
