@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        config = load_config(args.config, create_tokens=True)
+        config = from_file = load_config(args.config, create_tokens=True)
         server_changes = {
             k: v for k, v in (("socket", args.socket), ("tcp", args.tcp),
                               ("log_format", args.log_format), ("log_level", args.log_level),
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvd.daemon import Daemon, StartupError
 
     try:
-        return _run(Daemon(config).serve())
+        return _run(Daemon(config, from_file).serve())
     except StartupError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ import stat
 import sys
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
@@ -55,6 +55,11 @@ GRPC_OPTIONS = [
     ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
     ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_PENDING_CALLS),
 ]
+
+
+# What a reload applies (Daemon.reload): the rest of the config needs a restart.
+RELOADED = ("tenants", "auth", "max_streams_per_tenant", "max_calls_per_client",
+            "step_turns_per_tenant")
 
 
 class StartupError(Exception):
@@ -157,7 +162,7 @@ class _EndsAfterShutdownWrite:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, from_file: Config | None = None) -> None:
         self.config = config
         self.node: Node | None = None
         self.streams = OpenStreams(config.max_streams_per_tenant)
@@ -174,6 +179,19 @@ class Daemon:
         # tenants compete, wait in lines of their own (see kvd.service.gate).
         self.gate = CallGate(config.max_calls_per_client)
         self.turns = StepTurns(config.step_turns_per_tenant)
+        self.turns.configure({t.name: t.weight for t in config.tenants})
+        # The running config as its file gave it (the command line's flags left out): a
+        # reload applies what RELOADED names, and warns of the rest the file changed.
+        self._from_file = from_file or config
+
+    def _apply_limits(self) -> None:
+        """The limits on one tenant's or client's share of the loop, from self.config. Each
+        is read when a stream opens or a call or message comes: one already running keeps
+        the place it has, and a change applies from the next on."""
+        config = self.config
+        self.streams.per_tenant.limit = config.max_streams_per_tenant
+        self.gate.limit = config.max_calls_per_client
+        self.turns.gate.limit = config.step_turns_per_tenant
         self.turns.configure({t.name: t.weight for t in config.tenants})
 
     async def serve(self) -> int:
@@ -324,8 +342,10 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self.reload)
 
     def reload(self) -> None:
-        """SIGHUP: re-read the config file and apply tenants, quotas and identities without
-        dropping state. Pools and listeners need a restart; a bad file changes nothing."""
+        """SIGHUP: re-read the config file and apply tenants, quotas, identities and the
+        per-tenant and per-client limits (RELOADED) without dropping state; any other
+        setting the file changed (pools, listeners, ...) needs a restart, and is named in a
+        warning. A bad file changes nothing."""
         if not self.config.path:
             log.warning("reload ignored: kvd runs on its embedded default, not a file")
             return
@@ -335,11 +355,17 @@ class Daemon:
         except KvdError as exc:
             log.error("reload failed; keeping the running config", error=str(exc))
             return
-        if fresh.pools != self.config.pools:
-            log.warning("pool changes need a restart; applying tenants and quotas only")
-        self.config = replace(self.config, tenants=fresh.tenants, auth=fresh.auth)
+        reloaded = {name: getattr(fresh, name) for name in RELOADED}
+        # Named at every reload until a restart applies them.
+        unapplied = [f.name for f in fields(Config) if f.name not in RELOADED
+                     and getattr(fresh, f.name) != getattr(self._from_file, f.name)]
+        if unapplied:
+            log.warning("these settings need a restart; kvd keeps their running values",
+                        settings=unapplied)
+        self._from_file = replace(self._from_file, **reloaded)
+        self.config = replace(self.config, **reloaded)
         self.auth.configure(self.config)
-        self.turns.configure({t.name: t.weight for t in self.config.tenants})
+        self._apply_limits()
         sdnotify.notify("RELOADING=1")
         self.node.apply_tenants(self.config)
         if self.node.cluster is not None:

@@ -5,6 +5,8 @@ and the gate itself: a limit per client, turns handed over in order, cancellatio
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -181,5 +183,56 @@ async def test_a_tenant_cannot_open_streams_without_end(tmp_path):
                 await asyncio.sleep(0.05)
             held.append(await open_step(bad))  # the closed stream's place
             assert (await asyncio.to_thread(streams))[("kvd_streams_open", "bad")] == limit
+            for call in held:
+                call.cancel()
+
+
+async def test_a_reload_applies_the_tenant_limits_and_names_what_needs_a_restart(tmp_path):
+    """An operator who lowers or raises max_streams_per_tenant (or the call and turn limits)
+    in the file and sends SIGHUP gets it applied to the next stream opened; a setting a
+    reload cannot apply (the lease TTL, a pool) is named in a warning at each reload, and
+    the flags kvd was started with are not mistaken for changes."""
+    config = tmp_path / "kvd.toml"
+    text = ("[server]\nmax_streams_per_tenant = {limit}\nlease_ttl_s = {ttl}\n\n"
+            "[[pool]]\nmodel = \"tiny\"\ndevice_pages = {pages}\nhost_pages = 64\n\n"
+            "[[tenant]]\nname = \"t\"\ntoken = \"t-token-0123456789\"\n")
+    config.write_text(text.format(limit=2, ttl=30, pages=64))
+
+    async def open_step(client):
+        call = client.memory.Step(metadata=client.metadata)
+        await call.write(pb.StepRequest(step_id=1))
+        assert (await call.read()).step_id == 1
+        return call
+
+    def warnings(kvd) -> list[list[str]]:
+        return [line["settings"] for line in map(json.loads, kvd.log().splitlines())
+                if line.get("event", "").startswith("these settings need a restart")]
+
+    async def reload(kvd, times: int) -> None:
+        kvd.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while kvd.log().count('"config reloaded"') < times and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert kvd.log().count('"config reloaded"') == times
+
+    with LocalKvd("--config", str(config), "--lease-ttl-s", "20", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, token="t-token-0123456789") as client:
+            held = [await open_step(client) for _ in range(2)]
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await open_step(client)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            config.write_text(text.format(limit=3, ttl=30, pages=64))
+            await reload(kvd, 1)
+            assert warnings(kvd) == []  # --lease-ttl-s is the command line's, not a change
+            held.append(await open_step(client))  # the third, refused before the reload
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await open_step(client)
+            assert "has 3 streams open" in refused.value.details()
+            config.write_text(text.format(limit=1, ttl=5, pages=32))
+            await reload(kvd, 2)
+            await reload(kvd, 3)
+            assert warnings(kvd) == [["lease_ttl_s", "pools"]] * 2  # until a restart
+            (pool,) = (await client.pool_stats()).pools
+            assert pool.tiers[0].capacity_pages == 64  # the pool kept its pages
             for call in held:
                 call.cancel()
