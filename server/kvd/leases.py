@@ -43,7 +43,7 @@ class LeaseTable:
         self.num_expired = 0
         self.num_requests_released = 0
 
-    def renew(self, lease_id: str, tenant: str) -> None:
+    def renew(self, lease_id: str) -> None:
         """A call under the lease: it is not silent (if kept: see the module's docstring)."""
         lease = self.leases.get(lease_id)
         if lease is not None:

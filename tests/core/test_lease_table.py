@@ -44,7 +44,7 @@ async def test_a_busy_kvd_does_not_count_as_a_silent_client():
         time.sleep(1.0)  # the loop is busy: nothing runs, no call is read
         await asyncio.sleep(0.15)  # the reaper ticks, late, before the keep-alive is read
         assert released == []
-        table.renew("l1", "t")  # the keep-alive that waited
+        table.renew("l1")  # the keep-alive that waited
         await asyncio.sleep(0.6)  # now truly silent: it lapses
         assert released == ["a"]
     finally:
@@ -59,7 +59,7 @@ def test_a_lease_that_holds_nothing_is_not_kept():
     clock = FakeClock()
     table = LeaseTable(clock, ttl_s=5.0)
     for i in range(1000):
-        table.renew(f"t/{i}", "t")
+        table.renew(f"t/{i}")
     assert table.leases == {}
     table.stream_opened("t/s", "t")  # a stream opened and closed, nothing admitted
     table.stream_closed("t/s")
@@ -72,7 +72,7 @@ def test_a_lease_that_holds_nothing_is_not_kept():
     assert table.expired() == []  # the open stream holds it
     table.stream_closed("t/e")
     clock.advance(4.0)
-    table.renew("t/e", "t")
+    table.renew("t/e")
     clock.advance(4.0)
     assert table.expired() == []
     table.detach("a")  # released by its owner: nothing left to hold

@@ -97,7 +97,7 @@ class Authenticator:
             # of its own, and cannot keep this one's requests alive.
             lease = f"{'admin' if admin else tenant}/{lease}"
         if lease and self.leases is not None:
-            self.leases.renew(lease, tenant)
+            self.leases.renew(lease)
         return Caller(tenant, admin, lease)
 
     def stream_owner(self, context) -> str | None:
