@@ -130,6 +130,38 @@ async def test_call_gate_limits_each_client_and_hands_turns_over_in_order():
     assert gate.num_waited == 3
 
 
+
+@pytest.mark.parametrize("after", [0, 3])
+async def test_a_limit_changed_by_a_reload_leaves_no_call_in_its_line(after):
+    """A reload sets a gate's limit while calls wait in its line (lifted to none, or
+    raised): each waiting call is still handed a slot as those running leave, none is
+    left holding one, and the gate ends empty."""
+    gate = CallGate(1)
+    order = []
+
+    async def call(name, hold):
+        if gate.limit:  # as the unary handler: no gate, no line
+            await gate.enter("a")
+            key = "a"
+        else:
+            key = None
+        order.append(name)
+        await hold.wait()
+        if key is not None:
+            gate.leave(key)
+
+    hold = asyncio.Event()
+    tasks = [asyncio.ensure_future(call(f"a{i}", hold)) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert order == ["a0"]
+    gate.limit = after  # the reload
+    tasks.append(asyncio.ensure_future(call("late", hold)))
+    await asyncio.sleep(0.01)
+    hold.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert sorted(order) == ["a0", "a1", "a2", "late"]
+    assert gate._running == {} and gate._waiting == {}
+
 async def test_a_tenant_cannot_open_streams_without_end(tmp_path):
     """Each open stream holds about 25 KiB of kvd's memory (20,000 idle Step streams of one
     tenant took kvd from 76 to 553 MiB), so a tenant's streams open at once stop at
