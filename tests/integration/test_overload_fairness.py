@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from kvd.service.gate import CallGate
-from kvd_client import AsyncClient, KvdClientError, pb
+from kvd_client import (AsyncClient, KvdClientError, ResourceExhaustedError,
+                        UnauthenticatedError, pb)
 from kvd_loadgen.local import LocalKvd
 
 from .conftest import free_port, scrape
@@ -268,3 +269,30 @@ async def test_a_reload_applies_the_tenant_limits_and_names_what_needs_a_restart
             assert pool.tiers[0].capacity_pages == 64  # the pool kept its pages
             for call in held:
                 call.cancel()
+
+
+async def test_a_refused_step_stream_is_told_why_every_time(tmp_path):
+    """A Step stream refused at its opening (its tenant at max_streams_per_tenant, or a bad
+    token) is told so through the client library every time. Refused before its first
+    message, the client's first write crossed the status, and grpc.aio then ended the call
+    with its own INTERNAL "Internal error from Core": 22 of 300 refused streams here."""
+    config = tmp_path / "kvd.toml"
+    config.write_text("[server]\nmax_streams_per_tenant = 1\n\n"
+                      "[[pool]]\nmodel = \"tiny\"\ndevice_pages = 64\nhost_pages = 64\n\n"
+                      "[[tenant]]\nname = \"t\"\ntoken = \"t-token-0123456789\"\n")
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, token="t-token-0123456789") as client, \
+                AsyncClient(kvd.target, token="not-a-token-0123456789") as stranger:
+            async with client.step_stream() as held:
+                assert not (await held.step()).errors  # the tenant's one stream
+                for who, error, words in ((client, ResourceExhaustedError,
+                                           "max_streams_per_tenant"),
+                                          (stranger, UnauthenticatedError, "unknown bearer")):
+                    told = []
+                    for _ in range(150):
+                        try:
+                            async with who.step_stream() as stream:
+                                await stream.step()
+                        except KvdClientError as exc:
+                            told.append(type(exc) is error and words in str(exc) or str(exc))
+                    assert told == [True] * 150, [t for t in told if t is not True][:3]

@@ -13,6 +13,7 @@ from kvd.node import Node
 from kvd.peers import receive_here, reserve_here
 from kvd.service.auth import Authenticator, Caller
 from kvd.service.gate import CallGate
+from kvd.service.register import refuse
 from kvd.service.status import status_of
 from kvd.service.unary import unary
 from kvd_api.v1 import kvd_pb2 as pb
@@ -42,7 +43,11 @@ class PeerService(pb_grpc.PeerServicer):
         started = time.perf_counter()
         code = "OK"
         try:
-            self.auth.require_admin(self.auth.identify(context))
+            try:
+                self.auth.require_admin(self.auth.identify(context))
+            except errors.KvdError as exc:
+                code = status_of(exc).name
+                await refuse(request_iterator, context, status_of(exc), str(exc))
             return pb.PeerReceiveResponse(blocks=await receive_here(self.node,
                                                                     request_iterator))
         except errors.KvdError as exc:

@@ -22,7 +22,7 @@ from kvd.service.auth import Authenticator, Caller, unprefixed
 from kvd.service.convert import add_handles, indices, intent_change, intent_fields
 from kvd.service.gate import CallLimits, StepTurns
 from kvd.service.register import (DRAINING, MAX_STRING, WALK_LIMIT, Malformed,
-                                  OpenStreams, safe_parser)
+                                  OpenStreams, refuse, safe_parser)
 from kvd.service.status import status_of
 from kvd.waiters import ON_ROOM_WAIT
 from kvd_api.v1 import kvd_pb2 as pb
@@ -77,7 +77,8 @@ class StepStreams:
         try:
             caller = self.auth.identify(context)
         except errors.KvdError as exc:
-            await context.abort(status_of(exc), str(exc))
+            await refuse(request_iterator, context, status_of(exc), str(exc),
+                         self.streams.LAST_READ_S)
         node = self.node
         node.leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds it
         holder = f"stream:{id(context)}:{time.monotonic_ns()}"
