@@ -7,7 +7,6 @@ import functools
 import inspect
 import threading
 
-from kvd_client import eventloop
 from kvd_client.client import AsyncClient
 
 
@@ -15,14 +14,12 @@ class Client:
     """The same calls as AsyncClient, blocking: derived from it (every public coroutine
     becomes a blocking call, every async stream a blocking iterator), run on an event loop
     of the client's own in a background thread, so the two cannot drift apart. The async
-    client's step_stream is left out: a blocking caller sends Steps with step(). Its loop is
-    kvd's (kvd_client.eventloop): callers on several threads (SGLang's prefetch and backup
-    threads share one backend) keep many calls in flight at once."""
+    client's step_stream is left out: a blocking caller sends Steps with step()."""
 
     _ASYNC_ONLY = frozenset({"step_stream", "close", "wait_ready"})
 
     def __init__(self, target: str | None = None, **kw) -> None:
-        self._loop = eventloop.new_event_loop()
+        self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvd-client",
                                         daemon=True)
         self._thread.start()

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from kvd_client import AsyncClient, Client, eventloop, pb
+from kvd_client import AsyncClient, Client, pb
 from kvd_client.client import intent_update
 
 # The async client's only hot path with no blocking twin: engines step from async code.
@@ -27,15 +27,6 @@ def test_the_sync_client_has_every_call_of_the_async_one():
         sync, aio = inspect.signature(getattr(Client, name)), inspect.signature(
             getattr(AsyncClient, name))
         assert sync == aio, (name, sync, aio)
-
-
-def test_the_blocking_client_runs_on_kvds_loop(kvd):
-    """Its calls complete through grpc.aio's wake-up pair, which kvd's loop drains (see
-    kvd_client.eventloop): on a plain loop, threads sharing one client could fill it."""
-    with Client(kvd.target, timeout_s=10) as c:
-        assert type(c._loop) is eventloop.Loop
-        c.wait_ready(5)
-        assert c.keep_alive().lease_ttl_s > 0
 
 
 def test_blocking_calls_work(kvd):
