@@ -1,6 +1,7 @@
 """Random sequences of the daemon's whole API (admission, allocation, reads, intents, frees,
-releases, evictions, handoffs and their cancellation, quota changes), under every policy and
-tier sizes from a handful of pages to several hundred, with real arenas and real copies.
+releases, evictions, handoffs and their cancellation, quota changes, policy switches, reloaded
+tenants), under every policy and tier sizes from a handful of pages to several hundred, with
+real arenas and real copies.
 
 The engine side writes a distinct pattern into every block it is handed and checks it on
 every read: a block kvd hands back must hold exactly what the engine wrote, unless kvd says
@@ -15,6 +16,7 @@ soak` runs many more).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import numpy as np
@@ -290,7 +292,29 @@ class DaemonMachine(RuleBasedStateMachine):
     @rule(tenant=st.sampled_from(TENANTS), limit=st.integers(1, 40))
     def lower_or_raise_limit(self, tenant, limit):
         """Quotas change at run time: what is admitted stays, growth past it is refused."""
-        self.daemon.set_quota(tenant, "", limit=limit, create=True)
+        try:
+            self.daemon.set_quota(tenant, "", limit=limit, create=True)
+        except KvdError:
+            pass  # below the tenant's guarantee: refused, nothing changes
+
+    @rule(pool=st.sampled_from(["default", "decode"]), policy=st.sampled_from(policy_names()))
+    def switch_policy(self, pool, policy):
+        """An operator switches a pool's policy with blocks held, pinned and in flight."""
+        self.run(self.daemon.set_policy(pool, policy))
+
+    @rule(weights=st.tuples(st.sampled_from([0.5, 1.0, 4.0]), st.sampled_from([0.5, 1.0, 4.0])),
+          guaranteed=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+          limit_a=st.sampled_from([0, 1, 4, 40]))
+    def reload_tenants(self, weights, guaranteed, limit_a):
+        """SIGHUP: the config's tenants again, with other weights, guarantees and limits
+        (tenant a's per-request cap, which the invariants check, stays)."""
+        limit_b = max(1, int(self.device_pages * LIMIT_B))
+        tenants = (TenantConfig("a", weight=weights[0], guaranteed=guaranteed[0],
+                                limit=limit_a and max(limit_a, guaranteed[0]),
+                                max_request_fraction=CAP_A),
+                   TenantConfig("b", weight=weights[1], guaranteed=guaranteed[1],
+                                limit=max(limit_b, guaranteed[1])))
+        self.daemon.apply_tenants(dataclasses.replace(self.config, tenants=tenants))
 
     # ------------------------------------------------------------------ bookkeeping
 
