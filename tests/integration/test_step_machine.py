@@ -4,7 +4,7 @@ that allocate, free, release, update intents (pins, priorities, recompute_ok, pr
 read (read_all, and accesses of some or all blocks), and with decode steps, which read the
 last batch again and do nothing else, under every policy and several device sizes, the
 engines' steps interleaved with each other and with the operator's evictions; the engines
-are one tenant, or a tenant each.
+are one tenant, or a tenant each. The operator also switches the policy between steps.
 
 Each engine writes bytes of its own into every page it is handed, learns where its blocks
 went only from the replies (`allocated`, `relocated`), and checks every block a step read:
@@ -320,6 +320,11 @@ async def _example(kvd, operations, policy: str) -> list[int]:
                     # given back (its next step would find another engine's bytes there).
                     with contextlib.suppress(ResourceExhaustedError):
                         await admin.evict(1 + choices[1] % 4)
+                    continue
+                if kind == 3 and choices[0] % 4 == 2:
+                    # The operator switches the policy between two steps.
+                    names = policy_names()
+                    await admin.set_policy(names[choices[1] % len(names)])
                     continue
                 if kind == 0 or not engine.blocks:
                     made += 1
