@@ -179,7 +179,7 @@ class Daemon:
         # tenants compete, wait in lines of their own (see kvd.service.gate).
         self.gate = CallGate(config.max_calls_per_client)
         self.turns = StepTurns(config.step_turns_per_tenant)
-        self.turns.configure({t.name: t.weight for t in config.tenants})
+        self._apply_limits()
         # The running config as its file gave it (the command line's flags left out): a
         # reload applies what RELOADED names, and warns of the rest the file changed.
         self._from_file = from_file or config

@@ -40,9 +40,12 @@ _FACTORIES = {
 # What a stream open when kvd stops is told (UNAVAILABLE): the client's retry policy waits
 # for kvd to come back, and what it prints says why.
 DRAINING = "kvd is draining"
+# How long refuse() waits for a refused stream's first message.
+FIRST_MESSAGE_S = 1.0
 
 
-async def refuse(request, context, code: grpc.StatusCode, message: str, wait_s: float = 1.0):
+async def refuse(request, context, code: grpc.StatusCode, message: str,
+                 wait_s: float = FIRST_MESSAGE_S):
     """End a call before its handler's work with `code` and `message`. A call whose client
     writes to it (Step, Peer Receive: `request` is the message iterator) is ended after its
     first message comes, or after `wait_s` without one. Ended before it, the client's first
@@ -93,8 +96,7 @@ class OpenStreams:
         @functools.wraps(handler)
         async def served(request, context):
             if self.draining:
-                await refuse(request, context, grpc.StatusCode.UNAVAILABLE, DRAINING,
-                             self.LAST_READ_S)
+                await refuse(request, context, grpc.StatusCode.UNAVAILABLE, DRAINING)
             gate = self.per_tenant
             owner = None if not gate.limit or self.owner is None else self.owner(context)
             if owner is not None and not gate.try_enter(owner):
@@ -103,7 +105,7 @@ class OpenStreams:
                 await refuse(
                     request, context, grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{who} {gate.limit} streams open, the most kvd keeps open for one "
-                    f"(max_streams_per_tenant): close one first", self.LAST_READ_S)
+                    f"(max_streams_per_tenant): close one first")
             task = asyncio.current_task()
             self.tasks.add(task)
             try:

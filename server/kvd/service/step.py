@@ -77,8 +77,7 @@ class StepStreams:
         try:
             caller = self.auth.identify(context)
         except errors.KvdError as exc:
-            await refuse(request_iterator, context, status_of(exc), str(exc),
-                         self.streams.LAST_READ_S)
+            await refuse(request_iterator, context, status_of(exc), str(exc))
         node = self.node
         node.leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds it
         holder = f"stream:{id(context)}:{time.monotonic_ns()}"
