@@ -566,6 +566,43 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
         before[1] - base[1] == expected[1])
 
 
+def test_under_lru_an_engine_step_records_no_reads_and_leaves_the_exact_order():
+    """An engine step ends its holds, grows and frees blocks, then reads. Under LRU, whose
+    order is every block's last read or insert, the reads of the steps before stay pending
+    across those changes (recording them at each change cost a step as much as the rest of
+    it), and recorded later they leave the order recording them first leaves: a block
+    allocated or let go by a hold between two reads stands between those reads' blocks."""
+    factory = PoolFactory()
+    pools = [factory(device_pages=64, host_pages=16, policy="lru") for _ in range(2)]
+    first, later = pools
+    later.defer = lambda fn: None  # recorded only when something needs them
+    rids = ["a", "b", "c", "d"]
+    for pool in pools:
+        for rid in rids:
+            pool.admit(rid, tenant="t", prompt_tokens=32, output_tokens=64)
+            settle(pool, pool.allocate(rid, 2))
+        first.record_reads()
+    steps = [(["a", "b"], "c", None), (["c"], "d", "e"), (["a"], "b", None),
+             (["d", "b"], "a", "e"), (["b"], "c", "e")]
+    for batch, grow, holder in steps:
+        factory.clock.advance(0.01)
+        for pool in pools:
+            pool.end_holds("e")
+            settle(pool, pool.allocate(grow, 1, holder=holder or ""))
+        accesses = later.counters.num_accesses
+        factory.clock.advance(0.01)
+        for pool in pools:
+            pool.read_all(batch)
+        first.record_reads()
+        if batch != steps[0][0]:
+            assert later.counters.num_accesses == accesses, "a block change recorded reads"
+    for pool in pools:
+        pool.end_holds("e")
+    assert later.reads.pending
+    later.record_reads()
+    assert _read_state(later, rids) == _read_state(first, rids)
+
+
 def _read_state(pool, rids):
     """What recording reads leaves: each live block's recency and reuse distance, the
     metering by request and tenant, the counters, and the eviction order."""

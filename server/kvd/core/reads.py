@@ -13,6 +13,7 @@ order they came.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -59,11 +60,13 @@ def changes_blocks(method):
     """after_reads for a method that only adds blocks to requests or takes them away (or
     into and out of the policy: holds, pins), and whose eviction choices record the pending
     reads first (PageTable.before_choice). Under a
-    policy that orders each request's blocks apart (per_request_order), the reads are left
-    pending: recorded later they leave the order, recency and metering that recording them
-    first would have (a block added since a read is not touched by it, and a read meters the
-    blocks its request held then), and an engine step's allocations, frees and ended holds
-    then cost no recording of their own; the steps' reads are recorded together.
+    policy that orders each request's blocks apart (per_request_order), or one that is told
+    where the reads stand among the blocks it takes in meanwhile (orders_late_reads: LRU),
+    the reads are left pending: recorded later they leave the order, recency and metering
+    that recording them first would have (a block added since a read is not touched by it,
+    and a read meters the blocks its request held then), and an engine step's allocations,
+    frees and ended holds then cost no recording of their own; the steps' reads are
+    recorded together.
 
     One difference remains, and only until the request's next read is recorded: a block
     whose hold or pin ends while a read of its request is pending, and that is not the
@@ -93,14 +96,16 @@ class ReadRecord:
     `critical`: each request's blocks, and decode-critical ones, when read. Reads of the
     same requests whose sizes differed (blocks were added or freed in between) add theirs
     to `more_sizes` and `more_critical` (None until one does) instead of counting in
-    `times`."""
+    `times`. `seq`: where the last read stands among the pool's events (see
+    Reads.before_block_changes)."""
 
     __slots__ = ("at", "before", "critical", "more_critical", "more_sizes", "requests",
-                 "sizes", "times")
+                 "seq", "sizes", "times")
 
     def __init__(self, at: float, requests: list[Request], sizes: list[int],
-                 critical: list[int]) -> None:
+                 critical: list[int], seq: int = 0) -> None:
         self.at = at
+        self.seq = seq
         self.before: float | None = None
         self.requests = requests
         self.sizes = sizes
@@ -109,9 +114,10 @@ class ReadRecord:
         self.more_sizes: list[int] | None = None
         self.more_critical: list[int] | None = None
 
-    def again(self, now: float, sizes: list[int], critical: list[int]) -> None:
+    def again(self, now: float, sizes: list[int], critical: list[int], seq: int = 0) -> None:
         """The same requests read again now, with these sizes."""
         self.before, self.at = self.at, now
+        self.seq = seq
         if ((sizes is self.sizes or sizes == self.sizes)
                 and (critical is self.critical or critical == self.critical)):
             self.times += 1
@@ -209,8 +215,11 @@ class Reads:
         self._open: dict[str | bytes, ReadRecord] = {}
         # The reads taken to be recorded a slice at a time (record_some) and not recorded
         # yet, as take() gives them: older than any pending, so recorded before them.
-        self._recording: list[tuple[Request, float, float | None, int, int, int]] = []
+        self._recording: list[tuple[Request, float, float | None, int, int, int, int]] = []
         self.slice = RECORD_SLICE
+        # Numbers the reads answered and, under a policy that orders them among its inserts
+        # (EvictionPolicy.orders_late_reads), the blocks it takes in while reads are pending.
+        self._seq = itertools.count(1)
 
     def _again(self, key: str | bytes, read: list[Request], sizes: list[int],
                critical: list[int]) -> ReadRecord | None:
@@ -220,7 +229,7 @@ class Reads:
         # The same requests, by identity and in order (eq=False): often the same list.
         if record is None or (record.requests is not read and record.requests != read):
             return None
-        record.again(self.clock.now(), sizes, critical)
+        record.again(self.clock.now(), sizes, critical, next(self._seq))
         pending = self.pending
         if pending[-1] is not record:  # pending stays in the order of the last reads
             pending.remove(record)
@@ -231,6 +240,9 @@ class Reads:
         """A new pending record; whether it is the first pending."""
         self._open[key] = record
         self.pending.append(record)
+        policy = self.pages.policy
+        if policy.orders_late_reads and policy.late_inserts is None:
+            policy.log_inserts(self._seq)
         return len(self.pending) == 1
 
     def answer_again(self, key: str | bytes, count: int, tenant: str | None
@@ -245,7 +257,8 @@ class Reads:
         if self.pending and self._again(key, last.requests, last.sizes, last.critical):
             return last.requests, False
         return last.requests, self._add(key, ReadRecord(self.clock.now(), last.requests,
-                                                        last.sizes, last.critical))
+                                                        last.sizes, last.critical,
+                                                        next(self._seq)))
 
     def answer(self, request_ids: Sequence[str], tenant: str | None = None,
                key: bytes | None = None
@@ -293,13 +306,19 @@ class Reads:
                                     self.pages.moves, self.pages.changes.end)
         if pending and self._again(key, read, sizes, critical):
             return general, relocated, False, read
-        first = self._add(key, ReadRecord(self.clock.now(), read, sizes, critical))
+        first = self._add(key, ReadRecord(self.clock.now(), read, sizes, critical,
+                                          next(self._seq)))
         return general, relocated, first, read
 
     def before_block_changes(self) -> None:
         """Blocks are about to be added or taken away: see changes_blocks. The answers
-        stay: they follow such changes (LastRead.still)."""
-        if (self.pending or self._recording) and not self.pages.policy.per_request_order:
+        stay: they follow such changes (LastRead.still). A policy that orders every block
+        by its last read or insert (LRU) is told the order of the reads among the blocks it
+        took in meanwhile (orders_late_reads): recorded later, they leave the order that
+        recording them first would."""
+        policy = self.pages.policy
+        if ((self.pending or self._recording) and not policy.per_request_order
+                and policy.late_inserts is None):
             self.record_pending()
 
     def record_pending(self) -> None:
@@ -311,6 +330,7 @@ class Reads:
             self.record(_still_admitted(rest))
         if self.pending:
             self.record(self.take())
+        self._recorded_all()
 
     def record_some(self) -> bool:
         """Record the pending reads `slice` requests at a time: the first call takes them
@@ -320,14 +340,24 @@ class Reads:
         both, in that order): recorded in slices, the reads leave what recording them at
         once would."""
         if not self._recording:
-            if not self.pending:
-                return False
-            self._recording = self.take()
+            if self.pending:
+                self._recording = self.take()
+            if not self._recording:  # none, or only of requests released since
+                self._recorded_all()
             return bool(self._recording)
         batch, limit = self._recording, self.slice
         self._recording = batch[limit:]
         self.record(_still_admitted(batch[:limit]))
+        if not self._recording and not self.pending:
+            self._recorded_all()
         return bool(self._recording)
+
+    def _recorded_all(self) -> None:
+        """Every read answered is recorded: the policy's inserts since, if it kept them in
+        order, go behind them (see before_block_changes)."""
+        policy = self.pages.policy
+        if policy.late_inserts is not None:
+            policy.end_late_inserts()
 
     def settle(self) -> None:
         """Before any other call on the pool: the pending reads recorded, the last answer
@@ -358,7 +388,8 @@ class Reads:
         if len(pending) == 1 and pending[0].times == 1 and pending[0].more_sizes is None:
             at = pending[0].at
             record = pending[0]
-            return [(r, at, None, 1, n, c)
+            seq = record.seq
+            return [(r, at, None, 1, n, c, seq)
                     for r, n, c in zip(record.requests, record.sizes, record.critical)
                     if r.state is admitted]
         # request -> [request, last, the read before, times, the record of the last, blocks,
@@ -374,7 +405,7 @@ class Reads:
                                        reversed(critical)):
                 entry = latest.get(req)
                 if entry is None:
-                    latest[req] = [req, at, before, count, i, size, crit]
+                    latest[req] = [req, at, before, count, i, size, crit, record.seq]
                 else:
                     if entry[4] == i:  # named twice in one step: read twice at its time
                         entry[2] = at
@@ -383,7 +414,7 @@ class Reads:
                     entry[3] += count
                     entry[5] += size
                     entry[6] += crit
-        return [(e[0], e[1], e[2], e[3], e[5], e[6]) for e in reversed(latest.values())
+        return [(e[0], e[1], e[2], e[3], e[5], e[6], e[7]) for e in reversed(latest.values())
                 if e[0].state is admitted]
 
     def access(self, req: Request, indices: Sequence[int] | None,
@@ -396,7 +427,7 @@ class Reads:
                 and req.num_device_blocks == req.num_live_blocks):
             # The hot path: attention reads a resident request.
             self.record(((req, self.clock.now(), None, 1, req.num_live_blocks,
-                          req.num_critical),))
+                          req.num_critical, next(self._seq)),))
             if holder:
                 for b in req.live:
                     pages.holds.hold_one(holder, b)
@@ -458,13 +489,13 @@ class Reads:
         """Every block of each request (all of them resident) was read `count` times, last at
         `now` and before that at `before` (None: once), `num_read` blocks in all, `critical`
         of them decode-critical (as they were when read): recency, the policy's order, and
-        read metering. `reads` is (request, now, before, count, num_read, critical) in the
-        order of the last reads, as take() gives them. A block added since `now` was not
+        read metering. `reads` is (request, now, before, count, num_read, critical, seq) in
+        the order of the last reads, as take() gives them. A block added since `now` was not
         read."""
         policy = self.pages.policy
         tracks_reuse = policy.tracks_reuse
         num_critical = num_blocks = 0
-        for req, now, before, count, num_read, critical in reads:
+        for req, now, before, count, num_read, critical, _ in reads:
             num_critical += critical
             for b in req.live:
                 if b.last_access <= now:
@@ -477,7 +508,10 @@ class Reads:
             num_blocks += num_read
             self.note(req, num_read, now)
         if policy.eager_touch:
-            policy.touch_requests([read[0] for read in reads])
+            if policy.late_inserts:
+                policy.touch_requests_among_inserts(reads)
+            else:
+                policy.touch_requests([read[0] for read in reads])
         self.counters.num_decode_critical_accesses += num_critical
         self.counters.num_accesses += num_blocks
 

@@ -40,6 +40,12 @@ class EvictionPolicy(ABC):
     # request recorded after blocks were added to or removed from others leave the order
     # they would have left recorded at once (see reads.changes_blocks).
     per_request_order: ClassVar[bool] = False
+    # Whether the policy keeps the blocks it takes in while reads wait to be recorded, in
+    # order among them (log_inserts), so that the reads recorded later leave the order that
+    # recording them first would: an order by last read or insert alone (LRU) can.
+    orders_late_reads: ClassVar[bool] = False
+    # While it does: (sequence number, block) of each insert, in order; else None.
+    late_inserts: list[tuple[int, Block]] | None = None
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -70,6 +76,21 @@ class EvictionPolicy(ABC):
         """touch_request() of each request in turn (a step's reads, recorded together)."""
         for req in requests:
             self.touch_request(req)
+
+    def log_inserts(self, seq) -> None:
+        """Reads are pending: number each insert from `seq` (the reads' own numbers come
+        from it too) and keep it in late_inserts (orders_late_reads policies only)."""
+        raise NotImplementedError
+
+    def touch_requests_among_inserts(self, reads) -> None:
+        """Reads recorded late, (request, ..., seq) as Reads.take gives them in the order of
+        their numbers: each request touched in its place among the inserts logged."""
+        raise NotImplementedError
+
+    def end_late_inserts(self) -> None:
+        """Every pending read is recorded: the inserts logged after the last go behind it,
+        and inserts are logged no more."""
+        raise NotImplementedError
 
     @abstractmethod
     def reorder(self, block: Block) -> None:

@@ -15,13 +15,50 @@ class LruPolicy(EvictionPolicy):
     """O(1) insert, remove and touch on a BlockQueue; choose(n) is O(n)."""
 
     name = "lru"
+    # Its order is each block's last read or insert: reads recorded late are put in their
+    # place among the inserts made meanwhile, and an engine step's allocations, frees and
+    # ended holds need not record the reads before them (see Reads.before_block_changes).
+    orders_late_reads = True
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
         self._order = BlockQueue()
+        self._seq = None
 
     def insert(self, block: Block) -> None:
         self._order.push(block)
+        if self.late_inserts is not None:
+            self.late_inserts.append((next(self._seq), block))
+
+    def log_inserts(self, seq) -> None:
+        self.late_inserts = []
+        self._seq = seq
+
+    def touch_requests_among_inserts(self, reads) -> None:
+        # The blocks read and those inserted since the first read, moved to the back in the
+        # order of their last event: each block ends where recording each read at once and
+        # inserting each block at once leaves it. Inserts after the last read stay logged
+        # (the next reads come after them, or end_late_inserts puts them behind).
+        late, order = self.late_inserts, self._order
+        placed = 0
+        run: list = []
+        for read in reads:
+            seq = read[6]
+            if placed < len(late) and late[placed][0] < seq:
+                order.requeue(chain.from_iterable(req.live for req in run))
+                run = []
+                start = placed
+                while placed < len(late) and late[placed][0] < seq:
+                    placed += 1
+                order.requeue(block for _, block in late[start:placed])
+            run.append(read[0])
+        order.requeue(chain.from_iterable(req.live for req in run))
+        del late[:placed]
+
+    def end_late_inserts(self) -> None:
+        late, self.late_inserts = self.late_inserts, None
+        if late:
+            self._order.requeue(block for _, block in late)
 
     def remove(self, block: Block) -> None:
         self._order.discard(block)
