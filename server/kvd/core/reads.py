@@ -103,7 +103,7 @@ class ReadRecord:
                  "seq", "sizes", "times")
 
     def __init__(self, at: float, requests: list[Request], sizes: list[int],
-                 critical: list[int], seq: int = 0) -> None:
+                 critical: list[int], seq: int) -> None:
         self.at = at
         self.seq = seq
         self.before: float | None = None
@@ -114,7 +114,7 @@ class ReadRecord:
         self.more_sizes: list[int] | None = None
         self.more_critical: list[int] | None = None
 
-    def again(self, now: float, sizes: list[int], critical: list[int], seq: int = 0) -> None:
+    def again(self, now: float, sizes: list[int], critical: list[int], seq: int) -> None:
         """The same requests read again now, with these sizes."""
         self.before, self.at = self.at, now
         self.seq = seq
