@@ -463,16 +463,21 @@ _SERVER_KEYS = set(Config.__dataclass_fields__) - {"pools", "tenants", "links", 
                                                     "auth", "path", "cluster", "peers"}
 
 
-def load_config(path: str | Path | None, create_tokens: bool = False) -> Config:
+def load_config(path: str | Path | None, create_tokens: bool = False,
+                refuse_empty: bool = False) -> Config:
     """The config from a TOML file, or the embedded default when path is None.
     create_tokens: a token file the config names that does not exist yet is created (the
-    daemon's start and reload; see _secret)."""
+    daemon's start and reload; see _secret). refuse_empty: a file that sets nothing is an
+    error (a reload: an editor or a deploy tool caught halfway through writing it would
+    otherwise put every setting back to its default)."""
     if path is None:
         return Config()
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"cannot read config {path}: {exc}") from exc
+    if refuse_empty and not data:
+        raise InvalidArgument(f"config {path} sets nothing (is it still being written?)")
     return replace(config_from_dict(data, base=Path(path).parent, create_tokens=create_tokens),
                    path=str(path))
 

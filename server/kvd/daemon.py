@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvd import __version__, sdnotify
 from kvd.cluster import ClusterMember
-from kvd.config import Config, load_config, log_created_tokens
+from kvd.config import AuthConfig, Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
 from kvd.node import Node
 from kvd.tier_events import TierEventPublisher
@@ -60,6 +60,18 @@ GRPC_OPTIONS = [
 # What a reload applies (Daemon.reload): the rest of the config needs a restart.
 RELOADED = ("tenants", "auth", "max_streams_per_tenant", "max_calls_per_client",
             "step_turns_per_tenant")
+
+
+def widened_auth(running: AuthConfig, fresh: AuthConfig) -> list[str]:
+    """The auth settings a reload to `fresh` would widen for unix-socket callers without a
+    token (whom kvd cannot tell apart, see AuthConfig): acting as a tenant where they had
+    to present a token, or calling admin calls where they could not. Those take a restart."""
+    widened = []
+    if fresh.unix_tenant and not (running.unix_tenant or running.unix_admin):
+        widened.append("unix_tenant")
+    if fresh.unix_admin and not running.unix_admin:
+        widened.append("unix_admin")
+    return widened
 
 
 class StartupError(Exception):
@@ -345,12 +357,14 @@ class Daemon:
         """SIGHUP: re-read the config file and apply tenants, quotas, identities and the
         per-tenant and per-client limits (RELOADED) without dropping state; any other
         setting the file changed (pools, listeners, ...) needs a restart, and is named in a
-        warning. A bad file changes nothing."""
+        warning. A bad file, or one that sets nothing, changes nothing. A reload never lets
+        token-less unix callers do more (see widened_auth): a file cut short would have
+        them act as the default tenant, or the admin."""
         if not self.config.path:
             log.warning("reload ignored: kvd runs on its embedded default, not a file")
             return
         try:
-            fresh = load_config(self.config.path, create_tokens=True)
+            fresh = load_config(self.config.path, create_tokens=True, refuse_empty=True)
             log_created_tokens()
         except KvdError as exc:
             log.error("reload failed; keeping the running config", error=str(exc))
@@ -359,6 +373,11 @@ class Daemon:
         # Named at every reload until a restart applies them.
         unapplied = [f.name for f in fields(Config) if f.name not in RELOADED
                      and getattr(fresh, f.name) != getattr(self._from_file, f.name)]
+        kept = widened_auth(self.config.auth, fresh.auth)
+        if kept:
+            reloaded["auth"] = replace(fresh.auth, **{k: getattr(self.config.auth, k)
+                                                      for k in kept})
+            unapplied += [f"auth.{k}" for k in kept]
         if unapplied:
             log.warning("these settings need a restart; kvd keeps their running values",
                         settings=unapplied)

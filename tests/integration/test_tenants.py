@@ -143,6 +143,66 @@ async def test_sighup_reloads_tenants_without_dropping_state(tenants_kvd):
         assert len((await alpha.access("kept")).handles) == 1  # state survived the reload
 
 
+async def _reload(kvd, text: str, landed: str) -> None:
+    """Write the config, SIGHUP, and wait for the log line that says the reload was done."""
+    seen = kvd.log().count(landed)
+    kvd.config.write_text(text)
+    kvd.proc.send_signal(signal.SIGHUP)
+    for _ in range(200):
+        if kvd.log().count(landed) > seen:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {landed!r} in kvd's log after SIGHUP")
+
+
+async def test_a_reload_of_a_file_cut_short_lets_no_token_less_caller_in(tenants_kvd):
+    # Written halfway (an editor's save, a deploy tool's copy) when the SIGHUP came: the
+    # [auth] section that locks the unix socket down is not there yet.
+    full = tenants_kvd.config.read_text()
+    await _reload(tenants_kvd, full[:full.index("[auth]")], "config reloaded")
+    assert "auth.unix_admin" in tenants_kvd.log() and "auth.unix_tenant" in tenants_kvd.log()
+    async with AsyncClient(tenants_kvd.target) as anyone:
+        with pytest.raises(UnauthenticatedError):
+            await anyone.list_tenants()
+        with pytest.raises(UnauthenticatedError):
+            await anyone.admit("mine", 16)
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        with pytest.raises(UnauthenticatedError):  # the file names no tenant: as it says
+            await alpha.admit("a0", 16)
+    await _reload(tenants_kvd, full, "config reloaded")  # written whole: as before
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        assert (await alpha.admit("a1", 16)).decision == pb.DECISION_ADMITTED
+
+
+async def test_a_reload_of_an_empty_file_changes_nothing(tenants_kvd):
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        await alpha.admit("kept", 16)
+    await _reload(tenants_kvd, "# being written\n", "reload failed")
+    assert "sets nothing" in tenants_kvd.log()
+    async with AsyncClient(tenants_kvd.target) as anyone:
+        with pytest.raises(UnauthenticatedError):
+            await anyone.list_tenants()
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
+        assert len((await alpha.allocate("kept", 1)).handles) == 1
+    async with AsyncClient(tenants_kvd.target, token="root-token") as admin:
+        assert {t.tenant for t in await admin.list_tenants()} >= {"alpha", "beta"}
+
+
+def test_a_reload_widens_no_unix_access_and_narrows_any():
+    from kvd.config import AuthConfig
+    from kvd.daemon import widened_auth
+
+    closed = AuthConfig(unix_tenant="", unix_admin=False)
+    tenant = AuthConfig(unix_tenant="default", unix_admin=False)
+    admin = AuthConfig(unix_tenant="", unix_admin=True)
+    assert widened_auth(closed, AuthConfig()) == ["unix_tenant", "unix_admin"]
+    assert widened_auth(closed, tenant) == ["unix_tenant"]
+    assert widened_auth(tenant, AuthConfig()) == ["unix_admin"]
+    assert widened_auth(tenant, AuthConfig(unix_tenant="other", unix_admin=False)) == []
+    assert widened_auth(admin, tenant) == []  # from the admin to a tenant: less
+    assert widened_auth(AuthConfig(), closed) == []
+
+
 async def test_wait_admission_streams_until_memory_frees(tenants_kvd):
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
         for i in range(4):  # 8 device + 32 host - 1 headroom = 39 reservable; fill 32
