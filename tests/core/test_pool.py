@@ -496,12 +496,13 @@ def test_reads_recorded_together_leave_what_one_by_one_would(policy, steps):
 
 
 @pytest.mark.parametrize("policy", ["fair", "fair:lru", "fair:intent", "fair:deadline",
-                                    "fair:regret", "lru", "reuse"])
+                                    "fair:regret", "lru", "reuse", "intent", "deadline"])
 @settings(max_examples=150, deadline=None)
 @given(steps=st.lists(st.tuples(
     st.integers(1, 3),
     st.sampled_from([[0, 1, 2, 3], [0, 1, 2, 3], [1, 3], []]),
-    st.sampled_from(["grow", "free", "grow held", "critical", "calm", "priority", "none"]),
+    st.sampled_from(["grow", "free", "grow held", "critical", "calm", "priority", "priority 1",
+                     "none"]),
     st.integers(0, 3)), min_size=1, max_size=16))
 def test_reads_left_pending_across_block_changes_leave_what_recording_first_would(policy,
                                                                                   steps):
@@ -541,8 +542,9 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
             elif op in ("critical", "calm"):
                 phase = Phase.DECODE if op == "critical" else Phase.PREFILL
                 settle(pool, pool.update_intents([IntentChange(rid, 1, {"phase": phase})]))
-            elif op == "priority":
-                settle(pool, pool.update_intents([IntentChange(rid, 2,
+            elif op in ("priority", "priority 1"):  # a block (or two) in a class of its own
+                index = 1 if op == "priority 1" else 2
+                settle(pool, pool.update_intents([IntentChange(rid, index,
                                                                {"request_priority": 7})]))
         factory.clock.advance(advance_ms / 1000)
         for i in read:  # what the reads must count, from the blocks as they are now
@@ -566,14 +568,18 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
         before[1] - base[1] == expected[1])
 
 
-def test_under_lru_an_engine_step_records_no_reads_and_leaves_the_exact_order():
+@pytest.mark.parametrize("policy", ["lru", "intent", "deadline", "fair:intent",
+                                    "fair:deadline", "fair"])
+def test_an_engine_step_records_no_reads_and_leaves_the_exact_order(policy):
     """An engine step ends its holds, grows and frees blocks, then reads. Under LRU, whose
-    order is every block's last read or insert, the reads of the steps before stay pending
-    across those changes (recording them at each change cost a step as much as the rest of
-    it), and recorded later they leave the order recording them first leaves: a block
-    allocated or let go by a hold between two reads stands between those reads' blocks."""
+    order is every block's last read or insert, and under the policies that queue a block
+    with the last read they have seen (intent, deadline), the reads of the steps before
+    stay pending across those changes (recording them at each change cost a step as much as
+    the rest of it), and recorded later they leave the order recording them first leaves:
+    a block allocated or let go by a hold between two reads stands between those reads'
+    blocks (under intent and deadline, within its class)."""
     factory = PoolFactory()
-    pools = [factory(device_pages=64, host_pages=16, policy="lru") for _ in range(2)]
+    pools = [factory(device_pages=64, host_pages=16, policy=policy) for _ in range(2)]
     first, later = pools
     later.defer = lambda fn: None  # recorded only when something needs them
     rids = ["a", "b", "c", "d"]

@@ -61,7 +61,8 @@ def changes_blocks(method):
     into and out of the policy: holds, pins), and whose eviction choices record the pending
     reads first (PageTable.before_choice). Under a
     policy that orders each request's blocks apart (per_request_order), or one that is told
-    where the reads stand among the blocks it takes in meanwhile (orders_late_reads: LRU),
+    where the reads stand among the blocks it takes in meanwhile (orders_late_reads: LRU,
+    and the policies that queue a block with the last read it has seen: intent, deadline),
     the reads are left pending: recorded later they leave the order, recency and metering
     that recording them first would have (a block added since a read is not touched by it,
     and a read meters the blocks its request held then), and an engine step's allocations,
@@ -512,6 +513,8 @@ class Reads:
                 policy.touch_requests_among_inserts(reads)
             else:
                 policy.touch_requests([read[0] for read in reads])
+        elif policy.late_inserts:  # what was queued after these reads sees them
+            policy.touch_requests_among_inserts(reads)
         self.counters.num_decode_critical_accesses += num_critical
         self.counters.num_accesses += num_blocks
 

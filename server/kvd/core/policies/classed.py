@@ -18,6 +18,7 @@ of order.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from abc import abstractmethod
 from collections.abc import Collection, Hashable
@@ -50,17 +51,43 @@ class _Class(BlockQueue):
         self.policy = policy
 
 
+def queue_after_reads(policy: EvictionPolicy, reads) -> None:
+    """Reads recorded late (as Reads.take gives them, in the order of their numbers), under a
+    policy that queues a block with the last read it has seen (block.queued_access) and
+    logs its inserts while reads are pending (log_inserts): a block queued after its
+    request's last read here (allocated, or back from a hold, a pin or a reorder) takes that
+    read as seen, as it would have had the read been recorded before the block was queued;
+    one queued before it has a read to notice, as it would have. Inserts before the last of
+    these reads are done with: the reads recorded after these come after them."""
+    late = policy.late_inserts
+    if not late or not reads:
+        return
+    last_read = {read[0]: read[6] for read in reads}
+    for seq, block in late:
+        read = last_read.get(block.request)
+        if read is not None and read < seq and block in policy:
+            block.queued_access = block.last_access
+    newest = max(read[6] for read in reads)
+    del late[:bisect.bisect_left(late, newest, key=lambda entry: entry[0])]
+
+
 class ClassedPolicy(EvictionPolicy):
     """Evicts the smallest class first, least recently read first within it. Subclasses say
     what a block's class is; it may change only when the pool calls reorder()."""
 
     eager_touch = False
+    # A block is queued with the last read it has seen, so reads recorded after blocks were
+    # queued must be told which blocks came after them (queue_after_reads): its inserts
+    # are logged while reads are pending, and an engine step's allocations, frees, intent
+    # updates and ended holds need not record the reads before them.
+    orders_late_reads = True
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
         self._classes: dict[Hashable, _Class] = {}
         self._keys: list = []  # heap of class keys; a key whose class is gone is stale
         self._num = 0
+        self._seq = None
 
     @abstractmethod
     def klass(self, block: Block) -> Hashable:
@@ -78,6 +105,18 @@ class ClassedPolicy(EvictionPolicy):
         block.queued_access = block.last_access
         members.push(block)
         self._num += 1
+        if self.late_inserts is not None:
+            self.late_inserts.append((next(self._seq), block))
+
+    def log_inserts(self, seq) -> None:
+        self.late_inserts = []
+        self._seq = seq
+
+    def touch_requests_among_inserts(self, reads) -> None:
+        queue_after_reads(self, reads)
+
+    def end_late_inserts(self) -> None:
+        self.late_inserts = None  # every block is in its place already
 
     def remove(self, block: Block) -> None:
         members = block.queue

@@ -17,6 +17,7 @@ from collections.abc import Collection
 from kvd.core.blocks import Block, Request
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
+from kvd.core.policies.classed import queue_after_reads
 from kvd.core.tenancy import Tenancy
 
 
@@ -80,9 +81,12 @@ class FairPolicy(EvictionPolicy):
         self.uses_intent = base.uses_intent
         self.eager_touch = base.eager_touch
         # A base that reads recency lazily (at its choice, from block.last_access) orders a
-        # block by whether its read was recorded before it was inserted: reads are then
-        # recorded before every change.
+        # block by whether its read was recorded before it was queued: the inserts are
+        # logged while reads are pending, and the reads recorded late are given to the
+        # blocks queued after them (see queue_after_reads).
         self.per_request_order = base.eager_touch
+        self.orders_late_reads = not base.eager_touch
+        self._seq = None
         self.tracks_reuse = base.tracks_reuse
         self._by_request: dict[Request, EvictionPolicy] = {}
         self._by_size: dict[str, _RequestsBySize] = {}
@@ -102,6 +106,18 @@ class FairPolicy(EvictionPolicy):
         by_size.move(req, held - 1, held)
         self._held_by_tenant[req.tenant] += 1
         self._num += 1
+        if self.late_inserts is not None:
+            self.late_inserts.append((next(self._seq), block))
+
+    def log_inserts(self, seq) -> None:
+        self.late_inserts = []
+        self._seq = seq
+
+    def touch_requests_among_inserts(self, reads) -> None:
+        queue_after_reads(self, reads)
+
+    def end_late_inserts(self) -> None:
+        self.late_inserts = None
 
     def remove(self, block: Block) -> None:
         req = block.request
@@ -142,7 +158,12 @@ class FairPolicy(EvictionPolicy):
             sub.touch_many(blocks)
 
     def reorder(self, block: Block) -> None:
+        queue = block.queue
         self._by_request[block.request].reorder(block)
+        if self.late_inserts is not None and block.queue is not queue:
+            # Queued again by its base (a class of its own, see ClassedPolicy.reorder):
+            # an insert, as far as the reads recorded late go.
+            self.late_inserts.append((next(self._seq), block))
 
     def on_evicted(self, block: Block) -> None:
         sub = self._by_request.get(block.request)
