@@ -496,7 +496,8 @@ def test_reads_recorded_together_leave_what_one_by_one_would(policy, steps):
 
 
 @pytest.mark.parametrize("policy", ["fair", "fair:lru", "fair:intent", "fair:deadline",
-                                    "fair:regret", "lru", "reuse", "intent", "deadline"])
+                                    "fair:regret", "lru", "reuse", "intent", "deadline",
+                                    "regret"])
 @settings(max_examples=150, deadline=None)
 @given(steps=st.lists(st.tuples(
     st.integers(1, 3),
@@ -568,7 +569,7 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
         before[1] - base[1] == expected[1])
 
 
-@pytest.mark.parametrize("policy", ["lru", "intent", "deadline", "fair:intent",
+@pytest.mark.parametrize("policy", ["lru", "regret", "intent", "deadline", "fair:intent",
                                     "fair:deadline", "fair"])
 def test_an_engine_step_records_no_reads_and_leaves_the_exact_order(policy):
     """An engine step ends its holds, grows and frees blocks, then reads. Under LRU, whose

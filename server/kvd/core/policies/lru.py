@@ -11,24 +11,15 @@ from kvd.core.policies.base import EvictionPolicy
 from kvd.core.policies.queue import BlockQueue
 
 
-class LruPolicy(EvictionPolicy):
-    """O(1) insert, remove and touch on a BlockQueue; choose(n) is O(n)."""
+class RecencyQueues(EvictionPolicy):
+    """A policy whose order is each block's last read or insert, in one queue (LRU) or in
+    several (regret's levels): reads recorded late are put in their place among the inserts
+    made meanwhile, and an engine step's allocations, frees and ended holds need not record
+    the reads before them (see Reads.before_block_changes). A subclass logs its inserts in
+    late_inserts (numbered from _seq) and says how blocks go to the back (_requeue)."""
 
-    name = "lru"
-    # Its order is each block's last read or insert: reads recorded late are put in their
-    # place among the inserts made meanwhile, and an engine step's allocations, frees and
-    # ended holds need not record the reads before them (see Reads.before_block_changes).
     orders_late_reads = True
-
-    def __init__(self, clock: Clock) -> None:
-        super().__init__(clock)
-        self._order = BlockQueue()
-        self._seq = None
-
-    def insert(self, block: Block) -> None:
-        self._order.push(block)
-        if self.late_inserts is not None:
-            self.late_inserts.append((next(self._seq), block))
+    _seq = None
 
     def log_inserts(self, seq) -> None:
         self.late_inserts = []
@@ -39,26 +30,49 @@ class LruPolicy(EvictionPolicy):
         # order of their last event: each block ends where recording each read at once and
         # inserting each block at once leaves it. Inserts after the last read stay logged
         # (the next reads come after them, or end_late_inserts puts them behind).
-        late, order = self.late_inserts, self._order
+        late, requeue = self.late_inserts, self._requeue
         placed = 0
         run: list = []
         for read in reads:
             seq = read[6]
             if placed < len(late) and late[placed][0] < seq:
-                order.requeue(chain.from_iterable(req.live for req in run))
+                requeue(chain.from_iterable(req.live for req in run))
                 run = []
                 start = placed
                 while placed < len(late) and late[placed][0] < seq:
                     placed += 1
-                order.requeue(block for _, block in late[start:placed])
+                requeue(block for _, block in late[start:placed])
             run.append(read[0])
-        order.requeue(chain.from_iterable(req.live for req in run))
+        requeue(chain.from_iterable(req.live for req in run))
         del late[:placed]
 
     def end_late_inserts(self) -> None:
         late, self.late_inserts = self.late_inserts, None
         if late:
-            self._order.requeue(block for _, block in late)
+            self._requeue(block for _, block in late)
+
+    def _requeue(self, blocks) -> None:
+        """Move the held blocks of `blocks` to the back of their queue, in order (others are
+        skipped)."""
+        raise NotImplementedError
+
+
+class LruPolicy(RecencyQueues):
+    """O(1) insert, remove and touch on a BlockQueue; choose(n) is O(n)."""
+
+    name = "lru"
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(clock)
+        self._order = BlockQueue()
+
+    def insert(self, block: Block) -> None:
+        self._order.push(block)
+        if self.late_inserts is not None:
+            self.late_inserts.append((next(self._seq), block))
+
+    def _requeue(self, blocks) -> None:
+        self._order.requeue(blocks)
 
     def remove(self, block: Block) -> None:
         self._order.discard(block)

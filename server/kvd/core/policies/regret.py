@@ -7,10 +7,10 @@ from collections.abc import Collection
 
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
-from kvd.core.policies.base import EvictionPolicy
+from kvd.core.policies.lru import RecencyQueues
 
 
-class RegretPolicy(EvictionPolicy):
+class RegretPolicy(RecencyQueues):
     """Evicts the smallest last access + protection. A block promoted within `window_s` of its
     eviction gains a level of protection (worth `window_s` of recency each, up to `max_level`);
     a block evicted and not regretted loses one. Protection is a head start in recency, so it
@@ -42,6 +42,8 @@ class RegretPolicy(EvictionPolicy):
         level = min(block.regret_level, self.max_level)
         self._levels[level][block] = None
         self._level_of[block] = level
+        if self.late_inserts is not None:
+            self.late_inserts.append((next(self._seq), block))
 
     def remove(self, block: Block) -> None:
         del self._levels[self._level_of.pop(block)][block]
@@ -55,6 +57,8 @@ class RegretPolicy(EvictionPolicy):
             level = level_of.get(block)  # None and pinned blocks are not held
             if level is not None:
                 levels[level].move_to_end(block)
+
+    _requeue = touch_many  # each level an LRU queue: reads recorded late go in their place
 
     def reorder(self, block: Block) -> None:
         pass  # learns from evictions and reads, not from intent
