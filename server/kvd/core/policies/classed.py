@@ -51,33 +51,47 @@ class _Class(BlockQueue):
         self.policy = policy
 
 
-def queue_after_reads(policy: EvictionPolicy, reads) -> None:
-    """Reads recorded late (as Reads.take gives them, in the order of their numbers), under a
-    policy that queues a block with the last read it has seen (block.queued_access) and
-    logs its inserts while reads are pending (log_inserts): a block queued after its
-    request's last read here (allocated, or back from a hold, a pin or a reorder) takes that
-    read as seen, as it would have had the read been recorded before the block was queued;
-    one queued before it has a read to notice, as it would have. Inserts before the last of
-    these reads are done with: the reads recorded after these come after them."""
-    late = policy.late_inserts
-    if not late or not reads:
-        return
-    last_read = {read[0]: read[6] for read in reads}
-    for seq, block in late:
-        read = last_read.get(block.request)
-        if read is not None and read < seq and block in policy:
-            block.queued_access = block.last_access
-    newest = max(read[6] for read in reads)
-    del late[:bisect.bisect_left(late, newest, key=lambda entry: entry[0])]
+class LastReadQueued(EvictionPolicy):
+    """A policy that queues a block with the last read it has seen (block.queued_access:
+    ClassedPolicy, or FairPolicy over one) and logs its inserts while reads are pending
+    (late_inserts, numbered from _seq). Reads recorded late are given to the blocks queued
+    after them, as if they had been recorded first (touch_requests_among_inserts)."""
+
+    _seq = None
+
+    def log_inserts(self, seq) -> None:
+        self.late_inserts = []
+        self._seq = seq
+
+    def touch_requests_among_inserts(self, reads) -> None:
+        """Reads recorded late (as Reads.take gives them, in the order of their numbers): a
+        block queued after its request's last read here (allocated, or back from a hold, a
+        pin or a reorder) takes that read as seen, as it would have had the read been
+        recorded before the block was queued; one queued before it has a read to notice, as
+        it would have. Inserts before the last of these reads are done with: the reads
+        recorded after these come after them."""
+        late = self.late_inserts
+        if not late or not reads:
+            return
+        last_read = {read[0]: read[6] for read in reads}
+        for seq, block in late:
+            read = last_read.get(block.request)
+            if read is not None and read < seq and block in self:
+                block.queued_access = block.last_access
+        newest = max(read[6] for read in reads)
+        del late[:bisect.bisect_left(late, newest, key=lambda entry: entry[0])]
+
+    def end_late_inserts(self) -> None:
+        self.late_inserts = None  # every block is in its place already
 
 
-class ClassedPolicy(EvictionPolicy):
+class ClassedPolicy(LastReadQueued):
     """Evicts the smallest class first, least recently read first within it. Subclasses say
     what a block's class is; it may change only when the pool calls reorder()."""
 
     eager_touch = False
     # A block is queued with the last read it has seen, so reads recorded after blocks were
-    # queued must be told which blocks came after them (queue_after_reads): its inserts
+    # queued must be told which blocks came after them (LastReadQueued): its inserts
     # are logged while reads are pending, and an engine step's allocations, frees, intent
     # updates and ended holds need not record the reads before them.
     orders_late_reads = True
@@ -87,7 +101,6 @@ class ClassedPolicy(EvictionPolicy):
         self._classes: dict[Hashable, _Class] = {}
         self._keys: list = []  # heap of class keys; a key whose class is gone is stale
         self._num = 0
-        self._seq = None
 
     @abstractmethod
     def klass(self, block: Block) -> Hashable:
@@ -107,16 +120,6 @@ class ClassedPolicy(EvictionPolicy):
         self._num += 1
         if self.late_inserts is not None:
             self.late_inserts.append((next(self._seq), block))
-
-    def log_inserts(self, seq) -> None:
-        self.late_inserts = []
-        self._seq = seq
-
-    def touch_requests_among_inserts(self, reads) -> None:
-        queue_after_reads(self, reads)
-
-    def end_late_inserts(self) -> None:
-        self.late_inserts = None  # every block is in its place already
 
     def remove(self, block: Block) -> None:
         members = block.queue

@@ -17,7 +17,7 @@ from collections.abc import Collection
 from kvd.core.blocks import Block, Request
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
-from kvd.core.policies.classed import queue_after_reads
+from kvd.core.policies.classed import LastReadQueued
 from kvd.core.tenancy import Tenancy
 
 
@@ -64,7 +64,7 @@ class _RequestsBySize:
         return best, max(1, best_left - second_left + 1)
 
 
-class FairPolicy(EvictionPolicy):
+class FairPolicy(LastReadQueued):
     """Two steps: which tenant pays (usage / fair share, largest first; never below its
     guarantee for another tenant's sake), then which of its pages (largest request first, in
     the base policy's order)."""
@@ -83,10 +83,9 @@ class FairPolicy(EvictionPolicy):
         # A base that reads recency lazily (at its choice, from block.last_access) orders a
         # block by whether its read was recorded before it was queued: the inserts are
         # logged while reads are pending, and the reads recorded late are given to the
-        # blocks queued after them (see queue_after_reads).
+        # blocks queued after them (see LastReadQueued).
         self.per_request_order = base.eager_touch
         self.orders_late_reads = not base.eager_touch
-        self._seq = None
         self.tracks_reuse = base.tracks_reuse
         self._by_request: dict[Request, EvictionPolicy] = {}
         self._by_size: dict[str, _RequestsBySize] = {}
@@ -108,16 +107,6 @@ class FairPolicy(EvictionPolicy):
         self._num += 1
         if self.late_inserts is not None:
             self.late_inserts.append((next(self._seq), block))
-
-    def log_inserts(self, seq) -> None:
-        self.late_inserts = []
-        self._seq = seq
-
-    def touch_requests_among_inserts(self, reads) -> None:
-        queue_after_reads(self, reads)
-
-    def end_late_inserts(self) -> None:
-        self.late_inserts = None
 
     def remove(self, block: Block) -> None:
         req = block.request
