@@ -573,8 +573,9 @@ def test_reads_left_pending_across_block_changes_leave_what_recording_first_woul
                                     "fair:deadline", "fair"])
 def test_an_engine_step_records_no_reads_and_leaves_the_exact_order(policy):
     """An engine step ends its holds, grows and frees blocks, then reads. Under LRU, whose
-    order is every block's last read or insert, and under the policies that queue a block
-    with the last read they have seen (intent, deadline), the reads of the steps before
+    order is every block's last read or insert (and regret's, level by level), and under
+    the policies that queue a block with the last read they have seen (intent, deadline,
+    alone or under fair), the reads of the steps before
     stay pending across those changes (recording them at each change cost a step as much as
     the rest of it), and recorded later they leave the order recording them first leaves:
     a block allocated or let go by a hold between two reads stands between those reads'

@@ -508,13 +508,10 @@ class Reads:
                     b.last_access = now
             num_blocks += num_read
             self.note(req, num_read, now)
-        if policy.eager_touch:
-            if policy.late_inserts:
-                policy.touch_requests_among_inserts(reads)
-            else:
-                policy.touch_requests([read[0] for read in reads])
-        elif policy.late_inserts:  # what was queued after these reads sees them
+        if policy.late_inserts:  # put among (or given to) the blocks queued meanwhile
             policy.touch_requests_among_inserts(reads)
+        elif policy.eager_touch:
+            policy.touch_requests([read[0] for read in reads])
         self.counters.num_decode_critical_accesses += num_critical
         self.counters.num_accesses += num_blocks
 

@@ -46,6 +46,7 @@ class EvictionPolicy(ABC):
     orders_late_reads: ClassVar[bool] = False
     # While it does: (sequence number, block) of each insert, in order; else None.
     late_inserts: list[tuple[int, Block]] | None = None
+    _seq = None  # the numbers of the inserts logged (see log_inserts)
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
@@ -79,8 +80,10 @@ class EvictionPolicy(ABC):
 
     def log_inserts(self, seq) -> None:
         """Reads are pending: number each insert from `seq` (the reads' own numbers come
-        from it too) and keep it in late_inserts (orders_late_reads policies only)."""
-        raise NotImplementedError
+        from it too) and keep it in late_inserts (orders_late_reads policies only, whose
+        insert appends (next(self._seq), block) while late_inserts is not None)."""
+        self.late_inserts = []
+        self._seq = seq
 
     def touch_requests_among_inserts(self, reads) -> None:
         """Reads recorded late, (request, ..., seq) as Reads.take gives them in the order of

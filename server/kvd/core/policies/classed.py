@@ -57,12 +57,6 @@ class LastReadQueued(EvictionPolicy):
     (late_inserts, numbered from _seq). Reads recorded late are given to the blocks queued
     after them, as if they had been recorded first (touch_requests_among_inserts)."""
 
-    _seq = None
-
-    def log_inserts(self, seq) -> None:
-        self.late_inserts = []
-        self._seq = seq
-
     def touch_requests_among_inserts(self, reads) -> None:
         """Reads recorded late (as Reads.take gives them, in the order of their numbers): a
         block queued after its request's last read here (allocated, or back from a hold, a

@@ -19,11 +19,6 @@ class RecencyQueues(EvictionPolicy):
     late_inserts (numbered from _seq) and says how blocks go to the back (_requeue)."""
 
     orders_late_reads = True
-    _seq = None
-
-    def log_inserts(self, seq) -> None:
-        self.late_inserts = []
-        self._seq = seq
 
     def touch_requests_among_inserts(self, reads) -> None:
         # The blocks read and those inserted since the first read, moved to the back in the
