@@ -57,38 +57,69 @@ class Residency:
     num_replayed: int = 0  # batches recovered from the replay socket
     num_lost: int = 0  # batches the publisher no longer had
     num_bad: int = 0  # payloads that did not decode
+    num_malformed: int = 0  # events not applied: not a map, or hashes or medium malformed
+    num_restarts: int = 0  # times the publisher started its sequence over
 
     def apply(self, events: Iterable[Any]) -> None:
-        """One batch's events, in order."""
+        """One batch's events, in order. An event that is not a map, or whose hashes or
+        medium are of the wrong kind, changes nothing and is counted (num_malformed): one
+        engine's bad event never stops kvd following it."""
         blocks = self.blocks
         for event in events:
             self.num_events += 1
-            kind = event.get("type") if isinstance(event, dict) else None
-            if kind == "BlockStored":
-                medium = event.get("medium") or "GPU"  # vLLM leaves it out for its GPU
-                for h in event.get("block_hashes") or ():
-                    blocks.setdefault(hash_key(h), set()).add(medium)
-            elif kind == "BlockRemoved":
-                medium = event.get("medium")
-                for h in event.get("block_hashes") or ():
-                    key = hash_key(h)
-                    media = blocks.get(key)
-                    if media is None:
-                        continue
-                    if medium is None:  # wherever it is
-                        media.clear()
-                    else:
-                        media.discard(medium)
-                    if not media:
-                        del blocks[key]
-            elif kind == "AllBlocksCleared":
+            if not isinstance(event, dict):
+                self.num_malformed += 1
+                continue
+            kind = event.get("type")
+            if kind == "AllBlocksCleared":
                 blocks.clear()
+                continue
+            if kind != "BlockStored" and kind != "BlockRemoved":
+                continue  # a kind that says nothing of where blocks are
+            keys, medium = _hash_keys(event.get("block_hashes")), event.get("medium")
+            if keys is None or not (medium is None or type(medium) is str):
+                self.num_malformed += 1
+                continue
+            if kind == "BlockStored":
+                medium = medium or "GPU"  # vLLM leaves it out for its GPU
+                for key in keys:
+                    blocks.setdefault(key, set()).add(medium)
+                continue
+            for key in keys:
+                media = blocks.get(key)
+                if media is None:
+                    continue
+                if medium is None:  # wherever it is
+                    media.clear()
+                else:
+                    media.discard(medium)
+                if not media:
+                    del blocks[key]
+
+    def start_over(self) -> None:
+        """The engine's publisher started its sequence over (the engine restarted): what it
+        held is gone, and its batches are numbered from the start again."""
+        self.blocks.clear()
+        self.last_seq = -1
+        self.num_restarts += 1
 
     def by_medium(self) -> Counter[str]:
         return Counter(m for media in self.blocks.values() for m in media)
 
     def gpu_hashes(self) -> list[int]:
         return [h for h, media in self.blocks.items() if "GPU" in media]
+
+
+def _hash_keys(hashes: Any) -> list[int] | None:
+    """An event's block_hashes as keys (see hash_key); None unless a list of int or bytes."""
+    if not isinstance(hashes, (list, tuple)):
+        return None
+    keys = []
+    for h in hashes:
+        if type(h) is not int and type(h) is not bytes:
+            return None
+        keys.append(hash_key(h))
+    return keys
 
 
 def decode(payload: bytes) -> list[Any]:
@@ -121,6 +152,9 @@ class Subscriber:
         self.ctx = context or zmq.asyncio.Context.instance()
         self.drop_next = 0  # tests: batches to throw away on arrival, as a lossy network
         self.applied = asyncio.Event()  # set after each batch applied (tests wait on it)
+        # The last sequence number the PUB socket brought: a publisher's batches come
+        # through it in order, so one that does not come after it is a new publisher's.
+        self.pub_seq = -1
         self._sub: zmq.asyncio.Socket | None = None
 
     def open(self) -> None:
@@ -157,8 +191,16 @@ class Subscriber:
             self._sub.close(linger=0)
 
     async def receive(self, seq: int, payload: bytes) -> None:
-        """A batch off the PUB socket: earlier ones missing are replayed first."""
+        """A batch off the PUB socket: earlier ones missing are replayed first. One numbered
+        no later than the last it brought comes from a publisher that started over (the
+        engine restarted, and numbers its batches from 0 again): the engine's blocks are
+        forgotten and its new batches followed from the start."""
         res = self.residency
+        if seq <= self.pub_seq:
+            log.warning("kv_events_publisher_restarted", engine=res.engine, seq=seq,
+                        last=self.pub_seq)
+            res.start_over()
+        self.pub_seq = seq
         if seq <= res.last_seq:
             return  # already applied (through a replay)
         if seq > res.last_seq + 1 and self.replay_endpoint:
@@ -267,34 +309,56 @@ class EngineEvents:
 TRTLLM_MEDIA = {0: "GPU", 1: "CPU"}
 
 
-def from_trtllm(items: Iterable[Any]) -> list[dict]:
+def from_trtllm(items: Iterable[Any]) -> list[dict | None]:
     """TensorRT-LLM's KV cache events (KVCacheEventSerializer's JSON, as trtllm-serve's
-    /kv_cache_events returns them) as the events Residency applies. `created` (the pools'
-    sizes) and priority changes tell kvd nothing of where blocks are."""
-    events: list[dict] = []
+    /kv_cache_events returns them) as the events Residency applies; None for an item that is
+    not one (Residency counts it malformed). `created` (the pools' sizes) and priority
+    changes tell kvd nothing of where blocks are."""
+    events: list[dict | None] = []
     for item in items:
         data = item.get("data") if isinstance(item, dict) else None
-        kind = data.get("type") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            events.append(None)
+            continue
+        kind = data.get("type")
         if kind == "stored":
-            for block in data.get("blocks") or ():
-                events.append({"type": "BlockStored", "block_hashes": [block["block_hash"]],
-                               "medium": TRTLLM_MEDIA.get(block.get("cache_level", 0), "CPU")})
+            blocks = data.get("blocks")
+            if not isinstance(blocks, list):
+                events.append(None)
+                continue
+            for block in blocks:
+                medium = (_trtllm_medium(block.get("cache_level", 0))
+                          if isinstance(block, dict) and "block_hash" in block else None)
+                events.append(None if medium is None else {
+                    "type": "BlockStored", "block_hashes": [block["block_hash"]],
+                    "medium": medium})
         elif kind == "removed":
-            events.append({"type": "BlockRemoved", "block_hashes": data.get("block_hashes")
-                           or [], "medium": None})
+            events.append({"type": "BlockRemoved", "block_hashes": data.get("block_hashes"),
+                           "medium": None})
         elif kind == "updated" and isinstance(data.get("cache_level"), dict):
-            level = data["cache_level"]
+            medium = _trtllm_medium(data["cache_level"].get("new_value"))
+            if medium is None or "block_hash" not in data:
+                events.append(None)
+                continue
             events.append({"type": "BlockRemoved", "block_hashes": [data["block_hash"]],
                            "medium": None})
             events.append({"type": "BlockStored", "block_hashes": [data["block_hash"]],
-                           "medium": TRTLLM_MEDIA.get(level.get("new_value"), "CPU")})
+                           "medium": medium})
     return events
+
+
+def _trtllm_medium(level: Any) -> str | None:
+    """The medium of a TensorRT-LLM cache level (past the primary pool: host memory); None
+    for a level that is not a number."""
+    return TRTLLM_MEDIA.get(level, "CPU") if type(level) is int else None
 
 
 class TrtllmPoller:
     """Follows a TensorRT-LLM server by polling its `/kv_cache_events` (each call drains the
     events queued since the last). Event ids are consecutive: a gap is counted as lost (the
-    server keeps no replay); a `removed` for a block kvd never saw stored changes nothing."""
+    server keeps no replay); a `removed` for a block kvd never saw stored changes nothing.
+    A server that starts again says so with its first event, `created` (its cache pools
+    made anew): what it held before is forgotten, and its event ids counted from there."""
 
     def __init__(self, residency: Residency, url: str, poll_s: float = 0.1,
                  timeout_s: float = 2.0) -> None:
@@ -331,10 +395,17 @@ class TrtllmPoller:
 
     def receive(self, items: list[Any]) -> None:
         res = self.residency
-        items = sorted((i for i in items if isinstance(i, dict)
-                        and isinstance(i.get("event_id"), int)),
-                       key=lambda i: i["event_id"])
-        fresh = [i for i in items if i["event_id"] > self.last_id]
+        numbered = sorted((i for i in items if isinstance(i, dict)
+                           and type(i.get("event_id")) is int),
+                          key=lambda i: i["event_id"])
+        res.num_malformed += len(items) - len(numbered)
+        created = [k for k, i in enumerate(numbered) if _is_created(i)]
+        if created and self.last_id >= 0:
+            log.warning("trtllm_events_restarted", engine=res.engine, last=self.last_id)
+            res.start_over()
+            self.last_id = -1
+            numbered = numbered[created[-1]:]
+        fresh = [i for i in numbered if i["event_id"] > self.last_id]
         if fresh and self.last_id >= 0 and fresh[0]["event_id"] > self.last_id + 1:
             res.num_lost += fresh[0]["event_id"] - self.last_id - 1
         for i, j in zip(fresh, fresh[1:]):
@@ -345,3 +416,9 @@ class TrtllmPoller:
         self.last_id = fresh[-1]["event_id"]
         res.num_batches += 1
         self.applied.set()
+
+
+def _is_created(item: dict) -> bool:
+    """Whether a TensorRT-LLM event is `created`: its KV cache pools were just made."""
+    data = item.get("data")
+    return isinstance(data, dict) and data.get("type") == "created"

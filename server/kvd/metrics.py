@@ -341,6 +341,11 @@ def _engine_families(engines):
                        "came (live, replayed) and batches lost (the publisher no longer had "
                        "them) or undecodable (bad)", ["engine", "outcome"])
     events = _counter("kvd_engine_events", "KV cache events applied", ["engine"])
+    malformed = _counter("kvd_engine_events_malformed", "KV cache events kvd could not apply "
+                         "(not a map, or block hashes or medium of the wrong kind)", ["engine"])
+    restarts = _counter("kvd_engine_restarts", "Times an engine's event publisher started "
+                        "over (its sequence numbers back from the start, or TensorRT-LLM's "
+                        "`created`): what it held before was forgotten", ["engine"])
     for e in engines:
         for medium, n in e.blocks_by_medium.items():
             blocks.add_metric([e.name, medium], n)
@@ -350,7 +355,9 @@ def _engine_families(engines):
                            ("lost", e.lost), ("bad", e.bad)):
             batches.add_metric([e.name, outcome], n)
         events.add_metric([e.name], e.events)
-    yield from (blocks, gpu, batches, events)
+        malformed.add_metric([e.name], e.malformed)
+        restarts.add_metric([e.name], e.restarts)
+    yield from (blocks, gpu, batches, events, malformed, restarts)
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

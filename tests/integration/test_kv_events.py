@@ -16,6 +16,8 @@ import time
 
 import msgpack
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvd.memory.cuda import gpu_available
 from kvd_client import AsyncClient, pb
@@ -262,3 +264,130 @@ def test_a_block_offloaded_while_still_on_the_gpu_is_in_both_media():
     assert res.blocks == {1: {"CPU"}, 2: {"GPU"}}
     res.apply([{"type": "BlockRemoved", "block_hashes": [1, 2], "medium": None}])
     assert res.blocks == {}
+
+
+# Events kvd cannot read: a map whose hashes or medium are of the wrong kind, or no map.
+MALFORMED = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["BlockStored", "BlockRemoved"]),
+                           "block_hashes": st.one_of(
+                               st.none(), st.integers(), st.text(max_size=3),
+                               st.lists(st.one_of(st.floats(), st.text(max_size=2),
+                                                  st.none(), st.booleans()),
+                                        min_size=1, max_size=3))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["BlockStored", "BlockRemoved"]),
+                           "block_hashes": st.lists(st.integers(0, 7), max_size=3),
+                           "medium": st.one_of(st.integers(), st.lists(st.text(max_size=2),
+                                                                       max_size=2))}),
+    st.none(), st.integers(), st.text(max_size=3), st.lists(st.integers(), max_size=2))
+SOUND = st.one_of(
+    st.builds(lambda hashes, medium: {"type": "BlockStored", "block_hashes": hashes,
+                                      **({} if medium is None else {"medium": medium})},
+              st.lists(st.one_of(st.integers(0, 7), st.binary(min_size=1, max_size=2)),
+                       max_size=3),
+              st.sampled_from([None, "GPU", "CPU"])),
+    st.builds(lambda hashes, medium: {"type": "BlockRemoved", "block_hashes": hashes,
+                                      "medium": medium},
+              st.lists(st.integers(0, 7), max_size=3), st.sampled_from([None, "GPU", "CPU"])),
+    st.just({"type": "AllBlocksCleared"}), st.just({"type": "SomethingNew", "x": 1}))
+
+
+def _model(events: list) -> dict[int, set[str]]:
+    """Where blocks are after the sound events, applied one by one."""
+    blocks: dict[int, set[str]] = {}
+    for e in events:
+        keys = [int.from_bytes(h, "big") if isinstance(h, bytes) else h
+                for h in e.get("block_hashes", ())]
+        if e["type"] == "BlockStored":
+            for k in keys:
+                blocks.setdefault(k, set()).add(e.get("medium") or "GPU")
+        elif e["type"] == "BlockRemoved":
+            for k in keys:
+                media = blocks.get(k, set())
+                media.difference_update(media if e["medium"] is None else {e["medium"]})
+                if k in blocks and not media:
+                    del blocks[k]
+        elif e["type"] == "AllBlocksCleared":
+            blocks.clear()
+    return blocks
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), SOUND, MALFORMED), max_size=30))
+def test_an_event_kvd_cannot_read_changes_nothing_and_is_counted(mix):
+    # A publisher's batch with events of the wrong shape among sound ones (a buggy or
+    # hostile engine): applied, it leaves what the sound ones alone would, never raises
+    # (the follower would stop for good), and counts each bad one.
+    from kvd.kv_events import Residency
+
+    events = [bad if is_bad else good for is_bad, good, bad in mix]
+    res = Residency("e")
+    res.apply(events)
+    assert res.blocks == _model([good for is_bad, good, _ in mix if not is_bad])
+    assert res.num_malformed == sum(is_bad for is_bad, _, _ in mix)
+
+
+async def test_a_publisher_that_starts_over_is_followed_from_its_new_start():
+    # vLLM numbers its batches from 0 in each process: an engine that restarts starts over.
+    # Its old blocks are gone (its GPU cache is new), and its batches are not "already
+    # applied" because their numbers are.
+    from kvd.kv_events import Residency, Subscriber
+
+    res = Residency("e")
+    sub = Subscriber(res, "ipc://unused")
+    for seq, hashes in enumerate([[1], [2], [3]]):
+        await sub.receive(seq, msgpack.packb([0.0, [stored(hashes)], 0]))
+    assert set(res.blocks) == {1, 2, 3}
+    await sub.receive(0, msgpack.packb([0.0, [stored([10])], 0]))
+    await sub.receive(1, msgpack.packb([0.0, [stored([11])], 0]))
+    assert set(res.blocks) == {10, 11} and res.last_seq == 1 and res.num_lost == 0
+    assert res.num_restarts == 1
+
+
+async def test_kvd_follows_an_engine_past_bad_events_and_a_restart(tmp_path):
+    # A running kvd and a publisher that sends events kvd cannot read, then stops and
+    # starts again on the same endpoint (the engine restarted), numbering from 0.
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    port = free_port()
+    config = tmp_path / "kvd.toml"
+    config.write_text(
+        '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 16\nhost_pages = 16\n'
+        f'[[engine]]\nname = "gpu0"\nendpoint = "{endpoint}"\nreplay_endpoint = "{replay}"\n'
+        'tenant = "default"\n')
+    engine = (("engine", "gpu0"),)
+
+    def sample(name, labels=engine):
+        return scrape(port)[1].get((name, labels))
+
+    def gpu_blocks():
+        return sample("kvd_engine_blocks", engine + (("medium", "GPU"),))
+
+    publisher = Publisher(endpoint, replay)
+    try:
+        with LocalKvd("--config", str(config), "--metrics", f"127.0.0.1:{port}",
+                      workdir=tmp_path) as kvd:
+            publisher.publish([stored([1, 2])])
+            publisher.publish([stored([3]), {"type": "BlockStored", "block_hashes": "ab"},
+                               {"type": "BlockRemoved", "block_hashes": [1.5], "medium": 7},
+                               "not a map", stored([4])])
+            publisher.publish([stored([5])])
+            for _ in range(100):  # a long-running engine's batches
+                publisher.publish([])
+
+            async def past_the_bad_events():
+                return gpu_blocks() == 5
+
+            await _until(past_the_bad_events)
+            assert sample("kvd_engine_events_malformed_total") == 3
+            publisher.close()
+            publisher = Publisher(endpoint, replay)  # the engine again, its numbers from 0
+            publisher.publish([stored([10])])  # may be lost while kvd reconnects: replayed
+
+            async def following_the_new_engine():
+                publisher.publish([])
+                return gpu_blocks() == 1
+
+            await _until(following_the_new_engine)
+            assert sample("kvd_engine_restarts_total") == 1
+            assert kvd.proc.poll() is None
+    finally:
+        publisher.close()

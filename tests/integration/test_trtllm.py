@@ -97,6 +97,30 @@ def test_trtllm_events_become_the_blocks_an_engine_holds():
     assert res.num_lost == 2 and res.blocks[21] == {"GPU"} and poller.last_id == 8
 
 
+def test_trtllm_items_kvd_cannot_read_are_counted_and_the_rest_applied():
+    res = Residency("trt")
+    poller = TrtllmPoller(res, "http://unused")
+    poller.receive([stored(1, [11]), {"event_id": 2, "data": {"type": "stored",
+                                                             "blocks": [{"x": 1}, 5]}},
+                    {"event_id": 3, "data": {"type": "removed", "block_hashes": 7}},
+                    {"event_id": 4, "data": {"type": "updated", "cache_level": {}}},
+                    {"event_id": 5, "data": {"type": "stored", "blocks": [
+                        {"block_hash": 12, "cache_level": [1]}]}},
+                    {"event_id": "6"}, "junk", stored(7, [13])])
+    assert res.blocks == {11: {"GPU"}, 13: {"GPU"}} and poller.last_id == 7
+    assert res.num_malformed == 7
+
+
+def test_a_trtllm_server_that_starts_again_is_followed_from_its_new_start():
+    # trtllm-serve's first event is `created` (its cache pools made), its ids from 0 again.
+    res = Residency("trt")
+    poller = TrtllmPoller(res, "http://unused")
+    poller.receive([CREATED, stored(1, [11, 12]), stored(2, [13])])
+    poller.receive([CREATED, stored(1, [21])])
+    assert res.blocks == {21: {"GPU"}} and poller.last_id == 1
+    assert res.num_lost == 0 and res.num_restarts == 1
+
+
 async def test_kvd_polls_a_trtllm_server_and_counts_its_gpu_blocks(tmp_path):
     server = FakeTrtllmServe()
     port = free_port()
