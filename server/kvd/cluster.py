@@ -64,6 +64,7 @@ class ClusterMember:
         self._lease = None
         self._task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
+        self._unread: set[bytes] = set()  # keys under the nodes' prefix that did not read
         self._wake = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
@@ -136,15 +137,18 @@ class ClusterMember:
         found = await asyncio.wait_for(self._client.get_prefix(f"{self.prefix}/nodes/".encode()),
                                        timeout)
         nodes = {}
+        unread = set()
         for kv in found:
-            name = kv.key.decode().rsplit("/", 1)[1]
             try:
-                data = json.loads(kv.value)
-                nodes[name] = {pool: NodeReport.from_json(name, report)
-                               for pool, report in data["pools"].items()}
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("a node's figures do not read; left out", node=name,
-                            error=repr(exc))
+                name, reports = read_node(kv.key, kv.value)
+            except (ValueError, KeyError, RecursionError) as exc:
+                unread.add(kv.key)
+                if kv.key not in self._unread:  # said once while it stays so
+                    log.warning("a node's figures do not read; left out", key=repr(kv.key),
+                                error=repr(exc)[:200])
+                continue
+            nodes[name] = reports
+        self._unread = unread
         self._changed_membership(set(self.picture.nodes), set(nodes))
         self.picture = Picture(nodes, time.time())
         if not self.etcd_up:
@@ -304,3 +308,15 @@ class ClusterMember:
 async def _close_quietly(client) -> None:
     with contextlib.suppress(Exception):
         await client.close()
+
+
+def read_node(key: bytes, value: bytes) -> tuple[str, dict[str, NodeReport]]:
+    """A node's name and figures by pool from its entry under the nodes' prefix, as
+    reconcile() publishes them; ValueError or KeyError for an entry that is not one."""
+    name = key.decode().rsplit("/", 1)[-1]  # UnicodeDecodeError is a ValueError
+    data = json.loads(value)
+    pools = data.get("pools") if isinstance(data, dict) else None
+    if not isinstance(pools, dict):
+        raise ValueError("no map of pools")
+    return name, {str(pool): NodeReport.from_json(name, report)
+                  for pool, report in pools.items()}

@@ -88,3 +88,47 @@ def test_a_small_queue_beside_a_large_one_gets_room_for_its_request():
     parts = {n: entitlements(n, reports, quotas)["t"].may_reserve - r.reserved.get("t", 0)
              for n, r in zip("abc", reports)}
     assert parts["a"] >= 6 and sum(parts.values()) <= 10
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 10**20) | st.text(max_size=3)
+    | st.sampled_from([1.5, float("inf"), float("-inf"), float("nan"), -0.0, 1e300]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["pools", "default", "capacity", "reserved", "queued", "demand",
+                         "smallest", "chat"]), inner, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=500, deadline=None)
+@given(JSON, st.sampled_from([b"/kvd/nodes/n1", b"/kvd/nodes/\xff", b"nodes"]))
+def test_a_node_entry_reads_as_figures_or_is_refused(value, key):
+    # Whatever sits under the nodes' prefix: figures of finite, non-negative pages, or
+    # ValueError / KeyError (left out); never another error (the reconcile would fail and
+    # the node take etcd for away).
+    import json
+
+    from kvd.cluster import read_node
+
+    try:
+        name, reports = read_node(key, json.dumps(value).encode())
+    except (ValueError, KeyError):
+        return
+    assert name == key.decode().rsplit("/", 1)[-1]
+    for report in reports.values():
+        for n in (report.capacity, *report.reserved.values(), *report.queued.values(),
+                  *report.demand.values(), *report.smallest.values()):
+            assert type(n) is int and n >= 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(pictures())
+def test_a_node_entry_reads_back_as_published(picture):
+    import json
+
+    from kvd.cluster import read_node
+
+    reports, _ = picture
+    for report in reports:
+        value = json.dumps({"pools": {"default": report.to_json()}, "at": 0.0}).encode()
+        assert read_node(f"/kvd/nodes/{report.node}".encode(), value) == (
+            report.node, {"default": report})

@@ -271,3 +271,33 @@ async def test_with_etcd_away_the_nodes_keep_to_their_parts_of_a_cluster_limit(t
             await asyncio.sleep(10 * RECONCILE_S)  # reconcile attempts come and fail
             total = (await _chat(ca)).reserved_pages + (await _chat(cb)).reserved_pages
     assert 16 < total <= LIMIT, total
+
+
+@needs_etcd
+async def test_a_node_entry_that_does_not_read_is_left_out_and_the_cluster_goes_on(tmp_path,
+                                                                                  etcd):
+    """Whatever sits under the nodes' prefix (a node of another kvd version, a half-written
+    or hand-made value): an entry that does not read is left out, never taken for etcd
+    being away (every node would then decide alone on a stale picture while it stood)."""
+    import aetcd
+
+    host, port = etcd.address.rsplit(":", 1)
+    bad = {b"/kvd/nodes/x1": b'{"pools": []}',
+           b"/kvd/nodes/x2": b'{"pools": {"default": {"capacity": Infinity}}}',
+           b"/kvd/nodes/x3": b'{"pools": {"default": []}}',
+           b"/kvd/nodes/x4": b'{"pools": {"default": {"capacity": 8, "reserved": [1]}}}',
+           b"/kvd/nodes/x5": b'{"pools": {"default": {"capacity": 8, "queued": {"c": "9"}}}}',
+           b"/kvd/nodes/\xff": b'{"pools": {"default": {"capacity": 8}}}'}
+    with node(tmp_path, etcd, "a") as a:
+        async with AsyncClient(a.target) as ca, aetcd.Client(host=host, port=int(port)) as raw:
+            await _wait_for(lambda: _members_are(ca, {"a"}), 10, "a sees itself")
+            for key, value in bad.items():
+                await raw.put(key, value)
+            with node(tmp_path, etcd, "b") as b:  # a node joining is still seen
+                await _wait_for(lambda: _members_are(ca, {"a", "b"}), 10, "a sees b")
+                await asyncio.sleep(5 * RECONCILE_S)
+                view = await ca.get_cluster()
+                assert view.etcd_up, view.detail
+                assert {n.node for n in view.nodes} == {"a", "b"}
+                assert b.proc.poll() is None
+    assert a.log().count('"a node\'s figures do not read; left out"') == len(bad)

@@ -44,12 +44,27 @@ class NodeReport:
                 "demand": self.demand, "smallest": self.smallest}
 
     @classmethod
-    def from_json(cls, node: str, data: dict) -> NodeReport:
-        def pages(key: str) -> dict[str, int]:
-            return {str(t): max(0, int(n)) for t, n in dict(data.get(key, {})).items()}
+    def from_json(cls, node: str, data: object) -> NodeReport:
+        """The figures as to_json() wrote them; ValueError for anything else (a map where
+        one belongs, finite numbers of pages)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a pool's figures are a map, got {type(data).__name__}")
 
-        return cls(node, max(0, int(data["capacity"])), pages("reserved"), pages("queued"),
+        def pages(key: str) -> dict[str, int]:
+            by_tenant = data.get(key, {})
+            if not isinstance(by_tenant, dict):
+                raise ValueError(f"{key} is a map of tenants, got {type(by_tenant).__name__}")
+            return {str(t): _pages(n) for t, n in by_tenant.items()}
+
+        return cls(node, _pages(data["capacity"]), pages("reserved"), pages("queued"),
                    pages("demand"), pages("smallest"))
+
+
+def _pages(n: object) -> int:
+    """A number of pages as published (at least 0); ValueError unless a finite number."""
+    if type(n) is not int and not (type(n) is float and math.isfinite(n)):
+        raise ValueError(f"a number of pages, got {n!r}")
+    return max(0, int(n))
 
 
 @dataclass(frozen=True, slots=True)
