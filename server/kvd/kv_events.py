@@ -126,7 +126,7 @@ def decode(payload: bytes) -> list[Any]:
     """A batch's events (raises ValueError for a payload that is not one)."""
     try:
         batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except (msgpack.UnpackException, ValueError) as exc:
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:  # TypeError: a list key
         raise ValueError(f"not msgpack: {exc}") from None
     if not isinstance(batch, (list, tuple)) or len(batch) not in (2, 3) \
             or not isinstance(batch[1], (list, tuple)):

@@ -391,3 +391,31 @@ async def test_kvd_follows_an_engine_past_bad_events_and_a_restart(tmp_path):
             assert kvd.proc.poll() is None
     finally:
         publisher.close()
+
+
+PAYLOADS = st.one_of(
+    st.binary(max_size=40),
+    st.just(b"\x81\x92\x01\x02\x01"),  # a map keyed by an array: Python cannot hash the key
+    st.just(b"\x91" * 5000 + b"\x90"),  # nested deeper than msgpack unpacks
+    st.builds(lambda events: _packed([0.0, events, 0]), st.lists(MALFORMED | SOUND, max_size=4)))
+
+
+def _packed(batch: list) -> bytes:
+    """The batch as a publisher sends it (msgpack holds integers of 64 bits at most)."""
+    try:
+        return msgpack.packb(batch)
+    except OverflowError:
+        return msgpack.packb([0.0, [], 0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PAYLOADS, min_size=1, max_size=5))
+async def test_a_batch_that_does_not_decode_is_counted_and_the_next_applied(payloads):
+    from kvd.kv_events import Residency, Subscriber
+
+    res = Residency("e")
+    sub = Subscriber(res, "ipc://unused")
+    for seq, payload in enumerate(payloads):
+        await sub.receive(seq, payload)
+    await sub.receive(len(payloads), msgpack.packb([0.0, [stored([99])], 0]))
+    assert 99 in res.blocks and res.last_seq == len(payloads) and res.num_lost == 0
