@@ -17,6 +17,8 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.kv_events import Residency, TrtllmPoller, from_trtllm
@@ -165,3 +167,39 @@ def test_an_intent_maps_to_trtllms_retention(intent, priority, duration_ms):
     assert (span.token_start, span.token_end) == (0, None)
     assert (span.priority, span.duration_ms) == (priority, duration_ms)
     assert (r.decode_retention_priority, r.decode_duration_ms) == (priority, duration_ms)
+
+
+TRT_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 2**70) | st.text(max_size=3)
+    | st.sampled_from(["stored", "removed", "updated", "created", "stored_block"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["event_id", "data", "type", "blocks", "block_hash", "block_hashes",
+                         "cache_level", "new_value"]), inner, max_size=4),
+    max_leaves=16)
+
+
+# Items shaped like trtllm-serve's, whatever their parts hold; and any JSON at all.
+TRT_ITEMS = st.fixed_dictionaries(
+    {"event_id": st.integers(0, 20), "data": st.fixed_dictionaries(
+        {"type": st.sampled_from(["stored", "removed", "updated", "created"])},
+        optional={"blocks": st.lists(st.fixed_dictionaries(
+                      {}, optional={"block_hash": TRT_JSON, "cache_level": TRT_JSON}) | TRT_JSON,
+                      max_size=3) | TRT_JSON,
+                  "block_hashes": TRT_JSON, "block_hash": TRT_JSON,
+                  "cache_level": st.fixed_dictionaries(
+                      {}, optional={"new_value": TRT_JSON}) | TRT_JSON})}) | TRT_JSON
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(TRT_ITEMS, max_size=5))
+def test_whatever_a_trtllm_server_answers_the_poller_follows_on(items):
+    # Any JSON list off /kv_cache_events (a server of another version, a proxy's error
+    # page as JSON): nothing raises out of receive() (the poller's task would end), and a
+    # sound event after it is applied.
+    res = Residency("trt")
+    poller = TrtllmPoller(res, "http://unused")
+    poller.receive(items)
+    last = max([poller.last_id, *(i["event_id"] for i in items if isinstance(i, dict)
+                                  and type(i.get("event_id")) is int)])
+    poller.receive([stored(last + 1, [77])])
+    assert 77 in res.blocks and poller.last_id == last + 1
