@@ -9,7 +9,9 @@ from pathlib import Path
 
 from kvd_client import eventloop
 from kvd_client.cli_args import number
+from kvd_loadgen.intent_trace import TraceError as IntentTraceError
 from kvd_loadgen.local import KvdStartError
+from kvd_loadgen.trace_reader import TraceError as RequestTraceError
 
 
 POSITIVE_INT = number(int, 0, strictly=True)
@@ -279,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KvdStartError as exc:  # options kvd refuses: its one line, as argparse's are
         print(f"kvd-loadgen {args.command}: kvd did not start: {exc.line}", file=sys.stderr)
+        return 2
+    except (RequestTraceError, IntentTraceError) as exc:  # the file and line that do not read
+        print(f"kvd-loadgen {args.command}: {exc}", file=sys.stderr)
         return 2
 
 

@@ -106,3 +106,22 @@ def test_options_kvd_refuses_are_its_one_line_and_exit_2(capsys):
     err = capsys.readouterr().err
     assert "kvd-loadgen request-trace: kvd did not start: kvd: the pools need" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command, line, says", [
+    ("request-trace", '{"timestamp": 1, "input_length": "x"}',
+     ":1: input_length must be an integer >= 1, got 'x'"),
+    ("request-trace", "not json", ":1: "),
+    ("replay-intents", '{"step": null}', ":1: step must be an integer >= 0, got None"),
+])
+def test_a_trace_that_does_not_read_is_one_line_and_exit_2(command, line, says, tmp_path,
+                                                            capsys):
+    """A bad line of a trace file ended the load generator with a traceback."""
+    from kvd_loadgen.cli import main
+
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text(line + "\n")
+    assert main([command, str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvd-loadgen {command}: {trace}") and says in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
