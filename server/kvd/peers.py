@@ -326,6 +326,9 @@ async def receive_here(node, request_iterator) -> int:
             demoted = True
         pages = [b.page for b in plan.allocated] if plan is not None else []
         device = dst.arenas["device"]
+        # The pages come in any order, each once: one sent twice while another never came
+        # would leave that one with what a former owner wrote in it.
+        written = bytearray(len(pages))
         received = 0
         message = header
         while True:
@@ -339,8 +342,12 @@ async def receive_here(node, request_iterator) -> int:
                         f"{len(pages)}, {len(message.data)} bytes: out of range, or not "
                         "whole pages")
                 for i in range(num):  # consecutive ordinals, not always consecutive pages
+                    ordinal = message.first + i
+                    if written[ordinal]:
+                        raise InvalidArgument(f"page {ordinal} of the request came twice")
+                    written[ordinal] = 1
                     page_data = message.data[i * pool.page_bytes:(i + 1) * pool.page_bytes]
-                    write_pages(device, pages[message.first + i], page_data)
+                    write_pages(device, pages[ordinal], page_data)
                 received += num
             if message.commit:
                 break

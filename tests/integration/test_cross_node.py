@@ -290,3 +290,43 @@ async def test_a_request_this_node_rejects_leaves_no_reservation_on_the_peer(tmp
                     break
                 await asyncio.sleep(0.05)
             assert await _requests(cb) == {}
+
+
+@pytest.mark.parametrize("pages", [
+    [(0, b"A"), (0, b"A")],  # page 0 twice, page 1 never
+    [(1, b"B"), (1, b"B")],  # page 1 twice, page 0 never
+], ids=["first-twice", "second-twice"])
+async def test_a_peer_that_sends_a_page_twice_and_another_never_is_refused(tmp_path, pages):
+    # A buggy or hostile sender commits a two-page handoff with one page sent twice: the
+    # page it never sent would hold what a former owner left in it (another tenant's
+    # bytes). kvd refuses the stream, and keeps nothing of it.
+    import grpc
+
+    (tmp_path / "kvd.toml").write_text(f"""
+[[pool]]
+name = "decode"
+page_bytes = {PAGE}
+block_tokens = 16
+device_pages = 4
+host_pages = 4
+""")
+    with LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as c:
+            receive = c.channel.stream_unary(
+                "/kvd.v1.Peer/Receive", request_serializer=pb.PeerBlocks.SerializeToString,
+                response_deserializer=pb.PeerReceiveResponse.FromString)
+
+            async def messages():
+                yield pb.PeerBlocks(request_id="r", pool="decode", block_indices=[0, 1],
+                                    page_bytes=PAGE, tenant="default", prompt_tokens=32)
+                for k, (first, fill) in enumerate(pages):
+                    yield pb.PeerBlocks(first=first, data=fill * PAGE,
+                                        commit=k == len(pages) - 1)
+
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await receive(messages(), metadata=c.metadata)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "twice" in refused.value.details()
+            assert "r" not in await _requests(c)
+            assert (await c.pool_stats("decode")).pools[0].tiers[0].used_pages == 0
+            assert (await c.self_check()).ok
