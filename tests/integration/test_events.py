@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 from kvd_client import AsyncClient, pb
@@ -62,6 +63,16 @@ async def test_filters_by_kind_and_tenant(kvd):
         events = await asyncio.wait_for(watcher, 10)
     assert all(e.kind == "eviction" and e.tenant == "m" for e in events)
     assert events[0].detail["cause_request"] == "whale" and events[0].count == 2
+
+
+async def test_a_watch_of_a_pool_kvd_does_not_have_is_refused_at_once(kvd):
+    # A typo in a pool name watched in silence for ever: no event ever names it.
+    from kvd_client import NotFoundError
+
+    async with AsyncClient(kvd.target) as client:
+        with pytest.raises(NotFoundError, match="no pool 'defualt'; this kvd has default"):
+            await asyncio.wait_for(anext(client.watch_events(pools=["default", "defualt"])),
+                                   5)
 
 
 async def test_a_stalled_watcher_gets_a_gap_marker_and_kvd_stays_fast(kvd):

@@ -16,6 +16,7 @@ from kvd.core import errors
 from kvd.events import KINDS
 from kvd.metrics import observe_rpc
 from kvd.node import Node
+from kvd.runtime import find_runtime
 from kvd.service import convert
 from kvd.service.auth import Authenticator
 from kvd.service.convert import handle
@@ -131,6 +132,8 @@ class Streams:
             if unknown:
                 raise errors.InvalidArgument(f"unknown event kinds {sorted(unknown)}; "
                                              f"choose from {', '.join(KINDS)}")
+            for pool in request.pools:  # a pool it does not have names no event, ever
+                find_runtime(self.node.pools, pool)
             tenants = list(request.tenants)
             if not caller.admin:  # a tenant watches its own requests only
                 if tenants and tenants != [caller.tenant]:
