@@ -28,6 +28,9 @@ from kvd.kv_events import END_SEQ, hash_key
 
 log = structlog.get_logger("kvd.tier_events")
 
+# Replayed batches sent between two turns of the event loop (each send ~30 us here).
+REPLAY_SLICE = 32
+
 
 class TierEventPublisher:
     """Publishes a node's kept prefix blocks as KV cache events (see the module)."""
@@ -45,6 +48,7 @@ class TierEventPublisher:
         self.ctx = zmq.asyncio.Context.instance()
         self._pub = self._router = None
         self._task: asyncio.Task | None = None
+        self._replay_task: asyncio.Task | None = None
 
     def start(self) -> None:
         """Bind the sockets (a bad endpoint raises ValueError) and publish from now on."""
@@ -55,6 +59,9 @@ class TierEventPublisher:
             if self.replay_endpoint:
                 self._router = self.ctx.socket(zmq.ROUTER)
                 self._router.setsockopt(zmq.LINGER, 0)
+                # A ROUTER drops what a peer's queue has no room for, silently: a replay of
+                # the whole buffer (and the -1 that ends it) must fit in one.
+                self._router.setsockopt(zmq.SNDHWM, self.buffer.maxlen + 1)
                 self._router.bind(self.replay_endpoint)
         except zmq.ZMQError as exc:
             self.close()
@@ -62,10 +69,13 @@ class TierEventPublisher:
                              f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}"
                              f": {exc}") from None
         self._task = asyncio.ensure_future(self._run())
+        if self._router is not None:
+            self._replay_task = asyncio.ensure_future(self._serve_replays())
 
     def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._replay_task):
+            if task is not None:
+                task.cancel()
         for sock in (self._pub, self._router):
             if sock is not None:
                 sock.close(linger=0)
@@ -114,22 +124,31 @@ class TierEventPublisher:
                 events = self.events()
                 if events:
                     self.publish(events)
-                if self._router is not None:
-                    await self._serve_replays()
             except Exception as exc:  # keep publishing: a router can replay what it missed
                 log.error("tier_events_failed", error=str(exc))
             await asyncio.sleep(self.interval_s)
 
     async def _serve_replays(self) -> None:
-        while await self._router.poll(0):
-            frames = await self._router.recv_multipart()
-            if len(frames) != 3:
-                continue
-            client, _, start = frames
-            first = int.from_bytes(start, "big")
-            for seq, payload in self.buffer:
-                if seq >= first:
+        """Answer each replay request with the buffered batches from its start on, then
+        sequence -1. A send the socket takes at once does not give the event loop back, and
+        a whole buffer is thousands of them: the loop serves engines' steps between every
+        REPLAY_SLICE batches, and the batches go out from the buffer as it was asked."""
+        while True:
+            try:
+                frames = await self._router.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                client, _, start = frames
+                first = int.from_bytes(start, "big")
+                batches = [b for b in self.buffer if b[0] >= first]
+                for k, (seq, payload) in enumerate(batches, 1):
                     await self._router.send_multipart(
                         [client, b"", self.topic, seq.to_bytes(8, "big"), payload])
-            await self._router.send_multipart(
-                [client, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
+                    if k % REPLAY_SLICE == 0:
+                        await asyncio.sleep(0)
+                await self._router.send_multipart(
+                    [client, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a request that cannot be answered: the next may
+                log.error("tier_events_replay_failed", error=str(exc))

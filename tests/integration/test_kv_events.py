@@ -15,6 +15,7 @@ import threading
 import time
 
 import msgpack
+import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -419,3 +420,64 @@ async def test_a_batch_that_does_not_decode_is_counted_and_the_next_applied(payl
         await sub.receive(seq, payload)
     await sub.receive(len(payloads), msgpack.packb([0.0, [stored([99])], 0]))
     assert 99 in res.blocks and res.last_seq == len(payloads) and res.num_lost == 0
+
+
+async def test_a_replay_of_the_whole_buffer_gives_the_event_loop_back_as_it_goes(tmp_path):
+    # A router asking kvd's replay socket for everything (a new one, or one that lost its
+    # place) got the first ~1,000 batches and no end: the ROUTER dropped what did not fit
+    # its peer's queue. And they went in one turn of the event loop, ~0.3 s here; ten such
+    # requests held every engine's steps for 2 s. Now all come, the loop turning between
+    # every REPLAY_SLICE of them.
+    from kvd import tier_events
+    from kvd.tier_events import TierEventPublisher
+
+    class NoPools:
+        pools: dict = {}
+
+    publisher = TierEventPublisher(NoPools(), f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/rep")
+    publisher.events = lambda: []  # nothing kept: only the buffer below is replayed
+    for seq in range(10_000):
+        publisher.buffer.append((seq, msgpack.packb([0.0, [stored([seq])]])))
+    publisher.start()
+    sends = 0
+    router_send = publisher._router.send_multipart
+
+    def counted(frames):
+        nonlocal sends
+        sends += 1
+        return router_send(frames)
+
+    publisher._router.send_multipart = counted
+    most = 0  # the most batches sent between two turns of the loop
+
+    async def turns():
+        nonlocal most
+        seen = sends
+        while True:
+            await asyncio.sleep(0)
+            most, seen = max(most, sends - seen), sends
+
+    ticker = asyncio.ensure_future(turns())
+    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    dealer.connect(f"ipc://{tmp_path}/rep")
+    try:
+        await asyncio.sleep(0.2)  # the ticker turning, the publisher waiting for requests
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = []
+        while True:
+            try:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), 10)
+            except asyncio.TimeoutError:
+                pytest.fail(f"the replay stopped after {len(seqs)} batches, and no -1")
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == -1:
+                break
+            seqs.append(seq)
+        for _ in range(3):  # the ticker's turn after the last send
+            await asyncio.sleep(0)
+    finally:
+        ticker.cancel()
+        dealer.close(linger=0)
+        publisher.close()
+    assert seqs == list(range(10_000))
+    assert most <= tier_events.REPLAY_SLICE + 1, most
