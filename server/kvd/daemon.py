@@ -254,6 +254,7 @@ class Daemon:
         """The gRPC server with kvd's services on it, not yet bound."""
         self.auth = Authenticator(self.config, self.node.leases)
         self.streams.owner = self.auth.stream_owner
+        self.streams.refusal = self.auth.refusal
         # kvd pings its clients: one that stops answering (a stopped or partitioned engine
         # with a Step stream open) loses its connection, so its streams close and its lease
         # can lapse, instead of an open stream holding its pages for ever.

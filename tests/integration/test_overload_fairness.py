@@ -296,3 +296,24 @@ async def test_a_refused_step_stream_is_told_why_every_time(tmp_path):
                         except KvdClientError as exc:
                             told.append(type(exc) is error and words in str(exc) or str(exc))
                     assert told == [True] * 150, [t for t in told if t is not True][:3]
+
+
+async def test_a_stream_with_a_bad_token_is_told_about_its_token_at_the_stream_limit(tmp_path):
+    """Callers kvd cannot identify share one count of open streams. A stranger's stream
+    refused a moment ago still counts while kvd waits for its first message; the next one
+    was told RESOURCE_EXHAUSTED about the count, when what it must fix is its token (this
+    made the test above fail once in a fresh-clone CI run)."""
+    config = tmp_path / "kvd.toml"
+    config.write_text("[server]\nmax_streams_per_tenant = 1\n\n"
+                      "[[pool]]\nmodel = \"tiny\"\ndevice_pages = 64\nhost_pages = 64\n\n"
+                      "[[tenant]]\nname = \"t\"\ntoken = \"t-token-0123456789\"\n")
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, token="not-a-token-0123456789") as stranger:
+            # A Step stream that never writes: kvd holds it up to a second before refusing.
+            silent = stranger.channel.stream_stream("/kvd.v1.Memory/Step")(
+                metadata=stranger.metadata)
+            await asyncio.sleep(0.2)
+            with pytest.raises(UnauthenticatedError, match="unknown bearer token"):
+                async with stranger.step_stream() as stream:
+                    await stream.step()
+            silent.cancel()

@@ -111,6 +111,15 @@ class Authenticator:
             return ""
         return caller.tenant if caller.tenant or not caller.admin else None
 
+    def refusal(self, context) -> KvdError | None:
+        """Why kvd cannot identify this caller (a token it does not know, say), or None when
+        it can: what a stream refused before its handler runs should say first."""
+        try:
+            self.identify(context)
+        except KvdError as exc:
+            return exc
+        return None
+
     def _who(self, token: str, peer: str) -> tuple[str, bool]:
         """(tenant, admin?) of the caller, calling from `peer` (its address)."""
         if token:

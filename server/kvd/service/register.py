@@ -18,6 +18,7 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from kvd.service.gate import CallGate
+from kvd.service.status import status_of
 
 log = structlog.get_logger("kvd.service")
 
@@ -90,6 +91,9 @@ class OpenStreams:
         # refused, not made to wait: the gate's line is never used.
         self.per_tenant = CallGate(limit)
         self.owner = None
+        # Why a caller counted as one kvd cannot identify is not (Authenticator.refusal):
+        # refused at the limit, a caller with a bad token is told about its token.
+        self.refusal = None
         self.refused: dict[str, int] = {}  # tenant -> its streams refused at the limit
 
     def serve(self, handler):
@@ -101,6 +105,9 @@ class OpenStreams:
             owner = None if not gate.limit or self.owner is None else self.owner(context)
             if owner is not None and not gate.try_enter(owner):
                 self.refused[owner] = self.refused.get(owner, 0) + 1
+                why = self.refusal(context) if owner == "" and self.refusal else None
+                if why is not None:  # its credentials are what it must fix, not the count
+                    await refuse(request, context, status_of(why), str(why))
                 who = f"tenant {owner!r} has" if owner else "callers kvd cannot identify have"
                 await refuse(
                     request, context, grpc.StatusCode.RESOURCE_EXHAUSTED,
