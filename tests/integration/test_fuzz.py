@@ -168,7 +168,7 @@ def _call(channel, memory, admin, name, message):
     elif name == "SetPolicy":
         admin.SetPolicy(message, timeout=10)
     elif name in ("Reserve", "Unreserve"):
-        pb_grpc.PeerStub(channel).__getattribute__(name)(message, timeout=10)
+        getattr(pb_grpc.PeerStub(channel), name)(message, timeout=10)
     elif name == "Receive":
         header, whole_pages, pages = message
         page_bytes = memory.GetPoolStats(pb.GetPoolStatsRequest(), timeout=10).pools[0].page_bytes
