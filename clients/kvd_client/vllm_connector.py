@@ -14,8 +14,9 @@ Scheduler side: every request is admitted in kvd with its prompt and expected ou
 prefix blocks, named by vLLM's own block hashes within a namespace of the model and the
 request's cache salt, are looked up in kvd and their tokens reported as an external hit.
 A request admitted by no one (kvd's budget for its tenant is spent) is told to wait: the
-connector answers None until kvd admits it. On finish the request is released in kvd; the
-blocks it stored stay there for the next request with that prefix. Tenant and intent come
+connector answers None until kvd admits it. On finish the request is released in kvd (one
+aborted while kvd still queued it too); the blocks it stored stay there for the next request
+with that prefix. Tenant and intent come
 from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ..., "pin": ...,
 "deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the request's
 prefix blocks in kvd's device tier while it runs, a deadline says when it needs them.
@@ -113,6 +114,9 @@ class KvdConnector(KVConnectorBase_V1):
         self.model = str(vllm_config.model_config.model)
         # Scheduler side.
         self.tracked: dict[str, _Tracked] = {}
+        # Requests kvd queued (its tenant's budget spent): released should they finish (a
+        # client that went away) before kvd admits them, or kvd admits them for nobody.
+        self.queued: set[str] = set()
         self._loads: list[_Transfer] = []  # planned since the last step's metadata
         # Worker side.
         self.copier: BlockCopier | None = None
@@ -128,9 +132,11 @@ class KvdConnector(KVConnectorBase_V1):
         if tracked is None:
             admitted = self._admit(request)
             if admitted is None:
+                self.queued.add(rid)
                 return None, False  # kvd queued it: vLLM asks again later
-            if not admitted:
+            if not admitted:  # served without kvd (if kvd queued it, released at the end)
                 return 0, False
+            self.queued.discard(rid)
             tracked = self.tracked[rid]
         prompt = len(request.prompt_token_ids or ())
         try:
@@ -257,11 +263,14 @@ class KvdConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        if self.tracked.pop(request.request_id, None) is not None and not self._away():
+        rid = request.request_id
+        known = self.tracked.pop(rid, None) is not None or rid in self.queued
+        self.queued.discard(rid)
+        if known and not self._away():
             try:
-                self.client.release(request.request_id)
+                self.client.release(rid)
             except KvdClientError as exc:
-                log.warning("kvd release of %s failed: %s", request.request_id, exc)
+                log.warning("kvd release of %s failed: %s", rid, exc)
                 self._note_failure(exc)
         return False, None
 

@@ -4,7 +4,7 @@ random-weight Llama beside this file, kvd's connector, token-id prompts.
     python run_vllm.py KVD_TARGET SPEC_JSON
 
 SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params or null,
-...]}, ...], "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
+...], "abort": [indices of prompts aborted once the engine has stepped] (optional)}, ...], "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
 publishes its KV cache events there)}. The batches run one after the other in the same engine; after
 each it prints one line, `KVD_RESULT {json}`: each prompt's output tokens and cached tokens,
 the seconds the engine took to start and the batch to run. With "pause", it then waits for a
@@ -52,15 +52,38 @@ def main() -> None:
         sampling = [SamplingParams(max_tokens=8, temperature=0,
                                    extra_args={"kv_transfer_params": p} if p else None)
                     for p in params]
-        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                               sampling, use_tqdm=False)
+        if batch.get("abort"):
+            outputs = _run_aborting(llm, prompts, sampling, set(batch["abort"]))
+        else:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                   sampling, use_tqdm=False)
         print("KVD_RESULT " + json.dumps({
-            "tokens": [list(o.outputs[0].token_ids) for o in outputs],
-            "cached": [o.num_cached_tokens for o in outputs],
+            "tokens": [list(o.outputs[0].token_ids) if o else None for o in outputs],
+            "cached": [o.num_cached_tokens if o else None for o in outputs],
             "start_s": start_s, "run_s": time.monotonic() - ran,
         }), flush=True)
         if spec.get("pause") and i + 1 < len(batches):
             sys.stdin.readline()
+
+
+def _run_aborting(llm, prompts, sampling, aborted: set[int]) -> list:
+    """The prompts through the engine step by step, as a server drives it; those in `aborted`
+    are aborted (a client that went away) once a step has produced output, and have no
+    output (None)."""
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    for i, (prompt, params) in enumerate(zip(prompts, sampling)):
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), params)
+    finished: dict[str, object] = {}
+    stepped = False
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        finished.update((o.request_id, o) for o in outputs if o.finished)
+        if outputs and not stepped:
+            stepped = True
+            engine.abort_request([str(i) for i in aborted])
+    return [None if i in aborted else finished[str(i)] for i in range(len(prompts))]
 
 
 if __name__ == "__main__":

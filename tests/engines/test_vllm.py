@@ -203,6 +203,34 @@ def test_a_request_waits_while_its_tenants_kvd_budget_is_spent_then_runs(tmp_pat
     assert (queued[0], "from the queue") in [(rid, reason) for rid, _, reason in seen]
 
 
+@pytest.mark.timeout(600)
+def test_a_request_aborted_while_kvd_queues_it_leaves_kvd(tmp_path):
+    # The second request waits in kvd's queue behind the first (its tenant's budget is
+    # spent); its client goes away meanwhile. vLLM tells the connector it finished: kvd
+    # must forget it, not admit it later for a request nobody runs (holding the tenant's
+    # budget for as long as the engine lives).
+    config = tmp_path / "kvd.toml"
+    config.write_text(LIMITED)
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        seen = watch_admissions(kvd.target)
+        engine = Engine(kvd.target, [{"prompts": prompts(300, 2), "abort": [1]}], pause=True)
+        try:
+            ran = engine.result()
+            with Client(kvd.target) as c:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    stats = c.pool_stats().pools[0]
+                    if not stats.num_requests and not stats.num_queued:
+                        break
+                    time.sleep(0.2)
+        finally:
+            engine.close()
+    print(f"\nrun: {ran}\nadmissions: {seen}")
+    assert len(ran["tokens"][0]) == 8 and ran["tokens"][1] is None
+    assert [decision for _, decision, _ in seen].count("queued") == 1  # it did wait
+    assert (stats.num_requests, stats.num_queued) == (0, 0)
+
+
 # Two tenants of equal weight: a fair share of 8 device pages each; the host tier is too
 # small to keep what the device tier lets go.
 TWO_TENANTS = f"""
