@@ -22,6 +22,9 @@ what the other wrote. Pages SGLang backs up stay in kvd after the call for any i
 the same namespace; kvd's policy decides which go when memory is short, and a page it let go
 is a miss for SGLang (batch_exists counts the leading run kvd still holds).
 
+Each thread SGLang calls the backend from is a kvd client of its own: the pages kvd hands one
+thread stay its own until that thread's next call, whatever the others do meanwhile.
+
 Only page keys reach a backend, no request: each call is made under a short-lived kvd request
 of the configured tenant, which kvd admits (or refuses while the tenant's budget is spent: the
 call then fails, and SGLang recomputes or keeps the page on its host tier).
@@ -33,6 +36,7 @@ import contextlib
 import ctypes
 import itertools
 import logging
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -63,8 +67,12 @@ class KvdStorage(HiCacheStorage):
         token = extra.get("kvd_token")
         if token is None and extra.get("kvd_token_file"):
             token = Path(extra["kvd_token_file"]).read_text().strip()
-        self.client = Client(extra.get("kvd_target"), token=token,
-                             timeout_s=float(extra.get("kvd_timeout_s", 5.0)))
+        self._connect = lambda: Client(extra.get("kvd_target"), token=token,
+                                       timeout_s=float(extra.get("kvd_timeout_s", 5.0)))
+        # A client (a kvd lease) per calling thread: see `client`.
+        self._local = threading.local()
+        self._clients: list[Client] = []
+        self._clients_lock = threading.Lock()
         self.pool = extra.get("kvd_pool", "")
         self.tenant = extra.get("kvd_tenant", "")
         shard = "" if storage_config.is_mla_model else (
@@ -76,6 +84,20 @@ class KvdStorage(HiCacheStorage):
         self.arena: MappedPool | None = None
         self.page_tokens = 0
         self.page_bytes = 0
+
+    @property
+    def client(self) -> Client:
+        """The calling thread's own kvd client. SGLang's cache controller calls its storage
+        from several threads at once (prefetch reads beside backup stores), and kvd keeps
+        the pages it hands a caller for the caller until the caller's next call: were the
+        threads one caller, one thread's call would end another's claim on pages it is
+        still copying, and kvd could hand those pages to a store to write into."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._connect()
+            with self._clients_lock:
+                self._clients.append(client)
+        return client
 
     # ------------------------------------------------------------------ set-up
 
@@ -215,7 +237,10 @@ class KvdStorage(HiCacheStorage):
     def close(self) -> None:
         if self.arena is not None:
             self.arena.close()
-        self.client.close()
+        with self._clients_lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
 
 
 def _flat(tensor: torch.Tensor) -> Segments:

@@ -161,3 +161,52 @@ def test_a_kvd_whose_pages_do_not_fit_sglangs_says_the_right_size(tmp_path):
     with kvd(tmp_path, page_bytes=4096) as k:
         with pytest.raises(ValueError, match=f"page_bytes = {PAGE_BYTES}"):
             backend(k.target, host_pool())
+
+
+def test_a_read_while_another_thread_stores_gets_the_bytes_it_asked_for(tmp_path):
+    # SGLang's cache controller calls its storage from threads of its own at once: prefetch
+    # reads (batch_get_v1) while the backup thread stores (batch_set_v1). A page kvd hands
+    # out stays the caller's until the caller's next call; were both threads one caller,
+    # the store would end the read's claim while its bytes were still being copied out,
+    # and kvd could give the read's pages to the store to write into. Here the read stops
+    # after its Load until the other thread's store is done (or has waited a while), and
+    # every page it says it read must hold what was stored under its key. (It waits less than
+    # kvd's hold_s, after which kvd takes back pages a caller never came back about.)
+    import threading
+
+    with kvd(tmp_path, device_pages=8, host_pages=16) as k:
+        pool = host_pool(64)
+        storage = backend(k.target, pool)
+        names, others = keys("p", 8), keys("q", 8)
+        src = written_pages(pool, 8, seed=20)
+        assert storage.batch_set_v1(names, src) == [True] * 8
+        more = written_pages(pool, 8, seed=21)
+        loaded, stored = threading.Event(), threading.Event()
+        copy = storage._copy
+        reader = threading.current_thread()
+
+        def copy_after_the_store(handle, segments, into_kvd):
+            if not into_kvd and threading.current_thread() is reader and not loaded.is_set():
+                loaded.set()
+                stored.wait(timeout=0.5)
+            copy(handle, segments, into_kvd)
+
+        storage._copy = copy_after_the_store
+        results = {}
+
+        def store():
+            loaded.wait(timeout=30)
+            results["store"] = storage.batch_set_v1(others, more)
+            stored.set()
+
+        writer = threading.Thread(target=store)
+        writer.start()
+        dst = pool.alloc(8 * PAGE_TOKENS)
+        got = storage.batch_get_v1(names, dst)
+        writer.join(timeout=60)
+        print(f"\nread: {got}\nstore: {results.get('store')}")
+        assert loaded.is_set() and any(got)
+        for i, ok in enumerate(got):
+            if ok:
+                assert page(pool, dst, i) == page(pool, src, i), f"page {i}: another's bytes"
+        storage.close()
