@@ -4,6 +4,7 @@ re-register its running requests in one call and learn which blocks it must reco
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 from kvd_api.v1 import kvd_pb2 as pb
@@ -62,7 +63,10 @@ class EngineSession:
 
     async def recover(self) -> Recovery:
         """Admit every held request again and allocate as many blocks as it held. A request
-        kvd still has (it did not restart) is left as it is."""
+        kvd still has (it did not restart) is left as it is. One kvd queues holds no block
+        (the engine allocates once it is admitted); one whose blocks kvd cannot give back
+        now (a smaller or busier kvd came back) is released again and refused, and the
+        others are recovered all the same."""
         out = Recovery()
         for request_id, held in list(self.held.items()):
             try:
@@ -79,10 +83,19 @@ class EngineSession:
                 continue
             if reply.decision == pb.DECISION_QUEUED:
                 out.queued.append(request_id)
+                held.blocks = []
                 continue
             handles = []
             if held.blocks:
-                handles = list((await self.client.allocate(request_id, len(held.blocks))).handles)
+                try:
+                    handles = list((await self.client.allocate(request_id,
+                                                               len(held.blocks))).handles)
+                except KvdClientError as exc:
+                    out.refused[request_id] = str(exc)
+                    del self.held[request_id]
+                    with contextlib.suppress(KvdClientError):
+                        await self.client.release(request_id)
+                    continue
             out.admitted[request_id] = dict(zip(held.blocks, handles))
             held.blocks = [h.block_index for h in handles]
         return out

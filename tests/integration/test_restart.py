@@ -44,3 +44,46 @@ async def test_a_client_rides_out_a_restart_and_re_registers(tmp_path):
             assert (await c.self_check()).ok
     finally:
         kvd.stop()
+
+
+LIMITED = """
+[[pool]]
+model = "tiny"
+block_tokens = 16
+device_pages = 8
+host_pages = 32
+
+[[tenant]]
+name = "default"
+limit = 3
+"""
+
+
+async def test_a_request_kvd_cannot_give_its_blocks_back_does_not_stop_the_others(tmp_path):
+    # kvd comes back with a tenant limit of 3 pages. "big" held 4 blocks (more than its
+    # admission projected): admitted again, it cannot have them, and recover() went no
+    # further than it, raising; "small" was never recovered. A request kvd queues holds
+    # no block of the ones it held before.
+    kvd = LocalKvd(*SMALL, workdir=tmp_path).start()
+    try:
+        async with AsyncClient(kvd.target, timeout_s=30,
+                               retry=RetryPolicy(max_attempts=30, max_backoff_s=0.2)) as c:
+            session = EngineSession(c)
+            for rid, blocks in (("big", 4), ("small", 1), ("late", 2)):
+                assert (await session.admit(rid, 16, 16)).decision == pb.DECISION_ADMITTED
+                await session.allocate(rid, blocks)
+            assert kvd.stop() == 0
+            (tmp_path / "kvd.toml").write_text(LIMITED)
+            kvd = LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path).start()
+
+            recovery = await session.recover()
+            assert "limit of 3 pages" in recovery.refused["big"] and "big" not in session.held
+            assert list(recovery.admitted) == ["small"]
+            assert recovery.queued == ["late"] and session.held["late"].blocks == []
+            stats = (await c.pool_stats()).pools[0]
+            # big released again: small is in with its block, late waits.
+            assert (stats.num_requests, stats.num_queued, stats.tiers[0].used_pages) == \
+                (1, 1, 1)
+            assert (await c.self_check()).ok
+    finally:
+        kvd.stop()
