@@ -53,7 +53,11 @@ class StepStream:
     async def pipeline(self, requests, on_reply, window: int = 16) -> None:
         """Send many steps without waiting for each reply (at most `window` outstanding);
         on_reply(request, reply) is called for each, in order. Replies arrive in the order
-        the steps were sent: kvd applies them one after another."""
+        the steps were sent: kvd applies them one after another.
+
+        A reply's handles stay put only until the stream's next message, and here the next
+        messages go before the reply is read: kvd may move those pages while on_reply
+        looks at them. For steps whose pages the caller reads or writes, use step()."""
         outstanding: asyncio.Queue = asyncio.Queue(window)
 
         async def read_replies():
