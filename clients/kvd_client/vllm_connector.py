@@ -22,7 +22,10 @@ from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ..., "
 prefix blocks in kvd's device tier while it runs, a deadline says when it needs them.
 
 Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds one vLLM
-block of every layer, layer after layer. Hit blocks are copied from kvd's pages into vLLM's
+block of every layer, layer after layer. An engine of several workers (tensor, context or
+pipeline parallel) shards its KV cache: each worker keeps its shard of a block under its own
+namespace (the request's, then `|tpR/T|pcpC/P|ppS/N`), and a block counts as a hit only
+while kvd holds every worker's shard. Hit blocks are copied from kvd's pages into vLLM's
 KV tensors before the forward pass; blocks the pass computed are copied into pages kvd
 stores under their hash, then committed. Both are byte copies between the engine's tensors
 and kvd's mapped arenas (kvd_client.block_copy); on a GPU they run on a CUDA stream of their
@@ -37,6 +40,7 @@ which kvd answered are neither committed nor used (see `_check_kvd`).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -112,6 +116,14 @@ class KvdConnector(KVConnectorBase_V1):
         self.default_tenant = extra.get("kvd_tenant", "")
         self.block_size = vllm_config.cache_config.block_size
         self.model = str(vllm_config.model_config.model)
+        # Parallel engines shard the KV cache: each worker's blocks hold its heads (tensor,
+        # context parallel) or its layers (pipeline), so each stores and loads them under a
+        # namespace of its own shard (see shard_suffix).
+        parallel = vllm_config.parallel_config
+        self.sizes = (parallel.tensor_parallel_size,
+                      getattr(parallel, "prefill_context_parallel_size", 1),
+                      parallel.pipeline_parallel_size)
+        self.shard = ""  # this worker's, once register_kv_caches knows its ranks
         # Scheduler side.
         self.tracked: dict[str, _Tracked] = {}
         # Requests kvd queued (its tenant's budget spent): released should they finish (a
@@ -140,7 +152,7 @@ class KvdConnector(KVConnectorBase_V1):
             tracked = self.tracked[rid]
         prompt = len(request.prompt_token_ids or ())
         try:
-            hit = self.client.lookup(tracked.namespace, tracked.keys, pool=self.pool).num_hit
+            hit = self._lookup(tracked)
         except KvdClientError as exc:
             log.warning("kvd lookup failed, computing %s: %s", rid, exc)
             self._note_failure(exc)
@@ -155,6 +167,16 @@ class KvdConnector(KVConnectorBase_V1):
         tracked.pending_load = _Transfer(rid, tracked.namespace, tracked.keys[first:last],
                                          list(range(first, last)), tracked.intent)
         return hit_tokens - num_computed_tokens, False
+
+    def _lookup(self, tracked: _Tracked) -> int:
+        """The leading run of the request's blocks kvd holds for every worker's shard."""
+        hit = len(tracked.keys)
+        for suffix in all_shards(self.sizes):
+            if not hit:
+                break
+            hit = min(hit, self.client.lookup(tracked.namespace + suffix, tracked.keys[:hit],
+                                              pool=self.pool).num_hit)
+        return hit
 
     def _admit(self, request: Any) -> bool | None:
         """Admit the request in kvd: True, False (kvd cannot take it: serve it without), or
@@ -287,6 +309,16 @@ class KvdConnector(KVConnectorBase_V1):
                 f"page_bytes = {block_bytes}")
         self.arena = MappedPool(export)
         self.arena_names = _arena_names(export)
+        self.shard = shard_suffix(self._ranks(), self.sizes)
+
+    def _ranks(self) -> tuple[int, int, int]:
+        """This worker's tensor, prefill-context and pipeline parallel ranks."""
+        if self.sizes == (1, 1, 1):
+            return 0, 0, 0
+        from vllm.distributed import parallel_state as ps
+
+        pcp = ps.get_pcp_group().rank_in_group if self.sizes[1] > 1 else 0
+        return ps.get_tensor_model_parallel_rank(), pcp, ps.get_pp_group().rank_in_group
 
     def _check_kvd(self) -> bool | None:
         """Whether the kvd answering now is the one whose arenas are mapped: True; False when
@@ -323,7 +355,8 @@ class KvdConnector(KVConnectorBase_V1):
             handles = []
             if answered:
                 try:
-                    handles = list(self.client.load(load.request_id, load.namespace,
+                    handles = list(self.client.load(load.request_id,
+                                                    load.namespace + self.shard,
                                                     load.keys, load.intent).handles)
                 except KvdClientError as exc:
                     log.warning("kvd load for %s failed, recomputing: %s", load.request_id,
@@ -350,8 +383,8 @@ class KvdConnector(KVConnectorBase_V1):
             return  # kvd is away: these blocks go unsaved
         for save in meta.saves:
             try:
-                reply = self.client.store(save.request_id, save.namespace, save.keys,
-                                          save.intent)
+                namespace = save.namespace + self.shard
+                reply = self.client.store(save.request_id, namespace, save.keys, save.intent)
                 fresh = [(key, block_id, handle) for handle, is_fresh, key, block_id
                          in zip(reply.handles, reply.fresh, save.keys, save.block_ids)
                          if is_fresh]
@@ -361,13 +394,29 @@ class KvdConnector(KVConnectorBase_V1):
                 # Committed only if the kvd that handed out the pages is the one mapped:
                 # else the bytes went to the arenas of a kvd that is gone.
                 if written and self._check_kvd() is True:
-                    self.client.commit(save.request_id, save.namespace, written)
+                    self.client.commit(save.request_id, namespace, written)
             except KvdClientError as exc:
                 log.warning("kvd save for %s failed: %s", save.request_id, exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+
+def shard_suffix(ranks: tuple[int, ...], sizes: tuple[int, ...]) -> str:
+    """What a worker adds to a namespace: its tensor, prefill-context and pipeline parallel
+    ranks out of their sizes (decode context parallel is a split of tensor parallel), none
+    for an engine of one worker. Two workers of one engine hold different bytes for the same
+    block: sharing a name, one would load the other's heads or layers."""
+    if all(size == 1 for size in sizes):
+        return ""
+    return "".join(f"|{name}{rank}/{size}"
+                   for name, rank, size in zip(("tp", "pcp", "pp"), ranks, sizes))
+
+
+def all_shards(sizes: tuple[int, ...]) -> list[str]:
+    """Every worker's shard_suffix, for an engine of these sizes."""
+    return [shard_suffix(ranks, sizes) for ranks in itertools.product(*map(range, sizes))]
 
 
 def block_intent(params: dict) -> pb.MemoryIntent | None:

@@ -323,3 +323,65 @@ def test_a_requests_pin_and_deadline_reach_kvd_and_go_with_it(tmp_path):
             device = c.pool_stats().pools[0].tiers[0]
     print(f"\nrun: {run}")
     assert device.used_pages == 5 and device.pinned_pages == 0
+
+
+@pytest.mark.timeout(300)
+def test_each_worker_of_a_tensor_parallel_engine_gets_back_its_own_shard(tmp_path,
+                                                                         monkeypatch):
+    # The workers of a tensor-parallel engine each hold their own heads of every block, under
+    # the same block hash. Named alike in kvd, the second worker's store found the first's
+    # pages and wrote nothing, and both loaded the first worker's heads. Two workers of a
+    # TP=2 engine: vLLM's real config and the connector's real worker side against a real
+    # kvd; each worker is told its rank as vLLM's parallel state would tell it (one process
+    # cannot form a tensor-parallel group, and this machine cannot run two vLLM workers).
+    import torch
+    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             VllmConfig)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(RUNNER.parent / "tiny_llama"),
+                                     skip_tokenizer_init=True, dtype="bfloat16",
+                                     max_model_len=1024),
+            cache_config=CacheConfig(block_size=32),
+            parallel_config=ParallelConfig(tensor_parallel_size=2),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvdConnector", kv_role="kv_both",
+                kv_connector_module_path="kvd_client.vllm_connector",
+                kv_connector_extra_config={"kvd_target": kvd.target}))
+        namespace, keys = "tiny|32|", [b"block-0", b"block-1", b"block-2"]
+        with Client(kvd.target) as c:
+            assert c.admit("r", 96, 8).decision == pb.DECISION_ADMITTED
+        workers, caches = [], []
+        gen = torch.Generator().manual_seed(7)
+        for rank in (0, 1):
+            monkeypatch.setattr(vc.KvdConnector, "_ranks", lambda self, r=rank: (r, 0, 0),
+                                raising=False)
+            worker = vc.KvdConnector(config, KVConnectorRole.WORKER)
+            # Two layers of 8 blocks, 32 tokens x 128 bf16 each: one kvd page a block.
+            layers = {f"layer.{i}": torch.randint(-2**15, 2**15, (8, 32, 128), generator=gen,
+                                                  dtype=torch.int16).view(torch.bfloat16)
+                      for i in range(2)}
+            worker.register_kv_caches(layers)
+            # Both workers store blocks 0 and 1; the first also block 2.
+            worker.bind_connector_metadata(vc.KvdConnectorMetadata(saves=[vc._Transfer(
+                "r", namespace, keys[:3 - rank], list(range(3 - rank)))]))
+            worker.wait_for_save()
+            workers.append(worker)
+            caches.append(layers)
+        for worker, layers in zip(workers, caches):
+            worker.bind_connector_metadata(vc.KvdConnectorMetadata(loads=[vc._Transfer(
+                "r", namespace, keys[:2], [4, 5])]))
+            worker.start_load_kv(None)
+            assert worker.get_block_ids_with_load_errors() == set()
+            for name, t in layers.items():
+                assert torch.equal(t[4:6].view(torch.int16), t[0:2].view(torch.int16)), \
+                    f"worker {workers.index(worker)}, {name}: another worker's heads"
+        # A block counts as a hit while kvd holds every worker's shard of it.
+        scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
+        assert scheduler._lookup(vc._Tracked(namespace, keys, 3)) == 2
+        for connector in (*workers, scheduler):
+            connector.client.close()
