@@ -9,8 +9,8 @@ Start SGLang with
 
 Extra config: `kvd_target`, `kvd_token` (or its file, `kvd_token_file`), `kvd_pool`
 ("default"), `kvd_tenant` (when kvd identifies tenants by name rather than by token),
-`kvd_namespace` (default: the model, and the tensor-parallel shard unless the model is MLA,
-whose KV every rank holds alike), `kvd_timeout_s`.
+`kvd_namespace` (default: the model, and the shard of its KV this rank holds: see
+shard_suffix), `kvd_timeout_s`.
 
 SGLang names each page of its host pool by a chained hash of its tokens; those names are kvd's
 shared prefix blocks, one kvd page per SGLang page (kvd's page_bytes must equal the bytes of
@@ -75,11 +75,8 @@ class KvdStorage(HiCacheStorage):
         self._clients_lock = threading.Lock()
         self.pool = extra.get("kvd_pool", "")
         self.tenant = extra.get("kvd_tenant", "")
-        shard = "" if storage_config.is_mla_model else (
-            f"|tp{storage_config.tp_rank}/{storage_config.tp_size}"
-            f"|pp{storage_config.pp_rank}/{storage_config.pp_size}")
         self.namespace = extra.get("kvd_namespace") or (
-            f"sglang|{storage_config.model_name or ''}{shard}")
+            f"sglang|{storage_config.model_name or ''}{shard_suffix(storage_config)}")
         self._ids = (f"sglang-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         self.arena: MappedPool | None = None
         self.page_tokens = 0
@@ -241,6 +238,25 @@ class KvdStorage(HiCacheStorage):
             clients, self._clients = self._clients, []
         for client in clients:
             client.close()
+
+
+def shard_suffix(config: HiCacheStorageConfig) -> str:
+    """The part of a page's bytes this rank holds, as it names them in kvd. Tensor-parallel
+    ranks hold their heads of an MHA model's pages (an MLA model's latent KV is the same on
+    each); pipeline stages hold their layers, attention context-parallel and (MLA) decode
+    context-parallel ranks their share of the tokens, whatever the model: ranks whose bytes
+    differ must not share a name, or one loads another's."""
+    parts = []
+    if not config.is_mla_model:
+        parts += [f"|tp{config.tp_rank}/{config.tp_size}",
+                  f"|pp{config.pp_rank}/{config.pp_size}"]
+    elif config.pp_size > 1:
+        parts.append(f"|pp{config.pp_rank}/{config.pp_size}")
+    if getattr(config, "attn_cp_size", 1) > 1:
+        parts.append(f"|cp{config.attn_cp_rank}/{config.attn_cp_size}")
+    if config.is_mla_model and getattr(config, "dcp_size", 1) > 1:
+        parts.append(f"|dcp{config.dcp_rank}/{config.dcp_size}")
+    return "".join(parts)
 
 
 def _flat(tensor: torch.Tensor) -> Segments:

@@ -50,11 +50,14 @@ def host_pool(pages: int = 32) -> MHATokenToKVPoolHost:
                                 end_layer=LAYERS)
 
 
-def backend(target: str, pool: MHATokenToKVPoolHost, model: str = "tiny", v1: bool = True):
-    """kvd's backend as SGLang's cache controller makes it: the factory, then the pool."""
+def backend(target: str, pool: MHATokenToKVPoolHost, model: str = "tiny", v1: bool = True,
+            **ranks):
+    """kvd's backend as SGLang's cache controller makes it: the factory, then the pool.
+    `ranks`: HiCacheStorageConfig's parallel fields, where not those of one GPU."""
+    fields = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                  is_mla_model=False)
     config = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        **{**fields, **ranks}, enable_storage_metrics=False, is_page_first_layout=True,
         model_name=model,
         extra_config={"backend_name": "kvd", "module_path": "kvd_client.sglang_backend",
                       "class_name": "KvdStorage", "interface_v1": int(v1),
@@ -210,3 +213,33 @@ def test_a_read_while_another_thread_stores_gets_the_bytes_it_asked_for(tmp_path
             if ok:
                 assert page(pool, dst, i) == page(pool, src, i), f"page {i}: another's bytes"
         storage.close()
+
+
+@pytest.mark.parametrize("shards", [
+    [dict(is_mla_model=True, pp_size=2, pp_rank=r) for r in range(2)],
+    [dict(attn_cp_size=2, attn_cp_rank=r) for r in range(2)],
+    [dict(is_mla_model=True, tp_size=2, tp_rank=r, dcp_size=2, dcp_rank=r,
+          logical_page_size=2 * PAGE_TOKENS) for r in range(2)],
+    [dict(tp_size=2, tp_rank=r) for r in range(2)],
+], ids=["mla-pipeline", "context-parallel", "mla-decode-context-parallel", "tensor-parallel"])
+def test_ranks_holding_different_shards_of_a_page_each_get_back_their_own(tmp_path, shards):
+    # Ranks of one SGLang server name a page by the same hash but hold different bytes of
+    # it where they split the model (pipeline stages their layers, context-parallel ranks
+    # their tokens, tensor-parallel ranks their heads of an MHA model). Named alike in kvd,
+    # the second rank's store found the first's page and wrote nothing, and it loaded the
+    # first rank's bytes back (an MLA model's pipeline stages and every context-parallel
+    # split shared names).
+    with kvd(tmp_path) as k:
+        ranks = []
+        for seed, shard in enumerate(shards):
+            pool = host_pool()
+            storage = backend(k.target, pool, **shard)
+            src = written_pages(pool, 3, seed=30 + seed)
+            assert storage.batch_set_v1(keys("s", 3), src) == [True] * 3
+            ranks.append((pool, storage, src))
+        for i, (pool, storage, src) in enumerate(ranks):
+            dst = pool.alloc(3 * PAGE_TOKENS)
+            assert storage.batch_get_v1(keys("s", 3), dst) == [True] * 3
+            for p in range(3):
+                assert page(pool, dst, p) == page(pool, src, p), f"rank {i}: another's page"
+            storage.close()
