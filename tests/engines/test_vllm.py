@@ -188,12 +188,19 @@ limit = 5
 """
 
 
-@pytest.mark.timeout(600)
-def test_a_request_waits_while_its_tenants_kvd_budget_is_spent_then_runs(tmp_path):
+@contextlib.contextmanager
+def limited_kvd(tmp_path):
+    """A kvd whose tenant "engine" runs one request at a time (LIMITED), and the admission
+    events it publishes (watch_admissions)."""
     config = tmp_path / "kvd.toml"
     config.write_text(LIMITED)
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
-        seen = watch_admissions(kvd.target)
+        yield kvd, watch_admissions(kvd.target)
+
+
+@pytest.mark.timeout(600)
+def test_a_request_waits_while_its_tenants_kvd_budget_is_spent_then_runs(tmp_path):
+    with limited_kvd(tmp_path) as (kvd, seen):
         ran = engine_run(kvd.target, prompts(100, 2))
         time.sleep(0.5)
     print(f"\nrun: {ran}\nadmissions: {seen}")
@@ -209,10 +216,7 @@ def test_a_request_aborted_while_kvd_queues_it_leaves_kvd(tmp_path):
     # spent); its client goes away meanwhile. vLLM tells the connector it finished: kvd
     # must forget it, not admit it later for a request nobody runs (holding the tenant's
     # budget for as long as the engine lives).
-    config = tmp_path / "kvd.toml"
-    config.write_text(LIMITED)
-    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
-        seen = watch_admissions(kvd.target)
+    with limited_kvd(tmp_path) as (kvd, seen):
         engine = Engine(kvd.target, [{"prompts": prompts(300, 2), "abort": [1]}], pause=True)
         try:
             ran = engine.result()

@@ -11,11 +11,16 @@ from kvd_loadgen.local import LocalKvd
 from .conftest import SMALL
 
 
+def _riding_out_restarts(target: str) -> AsyncClient:
+    """A client whose calls wait for kvd to come back."""
+    return AsyncClient(target, timeout_s=30,
+                       retry=RetryPolicy(max_attempts=30, max_backoff_s=0.2))
+
+
 async def test_a_client_rides_out_a_restart_and_re_registers(tmp_path):
     kvd = LocalKvd(*SMALL, workdir=tmp_path).start()
     try:
-        async with AsyncClient(kvd.target, timeout_s=30,
-                               retry=RetryPolicy(max_attempts=30, max_backoff_s=0.2)) as c:
+        async with _riding_out_restarts(kvd.target) as c:
             session = EngineSession(c)
             for rid, blocks in (("a", 3), ("b", 2), ("c", 1)):
                 assert (await session.admit(rid, 16 * blocks, 16)).decision == \
@@ -66,8 +71,7 @@ async def test_a_request_kvd_cannot_give_its_blocks_back_does_not_stop_the_other
     # no block of the ones it held before.
     kvd = LocalKvd(*SMALL, workdir=tmp_path).start()
     try:
-        async with AsyncClient(kvd.target, timeout_s=30,
-                               retry=RetryPolicy(max_attempts=30, max_backoff_s=0.2)) as c:
+        async with _riding_out_restarts(kvd.target) as c:
             session = EngineSession(c)
             for rid, blocks in (("big", 4), ("small", 1), ("late", 2)):
                 assert (await session.admit(rid, 16, 16)).decision == pb.DECISION_ADMITTED
