@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvd.config import Config, PoolConfig
 from kvd.core.blocks import TierKind
 from kvd.node import Node
@@ -116,3 +118,44 @@ async def test_the_same_against_engines_stepping_over_step_streams(tmp_path):
         finally:
             for client in clients.values():
                 await client.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "fair", "intent"])
+async def test_an_allocation_cancelled_once_the_line_ran_it_is_rolled_back(policy):
+    # b's allocation waits in line for room (every device page is held for a). a's next
+    # call ends its holds and the line runs b's allocation at once, choosing a victim of
+    # a's; b's caller goes away before it resumes. Nobody will start that plan: it is
+    # rolled back, the victim keeps its page and its bytes, and b is as it was.
+    daemon = Node(Config(socket="", tcp="x", metrics="", pools=(
+        PoolConfig(model="tiny", device_pages=4, host_pages=8, policy=policy,
+                   admission="reservation"),)))
+    try:
+        rt = daemon.pools["default"]
+        pool = rt.pool
+        for rid in ("a", "b"):
+            daemon.admit(rid, tenant="t", pool="", prompt_tokens=16, output_tokens=0,
+                         priority=0)
+        blocks, _ = await daemon.allocate("a", 4, holder="engine-a")
+        device = rt.arenas["device"].pages
+        for b in blocks:
+            device[b.page] = b.index + 1
+        waiting = asyncio.ensure_future(daemon.allocate("b", 1, holder="engine-b"))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not waiting.done() and not pool.requests["b"].live  # in line
+        daemon.end_holds("engine-a")
+        assert pool.requests["b"].live  # the line ran it...
+        waiting.cancel()  # ...and its caller is gone before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await rt.transit.quiesce(timeout_s=5)
+        assert not pool.requests["b"].live
+        assert [(b.tier, b.moving) for b in pool.requests["a"].live] == \
+            [(TierKind.DEVICE, False)] * 4
+        for b in pool.requests["a"].live:
+            assert (device[b.page] == b.index + 1).all(), f"a's block {b.index}"
+        assert await daemon.self_check() == []
+        (block,), _ = await asyncio.wait_for(daemon.allocate("b", 1), timeout=5)
+        assert block.index == 0 and await daemon.self_check() == []
+    finally:
+        await daemon.aclose()
