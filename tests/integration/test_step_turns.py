@@ -250,3 +250,51 @@ async def test_a_flood_of_ready_steps_does_not_go_ahead_of_another_tenants_step(
     # A victim with a second stream open holds its turn over a pass too.
     assert await _flood_steps_before_the_victims(1, 16, 2) == 1
     assert await _flood_steps_before_the_victims(4, 16, 2) == 4
+
+
+async def test_a_copy_that_fails_under_a_steps_allocation_is_that_items_error():
+    # A step allocates a block for which kvd must first demote a victim, and the copy
+    # fails (a device error, say). The plan is rolled back; the step reports the item, as
+    # it reports a read whose copy failed, and goes on: the engine's stream is not ended
+    # with gRPC's UNKNOWN for one copy, and the victim keeps its page and bytes.
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", inline_copy_bytes=0,
+                       pools=(PoolConfig(model="tiny", device_pages=4, host_pages=8,
+                                         policy="lru", admission="reservation"),)))
+    try:
+        streams = StepStreams(node, None, StepTurns(1), CallLimits(1024, 65536),
+                              OpenStreams())
+        rt = node.pools["default"]
+        for rid in ("a", "b"):
+            node.admit(rid, tenant="t", pool="", prompt_tokens=16, output_tokens=0,
+                       priority=0)
+        blocks, _ = await node.allocate("a", 4)
+        device = rt.arenas["device"].pages
+        for b in blocks:
+            device[b.page] = b.index + 1
+        copy, failures = rt.copier.copy_runs, []
+
+        def failing_once(*args, **kwargs):
+            if not failures:
+                failures.append(1)
+                raise OSError("injected copy failure")
+            return copy(*args, **kwargs)
+
+        rt.copier.copy_runs = failing_once
+        step = pb.StepRequest(step_id=1, allocations=[pb.AllocateRequest(request_id="b",
+                                                                         num_blocks=1)])
+        reply = await streams.step(step, [], None, None, "engine-b")
+        assert failures  # the copy was tried, and failed
+        (error,) = reply.errors
+        assert (error.section, error.item_index) == ("allocations", 0)
+        assert error.code == 13 and "injected copy failure" in error.message  # INTERNAL
+        assert not reply.allocated and not node.pools["default"].pool.requests["b"].live
+        again = await streams.step(pb.StepRequest(step_id=2, allocations=step.allocations),
+                                   [], None, None, "engine-b")
+        assert not again.errors and len(again.allocated) == 1
+        node.end_holds("engine-b")  # the engine's next message
+        await asyncio.wait_for(node.access("a", None), timeout=5)
+        for b in node.pools["default"].pool.requests["a"].live:
+            assert (device[b.page] == b.index + 1).all(), f"a's block {b.index}"
+        assert await node.self_check() == []
+    finally:
+        await node.aclose()

@@ -266,6 +266,8 @@ class StepStreams:
                 await node.update_intents([intent_change(u, ns) for u in step.intents[:]], scope)
             except errors.KvdError as exc:
                 _step_error(reply, "intents", 0, exc, ns)
+            except Exception as exc:  # a prefetch's copy failed: rolled back
+                _copy_failed(reply, "intents", 0, exc)
         for i, item in enumerate(step.frees[:] if _FREES in present else ()):
             try:
                 await node.free(ns + item.request_id, item.block_indices[:], scope)
@@ -287,6 +289,8 @@ class StepStreams:
                 add_handles(reply.allocated, blocks, page_bytes, len(ns))
             except errors.KvdError as exc:
                 _step_error(reply, "allocations", i, exc, ns)
+            except Exception as exc:  # a victim's copy out failed: rolled back
+                _copy_failed(reply, "allocations", i, exc)
         return stalled
 
     async def _reads(self, items: list, reply: pb.StepResponse, scope: str | None,
@@ -310,9 +314,7 @@ class StepStreams:
             try:
                 await reading.wait()
             except Exception as exc:  # a failed copy: the plan was aborted
-                reply.errors.append(pb.StepError(section=section, item_index=i,
-                                                 code=grpc.StatusCode.INTERNAL.value[0],
-                                                 message=f"copy failed: {exc}"))
+                _copy_failed(reply, section, i, exc)
                 continue
             stalled = True
             _relocated(reply, reading.result, reading.page_bytes, len(ns))
@@ -455,6 +457,14 @@ def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) ->
         add_handles(reply.relocated, moved, page_bytes, cut)
     if len(blocks) == req.num_live_blocks:
         req.maybe_relocated = False
+
+
+def _copy_failed(reply: pb.StepResponse, section: str, index: int, exc: Exception) -> None:
+    """An item whose copy between tiers failed (its plan rolled back, and the failure logged
+    where it happened): INTERNAL for that item, and the step goes on."""
+    reply.errors.append(pb.StepError(section=section, item_index=index,
+                                     code=grpc.StatusCode.INTERNAL.value[0],
+                                     message=f"copy failed: {exc}"))
 
 
 def _step_error(reply: pb.StepResponse, section: str, index: int, exc: errors.KvdError,
