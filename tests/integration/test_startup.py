@@ -42,10 +42,15 @@ def one_line(result: subprocess.CompletedProcess, expect: str) -> None:
     assert len(ours) == 1 and expect in ours[0], result.stderr
 
 
+# What /dev/shm held before these tests: a kvd killed long ago leaves its arenas, and a kvd
+# started here may be given the same pid.
+BEFORE = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
 def left_behind() -> list[str]:
     """Shared memory of the kvds these tests started (their names carry the pid)."""
-    return [n for n in os.listdir("/dev/shm")
-            if any(n.startswith(f"kvd-{pid}-") for pid in STARTED)]
+    return [n for n in os.listdir("/dev/shm") if n not in BEFORE
+            and any(n.startswith(f"kvd-{pid}-") for pid in STARTED)]
 
 
 @pytest.mark.parametrize("server, expect", [
