@@ -123,6 +123,7 @@ class KvdConnector(KVConnectorBase_V1):
         self.sizes = (parallel.tensor_parallel_size,
                       getattr(parallel, "prefill_context_parallel_size", 1),
                       parallel.pipeline_parallel_size)
+        self.shards = all_shards(self.sizes)  # every worker's, for lookups
         self.shard = ""  # this worker's, once register_kv_caches knows its ranks
         # Scheduler side.
         self.tracked: dict[str, _Tracked] = {}
@@ -171,7 +172,7 @@ class KvdConnector(KVConnectorBase_V1):
     def _lookup(self, tracked: _Tracked) -> int:
         """The leading run of the request's blocks kvd holds for every worker's shard."""
         hit = len(tracked.keys)
-        for suffix in all_shards(self.sizes):
+        for suffix in self.shards:
             if not hit:
                 break
             hit = min(hit, self.client.lookup(tracked.namespace + suffix, tracked.keys[:hit],

@@ -148,7 +148,5 @@ class TierEventPublisher:
                         await asyncio.sleep(0)
                 await self._router.send_multipart(
                     [client, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # a request that cannot be answered: the next may
                 log.error("tier_events_replay_failed", error=str(exc))

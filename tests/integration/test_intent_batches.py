@@ -28,6 +28,7 @@ from kvd.core.blocks import TierKind
 from kvd.core.errors import KvdError
 from kvd.core.intent import IntentChange
 from kvd.node import Node
+from kvd.service.convert import pool_export
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_client.arena import MappedPool
 
@@ -44,11 +45,8 @@ class Engine:
         self.node = Node(Config(socket="", tcp="x", workers=2, pools=tuple(
             PoolConfig(name=name, page_bytes=PAGE, device_pages=DEVICE, host_pages=512,
                        policy=policy) for name in pools)))
-        self.mapped = {name: MappedPool(pb.ExportPoolResponse(page_bytes=PAGE, tiers=[
-            pb.TierExport(tier=tier, num_pages=rt.arenas[key].num_pages,
-                          shm_name=rt.arenas[key].export().shm_name)
-            for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host"))]))
-            for name, rt in self.node.pools.items()}
+        self.mapped = {name: MappedPool(pool_export(rt))  # as ExportPool hands them out
+                       for name, rt in self.node.pools.items()}
         self.digests: dict[tuple[str, int], bytes] = {}
 
     async def grow(self, rid: str, blocks: int, pool: str = "default") -> None:

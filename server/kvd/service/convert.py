@@ -18,6 +18,20 @@ DECISIONS = {
 }
 
 
+def pool_export(rt) -> pb.ExportPoolResponse:
+    """A pool's arenas as an engine maps them (ExportPool): each tier's shared memory or
+    CUDA IPC handle. `rt`: the pool's PoolRuntime."""
+    tiers = []
+    for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host")):
+        export = rt.arenas[key].export()
+        tiers.append(pb.TierExport(
+            tier=tier, backend=export.backend, num_pages=export.num_pages,
+            shm_name=export.shm_name, cuda_ipc_handle=export.cuda_ipc_handle,
+            cuda_device=export.cuda_device, arena_bytes=export.arena_bytes))
+    return pb.ExportPoolResponse(pool=rt.pool.name, page_bytes=rt.pool.page_bytes,
+                                 tiers=tiers)
+
+
 def intent_fields(intent: pb.MemoryIntent) -> dict:
     """The fields an update carries (proto3 optional: presence is known)."""
     return {field.name: value for field, value in intent.ListFields()}

@@ -208,22 +208,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         rt = self.node.runtime(request.pool)
         if not caller.admin:  # the arenas are read and written whole: only its users
             self._may_use(rt.pool.name, caller.tenant)
-        tiers = []
-        for tier, key in ((pb.TIER_DEVICE, "device"), (pb.TIER_HOST, "host")):
-            export = rt.arenas[key].export()
-            tiers.append(
-                pb.TierExport(
-                    tier=tier,
-                    backend=export.backend,
-                    num_pages=export.num_pages,
-                    shm_name=export.shm_name,
-                    cuda_ipc_handle=export.cuda_ipc_handle,
-                    cuda_device=export.cuda_device,
-                    arena_bytes=export.arena_bytes,
-                )
-            )
-        return pb.ExportPoolResponse(pool=rt.pool.name, page_bytes=rt.pool.page_bytes,
-                                     tiers=tiers)
+        return convert.pool_export(rt)
 
     @unary
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,
