@@ -8,7 +8,7 @@ Load it with
 
 (`pip install '<kvd checkout>[vllm]'`). Extra config: `kvd_target`, `kvd_token` (or its file,
 `kvd_token_file`), `kvd_pool` ("default"), `kvd_tenant` (the tenant of requests that name
-none).
+none), `kvd_load_failure_policy` ("recompute", see below).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
 prefix blocks, named by vLLM's own block hashes within a namespace of the model and the
@@ -32,7 +32,10 @@ and kvd's mapped arenas (kvd_client.block_copy); on a GPU they run on a CUDA str
 own, through page-locked staging for pages in host memory.
 
 kvd going away never stops the engine: a failed call is logged and the request is served
-without kvd (recomputed). While kvd does not answer, the connector leaves it alone for a
+without kvd (recomputed). A prefix the scheduler found in kvd that the worker then cannot load
+(kvd let it go meanwhile, or went away) is recomputed too: the connector sets vLLM's
+`kv_load_failure_policy` to "recompute" (vLLM's own default, "fail", ends such a request
+with an error; `kvd_load_failure_policy = "fail"` keeps that). While kvd does not answer, the connector leaves it alone for a
 second at a time (`kvd_retry_s`) rather than stall the scheduler on every request. A kvd that
 restarted has new arenas: the worker maps them, and bytes copied while it could not tell
 which kvd answered are neither committed nor used (see `_check_kvd`).
@@ -111,6 +114,11 @@ class KvdConnector(KVConnectorBase_V1):
         self.client = Client(extra.get("kvd_target"), token=token,
                              timeout_s=float(extra.get("kvd_timeout_s", 2.0)))
         self.retry_s = float(extra.get("kvd_retry_s", 1.0))
+        if role == KVConnectorRole.SCHEDULER:
+            # The scheduler reads the policy once its connector is made: a block kvd lost
+            # between lookup and load is a miss in a cache, not the request's failure.
+            self._kv_transfer_config.kv_load_failure_policy = extra.get(
+                "kvd_load_failure_policy", "recompute")
         self._away_until = 0.0  # kvd did not answer: calls skipped until then
         self.pool = extra.get("kvd_pool", "")
         self.default_tenant = extra.get("kvd_tenant", "")

@@ -389,3 +389,75 @@ def test_each_worker_of_a_tensor_parallel_engine_gets_back_its_own_shard(tmp_pat
         assert scheduler._lookup(vc._Tracked(namespace, keys, 3)) == 2
         for connector in (*workers, scheduler):
             connector.client.close()
+
+
+@contextlib.contextmanager
+def failing_loads(target: str, tmp_path: Path):
+    """A gRPC proxy in front of kvd that passes every unary call through (bytes and metadata
+    as they are) but answers each Load with UNAVAILABLE, as when kvd goes away between the
+    scheduler's lookup and the worker's load. Yields its target and the Loads it failed."""
+    import grpc
+
+    sock = tmp_path / "proxy.sock"
+    failed: list[str] = []
+    ready = threading.Event()
+    stop: list = []
+
+    async def serve() -> None:
+        channel = grpc.aio.insecure_channel(target)
+
+        class Pass(grpc.GenericRpcHandler):
+            def service(self, details):
+                method = details.method
+
+                async def unary(request: bytes, context):
+                    if method == "/kvd.v1.Memory/Load":
+                        failed.append(method)
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "kvd went away")
+                    metadata = [(k, v) for k, v in context.invocation_metadata()
+                                if k.startswith(("kvd-", "authorization"))]
+                    try:
+                        return await channel.unary_unary(method)(request, metadata=metadata)
+                    except grpc.aio.AioRpcError as exc:
+                        await context.abort(exc.code(), exc.details())
+
+                return grpc.unary_unary_rpc_method_handler(unary)
+
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((Pass(),))
+        server.add_insecure_port(f"unix:{sock}")
+        await server.start()
+        done = asyncio.Event()
+        stop.append((asyncio.get_running_loop(), done))
+        ready.set()
+        await done.wait()
+        await server.stop(None)
+        await channel.close()
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    try:
+        yield f"unix://{sock}", failed
+    finally:
+        loop, done = stop[0]
+        loop.call_soon_threadsafe(done.set)
+        thread.join(10)
+
+
+@pytest.mark.timeout(600)  # two engine starts of ~30 s each
+def test_a_prefix_kvd_cannot_load_after_its_lookup_is_computed_not_an_error(tmp_path):
+    # The scheduler's lookup finds a prompt's prefix in kvd; by the time the worker loads it,
+    # kvd is gone (or let the blocks go). The connector reports those blocks as not loaded,
+    # and vLLM (whose kv_load_failure_policy is "fail" unless told) must recompute them: a
+    # miss in a cache is no reason to fail a user's request.
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        first = engine_run(kvd.target, PROMPTS)
+        with failing_loads(kvd.target, tmp_path) as (proxy, failed):
+            second = engine_run(proxy, PROMPTS)
+        with Client(kvd.target) as c:
+            left = c.pool_stats().pools[0].num_requests
+    print(f"\nrun 1: {first}\nrun 2 (every Load failed): {second}\nLoads failed: {len(failed)}")
+    assert failed  # the lookups hit, and the loads were tried
+    assert second["tokens"] == first["tokens"]
+    assert left == 0
