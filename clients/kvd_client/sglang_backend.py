@@ -25,6 +25,11 @@ is a miss for SGLang (batch_exists counts the leading run kvd still holds).
 Each thread SGLang calls the backend from is a kvd client of its own: the pages kvd hands one
 thread stay its own until that thread's next call, whatever the others do meanwhile.
 
+A kvd that restarted has new arenas. Each call checks, once its copies are done, that the kvd
+answering is still the one whose arenas are mapped (before a store commits anything); if not,
+it maps the new ones and the call counts as failed, so that no page is committed with bytes
+the new kvd never saw, nor read from the old kvd's memory (see `_same_kvd`).
+
 Only page keys reach a backend, no request: each call is made under a short-lived kvd request
 of the configured tenant, which kvd admits (or refuses while the tenant's budget is spent: the
 call then fails, and SGLang recomputes or keeps the page on its host tier).
@@ -79,6 +84,11 @@ class KvdStorage(HiCacheStorage):
             f"sglang|{storage_config.model_name or ''}{shard_suffix(storage_config)}")
         self._ids = (f"sglang-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         self.arena: MappedPool | None = None
+        self._arena_names: tuple[bytes, ...] = ()
+        # Calls copying through each mapping: one a restart replaced is closed once no call
+        # copies through it any more (see _mapped).
+        self._copying: dict[int, int] = {}
+        self._arena_lock = threading.Lock()
         self.page_tokens = 0
         self.page_bytes = 0
 
@@ -109,7 +119,48 @@ class KvdStorage(HiCacheStorage):
                 f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
                 f"one SGLang host page is {self.page_bytes}: start kvd with "
                 f"page_bytes = {self.page_bytes}")
-        self.arena = MappedPool(export)
+        self.arena, self._arena_names = MappedPool(export), _arena_names(export)
+
+    @contextlib.contextmanager
+    def _mapped(self) -> Iterator[MappedPool]:
+        """The arenas mapped now, for one call's copies: SGLang's threads call at once, and a
+        mapping one of them replaces (kvd restarted) stays open until the others are done
+        copying through it."""
+        with self._arena_lock:
+            arena = self.arena
+            self._copying[id(arena)] = self._copying.get(id(arena), 0) + 1
+        try:
+            yield arena
+        finally:
+            with self._arena_lock:
+                left = self._copying[id(arena)] - 1
+                if left:
+                    self._copying[id(arena)] = left
+                else:
+                    del self._copying[id(arena)]
+                    if arena is not self.arena:
+                        arena.close()
+
+    def _same_kvd(self, arena: MappedPool) -> bool:
+        """Whether the kvd answering now is the one whose arenas `arena` maps: then it answered
+        every call since they were mapped (a kvd that stopped never comes back, and each start
+        makes new arenas). If not, the new kvd's arenas are mapped for the calls to come."""
+        export = self.client.export_pool(self.pool)
+        names = _arena_names(export)
+        if names == self._arena_names and arena is self.arena:
+            return True
+        with self._arena_lock:
+            if names != self._arena_names:
+                if export.page_bytes != self.page_bytes:
+                    log.warning("kvd restarted with pages of %d bytes; one SGLang host page "
+                                "is %d: not using it", export.page_bytes, self.page_bytes)
+                    return False
+                log.warning("kvd restarted: mapping its new arenas")
+                old, self.arena = self.arena, MappedPool(export)
+                self._arena_names = names
+                if id(old) not in self._copying:
+                    old.close()
+        return False
 
     def _segments(self, host_indices: torch.Tensor) -> list[Segments]:
         """Each page's (address, size) segments in the host pool, in page order."""
@@ -135,9 +186,10 @@ class KvdStorage(HiCacheStorage):
         finally:
             self.client.release(rid)
 
-    def _copy(self, handle: pb.PageHandle, segments: Segments, into_kvd: bool) -> None:
+    def _copy(self, arena: MappedPool, handle: pb.PageHandle, segments: Segments,
+              into_kvd: bool) -> None:
         """Copy one page between kvd's arena and the host pool's segments."""
-        page = self.arena.page(handle)
+        page = arena.page(handle)
         kvd_ptr = page.ctypes.data if hasattr(page, "ctypes") else page.data.ptr
         copy = ctypes.memmove if hasattr(page, "ctypes") else _cuda_copy
         offset = 0
@@ -155,15 +207,16 @@ class KvdStorage(HiCacheStorage):
         first = _first_of_each(keys)
         names = [keys[i].encode() for i in first]
         try:
-            with self._request(len(first)) as rid:
+            with self._request(len(first)) as rid, self._mapped() as arena:
                 reply = self.client.store(rid, self.namespace, names)
-                written = []
-                for handle, fresh, i in zip(reply.handles, reply.fresh, first):
-                    if fresh:
-                        self._copy(handle, pages[i], into_kvd=True)
-                        written.append(keys[i].encode())
-                if written:
-                    self.client.commit(rid, self.namespace, written)
+                fresh = [(handle, i) for handle, is_fresh, i
+                         in zip(reply.handles, reply.fresh, first) if is_fresh]
+                copied = self._copies(arena, [(h, pages[i]) for h, i in fresh], into_kvd=True)
+                # Committed only into the arenas of the kvd that handed out the pages.
+                if fresh and not (self._same_kvd(arena) and copied):
+                    return [False] * len(keys)
+                if fresh:
+                    self.client.commit(rid, self.namespace, [keys[i].encode() for _, i in fresh])
         except (KvdClientError, _NotAdmitted) as exc:
             log.warning("kvd: storing %d page(s) failed: %s", len(keys), exc)
             return [False] * len(keys)
@@ -175,15 +228,29 @@ class KvdStorage(HiCacheStorage):
             return []
         keys = keys[:_leading_distinct(keys)]  # a run is one chain: it ends at a repeat
         try:
-            with self._request(len(keys)) as rid:
+            with self._request(len(keys)) as rid, self._mapped() as arena:
                 reply = self.client.load(rid, self.namespace, [k.encode() for k in keys])
-                for handle, segments in zip(reply.handles, pages):
-                    self._copy(handle, segments, into_kvd=False)
-                found = len(reply.handles)
+                handles = reply.handles[:len(pages)]
+                copied = self._copies(arena, list(zip(handles, pages)), into_kvd=False)
+                # Read only from the arenas of the kvd that handed out the pages.
+                found = (len(handles) if not handles or (self._same_kvd(arena) and copied)
+                         else 0)
         except (KvdClientError, _NotAdmitted) as exc:
             log.warning("kvd: loading %d page(s) failed: %s", len(keys), exc)
             found = 0
         return [i < found for i in range(len(pages))]
+
+    def _copies(self, arena: MappedPool, pages: list[tuple[pb.PageHandle, Segments]],
+                into_kvd: bool) -> bool:
+        """Copy each page between kvd's arena and its host segments; False when a handle
+        names a page the arenas mapped here do not have (they are another kvd's)."""
+        try:
+            for handle, segments in pages:
+                self._copy(arena, handle, segments, into_kvd)
+        except LookupError as exc:
+            log.warning("kvd: a page handle outside the mapped arenas: %s", exc)
+            return False
+        return True
 
     # ------------------------------------------------------------------ zero-copy (v1)
 
@@ -257,6 +324,12 @@ def shard_suffix(config: HiCacheStorageConfig) -> str:
     if config.is_mla_model and getattr(config, "dcp_size", 1) > 1:
         parts.append(f"|dcp{config.dcp_rank}/{config.dcp_size}")
     return "".join(parts)
+
+
+def _arena_names(export: pb.ExportPoolResponse) -> tuple[bytes, ...]:
+    """A kvd's arenas by name: shared-memory names and CUDA IPC handles are new each time
+    kvd starts."""
+    return tuple(t.shm_name.encode() + t.cuda_ipc_handle for t in export.tiers)
 
 
 def _flat(tensor: torch.Tensor) -> Segments:

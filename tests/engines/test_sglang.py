@@ -188,11 +188,11 @@ def test_a_read_while_another_thread_stores_gets_the_bytes_it_asked_for(tmp_path
         copy = storage._copy
         reader = threading.current_thread()
 
-        def copy_after_the_store(handle, segments, into_kvd):
+        def copy_after_the_store(arena, handle, segments, into_kvd):
             if not into_kvd and threading.current_thread() is reader and not loaded.is_set():
                 loaded.set()
                 stored.wait(timeout=0.5)
-            copy(handle, segments, into_kvd)
+            copy(arena, handle, segments, into_kvd)
 
         storage._copy = copy_after_the_store
         results = {}
@@ -243,3 +243,49 @@ def test_ranks_holding_different_shards_of_a_page_each_get_back_their_own(tmp_pa
             for p in range(3):
                 assert page(pool, dst, p) == page(pool, src, p), f"rank {i}: another's page"
             storage.close()
+
+
+def test_across_a_kvd_restart_no_page_is_copied_to_or_from_the_old_kvds_arenas(tmp_path):
+    # kvd restarts under a running SGLang: the new kvd's arenas are new shared memory, while
+    # the backend still maps the old kvd's. Copying through that mapping, a read returned the
+    # old kvd's bytes for pages the new one handed out, and a store put its bytes where the
+    # new kvd never looks and committed the keys all the same (pages of zeros, served to
+    # every instance as hits). The first calls after a restart may fail (kvd was away, or
+    # the backend maps the new arenas): each is tried a few times, and what one says it
+    # read or stored must be right.
+    def stored(storage, names, src) -> bool:
+        return any(all(storage.batch_set_v1(names, src)) for _ in range(3))
+
+    def read(storage, pool, names, src) -> bool:
+        for _ in range(3):
+            dst = pool.alloc(len(names) * PAGE_TOKENS)
+            got = storage.batch_get_v1(names, dst)
+            for i, ok in enumerate(got):
+                if ok:
+                    assert page(pool, dst, i) == page(pool, src, i), \
+                        f"page {i}: not the bytes stored under its key"
+            if all(got):
+                return True
+        return False
+
+    k = kvd(tmp_path).start()
+    try:
+        pool = host_pool(64)
+        reader, writer = backend(k.target, pool), backend(k.target, pool)
+        assert writer.batch_set_v1(keys("old", 2), written_pages(pool, 2, seed=40)) == [True] * 2
+        assert reader.batch_exists(keys("old", 2)) == 2
+        k.stop()
+        k = kvd(tmp_path).start()  # a new, empty kvd on the same socket
+        fresh = backend(k.target, pool)  # an instance that started after the restart
+        theirs = written_pages(pool, 2, seed=41)
+        assert stored(fresh, keys("theirs", 2), theirs)
+        # Each old instance's first calls since the restart: reads for one, stores for the
+        # other.
+        assert read(reader, pool, keys("theirs", 2), theirs)
+        mine = written_pages(pool, 2, seed=42)
+        assert stored(writer, keys("mine", 2), mine)
+        assert read(fresh, pool, keys("mine", 2), mine)
+        for storage in (reader, writer, fresh):
+            storage.close()
+    finally:
+        k.stop()
