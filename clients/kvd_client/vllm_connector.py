@@ -11,8 +11,8 @@ Load it with
 none), `kvd_load_failure_policy` ("recompute", see below).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
-prefix blocks, named by vLLM's own block hashes within a namespace of the model and the
-request's cache salt, are looked up in kvd and their tokens reported as an external hit.
+prefix blocks, named by vLLM's own block hashes within a namespace of the model, block size,
+KV dtype and the request's cache salt (see `namespace`), are looked up in kvd and their tokens reported as an external hit.
 A request admitted by no one (kvd's budget for its tenant is spent) is told to wait: the
 connector answers None until kvd admits it. On finish the request is released in kvd (one
 aborted while kvd still queued it too); the blocks it stored stay there for the next request
@@ -43,6 +43,7 @@ which kvd answered are neither committed nor used (see `_check_kvd`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -124,6 +125,7 @@ class KvdConnector(KVConnectorBase_V1):
         self.default_tenant = extra.get("kvd_tenant", "")
         self.block_size = vllm_config.cache_config.block_size
         self.model = str(vllm_config.model_config.model)
+        self.kv_dtype = kv_dtype(vllm_config)
         # Parallel engines shard the KV cache: each worker's blocks hold its heads (tensor,
         # context parallel) or its layers (pipeline), so each stores and loads them under a
         # namespace of its own shard (see shard_suffix).
@@ -241,7 +243,7 @@ class KvdConnector(KVConnectorBase_V1):
         prompt = len(request.prompt_token_ids or ())
         params = (request.kv_transfer_params or {}).get("kvd", {})
         self.tracked[request.request_id] = _Tracked(
-            namespace=f"{self.model}|{self.block_size}|{salt}",
+            namespace=namespace(self.model, self.block_size, self.kv_dtype, salt),
             keys=[bytes(h) for h in request.block_hashes],
             num_prompt_blocks=prompt // self.block_size, intent=block_intent(params))
 
@@ -410,6 +412,30 @@ class KvdConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
         return errors
+
+
+# The longest namespace the connector names before a worker's shard suffix: kvd takes 256
+# characters, and a suffix is at most about 40.
+MAX_NAMESPACE = 200
+
+
+def namespace(model: str, block_size: int, dtype: str, salt: str) -> str:
+    """Where a request's prefix blocks are named in kvd: vLLM's block hashes name tokens (and
+    the cache salt, LoRA, media), not the bytes an engine keeps for them, which also depend on
+    the model, the block size and the KV dtype. A name past MAX_NAMESPACE (a long path or
+    salt) is its digest."""
+    name = f"{model}|{block_size}|{dtype}|{salt}"
+    if len(name) <= MAX_NAMESPACE:
+        return name
+    return "vllm-sha256:" + hashlib.sha256(name.encode()).hexdigest()
+
+
+def kv_dtype(vllm_config: Any) -> str:
+    """The dtype of an engine's KV cache: the cache's own (an fp8 format), else the model's."""
+    cache = str(vllm_config.cache_config.cache_dtype)
+    if cache == "auto":
+        return str(vllm_config.model_config.dtype).removeprefix("torch.")
+    return "fp8_e4m3" if cache == "fp8" else cache  # vLLM's "fp8" is e4m3
 
 
 def shard_suffix(ranks: tuple[int, ...], sizes: tuple[int, ...]) -> str:

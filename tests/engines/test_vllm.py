@@ -461,3 +461,47 @@ def test_a_prefix_kvd_cannot_load_after_its_lookup_is_computed_not_an_error(tmp_
     assert failed  # the lookups hit, and the loads were tried
     assert second["tokens"] == first["tokens"]
     assert left == 0
+
+
+def test_engines_whose_kv_bytes_differ_name_their_blocks_apart(tmp_path):
+    # vLLM's block hashes name tokens, not the bytes an engine keeps for them: engines of
+    # one model whose KV caches hold another dtype of the same size (bf16 against fp16, one
+    # fp8 format against the other) would load each other's blocks as their own. And a long
+    # cache salt must not push the name past what kvd takes (it refused every lookup).
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    class Request:
+        def __init__(self, salt=None):
+            self.request_id, self.cache_salt, self.kv_transfer_params = "r", salt, None
+            self.prompt_token_ids, self.block_hashes = list(range(64)), [b"h0", b"h1"]
+
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        def namespace(dtype="bfloat16", cache_dtype="auto", salt=None):
+            config = VllmConfig(
+                model_config=ModelConfig(model=str(RUNNER.parent / "tiny_llama"),
+                                         skip_tokenizer_init=True, dtype=dtype,
+                                         max_model_len=1024),
+                cache_config=CacheConfig(block_size=32, cache_dtype=cache_dtype),
+                kv_transfer_config=KVTransferConfig(
+                    kv_connector="KvdConnector", kv_role="kv_both",
+                    kv_connector_module_path="kvd_client.vllm_connector",
+                    kv_connector_extra_config={"kvd_target": kvd.target}))
+            connector = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
+            connector._track(Request(salt))
+            connector.client.close()
+            return connector.tracked["r"].namespace
+
+        names = {namespace(), namespace(dtype="float16"),
+                 namespace(cache_dtype="fp8_e4m3"), namespace(cache_dtype="fp8_e5m2")}
+        assert len(names) == 4, names
+        assert namespace(cache_dtype="fp8") == namespace(cache_dtype="fp8_e4m3")
+        assert namespace(salt="a") != namespace(salt="b")
+        long = [namespace(salt=c * 300) for c in "ab"]
+        assert long[0] != long[1]
+        with Client(kvd.target) as c:
+            for name in long:  # kvd takes the name, and the longest shard suffix after it
+                assert c.lookup(name + vc.shard_suffix((99, 99, 99), (100, 100, 100)),
+                                [b"h0"]).num_hit == 0
