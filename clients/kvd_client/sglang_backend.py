@@ -9,8 +9,8 @@ Start SGLang with
 
 Extra config: `kvd_target`, `kvd_token` (or its file, `kvd_token_file`), `kvd_pool`
 ("default"), `kvd_tenant` (when kvd identifies tenants by name rather than by token),
-`kvd_namespace` (default: the model, and the shard of its KV this rank holds: see
-shard_suffix), `kvd_timeout_s`.
+`kvd_namespace` (default: the model, the host pool's KV dtype, and the shard of its KV this
+rank holds: see `namespace`), `kvd_timeout_s`.
 
 SGLang names each page of its host pool by a chained hash of its tokens; those names are kvd's
 shared prefix blocks, one kvd page per SGLang page (kvd's page_bytes must equal the bytes of
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import itertools
 import logging
 import threading
@@ -55,6 +56,8 @@ from kvd_client.arena import MappedPool
 
 log = logging.getLogger("kvd.sglang")
 
+# The longest namespace kvd takes.
+MAX_NAMESPACE = 256
 # A page's bytes in kvd, as (address, size) segments of the host pool.
 Segments = list[tuple[int, int]]
 
@@ -80,8 +83,10 @@ class KvdStorage(HiCacheStorage):
         self._clients_lock = threading.Lock()
         self.pool = extra.get("kvd_pool", "")
         self.tenant = extra.get("kvd_tenant", "")
-        self.namespace = extra.get("kvd_namespace") or (
-            f"sglang|{storage_config.model_name or ''}{shard_suffix(storage_config)}")
+        # Named once the host pool says its dtype (register_mem_pool_host).
+        self._namespace = extra.get("kvd_namespace")
+        self._config = storage_config
+        self.namespace = ""
         self._ids = (f"sglang-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
         self.arena: MappedPool | None = None
         self._arena_names: tuple[bytes, ...] = ()
@@ -110,6 +115,8 @@ class KvdStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
+        self.namespace = self._namespace or namespace(
+            self._config, str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch."))
         self.page_tokens = mem_pool_host.page_size
         first = torch.arange(self.page_tokens, dtype=torch.int64)
         self.page_bytes = sum(size for _, size in self._segments(first)[0])
@@ -305,6 +312,17 @@ class KvdStorage(HiCacheStorage):
             clients, self._clients = self._clients, []
         for client in clients:
             client.close()
+
+
+def namespace(config: HiCacheStorageConfig, dtype: str) -> str:
+    """Where this rank's pages are named in kvd: SGLang's page hashes name tokens, not the
+    bytes a rank keeps for them, which also depend on the model, the KV dtype (of the host
+    pool: fp16 and bf16 pages are one size) and the rank's shard. A name longer than kvd
+    takes (a long model path) is its digest."""
+    name = f"sglang|{config.model_name or ''}|{dtype}{shard_suffix(config)}"
+    if len(name) <= MAX_NAMESPACE:
+        return name
+    return "sglang-sha256:" + hashlib.sha256(name.encode()).hexdigest()
 
 
 def shard_suffix(config: HiCacheStorageConfig) -> str:

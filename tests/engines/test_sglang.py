@@ -41,8 +41,8 @@ def kvd(tmp_path, device_pages=32, host_pages=64, page_bytes=PAGE_BYTES):
                     workdir=tmp_path)
 
 
-def host_pool(pages: int = 32) -> MHATokenToKVPoolHost:
-    device = MHATokenToKVPool(pages * PAGE_TOKENS, PAGE_TOKENS, torch.bfloat16, HEADS,
+def host_pool(pages: int = 32, dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
+    device = MHATokenToKVPool(pages * PAGE_TOKENS, PAGE_TOKENS, dtype, HEADS,
                               HEAD_DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
     return MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2.0, 0,
                                 PAGE_TOKENS, "page_first", pin_memory=False,
@@ -289,3 +289,22 @@ def test_across_a_kvd_restart_no_page_is_copied_to_or_from_the_old_kvds_arenas(t
             storage.close()
     finally:
         k.stop()
+
+
+def test_instances_whose_pages_hold_other_dtypes_or_long_names_keep_apart(tmp_path):
+    # SGLang's page hashes name tokens, not the bytes an instance keeps for them: an
+    # instance whose KV cache is fp16 and one whose cache is bf16 have pages of one size,
+    # and each would load the other's as its own. And a model name past what kvd takes
+    # made every call fail.
+    with kvd(tmp_path) as k:
+        bf16, fp16 = host_pool(), host_pool(dtype=torch.float16)
+        a, b = backend(k.target, bf16), backend(k.target, fp16)
+        assert a.batch_set_v1(keys("k", 2), written_pages(bf16, 2, seed=50)) == [True] * 2
+        assert b.batch_exists(keys("k", 2)) == 0
+        assert backend(k.target, host_pool()).batch_exists(keys("k", 2)) == 2  # bf16 shares
+        long = [backend(k.target, host_pool(), model=c * 300) for c in "xy"]
+        src = written_pages(bf16, 2, seed=51)
+        assert long[0].batch_set_v1(keys("m", 2), src) == [True] * 2
+        assert long[0].batch_exists(keys("m", 2)) == 2 and long[1].batch_exists(keys("m", 2)) == 0
+        for storage in (a, b, *long):
+            storage.close()
