@@ -16,7 +16,9 @@ KV dtype and the request's cache salt (see `namespace`), are looked up in kvd an
 A request admitted by no one (kvd's budget for its tenant is spent) is told to wait: the
 connector answers None until kvd admits it. On finish the request is released in kvd (one
 aborted while kvd still queued it too); the blocks it stored stay there for the next request
-with that prefix. Tenant and intent come
+with that prefix. While it holds requests in kvd, the scheduler renews its lease every third
+of kvd's lease TTL (at its next step): a request decoding for longer than the TTL is not taken
+for one whose engine died. Tenant and intent come
 from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ..., "pin": ...,
 "deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the request's
 prefix blocks in kvd's device tier while it runs, a deadline says when it needs them.
@@ -141,6 +143,7 @@ class KvdConnector(KVConnectorBase_V1):
         # client that went away) before kvd admits them, or kvd admits them for nobody.
         self.queued: set[str] = set()
         self._loads: list[_Transfer] = []  # planned since the last step's metadata
+        self._renew_at = 0.0  # when the lease is next renewed (see _renew_lease)
         # Worker side.
         self.copier: BlockCopier | None = None
         self.arena: MappedPool | None = None
@@ -261,7 +264,25 @@ class KvdConnector(KVConnectorBase_V1):
             tracked.num_in_kvd = positions[-1] + 1 if positions else tracked.num_in_kvd
             self._loads.append(load)
 
+    def _renew_lease(self) -> None:
+        """kvd releases the requests of a client silent past its lease TTL (one that died).
+        The scheduler calls kvd as requests come and go, not while they decode: while it
+        holds requests, it renews its lease every third of the TTL kvd gives it."""
+        if not (self.tracked or self.queued) or self._away():
+            return
+        now = time.monotonic()
+        if now < self._renew_at:
+            return
+        try:
+            ttl_s = self.client.keep_alive().lease_ttl_s
+        except KvdClientError as exc:
+            log.warning("kvd lease renewal failed: %s", exc)
+            self._note_failure(exc)
+            return
+        self._renew_at = now + ttl_s / 3
+
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        self._renew_lease()  # the scheduler builds metadata every step
         meta = KvdConnectorMetadata(loads=list(self._loads))
         self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens

@@ -4,7 +4,9 @@ random-weight Llama beside this file, kvd's connector, token-id prompts.
     python run_vllm.py KVD_TARGET SPEC_JSON
 
 SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params or null,
-...], "abort": [indices of prompts aborted once the engine has stepped] (optional)}, ...], "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
+...], "abort": [indices of prompts aborted once the engine has stepped] (optional),
+"max_tokens": each output's length, past any end of sequence (optional: 8, or less)}, ...],
+"pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
 publishes its KV cache events there)}. The batches run one after the other in the same engine; after
 each it prints one line, `KVD_RESULT {json}`: each prompt's output tokens and cached tokens,
 the seconds the engine took to start and the batch to run. With "pause", it then waits for a
@@ -49,7 +51,8 @@ def main() -> None:
         params = batch.get("params") or [None] * len(prompts)
         ran = time.monotonic()
         # One SamplingParams per prompt: kv_transfer_params (the tenant) is per request.
-        sampling = [SamplingParams(max_tokens=8, temperature=0,
+        sampling = [SamplingParams(max_tokens=batch.get("max_tokens", 8), temperature=0,
+                                   ignore_eos="max_tokens" in batch,
                                    extra_args={"kv_transfer_params": p} if p else None)
                     for p in params]
         if batch.get("abort"):

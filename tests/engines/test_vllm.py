@@ -505,3 +505,32 @@ def test_engines_whose_kv_bytes_differ_name_their_blocks_apart(tmp_path):
             for name in long:  # kvd takes the name, and the longest shard suffix after it
                 assert c.lookup(name + vc.shard_suffix((99, 99, 99), (100, 100, 100)),
                                 [b"h0"]).num_hit == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
+    # kvd releases the requests of a client silent for lease_ttl_s (one that died). The
+    # connector calls kvd when requests arrive and finish, not while they decode: a request
+    # decoding for longer than the lease (a long answer) was released under the running
+    # engine, and kvd counted its pages free for others to be admitted into.
+    with LocalKvd(*KVD, "--lease-ttl-s", "1", workdir=tmp_path) as kvd:
+        engine = Engine(kvd.target, [{"prompts": PROMPTS[:1], "max_tokens": 880}])
+        result: dict = {}
+        reader = threading.Thread(target=lambda: result.update(run=engine.result()))
+        reader.start()
+        admitted = []  # when kvd held the request
+        try:
+            with Client(kvd.target) as c:
+                while reader.is_alive():
+                    if c.pool_stats().pools[0].num_requests:
+                        admitted.append(time.monotonic())
+                    time.sleep(0.05)
+            reader.join()
+        finally:
+            engine.close()
+    run = result["run"]
+    held_s = admitted[-1] - admitted[0] if admitted else 0.0
+    print(f"\nrun: {run['run_s']:.1f} s; kvd held the request for {held_s:.1f} s of it")
+    assert len(run["tokens"][0]) == 880
+    assert run["run_s"] > 3.0  # decoding outlasts the lease several times over
+    assert held_s > run["run_s"] - 1.0
