@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import threading
@@ -42,6 +43,13 @@ class Client:
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def start(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
+        """Start the call `name` (any of the blocking calls) and return at once: a future of
+        its reply, for a caller that must not wait on kvd (kvd_client errors, as the
+        blocking call raises them, come out of its result())."""
+        return asyncio.run_coroutine_threadsafe(
+            getattr(self._client, name)(*args, **kwargs), self._loop)
 
     def _iterate(self, stream):
         """A blocking iterator over an async stream; closing it early closes the stream

@@ -49,6 +49,7 @@ import hashlib
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,10 @@ class KvdConnector(KVConnectorBase_V1):
         # client that went away) before kvd admits them, or kvd admits them for nobody.
         self.queued: set[str] = set()
         self._loads: list[_Transfer] = []  # planned since the last step's metadata
-        self._renew_at = 0.0  # when the lease is next renewed (see _renew_lease)
+        # The lease's renewal in flight (see _renew_lease), when it was sent, and when the
+        # next one is due.
+        self._renewal: Future | None = None
+        self._renewed = self._renew_at = 0.0
         # Worker side.
         self.copier: BlockCopier | None = None
         self.arena: MappedPool | None = None
@@ -267,19 +271,25 @@ class KvdConnector(KVConnectorBase_V1):
     def _renew_lease(self) -> None:
         """kvd releases the requests of a client silent past its lease TTL (one that died).
         The scheduler calls kvd as requests come and go, not while they decode: while it
-        holds requests, it renews its lease every third of the TTL kvd gives it."""
-        if not (self.tracked or self.queued) or self._away():
+        holds requests, it renews its lease every third of the TTL kvd gives it. The
+        renewal is sent without waiting for kvd's answer (read at a later step), so a kvd
+        that hangs never holds up a step with it."""
+        if not (self.tracked or self.queued):
             return
+        renewal = self._renewal
+        if renewal is not None:
+            if not renewal.done():
+                return
+            self._renewal = None
+            try:
+                self._renew_at = self._renewed + renewal.result().lease_ttl_s / 3
+            except KvdClientError as exc:
+                log.warning("kvd lease renewal failed: %s", exc)
+                self._renew_at = self._renewed + self.retry_s
         now = time.monotonic()
-        if now < self._renew_at:
-            return
-        try:
-            ttl_s = self.client.keep_alive().lease_ttl_s
-        except KvdClientError as exc:
-            log.warning("kvd lease renewal failed: %s", exc)
-            self._note_failure(exc)
-            return
-        self._renew_at = now + ttl_s / 3
+        if now >= self._renew_at:
+            self._renewed = now
+            self._renewal = self.client.start("keep_alive")
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._renew_lease()  # the scheduler builds metadata every step

@@ -534,3 +534,41 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     assert len(run["tokens"][0]) == 880
     assert run["run_s"] > 3.0  # decoding outlasts the lease several times over
     assert held_s > run["run_s"] - 1.0
+
+
+def test_the_schedulers_lease_renewal_never_waits_on_a_hung_kvd(tmp_path):
+    # The scheduler renews its lease from its steps; a kvd that hangs (stopped, not gone:
+    # its socket still takes calls) answers nothing, and a renewal that waited for the
+    # answer would stall a step for the connector's whole call timeout.
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        config = VllmConfig(
+            model_config=ModelConfig(model=str(RUNNER.parent / "tiny_llama"),
+                                     skip_tokenizer_init=True, dtype="bfloat16",
+                                     max_model_len=1024),
+            cache_config=CacheConfig(block_size=32),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvdConnector", kv_role="kv_both",
+                kv_connector_module_path="kvd_client.vllm_connector",
+                kv_connector_extra_config={"kvd_target": kvd.target}))
+        scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
+        scheduler.tracked["r"] = vc._Tracked("ns", [], 0)  # it holds a request
+        scheduler.client.keep_alive()  # connected
+        os.kill(kvd.proc.pid, signal.SIGSTOP)
+        try:
+            took = []
+            for _ in range(3):
+                started = time.monotonic()
+                scheduler._renew_lease()
+                took.append(time.monotonic() - started)
+                time.sleep(0.2)
+        finally:
+            os.kill(kvd.proc.pid, signal.SIGCONT)
+        scheduler.client.close()
+    print(f"\nrenewals against a hung kvd took {took} s")
+    assert max(took) < 0.5  # the connector's calls time out after 2 s
+    assert scheduler._renewed > 0  # a renewal was sent
