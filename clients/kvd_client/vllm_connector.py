@@ -8,7 +8,8 @@ Load it with
 
 (`pip install '<kvd checkout>[vllm]'`). Extra config: `kvd_target`, `kvd_token` (or its file,
 `kvd_token_file`), `kvd_pool` ("default"), `kvd_tenant` (the tenant of requests that name
-none), `kvd_load_failure_policy` ("recompute", see below).
+none), `kvd_load_failure_policy` ("recompute", see below), `kvd_queue_poll_s` (how often kvd
+is asked whether it admitted a request it queued: 0.05).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
 prefix blocks, named by vLLM's own block hashes within a namespace of the model, block size,
@@ -140,9 +141,11 @@ class KvdConnector(KVConnectorBase_V1):
         self.shard = ""  # this worker's, once register_kv_caches knows its ranks
         # Scheduler side.
         self.tracked: dict[str, _Tracked] = {}
-        # Requests kvd queued (its tenant's budget spent): released should they finish (a
-        # client that went away) before kvd admits them, or kvd admits them for nobody.
-        self.queued: set[str] = set()
+        # Requests kvd queued (its tenant's budget spent), and when kvd is next asked whether
+        # it admitted each: released should they finish (a client that went away) before kvd
+        # admits them, or kvd admits them for nobody.
+        self.queued: dict[str, float] = {}
+        self.queue_poll_s = float(extra.get("kvd_queue_poll_s", 0.05))
         self._loads: list[_Transfer] = []  # planned since the last step's metadata
         # The lease's renewal in flight (see _renew_lease), when it was sent, and when the
         # next one is due.
@@ -160,13 +163,20 @@ class KvdConnector(KVConnectorBase_V1):
         rid = request.request_id
         tracked = self.tracked.get(rid)
         if tracked is None:
-            admitted = self._admit(request)
+            if rid in self.queued:
+                # vLLM asks at every step about every request it could not schedule: kvd is
+                # asked again only every queue_poll_s.
+                if time.monotonic() < self.queued[rid]:
+                    return None, False
+                admitted = self._admitted_since(request)
+            else:
+                admitted = self._admit(request)
             if admitted is None:
-                self.queued.add(rid)
+                self.queued[rid] = time.monotonic() + self.queue_poll_s
                 return None, False  # kvd queued it: vLLM asks again later
             if not admitted:  # served without kvd (if kvd queued it, released at the end)
                 return 0, False
-            self.queued.discard(rid)
+            self.queued.pop(rid, None)
             tracked = self.tracked[rid]
         prompt = len(request.prompt_token_ids or ())
         try:
@@ -328,8 +338,8 @@ class KvdConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        known = self.tracked.pop(rid, None) is not None or rid in self.queued
-        self.queued.discard(rid)
+        tracked = self.tracked.pop(rid, None)
+        known = self.queued.pop(rid, None) is not None or tracked is not None
         if known and not self._away():
             try:
                 self.client.release(rid)

@@ -572,3 +572,45 @@ def test_the_schedulers_lease_renewal_never_waits_on_a_hung_kvd(tmp_path):
     print(f"\nrenewals against a hung kvd took {took} s")
     assert max(took) < 0.5  # the connector's calls time out after 2 s
     assert scheduler._renewed > 0  # a renewal was sent
+
+
+def rpc_counts(metrics: str, *methods: str) -> int:
+    """Calls of these methods kvd served, from its Prometheus exposition."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    return int(sum(s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples
+                   if s.name == "kvd_rpc_duration_seconds_count"
+                   and s.labels["method"] in methods))
+
+
+# One request of 104 prompt and 400 output tokens (16 pages) at a time for tenant "engine".
+ONE_LONG = LIMITED.replace("limit = 5", "limit = 20")
+
+
+@pytest.mark.timeout(600)
+def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
+    # vLLM asks the connector about every waiting request at every step, and the connector
+    # asked kvd twice each time (an Admit, then whether kvd had admitted it): requests queued
+    # behind a long one cost kvd thousands of calls a second, and the engine's running
+    # requests waited on those calls at every step.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics = f"127.0.0.1:{s.getsockname()[1]}"
+    config = tmp_path / "kvd.toml"
+    config.write_text(ONE_LONG)
+    with LocalKvd("--config", str(config), "--metrics", metrics, workdir=tmp_path) as kvd:
+        engine = Engine(kvd.target, [{"prompts": prompts(400, 4), "max_tokens": 400}])
+        try:
+            run = engine.result()
+        finally:
+            engine.close()
+        calls = rpc_counts(metrics, "Admit", "Store")
+    print(f"\nrun: {run['run_s']:.1f} s, {calls} Admit and Store calls")
+    assert all(len(t) == 400 for t in run["tokens"])
+    # Four admissions, and at most each of the three queued requests asked after 20 times a
+    # second for the whole run (the first stores of each prompt's blocks: 4 more).
+    assert calls <= 4 + 4 + 3 * 20 * run["run_s"]
