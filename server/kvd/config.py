@@ -160,6 +160,9 @@ class EngineEventsConfig:
     # TensorRT-LLM instead: trtllm-serve's /kv_cache_events, polled every poll_s.
     url: str = ""
     poll_s: Positive = 0.1
+    # Blocks kvd follows of this engine at most (GPU and offloaded alike): what it keeps is
+    # bounded whatever the publisher sends (about 100 bytes a block).
+    max_blocks: PositiveInt = 1 << 21
 
     def validate(self) -> None:
         if bool(self.url) == bool(self.endpoint):

@@ -34,6 +34,13 @@ MASK_64 = (1 << 64) - 1
 
 Hash = int | bytes
 
+# What kvd keeps of one engine is bounded whatever its publisher sends (anyone who reaches a
+# bound endpoint can publish): at most `max_blocks` blocks (EngineEventsConfig) and this many
+# media, each named in at most MAX_MEDIUM characters; past them, events are dropped and
+# counted (num_dropped).
+MAX_MEDIA = 8
+MAX_MEDIUM = 64
+
 
 def hash_key(h: Hash) -> int:
     """A block hash as the 64-bit int vLLM publishes by default (bytes: their low 64 bits,
@@ -50,7 +57,11 @@ class Residency:
 
     engine: str
     tenant: str = ""  # for blocks kvd keeps nothing under
-    blocks: dict[int, set[str]] = field(default_factory=dict)  # hash -> media
+    max_blocks: int = 1 << 21
+    # hash -> media, one frozenset for each set of media (see _media): a block costs its
+    # entry in the dict and nothing more.
+    blocks: dict[int, frozenset[str]] = field(default_factory=dict)
+    num_dropped: int = 0  # hashes and media past the bounds above, not followed
     last_seq: int = -1
     num_batches: int = 0
     num_events: int = 0
@@ -59,6 +70,19 @@ class Residency:
     num_bad: int = 0  # payloads that did not decode
     num_malformed: int = 0  # events not applied: not a map, or hashes or medium malformed
     num_restarts: int = 0  # times the publisher started its sequence over
+    _media: dict[frozenset[str], frozenset[str]] = field(default_factory=dict)
+
+    def _interned(self, media: frozenset[str]) -> frozenset[str] | None:
+        """The one frozenset kept for these media; None past MAX_MEDIA media."""
+        kept = self._media.get(media)
+        if kept is None:
+            if media - self._known() and len(self._known() | media) > MAX_MEDIA:
+                return None
+            kept = self._media[media] = media
+        return kept
+
+    def _known(self) -> frozenset[str]:
+        return frozenset().union(*self._media)
 
     def apply(self, events: Iterable[Any]) -> None:
         """One batch's events, in order. An event that is not a map, or whose hashes or
@@ -77,24 +101,39 @@ class Residency:
             if kind != "BlockStored" and kind != "BlockRemoved":
                 continue  # a kind that says nothing of where blocks are
             keys, medium = _hash_keys(event.get("block_hashes")), event.get("medium")
-            if keys is None or not (medium is None or type(medium) is str):
+            if keys is None or not (medium is None or (type(medium) is str
+                                                       and len(medium) <= MAX_MEDIUM)):
                 self.num_malformed += 1
                 continue
             if kind == "BlockStored":
-                medium = medium or "GPU"  # vLLM leaves it out for its GPU
-                for key in keys:
-                    blocks.setdefault(key, set()).add(medium)
+                self._stored(keys, medium or "GPU")  # vLLM leaves it out for its GPU
                 continue
             for key in keys:
                 media = blocks.get(key)
                 if media is None:
                     continue
-                if medium is None:  # wherever it is
-                    media.clear()
-                else:
-                    media.discard(medium)
-                if not media:
+                left = self._interned(media - {medium}) if medium is not None else None
+                if left:
+                    blocks[key] = left
+                else:  # gone from wherever it was
                     del blocks[key]
+
+    def _stored(self, keys: list[int], medium: str) -> None:
+        blocks = self.blocks
+        alone = self._interned(frozenset((medium,)))
+        for key in keys:
+            media = blocks.get(key)
+            if media is None:
+                if alone is None or len(blocks) >= self.max_blocks:
+                    self.num_dropped += 1
+                    continue
+                blocks[key] = alone
+            elif medium not in media:
+                more = self._interned(media | {medium})
+                if more is None:
+                    self.num_dropped += 1
+                    continue
+                blocks[key] = more
 
     def start_over(self) -> None:
         """The engine's publisher started its sequence over (the engine restarted): what it
@@ -272,7 +311,7 @@ class EngineEvents:
         self.residency: dict[str, Residency] = {}
         self.subscribers: dict[str, Subscriber | TrtllmPoller] = {}
         for e in engines:
-            res = Residency(e.name, e.tenant)
+            res = Residency(e.name, e.tenant, max_blocks=e.max_blocks)
             self.residency[e.name] = res
             self.subscribers[e.name] = (
                 TrtllmPoller(res, e.url, e.poll_s) if e.url

@@ -343,6 +343,9 @@ def _engine_families(engines):
     events = _counter("kvd_engine_events", "KV cache events applied", ["engine"])
     malformed = _counter("kvd_engine_events_malformed", "KV cache events kvd could not apply "
                          "(not a map, or block hashes or medium of the wrong kind)", ["engine"])
+    dropped = _counter("kvd_engine_events_dropped", "Block hashes and media an engine's "
+                       "events named past what kvd follows of it (max_blocks, 8 media): not "
+                       "followed", ["engine"])
     restarts = _counter("kvd_engine_restarts", "Times an engine's event publisher started "
                         "over (its sequence numbers back from the start, or TensorRT-LLM's "
                         "`created`): what it held before was forgotten", ["engine"])
@@ -356,8 +359,9 @@ def _engine_families(engines):
             batches.add_metric([e.name, outcome], n)
         events.add_metric([e.name], e.events)
         malformed.add_metric([e.name], e.malformed)
+        dropped.add_metric([e.name], e.dropped)
         restarts.add_metric([e.name], e.restarts)
-    yield from (blocks, gpu, batches, events, malformed, restarts)
+    yield from (blocks, gpu, batches, events, malformed, dropped, restarts)
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):

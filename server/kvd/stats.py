@@ -129,6 +129,7 @@ class EngineFigures:
     bad: int
     malformed: int  # events not applied: malformed
     restarts: int  # times its publisher started over
+    dropped: int  # hashes and media past kvd's bounds on what it follows of the engine
 
 
 @dataclass(slots=True, frozen=True)
@@ -238,7 +239,7 @@ def engine_gpu_by_tenant(node, owners: dict | None = None) -> dict[str, float]:
 def engine_figures(node, owners: dict) -> list[EngineFigures]:
     return [EngineFigures(res.engine, dict(res.by_medium()), gpu_blocks_by_tenant(res, owners),
                           res.num_batches, res.num_events, res.num_replayed, res.num_lost,
-                          res.num_bad, res.num_malformed, res.num_restarts)
+                          res.num_bad, res.num_malformed, res.num_restarts, res.num_dropped)
             for res in node.engines.residency.values()]
 
 

@@ -481,3 +481,57 @@ async def test_a_replay_of_the_whole_buffer_gives_the_event_loop_back_as_it_goes
         publisher.close()
     assert seqs == list(range(10_000))
     assert most <= tier_events.REPLAY_SLICE + 1, most
+
+
+def test_a_publisher_flooding_hashes_or_media_holds_kvd_to_a_bound():
+    # Anyone who can reach a bound endpoint can publish: a publisher storing hash after hash
+    # that it never removes, or naming a new medium on every event, grew what kvd kept of
+    # the engine without end. kvd follows at most max_blocks blocks and MAX_MEDIA media per
+    # engine, drops the rest and counts it; blocks already followed keep being followed.
+    import tracemalloc
+
+    from kvd.kv_events import MAX_MEDIA, Residency
+
+    res = Residency("e", max_blocks=1000)
+    res.apply([stored([1, 2])])
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for batch in range(100):
+        res.apply([stored(list(range(10 + batch * 1000, 10 + (batch + 1) * 1000)))])
+        res.apply([stored([1], medium=f"medium-{batch}")])
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(res.blocks) == 1000
+    assert len(res.by_medium()) <= MAX_MEDIA
+    assert res.num_dropped == 100 * 1000 - 998 + 100 - (MAX_MEDIA - 1)
+    assert grown < 1000 * 400  # what 1,000 blocks take, not 100,000
+    # What was followed before the flood still is: removed, and stored again in its place.
+    res.apply([{"type": "BlockRemoved", "block_hashes": [1, 2], "medium": None}])
+    res.apply([stored([3])])
+    assert 3 in res.blocks and 1 not in res.blocks and len(res.blocks) == 999
+
+
+async def test_a_running_kvd_follows_an_engine_up_to_its_max_blocks(tmp_path):
+    endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    port = free_port()
+    config = tmp_path / "kvd.toml"
+    config.write_text(
+        '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 16\nhost_pages = 16\n'
+        f'[[engine]]\nname = "gpu0"\nendpoint = "{endpoint}"\nreplay_endpoint = "{replay}"\n'
+        'max_blocks = 100\n')
+    engine = (("engine", "gpu0"),)
+    publisher = Publisher(endpoint, replay)
+    try:
+        with LocalKvd("--config", str(config), "--metrics", f"127.0.0.1:{port}",
+                      workdir=tmp_path):
+            publisher.publish([stored(list(range(1000)))])
+
+            async def applied():
+                publisher.publish([])
+                return scrape(port)[1].get(("kvd_engine_events_dropped_total", engine)) == 900
+
+            await _until(applied)
+            gpu = scrape(port)[1].get(("kvd_engine_blocks", engine + (("medium", "GPU"),)))
+            assert gpu == 100
+    finally:
+        publisher.close()
