@@ -25,7 +25,7 @@ from kvd.service.gate import CallGate, CallLimits, StepTurns
 from kvd.service.register import MAX_STRING, OpenStreams
 from kvd.service.step import StepStreams
 from kvd.service.streams import Streams
-from kvd.service.unary import unary
+from kvd.service.unary import reads_state, unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
@@ -116,6 +116,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         )
 
     @unary
+    @reads_state
     async def Lookup(self, request: pb.LookupRequest, caller: Caller) -> pb.LookupResponse:
         self.limits.check(len(request.keys), "block keys", blocks=True)
         pool = request.pool or "default"
@@ -203,6 +204,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         )
 
     @unary
+    @reads_state
     async def ExportPool(self, request: pb.ExportPoolRequest,
                          caller: Caller) -> pb.ExportPoolResponse:
         rt = self.node.runtime(request.pool)
@@ -211,6 +213,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         return convert.pool_export(rt)
 
     @unary
+    @reads_state
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,
                            caller: Caller) -> pb.GetPoolStatsResponse:
         return pb.GetPoolStatsResponse(pools=[convert.pool_stats(stats.pool_figures(self.node, rt))
@@ -219,12 +222,14 @@ class MemoryService(pb_grpc.MemoryServicer):
                                        version=__version__)
 
     @unary
+    @reads_state
     async def KeepAlive(self, request: pb.KeepAliveRequest, caller: Caller) -> pb.KeepAliveResponse:
         # Identifying the caller (in @unary) renewed its lease.
         return pb.KeepAliveResponse(lease_ttl_s=self.node.leases.ttl_s,
                                     leased=bool(caller.lease))
 
     @unary
+    @reads_state
     async def Explain(self, request: pb.ExplainRequest, caller: Caller) -> pb.ExplainResponse:
         explained = self.node.explain(caller.ns + request.request_id, caller.scope)
         return convert.explain_response(explained, caller.scope)

@@ -20,12 +20,23 @@ from kvd.service.status import local_message, status_of
 Handler = Callable[[object, object, Caller], Awaitable[object]]
 
 
+def reads_state(method: Handler) -> Handler:
+    """Marks a handler that only reads kvd's state (hands out nothing, changes nothing): the
+    caller's holds stay (see unary). An engine may ask such things while it copies into or
+    out of the pages it was handed: which kvd answers before it commits, its lease renewed
+    from a timer."""
+    method.keeps_holds = True
+    return method
+
+
 def unary(method: Handler) -> Callable:
     """A unary handler `method(self, request, caller)`: the caller identified once (who, and
-    whose lease, which the call renews), the client's call gate passed, domain errors turned
-    into their gRPC status, the call timed. Anything else is a bug: reported as INTERNAL,
-    logged, and the daemon serves on."""
+    whose lease, which the call renews), the client's call gate passed, the caller's earlier
+    holds ended (it is done with what it was handed: unless the handler only reads_state),
+    domain errors turned into their gRPC status, the call timed. Anything else is a bug:
+    reported as INTERNAL, logged, and the daemon serves on."""
     name = method.__name__
+    ends_holds = not getattr(method, "keeps_holds", False)
 
     @functools.wraps(method)
     async def handler(self, request, context):
@@ -58,7 +69,7 @@ def unary(method: Handler) -> Callable:
                 turn = member
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
-            end_holds = getattr(self, "end_holds", None)
+            end_holds = getattr(self, "end_holds", None) if ends_holds else None
             if end_holds is not None:  # the caller is done with what it was handed before
                 end_holds(caller.holder)
             return await method(self, request, caller)
