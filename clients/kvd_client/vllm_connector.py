@@ -35,7 +35,8 @@ and kvd's mapped arenas (kvd_client.block_copy); on a GPU they run on a CUDA str
 own, through page-locked staging for pages in host memory.
 
 kvd going away never stops the engine: a failed call is logged and the request is served
-without kvd (recomputed). A prefix the scheduler found in kvd that the worker then cannot load
+without kvd (recomputed). An engine started while kvd does not answer starts without it, and
+maps kvd's arenas once it does. A prefix the scheduler found in kvd that the worker then cannot load
 (kvd let it go meanwhile, or went away) is recomputed too: the connector sets vLLM's
 `kv_load_failure_policy` to "recompute" (vLLM's own default, "fail", ends such a request
 with an error; `kvd_load_failure_policy = "fail"` keeps that). While kvd does not answer, the connector leaves it alone for a
@@ -352,16 +353,27 @@ class KvdConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.copier = BlockCopier([kv_caches[name] for name in sorted(kv_caches)])
-        export = self.client.export_pool(self.pool)
+        self.shard = shard_suffix(self._ranks(), self.sizes)
+        self.arena_names = ()
+        try:
+            export = self.client.export_pool(self.pool)
+        except KvdClientError as exc:
+            # The engine starts all the same, and maps kvd's arenas once kvd answers.
+            log.warning("kvd does not answer; starting without it: %s", exc)
+            self._note_failure(exc)
+            return
+        if problem := self._misfit(export):
+            raise ValueError(problem)
+        self.arena, self.arena_names = MappedPool(export), _arena_names(export)
+
+    def _misfit(self, export: pb.ExportPoolResponse) -> str:
+        """Why the engine cannot use this kvd's pages ("" when it can)."""
         block_bytes = self.copier.block_bytes
-        if export.page_bytes != block_bytes:
-            raise ValueError(
-                f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
+        if export.page_bytes == block_bytes:
+            return ""
+        return (f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
                 f"one vLLM block of every layer is {block_bytes}: start kvd with "
                 f"page_bytes = {block_bytes}")
-        self.arena = MappedPool(export)
-        self.arena_names = _arena_names(export)
-        self.shard = shard_suffix(self._ranks(), self.sizes)
 
     def _ranks(self) -> tuple[int, int, int]:
         """This worker's tensor, prefill-context and pipeline parallel ranks."""
@@ -387,8 +399,14 @@ class KvdConnector(KVConnectorBase_V1):
         names = _arena_names(export)
         if names == self.arena_names:
             return True
-        log.warning("kvd restarted: mapping its new arenas")
-        self.arena.close()
+        if problem := self._misfit(export):  # a kvd started since with other pages
+            log.error("not using kvd: %s", problem)
+            self._away_until = time.monotonic() + self.retry_s
+            return None
+        log.warning("kvd restarted: mapping its new arenas" if self.arena is not None
+                    else "kvd answers: mapping its arenas")
+        if self.arena is not None:
+            self.arena.close()
         self.arena, self.arena_names = MappedPool(export), names
         return False
 

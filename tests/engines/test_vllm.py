@@ -34,7 +34,8 @@ KVD = ("--page-bytes", str(PAGE_BYTES), "--block-tokens", "32", "--device-pages"
 
 
 def prompts(first: int, count: int = 3) -> list[list[int]]:
-    """`count` prompts of 104 tokens sharing their first two blocks, unlike any other set."""
+    """`count` prompts of 104 tokens sharing their first two blocks, unlike any other set
+    (`first` below 448: the test model has 512 tokens)."""
     shared = list(range(first, first + 64))
     return [shared + [(first + 64 + 40 * i + j) % 500 + 10 for j in range(40)]
             for i in range(count)]
@@ -614,3 +615,38 @@ def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
     # Four admissions, and at most each of the three queued requests asked after 20 times a
     # second for the whole run (the first stores of each prompt's blocks: 4 more).
     assert calls <= 4 + 4 + 3 * 20 * run["run_s"]
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_started_before_kvd_serves_and_then_uses_kvd(tmp_path):
+    # kvd is a cache beside the engine: an engine that starts while kvd does not answer
+    # (started first, or kvd restarting at that moment) must start and serve, and use kvd
+    # once it answers. The worker asked kvd for its arenas while vLLM set up its KV cache,
+    # and the engine failed to start. A kvd whose pages do not fit the engine's blocks (its
+    # configuration changed under a running engine) is not used; the engine serves on.
+    def phase(kvd):
+        if kvd is not None:
+            kvd.start()
+            time.sleep(3.5)  # the client's reconnect backoff (2 s), the connector's pause
+        engine.go()
+        served = engine.result()
+        if kvd is None:
+            return served, None
+        with Client(kvd.target) as c:
+            used = c.pool_stats().pools[0].tiers[0].used_pages
+        kvd.stop()
+        return served, used
+
+    misfit = (*KVD[:1], str(PAGE_BYTES // 2), *KVD[2:])
+    engine = Engine(f"unix://{tmp_path}/kvd.sock",  # nothing there yet
+                    [{"prompts": prompts(n)} for n in (150, 200, 250)], pause=True)
+    try:
+        alone = engine.result()
+        misfit_run, misfit_used = phase(LocalKvd(*misfit, workdir=tmp_path))
+        fit_run, fit_used = phase(LocalKvd(*KVD, workdir=tmp_path))
+    finally:
+        engine.close()
+    print(f"\nwithout kvd: {alone}\nbeside a misfit kvd: {misfit_run}\nwith kvd: {fit_run}")
+    assert all(len(t) == 8 for t in alone["tokens"] + misfit_run["tokens"] + fit_run["tokens"])
+    assert misfit_used == 0  # nothing stored in pages of another size
+    assert fit_used == 5  # the last batch's blocks were stored in kvd
