@@ -25,7 +25,8 @@ is a miss for SGLang (batch_exists counts the leading run kvd still holds).
 Each thread SGLang calls the backend from is a kvd client of its own: the pages kvd hands one
 thread stay its own until that thread's next call, whatever the others do meanwhile.
 
-A kvd that restarted has new arenas. Each call checks, once its copies are done, that the kvd
+A backend that starts while kvd does not answer starts all the same, and maps kvd's arenas
+once it does. A kvd that restarted has new arenas. Each call checks, once its copies are done, that the kvd
 answering is still the one whose arenas are mapped (before a store commits anything); if not,
 it maps the new ones and the call counts as failed, so that no page is committed with bytes
 the new kvd never saw, nor read from the old kvd's memory (see `_same_kvd`).
@@ -120,13 +121,31 @@ class KvdStorage(HiCacheStorage):
         self.page_tokens = mem_pool_host.page_size
         first = torch.arange(self.page_tokens, dtype=torch.int64)
         self.page_bytes = sum(size for _, size in self._segments(first)[0])
-        export = self.client.export_pool(self.pool)
-        if export.page_bytes != self.page_bytes:
-            raise ValueError(
-                f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
+        try:
+            export = self.client.export_pool(self.pool)
+        except KvdClientError as exc:
+            # SGLang starts all the same; the backend maps kvd's arenas once kvd answers.
+            log.warning("kvd does not answer; starting without it: %s", exc)
+            return
+        if problem := self._misfit(export):
+            raise ValueError(problem)
+        self.arena, self._arena_names = MappedPool(export), _arena_names(export)
+
+    def _misfit(self, export: pb.ExportPoolResponse) -> str:
+        """Why this backend cannot use a kvd's pages ("" when it can)."""
+        if export.page_bytes == self.page_bytes:
+            return ""
+        return (f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
                 f"one SGLang host page is {self.page_bytes}: start kvd with "
                 f"page_bytes = {self.page_bytes}")
-        self.arena, self._arena_names = MappedPool(export), _arena_names(export)
+
+    def _arenas(self) -> bool:
+        """Whether kvd's arenas are mapped here: mapped now if kvd answers and they were not
+        (the backend started while kvd did not answer)."""
+        if self.arena is None:
+            with contextlib.suppress(KvdClientError):
+                self._same_kvd(None)
+        return self.arena is not None
 
     @contextlib.contextmanager
     def _mapped(self) -> Iterator[MappedPool]:
@@ -148,24 +167,25 @@ class KvdStorage(HiCacheStorage):
                     if arena is not self.arena:
                         arena.close()
 
-    def _same_kvd(self, arena: MappedPool) -> bool:
+    def _same_kvd(self, arena: MappedPool | None) -> bool:
         """Whether the kvd answering now is the one whose arenas `arena` maps: then it answered
         every call since they were mapped (a kvd that stopped never comes back, and each start
-        makes new arenas). If not, the new kvd's arenas are mapped for the calls to come."""
+        makes new arenas). If not, the new kvd's arenas are mapped for the calls to come
+        (unless its pages do not fit SGLang's)."""
         export = self.client.export_pool(self.pool)
         names = _arena_names(export)
-        if names == self._arena_names and arena is self.arena:
+        if arena is not None and names == self._arena_names and arena is self.arena:
             return True
         with self._arena_lock:
             if names != self._arena_names:
-                if export.page_bytes != self.page_bytes:
-                    log.warning("kvd restarted with pages of %d bytes; one SGLang host page "
-                                "is %d: not using it", export.page_bytes, self.page_bytes)
+                if problem := self._misfit(export):  # a kvd started since with other pages
+                    log.error("not using kvd: %s", problem)
                     return False
-                log.warning("kvd restarted: mapping its new arenas")
+                log.warning("kvd answers: mapping its arenas" if self.arena is None
+                            else "kvd restarted: mapping its new arenas")
                 old, self.arena = self.arena, MappedPool(export)
                 self._arena_names = names
-                if id(old) not in self._copying:
+                if old is not None and id(old) not in self._copying:
                     old.close()
         return False
 
@@ -213,6 +233,8 @@ class KvdStorage(HiCacheStorage):
             return []
         first = _first_of_each(keys)
         names = [keys[i].encode() for i in first]
+        if not self._arenas():
+            return [False] * len(keys)
         try:
             with self._request(len(first)) as rid, self._mapped() as arena:
                 reply = self.client.store(rid, self.namespace, names)
@@ -234,6 +256,8 @@ class KvdStorage(HiCacheStorage):
         if not keys:
             return []
         keys = keys[:_leading_distinct(keys)]  # a run is one chain: it ends at a repeat
+        if not self._arenas():
+            return [False] * len(pages)
         try:
             with self._request(len(keys)) as rid, self._mapped() as arena:
                 reply = self.client.load(rid, self.namespace, [k.encode() for k in keys])

@@ -12,6 +12,7 @@ is imported. Nothing used here calls it.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -308,3 +309,35 @@ def test_instances_whose_pages_hold_other_dtypes_or_long_names_keep_apart(tmp_pa
         assert long[0].batch_exists(keys("m", 2)) == 2 and long[1].batch_exists(keys("m", 2)) == 0
         for storage in (a, b, *long):
             storage.close()
+
+
+def test_an_instance_started_before_kvd_stores_and_reads_once_kvd_answers(tmp_path):
+    # The backend asked kvd for its arenas when SGLang registered its host pool, and SGLang
+    # gives up on a storage backend that raises there: started while kvd did not answer,
+    # the server had no L3 cache (or did not start). It now starts without kvd, misses
+    # meanwhile, and maps kvd's arenas once kvd answers (if its pages fit SGLang's).
+    k = kvd(tmp_path)  # not started
+    pool = host_pool(64)
+    storage = backend(k.target, pool)
+    src = written_pages(pool, 2, seed=60)
+    assert storage.batch_set_v1(keys("early", 2), src) == [False] * 2
+    assert storage.batch_exists(keys("early", 2)) == 0
+    # A kvd whose pages do not fit SGLang's is not used, and breaks nothing.
+    with kvd(tmp_path, page_bytes=2 * PAGE_BYTES) as misfit:
+        storage.client.wait_ready(10)  # past the client's reconnect backoff
+        assert storage.batch_set_v1(keys("early", 2), src) == [False] * 2
+        with Client(misfit.target) as c:
+            assert c.pool_stats().pools[0].tiers[0].used_pages == 0
+    k.start()
+    try:
+        deadline = time.monotonic() + 10  # the client's reconnect backoff is 2 s
+        while not all(storage.batch_set_v1(keys("early", 2), src)):
+            assert time.monotonic() < deadline, "kvd answers, and the backend does not use it"
+            time.sleep(0.2)
+        dst = pool.alloc(2 * PAGE_TOKENS)
+        assert backend(k.target, pool).batch_get_v1(keys("early", 2), dst) == [True] * 2
+        for i in range(2):
+            assert page(pool, dst, i) == page(pool, src, i)
+        storage.close()
+    finally:
+        k.stop()
