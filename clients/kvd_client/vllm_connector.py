@@ -245,13 +245,17 @@ class KvdConnector(KVConnectorBase_V1):
             self._away_until = time.monotonic() + self.retry_s
 
     def _admitted_since(self, request: Any) -> bool | None:
-        """A request kvd queued: admitted now (tracked from here), or still waiting."""
+        """A request kvd queued: admitted now (tracked from here), still waiting (None), or
+        False (kvd does not answer: served without it)."""
+        if self._away():
+            return False
         try:  # a Store of no keys: FAILED_PRECONDITION while queued, else INVALID_ARGUMENT
             self.client.store(request.request_id, "", [])
         except KvdClientError as exc:
             if "queued" in str(exc):
                 return None
             if "no block keys" not in str(exc):
+                self._note_failure(exc)
                 return False
         self._track(request)
         return True

@@ -94,6 +94,32 @@ def engine_run(target: str, prompts, params=None) -> dict:
         engine.close()
 
 
+def vllm_config(target: str, dtype: str = "bfloat16", cache_dtype: str = "auto",
+                **parallel):
+    """vLLM's real configuration of the test model with kvd's connector at `target`."""
+    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             VllmConfig)
+
+    return VllmConfig(
+        model_config=ModelConfig(model=str(RUNNER.parent / "tiny_llama"),
+                                 skip_tokenizer_init=True, dtype=dtype, max_model_len=1024),
+        cache_config=CacheConfig(block_size=32, cache_dtype=cache_dtype),
+        parallel_config=ParallelConfig(**parallel),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvdConnector", kv_role="kv_both",
+            kv_connector_module_path="kvd_client.vllm_connector",
+            kv_connector_extra_config={"kvd_target": target}))
+
+
+class Waiting:
+    """What the connector's scheduler side reads of a vLLM request."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id, self.cache_salt, self.kv_transfer_params = request_id, None, None
+        self.prompt_token_ids, self.block_hashes = list(range(64)), [b"h0", b"h1"]
+        self.sampling_params, self.priority = None, 0
+
+
 @pytest.mark.timeout(600)  # three engine starts of ~30 s each
 def test_a_fresh_engine_takes_its_prefix_from_kvd_and_computes_the_same_tokens(tmp_path):
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
@@ -340,23 +366,12 @@ def test_each_worker_of_a_tensor_parallel_engine_gets_back_its_own_shard(tmp_pat
     # kvd; each worker is told its rank as vLLM's parallel state would tell it (one process
     # cannot form a tensor-parallel group, and this machine cannot run two vLLM workers).
     import torch
-    from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                             VllmConfig)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        config = VllmConfig(
-            model_config=ModelConfig(model=str(RUNNER.parent / "tiny_llama"),
-                                     skip_tokenizer_init=True, dtype="bfloat16",
-                                     max_model_len=1024),
-            cache_config=CacheConfig(block_size=32),
-            parallel_config=ParallelConfig(tensor_parallel_size=2),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvdConnector", kv_role="kv_both",
-                kv_connector_module_path="kvd_client.vllm_connector",
-                kv_connector_extra_config={"kvd_target": kvd.target}))
+        config = vllm_config(kvd.target, tensor_parallel_size=2)
         namespace, keys = "tiny|32|", [b"block-0", b"block-1", b"block-2"]
         with Client(kvd.target) as c:
             assert c.admit("r", 96, 8).decision == pb.DECISION_ADMITTED
@@ -469,29 +484,17 @@ def test_engines_whose_kv_bytes_differ_name_their_blocks_apart(tmp_path):
     # one model whose KV caches hold another dtype of the same size (bf16 against fp16, one
     # fp8 format against the other) would load each other's blocks as their own. And a long
     # cache salt must not push the name past what kvd takes (it refused every lookup).
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvd_client import vllm_connector as vc
 
-    class Request:
-        def __init__(self, salt=None):
-            self.request_id, self.cache_salt, self.kv_transfer_params = "r", salt, None
-            self.prompt_token_ids, self.block_hashes = list(range(64)), [b"h0", b"h1"]
-
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
         def namespace(dtype="bfloat16", cache_dtype="auto", salt=None):
-            config = VllmConfig(
-                model_config=ModelConfig(model=str(RUNNER.parent / "tiny_llama"),
-                                         skip_tokenizer_init=True, dtype=dtype,
-                                         max_model_len=1024),
-                cache_config=CacheConfig(block_size=32, cache_dtype=cache_dtype),
-                kv_transfer_config=KVTransferConfig(
-                    kv_connector="KvdConnector", kv_role="kv_both",
-                    kv_connector_module_path="kvd_client.vllm_connector",
-                    kv_connector_extra_config={"kvd_target": kvd.target}))
-            connector = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
-            connector._track(Request(salt))
+            connector = vc.KvdConnector(vllm_config(kvd.target, dtype, cache_dtype),
+                                        KVConnectorRole.SCHEDULER)
+            request = Waiting("r")
+            request.cache_salt = salt
+            connector._track(request)
             connector.client.close()
             return connector.tracked["r"].namespace
 
@@ -537,42 +540,40 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     assert held_s > run["run_s"] - 1.0
 
 
-def test_the_schedulers_lease_renewal_never_waits_on_a_hung_kvd(tmp_path):
-    # The scheduler renews its lease from its steps; a kvd that hangs (stopped, not gone:
-    # its socket still takes calls) answers nothing, and a renewal that waited for the
-    # answer would stall a step for the connector's whole call timeout.
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
+    # A kvd that hangs (stopped, not gone: its socket still takes calls) answers nothing,
+    # and each call waits out the connector's timeout (2 s). The first such call marks kvd
+    # away for kvd_retry_s; no other may wait meanwhile. The lease renewal waited for its
+    # answer at every renewal, and each request kvd had queued was asked after in turn.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        config = VllmConfig(
-            model_config=ModelConfig(model=str(RUNNER.parent / "tiny_llama"),
-                                     skip_tokenizer_init=True, dtype="bfloat16",
-                                     max_model_len=1024),
-            cache_config=CacheConfig(block_size=32),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvdConnector", kv_role="kv_both",
-                kv_connector_module_path="kvd_client.vllm_connector",
-                kv_connector_extra_config={"kvd_target": kvd.target}))
-        scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
-        scheduler.tracked["r"] = vc._Tracked("ns", [], 0)  # it holds a request
+        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        scheduler.tracked["r"] = vc._Tracked("ns", [], 0)  # it holds a request...
+        scheduler.queued.update(q0=0.0, q1=0.0, q2=0.0)  # ...and kvd queued three
         scheduler.client.keep_alive()  # connected
         os.kill(kvd.proc.pid, signal.SIGSTOP)
         try:
-            took = []
+            renewals, asked = [], []
             for _ in range(3):
                 started = time.monotonic()
                 scheduler._renew_lease()
-                took.append(time.monotonic() - started)
+                renewals.append(time.monotonic() - started)
                 time.sleep(0.2)
+            started = time.monotonic()
+            for rid in ("q0", "q1", "q2"):  # one scheduler step asks after each
+                assert scheduler.get_num_new_matched_tokens(Waiting(rid), 0) == (0, False)
+            asked = time.monotonic() - started
         finally:
             os.kill(kvd.proc.pid, signal.SIGCONT)
         scheduler.client.close()
-    print(f"\nrenewals against a hung kvd took {took} s")
-    assert max(took) < 0.5  # the connector's calls time out after 2 s
+    print(f"\nrenewals against a hung kvd took {renewals} s; a step asking after three "
+          f"queued requests {asked:.1f} s")
+    assert max(renewals) < 0.5
     assert scheduler._renewed > 0  # a renewal was sent
+    assert asked < 3.0  # one call's timeout, not three
 
 
 def rpc_counts(metrics: str, *methods: str) -> int:
