@@ -427,7 +427,7 @@ class KvdConnector(KVConnectorBase_V1):
         copied = []
         for load in meta.loads:
             handles = []
-            if answered:
+            if answered and not self._away():
                 try:
                     handles = list(self.client.load(load.request_id,
                                                     load.namespace + self.shard,
@@ -435,6 +435,7 @@ class KvdConnector(KVConnectorBase_V1):
                 except KvdClientError as exc:
                     log.warning("kvd load for %s failed, recomputing: %s", load.request_id,
                                 exc)
+                    self._note_failure(exc)
             self.copier.load([(self._page(handle), block_id)
                               for handle, block_id in zip(handles, load.block_ids)])
             copied.extend(load.block_ids[:len(handles)])
@@ -456,6 +457,8 @@ class KvdConnector(KVConnectorBase_V1):
         if self._check_kvd() is None:
             return  # kvd is away: these blocks go unsaved
         for save in meta.saves:
+            if self._away():
+                return  # kvd stopped answering: the rest go unsaved
             try:
                 namespace = save.namespace + self.shard
                 reply = self.client.store(save.request_id, namespace, save.keys, save.intent)
@@ -471,6 +474,7 @@ class KvdConnector(KVConnectorBase_V1):
                     self.client.commit(save.request_id, namespace, written)
             except KvdClientError as exc:
                 log.warning("kvd save for %s failed: %s", save.request_id, exc)
+                self._note_failure(exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

@@ -576,6 +576,50 @@ def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
     assert asked < 3.0  # one call's timeout, not three
 
 
+def test_a_kvd_that_hangs_mid_step_holds_up_a_workers_step_once_at_most(tmp_path):
+    # The worker's loads and saves of one step go to kvd one request after another. A kvd
+    # that hangs once the step began (here: right after answering the worker's check of
+    # which kvd it is) made each of them wait out the connector's timeout (2 s) in turn.
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        worker = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.WORKER)
+        worker.register_kv_caches({f"layer.{i}": torch.zeros((8, 32, 128), dtype=torch.bfloat16)
+                                   for i in range(2)})
+        checked = worker._check_kvd
+
+        def answered_then_hung():
+            answer = checked()
+            os.kill(kvd.proc.pid, signal.SIGSTOP)
+            worker._check_kvd = checked
+            return answer
+
+        took = {}
+        try:
+            for phase, meta in (
+                    ("loads", vc.KvdConnectorMetadata(loads=[
+                        vc._Transfer(f"r{i}", "ns", [b"k"], [i]) for i in range(3)])),
+                    ("saves", vc.KvdConnectorMetadata(saves=[
+                        vc._Transfer(f"r{i}", "ns", [b"k"], [i]) for i in range(3)]))):
+                worker._away_until = 0.0
+                worker._check_kvd = answered_then_hung
+                worker.bind_connector_metadata(meta)
+                started = time.monotonic()
+                (worker.start_load_kv(None) if phase == "loads" else worker.wait_for_save())
+                took[phase] = time.monotonic() - started
+                os.kill(kvd.proc.pid, signal.SIGCONT)
+                time.sleep(0.5)
+        finally:
+            os.kill(kvd.proc.pid, signal.SIGCONT)
+        worker.client.close()
+    print(f"\na step of three loads, and one of three saves, against a kvd that hung: {took}")
+    assert worker.get_block_ids_with_load_errors() == {0, 1, 2}  # recomputed
+    assert took["loads"] < 3.0 and took["saves"] < 3.0  # one call's timeout, not three
+
+
 def rpc_counts(metrics: str, *methods: str) -> int:
     """Calls of these methods kvd served, from its Prometheus exposition."""
     import urllib.request
