@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -344,16 +345,23 @@ async def test_a_publisher_that_starts_over_is_followed_from_its_new_start():
     assert res.num_restarts == 1
 
 
-async def test_kvd_follows_an_engine_past_bad_events_and_a_restart(tmp_path):
-    # A running kvd and a publisher that sends events kvd cannot read, then stops and
-    # starts again on the same endpoint (the engine restarted), numbering from 0.
+def engine_gpu0(tmp_path, more: str) -> tuple[Path, str, str]:
+    """A kvd config following engine "gpu0" (with `more` in its [[engine]] entry) on ipc
+    endpoints in tmp_path: the config's path, the endpoint and the replay endpoint."""
     endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
-    port = free_port()
     config = tmp_path / "kvd.toml"
     config.write_text(
         '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 16\nhost_pages = 16\n'
         f'[[engine]]\nname = "gpu0"\nendpoint = "{endpoint}"\nreplay_endpoint = "{replay}"\n'
-        'tenant = "default"\n')
+        f"{more}\n")
+    return config, endpoint, replay
+
+
+async def test_kvd_follows_an_engine_past_bad_events_and_a_restart(tmp_path):
+    # A running kvd and a publisher that sends events kvd cannot read, then stops and
+    # starts again on the same endpoint (the engine restarted), numbering from 0.
+    config, endpoint, replay = engine_gpu0(tmp_path, 'tenant = "default"')
+    port = free_port()
     engine = (("engine", "gpu0"),)
 
     def sample(name, labels=engine):
@@ -512,13 +520,8 @@ def test_a_publisher_flooding_hashes_or_media_holds_kvd_to_a_bound():
 
 
 async def test_a_running_kvd_follows_an_engine_up_to_its_max_blocks(tmp_path):
-    endpoint, replay = f"ipc://{tmp_path}/ev", f"ipc://{tmp_path}/replay"
+    config, endpoint, replay = engine_gpu0(tmp_path, "max_blocks = 100")
     port = free_port()
-    config = tmp_path / "kvd.toml"
-    config.write_text(
-        '[[pool]]\nmodel = "tiny"\nblock_tokens = 16\ndevice_pages = 16\nhost_pages = 16\n'
-        f'[[engine]]\nname = "gpu0"\nendpoint = "{endpoint}"\nreplay_endpoint = "{replay}"\n'
-        'max_blocks = 100\n')
     engine = (("engine", "gpu0"),)
     publisher = Publisher(endpoint, replay)
     try:
