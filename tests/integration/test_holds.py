@@ -1,8 +1,8 @@
 """What a reply hands an engine stays put until the engine's next call that hands out or
-changes something: a call that only reads kvd's state (a lookup, the pool's export or stats,
-an explanation, a lease renewal) leaves the holds where they are. An engine checks which kvd
-answers between copying into pages and committing them, and renews its lease from a timer
-while it copies: neither may let kvd move the pages under it."""
+changes something, or its KeepAlive (the engine saying it is done): a call that only reads
+kvd's state (a lookup, the pool's export or stats, an explanation) leaves the holds where
+they are. An engine checks which kvd answers between copying into pages and committing
+them: that may not let kvd move the pages under it."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ READS = {
     "export_pool": lambda c: c.export_pool(),
     "pool_stats": lambda c: c.pool_stats(),
     "explain": lambda c: c.explain("mine"),
-    "keep_alive": lambda c: c.keep_alive(),
 }
 
 

@@ -222,7 +222,6 @@ class MemoryService(pb_grpc.MemoryServicer):
                                        version=__version__)
 
     @unary
-    @reads_state
     async def KeepAlive(self, request: pb.KeepAliveRequest, caller: Caller) -> pb.KeepAliveResponse:
         # Identifying the caller (in @unary) renewed its lease.
         return pb.KeepAliveResponse(lease_ttl_s=self.node.leases.ttl_s,

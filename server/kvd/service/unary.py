@@ -23,8 +23,8 @@ Handler = Callable[[object, object, Caller], Awaitable[object]]
 def reads_state(method: Handler) -> Handler:
     """Marks a handler that only reads kvd's state (hands out nothing, changes nothing): the
     caller's holds stay (see unary). An engine may ask such things while it copies into or
-    out of the pages it was handed: which kvd answers before it commits, its lease renewed
-    from a timer."""
+    out of the pages it was handed: which kvd answers before it commits, say. (KeepAlive
+    ends them: it is how an engine with nothing else to call says it is done.)"""
     method.keeps_holds = True
     return method
 
