@@ -10,7 +10,8 @@ Start SGLang with
 Extra config: `kvd_target`, `kvd_token` (or its file, `kvd_token_file`), `kvd_pool`
 ("default"), `kvd_tenant` (when kvd identifies tenants by name rather than by token),
 `kvd_namespace` (default: the model, the host pool's KV dtype, and the shard of its KV this
-rank holds: see `namespace`), `kvd_timeout_s`.
+rank holds: see `namespace`), `kvd_timeout_s` (5 s), `kvd_retry_s` (how long calls miss at
+once after kvd did not answer one: 1 s).
 
 SGLang names each page of its host pool by a chained hash of its tokens; those names are kvd's
 shared prefix blocks, one kvd page per SGLang page (kvd's page_bytes must equal the bytes of
@@ -44,6 +45,7 @@ import hashlib
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -52,7 +54,13 @@ from typing import Any
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
-from kvd_client import Client, KvdClientError, pb
+from kvd_client import (
+    Client,
+    DeadlineExceededError,
+    KvdClientError,
+    UnavailableError,
+    pb,
+)
 from kvd_client.arena import MappedPool
 
 log = logging.getLogger("kvd.sglang")
@@ -83,6 +91,9 @@ class KvdStorage(HiCacheStorage):
         self._clients: list[Client] = []
         self._clients_lock = threading.Lock()
         self.pool = extra.get("kvd_pool", "")
+        # kvd did not answer a moment ago: calls miss at once until then (see _note_failure).
+        self.retry_s = float(extra.get("kvd_retry_s", 1.0))
+        self._away_until = 0.0
         self.tenant = extra.get("kvd_tenant", "")
         # Named once the host pool says its dtype (register_mem_pool_host).
         self._namespace = extra.get("kvd_namespace")
@@ -143,9 +154,21 @@ class KvdStorage(HiCacheStorage):
         """Whether kvd's arenas are mapped here: mapped now if kvd answers and they were not
         (the backend started while kvd did not answer)."""
         if self.arena is None:
-            with contextlib.suppress(KvdClientError):
+            try:
                 self._same_kvd(None)
+            except KvdClientError as exc:
+                self._note_failure(exc)
         return self.arena is not None
+
+    def _away(self) -> bool:
+        return time.monotonic() < self._away_until
+
+    def _note_failure(self, exc: Exception) -> None:
+        """A call kvd did not answer (it is gone, or hangs and the call timed out): SGLang's
+        threads call batch after batch, and each would wait out the timeout again. Until
+        kvd_retry_s has passed, calls miss at once."""
+        if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+            self._away_until = time.monotonic() + self.retry_s
 
     @contextlib.contextmanager
     def _mapped(self) -> Iterator[MappedPool]:
@@ -233,7 +256,7 @@ class KvdStorage(HiCacheStorage):
             return []
         first = _first_of_each(keys)
         names = [keys[i].encode() for i in first]
-        if not self._arenas():
+        if self._away() or not self._arenas():
             return [False] * len(keys)
         try:
             with self._request(len(first)) as rid, self._mapped() as arena:
@@ -248,6 +271,7 @@ class KvdStorage(HiCacheStorage):
                     self.client.commit(rid, self.namespace, [keys[i].encode() for _, i in fresh])
         except (KvdClientError, _NotAdmitted) as exc:
             log.warning("kvd: storing %d page(s) failed: %s", len(keys), exc)
+            self._note_failure(exc)
             return [False] * len(keys)
         return [True] * len(keys)
 
@@ -256,7 +280,7 @@ class KvdStorage(HiCacheStorage):
         if not keys:
             return []
         keys = keys[:_leading_distinct(keys)]  # a run is one chain: it ends at a repeat
-        if not self._arenas():
+        if self._away() or not self._arenas():
             return [False] * len(pages)
         try:
             with self._request(len(keys)) as rid, self._mapped() as arena:
@@ -268,6 +292,7 @@ class KvdStorage(HiCacheStorage):
                          else 0)
         except (KvdClientError, _NotAdmitted) as exc:
             log.warning("kvd: loading %d page(s) failed: %s", len(keys), exc)
+            self._note_failure(exc)
             found = 0
         return [i < found for i in range(len(pages))]
 
@@ -295,13 +320,14 @@ class KvdStorage(HiCacheStorage):
         return self._set(keys, self._segments(host_indices))
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        if not keys:
+        if not keys or self._away():
             return 0
         try:
             return self.client.lookup(self.namespace, [k.encode() for k in keys],
                                       pool=self.pool).num_hit
         except KvdClientError as exc:
             log.warning("kvd: lookup failed, counting misses: %s", exc)
+            self._note_failure(exc)
             return 0
 
     # ------------------------------------------------------------------ generic

@@ -52,9 +52,10 @@ def host_pool(pages: int = 32, dtype=torch.bfloat16) -> MHATokenToKVPoolHost:
 
 
 def backend(target: str, pool: MHATokenToKVPoolHost, model: str = "tiny", v1: bool = True,
-            **ranks):
+            extra: dict | None = None, **ranks):
     """kvd's backend as SGLang's cache controller makes it: the factory, then the pool.
-    `ranks`: HiCacheStorageConfig's parallel fields, where not those of one GPU."""
+    `extra`: more of its extra config; `ranks`: HiCacheStorageConfig's parallel fields,
+    where not those of one GPU."""
     fields = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                   is_mla_model=False)
     config = HiCacheStorageConfig(
@@ -62,7 +63,7 @@ def backend(target: str, pool: MHATokenToKVPoolHost, model: str = "tiny", v1: bo
         model_name=model,
         extra_config={"backend_name": "kvd", "module_path": "kvd_client.sglang_backend",
                       "class_name": "KvdStorage", "interface_v1": int(v1),
-                      "kvd_target": target})
+                      "kvd_target": target, **(extra or {})})
     storage = StorageBackendFactory.create_backend("dynamic", config, pool)
     storage.register_mem_pool_host(pool)
     return storage
@@ -254,12 +255,18 @@ def test_across_a_kvd_restart_no_page_is_copied_to_or_from_the_old_kvds_arenas(t
     # every instance as hits). The first calls after a restart may fail (kvd was away, or
     # the backend maps the new arenas): each is tried a few times, and what one says it
     # read or stored must be right.
+    def tries():  # for 10 s at most: a call that failed leaves kvd alone for kvd_retry_s
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            yield
+            time.sleep(0.2)
+
     def stored(storage, names, src) -> bool:
-        return any(all(storage.batch_set_v1(names, src)) for _ in range(3))
+        return any(all(storage.batch_set_v1(names, src)) for _ in tries())
 
     def read(storage, pool, names, src) -> bool:
-        for _ in range(3):
-            dst = pool.alloc(len(names) * PAGE_TOKENS)
+        dst = pool.alloc(len(names) * PAGE_TOKENS)
+        for _ in tries():
             got = storage.batch_get_v1(names, dst)
             for i, ok in enumerate(got):
                 if ok:
@@ -341,3 +348,34 @@ def test_an_instance_started_before_kvd_stores_and_reads_once_kvd_answers(tmp_pa
         storage.close()
     finally:
         k.stop()
+
+
+def test_a_hung_kvd_holds_up_each_sglang_thread_once_a_retry_period(tmp_path):
+    # A kvd that hangs (stopped: its socket takes calls, nothing answers) makes each call
+    # wait out the backend's timeout. SGLang's prefetch and backup threads call one batch
+    # after another: the first timeout marks kvd away for kvd_retry_s, and until then the
+    # calls miss at once rather than wait again.
+    import os
+    import signal
+
+    with kvd(tmp_path) as k:
+        pool = host_pool()
+        storage = backend(k.target, pool, extra={"kvd_timeout_s": 1.0, "kvd_retry_s": 30})
+        src = written_pages(pool, 2, seed=70)
+        assert storage.batch_set_v1(keys("h", 2), src) == [True] * 2
+        os.kill(k.proc.pid, signal.SIGSTOP)
+        try:
+            took = []
+            for call in (lambda: storage.batch_exists(keys("h", 2)),
+                         lambda: storage.batch_get_v1(keys("h", 2), pool.alloc(2 * PAGE_TOKENS)),
+                         lambda: storage.batch_set_v1(keys("i", 2), src),
+                         lambda: storage.batch_exists(keys("h", 2))):
+                started = time.monotonic()
+                result = call()
+                took.append(time.monotonic() - started)
+                assert not any(result) if isinstance(result, list) else result == 0
+        finally:
+            os.kill(k.proc.pid, signal.SIGCONT)
+        storage.close()
+    print(f"\ncalls against a hung kvd took {took} s")
+    assert took[0] >= 0.9 and sum(took[1:]) < 0.5
