@@ -27,10 +27,12 @@ Each thread SGLang calls the backend from is a kvd client of its own: the pages 
 thread stay its own until that thread's next call, whatever the others do meanwhile.
 
 A backend that starts while kvd does not answer starts all the same, and maps kvd's arenas
-once it does. A kvd that restarted has new arenas. Each call checks, once its copies are done, that the kvd
-answering is still the one whose arenas are mapped (before a store commits anything); if not,
-it maps the new ones and the call counts as failed, so that no page is committed with bytes
-the new kvd never saw, nor read from the old kvd's memory (see `_same_kvd`).
+once it does (if their pages fit SGLang's). A kvd that restarted has new arenas. Each call
+checks, once its copies are done, that the kvd answering is still the one whose arenas are
+mapped (before a store commits anything); if not, it maps the new ones and the call counts
+as failed, so that no page is committed with bytes the new kvd never saw, nor read from the
+old kvd's memory (see `_same_kvd`). After a call kvd did not answer, calls miss at once for
+`kvd_retry_s`.
 
 Only page keys reach a backend, no request: each call is made under a short-lived kvd request
 of the configured tenant, which kvd admits (or refuses while the tenant's budget is spent: the

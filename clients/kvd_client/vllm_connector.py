@@ -13,16 +13,17 @@ is asked whether it admitted a request it queued: 0.05).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
 prefix blocks, named by vLLM's own block hashes within a namespace of the model, block size,
-KV dtype and the request's cache salt (see `namespace`), are looked up in kvd and their tokens reported as an external hit.
-A request admitted by no one (kvd's budget for its tenant is spent) is told to wait: the
-connector answers None until kvd admits it. On finish the request is released in kvd (one
-aborted while kvd still queued it too); the blocks it stored stay there for the next request
-with that prefix. While it holds requests in kvd, the scheduler renews its lease every third
-of kvd's lease TTL (at its next step): a request decoding for longer than the TTL is not taken
-for one whose engine died. Tenant and intent come
-from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ..., "pin": ...,
-"deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the request's
-prefix blocks in kvd's device tier while it runs, a deadline says when it needs them.
+KV dtype and the request's cache salt (see `namespace`), are looked up in kvd and their
+tokens reported as an external hit. A request admitted by no one (kvd's budget for its tenant
+is spent) is told to wait: the connector answers None until kvd admits it. On finish the
+request is released in kvd (one aborted while kvd still queued it too); the blocks it stored
+stay there for the next request with that prefix. While it holds requests in kvd, the
+scheduler renews its lease every third of kvd's lease TTL (at its next step): a request
+decoding for longer than the TTL is not taken for one whose engine died. Tenant and intent
+come from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ...,
+"pin": ..., "deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the
+request's prefix blocks in kvd's device tier while it runs, a deadline says when it needs
+them.
 
 Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds one vLLM
 block of every layer, layer after layer. An engine of several workers (tensor, context or
@@ -36,13 +37,14 @@ own, through page-locked staging for pages in host memory.
 
 kvd going away never stops the engine: a failed call is logged and the request is served
 without kvd (recomputed). An engine started while kvd does not answer starts without it, and
-maps kvd's arenas once it does. A prefix the scheduler found in kvd that the worker then cannot load
-(kvd let it go meanwhile, or went away) is recomputed too: the connector sets vLLM's
-`kv_load_failure_policy` to "recompute" (vLLM's own default, "fail", ends such a request
-with an error; `kvd_load_failure_policy = "fail"` keeps that). While kvd does not answer, the connector leaves it alone for a
-second at a time (`kvd_retry_s`) rather than stall the scheduler on every request. A kvd that
-restarted has new arenas: the worker maps them, and bytes copied while it could not tell
-which kvd answered are neither committed nor used (see `_check_kvd`).
+maps kvd's arenas once it does (if their pages fit its blocks). A prefix the scheduler found
+in kvd that the worker then cannot load (kvd let it go meanwhile, or went away) is recomputed
+too: the connector sets vLLM's `kv_load_failure_policy` to "recompute" (vLLM's own default,
+"fail", ends such a request with an error; `kvd_load_failure_policy = "fail"` keeps that).
+While kvd does not answer, the connector leaves it alone for a second at a time
+(`kvd_retry_s`) rather than stall the scheduler, or a worker's step, on every request. A kvd
+that restarted has new arenas: the worker maps them, and bytes copied while it could not
+tell which kvd answered are neither committed nor used (see `_check_kvd`).
 """
 
 from __future__ import annotations
