@@ -16,6 +16,12 @@ import numpy as np
 from kvd_api.v1 import kvd_pb2 as pb
 
 
+def arena_names(export: pb.ExportPoolResponse) -> tuple[bytes, ...]:
+    """A kvd's arenas by name: shared-memory names and CUDA IPC handles are new each time
+    kvd starts, so two exports with the same names come from the same kvd."""
+    return tuple(t.shm_name.encode() + t.cuda_ipc_handle for t in export.tiers)
+
+
 class MappedPool:
     """numpy views of a pool's shared-memory arenas, indexed by PageHandle."""
 

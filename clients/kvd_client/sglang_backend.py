@@ -63,7 +63,7 @@ from kvd_client import (
     UnavailableError,
     pb,
 )
-from kvd_client.arena import MappedPool
+from kvd_client.arena import MappedPool, arena_names
 
 log = logging.getLogger("kvd.sglang")
 
@@ -142,7 +142,7 @@ class KvdStorage(HiCacheStorage):
             return
         if problem := self._misfit(export):
             raise ValueError(problem)
-        self.arena, self._arena_names = MappedPool(export), _arena_names(export)
+        self.arena, self._arena_names = MappedPool(export), arena_names(export)
 
     def _misfit(self, export: pb.ExportPoolResponse) -> str:
         """Why this backend cannot use a kvd's pages ("" when it can)."""
@@ -198,7 +198,7 @@ class KvdStorage(HiCacheStorage):
         makes new arenas). If not, the new kvd's arenas are mapped for the calls to come
         (unless its pages do not fit SGLang's)."""
         export = self.client.export_pool(self.pool)
-        names = _arena_names(export)
+        names = arena_names(export)
         if arena is not None and names == self._arena_names and arena is self.arena:
             return True
         with self._arena_lock:
@@ -394,12 +394,6 @@ def shard_suffix(config: HiCacheStorageConfig) -> str:
     if config.is_mla_model and getattr(config, "dcp_size", 1) > 1:
         parts.append(f"|dcp{config.dcp_rank}/{config.dcp_size}")
     return "".join(parts)
-
-
-def _arena_names(export: pb.ExportPoolResponse) -> tuple[bytes, ...]:
-    """A kvd's arenas by name: shared-memory names and CUDA IPC handles are new each time
-    kvd starts."""
-    return tuple(t.shm_name.encode() + t.cuda_ipc_handle for t in export.tiers)
 
 
 def _flat(tensor: torch.Tensor) -> Segments:

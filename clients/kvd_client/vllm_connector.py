@@ -72,7 +72,7 @@ from kvd_client import (
     UnavailableError,
     pb,
 )
-from kvd_client.arena import MappedPool
+from kvd_client.arena import MappedPool, arena_names
 from kvd_client.block_copy import BlockCopier, as_tensor
 
 log = logging.getLogger("kvd.vllm")
@@ -370,7 +370,7 @@ class KvdConnector(KVConnectorBase_V1):
             return
         if problem := self._misfit(export):
             raise ValueError(problem)
-        self.arena, self.arena_names = MappedPool(export), _arena_names(export)
+        self.arena, self.arena_names = MappedPool(export), arena_names(export)
 
     def _misfit(self, export: pb.ExportPoolResponse) -> str:
         """Why the engine cannot use this kvd's pages ("" when it can)."""
@@ -402,7 +402,7 @@ class KvdConnector(KVConnectorBase_V1):
         except KvdClientError as exc:
             self._note_failure(exc)
             return None
-        names = _arena_names(export)
+        names = arena_names(export)
         if names == self.arena_names:
             return True
         if problem := self._misfit(export):  # a kvd started since with other pages
@@ -533,9 +533,3 @@ def block_intent(params: dict) -> pb.MemoryIntent | None:
     if params.get("deadline_ms") is not None:
         fields["deadline_us"] = int(float(params["deadline_ms"]) * 1000)
     return pb.MemoryIntent(**fields) if fields else None
-
-
-def _arena_names(export: pb.ExportPoolResponse) -> tuple[bytes, ...]:
-    """A kvd's arenas by name: shared-memory names and CUDA IPC handles are new each time
-    kvd starts."""
-    return tuple(t.shm_name.encode() + t.cuda_ipc_handle for t in export.tiers)
