@@ -34,9 +34,11 @@ as failed, so that no page is committed with bytes the new kvd never saw, nor re
 old kvd's memory (see `_same_kvd`). After a call kvd did not answer, calls miss at once for
 `kvd_retry_s`.
 
-Only page keys reach a backend, no request: each call is made under a short-lived kvd request
-of the configured tenant, which kvd admits (or refuses while the tenant's budget is spent: the
-call then fails, and SGLang recomputes or keeps the page on its host tier).
+Only page keys reach a backend, no request: each call is made under short-lived kvd requests
+of the configured tenant, one for each slice of at most `kvd_slice_pages` pages (by default an
+eighth of kvd's device tier, up to 256: kvd admits no request larger than its device tier),
+which kvd admits (or refuses while the tenant's budget is spent: the call then fails from that
+slice on, and SGLang recomputes or keeps those pages on its host tier).
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ class KvdStorage(HiCacheStorage):
         self._copying: dict[int, int] = {}
         self._arena_lock = threading.Lock()
         self.page_tokens = 0
+        # Pages one kvd request stores or loads at most (see _slice_pages).
+        self._slice_pages_given = int(extra.get("kvd_slice_pages", 0))
+        self.slice_pages = self._slice_pages_given or 64
         self.page_bytes = 0
 
     @property
@@ -143,6 +148,7 @@ class KvdStorage(HiCacheStorage):
         if problem := self._misfit(export):
             raise ValueError(problem)
         self.arena, self._arena_names = MappedPool(export), arena_names(export)
+        self.slice_pages = self._slice_pages(export)
 
     def _misfit(self, export: pb.ExportPoolResponse) -> str:
         """Why this backend cannot use a kvd's pages ("" when it can)."""
@@ -151,6 +157,15 @@ class KvdStorage(HiCacheStorage):
         return (f"kvd pool {self.pool or 'default'!r} has pages of {export.page_bytes} bytes; "
                 f"one SGLang host page is {self.page_bytes}: start kvd with "
                 f"page_bytes = {self.page_bytes}")
+
+    def _slice_pages(self, export: pb.ExportPoolResponse) -> int:
+        """Pages one kvd request of a call stores or loads at most: `kvd_slice_pages`, else an
+        eighth of kvd's device tier (up to 256). kvd admits no request larger than its device
+        tier, and a prefix of SGLang's (one page a token, by default) can be far larger."""
+        if self._slice_pages_given:
+            return self._slice_pages_given
+        device = [t.num_pages for t in export.tiers if t.tier == pb.TIER_DEVICE]
+        return max(1, min(256, (device[0] if device else 64) // 8))
 
     def _arenas(self) -> bool:
         """Whether kvd's arenas are mapped here: mapped now if kvd answers and they were not
@@ -210,6 +225,7 @@ class KvdStorage(HiCacheStorage):
                             else "kvd restarted: mapping its new arenas")
                 old, self.arena = self.arena, MappedPool(export)
                 self._arena_names = names
+                self.slice_pages = self._slice_pages(export)
                 if old is not None and id(old) not in self._copying:
                     old.close()
         return False
@@ -231,6 +247,8 @@ class KvdStorage(HiCacheStorage):
         rid = next(self._ids)
         reply = self.client.admit(rid, prompt_tokens=num_pages * self.page_tokens,
                                   tenant=self.tenant, pool=self.pool)
+        if reply.decision == pb.DECISION_REJECTED:  # kvd keeps no such request
+            raise _NotAdmitted(reply.reason)
         try:
             if reply.decision != pb.DECISION_ADMITTED:
                 raise _NotAdmitted(reply.reason or pb.Decision.Name(reply.decision))
@@ -253,50 +271,72 @@ class KvdStorage(HiCacheStorage):
             offset += size
 
     def _set(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
-        """Store each page under its key (pages kvd has already are not written again)."""
+        """Store each page under its key (pages kvd has already are not written again), in
+        slices of at most `slice_pages`: until one fails, the rest with it."""
         if not keys:
             return []
-        first = _first_of_each(keys)
-        names = [keys[i].encode() for i in first]
         if self._away() or not self._arenas():
             return [False] * len(keys)
+        first = _first_of_each(keys)
+        stored: set[str] = set()
+        for start in range(0, len(first), self.slice_pages):
+            part = first[start:start + self.slice_pages]
+            if not self._set_slice([keys[i] for i in part], [pages[i] for i in part]):
+                break
+            stored.update(keys[i] for i in part)
+        return [k in stored for k in keys]
+
+    def _set_slice(self, keys: Sequence[str], pages: Sequence[Segments]) -> bool:
+        """Store these pages (their keys distinct) under one kvd request."""
         try:
-            with self._request(len(first)) as rid, self._mapped() as arena:
-                reply = self.client.store(rid, self.namespace, names)
-                fresh = [(handle, i) for handle, is_fresh, i
-                         in zip(reply.handles, reply.fresh, first) if is_fresh]
+            with self._request(len(keys)) as rid, self._mapped() as arena:
+                reply = self.client.store(rid, self.namespace, [k.encode() for k in keys])
+                fresh = [(handle, i) for i, (handle, is_fresh)
+                         in enumerate(zip(reply.handles, reply.fresh)) if is_fresh]
                 copied = self._copies(arena, [(h, pages[i]) for h, i in fresh], into_kvd=True)
                 # Committed only into the arenas of the kvd that handed out the pages.
                 if fresh and not (self._same_kvd(arena) and copied):
-                    return [False] * len(keys)
+                    return False
                 if fresh:
                     self.client.commit(rid, self.namespace, [keys[i].encode() for _, i in fresh])
         except (KvdClientError, _NotAdmitted) as exc:
             log.warning("kvd: storing %d page(s) failed: %s", len(keys), exc)
             self._note_failure(exc)
-            return [False] * len(keys)
-        return [True] * len(keys)
+            return False
+        return True
 
     def _get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
-        """Copy the leading run of keys kvd holds into their pages."""
+        """Copy the leading run of keys kvd holds into their pages, in slices of at most
+        `slice_pages`: the run ends in the first slice kvd does not hold whole."""
         if not keys:
             return []
-        keys = keys[:_leading_distinct(keys)]  # a run is one chain: it ends at a repeat
         if self._away() or not self._arenas():
             return [False] * len(pages)
+        # A run is one chain: it ends at a repeat.
+        n = min(_leading_distinct(keys), len(pages))
+        found = 0
+        for start in range(0, n, self.slice_pages):
+            end = min(start + self.slice_pages, n)
+            got = self._get_slice(keys[start:end], pages[start:end])
+            found += got
+            if got < end - start:
+                break
+        return [i < found for i in range(len(pages))]
+
+    def _get_slice(self, keys: Sequence[str], pages: Sequence[Segments]) -> int:
+        """Copy the leading run of these keys kvd holds (one kvd request): how many."""
         try:
             with self._request(len(keys)) as rid, self._mapped() as arena:
                 reply = self.client.load(rid, self.namespace, [k.encode() for k in keys])
                 handles = reply.handles[:len(pages)]
                 copied = self._copies(arena, list(zip(handles, pages)), into_kvd=False)
                 # Read only from the arenas of the kvd that handed out the pages.
-                found = (len(handles) if not handles or (self._same_kvd(arena) and copied)
-                         else 0)
+                return (len(handles) if not handles or (self._same_kvd(arena) and copied)
+                        else 0)
         except (KvdClientError, _NotAdmitted) as exc:
             log.warning("kvd: loading %d page(s) failed: %s", len(keys), exc)
             self._note_failure(exc)
-            found = 0
-        return [i < found for i in range(len(pages))]
+            return 0
 
     def _copies(self, arena: MappedPool, pages: list[tuple[pb.PageHandle, Segments]],
                 into_kvd: bool) -> bool:

@@ -379,3 +379,21 @@ def test_a_hung_kvd_holds_up_each_sglang_thread_once_a_retry_period(tmp_path):
         storage.close()
     print(f"\ncalls against a hung kvd took {took} s")
     assert took[0] >= 0.9 and sum(took[1:]) < 0.5
+
+
+def test_a_batch_larger_than_kvds_device_tier_is_stored_and_read_back_whole(tmp_path):
+    # SGLang backs up and prefetches a prefix's pages in one call, and a long prompt has more
+    # pages than kvd's device tier (with SGLang's default page of one token, many more). One
+    # kvd request for all of them could never be admitted: kvd refused it, and no page of a
+    # long prefix was ever stored. The backend goes in slices that fit.
+    with kvd(tmp_path, device_pages=32, host_pages=64) as k:
+        pool = host_pool(128)
+        storage = backend(k.target, pool)
+        src = written_pages(pool, 48, seed=80)
+        assert storage.batch_set_v1(keys("long", 48), src) == [True] * 48
+        assert storage.batch_exists(keys("long", 48)) == 48
+        dst = pool.alloc(48 * PAGE_TOKENS)
+        assert storage.batch_get_v1(keys("long", 48), dst) == [True] * 48
+        for i in range(48):
+            assert page(pool, dst, i) == page(pool, src, i), f"page {i} came back wrong"
+        storage.close()
