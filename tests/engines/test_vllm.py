@@ -517,7 +517,7 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     # connector calls kvd when requests arrive and finish, not while they decode: a request
     # decoding for longer than the lease (a long answer) was released under the running
     # engine, and kvd counted its pages free for others to be admitted into.
-    with LocalKvd(*KVD, "--lease-ttl-s", "1", workdir=tmp_path) as kvd:
+    with LocalKvd(*KVD, "--lease-ttl-s", "0.5", workdir=tmp_path) as kvd:
         engine = Engine(kvd.target, [{"prompts": PROMPTS[:1], "max_tokens": 880}])
         result: dict = {}
         reader = threading.Thread(target=lambda: result.update(run=engine.result()))
@@ -536,8 +536,8 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     held_s = admitted[-1] - admitted[0] if admitted else 0.0
     print(f"\nrun: {run['run_s']:.1f} s; kvd held the request for {held_s:.1f} s of it")
     assert len(run["tokens"][0]) == 880
-    assert run["run_s"] > 3.0  # decoding outlasts the lease several times over
-    assert held_s > run["run_s"] - 1.0
+    assert run["run_s"] > 1.5  # decoding outlasts the lease several times over
+    assert held_s > run["run_s"] - 0.5
 
 
 def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
