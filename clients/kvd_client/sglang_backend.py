@@ -71,6 +71,8 @@ log = logging.getLogger("kvd.sglang")
 
 # The longest namespace kvd takes.
 MAX_NAMESPACE = 256
+# Keys one Lookup asks after at most (SGLang's keys are 64-character hashes: 270 KB a call).
+LOOKUP_SLICE = 4096
 # A page's bytes in kvd, as (address, size) segments of the host pool.
 Segments = list[tuple[int, int]]
 
@@ -362,15 +364,25 @@ class KvdStorage(HiCacheStorage):
         return self._set(keys, self._segments(host_indices))
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        if not keys or self._away():
-            return 0
-        try:
-            return self.client.lookup(self.namespace, [k.encode() for k in keys],
-                                      pool=self.pool).num_hit
-        except KvdClientError as exc:
-            log.warning("kvd: lookup failed, counting misses: %s", exc)
-            self._note_failure(exc)
-            return 0
+        """The leading run of keys kvd holds, asked LOOKUP_SLICE keys at a time (one call
+        takes at most 65,536 keys and 4 MiB, and a long prompt of one-token pages names more)
+        as far as the run goes."""
+        hit = 0
+        for start in range(0, len(keys), LOOKUP_SLICE):
+            if self._away():
+                break
+            part = keys[start:start + LOOKUP_SLICE]
+            try:
+                found = self.client.lookup(self.namespace, [k.encode() for k in part],
+                                           pool=self.pool).num_hit
+            except KvdClientError as exc:
+                log.warning("kvd: lookup failed, counting misses: %s", exc)
+                self._note_failure(exc)
+                break
+            hit += found
+            if found < len(part):
+                break
+        return hit
 
     # ------------------------------------------------------------------ generic
 

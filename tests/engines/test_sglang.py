@@ -397,3 +397,16 @@ def test_a_batch_larger_than_kvds_device_tier_is_stored_and_read_back_whole(tmp_
         for i in range(48):
             assert page(pool, dst, i) == page(pool, src, i), f"page {i} came back wrong"
         storage.close()
+
+
+def test_a_lookup_of_more_keys_than_one_kvd_call_takes_counts_the_run(tmp_path):
+    # A long prompt at SGLang's default page of one token names more pages than one kvd call
+    # takes (65,536 block keys, and 4 MiB a message): the whole lookup was refused and
+    # counted as no hit at all. The backend asks in slices, as far as the run goes.
+    with kvd(tmp_path) as k:
+        pool = host_pool()
+        storage = backend(k.target, pool)
+        names = keys("run", 70_000)
+        assert storage.batch_set_v1(names[:4], written_pages(pool, 4, seed=90)) == [True] * 4
+        assert storage.batch_exists(names) == 4
+        storage.close()
