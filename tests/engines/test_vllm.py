@@ -670,16 +670,12 @@ def test_an_engine_started_before_kvd_serves_and_then_uses_kvd(tmp_path):
     # and the engine failed to start. A kvd whose pages do not fit the engine's blocks (its
     # configuration changed under a running engine) is not used; the engine serves on.
     def phase(kvd):
-        if kvd is not None:
-            kvd.start()
+        with kvd:  # started here, and stopped however the phase ends
             time.sleep(3.5)  # the client's reconnect backoff (2 s), the connector's pause
-        engine.go()
-        served = engine.result()
-        if kvd is None:
-            return served, None
-        with Client(kvd.target) as c:
-            used = c.pool_stats().pools[0].tiers[0].used_pages
-        kvd.stop()
+            engine.go()
+            served = engine.result()
+            with Client(kvd.target) as c:
+                used = c.pool_stats().pools[0].tiers[0].used_pages
         return served, used
 
     misfit = (*KVD[:1], str(PAGE_BYTES // 2), *KVD[2:])
