@@ -360,7 +360,7 @@ class KvdConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.copier = BlockCopier([kv_caches[name] for name in sorted(kv_caches)])
         self.shard = shard_suffix(self._ranks(), self.sizes)
-        self.arena_names = ()
+        self._arena_names = ()
         try:
             export = self.client.export_pool(self.pool)
         except KvdClientError as exc:
@@ -370,7 +370,7 @@ class KvdConnector(KVConnectorBase_V1):
             return
         if problem := self._misfit(export):
             raise ValueError(problem)
-        self.arena, self.arena_names = MappedPool(export), arena_names(export)
+        self.arena, self._arena_names = MappedPool(export), arena_names(export)
 
     def _misfit(self, export: pb.ExportPoolResponse) -> str:
         """Why the engine cannot use this kvd's pages ("" when it can)."""
@@ -403,7 +403,7 @@ class KvdConnector(KVConnectorBase_V1):
             self._note_failure(exc)
             return None
         names = arena_names(export)
-        if names == self.arena_names:
+        if names == self._arena_names:
             return True
         if problem := self._misfit(export):  # a kvd started since with other pages
             log.error("not using kvd: %s", problem)
@@ -413,7 +413,7 @@ class KvdConnector(KVConnectorBase_V1):
                     else "kvd answers: mapping its arenas")
         if self.arena is not None:
             self.arena.close()
-        self.arena, self.arena_names = MappedPool(export), names
+        self.arena, self._arena_names = MappedPool(export), names
         return False
 
     def _page(self, handle: pb.PageHandle) -> torch.Tensor:

@@ -73,16 +73,13 @@ class Residency:
     _media: dict[frozenset[str], frozenset[str]] = field(default_factory=dict)
 
     def _interned(self, media: frozenset[str]) -> frozenset[str] | None:
-        """The one frozenset kept for these media; None past MAX_MEDIA media."""
+        """The one frozenset kept for these media; None past MAX_MEDIA media in all."""
         kept = self._media.get(media)
         if kept is None:
-            if media - self._known() and len(self._known() | media) > MAX_MEDIA:
+            if len(frozenset().union(media, *self._media)) > MAX_MEDIA:
                 return None
             kept = self._media[media] = media
         return kept
-
-    def _known(self) -> frozenset[str]:
-        return frozenset().union(*self._media)
 
     def apply(self, events: Iterable[Any]) -> None:
         """One batch's events, in order. An event that is not a map, or whose hashes or

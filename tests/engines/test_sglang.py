@@ -247,35 +247,43 @@ def test_ranks_holding_different_shards_of_a_page_each_get_back_their_own(tmp_pa
             storage.close()
 
 
+def tries():
+    """Every 0.2 s for 10 s at most: the client reconnects within 2 s, and a call that failed
+    leaves kvd alone for kvd_retry_s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        yield
+        time.sleep(0.2)
+
+
+def stored(storage, names, src) -> bool:
+    """Whether the pages were stored, tried until they are (see tries)."""
+    return any(all(storage.batch_set_v1(names, src)) for _ in tries())
+
+
+def read(storage, pool, names, src) -> bool:
+    """Whether the pages were read whole, tried until they are (see tries); every page a try
+    says it read must hold what was stored under its key."""
+    dst = pool.alloc(len(names) * PAGE_TOKENS)
+    for _ in tries():
+        got = storage.batch_get_v1(names, dst)
+        for i, ok in enumerate(got):
+            if ok:
+                assert page(pool, dst, i) == page(pool, src, i), \
+                    f"page {i}: not the bytes stored under its key"
+        if all(got):
+            return True
+    return False
+
+
 def test_across_a_kvd_restart_no_page_is_copied_to_or_from_the_old_kvds_arenas(tmp_path):
     # kvd restarts under a running SGLang: the new kvd's arenas are new shared memory, while
     # the backend still maps the old kvd's. Copying through that mapping, a read returned the
     # old kvd's bytes for pages the new one handed out, and a store put its bytes where the
     # new kvd never looks and committed the keys all the same (pages of zeros, served to
     # every instance as hits). The first calls after a restart may fail (kvd was away, or
-    # the backend maps the new arenas): each is tried a few times, and what one says it
+    # the backend maps the new arenas): each is tried again (see tries), and what one says it
     # read or stored must be right.
-    def tries():  # for 10 s at most: a call that failed leaves kvd alone for kvd_retry_s
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            yield
-            time.sleep(0.2)
-
-    def stored(storage, names, src) -> bool:
-        return any(all(storage.batch_set_v1(names, src)) for _ in tries())
-
-    def read(storage, pool, names, src) -> bool:
-        dst = pool.alloc(len(names) * PAGE_TOKENS)
-        for _ in tries():
-            got = storage.batch_get_v1(names, dst)
-            for i, ok in enumerate(got):
-                if ok:
-                    assert page(pool, dst, i) == page(pool, src, i), \
-                        f"page {i}: not the bytes stored under its key"
-            if all(got):
-                return True
-        return False
-
     k = kvd(tmp_path).start()
     try:
         pool = host_pool(64)
@@ -337,10 +345,7 @@ def test_an_instance_started_before_kvd_stores_and_reads_once_kvd_answers(tmp_pa
             assert c.pool_stats().pools[0].tiers[0].used_pages == 0
     k.start()
     try:
-        deadline = time.monotonic() + 10  # the client's reconnect backoff is 2 s
-        while not all(storage.batch_set_v1(keys("early", 2), src)):
-            assert time.monotonic() < deadline, "kvd answers, and the backend does not use it"
-            time.sleep(0.2)
+        assert stored(storage, keys("early", 2), src), "kvd answers; the backend does not use it"
         dst = pool.alloc(2 * PAGE_TOKENS)
         assert backend(k.target, pool).batch_get_v1(keys("early", 2), dst) == [True] * 2
         for i in range(2):
