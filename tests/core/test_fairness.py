@@ -39,6 +39,47 @@ def test_overcommitted_guarantees_scale_down_proportionally():
     assert water_fill(100, {"a": 200, "b": 200}, quotas) == pytest.approx({"a": 75, "b": 25})
 
 
+
+def bisected(capacity: float, demand: dict[str, float], quotas: dict[str, TenantQuota]
+             ) -> dict[str, float]:
+    """Water-filling by its definition: every tenant's top (its demand up to its limit) when
+    the tops fit; else the shares at the highest level whose shares fit the capacity, found
+    by bisection (a reference for water_fill, which solves for the level)."""
+    quota = {t: quotas.get(t, TenantQuota()) for t in demand}
+    top = {t: max(0.0, float(want if quota[t].limit is None else min(want, quota[t].limit)))
+           for t, want in demand.items()}
+    if sum(top.values()) <= capacity:
+        return top
+    guarantees = effective_guarantees(quota, int(capacity))
+
+    def shares_at(level: float) -> dict[str, float]:
+        return {t: min(top[t], max(min(top[t], guarantees[t]),
+                                   level * max(quota[t].weight, 0.0))) for t in demand}
+
+    lo, hi = 0.0, 1.0
+    while sum(shares_at(hi).values()) < min(capacity, sum(shares_at(1e30).values())):
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if sum(shares_at(mid).values()) > capacity else (mid, hi)
+    return shares_at(lo)
+
+
+@given(st.integers(1, 5000),
+       st.dictionaries(st.text("abcdefghij", min_size=1, max_size=2), st.integers(0, 3000),
+                       min_size=1, max_size=40),
+       st.dictionaries(st.text("abcdefghij", min_size=1, max_size=2),
+                       st.tuples(st.sampled_from([0.0, 0.25, 1.0, 1.5, 3.0, 7.0]),
+                                 st.integers(0, 400), st.none() | st.integers(0, 2000)),
+                       max_size=40))
+def test_water_fill_finds_the_level_whose_shares_fill_the_capacity(capacity, demand, raw):
+    # Many tenants, weights of zero and fractions, guarantees over the capacity, limits
+    # under demand: the level water_fill solves for gives the shares of its definition.
+    quotas = {t: TenantQuota(weight=w, guaranteed=g, limit=l) for t, (w, g, l) in raw.items()}
+    shares = water_fill(capacity, demand, quotas)
+    assert shares == pytest.approx(bisected(capacity, demand, quotas), abs=1e-6, rel=1e-9)
+    assert sum(shares.values()) <= capacity + 1e-6
+
 @given(st.dictionaries(st.sampled_from("abcde"), st.integers(0, 500), min_size=1),
        st.dictionaries(st.sampled_from("abcde"),
                        st.tuples(st.integers(1, 5), st.integers(0, 80),

@@ -85,16 +85,36 @@ def water_fill(capacity: float, demand: dict[str, float], quotas: dict[str, Tena
         floor[tenant] = min(top[tenant], guarantees[tenant])
         weight[tenant] = max(q.weight, 0.0)
 
-    def shares_at(level: float) -> dict[str, float]:
-        return {t: min(top[t], max(floor[t], level * weight[t])) for t in demand}
-
     if sum(top.values()) <= capacity:
         return dict(top)  # everyone gets all they want
-    lo, hi = 0.0, max((top[t] / weight[t] for t in demand if weight[t] > 0), default=0.0)
-    for _ in range(100):  # bisection on the level: the total is monotone in it
-        mid = (lo + hi) / 2
-        if sum(shares_at(mid).values()) > capacity:
-            hi = mid
-        else:
-            lo = mid
-    return shares_at(lo)
+    level = _level(capacity, top, floor, weight)
+    return {t: min(top[t], max(floor[t], level * weight[t])) for t in demand}
+
+
+def _level(capacity: float, top: dict[str, float], floor: dict[str, float],
+           weight: dict[str, float]) -> float:
+    """The water level at which the shares add up to `capacity`, which the tops exceed.
+
+    The total is piecewise linear in the level: a tenant's share stays at its floor up to
+    floor/weight, rises by its weight from there to top/weight, and stays at its top after.
+    The points where a slope changes are walked in order, and the level solved in the piece
+    where the total reaches the capacity: exact, and one sort's work. Shares are recomputed
+    whenever demand changes, on the allocation path."""
+    base = sum(floor.values())  # the total is base + slope * level between two points
+    if base >= capacity:
+        return 0.0
+    slope = 0.0
+    points = []
+    for tenant, w in weight.items():
+        if w > 0 and top[tenant] > floor[tenant]:
+            points.append((floor[tenant] / w, w, -floor[tenant]))  # leaves its floor
+            points.append((top[tenant] / w, -w, top[tenant]))  # reaches its top
+    points.sort()
+    for at, dw, dbase in points:
+        if slope > 0 and base + slope * at >= capacity:
+            break
+        slope += dw
+        base += dbase
+    else:
+        return points[-1][0] if points else 0.0
+    return (capacity - base) / slope
