@@ -87,6 +87,15 @@ def keys(prefix: str, n: int) -> list[str]:
     return [f"{prefix}{i:04d}" for i in range(n)]
 
 
+def assert_read_back(storage, pool: MHATokenToKVPoolHost, names: list[str],
+                     src: torch.Tensor, who: str = "") -> None:
+    """One read of these pages finds them all, each holding the bytes stored from `src`."""
+    dst = pool.alloc(len(names) * PAGE_TOKENS)
+    assert storage.batch_get_v1(names, dst) == [True] * len(names)
+    for i in range(len(names)):
+        assert page(pool, dst, i) == page(pool, src, i), f"{who}page {i} came back wrong"
+
+
 def test_pages_round_trip_through_kvd_zero_copy_and_generic(tmp_path):
     with kvd(tmp_path) as k:
         pool = host_pool()
@@ -96,10 +105,7 @@ def test_pages_round_trip_through_kvd_zero_copy_and_generic(tmp_path):
         assert storage.batch_exists(names) == 0
         assert storage.batch_set_v1(names, src) == [True] * 4
         assert storage.batch_exists(names) == 4
-        dst = pool.alloc(4 * PAGE_TOKENS)
-        assert storage.batch_get_v1(names, dst) == [True] * 4
-        for i in range(4):
-            assert page(pool, dst, i) == page(pool, src, i), f"page {i} came back wrong"
+        assert_read_back(storage, pool, names, src)
         # The generic path reads the same bytes as one flat page, and writes what v1 reads.
         flat = storage.get(names[2], pool.get_dummy_flat_data_page())
         assert flat.view(torch.uint8).numpy().tobytes() == page(pool, src, 2)
@@ -240,10 +246,7 @@ def test_ranks_holding_different_shards_of_a_page_each_get_back_their_own(tmp_pa
             assert storage.batch_set_v1(keys("s", 3), src) == [True] * 3
             ranks.append((pool, storage, src))
         for i, (pool, storage, src) in enumerate(ranks):
-            dst = pool.alloc(3 * PAGE_TOKENS)
-            assert storage.batch_get_v1(keys("s", 3), dst) == [True] * 3
-            for p in range(3):
-                assert page(pool, dst, p) == page(pool, src, p), f"rank {i}: another's page"
+            assert_read_back(storage, pool, keys("s", 3), src, who=f"rank {i}: ")
             storage.close()
 
 
@@ -346,10 +349,7 @@ def test_an_instance_started_before_kvd_stores_and_reads_once_kvd_answers(tmp_pa
     k.start()
     try:
         assert stored(storage, keys("early", 2), src), "kvd answers; the backend does not use it"
-        dst = pool.alloc(2 * PAGE_TOKENS)
-        assert backend(k.target, pool).batch_get_v1(keys("early", 2), dst) == [True] * 2
-        for i in range(2):
-            assert page(pool, dst, i) == page(pool, src, i)
+        assert_read_back(backend(k.target, pool), pool, keys("early", 2), src)
         storage.close()
     finally:
         k.stop()
@@ -397,10 +397,7 @@ def test_a_batch_larger_than_kvds_device_tier_is_stored_and_read_back_whole(tmp_
         src = written_pages(pool, 48, seed=80)
         assert storage.batch_set_v1(keys("long", 48), src) == [True] * 48
         assert storage.batch_exists(keys("long", 48)) == 48
-        dst = pool.alloc(48 * PAGE_TOKENS)
-        assert storage.batch_get_v1(keys("long", 48), dst) == [True] * 48
-        for i in range(48):
-            assert page(pool, dst, i) == page(pool, src, i), f"page {i} came back wrong"
+        assert_read_back(storage, pool, keys("long", 48), src)
         storage.close()
 
 
