@@ -28,7 +28,7 @@ from kvd.config import AuthConfig, Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
 from kvd.node import Node
 from kvd.tier_events import TierEventPublisher
-from kvd.metrics import serve_metrics
+from kvd.metrics import serve_metrics, watch_loop_lag
 from kvd.service.admin import AdminService
 from kvd.service.gate import CallGate, StepTurns
 from kvd.service.auth import Authenticator
@@ -326,6 +326,7 @@ class Daemon:
             max(0.05, min(1.0, self.config.handoff_ttl_s / 4, self.config.hold_s / 4))))
         self._checker = (asyncio.ensure_future(self.node.health.check_forever(
             self.config.self_check_s)) if self.config.self_check_s else None)
+        self._lag = asyncio.ensure_future(watch_loop_lag())
         if self.config.cluster.etcd:
             self.node.cluster = ClusterMember(self.node, self.config)
             self.node.cluster.start()
@@ -414,6 +415,8 @@ class Daemon:
             self._expirer.cancel()
         if getattr(self, "_checker", None) is not None:
             self._checker.cancel()
+        if getattr(self, "_lag", None) is not None:
+            self._lag.cancel()
         if self._tier_events is not None:
             self._tier_events.close()
         if self.node is not None and self.node.cluster is not None:

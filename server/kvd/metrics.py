@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import platform
 import threading
+import time
 from bisect import bisect_left
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
@@ -96,6 +97,29 @@ REGISTRY.register(RPC_SECONDS)
 
 def observe_rpc(method: str, code: str, seconds: float) -> None:
     RPC_SECONDS.observe((method, code), seconds)
+
+
+LOOP_LAG_SECONDS = LoopHistogram(
+    "kvd_event_loop_lag_seconds",
+    "How late kvd's event loop woke for a timer due every 10 ms: what a step or call that "
+    "arrived then waited behind the loop's other work, or the machine's", [],
+    buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1),
+)
+REGISTRY.register(LOOP_LAG_SECONDS)
+LAG_PERIOD_S = 0.01
+
+
+async def watch_loop_lag(histogram: LoopHistogram = LOOP_LAG_SECONDS,
+                         period_s: float = LAG_PERIOD_S) -> None:
+    """Observe, for ever, how late the loop wakes for a timer due every `period_s`. Every
+    step and call kvd serves runs on this one loop: a lag is a wait all of them share,
+    behind a handler that ran long or behind the machine's other threads and processes.
+    (The loop's own clock ticks in milliseconds: under about 1 ms, a lag is noise.)"""
+    clock = time.perf_counter
+    while True:
+        due = clock() + period_s
+        await asyncio.sleep(period_s)
+        histogram.observe((), max(0.0, clock() - due))
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:

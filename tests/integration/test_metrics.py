@@ -114,6 +114,51 @@ def test_loop_histogram_exposes_what_prometheus_clients_histogram_would():
     assert samples(ours)[("h_seconds_bucket", (("le", "0.001"), ("method", "A")))] == 4
 
 
+def _lags_over(samples: dict, seconds: float) -> float:
+    """Loop lags observed over `seconds` (a bucket bound), from a scrape's samples."""
+    bucket = _value(samples, "kvd_event_loop_lag_seconds_bucket", le=repr(seconds))
+    return _value(samples, "kvd_event_loop_lag_seconds_count") - bucket
+
+
+async def test_loop_lag_observes_the_loop_held_by_a_handler():
+    """A callback that holds the loop 80 ms: the lag watcher, due every 10 ms, wakes about
+    70 ms late."""
+    from kvd.metrics import LoopHistogram, watch_loop_lag
+
+    hist = LoopHistogram("lag_seconds", "doc", [], (1e-3, 1e-2, 5e-2, 0.1))
+    watcher = asyncio.ensure_future(watch_loop_lag(hist, period_s=0.01))
+    try:
+        await asyncio.sleep(0.05)
+        time.sleep(0.08)  # noqa: ASYNC251 - a handler that does not yield
+        await asyncio.sleep(0.03)
+    finally:
+        watcher.cancel()
+    counts, total = hist._series[()]
+    assert sum(counts[3:]) >= 1  # a lag past 50 ms: the held loop's
+    assert total >= 0.06
+
+
+async def test_a_stopped_kvd_shows_in_its_loop_lag(tmp_path):
+    """The machine stops kvd for 200 ms (SIGSTOP, SIGCONT, as a preempting neighbour would):
+    /metrics then counts at least one more lag past 100 ms, and their sum grows by 150 ms
+    or more."""
+    port = free_port()
+    with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd:
+        await asyncio.sleep(0.3)
+        text, before = scrape(port)
+        assert "# TYPE kvd_event_loop_lag_seconds histogram" in text
+        assert _value(before, "kvd_event_loop_lag_seconds_count") >= 5
+        kvd.proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(0.2)
+        kvd.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(0.1)
+        _, after = scrape(port)
+    # At least one: a busy machine may stall kvd that long meanwhile too.
+    assert _lags_over(after, 0.1) >= _lags_over(before, 0.1) + 1
+    assert _value(after, "kvd_event_loop_lag_seconds_sum") - _value(
+        before, "kvd_event_loop_lag_seconds_sum") >= 0.15
+
+
 def _get(port: int, path: str) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
