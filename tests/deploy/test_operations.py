@@ -148,7 +148,7 @@ def test_the_alert_rules_check_and_their_unit_tests_pass():
     check = subprocess.run([PROMTOOL, "check", "rules", "kvd-alerts.yml"], cwd=rules,
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 8 rules found" in check.stdout
+    assert "SUCCESS: 9 rules found" in check.stdout
     tested = subprocess.run([PROMTOOL, "test", "rules", "kvd-alerts.test.yml"], cwd=rules,
                             capture_output=True, text=True)
     assert tested.returncode == 0, tested.stdout + tested.stderr
@@ -249,7 +249,7 @@ def test_every_alert_names_metrics_kvd_exports(exported):
     rules = yaml.safe_load((DEPLOY / "prometheus" / "kvd-alerts.yml").read_text())
     alerts = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"]}
     assert {"KvdDown", "KvdTenantGuaranteeStarved", "KvdStallP99High", "KvdLeaseReaps",
-            "KvdSelfCheckFailing"} <= set(alerts)
+            "KvdSelfCheckFailing", "KvdEventLoopLagging"} <= set(alerts)
     for alert, expr in alerts.items():
         names = _names(expr)
         assert names, (alert, expr)
