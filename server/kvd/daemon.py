@@ -26,6 +26,7 @@ from kvd import __version__, sdnotify
 from kvd.cluster import ClusterMember
 from kvd.config import AuthConfig, Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
+from kvd.memory.arena import sweep_stale
 from kvd.node import Node
 from kvd.tier_events import TierEventPublisher
 from kvd.metrics import serve_metrics, watch_loop_lag
@@ -221,6 +222,11 @@ class Daemon:
         loop = asyncio.get_running_loop()
         if self.config.socket:  # first: a second kvd is told so, not that memory is short
             _prepare_socket_path(Path(self.config.socket))
+        stale = sweep_stale()  # before measuring the room: a killed kvd's arenas hold it
+        if stale:
+            log.warning("removed the arenas of kvd processes that are gone",
+                        arenas=[name for name, _ in stale],
+                        mib=round(sum(held for _, held in stale) / 2**20, 1))
         check_shared_memory(self.config)
         check_gpu_memory(self.config)
         # Arena allocation can take a while for large pools: keep the loop free.

@@ -11,11 +11,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from kvd.memory.cuda import gpu_available
-from kvd_client import AsyncClient, pb
+from kvd_client import AsyncClient, Client, pb
 from kvd_loadgen.local import LocalKvd
 
 
@@ -137,3 +138,57 @@ def test_every_policy_the_config_accepts_is_a_choice_of_the_flag():
     config = config_from_dict({"pool": [{"name": "p", "policy": "fair:reuse"}]})
     assert config.pools[0].policy == "fair:reuse"
     assert build_parser().parse_args(["--policy", "fair:reuse"]).policy == "fair:reuse"
+
+
+def _arenas(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvd-{pid}-"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory in /dev/shm")
+def test_a_kvd_killed_whole_leaves_arenas_that_the_next_start_removes(tmp_path):
+    """A container or unit killed whole (Python's resource tracker with it) leaves its kvd's
+    arenas in /dev/shm, holding their RAM; the next kvd removes them, and leaves a live
+    kvd's alone."""
+    import mmap
+
+    sock = tmp_path / "killed.sock"
+    killed = subprocess.Popen(
+        [sys.executable, "-m", "kvd", "--socket", str(sock), "--metrics", "", "--model",
+         "tiny", "--device-pages", "8", "--host-pages", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    STARTED.append(killed.pid)
+    try:
+        for _ in range(600):
+            if sock.exists() and len(_arenas(killed.pid)) == 2:
+                break
+            time.sleep(0.05)
+        leaked = _arenas(killed.pid)
+        assert len(leaked) == 2  # its device stand-in and its host tier
+        for name in leaked:  # bytes in them, as an engine writes: RAM they hold
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            with mmap.mmap(fd, os.fstat(fd).st_size) as memory:
+                memory[:] = b"\x07" * len(memory)
+            os.close(fd)
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)  # kvd and its resource tracker at once
+        killed.wait()
+    time.sleep(0.5)  # a resource tracker that outlived it would have unlinked them by now
+    assert _arenas(killed.pid) == leaked
+    (tmp_path / "live").mkdir()
+    (tmp_path / "next").mkdir()
+    with LocalKvd("--model", "tiny", "--device-pages", "8", "--host-pages", "8",
+                  workdir=tmp_path / "live") as live:
+        STARTED.append(live.proc.pid)
+        assert _arenas(killed.pid) == []
+        assert "removed the arenas of kvd processes that are gone" in live.log()
+        assert all(name in live.log() for name in leaked)
+        mine = _arenas(live.proc.pid)
+        assert len(mine) == 2
+        with LocalKvd("--model", "tiny", "--device-pages", "8", "--host-pages", "8",
+                      workdir=tmp_path / "next") as after:
+            STARTED.append(after.proc.pid)
+            assert _arenas(live.proc.pid) == mine  # a live kvd's arenas stay
+            assert "removed the arenas" not in after.log()
+        with Client(live.target) as c:
+            assert c.admit("r", 16).decision == pb.DECISION_ADMITTED
+            assert len(c.allocate("r", 1).handles) == 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ class ShmArena:
         # Unguessable names: the shm namespace is shared by every process on the host.
         name = f"kvd-{os.getpid()}-{label}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+        self._owned = _own(name)
         self.pages = np.ndarray((num_pages, page_bytes), dtype=np.uint8, buffer=self._shm.buf)
         self.on_close: list[Callable[[], None]] = []  # before the memory goes (unpinning)
 
@@ -74,3 +77,70 @@ class ShmArena:
             self._shm.unlink()
         except FileNotFoundError:
             pass
+        if self._owned is not None:
+            os.close(self._owned)
+            self._owned = None
+
+
+# Where POSIX shared memory lives on Linux (shm_open's names are files there).
+SHM_DIR = "/dev/shm"
+_ARENA_NAME = re.compile(r"kvd-(\d+)-")
+
+
+def _own(name: str, shm_dir: str = SHM_DIR) -> int | None:
+    """Mark a kvd's arena as in use for as long as the process lives: a shared lock on its
+    file, which the kernel drops when the process dies however it dies (see sweep_stale).
+    Returns the descriptor holding it (None where shared memory is not in shm_dir)."""
+    try:
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def sweep_stale(shm_dir: str = SHM_DIR) -> list[tuple[str, int]]:
+    """Remove the arenas of kvd processes that are gone, and return each (name, bytes it
+    held in memory).
+
+    kvd unlinks its arenas when it stops, and Python's resource tracker when kvd alone is
+    killed; but a container or unit killed whole (the tracker with it, as a kubelet, docker or
+    systemd stop does past its grace period) leaves them, and memory-backed shared memory
+    holds its RAM until a reboot: a kvd sidecar restarted in the same pod would find its
+    /dev/shm full of the last one's host tier. An arena is stale when the process its name
+    holds is not alive here and no process holds its lock (see _own): another pid
+    namespace sharing this /dev/shm, whose processes are not seen here, still holds it."""
+    removed = []
+    try:
+        entries = os.listdir(shm_dir)
+    except OSError:
+        return removed  # no shared memory to look at (not Linux)
+    for name in entries:
+        match = _ARENA_NAME.match(name)
+        if match is None or _alive(int(match.group(1))):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = os.fstat(fd).st_blocks * 512  # what it holds, not its (sparse) size
+            os.unlink(path)
+        except OSError:
+            continue  # locked by a live kvd, or not ours to remove
+        finally:
+            os.close(fd)
+        removed.append((name, held))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
