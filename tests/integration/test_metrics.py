@@ -141,13 +141,13 @@ async def test_loop_lag_observes_the_loop_held_by_a_handler():
 async def test_a_stopped_kvd_shows_in_its_loop_lag(tmp_path):
     """The machine stops kvd for 200 ms (SIGSTOP, SIGCONT, as a preempting neighbour would):
     /metrics then counts at least one more lag past 100 ms, and their sum grows by 150 ms
-    or more."""
+    or more (the watcher's timer, due every 50 ms, falls due in the stop's first 50 ms)."""
     port = free_port()
     with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd:
         await asyncio.sleep(0.3)
         text, before = scrape(port)
         assert "# TYPE kvd_event_loop_lag_seconds histogram" in text
-        assert _value(before, "kvd_event_loop_lag_seconds_count") >= 5
+        assert _value(before, "kvd_event_loop_lag_seconds_count") >= 3
         kvd.proc.send_signal(signal.SIGSTOP)
         await asyncio.sleep(0.2)
         kvd.proc.send_signal(signal.SIGCONT)
