@@ -11,12 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvd.memory.cuda import gpu_available
-from kvd_client import AsyncClient, Client, pb
+from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
 
@@ -140,55 +139,109 @@ def test_every_policy_the_config_accepts_is_a_choice_of_the_flag():
     assert build_parser().parse_args(["--policy", "fair:reuse"]).policy == "fair:reuse"
 
 
-def _arenas(pid: int) -> list[str]:
+def _private_shm() -> bool:
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True,
+                          check=False).returncode == 0
+
+
+def _in_private_shm(script: str, tmp_path) -> str:
+    """Run a Python script (argv[1]: tmp_path) in a mount namespace of its own whose /dev/shm
+    is a 64 MiB tmpfs: what the script's kvds leave there, or find, is theirs alone (the
+    suite's other kvds, in parallel, share the real one). Returns its stdout."""
+    mount = 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" -c "$1" "$2"'
+    result = subprocess.run(["unshare", "-m", "sh", "-c", mount, sys.executable, script,
+                             str(tmp_path)], capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+needs_private_shm = pytest.mark.skipif(not _private_shm(),
+                                       reason="needs a mount namespace (unshare -m: root)")
+
+# A kvd killed with its process group (its resource tracker with it), bytes written into its
+# arenas first, as engines write; then the next kvd starts, and a third while that one lives.
+_KILLED_WHOLE = r"""
+import mmap, os, signal, subprocess, sys, time
+from pathlib import Path
+from kvd_client import Client, pb
+from kvd_loadgen.local import LocalKvd
+
+def arenas(pid):
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"kvd-{pid}-"))
 
+tmp = Path(sys.argv[1])
+killed = subprocess.Popen(
+    [sys.executable, "-m", "kvd", "--socket", str(tmp / "killed.sock"), "--metrics", "",
+     "--model", "tiny", "--device-pages", "8", "--host-pages", "8"],
+    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+while len(arenas(killed.pid)) < 2 or not (tmp / "killed.sock").exists():
+    time.sleep(0.05)
+leaked = arenas(killed.pid)
+for name in leaked:
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    with mmap.mmap(fd, os.fstat(fd).st_size) as memory:
+        memory[:] = b"\x07" * len(memory)
+    os.close(fd)
+os.killpg(killed.pid, signal.SIGKILL)
+killed.wait()
+time.sleep(0.5)  # a resource tracker that outlived it would have unlinked them by now
+print("left", len(arenas(killed.pid)))
+for sub in ("live", "next"):
+    (tmp / sub).mkdir()
+args = ("--model", "tiny", "--device-pages", "8", "--host-pages", "8")
+with LocalKvd(*args, workdir=tmp / "live") as live:
+    print("after_start", len(arenas(killed.pid)))
+    print("logged", "removed the arenas of kvd processes that are gone" in live.log()
+          and all(name in live.log() for name in leaked))
+    mine = arenas(live.proc.pid)
+    with LocalKvd(*args, workdir=tmp / "next") as after:
+        print("live_kept", arenas(live.proc.pid) == mine and len(mine) == 2)
+        print("next_removed_nothing", "removed the arenas" not in after.log())
+    with Client(live.target) as c:
+        c.admit("r", 16)
+        print("live_serves", len(c.allocate("r", 1).handles))
+"""
 
-@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="POSIX shared memory in /dev/shm")
+
+@needs_private_shm
 def test_a_kvd_killed_whole_leaves_arenas_that_the_next_start_removes(tmp_path):
     """A container or unit killed whole (Python's resource tracker with it) leaves its kvd's
     arenas in /dev/shm, holding their RAM; the next kvd removes them, and leaves a live
     kvd's alone."""
-    import mmap
+    out = dict(line.split() for line in _in_private_shm(_KILLED_WHOLE, tmp_path).splitlines())
+    assert out == {"left": "2", "after_start": "0", "logged": "True", "live_kept": "True",
+                   "next_removed_nothing": "True", "live_serves": "1"}
 
-    sock = tmp_path / "killed.sock"
-    killed = subprocess.Popen(
-        [sys.executable, "-m", "kvd", "--socket", str(sock), "--metrics", "", "--model",
-         "tiny", "--device-pages", "8", "--host-pages", "8"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    STARTED.append(killed.pid)
-    try:
-        for _ in range(600):
-            if sock.exists() and len(_arenas(killed.pid)) == 2:
-                break
-            time.sleep(0.05)
-        leaked = _arenas(killed.pid)
-        assert len(leaked) == 2  # its device stand-in and its host tier
-        for name in leaked:  # bytes in them, as an engine writes: RAM they hold
-            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-            with mmap.mmap(fd, os.fstat(fd).st_size) as memory:
-                memory[:] = b"\x07" * len(memory)
-            os.close(fd)
-    finally:
-        os.killpg(killed.pid, signal.SIGKILL)  # kvd and its resource tracker at once
-        killed.wait()
-    time.sleep(0.5)  # a resource tracker that outlived it would have unlinked them by now
-    assert _arenas(killed.pid) == leaked
-    (tmp_path / "live").mkdir()
-    (tmp_path / "next").mkdir()
-    with LocalKvd("--model", "tiny", "--device-pages", "8", "--host-pages", "8",
-                  workdir=tmp_path / "live") as live:
-        STARTED.append(live.proc.pid)
-        assert _arenas(killed.pid) == []
-        assert "removed the arenas of kvd processes that are gone" in live.log()
-        assert all(name in live.log() for name in leaked)
-        mine = _arenas(live.proc.pid)
-        assert len(mine) == 2
-        with LocalKvd("--model", "tiny", "--device-pages", "8", "--host-pages", "8",
-                      workdir=tmp_path / "next") as after:
-            STARTED.append(after.proc.pid)
-            assert _arenas(live.proc.pid) == mine  # a live kvd's arenas stay
-            assert "removed the arenas" not in after.log()
-        with Client(live.target) as c:
-            assert c.admit("r", 16).decision == pb.DECISION_ADMITTED
-            assert len(c.allocate("r", 1).handles) == 1
+
+# A kvd with 48 MiB of arenas; then another process (an engine's own segments) asks for 40 MiB;
+# then an engine allocates past the device tier, so kvd writes its host tier's pages
+# (demotions).
+_SHM_FILLS_UP = r"""
+import subprocess, sys
+from kvd_client import Client, pb
+from kvd_loadgen.local import LocalKvd
+
+with LocalKvd("--page-bytes", str(1 << 20), "--device-pages", "16", "--host-pages", "32",
+              "--admission", "reservation", workdir=sys.argv[1]) as kvd:
+    other = subprocess.run(["dd", "if=/dev/zero", "of=/dev/shm/other", "bs=1M", "count=40"],
+                           capture_output=True)
+    with Client(kvd.target, timeout_s=10) as c:
+        for i in range(40):
+            c.admit(f"r{i}", 16)
+            c.allocate(f"r{i}", 1)
+        (pool,) = c.pool_stats().pools
+        demoted = sum(t.used_pages for t in pool.tiers if t.tier == pb.TIER_HOST)
+    print("other", other.returncode, "kvd", kvd.proc.poll(), "host_pages_used", demoted)
+"""
+
+
+@needs_private_shm
+def test_shm_filling_up_after_the_start_cannot_kill_kvd(tmp_path):
+    """kvd's arenas hold their pages from the start: another process that fills /dev/shm
+    later is refused its space, where kvd's first write to a page of its own would otherwise
+    be a SIGBUS, the end of kvd and of every engine's cache."""
+    _, other, _, kvd_exit, _, used = _in_private_shm(_SHM_FILLS_UP, tmp_path).split()
+    assert other != "0"  # dd: no space left for it
+    assert kvd_exit == "None"  # kvd still running
+    assert int(used) >= 24  # 40 blocks over 16 device pages: the rest on the host tier

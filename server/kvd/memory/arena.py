@@ -13,6 +13,8 @@ from typing import Protocol
 
 import numpy as np
 
+from kvd.core.errors import ResourceExhausted
+
 
 @dataclass(slots=True, frozen=True)
 class ArenaExport:
@@ -53,7 +55,14 @@ class ShmArena:
         # Unguessable names: the shm namespace is shared by every process on the host.
         name = f"kvd-{os.getpid()}-{label}-{secrets.token_hex(4)}"
         self._shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-        self._owned = _own(name)
+        try:
+            self._owned = _own(name, size)
+        except OSError as exc:
+            self._shm.close()
+            self._shm.unlink()
+            raise ResourceExhausted(
+                f"cannot reserve {size / 2**20:.0f} MiB of shared memory for the {label} "
+                f"arena: {exc.strerror}; {SHM_DIR} holds less than the pools need") from None
         self.pages = np.ndarray((num_pages, page_bytes), dtype=np.uint8, buffer=self._shm.buf)
         self.on_close: list[Callable[[], None]] = []  # before the memory goes (unpinning)
 
@@ -87,15 +96,28 @@ SHM_DIR = "/dev/shm"
 _ARENA_NAME = re.compile(r"kvd-(\d+)-")
 
 
-def _own(name: str, shm_dir: str = SHM_DIR) -> int | None:
-    """Mark a kvd's arena as in use for as long as the process lives: a shared lock on its
-    file, which the kernel drops when the process dies however it dies (see sweep_stale).
-    Returns the descriptor holding it (None where shared memory is not in shm_dir)."""
+def _own(name: str, size: int = 0, shm_dir: str = SHM_DIR) -> int | None:
+    """Reserve a new arena's `size` bytes and mark it as in use for as long as the process
+    lives. Returns the descriptor that holds it (None where shared memory is not in shm_dir);
+    an OSError when the memory is not there.
+
+    - Reserved: a new segment is sparse, and a page is taken from /dev/shm only when first
+      written. Memory-backed and shared with the engines' own segments, /dev/shm may have
+      filled meanwhile, and the write then kills the writer (kvd's copy, the engine's
+      kernel) with SIGBUS; reserved, every page is there from the start.
+    - In use: a shared lock on its file, which the kernel drops when the process dies
+      however it dies (see sweep_stale)."""
     try:
-        fd = os.open(os.path.join(shm_dir, name), os.O_RDONLY)
+        fd = os.open(os.path.join(shm_dir, name), os.O_RDWR)
     except FileNotFoundError:
         return None
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if size:
+            os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
