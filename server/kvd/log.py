@@ -28,6 +28,24 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *args: DroppingLogger(sys.stderr),
         cache_logger_on_first_use=True,
     )
+
+
+class DroppingLogger(structlog.PrintLogger):
+    """Drops a line that cannot be written (the log's reader went away: journald restarted,
+    the pipe kvd logs into closed) instead of raising: a log call sits in the middle of what
+    kvd does (reaping a lapsed lease, draining at SIGTERM), and the error would end that
+    instead. Counted in kvd_log_lines_dropped_total."""
+
+    dropped = 0  # lines dropped, by every logger of the process
+
+    def msg(self, message: str) -> None:
+        try:
+            super().msg(message)
+        except OSError:
+            DroppingLogger.dropped += 1
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg

@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvd.core.admission import Decision
+from kvd.log import DroppingLogger
 from kvd.stats import LinkFigures, NodeFigures, PoolFigures, node_figures
 
 log = structlog.get_logger("kvd.metrics")
@@ -167,6 +168,10 @@ class KvdCollector(Collector):
         for name, gate in self.gates.items():
             waits.add_metric([name], gate.num_waited)  # an int read whole from this thread
         yield waits
+        dropped = _counter("kvd_log_lines_dropped", "Log lines kvd could not write (the reader "
+                           "of its log went away) and went on without", [])
+        dropped.add_metric([], DroppingLogger.dropped)
+        yield dropped
         if self.streams is not None:
             opened = _gauge("kvd_streams_open", "Streams a tenant keeps open (Step, "
                             "WaitAdmission, WatchEvents, Handoff; those of the admin "

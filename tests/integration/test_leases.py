@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -215,3 +216,41 @@ async def test_a_client_naming_a_new_lease_on_every_call_leaves_none_behind(tmp_
                                      metadata=(("kvd-lease", f"fresh-{i}"),))
             _, samples = scrape(port)
     assert samples[("kvd_leases", ())] == 1
+
+
+async def test_a_kvd_whose_log_reader_went_away_goes_on_reaping_and_stops(tmp_path):
+    """kvd logs into a pipe whose reader went away (journald restarted, `kvd | tee` killed):
+    every lapsed lease is still reaped (the line saying so is dropped, and counted), and
+    SIGTERM still drains and exits 0."""
+    port = free_port()
+    sock = tmp_path / "kvd.sock"
+    read, write = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvd", "--socket", str(sock), "--metrics", f"127.0.0.1:{port}",
+         "--lease-ttl-s", "1", *SMALL], stdout=write, stderr=write)
+    os.close(write)
+    try:
+        for _ in range(600):
+            if sock.exists():
+                break
+            await asyncio.sleep(0.05)
+        target = f"unix://{sock}"
+        async with AsyncClient(target) as watcher:
+            assert await watcher.health() == "SERVING"
+            os.close(read)  # the log's reader goes away
+            for ghost in ("ghost-0", "ghost-1", "ghost-2"):
+                async with AsyncClient(target, lease=ghost) as client:
+                    await client.admit(ghost, 32)
+                    await client.allocate(ghost, 2)
+                # Its lease lapses after 1 s of silence; reaped within a second after that.
+                assert await _until_used(watcher, 0, tries=80) == 0, ghost
+        _, samples = scrape(port)
+        assert samples[("kvd_log_lines_dropped_total", ())] >= 3  # one a lapsed lease
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert code == 0
