@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from kvd import __version__, sdnotify
+from kvd.background import supervised
 from kvd.cluster import ClusterMember
 from kvd.config import AuthConfig, Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
@@ -188,6 +189,7 @@ class Daemon:
         self._metrics_server = None
         self._health_grpc: grpc.aio.Server | None = None
         self._ready = False  # serving and not draining: /readyz
+        self._background: list[asyncio.Task] = []  # see _keep
         # A client's unary calls past its limit, and a tenant's calls and Step messages while
         # tenants compete, wait in lines of their own (see kvd.service.gate).
         self.gate = CallGate(config.max_calls_per_client)
@@ -325,14 +327,14 @@ class Daemon:
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._ready = True
-        self._reaper = asyncio.ensure_future(self.node.leases.reap_forever(
-            self.node.release, max(0.05, min(1.0, self.config.lease_ttl_s / 4)),
-            self.node.events))
-        self._expirer = asyncio.ensure_future(self.node.expire_forever(
-            max(0.05, min(1.0, self.config.handoff_ttl_s / 4, self.config.hold_s / 4))))
-        self._checker = (asyncio.ensure_future(self.node.health.check_forever(
-            self.config.self_check_s)) if self.config.self_check_s else None)
-        self._lag = asyncio.ensure_future(watch_loop_lag())
+        node, config = self.node, self.config
+        self._keep("lease_reaper", lambda: node.leases.reap_forever(
+            node.release, max(0.05, min(1.0, config.lease_ttl_s / 4)), node.events))
+        self._keep("expiry", lambda: node.expire_forever(
+            max(0.05, min(1.0, config.handoff_ttl_s / 4, config.hold_s / 4))))
+        if config.self_check_s:
+            self._keep("self_check", lambda: node.health.check_forever(config.self_check_s))
+        self._keep("loop_lag", watch_loop_lag)
         if self.config.cluster.etcd:
             self.node.cluster = ClusterMember(self.node, self.config)
             self.node.cluster.start()
@@ -343,9 +345,14 @@ class Daemon:
         sdnotify.notify(f"READY=1\nSTATUS=serving on {', '.join(self.addresses)}\n"
                         f"MAINPID={os.getpid()}")
         interval = sdnotify.watchdog_interval_s()
-        self._watchdog = (asyncio.ensure_future(sdnotify.watchdog_forever(interval))
-                          if interval else None)
+        if interval:
+            self._keep("watchdog", lambda: sdnotify.watchdog_forever(interval))
         log.info("kvd serving", version=__version__, listen=self.addresses, pid=os.getpid())
+
+    def _keep(self, name: str, run) -> None:
+        """Run a task of kvd's beside the calls it serves until shutdown, started again
+        should it fail (see background.supervised)."""
+        self._background.append(asyncio.ensure_future(supervised(name, run)))
 
     def _health_detail(self) -> str:
         """Lines /healthz adds after "ok" (read from the metrics thread)."""
@@ -413,16 +420,8 @@ class Daemon:
         sdnotify.notify("STOPPING=1\nSTATUS=draining")
         self._ready = False
         await self.health.enter_graceful_shutdown()
-        if getattr(self, "_watchdog", None) is not None:
-            self._watchdog.cancel()
-        if getattr(self, "_reaper", None) is not None:
-            self._reaper.cancel()
-        if getattr(self, "_expirer", None) is not None:
-            self._expirer.cancel()
-        if getattr(self, "_checker", None) is not None:
-            self._checker.cancel()
-        if getattr(self, "_lag", None) is not None:
-            self._lag.cancel()
+        for task in self._background:
+            task.cancel()
         if self._tier_events is not None:
             self._tier_events.close()
         if self.node is not None and self.node.cluster is not None:

@@ -125,7 +125,11 @@ async def check_apart(pool) -> tuple[int, list[str]] | None:
     if not hasattr(os, "fork") or not kvd.GRPC_FORKS_BARE:
         problems = check_pool(pool)
         return len(problems), problems[:FORKED_PROBLEMS]
-    read_end, write_end = os.pipe()
+    try:
+        read_end, write_end = os.pipe()
+    except OSError as exc:  # out of descriptors (a flood of connections, say)
+        log.warning("self-check skipped: no pipe to the walk", error=str(exc))
+        return None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # threads: the child uses none

@@ -25,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvd.background import FAILURES
 from kvd.core.admission import Decision
 from kvd.log import DroppingLogger
 from kvd.stats import LinkFigures, NodeFigures, PoolFigures, node_figures
@@ -172,6 +173,11 @@ class KvdCollector(Collector):
                            "of its log went away) and went on without", [])
         dropped.add_metric([], DroppingLogger.dropped)
         yield dropped
+        failed = _counter("kvd_background_task_failures", "Failures of a task kvd runs beside "
+                          "the calls (each started again a second later; should be 0)", ["task"])
+        for task, count in list(FAILURES.items()):
+            failed.add_metric([task], count)
+        yield failed
         if self.streams is not None:
             opened = _gauge("kvd_streams_open", "Streams a tenant keeps open (Step, "
                             "WaitAdmission, WatchEvents, Handoff; those of the admin "

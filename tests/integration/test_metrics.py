@@ -285,6 +285,30 @@ async def test_a_self_check_that_cannot_fork_a_bare_child_walks_in_the_loop(monk
         await asyncio.wait_for(node.aclose(), 10)
 
 
+async def test_a_self_check_out_of_descriptors_is_skipped_not_a_crash(monkeypatch):
+    """No descriptor left for the pipe to the forked walk (a flood of connections took them):
+    the check is skipped, as when the fork fails; it raised, and ended the periodic check."""
+    import errno
+
+    from kvd.config import config_from_dict
+    from kvd.health import check_apart
+    from kvd.node import Node
+
+    def no_descriptors():
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    node = Node(config_from_dict({"pool": [{"name": "default", "page_bytes": 64,
+                                            "device_pages": 64, "host_pages": 64}]}))
+    try:
+        pool = node.runtime("default").pool
+        monkeypatch.setattr(os, "pipe", no_descriptors)
+        assert await check_apart(pool) is None
+        monkeypatch.undo()
+        assert await check_apart(pool) == (0, [])
+    finally:
+        await asyncio.wait_for(node.aclose(), 10)
+
+
 async def test_the_periodic_self_check_does_not_hold_kvds_loop():
     """The self-check walks every page of a pool: about 0.2 s at 65,536 device pages here,
     1 s at 262,144, and once a minute every engine's step waited that long. It checks a
