@@ -197,7 +197,8 @@ def tenant_figures(node, pool: Pool, tenant: str,
 def pool_figures(node, rt, tenants: str | None = None,
                  engine_gpu: dict[str, float] | None = None) -> PoolFigures:
     """A pool's figures, its reads of the last steps included, with those of every tenant
-    the pool knows (declared or seen), or only of `tenants` when given."""
+    the pool knows (declared, or holding, reserving or queueing), or only of `tenants` when
+    given."""
     pool = rt.pool.snapshot()
     ten = pool.tenancy
     names = sorted(t for t in ten.names() if tenants in (None, t))

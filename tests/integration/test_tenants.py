@@ -18,7 +18,7 @@ from kvd_client import (
 )
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import free_port
+from .conftest import free_port, scrape
 
 CONFIG = """
 [server]
@@ -478,3 +478,28 @@ def test_a_tenant_filling_the_queue_with_whales_leaves_every_listing_readable(tm
         assert memory.GetPoolStats(pb.GetPoolStatsRequest(), timeout=10).pools[0].num_queued \
             == 1024
         channel.close()
+
+
+async def test_tenants_that_came_and_went_leave_no_trace_in_listings_or_metrics(tmp_path):
+    """Tenants named by callers (an engine passing each customer's name) come and go: once a
+    tenant holds, reserves and queues nothing, ListTenants and /metrics no longer carry it,
+    and a configured tenant stays listed all the same."""
+    config = tmp_path / "kvd.toml"
+    config.write_text('[[pool]]\nmodel = "tiny"\ndevice_pages = 16\nhost_pages = 16\n'
+                      '[[tenant]]\nname = "configured"\nweight = 2\n')
+    port = free_port()
+    with LocalKvd("--config", str(config), "--metrics", f"127.0.0.1:{port}",
+                  workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as c:
+            await c.admit("live", 32, tenant="live")
+            await c.allocate("live", 2)
+            for i in range(30):
+                await c.admit(f"r{i}", 32, tenant=f"customer-{i}")
+                await c.allocate(f"r{i}", 2)
+                await c.access(f"r{i}")
+                await c.release(f"r{i}")
+            listed = {t.tenant for t in await c.list_tenants()}
+        text, _ = scrape(port)
+    assert listed == {"live", "configured"}
+    assert "customer-" not in text
+    assert 'tenant="live"' in text

@@ -29,7 +29,7 @@ from kvd.core.counters import PoolCounters
 from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, short_repr
 from kvd.core.pages import PageTable
 from kvd.core.reservation import Reserver, Verdict
-from kvd.core.tenancy import Tenancy
+from kvd.core.tenancy import Tenancy, tally
 
 
 class Decision(enum.StrEnum):
@@ -258,14 +258,14 @@ class Admission:
         """Put a request in the admission queue and count it in its tenant's waiting demand."""
         req.queued_at = self.clock.now()
         self.queue[req.request_id] = req
-        self.tenancy.queued_by_tenant[req.tenant] += req.projected_pages
-        self.tenancy.waiting_by_tenant[req.tenant] += 1
+        tally(self.tenancy.queued_by_tenant, req.tenant, req.projected_pages)
+        tally(self.tenancy.waiting_by_tenant, req.tenant, 1)
         self.tenancy.demand_changed()
 
     def dequeue(self, req: Request) -> None:
         del self.queue[req.request_id]
-        self.tenancy.queued_by_tenant[req.tenant] -= req.projected_pages
-        self.tenancy.waiting_by_tenant[req.tenant] -= 1
+        tally(self.tenancy.queued_by_tenant, req.tenant, -req.projected_pages)
+        tally(self.tenancy.waiting_by_tenant, req.tenant, -1)
         self.tenancy.demand_changed()
 
     def admit_from_queue(self) -> list[Request]:
@@ -321,14 +321,14 @@ class Admission:
         req.reserved_pages += pages
         self.working_set_pages += counted_pages(req) - before
         self.reserved_pages += pages
-        self.tenancy.reserved_by_tenant[req.tenant] += pages
+        tally(self.tenancy.reserved_by_tenant, req.tenant, pages)
         self.tenancy.demand_changed()
 
     def unreserve(self, req: Request) -> None:
         """req is gone: what was reserved for it is free to reserve again."""
         self.reserved_pages -= req.reserved_pages
         self.working_set_pages -= counted_pages(req)
-        self.tenancy.reserved_by_tenant[req.tenant] -= req.reserved_pages
+        tally(self.tenancy.reserved_by_tenant, req.tenant, -req.reserved_pages)
         req.reserved_pages = 0
         self.tenancy.demand_changed()
 

@@ -22,7 +22,7 @@ from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVict
                              ResourceExhausted)
 from kvd.core.holds import SWAP_HOLDER, Holds
 from kvd.core.policies import EvictionPolicy, make_policy
-from kvd.core.tenancy import Tenancy
+from kvd.core.tenancy import Tenancy, tally
 from kvd.core.tier import TierPages
 from kvd.core.transfer import Move, MoveKind, Reason, TransferPlan
 
@@ -157,7 +157,7 @@ class PageTable:
         tenant's counts follow, and a shared block's cost is split among its payers."""
         req = block.request
         req.num_device_blocks += delta
-        self.tenancy.device_by_tenant[req.tenant] += delta
+        tally(self.tenancy.device_by_tenant, req.tenant, delta)
         if req.keeper:
             self.tenancy.kept_changed(req.tenant, delta)
         if block.payers:
@@ -173,7 +173,7 @@ class PageTable:
     def add_pins(self, tenant: str, delta: int) -> None:
         """Pins changed by `delta` for a tenant: the pool's and the tenant's counts follow."""
         self.num_pinned += delta
-        self.tenancy.pinned_by_tenant[tenant] += delta
+        tally(self.tenancy.pinned_by_tenant, tenant, delta)
 
     def note_peak(self) -> None:
         """Keep the high-water mark of device pages in use."""

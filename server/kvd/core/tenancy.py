@@ -17,6 +17,19 @@ from kvd.core.fairness import TenantQuota, water_fill
 _DEFAULT_QUOTA = TenantQuota()
 
 
+def tally(counts: Counter, key, delta) -> None:
+    """counts[key] += delta, and the key gone once its count is back to 0: a tenant that held,
+    reserved, queued or pinned something and no longer does is not among the keys of the
+    counts that say so. (A Counter keeps the key: every tenant ever seen then stayed in the
+    fair shares, admission's room and the eviction order, computed over all of them on every
+    call: with a thousand gone, an admission took 8 ms instead of 0.2.)"""
+    left = counts[key] + delta
+    if left:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 class Tenancy:
     """One pool's tenants. Counters are in pages (`waiting_by_tenant`: requests)."""
 
@@ -74,7 +87,7 @@ class Tenancy:
         """A kept prefix page of the tenant came to (1) or left (-1) the device tier. Kept
         pages are demand too: else a tenant with no request running has no share, and its
         kept prefixes would be the first to go while another tenant floods the pool."""
-        self.kept_by_tenant[tenant] += delta
+        tally(self.kept_by_tenant, tenant, delta)
         self._shares = None
 
     def demand_changed(self) -> None:

@@ -18,7 +18,7 @@ from kvd.core.blocks import Block, Request
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
 from kvd.core.policies.classed import LastReadQueued
-from kvd.core.tenancy import Tenancy
+from kvd.core.tenancy import Tenancy, tally
 
 
 _NONE: Counter = Counter()  # no protected blocks (never written to)
@@ -114,7 +114,7 @@ class FairPolicy(LastReadQueued):
         sub.remove(block)
         held = len(sub)
         self._by_size[req.tenant].move(req, held + 1, held)
-        self._held_by_tenant[req.tenant] -= 1
+        tally(self._held_by_tenant, req.tenant, -1)
         self._num -= 1
         if not held:
             del self._by_request[req]
