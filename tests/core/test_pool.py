@@ -893,3 +893,21 @@ def test_blocks_in_transit_are_found_without_walking_every_request(make_pool, po
         pool.pages.requests = table
     settle(pool, plan)
     assert pool.pages.num_moving_blocks() == 0 and not pool.pages.moving_requests()
+
+
+def test_a_block_index_past_the_last_a_request_may_have_is_refused(make_pool):
+    """A handoff places blocks at the indices they had, gaps included, and a request's blocks
+    are a list by index: block 49,609,919 of a one-block request was a list that long, made
+    in 12 s on kvd's loop. Past MAX_BLOCK_INDEX it is refused, and nothing changes."""
+    from kvd.core.pages import MAX_BLOCK_INDEX
+    from kvd.core.transfer import Reason
+
+    pool = make_pool(device_pages=4, host_pages=4)
+    pool.admit("r", tenant="t", prompt_tokens=16, output_tokens=0)
+    with pytest.raises(InvalidArgument, match=f"past the last a request may have "
+                                              f"\\({MAX_BLOCK_INDEX}\\)"):
+        pool.allocate("r", 1, indices=[49609919], reason=Reason.HANDOFF)
+    assert pool.requests["r"].blocks == [] and pool.device.num_used == 0
+    settle(pool, pool.allocate("r", 1, indices=[MAX_BLOCK_INDEX], reason=Reason.HANDOFF))
+    assert [b.index for b in pool.requests["r"].live_blocks()] == [MAX_BLOCK_INDEX]
+    pool.release("r")
