@@ -22,7 +22,7 @@ def tally(counts: Counter, key, delta) -> None:
     reserved, queued or pinned something and no longer does is not among the keys of the
     counts that say so. (A Counter keeps the key: every tenant ever seen then stayed in the
     fair shares, admission's room and the eviction order, computed over all of them on every
-    call: with a thousand gone, an admission took 8 ms instead of 0.2.)"""
+    call: with a thousand gone, an admit, allocate and release took 4 to 8 ms, not 0.2.)"""
     left = counts[key] + delta
     if left:
         counts[key] = left
