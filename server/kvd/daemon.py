@@ -27,7 +27,7 @@ from kvd.background import supervised
 from kvd.cluster import ClusterMember
 from kvd.config import AuthConfig, Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
-from kvd.memory.arena import sweep_stale
+from kvd.memory.arena import SHM_DIR, sweep_stale
 from kvd.node import Node
 from kvd.tier_events import TierEventPublisher
 from kvd.metrics import serve_metrics, watch_loop_lag
@@ -80,7 +80,7 @@ class StartupError(Exception):
     """kvd cannot start as configured: one line for the operator, exit code 2."""
 
 
-def check_shared_memory(config: Config, shm: str = "/dev/shm") -> None:
+def check_shared_memory(config: Config, shm: str = SHM_DIR) -> None:
     """Pools' arenas live in POSIX shared memory: refuse to start rather than have engines
     die of SIGBUS when the first page beyond what /dev/shm holds is touched."""
     from kvd.memory.cuda import gpu_available
