@@ -179,23 +179,27 @@ def test_the_engine_serves_through_a_kvd_restart_and_then_uses_the_new_kvd(tmp_p
     assert fresh["cached"] == [96, 96, 96] and fresh["tokens"] == back["tokens"]
 
 
-def watch_admissions(target: str) -> list[tuple[str, str, str]]:
-    """(request id, decision, reason) of every admission event kvd publishes, collected on
-    a thread of its own while the test runs."""
-    seen: list[tuple[str, str, str]] = []
+def watch_events(target: str, kinds: list[str]) -> list:
+    """Every event of these kinds kvd publishes, collected on a thread of its own while the
+    test runs."""
+    seen: list = []
 
     async def watch():
         try:
             async with AsyncClient(target) as c:
-                async for e in c.watch_events(kinds=["admission"]):
-                    seen.append((e.request_id, e.detail["decision"].lower(),
-                                 e.detail["reason"]))
+                async for e in c.watch_events(kinds=kinds):
+                    seen.append(e)
         except Exception:  # kvd stopped at the end of the test
             pass
 
     threading.Thread(target=lambda: asyncio.run(watch()), daemon=True).start()
     time.sleep(0.5)  # subscribed before the engine starts
     return seen
+
+
+def admissions(events: list) -> list[tuple[str, str, str]]:
+    """(request id, decision, reason) of each admission event."""
+    return [(e.request_id, e.detail["decision"].lower(), e.detail["reason"]) for e in events]
 
 
 # The engine's tenant may hold at most 5 pages: one request (104 prompt + 8 output tokens,
@@ -218,18 +222,19 @@ limit = 5
 @contextlib.contextmanager
 def limited_kvd(tmp_path):
     """A kvd whose tenant "engine" runs one request at a time (LIMITED), and the admission
-    events it publishes (watch_admissions)."""
+    events it publishes (watch_events)."""
     config = tmp_path / "kvd.toml"
     config.write_text(LIMITED)
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
-        yield kvd, watch_admissions(kvd.target)
+        yield kvd, watch_events(kvd.target, ["admission"])
 
 
 @pytest.mark.timeout(600)
 def test_a_request_waits_while_its_tenants_kvd_budget_is_spent_then_runs(tmp_path):
-    with limited_kvd(tmp_path) as (kvd, seen):
+    with limited_kvd(tmp_path) as (kvd, events):
         ran = engine_run(kvd.target, prompts(100, 2))
         time.sleep(0.5)
+    seen = admissions(events)
     print(f"\nrun: {ran}\nadmissions: {seen}")
     assert all(len(t) == 8 for t in ran["tokens"])
     queued = [rid for rid, decision, _ in seen if "queued" in decision]
@@ -243,7 +248,7 @@ def test_a_request_aborted_while_kvd_queues_it_leaves_kvd(tmp_path):
     # spent); its client goes away meanwhile. vLLM tells the connector it finished: kvd
     # must forget it, not admit it later for a request nobody runs (holding the tenant's
     # budget for as long as the engine lives).
-    with limited_kvd(tmp_path) as (kvd, seen):
+    with limited_kvd(tmp_path) as (kvd, events):
         engine = Engine(kvd.target, [{"prompts": prompts(300, 2), "abort": [1]}], pause=True)
         try:
             ran = engine.result()
@@ -256,6 +261,7 @@ def test_a_request_aborted_while_kvd_queues_it_leaves_kvd(tmp_path):
                     time.sleep(0.2)
         finally:
             engine.close()
+    seen = admissions(events)
     print(f"\nrun: {ran}\nadmissions: {seen}")
     assert len(ran["tokens"][0]) == 8 and ran["tokens"][1] is None
     assert [decision for _, decision, _ in seen].count("queued") == 1  # it did wait
@@ -550,33 +556,32 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     # engine, and kvd counted its pages free for others to be admitted into.
     # The lease (1.5 s, renewed every 0.5 s) leaves a step 1 s to spare: a shorter one let a
     # pause of a busy machine's scheduler, not the connector, decide the test.
+    # When kvd held the request is read from kvd's own events, stamped when kvd admitted and
+    # released it: a test polling kvd could not tell a released request from an answer that
+    # a machine busy decoding delayed past the release.
     lease_s = 1.5
     metrics = free_address()
     with LocalKvd(*KVD, "--lease-ttl-s", str(lease_s), "--metrics", metrics,
                   workdir=tmp_path) as kvd:
+        events = watch_events(kvd.target, ["admission", "release", "lease"])
         engine = Engine(kvd.target, [{"prompts": PROMPTS[:1], "max_tokens": 880}])
-        result: dict = {}
-        reader = threading.Thread(target=lambda: result.update(run=engine.result()))
-        reader.start()
-        admitted = []  # when kvd held the request
         try:
-            with Client(kvd.target) as c:
-                while reader.is_alive():
-                    if c.pool_stats().pools[0].num_requests:
-                        admitted.append(time.monotonic())
-                    time.sleep(0.05)
-            reader.join()
+            run = engine.result()
         finally:
             engine.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not any(e.kind == "release" for e in events):
+            time.sleep(0.05)
         expired = metric_value(metrics, "kvd_lease_expirations_total")
-    run = result["run"]
-    held_s = admitted[-1] - admitted[0] if admitted else 0.0
-    print(f"\nrun: {run['run_s']:.1f} s; kvd held the request for {held_s:.1f} s of it; "
+    stamps = {e.kind: e.time_s for e in events if e.request_id}
+    print(f"\nrun: {run['run_s']:.1f} s; kvd events: {[(e.kind, e.time_s) for e in events]}; "
           f"{expired:.0f} leases expired")
     assert len(run["tokens"][0]) == 880
     assert run["run_s"] > 2 * lease_s  # decoding outlasts the lease
-    assert expired == 0
-    assert held_s > run["run_s"] - lease_s
+    assert expired == 0 and "lease" not in {e.kind for e in events}
+    assert [e.kind for e in events] == ["admission", "release"]  # the engine released it...
+    held_s = stamps["release"] - stamps["admission"]
+    assert held_s > run["run_s"] - lease_s  # ...once it had run, not a lease after it began
 
 
 def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
