@@ -8,8 +8,9 @@ Load it with
 
 (`pip install '<kvd checkout>[vllm]'`). Extra config: `kvd_target`, `kvd_token` (or its file,
 `kvd_token_file`), `kvd_pool` ("default"), `kvd_tenant` (the tenant of requests that name
-none), `kvd_load_failure_policy` ("recompute", see below), `kvd_queue_poll_s` (how often kvd
-is asked whether it admitted a request it queued: 0.05).
+none), `kvd_tenants` (the tenants a request may name, see below), `kvd_load_failure_policy`
+("recompute", see below), `kvd_queue_poll_s` (how often kvd is asked whether it admitted a
+request it queued: 0.05).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
 prefix blocks, named by vLLM's own block hashes within a namespace of the model, block size,
@@ -23,7 +24,12 @@ decoding for longer than the TTL is not taken for one whose engine died. Tenant 
 come from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ...,
 "pin": ..., "deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the
 request's prefix blocks in kvd's device tier while it runs, a deadline says when it needs
-them.
+them. Whoever sends a request to vLLM's API server writes its kv_transfer_params, so they
+are checked like any input from outside: a request may name only a tenant listed in
+`kvd_tenants` (a list, or "*" for any: a front end that sets the field itself), else it runs
+as `kvd_tenant`, and a field of the wrong type or range is ignored; each is logged. Without
+that, one client could name another's tenant, or a new tenant per request, each with a fair
+share of its own, and one malformed field would stop the engine.
 
 Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds one vLLM
 block of every layer, layer after layer. An engine of several workers (tensor, context or
@@ -130,6 +136,8 @@ class KvdConnector(KVConnectorBase_V1):
         self._away_until = 0.0  # kvd did not answer: calls skipped until then
         self.pool = extra.get("kvd_pool", "")
         self.default_tenant = extra.get("kvd_tenant", "")
+        self.tenants = allowed_tenants(extra.get("kvd_tenants"))
+        self._warned: set[str] = set()  # the problems with requests' params logged so far
         self.block_size = vllm_config.cache_config.block_size
         self.model = str(vllm_config.model_config.model)
         self.kv_dtype = kv_dtype(vllm_config)
@@ -213,18 +221,19 @@ class KvdConnector(KVConnectorBase_V1):
         """Admit the request in kvd: True, False (kvd cannot take it: serve it without), or
         None (queued: wait)."""
         rid = request.request_id
-        params = (request.kv_transfer_params or {}).get("kvd", {})
-        tenant = params.get("tenant", self.default_tenant)
+        params = self._params(request, warn=True)
         prompt = len(request.prompt_token_ids or ())
         sampling = getattr(request, "sampling_params", None)
         output = getattr(sampling, "max_tokens", None) or 0
         if self._away():
             return False
+        priority = params.priority
+        if priority is None:
+            priority = getattr(request, "priority", 0) or 0
         try:
             reply = self.client.admit(rid, prompt_tokens=prompt, output_tokens=output,
-                                      tenant=tenant, pool=self.pool,
-                                      priority=int(params.get(
-                                          "priority", getattr(request, "priority", 0) or 0)))
+                                      tenant=params.tenant, pool=self.pool,
+                                      priority=clamp_priority(priority))
         except KvdClientError as exc:
             if "already exists" in str(exc):  # queued before: is it in now?
                 return self._admitted_since(request)
@@ -237,6 +246,18 @@ class KvdConnector(KVConnectorBase_V1):
             return False
         self._track(request)
         return True
+
+    def _params(self, request: Any, warn: bool = False) -> KvdParams:
+        """The request's kvd params (see kvd_params); with warn, what was wrong with them is
+        logged, each kind of problem once (a client repeating it is not worth a line per
+        request)."""
+        params = kvd_params(request.kv_transfer_params, self.default_tenant, self.tenants)
+        for problem in params.problems if warn else ():
+            kind = problem.partition(":")[0]
+            if kind not in self._warned:
+                self._warned.add(kind)
+                log.warning("request %s: %s (logged once)", request.request_id, problem)
+        return params
 
     def _away(self) -> bool:
         """kvd did not answer a moment ago: leave it alone until `retry_s` has passed."""
@@ -265,11 +286,10 @@ class KvdConnector(KVConnectorBase_V1):
     def _track(self, request: Any) -> None:
         salt = getattr(request, "cache_salt", None) or ""
         prompt = len(request.prompt_token_ids or ())
-        params = (request.kv_transfer_params or {}).get("kvd", {})
         self.tracked[request.request_id] = _Tracked(
             namespace=namespace(self.model, self.block_size, self.kv_dtype, salt),
             keys=[bytes(h) for h in request.block_hashes],
-            num_prompt_blocks=prompt // self.block_size, intent=block_intent(params))
+            num_prompt_blocks=prompt // self.block_size, intent=self._params(request).intent)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -523,13 +543,92 @@ def all_shards(sizes: tuple[int, ...]) -> list[str]:
     return [shard_suffix(ranks, sizes) for ranks in itertools.product(*map(range, sizes))]
 
 
+ANY_TENANT = "*"
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # AdmitRequest.priority is an int32
+MAX_DEADLINE_MS = 10**9  # about eleven days: far enough for any request
+
+
+def allowed_tenants(setting: Any) -> frozenset[str] | None:
+    """`kvd_tenants` as the set of tenants a request may name; None: any ("*")."""
+    if setting is None or setting == "":
+        return frozenset()
+    if setting == ANY_TENANT:
+        return None
+    names = setting.split(",") if isinstance(setting, str) else setting
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(
+            isinstance(n, str) for n in names):
+        raise ValueError(f'kvd_tenants must be a list of tenant names, a comma-separated '
+                         f'string of them, or "*"; got {setting!r}')
+    return frozenset(n.strip() for n in names if n.strip())
+
+
+@dataclass(frozen=True)
+class KvdParams:
+    """What a request's `kvd` transfer params say kvd should make of it: its tenant, its
+    priority (None: vLLM's own) and its blocks' intent; `problems`: what was ignored."""
+
+    tenant: str
+    priority: int | None = None
+    intent: pb.MemoryIntent | None = None
+    problems: tuple[str, ...] = ()
+
+
+def kvd_params(transfer: Any, default_tenant: str, allowed: frozenset[str] | None
+               ) -> KvdParams:
+    """A request's kv_transfer_params, as anyone who sends vLLM a request may write them:
+    the tenant only if `allowed` lists it (None: any), else the engine's `default_tenant`;
+    a priority that is an integer within int32; a pin that is true or false; a deadline
+    that is a finite number of milliseconds from 0 to MAX_DEADLINE_MS. Anything else is
+    ignored and said in `problems`."""
+    problems: list[str] = []
+    params = transfer.get("kvd") if isinstance(transfer, dict) else None
+    if params is None:
+        return KvdParams(default_tenant)
+    if not isinstance(params, dict):
+        return KvdParams(default_tenant, problems=(
+            f"kv_transfer_params: 'kvd' must be an object, not {type(params).__name__}",))
+    tenant = default_tenant
+    named = params.get("tenant")
+    if named is not None and named != default_tenant:
+        if not isinstance(named, str):
+            problems.append(f"tenant: must be a string, not {type(named).__name__}")
+        elif allowed is None or named in allowed:
+            tenant = named
+        else:
+            problems.append(f"tenant: {named[:64]!r} is not in kvd_tenants; running as "
+                            f"{default_tenant or 'the connection tenant'!r}")
+    priority = params.get("priority")
+    if priority is not None and (type(priority) is not int
+                                 or not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]):
+        problems.append(f"priority: must be an integer within int32, not {priority!r:.64}")
+        priority = None
+    fields: dict[str, Any] = {}
+    pin = params.get("pin")
+    if pin is not None:
+        if isinstance(pin, bool):
+            if pin:
+                fields["pin_requested"] = True
+        else:
+            problems.append(f"pin: must be true or false, not {pin!r:.64}")
+    deadline = params.get("deadline_ms")
+    if deadline is not None:
+        if (isinstance(deadline, (int, float)) and not isinstance(deadline, bool)
+                and 0 <= deadline <= MAX_DEADLINE_MS):  # NaN fails the range too
+            fields["deadline_us"] = int(deadline * 1000)
+        else:
+            problems.append(f"deadline_ms: must be a number of milliseconds from 0 to "
+                            f"{MAX_DEADLINE_MS}, not {deadline!r:.64}")
+    return KvdParams(tenant, priority, pb.MemoryIntent(**fields) if fields else None,
+                     tuple(problems))
+
+
+def clamp_priority(priority: int) -> int:
+    """vLLM's own priority (any Python int) within AdmitRequest's int32."""
+    return max(PRIORITY_RANGE[0], min(PRIORITY_RANGE[1], int(priority)))
+
+
 def block_intent(params: dict) -> pb.MemoryIntent | None:
     """A request's `kvd` transfer params as the intent for its prefix blocks in kvd: `pin`
     (held in kvd's device tier while the request runs) and `deadline_ms` (when it needs
-    them)."""
-    fields = {}
-    if params.get("pin"):
-        fields["pin_requested"] = True
-    if params.get("deadline_ms") is not None:
-        fields["deadline_us"] = int(float(params["deadline_ms"]) * 1000)
-    return pb.MemoryIntent(**fields) if fields else None
+    them); fields it cannot use are left out (see kvd_params)."""
+    return kvd_params({"kvd": params}, "", None).intent

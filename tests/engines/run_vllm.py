@@ -7,7 +7,7 @@ SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params
 ...], "abort": [indices of prompts aborted once the engine has stepped] (optional),
 "max_tokens": each output's length, past any end of sequence (optional: 8, or less)}, ...],
 "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
-publishes its KV cache events there)}. The batches run one after the other in the same engine; after
+publishes its KV cache events there), "tenants": the connector's kvd_tenants (optional)}. The batches run one after the other in the same engine; after
 each it prints one line, `KVD_RESULT {json}`: each prompt's output tokens and cached tokens,
 the seconds the engine took to start and the batch to run. With "pause", it then waits for a
 line on stdin before the next batch (the test changes kvd meanwhile).
@@ -43,7 +43,8 @@ def main() -> None:
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvdConnector", kv_role="kv_both",
                   kv_connector_module_path="kvd_client.vllm_connector",
-                  kv_connector_extra_config={"kvd_target": target, "kvd_tenant": "engine"}))
+                  kv_connector_extra_config={"kvd_target": target, "kvd_tenant": "engine",
+                                             "kvd_tenants": spec.get("tenants", [])}))
     start_s = time.monotonic() - started
     batches = spec["batches"]
     for i, batch in enumerate(batches):

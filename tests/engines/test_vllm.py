@@ -49,8 +49,9 @@ class Engine:
     for go() between batches."""
 
     def __init__(self, target: str, batches: list[dict], pause: bool = False,
-                 kv_events: tuple[str, str] | None = None) -> None:
-        spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events})
+                 kv_events: tuple[str, str] | None = None, tenants: list[str] = ()) -> None:
+        spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events,
+                           "tenants": list(tenants)})
         # A session of its own: killing it takes vLLM's engine-core and worker processes
         # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
@@ -296,7 +297,8 @@ def test_the_tenant_over_its_share_loses_its_kept_prefixes_first(tmp_path):
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
         engine = Engine(kvd.target, [
             {"prompts": quiet, "params": [{"kvd": {"tenant": "b"}}] * len(quiet)},
-            {"prompts": greedy, "params": [{"kvd": {"tenant": "a"}}] * len(greedy)}])
+            {"prompts": greedy, "params": [{"kvd": {"tenant": "a"}}] * len(greedy)}],
+            tenants=["a", "b"])
         try:
             runs = [engine.result(), engine.result()]
         finally:
@@ -309,6 +311,56 @@ def test_the_tenant_over_its_share_loses_its_kept_prefixes_first(tmp_path):
     assert a.evictions_suffered > 0
     assert b.evictions_suffered == 0 and b.device_pages == 6
     assert a.device_pages <= 16 - 6
+
+
+@pytest.mark.timeout(300)
+def test_a_request_names_only_a_listed_tenant_and_bad_params_do_not_stop_the_engine(tmp_path):
+    # Whoever sends vLLM's API server a request writes its kv_transfer_params. The connector
+    # took the tenant from there: a client could name another's tenant, or a new one per
+    # request, each with a fair share of its own; and a field of the wrong type (a string
+    # priority, say) raised in the scheduler and stopped the engine for everyone.
+    params = [{"kvd": {"tenant": "a"}},
+              {"kvd": {"tenant": "mallory"}},  # not in kvd_tenants: runs as "engine"
+              {"kvd": "chat"},
+              {"kvd": {"tenant": 7, "priority": "high"}},
+              {"kvd": {"priority": 10**12, "deadline_ms": -5}},
+              {"kvd": {"pin": "yes", "deadline_ms": "soon", "priority": 3}}]
+    batch = [prompts(10 + 70 * i, 1)[0] for i in range(len(params))]
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        events = watch_events(kvd.target, ["admission"])
+        engine = Engine(kvd.target, [{"prompts": batch, "params": params}], tenants=["a"])
+        try:
+            run = engine.result()
+        finally:
+            engine.close()
+        time.sleep(0.5)
+    tenants = [e.tenant for e in events]
+    print(f"\nrun: {run}\nadmitted for: {tenants}")
+    assert [len(t) for t in run["tokens"]] == [8] * len(params)
+    assert sorted(tenants) == ["a"] + ["engine"] * (len(params) - 1)
+
+
+def test_kvd_tenants_and_request_params_are_read_strictly():
+    from kvd_client.vllm_connector import allowed_tenants, clamp_priority, kvd_params
+
+    assert allowed_tenants(None) == allowed_tenants("") == frozenset()
+    assert allowed_tenants("*") is None
+    assert allowed_tenants("a, b") == allowed_tenants(["a", "b"]) == {"a", "b"}
+    with pytest.raises(ValueError, match="kvd_tenants"):
+        allowed_tenants(7)
+    assert kvd_params(None, "e", None) == kvd_params({"other": 1}, "e", None)
+    assert kvd_params({"kvd": {"tenant": "x"}}, "e", None).tenant == "x"  # "*"
+    assert kvd_params({"kvd": {"tenant": "x"}}, "e", frozenset({"y"})).tenant == "e"
+    good = kvd_params({"kvd": {"priority": -3, "pin": True, "deadline_ms": 1.5}}, "e", None)
+    assert (good.priority, good.problems) == (-3, ())
+    assert good.intent == pb.MemoryIntent(pin_requested=True, deadline_us=1500)
+    for bad in ({"priority": True}, {"priority": 2**31}, {"priority": 1.0},
+                {"pin": 1}, {"deadline_ms": float("inf")}, {"deadline_ms": float("nan")},
+                {"deadline_ms": True}, {"tenant": ["a"]}):
+        params = kvd_params({"kvd": bad}, "e", None)
+        assert (params.tenant, params.priority, params.intent) == ("e", None, None), bad
+        assert len(params.problems) == 1, bad
+    assert clamp_priority(2**40) == 2**31 - 1 and clamp_priority(-(2**40)) == -(2**31)
 
 
 @pytest.mark.timeout(300)
@@ -353,6 +405,7 @@ def test_a_requests_pin_and_deadline_reach_kvd_and_go_with_it(tmp_path):
     assert block_intent({"pin": True, "deadline_ms": 250}) == pb.MemoryIntent(
         pin_requested=True, deadline_us=250_000)
     assert block_intent({"tenant": "x"}) is None
+    assert block_intent({"pin": "yes", "deadline_ms": float("nan")}) is None  # ignored
     params = [{"kvd": {"pin": True, "deadline_ms": 250}}] * len(PROMPTS)
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
         run = engine_run(kvd.target, PROMPTS, params)
