@@ -51,6 +51,17 @@ class Client:
         return asyncio.run_coroutine_threadsafe(
             getattr(self._client, name)(*args, **kwargs), self._loop)
 
+    def follow(self, name: str, on_item, *args, **kwargs) -> concurrent.futures.Future:
+        """Read the stream `name` (watch_events, say) in the background, calling
+        `on_item(item)` on the client's thread for each item, and return at once: a future
+        that ends with the stream (kvd_client errors come out of its result()); cancel() it
+        to stop reading."""
+        async def read():
+            async for item in getattr(self._client, name)(*args, **kwargs):
+                on_item(item)
+
+        return asyncio.run_coroutine_threadsafe(read(), self._loop)
+
     def _iterate(self, stream):
         """A blocking iterator over an async stream; closing it early closes the stream
         (which cancels the call)."""

@@ -10,13 +10,20 @@ Load it with
 `kvd_token_file`), `kvd_pool` ("default"), `kvd_tenant` (the tenant of requests that name
 none), `kvd_tenants` (the tenants a request may name, see below), `kvd_load_failure_policy`
 ("recompute", see below), `kvd_queue_poll_s` (how often kvd is asked whether it admitted a
-request it queued: 0.05).
+request it queued, while the connector cannot hear kvd's admissions: 0.05; see below).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
 prefix blocks, named by vLLM's own block hashes within a namespace of the model, block size,
 KV dtype and the request's cache salt (see `namespace`), are looked up in kvd and their
 tokens reported as an external hit. A request admitted by no one (kvd's budget for its tenant
-is spent) is told to wait: the connector answers None until kvd admits it. On finish the
+is spent) is told to wait: the connector answers None until kvd admits it. vLLM asks about
+every waiting request at every step; rather than ask kvd after each (a tenant that floods the
+engine with requests kvd queues would have the scheduler call kvd thousands of times a
+second, and every running request wait on those calls), the connector follows kvd's
+admission events on a stream of its own, from the engine's start, and asks kvd after a
+queued request only every QUEUE_FALLBACK_POLLS x `kvd_queue_poll_s` (every
+`kvd_queue_poll_s` while the stream is down or new, and at once for all of them when kvd
+says the stream lost events). On finish the
 request is released in kvd (one aborted while kvd still queued it too); the blocks it stored
 stay there for the next request with that prefix. While it holds requests in kvd, the
 scheduler renews its lease every third of kvd's lease TTL (at its next step): a request
@@ -58,6 +65,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -157,6 +165,14 @@ class KvdConnector(KVConnectorBase_V1):
         # admits them, or kvd admits them for nobody.
         self.queued: dict[str, float] = {}
         self.queue_poll_s = float(extra.get("kvd_queue_poll_s", 0.05))
+        # kvd's admission events, followed from the scheduler's start (_follow_admissions),
+        # and the ids kvd admitted lately, filled on the client's thread.
+        self._watch: Future | None = None
+        self._watch_again_at = self._watch_started = 0.0
+        self._watch_failed = False
+        self._heard = _RecentIds(ADMISSIONS_KEPT)
+        if role == KVConnectorRole.SCHEDULER:
+            self._follow_admissions()  # settled by the first request, if kvd answers now
         self._loads: list[_Transfer] = []  # planned since the last step's metadata
         # The lease's renewal in flight (see _renew_lease), when it was sent, and when the
         # next one is due.
@@ -176,14 +192,19 @@ class KvdConnector(KVConnectorBase_V1):
         if tracked is None:
             if rid in self.queued:
                 # vLLM asks at every step about every request it could not schedule: kvd is
-                # asked again only every queue_poll_s.
-                if time.monotonic() < self.queued[rid]:
+                # asked only when its events said it admitted the request, or the next
+                # fallback poll is due.
+                if self._heard.take(rid):
+                    admitted = self._admitted_since(request)
+                elif time.monotonic() < self.queued[rid]:
                     return None, False
-                admitted = self._admitted_since(request)
+                else:
+                    admitted = self._admitted_since(request)
             else:
+                self._follow_admissions()
                 admitted = self._admit(request)
             if admitted is None:
-                self.queued[rid] = time.monotonic() + self.queue_poll_s
+                self.queued[rid] = time.monotonic() + self._poll_period()
                 return None, False  # kvd queued it: vLLM asks again later
             if not admitted:  # served without kvd (if kvd queued it, released at the end)
                 return 0, False
@@ -267,6 +288,46 @@ class KvdConnector(KVConnectorBase_V1):
         if isinstance(exc, (UnavailableError, DeadlineExceededError)):
             self._away_until = time.monotonic() + self.retry_s
 
+    def _poll_period(self) -> float:
+        """How long a queued request waits before kvd is asked after it again: long while
+        kvd's admission events reach the connector, short while they do not."""
+        watch = self._watch
+        if (watch is not None and not watch.done()
+                and time.monotonic() - self._watch_started > WATCH_SETTLE_S):
+            return self.queue_poll_s * QUEUE_FALLBACK_POLLS
+        return self.queue_poll_s
+
+    def _follow_admissions(self) -> None:
+        """Follow kvd's admission events from the engine's start, for as long as it runs:
+        a stream started only once requests queue would not be subscribed in time to hear
+        their admissions. Started again (at a new request, at most every `retry_s`) when it
+        ended: kvd went away or restarted."""
+        watch = self._watch
+        if watch is not None and not watch.done():
+            return
+        now = time.monotonic()
+        if now < self._watch_again_at or self._away():
+            return
+        if watch is not None and not watch.cancelled() and not self._watch_failed:
+            self._watch_failed = True  # said once: kvd restarting ends the stream too
+            log.warning("kvd's admission events stopped (%s): asking after queued requests "
+                        "every kvd_queue_poll_s until they are followed again",
+                        watch.exception() or "the stream ended")
+        self._watch_again_at = now + self.retry_s
+        self._watch_started = now
+        self._watch = self.client.follow(
+            "watch_events", self._on_event, kinds=["admission"],
+            pools=[self.pool] if self.pool else [])
+
+    def _on_event(self, event: pb.Event) -> None:
+        """On the client's thread: note what kvd admitted. A gap (always sent: the stream
+        lost events, kvd publishing faster than the connector reads) makes every queued
+        request due."""
+        if event.kind == "gap":
+            self._heard.lost = True
+        elif event.detail.get("decision") == "admitted":
+            self._heard.add(event.request_id)
+
     def _admitted_since(self, request: Any) -> bool | None:
         """A request kvd queued: admitted now (tracked from here), still waiting (None), or
         False (kvd does not answer: served without it)."""
@@ -305,6 +366,13 @@ class KvdConnector(KVConnectorBase_V1):
             tracked.num_in_kvd = positions[-1] + 1 if positions else tracked.num_in_kvd
             self._loads.append(load)
 
+    def _check_queue(self) -> None:
+        """Once a step: admission events lost make every queued request due."""
+        if self._heard.lost:
+            self._heard.lost = False
+            for rid in self.queued:
+                self.queued[rid] = 0.0
+
     def _renew_lease(self) -> None:
         """kvd releases the requests of a client silent past its lease TTL (one that died).
         The scheduler calls kvd as requests come and go, not while they decode: while it
@@ -330,6 +398,7 @@ class KvdConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._renew_lease()  # the scheduler builds metadata every step
+        self._check_queue()
         meta = KvdConnectorMetadata(loads=list(self._loads))
         self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
@@ -544,6 +613,37 @@ def all_shards(sizes: tuple[int, ...]) -> list[str]:
 
 
 ANY_TENANT = "*"
+# While kvd's admission events reach the connector, a queued request is asked after only
+# every this many kvd_queue_poll_s (in case its admission was missed).
+QUEUE_FALLBACK_POLLS = 20
+# A stream this young may not be subscribed yet: what kvd admits meanwhile is not heard, so
+# queued requests are still asked after at the short period.
+WATCH_SETTLE_S = 1.0
+ADMISSIONS_KEPT = 4096  # admitted ids heard and not yet asked about (an admin hears all)
+
+
+class _RecentIds:
+    """The last `size` request ids heard admitted (added on the client's thread, taken on
+    the scheduler's): an admin connector hears every engine's admissions on the pool, so
+    the oldest go. `lost`: kvd said the stream lost events."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.lost = False
+        self._ids: dict[str, None] = {}
+        self._lock = threading.Lock()
+
+    def add(self, request_id: str) -> None:
+        with self._lock:
+            self._ids[request_id] = None
+            if len(self._ids) > self.size:
+                del self._ids[next(iter(self._ids))]
+
+    def take(self, request_id: str) -> bool:
+        with self._lock:
+            return self._ids.pop(request_id, 0) is None
+
+
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # AdmitRequest.priority is an int32
 MAX_DEADLINE_MS = 10**9  # about eleven days: far enough for any request
 

@@ -723,25 +723,78 @@ ONE_LONG = LIMITED.replace("limit = 5", "limit = 20")
 
 @pytest.mark.timeout(600)
 def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
-    # vLLM asks the connector about every waiting request at every step, and the connector
-    # asked kvd twice each time (an Admit, then whether kvd had admitted it): requests queued
-    # behind a long one cost kvd thousands of calls a second, and the engine's running
-    # requests waited on those calls at every step.
+    # vLLM asks the connector about every waiting request at every step. The connector
+    # asked kvd twice each time (an Admit, then whether kvd had admitted it), then once per
+    # request every kvd_queue_poll_s (50 ms): a tenant flooding the engine with requests kvd
+    # queues still cost kvd, and the scheduler, 20 calls a second for each of them, and the
+    # running requests waited on those calls at every step. The connector follows kvd's
+    # admission events instead, asking after each queued request about once a second.
+    from kvd_client.vllm_connector import QUEUE_FALLBACK_POLLS, WATCH_SETTLE_S
+
+    n = 10
     metrics = free_address()
     config = tmp_path / "kvd.toml"
     config.write_text(ONE_LONG)
     with LocalKvd("--config", str(config), "--metrics", metrics, workdir=tmp_path) as kvd:
-        engine = Engine(kvd.target, [{"prompts": prompts(400, 4), "max_tokens": 400}])
+        engine = Engine(kvd.target, [{"prompts": prompts(400, n), "max_tokens": 400}])
         try:
             run = engine.result()
         finally:
             engine.close()
         calls = rpc_counts(metrics, "Admit", "Store")
-    print(f"\nrun: {run['run_s']:.1f} s, {calls} Admit and Store calls")
+        commits = rpc_counts(metrics, "Commit")
+    print(f"\nrun: {run['run_s']:.1f} s, {calls} Admit and Store calls ({commits} commits)")
     assert all(len(t) == 400 for t in run["tokens"])
-    # Four admissions, and at most each of the three queued requests asked after 20 times a
-    # second for the whole run (the first stores of each prompt's blocks: 4 more).
-    assert calls <= 4 + 4 + 3 * 20 * run["run_s"]
+    # Each request: its Admit, its first store, and the question once kvd admitted it; each
+    # queued one asked 20 times a second while the event stream settles (it starts with the
+    # engine's scheduler, a moment before the first requests), then once every fallback
+    # period for at most the whole run. Asked 20 times a second for as long as it waited,
+    # the nine queued requests made about 10 x 9 x run_s calls.
+    fallback_s = QUEUE_FALLBACK_POLLS * 0.05
+    assert calls <= 3 * n + (n - 1) * (20 * WATCH_SETTLE_S + run["run_s"] / fallback_s + 1)
+
+
+# One request of 64 prompt tokens (2 pages) at a time for tenant "default".
+ONE_SHORT = LIMITED.replace('name = "engine"', 'name = "default"').replace("limit = 5",
+                                                                             "limit = 2")
+
+
+def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp_path):
+    # The connector asks after a queued request only about once a second once kvd's
+    # admission events reach it: what tells it at once that kvd admitted one is the event.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    metrics = free_address()
+    config = tmp_path / "kvd.toml"
+    config.write_text(ONE_SHORT)
+    with LocalKvd("--config", str(config), "--metrics", metrics, workdir=tmp_path) as kvd:
+        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        first, second = Waiting("r0"), Waiting("r1")
+        time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
+        assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+        assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # queued
+        # Steps of 10 ms for two seconds, vLLM asking about the queued request at each.
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until:
+            assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)
+            time.sleep(0.01)
+        polls = rpc_counts(metrics, "Store")
+        scheduler.request_finished(first, [])  # kvd admits the second from its queue
+        released = time.monotonic()
+        while scheduler.get_num_new_matched_tokens(second, 0) == (None, False):
+            assert time.monotonic() - released < 5
+            time.sleep(0.01)
+        noticed_s = time.monotonic() - released
+        asked = rpc_counts(metrics, "Store") - polls
+        scheduler.request_finished(second, [])
+        scheduler.client.close()
+    print(f"\n{polls} questions in 2 s queued; noticed the admission after "
+          f"{noticed_s * 1000:.0f} ms, {asked} more")
+    assert polls <= 2 / (vc.QUEUE_FALLBACK_POLLS * 0.05) + 1  # not 20 a second
+    assert noticed_s < 0.5  # not the fallback poll's second
+    assert asked == 1  # only once kvd said it had admitted it
 
 
 @pytest.mark.timeout(600)

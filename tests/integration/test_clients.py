@@ -49,3 +49,32 @@ async def test_wait_ready_keeps_its_timeout(tmp_path):
     async with AsyncClient(f"unix://{tmp_path}/nobody.sock") as c:
         with pytest.raises(asyncio.TimeoutError):
             await c.wait_ready(0.3)
+
+
+def test_a_followed_stream_calls_back_on_each_item_until_cancelled(kvd):
+    import threading
+    import time
+
+    from kvd_client import InvalidArgumentError
+
+    seen: list[tuple[str, str]] = []
+    heard = threading.Event()
+
+    def on_event(event: pb.Event) -> None:
+        seen.append((event.request_id, event.detail["decision"]))
+        heard.set()
+
+    with Client(kvd.target, timeout_s=10) as c:
+        watch = c.follow("watch_events", on_event, kinds=["admission"])
+        time.sleep(0.3)  # subscribed
+        c.admit("r", 32)
+        assert heard.wait(5)
+        assert seen == [("r", "admitted")] and not watch.done()
+        watch.cancel()
+        time.sleep(0.2)
+        c.admit("s", 32)
+        time.sleep(0.3)
+        assert seen == [("r", "admitted")]  # no longer read
+        bad = c.follow("watch_events", on_event, kinds=["no-such-kind"])
+        with pytest.raises(InvalidArgumentError):  # the stream's error, as kvd_client's
+            bad.result(timeout=5)
