@@ -148,6 +148,7 @@ class KvdConnector(KVConnectorBase_V1):
         self._warned: set[str] = set()  # the problems with requests' params logged so far
         self.block_size = vllm_config.cache_config.block_size
         self.model = str(vllm_config.model_config.model)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.kv_dtype = kv_dtype(vllm_config)
         # Parallel engines shard the KV cache: each worker's blocks hold its heads (tensor,
         # context parallel) or its layers (pipeline), so each stores and loads them under a
@@ -245,7 +246,10 @@ class KvdConnector(KVConnectorBase_V1):
         params = self._params(request, warn=True)
         prompt = len(request.prompt_token_ids or ())
         sampling = getattr(request, "sampling_params", None)
-        output = getattr(sampling, "max_tokens", None) or 0
+        # No request outgrows the model's context, whatever max_tokens says (a number past
+        # AdmitRequest's uint32 raised in the scheduler and stopped the engine).
+        output = min(getattr(sampling, "max_tokens", None) or 0,
+                     max(0, self.max_model_len - prompt))
         if self._away():
             return False
         priority = params.priority

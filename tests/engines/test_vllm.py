@@ -363,6 +363,27 @@ def test_kvd_tenants_and_request_params_are_read_strictly():
     assert clamp_priority(2**40) == 2**31 - 1 and clamp_priority(-(2**40)) == -(2**31)
 
 
+def test_a_request_whose_max_tokens_outruns_the_model_is_admitted_for_its_context(tmp_path):
+    # max_tokens past AdmitRequest's uint32 raised in vLLM's scheduler and stopped the
+    # engine; and no request outgrows the model's context, whatever max_tokens says, so
+    # kvd is told what it can grow to.
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        events = watch_events(kvd.target, ["admission"])
+        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        request = Waiting("r")  # 64 prompt tokens, of a model of 1024
+        request.sampling_params = SimpleNamespace(max_tokens=2**40)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+        time.sleep(0.3)
+        scheduler.client.close()
+    assert [(e.request_id, e.count) for e in events] == [("r", 1024 // 32)]  # its pages
+
+
 @pytest.mark.timeout(300)
 def test_kvd_follows_a_running_engines_gpu_blocks_by_its_kv_events(tmp_path):
     # vLLM connects its PUB socket to a plain tcp:// address: kvd binds it on loopback;
