@@ -195,12 +195,9 @@ class KvdConnector(KVConnectorBase_V1):
                 # vLLM asks at every step about every request it could not schedule: kvd is
                 # asked only when its events said it admitted the request, or the next
                 # fallback poll is due.
-                if self._heard.take(rid):
-                    admitted = self._admitted_since(request)
-                elif time.monotonic() < self.queued[rid]:
+                if not self._heard.take(rid) and time.monotonic() < self.queued[rid]:
                     return None, False
-                else:
-                    admitted = self._admitted_since(request)
+                admitted = self._admitted_since(request)
             else:
                 self._follow_admissions()
                 admitted = self._admit(request)
@@ -644,8 +641,12 @@ class _RecentIds:
                 del self._ids[next(iter(self._ids))]
 
     def take(self, request_id: str) -> bool:
+        """Whether the id was heard (and is forgotten now)."""
         with self._lock:
-            return self._ids.pop(request_id, 0) is None
+            if request_id not in self._ids:
+                return False
+            del self._ids[request_id]
+            return True
 
 
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # AdmitRequest.priority is an int32
