@@ -11,6 +11,7 @@ import pytest
 
 from kvd_client import AsyncClient, FailedPreconditionError, ResourceExhaustedError, pb
 from kvd_client.arena import MappedPool
+from kvd_client.client import intent_update
 from kvd_loadgen.local import LocalKvd
 
 PAGE = 16 * 1024  # the tiny model: 1 KiB a token, 16 tokens a page
@@ -256,6 +257,45 @@ async def test_handed_off_pages_stay_put_until_the_engine_calls_again(tmp_path):
             assert not crowding.done()  # it waits for the engine's next call
             assert await digests_of(c, decode, "r1") == want  # the next call: moved, intact
             await asyncio.wait_for(crowding, 5)
+            assert (await c.self_check()).ok
+            prefill.close()
+            decode.close()
+
+
+async def test_a_dropped_block_brought_back_unread_is_not_handed_off_as_data(tmp_path):
+    # A prefill pool without a host tier: a recompute_ok victim is dropped. A pin brings it
+    # back to the device as a zeroed page the engine has not been told of (a reply that
+    # hands the block out says recompute): a handoff then would give decode those zeros as
+    # the block's bytes. It is refused until the engine has read the block (and recomputed).
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.format(bandwidth="auto", ttl=30).replace(
+        "device_pages = 8\nhost_pages = 32",
+        'device_pages = 4\nhost_pages = 0\npolicy = "intent"  # brings pinned blocks back'))
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            decode = MappedPool(await c.export_pool("decode"))
+            await c.admit("r1", 16, 16, pool="prefill", handoff_pool="decode")
+            (want,) = await fill(c, prefill, "r1", 1, seed=3)
+            await c.update_intents([intent_update("r1", 0, recompute_ok=True)])
+            (evicted,) = (await c.evict(1, pool="prefill")).evicted
+            assert evicted.to_tier == pb.TIER_UNSPECIFIED  # dropped
+            await c.update_intents([intent_update("r1", 0, pin_requested=True)])
+            for _ in range(100):  # the pinned block is brought back in the background
+                if (await stats(c, "prefill")).num_lost_blocks:
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("the pinned block was not brought back")
+            with pytest.raises(FailedPreconditionError, match=r"blocks \[0\] of request "
+                               r"'r1' were dropped for the engine to recompute"):
+                await c.handoff_all("r1")
+            (handle,) = (await c.access("r1")).handles
+            assert handle.recompute and not prefill.page(handle).any()
+            rng = np.random.default_rng(3)  # the engine recomputes the block
+            prefill.write(handle, rng.integers(0, 256, PAGE, dtype=np.uint8))
+            (moved,) = (await c.handoff_all("r1")).handles
+            assert hashlib.sha256(decode.page(moved).tobytes()).hexdigest() == want
             assert (await c.self_check()).ok
             prefill.close()
             decode.close()

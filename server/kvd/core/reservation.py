@@ -152,7 +152,9 @@ class Reservations:
         req = self.requests.admitted(request_id, self.admission.queue)
         live = req.live_blocks()
         check_still(live)
-        dropped = [b.index for b in live if b.tier is TierKind.NONE]
+        # Dropped, or brought back as a zeroed page (a prefetch) the engine has not been
+        # told of: either way not the block's bytes, which only the engine can recompute.
+        dropped = [b.index for b in live if b.tier is TierKind.NONE or b.lost]
         if dropped:
             raise FailedPrecondition(
                 f"blocks {dropped[:8]} of request {req.request_id!r} were dropped for the "
