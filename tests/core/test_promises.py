@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 
+from kvd.core.blocks import Priority
 from kvd.core.errors import HostShort, ResourceExhausted
 from kvd.core.fairness import TenantQuota
 from kvd.core.intent import IntentChange
@@ -72,6 +73,75 @@ def test_guarantee_of_another_tenant_holds_against_growth(make_pool):
     with pytest.raises(ResourceExhausted):
         pool.allocate("t1", 1)
     assert pool.tenancy.device_by_tenant["g"] == 6
+
+
+GUARANTEED_TO_OTHERS = "would take device pages of pool 'default' guaranteed to other tenants"
+
+
+@pytest.mark.parametrize("policy", ["lru", "intent", "fair:intent"])
+def test_a_pin_never_takes_pages_another_tenant_is_guaranteed(make_pool, policy):
+    # g is guaranteed 3 of 8 device pages and uses none of them yet. t's unpinned pages may
+    # fill them meanwhile (eviction gives them back when g comes); its pins may not, on any
+    # path that pins: an allocation, an intent update, a shared block stored or loaded.
+    pool = make_pool(device_pages=8, host_pages=16, policy=policy, reserve_pages=0,
+                     quotas={"g": TenantQuota(guaranteed=3)})
+    pool.admit("t1", tenant="t", prompt_tokens=16 * 8, output_tokens=0)
+    settle(pool, pool.allocate("t1", 4, {"pin_requested": True}))
+    settle(pool, pool.allocate("t1", 1))
+    with pytest.raises(ResourceExhausted, match=GUARANTEED_TO_OTHERS):
+        pool.allocate("t1", 2, {"pin_requested": True})
+    settle(pool, pool.allocate("t1", 3))  # unpinned: into g's pages while g has no use
+    assert pool.device.num_free == 0
+    pin = {"pin_requested": True}
+    # The fifth pin is the last t may have: 5 pinned + 3 guaranteed = the device tier.
+    pool.update_intents([IntentChange("t1", 4, pin)])
+    for change in ([IntentChange("t1", 5, pin)],
+                   [IntentChange("t1", 5, {"priority": int(Priority.DECODE_CRITICAL)})]):
+        with pytest.raises(ResourceExhausted, match=GUARANTEED_TO_OTHERS):
+            pool.update_intents(change)
+    # An unpin makes room for a pin in the same batch.
+    pool.update_intents([IntentChange("t1", 0, {"pin_requested": False}),
+                         IntentChange("t1", 5, pin)])
+    with pytest.raises(ResourceExhausted, match=GUARANTEED_TO_OTHERS):
+        pool.store("t1", "ns", [b"k0"], intent=pin)
+    assert pool.num_pinned == 5 and pool.tenancy.pinned_by_tenant["t"] == 5
+    # g comes for its guarantee: admitted, its pages taken back from t's unpinned ones, and
+    # pinned by g itself.
+    assert pool.admit("g1", tenant="g", prompt_tokens=16 * 3,
+                      output_tokens=0).decision == "admitted"
+    settle(pool, pool.allocate("g1", 3, {"pin_requested": True}))
+    assert pool.tenancy.device_by_tenant["g"] == 3 and pool.num_pinned == 8
+
+
+def test_guarantees_that_overcommit_the_device_leave_others_no_pins(make_pool):
+    # 12 pages guaranteed on an 8-page device tier count as the whole tier.
+    pool = make_pool(device_pages=8, host_pages=16, reserve_pages=0,
+                     quotas={"g": TenantQuota(guaranteed=6), "h": TenantQuota(guaranteed=6)})
+    pool.admit("t1", tenant="t", prompt_tokens=16, output_tokens=0)
+    with pytest.raises(ResourceExhausted, match=r"others pin or are guaranteed 8 \(by tenant: "):
+        pool.allocate("t1", 1, {"pin_requested": True})
+    pool.admit("g1", tenant="g", prompt_tokens=16 * 5, output_tokens=0)
+    settle(pool, pool.allocate("g1", 4, {"pin_requested": True}))  # within its 4 of 8
+    with pytest.raises(ResourceExhausted, match="guaranteed to other tenants"):
+        pool.allocate("g1", 1, {"pin_requested": True})
+
+
+def test_a_guarantee_raised_over_pins_holds_against_new_ones(make_pool):
+    # Pins already taken stay when another tenant's guarantee grows past what they leave;
+    # none may be added until they end, and then only within what the guarantee leaves.
+    pool = make_pool(device_pages=8, host_pages=16, reserve_pages=0)
+    pool.admit("t1", tenant="t", prompt_tokens=16 * 7, output_tokens=0)
+    settle(pool, pool.allocate("t1", 6, {"pin_requested": True}))
+    pool.set_quota("g", TenantQuota(guaranteed=4))
+    assert pool.num_pinned == 6
+    with pytest.raises(ResourceExhausted, match=GUARANTEED_TO_OTHERS):
+        pool.allocate("t1", 1, {"pin_requested": True})
+    unpin = {"pin_requested": False}
+    pool.update_intents([IntentChange("t1", i, unpin) for i in (0, 1, 2)])
+    with pytest.raises(ResourceExhausted, match=GUARANTEED_TO_OTHERS):
+        pool.update_intents([IntentChange("t1", i, {"pin_requested": True}) for i in (0, 1)])
+    pool.update_intents([IntentChange("t1", 0, {"pin_requested": True})])
+    assert pool.tenancy.pinned_by_tenant["t"] == 4
 
 
 def test_duplicate_unpin_in_one_batch_cannot_overcommit_pins(make_pool):

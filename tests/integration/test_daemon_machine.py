@@ -7,7 +7,8 @@ The engine side writes a distinct pattern into every block it is handed and chec
 every read: a block kvd hands back must hold exactly what the engine wrote, unless kvd says
 it must be recomputed, and then its page holds zeros (nothing of another request). After
 every step the daemon's invariants hold (SelfCheck), no tenant holds more than its limit, no
-request more than its cap, pins never exceed the device, and nothing is left in transit.
+request more than its cap, pins never exceed the device, a pin never takes a page another
+tenant is guaranteed, and nothing is left in transit.
 
 KVD_MACHINE_EXAMPLES sets the examples per policy (the suite's default is small; `make
 soak` runs many more).
@@ -34,6 +35,7 @@ from hypothesis.stateful import (
 from kvd.config import Config, LinkConfig, PoolConfig, TenantConfig
 from kvd.core.blocks import Priority, RequestState, TierKind
 from kvd.core.errors import KvdError
+from kvd.core.fairness import effective_guarantees
 from kvd.core.policies import policy_names
 from kvd.core.intent import IntentChange
 from kvd.node import Node
@@ -152,10 +154,12 @@ class DaemonMachine(RuleBasedStateMachine):
         pool = self.daemon.runtime_of(rid).pool
         tenant = self.live[rid]
         before = pool.tenancy.reserved_by_tenant[tenant]
+        pins = self._pins()
         try:
             blocks, _ = self.run(self.daemon.allocate(rid, num, intent, holder=self.holder))
         except KvdError:
             return
+        self._check_new_pins(pins)
         for b in blocks:
             self.write(b)
         # Growth after admission is held to the tenant's limit in force now.
@@ -187,16 +191,21 @@ class DaemonMachine(RuleBasedStateMachine):
         return rt.arenas["device" if block.tier is TierKind.DEVICE else "host"].pages
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), start=st.integers(0, 4), n=st.integers(1, 4), commit=st.booleans())
-    def store(self, data, start, n, commit):
+    @rule(data=st.data(), start=st.integers(0, 4), n=st.integers(1, 4), commit=st.booleans(),
+          pin=st.integers(0, 3))
+    def store(self, data, start, n, commit, pin):
         """Prefix blocks from one chain of keys: requests share their leading blocks."""
         rid = data.draw(st.sampled_from(sorted(self.live)))
         keys = PREFIX_KEYS[start:start + n]
+        intent = {"pin_requested": True} if pin == 0 else None
+        pins = self._pins()
         try:
             shared = self.daemon.shared
-            blocks, fresh, _ = self.run(shared.store(rid, "m", keys, holder=self.holder))
+            blocks, fresh, _ = self.run(shared.store(rid, "m", keys, holder=self.holder,
+                                                     intent=intent))
         except KvdError:
             return
+        self._check_new_pins(pins)
         for b, new, key in zip(blocks, fresh, keys):
             assert b.name == ("m", key) and not (new and b.committed)
             if new:
@@ -206,14 +215,17 @@ class DaemonMachine(RuleBasedStateMachine):
             self.loop.run_until_complete(self.daemon.shared.commit(rid, "m", keys))
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), n=st.integers(1, 8))
-    def load(self, data, n):
+    @rule(data=st.data(), n=st.integers(1, 8), pin=st.integers(0, 3))
+    def load(self, data, n, pin):
         rid = data.draw(st.sampled_from(sorted(self.live)))
+        intent = {"pin_requested": True} if pin == 0 else None
+        pins = self._pins()
         try:
             blocks = self.run(self.daemon.shared.load(rid, "m", PREFIX_KEYS[:n],
-                                                      holder=self.holder))
+                                                      holder=self.holder, intent=intent))
         except KvdError:
             return
+        self._check_new_pins(pins)
         for b, key in zip(blocks, PREFIX_KEYS):
             assert b.name == ("m", key) and b.tier is not TierKind.NONE
             assert np.array_equal(self.tier_pages(b)[b.page], pattern(key.hex(), 0, 0)), \
@@ -229,10 +241,12 @@ class DaemonMachine(RuleBasedStateMachine):
             return
         index = data.draw(st.sampled_from([b.index for b in req.live_blocks()]))
         change = IntentChange(rid, index, {"pin_requested": pin, "priority": int(priority)})
+        pins = self._pins()
         try:
             self.run(self.daemon.update_intents([change] * (2 if twice else 1)))
         except KvdError:
-            pass
+            return
+        self._check_new_pins(pins)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -321,6 +335,27 @@ class DaemonMachine(RuleBasedStateMachine):
     def _request(self, rid):
         rt = self.daemon.request_index.get(rid)
         return rt.pool.requests.get(rid) if rt is not None else None
+
+    def _pins(self) -> dict[str, dict[str, int]]:
+        """Each pool's pins by tenant."""
+        return {name: dict(rt.pool.tenancy.pinned_by_tenant)
+                for name, rt in self.daemon.pools.items()}
+
+    def _check_new_pins(self, before: dict[str, dict[str, int]]) -> None:
+        """A tenant whose pins a call added has them, and every other tenant's pins or
+        guarantee (whichever is larger), within the device tier: no pin took a page another
+        tenant is guaranteed (the guarantees in force now; scaled down when they add up to
+        more than the tier)."""
+        for name, rt in self.daemon.pools.items():
+            tenancy, cap = rt.pool.tenancy, rt.pool.device.capacity
+            now = tenancy.pinned_by_tenant
+            guaranteed = effective_guarantees(tenancy.quotas, cap)
+            for tenant in now:
+                if now[tenant] > before[name].get(tenant, 0):
+                    others = sum(max(now[t], guaranteed.get(t, 0.0))
+                                 for t in set(now) | set(guaranteed) if t != tenant)
+                    assert now[tenant] + others <= cap + 1e-6, (name, tenant, dict(now),
+                                                                 guaranteed)
 
     def _forget(self, rid):
         self.live.pop(rid, None)

@@ -13,6 +13,7 @@ from kvd_client import (
     AsyncClient,
     NotFoundError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     UnauthenticatedError,
     pb,
 )
@@ -118,6 +119,34 @@ async def test_quota_change_at_run_time_takes_effect(tenants_kvd):
         assert queued.decision == pb.DECISION_QUEUED and "2-page limit" in queued.reason
         (info,) = await admin.set_quota("alpha", limit_pages=0, weight=3)  # no limit now
         assert (info.limit_pages, info.weight, info.reserved_pages) == (0, 3.0, 3)
+
+
+async def test_a_tenant_pinning_all_it_may_leaves_anothers_guarantee_free(tenants_kvd):
+    # beta is guaranteed 3 of the 8 device pages and uses none: alpha may hold all 8, but
+    # pin only 5. beta then comes, is admitted, and gets its 3 pages while alpha's pins hold.
+    target = tenants_kvd.target
+    async with AsyncClient(target, token="root-token") as admin, \
+            AsyncClient(target, token="alpha-token") as alpha, \
+            AsyncClient(target, token="beta-token") as beta:
+        await admin.set_quota("beta", guaranteed_pages=3)
+        assert (await alpha.admit("a1", 16 * 8)).decision == pb.DECISION_ADMITTED
+        await alpha.allocate("a1", 8)
+
+        def pins(indices):
+            return [pb.IntentUpdate(request_id="a1", block_index=i,
+                                    intent=pb.MemoryIntent(pin_requested=True))
+                    for i in indices]
+
+        with pytest.raises(ResourceExhaustedError) as refused:
+            await alpha.update_intents(pins(range(6)))
+        assert ("pinning 6 more block(s) of tenant 'alpha' would take device pages of pool "
+                "'default' guaranteed to other tenants") in refused.value.details
+        await alpha.update_intents(pins(range(5)))
+        assert (await beta.admit("b1", 16 * 3)).decision == pb.DECISION_ADMITTED
+        assert len((await beta.allocate("b1", 3)).handles) == 3
+        tenants = {t.tenant: t for t in await admin.list_tenants()}
+        assert (tenants["alpha"].pinned_pages, tenants["alpha"].device_pages) == (5, 5)
+        assert tenants["beta"].device_pages == 3
 
 
 async def test_sighup_reloads_tenants_without_dropping_state(tenants_kvd):

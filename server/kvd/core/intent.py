@@ -110,11 +110,15 @@ class Intents:
         self._resolve(changes, final)
 
     def check_pins(self, final: dict) -> None:
-        """A batch whose blocks end in these states must not pin more than the device."""
-        pin_delta = sum(pinned_after(b, state) - b.pinned for b, state in final.items())
-        pages = self.pages
-        if pin_delta > 0 and pages.num_pinned + pin_delta > pages.device.capacity:
-            raise pages.overpinned(pin_delta)
+        """A batch whose blocks end in these states must not pin more than the device, nor
+        take a page another tenant is guaranteed (PageTable.check_pins)."""
+        more: dict[str, int] = {}
+        for b, state in final.items():
+            delta = pinned_after(b, state) - b.pinned
+            if delta:
+                tenant = b.request.tenant
+                more[tenant] = more.get(tenant, 0) + delta
+        self.pages.check_pins(more)
 
     def _resolve(self, changes: Sequence[IntentChange], final: dict) -> list:
         # Each block's pin-deciding fields as the batch leaves them: a block named twice

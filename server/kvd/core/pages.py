@@ -148,6 +148,27 @@ class PageTable:
             f"{self.holds.count} held by engines until their next call, the rest in transit"
         )
 
+    def check_pins(self, more: Mapping[str, int]) -> None:
+        """Refuse pins (`more`: by the tenant they count to; negative: pins that end in the
+        same change) that would pin more than the device tier holds, or take a page another
+        tenant is guaranteed: every tenant that pins more must have its pins, and every
+        other tenant's pins or guarantee (whichever is larger), within the tier. Pinned and
+        guaranteed pages then never exceed it (DESIGN.md: a guarantee a pin could take,
+        which no eviction gives back, would be no guarantee)."""
+        total = sum(more.values())
+        if total > 0 and self.num_pinned + total > self.device.capacity:
+            raise self.overpinned(total)
+        added = [t for t, n in more.items() if n > 0]
+        if not added or not any(q.guaranteed for q in self.tenancy.quotas.values()):
+            return
+        capacity = self.device.capacity
+        claims = self.tenancy.pin_claims(capacity, dict(more))
+        claimed = sum(claims.values())
+        for tenant in added:
+            pins = self.tenancy.pinned_by_tenant[tenant] + more[tenant]
+            if pins + claimed - claims[tenant] > capacity + 1e-6:
+                raise self.guarantee_pinned(tenant, more[tenant], claims)
+
     def overpinned(self, more: int) -> ResourceExhausted:
         """The error for a pin that would pin more than the device tier holds."""
         pinned = self.tenancy.pinned_by_tenant.most_common(5)
@@ -155,6 +176,19 @@ class PageTable:
             f"pinning {more} more block(s) would exceed the device tier of pool "
             f"{self.name!r}: {self.num_pinned} of {self.device.capacity} pages already pinned "
             f"(by tenant: {', '.join(f'{t}: {n}' for t, n in pinned)})"
+        )
+
+    def guarantee_pinned(self, tenant: str, more: int, claims: Mapping[str, float]
+                         ) -> ResourceExhausted:
+        """The error for a tenant's pin that would take pages other tenants are guaranteed."""
+        others = sorted(((t, c) for t, c in claims.items() if t != tenant and c),
+                        key=lambda tc: -tc[1])[:5]
+        return ResourceExhausted(
+            f"pinning {more} more block(s) of tenant {tenant!r} would take device pages of "
+            f"pool {self.name!r} guaranteed to other tenants: it pins "
+            f"{self.tenancy.pinned_by_tenant[tenant]} of {self.device.capacity}, and others "
+            f"pin or are guaranteed {sum(c for t, c in claims.items() if t != tenant):g} "
+            f"(by tenant: {', '.join(f'{t}: {c:g}' for t, c in others)})"
         )
 
     # ------------------------------------------------------------------ accounting
@@ -320,8 +354,7 @@ class PageTable:
         if intent:
             intents.validate(intent)
             if intents.pinned_after(Block(req, -1, TierKind.NONE, -1), intent):
-                if self.num_pinned + num > self.device.capacity:
-                    raise self.overpinned(num)
+                self.check_pins({req.tenant: num})
         if num > self.device.capacity:
             raise InvalidArgument(f"cannot allocate {num} blocks at once: the device tier of "
                                   f"pool {self.name!r} holds {self.device.capacity} pages")

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 from kvd.core.jobs import TokenBucket
 from kvd.core.blocks import Request
-from kvd.core.fairness import TenantQuota, water_fill
+from kvd.core.fairness import TenantQuota, effective_guarantees, water_fill
 
 _DEFAULT_QUOTA = TenantQuota()
 
@@ -149,6 +149,19 @@ class Tenancy:
     def guaranteed(self, tenant: str) -> int:
         """A tenant's guaranteed pages, scaled down when guarantees overcommit the pool."""
         return self.quota(tenant).guaranteed
+
+    def pin_claims(self, capacity: int, more: dict[str, int]) -> dict[str, float]:
+        """Each tenant's claim on a `capacity`-page device tier that no other tenant's pins
+        may take, once `more` pins are added (by tenant): the larger of its pins and its
+        guarantee (scaled down when guarantees overcommit the tier). A guarantee counts
+        whether or not its tenant uses it: unpinned pages taken from it are given back by
+        eviction when its tenant comes, pinned ones never would be."""
+        claims = {t: g for t, g in effective_guarantees(self.quotas, capacity).items() if g}
+        pinned = self.pinned_by_tenant
+        for tenant in set(pinned) | set(more):
+            pins = pinned[tenant] + more.get(tenant, 0)
+            claims[tenant] = max(float(pins), claims.get(tenant, 0.0))
+        return claims
 
     def headroom(self, tenant: str) -> int:
         """Device pages the tenant may still take before it reaches its fair share."""
