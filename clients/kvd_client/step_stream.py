@@ -22,6 +22,10 @@ def access_request(request_id: str, blocks: Sequence[int] | None) -> pb.AccessRe
     return pb.AccessRequest(request_id=request_id, block_indices=blocks)
 
 
+# How long close() waits for the answer to its empty step.
+CLOSE_WAIT_S = 2.0
+
+
 class StepStream:
     """The engine's hot path: one StepRequest per engine step, one StepResponse back.
 
@@ -33,6 +37,7 @@ class StepStream:
         self._client = client
         self._call = None
         self._next_id = 0
+        self._unread = 0  # steps sent whose replies were not read
 
     async def __aenter__(self) -> StepStream:
         self._call = self._client.memory.Step(metadata=self._client.metadata)
@@ -42,13 +47,21 @@ class StepStream:
         await self.close()
 
     async def close(self) -> None:
-        if self._call is not None:
+        """End the stream. With every reply read, an empty step goes first: kvd learns the
+        last reply was read. With a reply unread (a step cancelled mid-way) the stream is
+        just ended, and kvd tells what that reply told (pages that moved, blocks to
+        recompute) again at the next read."""
+        call = self._call
+        if call is None:
+            return
+        if not self._unread:
             try:
-                await self._call.done_writing()
-            except grpc.RpcError:
+                await asyncio.wait_for(self.send(pb.StepRequest()), CLOSE_WAIT_S)
+                await call.done_writing()
+            except (KvdClientError, grpc.RpcError, asyncio.TimeoutError):
                 pass
-            self._call.cancel()
-            self._call = None
+        call.cancel()
+        self._call = None
 
     async def pipeline(self, requests, on_reply, window: int = 16) -> None:
         """Send many steps without waiting for each reply (at most `window` outstanding);
@@ -68,6 +81,7 @@ class StepStream:
                 reply = await self._call.read()
                 if reply is grpc.aio.EOF:
                     raise UnavailableError("kvd closed the Step stream")
+                self._unread -= 1
                 result = on_reply(request, reply)
                 if asyncio.iscoroutine(result):
                     await result
@@ -84,6 +98,7 @@ class StepStream:
                     put.cancel()
                     reader.result()  # raises what the reader raised
                     raise UnavailableError("Step stream reader stopped")
+                self._unread += 1
                 await self._call.write(request)
             await outstanding.put(None)
             await reader
@@ -107,11 +122,13 @@ class StepStream:
         if not request.step_id:
             self._next_id += 1
             request.step_id = self._next_id
+        self._unread += 1
         try:
             await self._call.write(request)
             reply = await self._call.read()
         except (grpc.RpcError, asyncio.InvalidStateError) as err:
             raise await self._ended(err) from None
+        self._unread -= 1
         if reply is grpc.aio.EOF:
             raise UnavailableError("kvd closed the Step stream")
         return reply

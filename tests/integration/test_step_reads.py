@@ -232,3 +232,44 @@ async def test_engines_of_competing_tenants_over_a_full_device_all_keep_stepping
                                                 for i in range(ENGINES))), 60)
         assert len(slowest) == 2 * ENGINES * 30
         assert max(slowest) < 2.5, sorted(slowest)[-5:]
+
+
+async def test_what_a_reply_the_engine_never_read_told_is_told_again(tmp_path):
+    # A step brings back r's two blocks, one demoted (to a new page), one dropped (back as
+    # a zeroed page to recompute); the stream ends before the engine reads that reply (it
+    # restarted, or the connection broke). kvd cannot know the engine heard: the next read
+    # of r, on a new stream, tells it again where both blocks are and that one is lost,
+    # rather than letting the engine use the old page and take zeros for its bytes.
+    with LocalKvd("--model", "tiny", "--block-tokens", "16", "--device-pages", "4",
+                  "--host-pages", "1", "--admission", "reservation", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as client:
+            await client.admit("r", 32, 0)
+            await client.allocate("r", 2)
+            await client.update_intents([intent_update("r", i, recompute_ok=True)
+                                         for i in (0, 1)])
+            evicted = (await client.evict(2)).evicted
+            dropped = {e.block_index for e in evicted if e.to_tier == pb.TIER_UNSPECIFIED}
+            assert len(dropped) == 1
+            await client.admit("other", 16 * 2, 0)
+            await client.allocate("other", 2)
+            call = client.memory.Step(metadata=client.metadata)
+            await call.write(pb.StepRequest(step_id=1, accesses=[
+                pb.AccessRequest(request_id="r", all_blocks=True)]))
+            for _ in range(200):  # the step has brought r back; its reply goes unread
+                stats = (await client.pool_stats()).pools[0]
+                if stats.num_promotions and stats.num_lost_blocks:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            call.cancel()
+            await asyncio.sleep(0.2)  # kvd sees the stream end
+            async with client.step_stream() as stream:
+                reply = await stream.step(read_all=["r"])
+            told = {h.block_index: h for h in reply.relocated}
+            assert sorted(told) == [0, 1], reply
+            assert {i for i, h in told.items() if h.recompute} == dropped
+            async with client.step_stream() as stream:  # the engine heard: said once
+                assert not (await stream.step(read_all=["r"])).relocated
+            now = {h.block_index: h.page_index for h in (await client.access("r")).handles}
+            assert {i: h.page_index for i, h in told.items()} == now
+            assert (await client.self_check()).ok

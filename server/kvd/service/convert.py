@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 
 from kvd.core.admission import Decision
 from kvd.core.blocks import Block, TierKind
@@ -56,10 +57,55 @@ def add_handles(handles, blocks: Iterable[Block], page_bytes: int, ns: int = 0) 
         handles.add(**_told(block, page_bytes, ns))
 
 
+# Where a Step stream keeps what its latest reply tells (see Told); None elsewhere.
+TOLD: ContextVar[Told | None] = ContextVar("told", default=None)
+
+
+class Told:
+    """What a Step stream's latest reply told the engine of each block in it: (block, its
+    epoch, whether it was lost). kvd takes a block as told once the reply is made. An
+    engine steps in turn (its next message comes after it read the reply); a stream that
+    ends before its next message may not have had that reply read (the engine restarted,
+    the connection broke: gRPC shows kvd a cancelled stream as one its client closed), so
+    what the reply told is told again at the next read (retell), rather than have the
+    engine use a page its block left, or take zeros for its bytes. A client that read
+    every reply ends with an empty message (StepStream.close) and is told nothing twice."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self) -> None:
+        self.blocks: list[tuple[Block, int, bool]] = []
+
+    def heard(self) -> None:
+        """The engine sent its next message: it read the reply before (Step is in step)."""
+        if self.blocks:
+            self.blocks = []
+
+    def retell(self, pools: Mapping) -> None:
+        """Tell the blocks of the last reply again at their next read: their page (as if
+        moved since) and, for a lost one, that its bytes must be recomputed. A block gone
+        since is left as it is. `pools`: the node's PoolRuntimes by name."""
+        for block, epoch, lost in self.blocks:
+            req = block.request
+            rt = pools.get(req.pool)
+            if (rt is None or rt.pool.requests.get(req.request_id) is not req
+                    or block.index >= len(req.blocks) or req.blocks[block.index] is not block):
+                continue
+            block.lost = block.lost or lost
+            if block.seen_epoch == epoch:  # else it moved since, and is told anyway
+                block.seen_epoch = epoch - 1
+            req.maybe_relocated = True
+            rt.pool.pages.changes.note(req)  # a step's answer kept looks at it again
+        self.blocks = []
+
+
 def _told(block: Block, page_bytes: int, ns: int) -> dict:
     """A PageHandle's fields for the block, the engine told (see handle)."""
     block.seen_epoch = block.epoch
     lost, block.lost = block.lost, False
+    told = TOLD.get()
+    if told is not None:
+        told.blocks.append((block, block.epoch, lost))
     return {"request_id": block.request.request_id[ns:], "block_index": block.index,
             "pool": block.request.pool, "tier": int(block.tier), "page_index": block.page,
             "offset_bytes": block.page * page_bytes, "length_bytes": page_bytes,

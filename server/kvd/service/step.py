@@ -19,7 +19,8 @@ from kvd.core.reads import AccessResult
 from kvd.metrics import observe_rpc
 from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller, unprefixed
-from kvd.service.convert import add_handles, indices, intent_change, intent_fields
+from kvd.service.convert import (TOLD, Told, add_handles, indices, intent_change,
+                                 intent_fields)
 from kvd.service.gate import CallLimits, StepTurns
 from kvd.service.register import (DRAINING, MAX_STRING, WALK_LIMIT, Malformed,
                                   OpenStreams, refuse, safe_parser)
@@ -103,8 +104,13 @@ class StepStreams:
         ns = caller.ns
         streams.told_at_next.add(task)
         self.turns.join(turn.who)
+        # What the latest reply told: the engine heard it once it sends again; a stream
+        # that ends first has it told again (Told.retell).
+        told = Told()
+        TOLD.set(told)
         try:
             while (data := await self._next(messages, caller, turn, holder)) is not None:
+                told.heard()
                 if streams.draining:  # told now: its client has written the message
                     await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
                 streams.working.add(task)  # a drain lets this message finish
@@ -172,12 +178,14 @@ class StepStreams:
                     # "Internal error from Core" instead.
                     with contextlib.suppress(asyncio.TimeoutError, StopAsyncIteration):
                         await asyncio.wait_for(messages.__anext__(), streams.LAST_READ_S)
+                        told.heard()
                     await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
         finally:
             streams.told_at_next.discard(task)
             streams.working.discard(task)
             turn.leave()
             self.turns.part(turn.who)
+            told.retell(node.pools)  # its last reply may not have been read
             node.end_holds(holder)
             node.leases.stream_closed(caller.lease)
 
