@@ -265,7 +265,9 @@ def _tenant_families(pools: list[PoolFigures]):
         ("kvd_tenant_device_pages", "Device pages a tenant holds", "device_pages"),
         ("kvd_tenant_fair_share_pages", "A tenant's fair share of the device tier",
          "fair_share_pages"),
-        ("kvd_tenant_guaranteed_pages", "A tenant's guaranteed pages", "guaranteed_pages"),
+        ("kvd_tenant_guaranteed_pages", "A tenant's guaranteed pages, as honoured "
+                                        "(scaled down when guarantees overcommit the pool)",
+         "guaranteed_pages"),
         ("kvd_tenant_reserved_pages", "Pages reserved by a tenant's requests",
          "reserved_pages"),
         ("kvd_tenant_queued_pages", "Pages a tenant's queued requests ask for",

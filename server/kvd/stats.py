@@ -42,7 +42,7 @@ class TenantFigures:
     queued_pages: int
     pinned_pages: int
     fair_share_pages: int
-    guaranteed_pages: int
+    guaranteed_pages: float  # as honoured: scaled down when guarantees overcommit
     evictions_suffered: int
     evictions_caused: int
     # (the tenant whose evictions caused it, seconds), largest first.

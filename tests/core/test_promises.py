@@ -75,6 +75,21 @@ def test_guarantee_of_another_tenant_holds_against_growth(make_pool):
     assert pool.tenancy.device_by_tenant["g"] == 6
 
 
+@pytest.mark.parametrize("policy", ["fair", "fair:intent"])
+def test_overcommitted_guarantees_protect_only_their_scaled_part(make_pool, policy):
+    # 6 + 6 pages guaranteed on an 8-page device tier: each is honoured as 4 (kvd logs
+    # that it scales them down). g, first, grew to 6; h then comes for its 4, and gets them
+    # from g's 2 pages past its scaled guarantee and 2 free ones.
+    pool = make_pool(device_pages=8, host_pages=16, policy=policy, reserve_pages=0,
+                     quotas={"g": TenantQuota(guaranteed=6), "h": TenantQuota(guaranteed=6)})
+    grown(pool, "g1", 6, tenant="g")
+    assert pool.tenancy.guaranteed("g") == pytest.approx(4)
+    assert pool.admit("h1", tenant="h", prompt_tokens=16 * 4,
+                      output_tokens=0).decision == "admitted"
+    settle(pool, pool.allocate("h1", 4))
+    assert dict(pool.tenancy.device_by_tenant) == {"g": 4, "h": 4}
+
+
 GUARANTEED_TO_OTHERS = "would take device pages of pool 'default' guaranteed to other tenants"
 
 

@@ -206,7 +206,7 @@ class Admission:
         if not self.pages.policy.fair:
             return None
         tenancy = self.tenancy
-        share = max(tenancy.fair_share(req.tenant), tenancy.quota(req.tenant).guaranteed)
+        share = max(tenancy.fair_share(req.tenant), tenancy.guaranteed(req.tenant))
         cap = max(1, int(share + 1e-6))
         return cap if req.projected_pages > cap else None
 
@@ -248,7 +248,7 @@ class Admission:
             if tenant == req.tenant:
                 room += evictable
                 continue
-            keep = max(shares.get(tenant, 0.0), tenancy.quota(tenant).guaranteed)
+            keep = max(shares.get(tenant, 0.0), tenancy.guaranteed(tenant))
             room += max(0, min(evictable, int(tenancy.usage(tenant) - keep + 1e-6)))
         return room
 

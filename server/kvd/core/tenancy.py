@@ -57,6 +57,7 @@ class Tenancy:
         self.pinned_by_tenant: Counter[str] = Counter()
         self.blocks_read_by_tenant: Counter[str] = Counter()
         self._shares: dict[str, float] | None = None
+        self._guarantees: dict[str, float] | None = None
 
     def quota(self, tenant: str) -> TenantQuota:
         """The tenant's quota (the default one for a tenant the config does not name)."""
@@ -65,7 +66,7 @@ class Tenancy:
     def set_quota(self, tenant: str, quota: TenantQuota) -> None:
         """Set a tenant's quota; fair shares are computed again."""
         self.quotas[tenant] = quota
-        self._shares = None
+        self._shares = self._guarantees = None
 
     def budget(self, req: Request, page_bytes: int, now: float) -> None:
         """Give a request the bandwidth buckets its tenant's quota asks for: a cap on its
@@ -81,7 +82,7 @@ class Tenancy:
     def set_share_capacity(self, pages: int) -> None:
         """The pages fair shares divide (the policy decides what counts)."""
         self.share_capacity = pages
-        self._shares = None
+        self._shares = self._guarantees = None
 
     def kept_changed(self, tenant: str, delta: int) -> None:
         """A kept prefix page of the tenant came to (1) or left (-1) the device tier. Kept
@@ -146,9 +147,14 @@ class Tenancy:
             if not idle[tenant]:
                 del idle[tenant]
 
-    def guaranteed(self, tenant: str) -> int:
-        """A tenant's guaranteed pages, scaled down when guarantees overcommit the pool."""
-        return self.quota(tenant).guaranteed
+    def guaranteed(self, tenant: str) -> float:
+        """A tenant's guaranteed pages, scaled down when guarantees overcommit the pages
+        fair shares divide (as they are in its fair share): what kvd honours. Unscaled, the
+        tenant that grew first would keep all of its guarantee, and the others less than
+        theirs."""
+        if self._guarantees is None:
+            self._guarantees = effective_guarantees(self.quotas, self.share_capacity)
+        return self._guarantees.get(tenant, 0.0)
 
     def pin_claims(self, capacity: int, more: dict[str, int]) -> dict[str, float]:
         """Each tenant's claim on a `capacity`-page device tier that no other tenant's pins
