@@ -4,7 +4,9 @@ that allocate, free, release, update intents (pins, priorities, recompute_ok, pr
 read (read_all, and accesses of some or all blocks), and with decode steps, which read the
 last batch again and do nothing else, under every policy and several device sizes, the
 engines' steps interleaved with each other and with the operator's evictions; the engines
-are one tenant, or a tenant each. The operator also switches the policy between steps.
+are one tenant, or a tenant each. The operator also switches the policy between steps, and
+an engine's stream now and then breaks off (the engine restarted, the connection broke),
+with its last reply read or not: the engine goes on on a new stream.
 
 Each engine writes bytes of its own into every page it is handed, learns where its blocks
 went only from the replies (`allocated`, `relocated`), and checks every block a step read:
@@ -92,9 +94,30 @@ class Engine:
         self.steps = 0
         self.checked = 0
         self.last_read: list[str] = []  # the read_all of its last step that had one
+        # Blocks the engine was told to recompute in the last reply of a stream that broke
+        # off after it read the reply: kvd may tell them again, and the engine has
+        # recomputed them.
+        self.recomputed: set[tuple[str, int]] = set()
+        self.last_recompute: set[tuple[str, int]] = set()
+        # The reply to the step in flight is lost: the engine breaks off before it reads
+        # it (a step that only reads, which changes nothing the engine keeps: where that
+        # reply said blocks went, and which to recompute, it learns only from kvd's next
+        # replies).
+        self.losing = False
 
     async def open(self) -> None:
         self.call = self.client.memory.Step(metadata=self.client.metadata)
+
+    async def break_off(self, read_last: bool) -> None:
+        """The stream breaks off and the engine opens a new one: after it read the reply
+        to its last step (read_last), or after a reply it lost (see `losing`)."""
+        assert self.pending is None
+        self.check(self.readable)  # what it was handed is its to read until the break
+        self.readable = []
+        if read_last:
+            self.recomputed |= self.last_recompute
+        self.call.cancel()
+        await self.open()
 
     def check(self, keys) -> None:
         for key in keys:
@@ -127,6 +150,9 @@ class Engine:
         reply = read.result()
         assert reply is not grpc.aio.EOF, f"{self.name}: kvd ended the stream"
         assert reply.step_id == message.step_id
+        if self.losing:
+            self.losing = False
+            return
         self.absorb(message, reply)
 
     def absorb(self, message: pb.StepRequest, reply: pb.StepResponse) -> None:
@@ -147,6 +173,8 @@ class Engine:
                 for index in self.blocks.pop(r.request_id):
                     del self.where[r.request_id, index]
         written = []
+        self.last_recompute = {(h.request_id, h.block_index) for h in reply.relocated
+                               if h.recompute}
         for h in reply.allocated:
             key = (h.request_id, h.block_index)
             assert key not in self.where, (self.name, "handed out twice", key)
@@ -159,7 +187,13 @@ class Engine:
             assert key in self.where, (self.name, "told of a block it does not have", key)
             self.where[key] = h
             if h.recompute:  # dropped and back: zeros, until the engine recomputes it
-                assert not self.mapped.read(h).any(), (self.name, key, "not zeroed")
+                if key in self.recomputed:  # told again: recomputed already, or zeros
+                    page = self.mapped.read(h)
+                    assert not page.any() or page[:PAGE_BYTES].tobytes() == \
+                        self.blocks[key[0]][key[1]], (self.name, key, "told again")
+                    self.recomputed.discard(key)
+                else:
+                    assert not self.mapped.read(h).any(), (self.name, key, "not zeroed")
                 self.mapped.write(h, self.blocks[key[0]][key[1]])
         for e in too_many:  # the read's blocks, as the step's frees and allocations left them
             if e.section == "read_all":
@@ -325,6 +359,21 @@ async def _example(kvd, operations, policy: str) -> list[int]:
                     # given back (its next step would find another engine's bytes there).
                     with contextlib.suppress(ResourceExhaustedError):
                         await admin.evict(1 + choices[1] % 4)
+                    continue
+                if kind == 3 and choices[0] % 8 in (0, 4):
+                    # The engine's stream breaks off; it goes on on a new one.
+                    await _served(engine, _others(engine, engines))
+                    read_last = choices[0] % 8 == 0
+                    if not read_last and engine.blocks:
+                        # Its last step reads every request (bringing back what the
+                        # operator evicts first, now and then), and its reply is lost.
+                        if choices[1] % 2:
+                            with contextlib.suppress(ResourceExhaustedError):
+                                await admin.evict(1 + choices[2] % 4)
+                        engine.losing = True
+                        await engine.send(pb.StepRequest(read_all=sorted(engine.blocks)))
+                        await _served(engine, _others(engine, engines))
+                    await engine.break_off(read_last)
                     continue
                 if kind == 3 and choices[0] % 4 == 2:
                     # The operator switches the policy between two steps.
