@@ -21,7 +21,7 @@ from hypothesis.stateful import (
 from kvd.core.blocks import Phase, Priority, TierKind
 from kvd.core.clock import FakeClock
 from kvd.core.errors import BlocksInTransit, KvdError
-from kvd.core.fairness import TenantQuota
+from kvd.core.fairness import TenantQuota, effective_guarantees
 from kvd.core.invariants import check_pool
 from kvd.core.policies import policy_names
 from kvd.core.intent import IntentChange
@@ -79,11 +79,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _do(self, op):
         before = fingerprint(self.pool)
+        pins = dict(self.pool.tenancy.pinned_by_tenant)
         try:
             result = op()
         except (KvdError, BlocksInTransit):
             assert fingerprint(self.pool) == before, "a failed call changed the pool"
             return None
+        self._check_pins(pins)
         plan = getattr(result, "plan", result)
         if plan is not None and hasattr(plan, "demotions"):
             for m in plan.demotions:
@@ -111,6 +113,18 @@ class PoolMachine(RuleBasedStateMachine):
             self.allocate(f"r{i}", n)
             while self.pending:
                 self.pool.complete(self.pending.pop())
+
+    def _check_pins(self, before: dict[str, int]) -> None:
+        """A tenant whose pins the call added has them, and every other tenant's pins or
+        guarantee (scaled down when they overcommit the device tier), within the tier."""
+        tenancy, capacity = self.pool.tenancy, self.pool.device.capacity
+        now = tenancy.pinned_by_tenant
+        guaranteed = effective_guarantees(tenancy.quotas, capacity)
+        for tenant in now:
+            if now[tenant] > before.get(tenant, 0):
+                others = sum(max(now[t], guaranteed.get(t, 0.0))
+                             for t in set(now) | set(guaranteed) if t != tenant)
+                assert now[tenant] + others <= capacity + 1e-6, (tenant, dict(now), guaranteed)
 
     def _check_guarantees(self, plan):
         """No tenant was taken below its guarantee to make room for another tenant, in the
