@@ -19,7 +19,9 @@ from kvd.config import Config
 from kvd.core.jobs import Job, TransferClass
 from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.clock import Clock
-from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from kvd.core.errors import (BlocksInTransit, FailedPrecondition, InvalidArgument,
+                             ResourceExhausted)
+from kvd.core.holds import OWN_HOLDER
 from kvd.core.pool import Pool
 from kvd.core.transfer import Reason, TransferPlan
 from kvd.events import EventBus, publish_admitted
@@ -236,16 +238,22 @@ class Handoffs:
                 await self._copy_handoff(src, dst, blocks, plan, progress, cancel)
             if cancel.is_set():
                 raise TransferCancelled()
+            if plan is not None:  # its blocks are the request's in the target from now on
+                dst.pool.complete(plan)
+                dst.transit.finish(plan)
+                plan = None
+            await self._carry_shared(src, dst, req, cancel)
         except BaseException as exc:
             self._roll_back(src, dst, req, blocks, plan, demoted, exc)
             raise
-        self._commit(src, dst, req, blocks, plan, progress, holder)
+        self._commit(src, dst, req, blocks, progress, holder)
 
     def _roll_back(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
                    blocks: list[Block], plan: TransferPlan | None, demoted: bool,
                    exc: BaseException) -> None:
         """All or nothing: the request stays whole in the prefill pool; the target pages and
-        the reservation go."""
+        the reservation go (`plan`: the target's allocation, None once it completed: its
+        blocks then go with the target's request)."""
         if plan is not None:
             self.abort_target(dst, plan, demoted)
         self._end_handoff(src, dst, req.request_id, blocks, release=dst.pool)
@@ -269,12 +277,9 @@ class Handoffs:
         dst.transit.finish(plan)
 
     def _commit(self, src: PoolRuntime, dst: PoolRuntime, req: Request, blocks: list[Block],
-                plan: TransferPlan | None, progress: asyncio.Queue, holder: str) -> None:
+                progress: asyncio.Queue, holder: str) -> None:
         """The blocks live in the target now; the prefill pages go."""
         request_id = req.request_id
-        if plan is not None:
-            dst.pool.complete(plan)
-            dst.transit.finish(plan)
         self._end_handoff(src, dst, request_id, blocks, release=src.pool)
         self.request_index[request_id] = dst
         moved = len(blocks) * src.pool.page_bytes
@@ -425,28 +430,104 @@ class Handoffs:
     async def _copy_handoff(self, src: PoolRuntime, dst: PoolRuntime, blocks: list[Block],
                             plan: TransferPlan, progress: asyncio.Queue,
                             cancel: asyncio.Event) -> None:
-        link = self.links.handoff_link(src.pool.name, dst.pool.name)
-        src_arenas = {TierKind.DEVICE: src.arenas["device"], TierKind.HOST: src.arenas["host"]}
-        dst_device = dst.arenas["device"]
         pairs = [(block.tier, block.page, TierKind.DEVICE, new.page)
                  for block, new in zip(blocks, plan.allocated)]
-        chunk_pages = max(1, int(link.sched.quantum) // src.pool.page_bytes)
-        chunks = chunk_runs(page_runs(pairs), chunk_pages) if pairs else []
-        if not chunks:
+        if not pairs:
             return
         page_bytes = src.pool.page_bytes
-        req = blocks[0].request
-        job = self._handoff_job(req, chunks, page_bytes)
         total = len(blocks)
-        dst_req = dst.pool.requests[req.request_id]
-
-        def copy(runs):
-            for src_tier, src_page, _dst_tier, dst_page, num in runs:
-                copy_between(src_arenas[src_tier], src_page, dst_device, dst_page, num)
+        dst_req = dst.pool.requests[blocks[0].request.request_id]
 
         def on_chunk(j: Job):
             pages = j.bytes_done // page_bytes
             progress.put_nowait(self._progress(dst_req, pages, total, page_bytes))
+
+        await self._copy_pairs(src, dst, blocks[0].request, pairs, cancel, on_chunk)
+
+    async def _carry_shared(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
+                            cancel: asyncio.Event) -> None:
+        """The shared prefix blocks the request uses (committed: written), stored under
+        their names in the target pool too, for the request there: those the target lacks
+        are copied over the link and committed, so the decode engine loads its whole
+        prefix from its own pool. They stay in the source, where others may use them:
+        held there (not evicted) while they are read, not made still as the request's own
+        blocks are (a prefix every request shares would be in transit at every handoff)."""
+        groups: dict[str, list[Block]] = {}
+        named = src.pool.pages.named
+        for b in req.shared:
+            if b.committed and named.get(b.name) is b and b.tier is not TierKind.NONE:
+                groups.setdefault(b.name[0], []).append(b)
+        if not groups:
+            return
+        holder = f"{OWN_HOLDER}handoff:{req.request_id}"  # ends with the carry, never lapses
+        # The request's own blocks stay where the copy put them: the engine is handed them.
+        dst.pool.pages.holds.hold(holder, dst.pool.requests[req.request_id].live_blocks())
+        try:
+            for namespace, group in groups.items():
+                if cancel.is_set():
+                    raise TransferCancelled()
+                keys = [b.name[1] for b in group]
+                while True:  # waits for copies under way, never in line for room
+                    try:
+                        plan, placed = dst.pool.store(req.request_id, namespace, keys, holder)
+                        break
+                    except BlocksInTransit as exc:
+                        if not exc.blocks:
+                            raise ResourceExhausted(
+                                f"pool {dst.pool.name!r} has no device room now for the "
+                                f"{len(keys)} shared prefix block(s) request "
+                                f"{req.request_id!r} uses (pinned, held or in transit)"
+                            ) from None
+                        await dst.transit.wait_for(exc.blocks)
+                if plan.num_copies:
+                    await dst.execute(plan)
+                else:
+                    dst.complete_now(plan)
+                # New pages, and blocks another request stored there and has not committed
+                # (written, if at all, with the same bytes: a name is its tokens' hash).
+                todo = [(s, d) for s, d in zip(group, placed) if not d.committed]
+                # Both ends settled before the copy, and held (not evicted) during it; a
+                # source block let go meanwhile is not copied (nor its name committed).
+                while True:
+                    busy_src = [s for s, _ in todo if s.moving]
+                    busy_dst = [d for _, d in todo if d.moving]
+                    if not busy_src and not busy_dst:
+                        break
+                    await src.transit.wait_for(busy_src)
+                    await dst.transit.wait_for(busy_dst)
+                todo = [(s, d) for s, d in todo
+                        if named.get(s.name) is s and s.tier is not TierKind.NONE
+                        and d.tier is not TierKind.NONE]
+                src.pool.pages.holds.hold(holder, [s for s, _ in todo])
+                dst.pool.pages.holds.hold(holder, [d for _, d in todo])
+                pairs = [(s.tier, s.page, d.tier, d.page) for s, d in todo]
+                if pairs:
+                    await self._copy_pairs(src, dst, req, pairs, cancel)
+                if cancel.is_set():
+                    raise TransferCancelled()
+                if todo:
+                    dst.pool.commit(req.request_id, namespace, [d.name[1] for _, d in todo])
+        finally:
+            for rt in (src, dst):
+                rt.pool.end_holds(holder)
+                rt.room_may_have_changed()
+
+    async def _copy_pairs(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
+                          pairs: list[tuple], cancel: asyncio.Event, on_chunk=None) -> None:
+        """Copy pages of the source pool to the target's ((tier, page, target tier, target
+        page) each) over the pool->pool link, under its budget; cancel stops it between
+        chunks."""
+        link = self.links.handoff_link(src.pool.name, dst.pool.name)
+        src_arenas = {TierKind.DEVICE: src.arenas["device"], TierKind.HOST: src.arenas["host"]}
+        dst_arenas = {TierKind.DEVICE: dst.arenas["device"], TierKind.HOST: dst.arenas["host"]}
+        chunk_pages = max(1, int(link.sched.quantum) // src.pool.page_bytes)
+        chunks = chunk_runs(page_runs(pairs), chunk_pages)
+        job = self._handoff_job(req, chunks, src.pool.page_bytes)
+
+        def copy(runs):
+            for src_tier, src_page, dst_tier, dst_page, num in runs:
+                copy_between(src_arenas[src_tier], src_page, dst_arenas[dst_tier], dst_page,
+                             num)
 
         transfer = Transfer(job, chunks, copy, asyncio.get_running_loop().create_future(),
                             on_chunk=on_chunk)

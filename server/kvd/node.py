@@ -21,7 +21,7 @@ from kvd.core.attribution import RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
 from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
-from kvd.core.holds import SWAP_HOLDER
+from kvd.core.holds import OWN_HOLDER
 from kvd.core.intent import IntentChange
 from kvd.core.prefix import Shares
 from kvd.core.reservation import PoolReserver, Verdict
@@ -289,12 +289,13 @@ class Node:
 
     def lapse_holds(self, max_age_s: float) -> int:
         """End holds older than max_age_s (a holder that never calls again): liveness over
-        the engine's claim on a page it was handed long ago. A read's swap rounds hold
-        theirs until they end, which they do."""
+        the engine's claim on a page it was handed long ago. kvd's own holds (a read's swap
+        rounds, a handoff's reads of shared blocks) last until the work ends, which it does."""
         now = self.clock.now()
         stale = {h for rt in self.pools.values()
                  for h, since in rt.pool.pages.holds.since().items()
-                 if now - since > max_age_s and h not in self.serving and h != SWAP_HOLDER}
+                 if now - since > max_age_s and h not in self.serving
+                 and not h.startswith(OWN_HOLDER)}
         for holder in stale:
             self.end_holds(holder)
         return len(stale)

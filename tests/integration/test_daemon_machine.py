@@ -287,13 +287,25 @@ class DaemonMachine(RuleBasedStateMachine):
         self.run(self._handoff(rid, cancel_after))
 
     async def _handoff(self, rid, cancel_after):
+        req = self._request(rid)
+        named = self.daemon.runtime("default").pool.pages.named
+        prefix = ([b.name for b in req.shared if b.committed and named.get(b.name) is b]
+                  if req is not None and req.pool != "decode" else [])
         stream = self.daemon.handoff(rid, "decode")
         seen = 0
         try:
             async for progress in stream:
                 if progress["done"]:
-                    # The engine reads its blocks in the decode pool: same bytes.
+                    # The engine reads its blocks in the decode pool: same bytes; and the
+                    # shared prefix it used came along, under the same names.
                     self.check_read(progress["blocks"], set())
+                    decode = self.daemon.runtime("decode").pool.pages.named
+                    for name in prefix:
+                        b = decode[name]
+                        assert b.committed and b.tier is not TierKind.NONE, b
+                        assert np.array_equal(self.tier_pages(b)[b.page],
+                                              pattern(name[1].hex(), 0, 0)), \
+                            f"{b}: the prefix came to decode with other bytes"
                     return
                 if cancel_after is not None and seen >= cancel_after:
                     return
@@ -366,6 +378,11 @@ class DaemonMachine(RuleBasedStateMachine):
     def promises_hold(self):
         if not hasattr(self, "daemon"):
             return
+        # A handoff its caller gave up on rolls back in the background: done first.
+        in_flight = list(self.daemon.handoffs.in_flight)
+        if in_flight:
+            self.loop.run_until_complete(asyncio.wait_for(
+                asyncio.gather(*in_flight, return_exceptions=True), 30))
         problems = self.loop.run_until_complete(asyncio.wait_for(self.daemon.self_check(), 30))
         assert problems == [], problems
         for rt in self.daemon.pools.values():

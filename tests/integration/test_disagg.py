@@ -299,3 +299,42 @@ async def test_a_dropped_block_brought_back_unread_is_not_handed_off_as_data(tmp
             assert (await c.self_check()).ok
             prefill.close()
             decode.close()
+
+
+async def test_a_handoff_takes_the_shared_prefix_its_request_used_along(tmp_path):
+    # r1 prefilled on a 3-block prefix it stored and committed, 2 of those blocks already
+    # in decode's pool too (another request stored them there), and 2 blocks of its own.
+    # The handoff copies its own blocks and the prefix block decode lacks; in decode the
+    # request loads its whole prefix, byte for byte, and prefill keeps the prefix for
+    # others.
+    keys = [b"p0", b"p1", b"p2"]
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            decode = MappedPool(await c.export_pool("decode"))
+            rng = np.random.default_rng(5)
+            prefix = {k: rng.integers(0, 256, PAGE, dtype=np.uint8) for k in keys}
+            await c.admit("other", 16 * 2, 0, pool="decode")
+            for h in (await c.store("other", "m", keys[:2])).handles:
+                decode.write(h, prefix[keys[h.block_index]])
+            await c.commit("other", "m", keys[:2])
+            await c.admit("r1", 16 * 5, 16, pool="prefill", handoff_pool="decode")
+            for h in (await c.store("r1", "m", keys)).handles:
+                prefill.write(h, prefix[keys[h.block_index]])
+            await c.commit("r1", "m", keys)
+            own = await fill(c, prefill, "r1", 2, seed=6)
+            done = await c.handoff_all("r1")
+            assert [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
+                    for h in done.handles] == own
+            assert (await c.lookup("m", keys, pool="decode")).num_hit == 3
+            loaded = (await c.load("r1", "m", keys)).handles
+            assert {h.pool for h in loaded} == {"decode"}
+            assert [bytes(decode.page(h)) for h in loaded] == [prefix[k].tobytes()
+                                                               for k in keys]
+            assert (await c.lookup("m", keys, pool="prefill")).num_hit == 3
+            (link,) = [k for k in (await stats(c, "prefill")).links
+                       if k.link == "prefill->decode"]
+            assert link.bytes_total == 3 * PAGE  # its 2 blocks and the prefix block decode lacked
+            assert (await c.self_check()).ok
+            prefill.close()
+            decode.close()

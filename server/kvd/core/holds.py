@@ -21,9 +21,12 @@ from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
 from kvd.core.policies import EvictionPolicy
 
+# kvd's own holders (no client's holder starts so: see Caller.holder): their holds end when
+# kvd's work that took them does, and never lapse.
+OWN_HOLDER = "kvd:"
 # Who holds the blocks a read swapping in rounds brought in, until it is done (see
 # PoolRuntime.access and PageTable.swapping); one such read at a time.
-SWAP_HOLDER = "kvd:swap-rounds"
+SWAP_HOLDER = OWN_HOLDER + "swap-rounds"
 
 
 class Holds:
