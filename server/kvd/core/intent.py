@@ -9,6 +9,7 @@ prefetches the batch asks for.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -112,12 +113,9 @@ class Intents:
     def check_pins(self, final: dict) -> None:
         """A batch whose blocks end in these states must not pin more than the device, nor
         take a page another tenant is guaranteed (PageTable.check_pins)."""
-        more: dict[str, int] = {}
+        more: Counter[str] = Counter()
         for b, state in final.items():
-            delta = pinned_after(b, state) - b.pinned
-            if delta:
-                tenant = b.request.tenant
-                more[tenant] = more.get(tenant, 0) + delta
+            more[b.request.tenant] += pinned_after(b, state) - b.pinned
         self.pages.check_pins(more)
 
     def _resolve(self, changes: Sequence[IntentChange], final: dict) -> list:

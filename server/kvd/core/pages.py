@@ -162,7 +162,7 @@ class PageTable:
         if not added or not any(q.guaranteed for q in self.tenancy.quotas.values()):
             return
         capacity = self.device.capacity
-        claims = self.tenancy.pin_claims(capacity, dict(more))
+        claims = self.tenancy.pin_claims(capacity, more)
         claimed = sum(claims.values())
         for tenant in added:
             pins = self.tenancy.pinned_by_tenant[tenant] + more[tenant]

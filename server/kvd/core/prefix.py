@@ -21,6 +21,7 @@ committed goes when its last user does.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -278,12 +279,10 @@ class Prefixes:
         if not intent or not intent.get("pin_requested"):
             return
         mine = {id(b) for b in req.pinned_shared}
-        more: dict[str, int] = {}
-        for b in blocks:  # a pin counts to the block's owner (PageTable.count_pin)
-            if b is None or (not b.pinned and id(b) not in mine):
-                tenant = req.tenant if b is None else b.request.tenant
-                more[tenant] = more.get(tenant, 0) + 1
-        self.pages.check_pins(more)
+        # A pin counts to the block's owner (PageTable.count_pin).
+        self.pages.check_pins(Counter(req.tenant if b is None else b.request.tenant
+                                      for b in blocks
+                                      if b is None or (not b.pinned and id(b) not in mine)))
 
     def use_intent(self, req: Request, blocks: Sequence[Block], intent: dict | None) -> None:
         """What req says of the shared blocks it uses: a pin holds while req (or another

@@ -8,6 +8,7 @@ policy read them from here, never from the pool.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from fractions import Fraction
 
 from kvd.core.jobs import TokenBucket
@@ -156,7 +157,7 @@ class Tenancy:
             self._guarantees = effective_guarantees(self.quotas, self.share_capacity)
         return self._guarantees.get(tenant, 0.0)
 
-    def pin_claims(self, capacity: int, more: dict[str, int]) -> dict[str, float]:
+    def pin_claims(self, capacity: int, more: Mapping[str, int]) -> dict[str, float]:
         """Each tenant's claim on a `capacity`-page device tier that no other tenant's pins
         may take, once `more` pins are added (by tenant): the larger of its pins and its
         guarantee (scaled down when guarantees overcommit the tier). A guarantee counts

@@ -47,14 +47,15 @@ def handle(block: Block, page_bytes: int, ns: int = 0) -> pb.PageHandle:
     """The block's page as the engine addresses it. The engine is told here that the block
     moved (its epoch is seen) and, once, that its bytes are lost and must be recomputed.
     `ns`: the length of the namespace the caller's request ids are kept in (not shown)."""
-    return pb.PageHandle(**_told(block, page_bytes, ns))
+    return pb.PageHandle(**_told(block, page_bytes, ns, TOLD.get()))
 
 
 def add_handles(handles, blocks: Iterable[Block], page_bytes: int, ns: int = 0) -> None:
     """Append the blocks' handles (see handle) to a reply's repeated PageHandle field, each
     made in place (a made handle appended is copied)."""
+    told = TOLD.get()
     for block in blocks:
-        handles.add(**_told(block, page_bytes, ns))
+        handles.add(**_told(block, page_bytes, ns, told))
 
 
 # Where a Step stream keeps what its latest reply tells (see Told); None elsewhere.
@@ -99,11 +100,11 @@ class Told:
         self.blocks = []
 
 
-def _told(block: Block, page_bytes: int, ns: int) -> dict:
-    """A PageHandle's fields for the block, the engine told (see handle)."""
+def _told(block: Block, page_bytes: int, ns: int, told: Told | None) -> dict:
+    """A PageHandle's fields for the block, the engine told (see handle); kept in `told`, a
+    Step stream's (TOLD), if any."""
     block.seen_epoch = block.epoch
     lost, block.lost = block.lost, False
-    told = TOLD.get()
     if told is not None:
         told.blocks.append((block, block.epoch, lost))
     return {"request_id": block.request.request_id[ns:], "block_index": block.index,
