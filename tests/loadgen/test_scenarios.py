@@ -184,6 +184,11 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
             main = out["saturated"][n][f"{server}_main_us_per_step"]
             main_busy = main * out["saturated"][n][f"{server}_steps_per_s"] / 1e6
             assert 0 < main <= us and main_busy <= 1.2, (server, main, us, main_busy)
+        # The decode steps alone ran on both servers, and cost kvd's main thread less a
+        # step than the steps that also grow, free and update a block.
+        r = out["saturated"][n]
+        assert r["kvd_decode_steps_per_s"] > 0 and r["empty_decode_steps_per_s"] > 0
+        assert 0 < r["kvd_decode_main_us_per_step"] < r["kvd_main_us_per_step"], r
     budget = out["budget"]
     assert budget["streams"] == 2 and [u for u, _ in budget["points"]] == [50, 2000]
     # 2 ms of CPU a step: at most 500 steps/s from the server's one thread, on two streams.
@@ -194,9 +199,13 @@ async def test_the_engines_bench_drives_real_steps_on_every_stream():
     for paced in ("paced", "paced_spread"):
         assert out[paced]["kvd_p99_ms"] > 0 and out[paced]["empty_p99_ms"] > 0
     assert set(targets(out)) == {"engines1_steps_vs_empty", "engines2_steps_vs_empty",
+                                 "engines1_decode_steps_vs_empty",
+                                 "engines2_decode_steps_vs_empty",
                                  "engines2_paced_p99_added_ms",
                                  "engines2_paced_spread_p99_added_ms"}
-    assert "op" not in targets(out)["engines2_paced_spread_p99_added_ms"]  # reported only
+    for reported in ("engines2_paced_spread_p99_added_ms", "engines1_decode_steps_vs_empty"):
+        assert "op" not in targets(out)[reported]  # reported only
+    assert rows[-4].endswith(" us |")  # the decode-only column
 
 
 async def test_the_step_history_bench_steps_a_real_engine_and_judges_late_against_early():
