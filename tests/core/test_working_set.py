@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.core.errors import InvalidArgument, ResourceExhausted
+from kvd.core.fairness import TenantQuota
 
 from .conftest import settle
 
@@ -147,3 +148,56 @@ def test_a_handoff_reservation_waits_for_the_working_set_room_of_the_decode_pool
     decode.reservations.reserve("small", "t", prompt_tokens=48, output_tokens=0,
                                 priority=0, ttl_s=30)  # 3 pages fit beside the 5
     assert decode.admission.working_set_used() == 8
+
+
+@pytest.mark.parametrize("policy", ["lru", "intent", "fair", "fair:intent"])
+def test_a_tenants_guarantee_admits_it_while_others_working_sets_fill_the_device(make_pool,
+                                                                                 policy):
+    """g is guaranteed 6 of 12 device pages and runs nothing; t's requests fill the device
+    meanwhile (an idle guarantee is anyone's to use). g's request of 4 pages is within its
+    guarantee: it goes in at once and takes its pages from t's, rather than wait for t's
+    requests to end. Past its guarantee g waits as anyone does, and so does t while the
+    working sets exceed the device."""
+    pool = make_pool(device_pages=12, host_pages=48, policy=policy, reserve_pages=0,
+                     admission="working_set", quotas={"g": TenantQuota(guaranteed=6)})
+    for i in range(3):
+        assert _decision(pool, f"t{i}", 4, tenant="t").decision == "admitted"
+        settle(pool, pool.allocate(f"t{i}", 4))
+    assert pool.device.num_free == 0
+    admitted = _decision(pool, "g1", 4, tenant="g")
+    assert admitted.decision == "admitted", admitted.reason
+    settle(pool, pool.allocate("g1", 4))
+    assert dict(pool.tenancy.device_by_tenant) == {"t": 8, "g": 4}
+    assert pool.admission.working_set_by_tenant == {"t": 12, "g": 4}
+    past = _decision(pool, "g2", 4, tenant="g")  # 8 pages of g's: past its 6
+    assert past.decision == "queued" and "working set" in past.reason
+    assert _decision(pool, "t3", 1, tenant="t").decision == "queued"
+    pool.release("g2")
+    pool.release("t3")
+
+
+def test_a_guarantee_admits_only_what_it_covers(make_pool):
+    """A request bigger than its tenant's guarantee gets nothing from it at admission: it
+    waits for room in the device as any other (here behind t's working sets)."""
+    pool = make_pool(device_pages=12, host_pages=48, reserve_pages=0,
+                     admission="working_set", quotas={"g": TenantQuota(guaranteed=3)})
+    assert _decision(pool, "t0", 12, tenant="t").decision == "admitted"
+    assert _decision(pool, "g1", 4, tenant="g").decision == "queued"
+    assert pool.admission.working_set_by_tenant == {"t": 12}
+    _, admitted = pool.release("t0")
+    assert [r.request_id for r in admitted] == ["g1"]
+    assert pool.admission.working_set_by_tenant == {"g": 4}
+
+
+def test_a_guarantee_makes_room_for_its_tenants_handoff_reservation(make_pool):
+    """The decode pool reserves a handed-off request's pages as it admits: within its
+    tenant's guarantee, whatever other tenants' working sets hold there; past it, not."""
+    decode = make_pool(device_pages=8, host_pages=32, admission="working_set",
+                       quotas={"g": TenantQuota(guaranteed=3)})
+    assert _decision(decode, "running", 8, tenant="t").decision == "admitted"
+    decode.reservations.reserve("in-g", "g", prompt_tokens=48, output_tokens=0,
+                                priority=0, ttl_s=30)  # 3 pages: g's guarantee
+    with pytest.raises(ResourceExhausted, match="working sets hold 11 of the 8"):
+        decode.reservations.reserve("past-g", "g", prompt_tokens=16, output_tokens=0,
+                                    priority=0, ttl_s=30)
+    assert decode.admission.working_set_by_tenant == {"t": 8, "g": 3}

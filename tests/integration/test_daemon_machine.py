@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 )
 
 from kvd.config import Config, LinkConfig, PoolConfig, TenantConfig
+from kvd.core.admission import counted_pages
 from kvd.core.blocks import Priority, RequestState, TierKind
 from kvd.core.errors import KvdError
 from kvd.core.fairness import effective_guarantees
@@ -142,6 +143,8 @@ class DaemonMachine(RuleBasedStateMachine):
             return
         if result.decision != "rejected":
             self.live[rid] = tenant
+        if result.decision == "queued" and "working set" in result.reason:
+            self._check_guarantee_admits(rid, tenant, result.reason)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), share=st.integers(1, 6), recompute=st.booleans(),
@@ -343,6 +346,26 @@ class DaemonMachine(RuleBasedStateMachine):
         self.daemon.apply_tenants(dataclasses.replace(self.config, tenants=tenants))
 
     # ------------------------------------------------------------------ bookkeeping
+
+    def _check_guarantee_admits(self, rid, tenant, reason):
+        """A request waiting for room among the running working sets is past its tenant's
+        guarantee: what its tenant runs (its requests' own pages, summed here) and its
+        charge exceed the pages the tenant is guaranteed; within them it goes in at once,
+        whatever other tenants' working sets hold."""
+        req = self.daemon.runtime("default").pool.requests[rid]
+        if reason.startswith("handoff pool"):  # its reservation in the decode pool waits
+            pool = self.daemon.runtime("decode").pool
+            charge = pool.admission.projected_pages(req.prompt_tokens, req.output_tokens)
+        else:
+            pool = self.daemon.runtime("default").pool
+            charge = pool.admission.working_set_charge(req)
+        running = sum(counted_pages(r) for r in pool.requests.values()
+                      if r.tenant == tenant and r.state is not RequestState.QUEUED)
+        guaranteed = pool.tenancy.guaranteed(tenant)
+        assert running + charge > guaranteed + 1e-6, (
+            f"{rid} of tenant {tenant} waits for other tenants' working sets in pool "
+            f"{pool.name!r} with "
+            f"{running} + {charge} of its {guaranteed:g} guaranteed pages: {reason}")
 
     def _request(self, rid):
         rt = self.daemon.request_index.get(rid)

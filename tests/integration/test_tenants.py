@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import numpy as np
 import pytest
 
 from kvd_client import (
@@ -17,6 +18,7 @@ from kvd_client import (
     UnauthenticatedError,
     pb,
 )
+from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
 from .conftest import free_port, scrape
@@ -532,3 +534,44 @@ async def test_tenants_that_came_and_went_leave_no_trace_in_listings_or_metrics(
     assert listed == {"live", "configured"}
     assert "customer-" not in text
     assert 'tenant="live"' in text
+
+
+@pytest.mark.parametrize("policy", ["lru", "fair"])
+async def test_a_guarantee_admits_its_tenant_while_anothers_working_sets_fill_the_device(
+        tmp_path, policy):
+    """beta is guaranteed 4 of the 8 device pages and runs nothing; alpha's working sets
+    take 7 of them meanwhile. beta's request of 3 pages is within its guarantee: it is
+    admitted at once (not queued until alpha's requests end) and gets its pages from
+    alpha's, whose bytes come back intact from the host tier."""
+    (tmp_path / "beta.token").write_text("beta-token\n")
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.format(tcp="", policy=policy)
+                      .replace('admission = "reservation"', 'admission = "working_set"'))
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, token="root-token") as admin, \
+                AsyncClient(kvd.target, token="alpha-token") as alpha, \
+                AsyncClient(kvd.target, token="beta-token") as beta:
+            await admin.set_quota("beta", guaranteed_pages=4)
+            mapped = MappedPool(await alpha.export_pool())
+            rng = np.random.default_rng(7)
+            written = {}
+
+            async def fill(client, rid, num):
+                for h in (await client.allocate(rid, num)).handles:
+                    data = rng.integers(0, 256, mapped.page_bytes, dtype=np.uint8)
+                    mapped.write(h, data)
+                    written[(rid, h.block_index)] = data
+
+            for rid, num in (("a0", 4), ("a1", 3)):
+                assert (await alpha.admit(rid, 16 * num)).decision == pb.DECISION_ADMITTED
+                await fill(alpha, rid, num)
+            admitted = await beta.admit("b1", 16 * 3)
+            assert admitted.decision == pb.DECISION_ADMITTED, admitted.reason
+            await fill(beta, "b1", 3)
+            tenants = {t.tenant: t for t in await admin.list_tenants()}
+            assert tenants["beta"].device_pages == 3
+            assert tenants["alpha"].device_pages <= 8 - 3  # the rest went to the host
+            for client, rid in ((alpha, "a0"), (alpha, "a1"), (beta, "b1")):
+                for h in (await client.access(rid)).handles:
+                    assert np.array_equal(mapped.read(h), written[(rid, h.block_index)])
+            assert (await admin.self_check()).ok

@@ -11,7 +11,11 @@ stores are not its working set: the engine copies a loaded block in (Load hands 
 the engine's next call), and a step reads a request's own blocks. A
 request bigger than its tenant's fair share (a whale, under a fair policy) is counted for its
 fair share only: it streams the rest through the host tier, evicting its own pages. The queue
-holds the rest, in fair order. `reservation` admits while the pages fit both tiers: the device
+holds the rest, in fair order. A tenant's guarantee is its own: a request whose tenant's
+working sets, with it, stay within the tenant's guaranteed pages goes in whatever the other
+tenants' working sets hold (they may fill an idle guarantee, and give it back when its owner
+comes: their pages are the ones evicted then, as DESIGN's quotas say). `reservation` admits
+while the pages fit both tiers: the device
 over-subscribed, the host tier paging, as a memory manager that knows nothing of working sets
 does (a baseline to compare with, and for pools whose engines do not read every block).
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from kvd.core.blocks import Request, RequestState
@@ -79,6 +83,7 @@ class Admission:
         # whale's only up to its cap (see counted_pages). And how many uses of shared blocks
         # the requests make (kept by Prefixes, through shared_uses_changed).
         self.working_set_pages = 0
+        self.working_set_by_tenant: Counter[str] = Counter()  # the same, each tenant's
         self.shared_uses = 0
         self._newly_admitted: list[Request] = []
 
@@ -197,7 +202,7 @@ class Admission:
         """req uses `uses` more shared blocks (fewer when negative) than when it counted
         `counted_before` pages of working set (counted_pages, before req.shared changed)."""
         self.shared_uses += uses
-        self.working_set_pages += counted_pages(req) - counted_before
+        self._count_working_set(req, counted_pages(req) - counted_before)
 
     def working_set_cap(self, req: Request) -> int | None:
         """The most pages req is counted for: under a fair policy, a request bigger than its
@@ -215,8 +220,18 @@ class Admission:
         return req.projected_pages if cap is None else cap
 
     def working_set_fits(self, req: Request) -> bool:
-        """Whether req's working set fits the device beside those already running."""
-        return self.working_set_room_for(self.working_set_charge(req))
+        """Whether req's working set fits the device beside those already running, or its
+        tenant's guarantee (see within_guarantee)."""
+        charge = self.working_set_charge(req)
+        return self.working_set_room_for(charge) or self.within_guarantee(req.tenant, charge)
+
+    def within_guarantee(self, tenant: str, pages: int) -> bool:
+        """Whether the tenant's running working sets and `pages` more stay within the pages
+        it is guaranteed (as honoured, see Tenancy.guaranteed): those are its own, and no
+        other tenant's working set keeps it out of them."""
+        guaranteed = self.tenancy.guaranteed(tenant)
+        return bool(guaranteed) and (self.working_set_by_tenant[tenant] + pages
+                                     <= guaranteed + 1e-6)
 
     def working_set_room_for(self, pages: int) -> bool:
         """Whether `pages` more fit the device beside the running requests' working sets. A
@@ -319,7 +334,7 @@ class Admission:
         """`pages` more are reserved for req (at admission, or as it grows past them)."""
         before = counted_pages(req)
         req.reserved_pages += pages
-        self.working_set_pages += counted_pages(req) - before
+        self._count_working_set(req, counted_pages(req) - before)
         self.reserved_pages += pages
         tally(self.tenancy.reserved_by_tenant, req.tenant, pages)
         self.tenancy.demand_changed()
@@ -327,10 +342,15 @@ class Admission:
     def unreserve(self, req: Request) -> None:
         """req is gone: what was reserved for it is free to reserve again."""
         self.reserved_pages -= req.reserved_pages
-        self.working_set_pages -= counted_pages(req)
+        self._count_working_set(req, -counted_pages(req))
         tally(self.tenancy.reserved_by_tenant, req.tenant, -req.reserved_pages)
         req.reserved_pages = 0
         self.tenancy.demand_changed()
+
+    def _count_working_set(self, req: Request, delta: int) -> None:
+        if delta:
+            self.working_set_pages += delta
+            tally(self.working_set_by_tenant, req.tenant, delta)
 
     def reservation_state(self, tenant: str, projected: int, tokens: int
                           ) -> tuple[Verdict, str]:
@@ -349,7 +369,8 @@ class Admission:
             return Verdict.WAIT, (
                 f"handoff pool {self.name!r} cannot reserve {projected} pages: "
                 f"{capacity - self.reserved_pages} of {capacity} are unreserved")
-        if self.working_set and not self.working_set_room_for(projected):
+        if (self.working_set and not self.working_set_room_for(projected)
+                and not self.within_guarantee(tenant, projected)):
             return Verdict.WAIT, (
                 f"handoff pool {self.name!r}: the running requests' working sets hold "
                 f"{self.working_set_used()} of the {self.pages.share_capacity} device pages "

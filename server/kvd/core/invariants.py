@@ -23,6 +23,7 @@ class _Tally:
     pinned_by_tenant: Counter = field(default_factory=Counter)
     reserved_by_tenant: Counter = field(default_factory=Counter)
     device_by_tenant: Counter = field(default_factory=Counter)
+    working_set_by_tenant: Counter = field(default_factory=Counter)
 
 
 def check_pool(pool: Pool) -> list[str]:
@@ -136,6 +137,7 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
         return
     tally.reserved += req.reserved_pages
     tally.working_set += counted_pages(req)
+    tally.working_set_by_tenant[req.tenant] += counted_pages(req)
     tally.reserved_by_tenant[req.tenant] += req.reserved_pages
     tally.device_by_tenant[req.tenant] += req.num_device_blocks
     live = [b for b in req.blocks if b is not None]
@@ -200,6 +202,8 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
     if t.working_set != admission.working_set_pages:
         problems.append(f"{name}: working set pages {admission.working_set_pages} != sum over "
                         f"requests {t.working_set}")
+    if +t.working_set_by_tenant != +admission.working_set_by_tenant:
+        problems.append(f"{name}: working set pages by tenant are off")
     if t.reserved != pool.reserved_pages:
         problems.append(f"{name}: reserved pages {pool.reserved_pages} != sum over requests "
                         f"{t.reserved}")
