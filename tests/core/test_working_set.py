@@ -27,7 +27,9 @@ def test_admission_stops_where_the_working_sets_fill_the_device(make_pool, polic
     waits = _decision(pool, "b", 4)
     assert waits.decision == "queued"
     assert "working set" in waits.reason and "5 of the 8" in waits.reason
-    assert _decision(pool, "c", 1).decision == "queued"  # behind b: fair order, not size
+    behind = _decision(pool, "c", 1)  # behind b: fair order, not size
+    assert behind.decision == "queued"
+    assert "waits its turn behind 1 request(s) ahead of it" in behind.reason
     assert pool.admission.working_set_used() == 5
     _, admitted = pool.release("a")
     assert [r.request_id for r in admitted] == ["b", "c"]
@@ -201,3 +203,4 @@ def test_a_guarantee_makes_room_for_its_tenants_handoff_reservation(make_pool):
         decode.reservations.reserve("past-g", "g", prompt_tokens=16, output_tokens=0,
                                     priority=0, ttl_s=30)
     assert decode.admission.working_set_by_tenant == {"t": 8, "g": 3}
+

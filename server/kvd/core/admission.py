@@ -172,9 +172,14 @@ class Admission:
                     f"the running requests' working sets hold {self.working_set_used()} of "
                     f"the {self.pages.share_capacity} the device tier of pool {self.name!r} "
                     "gives them (admitting more would make every step page)")
+        need, room = self.device_need(req), self.room_for(req)
+        if need <= room:  # it fits: others are ahead of it (whose ids are not its to learn)
+            return (f"waits its turn behind {self.queue_position(req.request_id) - 1} "
+                    "request(s) ahead of it in fair order (of tenants further below their "
+                    "fair share, or queued before it), the first of which does not fit yet")
         where = ("free or held by tenants above their fair share" if self.pages.policy.fair
                  else "free or evictable")
-        return (f"needs {self.device_need(req)} device pages; only {self.room_for(req)} are "
+        return (f"needs {need} device pages; only {room} are "
                 f"{where} ({self.pages.num_pinned} of {self.pages.device.capacity} pinned)")
 
     def fits(self, pages: int) -> bool:
