@@ -204,3 +204,19 @@ def test_a_guarantee_makes_room_for_its_tenants_handoff_reservation(make_pool):
                                     priority=0, ttl_s=30)
     assert decode.admission.working_set_by_tenant == {"t": 8, "g": 3}
 
+
+def test_a_guaranteed_request_does_not_wait_behind_another_tenants_request(make_pool):
+    """c's big request waits at the head of the line for room; g's small one, within g's
+    guarantee, comes after it and goes in at once rather than wait behind it."""
+    pool = make_pool(device_pages=12, host_pages=48, reserve_pages=0,
+                     admission="working_set", quotas={"g": TenantQuota(guaranteed=4)})
+    assert _decision(pool, "t0", 12, tenant="t").decision == "admitted"
+    assert _decision(pool, "c0", 6, tenant="c").decision == "queued"
+    admitted = _decision(pool, "g1", 3, tenant="g")
+    assert admitted.decision == "admitted", admitted.reason
+    assert list(pool.queue) == ["c0"]
+    # Past g's guarantee, g's next request keeps its place behind c's.
+    assert _decision(pool, "g2", 2, tenant="g").decision == "queued"
+    assert list(pool.queue) == ["c0", "g2"]
+    _, admitted = pool.release("t0")
+    assert [r.request_id for r in admitted] == ["c0", "g2"]

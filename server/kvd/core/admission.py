@@ -291,17 +291,39 @@ class Admission:
     def admit_from_queue(self) -> list[Request]:
         """Admit queued requests in fair order (the tenant furthest below its fair share
         first, then arrival), stopping at the first that does not fit: a big request is not
-        starved by a stream of small ones behind it."""
+        starved by a stream of small ones behind it. A request within its tenant's guarantee
+        waits behind nobody (see _guaranteed_in_line)."""
         admitted = []
         while self.queue:
             req = self._next_in_line()
             if not self.can_admit(req):
-                break
+                req = self._guaranteed_in_line()
+                if req is None:
+                    break
             cap = self.working_set_cap(req)  # its fair share while its demand counts
             self.dequeue(req)
             self._admit_now(req, cap)
             admitted.append(req)
         return admitted
+
+    def _guaranteed_in_line(self) -> Request | None:
+        """The first queued request, in fair order, that its tenant's guarantee admits now
+        (within_guarantee, and can_admit), while the head of the line waits: the pages it
+        is guaranteed are its tenant's, not the head's. The queue is looked at only while
+        a tenant with requests waiting has guaranteed pages its working sets leave spare,
+        which is rare."""
+        if not self.working_set:
+            return None
+        tenancy = self.tenancy
+        spare = {t for t in tenancy.waiting_by_tenant
+                 if tenancy.guaranteed(t) > self.working_set_by_tenant[t] + 1e-6}
+        if not spare:
+            return None
+        waiting = sorted((r for r in self.queue.values() if r.tenant in spare),
+                         key=self._queue_key)
+        return next((r for r in waiting
+                     if self.within_guarantee(r.tenant, self.working_set_charge(r))
+                     and self.can_admit(r)), None)
 
     def _admit_now(self, req: Request, working_set_cap: int | None) -> None:
         req.state = RequestState.ADMITTED
