@@ -94,7 +94,7 @@ class Node:
             raise
         self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
         self.cluster = None  # kvd.cluster.ClusterMember, when [cluster] names etcd
-        self.shared = SharedBlocks(self.runtime, self.runtime_of)
+        self.shared = SharedBlocks(self.runtime, self.runtime_of, self._room_grew)
         self.apply_tenants(config)
 
     # ------------------------------------------------------------------ lookup
@@ -332,6 +332,16 @@ class Node:
                             request_id=request_id, count=freed)
         publish_admitted(self.events, rt.pool.name, admitted)
         return freed, admitted
+
+    def _room_grew(self, rt: PoolRuntime) -> None:
+        """Admission room grew in a pool without a request leaving it (a prefix stored or
+        loaded is shared, counted out of its request's working set): the pool's queue, and
+        the queues whose requests wait for handoff reservations there, go again."""
+        admitted = rt.pool.admit_waiting() if rt.pool.queue else []
+        if admitted:
+            rt.waiters.notify()
+            publish_admitted(self.events, rt.pool.name, admitted)
+        self.handoffs.kick_queues(rt.pool.name)
 
     async def expire_forever(self, period_s: float = 1.0) -> None:
         while True:

@@ -16,9 +16,17 @@ class SharedBlocks:
     `runtime_of` the pool of a request the caller may touch (see Node)."""
 
     def __init__(self, runtime: Callable[[str], PoolRuntime],
-                 runtime_of: Callable[[str, str | None], PoolRuntime]) -> None:
+                 runtime_of: Callable[[str, str | None], PoolRuntime],
+                 on_room: Callable[[PoolRuntime], None] | None = None) -> None:
         self.runtime = runtime
         self.runtime_of = runtime_of
+        # Told when a store or load left a pool's running working sets smaller (blocks a
+        # request stored or loaded are shared, not its working set): queued requests may go.
+        self.on_room = on_room
+
+    def _room_grew(self, rt: PoolRuntime, working_set_before: int) -> None:
+        if self.on_room is not None and rt.pool.admission.working_set_used() < working_set_before:
+            self.on_room(rt)
 
     def lookup(self, pool: str, namespace: str, keys: Sequence[bytes]) -> list[Block]:
         """The leading run of these prefix keys a pool holds (see Prefixes.lookup)."""
@@ -31,8 +39,10 @@ class SharedBlocks:
         """Shared blocks under these keys for a request: (blocks, fresh per key, stall).
         Fresh ones are new pages, held for the holder, which writes them and commits."""
         rt = self.runtime_of(request_id, scope)
+        before = rt.pool.admission.working_set_used()
         plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
                                                           holder, intent), holder=holder)
+        self._room_grew(rt, before)
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         if any(b.tier is TierKind.NONE for b in blocks):
             # Let go while the room was being made: the holder ended its hold with another
@@ -54,5 +64,8 @@ class SharedBlocks:
                    ) -> list[Block]:
         """The leading run of these keys, held for the holder to copy from."""
         rt = self.runtime_of(request_id, scope)
-        return await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder,
-                                                 intent), holder=holder)
+        before = rt.pool.admission.working_set_used()
+        blocks = await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder,
+                                                   intent), holder=holder)
+        self._room_grew(rt, before)
+        return blocks
