@@ -301,7 +301,8 @@ class Handoffs:
         target on a rollback, the source on commit); waiters for room in either may go."""
         src.transit.finish_blocks(blocks)
         src.pool.reservations.end_handoff(blocks)
-        release.release(request_id)
+        _, admitted = release.release(request_id)
+        publish_admitted(self.events, release.name, admitted)
         src.room_may_have_changed()
         dst.room_may_have_changed()
         self.kick_queues(dst.pool.name)
