@@ -324,8 +324,10 @@ class Node:
             self.peers.unreserve(req.handoff_pool, request_id)
         elif req.handoff_pool:  # never handed off: its reservation goes too
             self.handoffs.drop_reservation(req.handoff_pool, request_id)
-        if admitted or freed:
-            self.handoffs.kick_queues(rt.pool.name)
+        # Its pages are free, or only reserved ones (a request handed off that grew no
+        # block, or freed them all): either way requests queued elsewhere for room here
+        # may go now.
+        self.handoffs.kick_queues(rt.pool.name)
         self.leases.detach(request_id)
         rt.waiters.notify()
         self.events.publish("release", pool=rt.pool.name, tenant=tenant,
