@@ -263,8 +263,10 @@ class AsyncClient:
         return await self._call(self.memory.Explain, pb.ExplainRequest(request_id=request_id))
 
     async def wait_admission(self, request_id: str, timeout_s: float | None = None):
-        """Yield AdmissionUpdates until the request is admitted. Stopping early (break, or
-        cancelling the task) withdraws a still-queued request from the queue."""
+        """Yield AdmissionUpdates until the request is admitted, or rejected (a quota or
+        policy changed while it waited, so that it can never be admitted: the last update
+        says REJECTED, and why). Stopping early (break, or cancelling the task) withdraws a
+        still-queued request from the queue."""
         async for update in self._stream(self.memory.WaitAdmission,
                                          pb.WaitAdmissionRequest(request_id=request_id),
                                          timeout_s):

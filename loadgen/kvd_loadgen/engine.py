@@ -140,6 +140,9 @@ class Engine:
             async for update in self.client.wait_admission(req.request_id):
                 if update.decision == pb.DECISION_ADMITTED:
                     break
+                if update.decision == pb.DECISION_REJECTED:  # a quota changed meanwhile
+                    req.rejected = update.reason
+                    return
         req.admitted_at = time.monotonic()
         if req.keys:
             await self._share_prompt(req)

@@ -253,6 +253,7 @@ class ClusterMember:
                     layer[(tenant, pool)] = fields
         self.entitled = entitled
         if self.node.quotas.set_cluster(layer):
+            self.node.settle_queues()  # a request past a lowered limit waits no more
             for rt in self.node.runtimes():
                 rt.waiters.notify()
                 rt.room_may_have_changed()

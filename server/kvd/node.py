@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +40,10 @@ from kvd.shared import SharedBlocks
 
 log = structlog.get_logger("kvd.node")
 
+# Queued requests rejected after a quota or policy change whose reason kvd keeps for their
+# WaitAdmission streams (a client that learns it later finds the request gone).
+REJECTED_KEPT = 4096
+
 
 @dataclass(slots=True)
 class Explained:
@@ -69,6 +73,9 @@ class Node:
         self.serving: set[str] = set()
         self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
+        # Requests taken out of a queue they could never leave (see settle_queues): id ->
+        # (tenant, why), the latest REJECTED_KEPT, for their WaitAdmission streams.
+        self.rejected: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self.link_table = Links(config, self.clock, self._executor, self.pools)
         self.peers = Peers(config)  # other nodes' kvds, for handoffs across nodes
         self._peer_retry: asyncio.Task | None = None
@@ -146,6 +153,7 @@ class Node:
         rt = self.runtime(pool)
         if handoff_pool and not is_remote(handoff_pool):
             self.handoffs.check_pair(rt, self.runtime(handoff_pool))
+        self.rejected.pop(request_id, None)  # an id is free again once it was rejected
         result = rt.pool.admit(request_id, tenant=tenant or "default",
                                prompt_tokens=prompt_tokens, output_tokens=output_tokens,
                                priority=priority, handoff_pool=handoff_pool)
@@ -319,21 +327,27 @@ class Node:
         tenant = req.tenant
         freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
         rt.room_may_have_changed()
-        del self.request_index[request_id]
-        if is_remote(req.handoff_pool):  # never handed off: the peer's reservation goes
-            self.peers.unreserve(req.handoff_pool, request_id)
-        elif req.handoff_pool:  # never handed off: its reservation goes too
-            self.handoffs.drop_reservation(req.handoff_pool, request_id)
+        self._forget(req)
         # Its pages are free, or only reserved ones (a request handed off that grew no
         # block, or freed them all): either way requests queued elsewhere for room here
         # may go now.
         self.handoffs.kick_queues(rt.pool.name)
-        self.leases.detach(request_id)
         rt.waiters.notify()
         self.events.publish("release", pool=rt.pool.name, tenant=tenant,
                             request_id=request_id, count=freed)
         publish_admitted(self.events, rt.pool.name, admitted)
         return freed, admitted
+
+    def _forget(self, req: Request) -> None:
+        """A request left its pool (released, or rejected from its queue): its id, its
+        lease's hold on it, and a handoff reservation it never used go."""
+        request_id = req.request_id
+        del self.request_index[request_id]
+        if is_remote(req.handoff_pool):  # never handed off: the peer's reservation goes
+            self.peers.unreserve(req.handoff_pool, request_id)
+        elif req.handoff_pool:  # never handed off: its reservation goes too
+            self.handoffs.drop_reservation(req.handoff_pool, request_id)
+        self.leases.detach(request_id)
 
     def _room_grew(self, rt: PoolRuntime) -> None:
         """Admission room grew in a pool without a request leaving it (a prefix stored or
@@ -344,6 +358,40 @@ class Node:
             rt.waiters.notify()
             publish_admitted(self.events, rt.pool.name, admitted)
         self.handoffs.kick_queues(rt.pool.name)
+
+    def settle_queues(self) -> None:
+        """After a quota or policy change: each queued request that can never be admitted
+        now is rejected (its WaitAdmission streams and the event feed are told why, see
+        rejected_while_queued), and every pool's queue is looked at again once the change
+        is in force in all of them (a request waits on its handoff pool's room too, and a
+        change applied pool by pool left one whose handoff pool changed after it
+        waiting)."""
+        for rt in self.pools.values():
+            rejected, admitted = rt.pool.take_never_fitting()
+            if rt.pool.queue:
+                admitted += rt.pool.admit_waiting()
+            for req, why in rejected:
+                self._forget(req)
+                self.rejected[req.request_id] = (req.tenant, why)
+                while len(self.rejected) > REJECTED_KEPT:
+                    self.rejected.popitem(last=False)
+                log.info("queued request rejected", pool=rt.pool.name,
+                         request_id=req.request_id, tenant=req.tenant, reason=why)
+                self.events.publish("admission", pool=rt.pool.name, tenant=req.tenant,
+                                    request_id=req.request_id, count=req.projected_pages,
+                                    decision=Decision.REJECTED, reason=why)
+            if rejected or admitted:
+                publish_admitted(self.events, rt.pool.name, admitted)
+                self.handoffs.kick_queues(rt.pool.name)
+                rt.waiters.notify()
+
+    def rejected_while_queued(self, request_id: str, scope: str | None = None) -> str | None:
+        """Why kvd rejected this request from its queue (settle_queues), if it did lately
+        and the caller may know (its tenant's, or the admin's); None otherwise."""
+        entry = self.rejected.get(request_id)
+        if entry is None or (scope is not None and entry[0] != scope):
+            return None
+        return entry[1]
 
     async def expire_forever(self, period_s: float = 1.0) -> None:
         while True:
@@ -406,10 +454,13 @@ class Node:
     def apply_tenants(self, config: Config) -> None:
         """Every pool's quotas from the config (at start and on SIGHUP)."""
         self.quotas.apply(config)
+        self.settle_queues()
 
     def set_quota(self, tenant: str, pool: str, **changes) -> list[str]:
         """Change the given fields of a tenant's quota (see Quotas.set)."""
-        return self.quotas.set(tenant, self.runtimes(pool), **changes)
+        pools = self.quotas.set(tenant, self.runtimes(pool), **changes)
+        self.settle_queues()
+        return pools
 
     async def evict(self, pool: str, num_pages: int) -> list:
         rt = self.runtime(pool)
@@ -422,6 +473,7 @@ class Node:
     async def set_policy(self, pool: str, policy: str) -> str:
         rt = self.runtime(pool)
         previous = rt.pool.set_policy(policy)
+        self.settle_queues()  # a fair policy's free reserve leaves less for working sets
         log.info("policy changed", pool=rt.pool.name, policy=policy, previous=previous)
         self.events.publish("policy", pool=rt.pool.name, policy=policy, previous=previous)
         return previous

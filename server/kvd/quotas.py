@@ -15,7 +15,7 @@ from kvd.config_values import check_quota_pages
 from kvd.core.clock import Clock
 from kvd.core.errors import InvalidArgument, NotFound
 from kvd.core.fairness import TenantQuota
-from kvd.events import EventBus
+from kvd.events import EventBus, publish_admitted
 from kvd.runtime import PoolRuntime
 
 log = structlog.get_logger("kvd.quotas")
@@ -91,7 +91,8 @@ class Quotas:
                     continue
                 if quiet and old is not None and dataclasses.replace(
                         old, may_reserve=new.may_reserve) == new:
-                    pool.set_quota(tenant, new)  # only its part of the cluster limit moved
+                    # only its part of the cluster limit moved
+                    publish_admitted(self.events, pool.name, pool.set_quota(tenant, new))
                     continue
                 (log.debug if quiet else log.info)(
                     "quota set", pool=pool.name, tenant=tenant, weight=new.weight,
@@ -160,7 +161,7 @@ class Quotas:
 
     def _publish(self, rt: PoolRuntime, tenant: str, quota: TenantQuota) -> None:
         """The pool takes the quota; watchers are told."""
-        rt.pool.set_quota(tenant, quota)
+        publish_admitted(self.events, rt.pool.name, rt.pool.set_quota(tenant, quota))
         self.events.publish("quota", pool=rt.pool.name, tenant=tenant, weight=quota.weight,
                             guaranteed=quota.guaranteed, limit=quota.limit or 0)
 

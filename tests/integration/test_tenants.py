@@ -255,6 +255,38 @@ async def test_wait_admission_streams_until_memory_frees(tenants_kvd):
         assert len((await alpha.allocate("waiter", 1)).handles) == 1
 
 
+async def test_a_queued_request_a_lowered_limit_shuts_out_is_told_it_is_rejected(tenants_kvd):
+    """alpha's request waits for room; the operator lowers alpha's limit below it. It can
+    never be admitted now: its WaitAdmission stream says REJECTED and why, and the id is
+    alpha's to use again."""
+    target = tenants_kvd.target
+    async with AsyncClient(target, token="root-token") as admin, \
+            AsyncClient(target, token="alpha-token") as alpha:
+        for i in range(4):  # 8 device + 32 host - 1 headroom = 39 reservable; fill 32
+            await alpha.admit(f"fill{i}", 16 * 8)
+        assert (await alpha.admit("waiter", 16 * 8)).decision == pb.DECISION_QUEUED
+        updates = []
+
+        async def wait():
+            async for update in alpha.wait_admission("waiter"):
+                updates.append(update)
+
+        task = asyncio.ensure_future(wait())
+        await asyncio.sleep(0.2)
+        assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
+        await admin.set_quota("alpha", limit_pages=40)  # nothing changes: it still fits
+        await asyncio.sleep(0.1)
+        assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
+        await admin.set_quota("alpha", limit_pages=6)
+        await asyncio.wait_for(task, 10)
+        assert updates[-1].decision == pb.DECISION_REJECTED
+        assert "over tenant 'alpha''s limit of 6 pages" in updates[-1].reason
+        assert not (await alpha.explain("waiter")).active  # gone from the pool
+        again = await alpha.admit("waiter", 16 * 2)  # the id is free: it waits anew
+        assert again.decision == pb.DECISION_QUEUED and "its own requests" in again.reason
+        assert (await admin.self_check()).ok
+
+
 async def test_cancelling_the_wait_withdraws_the_request(tenants_kvd):
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
         for i in range(4):

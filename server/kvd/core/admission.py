@@ -306,6 +306,19 @@ class Admission:
             admitted.append(req)
         return admitted
 
+    def take_never_fitting(self) -> list[tuple[Request, str]]:
+        """Queued requests that can never be admitted now, taken out of the queue with why
+        (see judge): a quota or the policy changed since they queued (a limit or cap
+        lowered below them, a device share they outgrew). Left in line, such a request
+        would wait for ever, and so would every request behind it."""
+        out = []
+        for req in list(self.queue.values()):
+            why = self.judge(req)
+            if why:
+                self.dequeue(req)
+                out.append((req, why))
+        return out
+
     def _guaranteed_in_line(self) -> Request | None:
         """The first queued request, in fair order, that its tenant's guarantee admits now
         (within_guarantee, and can_admit), while the head of the line waits: the pages it

@@ -161,6 +161,20 @@ class Pool:
         return self.admission.admit_from_queue()
 
     @after_reads
+    def take_never_fitting(self) -> tuple[list[tuple[Request, str]], list[Request]]:
+        """Queued requests that can never be admitted any more (Admission.take_never_fitting)
+        taken out of the pool, each with why, and the queued requests admitted once they
+        are out of the line."""
+        rejected = self.admission.take_never_fitting()
+        if not rejected:
+            return [], []
+        for req, _ in rejected:
+            self.attribution.close(req.request_id)
+            del self.requests[req.request_id]
+            self.counters.num_rejected += 1
+        return rejected, self.admission.admit_from_queue()
+
+    @after_reads
     def refill_plan(self) -> TransferPlan | None:
         """Under a fair policy, a plan demoting pages of tenants above their fair share until
         the free reserve is whole again (None when it is, or nobody is over)."""

@@ -52,6 +52,11 @@ class Streams:
             self.node.leases.stream_opened(caller.lease, caller.tenant)  # waiting holds it
             last = None
             while True:
+                rejected = self.node.rejected_while_queued(rid, caller.scope)
+                if rejected is not None:  # it could never be admitted any more
+                    await context.write(pb.AdmissionUpdate(decision=pb.DECISION_REJECTED,
+                                                           reason=rejected))
+                    return
                 admitted, position, reason, changed = self.node.admission_state(
                     rid, caller.scope)
                 if admitted:
