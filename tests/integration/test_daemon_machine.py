@@ -320,16 +320,19 @@ class DaemonMachine(RuleBasedStateMachine):
 
     @rule(tenant=st.sampled_from(TENANTS), limit=st.integers(1, 40))
     def lower_or_raise_limit(self, tenant, limit):
-        """Quotas change at run time: what is admitted stays, growth past it is refused."""
+        """Quotas change at run time: what is admitted stays, growth past it is refused,
+        and a queued request past it is rejected."""
         try:
             self.daemon.set_quota(tenant, "", limit=limit, create=True)
         except KvdError:
             pass  # below the tenant's guarantee: refused, nothing changes
+        self._forget_rejected()
 
     @rule(pool=st.sampled_from(["default", "decode"]), policy=st.sampled_from(policy_names()))
     def switch_policy(self, pool, policy):
         """An operator switches a pool's policy with blocks held, pinned and in flight."""
         self.run(self.daemon.set_policy(pool, policy))
+        self._forget_rejected()
 
     @rule(weights=st.tuples(st.sampled_from([0.5, 1.0, 4.0]), st.sampled_from([0.5, 1.0, 4.0])),
           guaranteed=st.tuples(st.integers(0, 3), st.integers(0, 3)),
@@ -344,6 +347,7 @@ class DaemonMachine(RuleBasedStateMachine):
                    TenantConfig("b", weight=weights[1], guaranteed=guaranteed[1],
                                 limit=max(limit_b, guaranteed[1])))
         self.daemon.apply_tenants(dataclasses.replace(self.config, tenants=tenants))
+        self._forget_rejected()
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -392,6 +396,13 @@ class DaemonMachine(RuleBasedStateMachine):
                     assert now[tenant] + others <= cap + 1e-6, (name, tenant, dict(now),
                                                                  guaranteed)
 
+    def _forget_rejected(self):
+        """Queued requests kvd rejected after the change (they could never be admitted any
+        more): gone, and told so; none it still holds."""
+        for rid in [r for r in self.live if r in self.daemon.rejected]:
+            assert rid not in self.daemon.request_index, rid
+            self._forget(rid)
+
     def _forget(self, rid):
         self.live.pop(rid, None)
         for key in [k for k in self.written if k[0] == rid]:
@@ -418,6 +429,15 @@ class DaemonMachine(RuleBasedStateMachine):
                         and not req.keeper):
                     held = req.num_live_blocks + len(req.shared)
                     assert held <= max(cap, req.projected_pages), req
+        # Nothing waits for ever in a pool that runs nothing: no request there will end to
+        # make room, so the head of its line can only be waiting for its handoff
+        # reservation in the decode pool (whose requests end), and the rest behind it.
+        pool = self.daemon.runtime("default").pool
+        if pool.queue and not any(r.state is not RequestState.QUEUED and not r.keeper
+                                  for r in pool.requests.values()):
+            head = pool.admission._next_in_line()
+            why = pool.admission.why_waiting(head)
+            assert why.startswith("handoff pool"), f"{head.request_id} waits for ever: {why}"
         # The engine's view and kvd's agree: every block it wrote is still known.
         for (rid, index) in self.written:
             req = self._request(rid)
