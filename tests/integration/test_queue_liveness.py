@@ -122,3 +122,20 @@ async def test_a_reloaded_config_rejects_what_can_never_go_and_admits_what_now_c
         assert _queued(node) == [] and node.runtime_of("b2").pool.name == "default"
     finally:
         await node.aclose()
+
+
+async def test_the_requests_a_handoff_lets_in_are_announced():
+    """A handoff's end releases its request from the prefill pool, which admits the request
+    that waited for the room: the event feed says so, as engines that start queued requests
+    from kvd's admission events (the vLLM connector) need."""
+    node = _node()
+    try:
+        assert _admit(node, "prefilled", 4, handoff="decode") == "admitted"
+        assert _admit(node, "waiting", 2) == "queued"
+        events = node.events.subscribe(kinds=("admission",))
+        await _hand_off(node, "prefilled")
+        assert node.runtime("default").pool.requests["waiting"].state.value == "admitted"
+        told = [events.queue.get_nowait() for _ in range(events.queue.qsize())]
+        assert [(e.request_id, e.detail["decision"]) for e in told] == [("waiting", "admitted")]
+    finally:
+        await node.aclose()
