@@ -121,7 +121,7 @@ def print_tables(results: dict, console: Console) -> None:
                         "in turns")
         for col in ("streams", "kvd steps/s", "empty steps/s", "ratio",
                     "server CPU us/step, kvd / empty", "main thread, kvd / empty",
-                    "decode steps only: ratio, kvd main thread"):
+                    "decode steps only: ratio / kvd main us"):
             e.add_column(col, justify="right")
         for row in engines_rows(results["engines"]):
             e.add_row(*row)
@@ -152,7 +152,7 @@ def engines_rows(out: dict) -> list[tuple[str, ...]]:
         if "kvd_decode_steps_per_s" not in r:
             return "?"
         ratio = r["kvd_decode_steps_per_s"] / r["empty_decode_steps_per_s"]
-        return f"{ratio:.2f}, {us(r.get('kvd_decode_main_us_per_step'))} us"
+        return f"{ratio:.2f} / {us(r.get('kvd_decode_main_us_per_step'))}"
 
     return [(str(n), f"{r['kvd_steps_per_s']:,.0f}", f"{r['empty_steps_per_s']:,.0f}",
              f"{r['kvd_steps_per_s'] / r['empty_steps_per_s']:.2f}",
@@ -175,8 +175,8 @@ def engines_markdown(out: dict) -> list[str]:
              "update.",
              "",
              "| Step streams | kvd steps/s | empty steps/s | ratio | server CPU µs/step, kvd / "
-             "empty | main thread µs/step, kvd / empty | decode steps only: ratio, kvd main "
-             "thread |", "|---:|---:|---:|---:|---:|---:|---:|"]
+             "empty | main thread µs/step, kvd / empty | decode steps only: ratio / kvd "
+             "main thread µs/step |", "|---:|---:|---:|---:|---:|---:|---:|"]
     lines += ["| " + " | ".join(row) + " |" for row in engines_rows(out)]
     if out.get("budget"):
         lines += ["", budget_line(out["budget"])]
