@@ -234,21 +234,28 @@ def test_a_reload_widens_no_unix_access_and_narrows_any():
     assert widened_auth(AuthConfig(), closed) == []
 
 
+async def _watched_waiter(alpha: AsyncClient) -> tuple[list, asyncio.Task]:
+    """alpha fills 32 of the pool's 39 reservable pages (8 device + 32 host - 1 headroom) and
+    queues "waiter" for 8 more: its WaitAdmission updates as they come, and the task that
+    reads them (the first, QUEUED, already in)."""
+    for i in range(4):
+        await alpha.admit(f"fill{i}", 16 * 8)
+    assert (await alpha.admit("waiter", 16 * 8)).decision == pb.DECISION_QUEUED
+    updates = []
+
+    async def wait():
+        async for update in alpha.wait_admission("waiter"):
+            updates.append(update)
+
+    task = asyncio.ensure_future(wait())
+    await asyncio.sleep(0.2)
+    assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
+    return updates, task
+
+
 async def test_wait_admission_streams_until_memory_frees(tenants_kvd):
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
-        for i in range(4):  # 8 device + 32 host - 1 headroom = 39 reservable; fill 32
-            await alpha.admit(f"fill{i}", 16 * 8)
-        queued = await alpha.admit("waiter", 16 * 8)
-        assert queued.decision == pb.DECISION_QUEUED
-        updates = []
-
-        async def wait():
-            async for update in alpha.wait_admission("waiter"):
-                updates.append(update)
-
-        task = asyncio.ensure_future(wait())
-        await asyncio.sleep(0.2)
-        assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
+        updates, task = await _watched_waiter(alpha)
         await alpha.release("fill0")
         await asyncio.wait_for(task, 10)
         assert updates[-1].decision == pb.DECISION_ADMITTED
@@ -262,18 +269,7 @@ async def test_a_queued_request_a_lowered_limit_shuts_out_is_told_it_is_rejected
     target = tenants_kvd.target
     async with AsyncClient(target, token="root-token") as admin, \
             AsyncClient(target, token="alpha-token") as alpha:
-        for i in range(4):  # 8 device + 32 host - 1 headroom = 39 reservable; fill 32
-            await alpha.admit(f"fill{i}", 16 * 8)
-        assert (await alpha.admit("waiter", 16 * 8)).decision == pb.DECISION_QUEUED
-        updates = []
-
-        async def wait():
-            async for update in alpha.wait_admission("waiter"):
-                updates.append(update)
-
-        task = asyncio.ensure_future(wait())
-        await asyncio.sleep(0.2)
-        assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
+        updates, task = await _watched_waiter(alpha)
         await admin.set_quota("alpha", limit_pages=40)  # nothing changes: it still fits
         await asyncio.sleep(0.1)
         assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
