@@ -39,7 +39,8 @@ def main() -> None:
                  if events else None)
     llm = LLM(model=str(MODEL), kv_events_config=kv_events, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
-              enforce_eager=True, max_model_len=1024, gpu_memory_utilization=0.3, seed=0,
+              enforce_eager=True, max_model_len=spec.get("max_model_len", 1024),
+              gpu_memory_utilization=0.3, seed=0,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvdConnector", kv_role="kv_both",
                   kv_connector_module_path="kvd_client.vllm_connector",

@@ -49,9 +49,10 @@ class Engine:
     for go() between batches."""
 
     def __init__(self, target: str, batches: list[dict], pause: bool = False,
-                 kv_events: tuple[str, str] | None = None, tenants: list[str] = ()) -> None:
+                 kv_events: tuple[str, str] | None = None, tenants: list[str] = (),
+                 max_model_len: int = 1024) -> None:
         spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events,
-                           "tenants": list(tenants)})
+                           "tenants": list(tenants), "max_model_len": max_model_len})
         # A session of its own: killing it takes vLLM's engine-core and worker processes
         # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
@@ -638,7 +639,10 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     with LocalKvd(*KVD, "--lease-ttl-s", str(lease_s), "--metrics", metrics,
                   workdir=tmp_path) as kvd:
         events = watch_events(kvd.target, ["admission", "release", "lease"])
-        engine = Engine(kvd.target, [{"prompts": PROMPTS[:1], "max_tokens": 880}])
+        # As long an answer as the model holds: 880 tokens (a 1,024-token context) took
+        # 2.1 s on a quiet machine, which no 1.5 s lease twice outlives.
+        engine = Engine(kvd.target, [{"prompts": PROMPTS[:1], "max_tokens": 1880}],
+                        max_model_len=2048)
         try:
             run = engine.result()
         finally:
@@ -650,7 +654,7 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     stamps = {e.kind: e.time_s for e in events if e.request_id}
     print(f"\nrun: {run['run_s']:.1f} s; kvd events: {[(e.kind, e.time_s) for e in events]}; "
           f"{expired:.0f} leases expired")
-    assert len(run["tokens"][0]) == 880
+    assert len(run["tokens"][0]) == 1880
     assert run["run_s"] > 2 * lease_s  # decoding outlasts the lease
     assert expired == 0 and "lease" not in {e.kind for e in events}
     assert [e.kind for e in events] == ["admission", "release"]  # the engine released it...
