@@ -350,9 +350,10 @@ class Node:
         self.leases.detach(request_id)
 
     def _room_grew(self, rt: PoolRuntime) -> None:
-        """Admission room grew in a pool without a request leaving it (a prefix stored or
-        loaded is shared, counted out of its request's working set): the pool's queue, and
-        the queues whose requests wait for handoff reservations there, go again."""
+        """Admission room grew in a pool without a release (a prefix stored or loaded is
+        shared, counted out of its request's working set; a quota changed, see
+        settle_queues): the pool's queue, and the queues whose requests wait for handoff
+        reservations there, go again."""
         admitted = rt.pool.admit_waiting() if rt.pool.queue else []
         if admitted:
             rt.waiters.notify()
@@ -362,14 +363,12 @@ class Node:
     def settle_queues(self) -> None:
         """After a quota or policy change: each queued request that can never be admitted
         now is rejected (its WaitAdmission streams and the event feed are told why, see
-        rejected_while_queued), and every pool's queue is looked at again once the change
-        is in force in all of them (a request waits on its handoff pool's room too, and a
-        change applied pool by pool left one whose handoff pool changed after it
-        waiting)."""
+        rejected_while_queued), and then every pool's queue goes again (_room_grew), once
+        the change is in force in all of them: a request waits on its handoff pool's room
+        too, and a change applied pool by pool left one whose handoff pool changed after it
+        waiting."""
         for rt in self.pools.values():
-            rejected, admitted = rt.pool.take_never_fitting()
-            if rt.pool.queue:
-                admitted += rt.pool.admit_waiting()
+            rejected = rt.pool.take_never_fitting()
             for req, why in rejected:
                 self._forget(req)
                 self.rejected[req.request_id] = (req.tenant, why)
@@ -380,10 +379,10 @@ class Node:
                 self.events.publish("admission", pool=rt.pool.name, tenant=req.tenant,
                                     request_id=req.request_id, count=req.projected_pages,
                                     decision=Decision.REJECTED, reason=why)
-            if rejected or admitted:
-                publish_admitted(self.events, rt.pool.name, admitted)
-                self.handoffs.kick_queues(rt.pool.name)
+            if rejected:
                 rt.waiters.notify()
+        for rt in self.pools.values():
+            self._room_grew(rt)
 
     def rejected_while_queued(self, request_id: str, scope: str | None = None) -> str | None:
         """Why kvd rejected this request from its queue (settle_queues), if it did lately

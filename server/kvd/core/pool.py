@@ -161,18 +161,16 @@ class Pool:
         return self.admission.admit_from_queue()
 
     @after_reads
-    def take_never_fitting(self) -> tuple[list[tuple[Request, str]], list[Request]]:
+    def take_never_fitting(self) -> list[tuple[Request, str]]:
         """Queued requests that can never be admitted any more (Admission.take_never_fitting)
-        taken out of the pool, each with why, and the queued requests admitted once they
-        are out of the line."""
+        taken out of the pool, each with why; those behind them are the caller's to admit
+        (admit_waiting)."""
         rejected = self.admission.take_never_fitting()
-        if not rejected:
-            return [], []
         for req, _ in rejected:
             self.attribution.close(req.request_id)
             del self.requests[req.request_id]
             self.counters.num_rejected += 1
-        return rejected, self.admission.admit_from_queue()
+        return rejected
 
     @after_reads
     def refill_plan(self) -> TransferPlan | None:
