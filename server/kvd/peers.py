@@ -272,7 +272,7 @@ def reserve_here(node, request: pb.PeerReserveRequest) -> pb.PeerReserveResponse
         request.tenant, projected, request.prompt_tokens + request.output_tokens)
     if state is Verdict.NEVER:
         return pb.PeerReserveResponse(decision=pb.DECISION_REJECTED, reason=why)
-    if state is Verdict.WAIT:
+    if state is not Verdict.OK:  # later: WAIT, or CAPPED (the peer cannot tell them apart)
         return pb.PeerReserveResponse(decision=pb.DECISION_QUEUED, reason=why)
     pool.reservations.reserve(request.request_id, request.tenant,
                               prompt_tokens=request.prompt_tokens,

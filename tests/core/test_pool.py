@@ -410,6 +410,63 @@ def test_limits_and_per_request_caps_reject_or_queue(make_pool):
     assert [r.request_id for r in admitted] == ["r2"]
 
 
+@pytest.mark.parametrize("admission", ["reservation", "working_set"])
+def test_a_request_waiting_on_its_own_tenants_cap_holds_nobody_else_up(make_pool, admission):
+    """a's part of its cluster limit here is 6 pages and a holds 4: a's next request, of 4,
+    waits for a's own requests to finish, which nothing another tenant does can hasten. It
+    keeps its place in line (first: a is furthest below its fair share) but holds nobody
+    of another tenant up: b's request, which fits, goes in at once. a's own smaller request
+    behind it, which would fit under a's cap, keeps waiting behind it: else a stream of
+    those would take the room a's first waits for."""
+    from kvd.core.fairness import TenantQuota
+
+    pool = make_pool(device_pages=32, host_pages=32, policy="fair", admission=admission,
+                     quotas={"a": TenantQuota(may_reserve=6)})
+    assert pool.admit("a1", tenant="a", prompt_tokens=16 * 4, output_tokens=0).decision == "admitted"
+    assert pool.admit("b1", tenant="b", prompt_tokens=16 * 8, output_tokens=0).decision == "admitted"
+    waiting = pool.admit("a2", tenant="a", prompt_tokens=16 * 4, output_tokens=0)
+    assert waiting.decision == "queued" and "cluster limit" in waiting.reason
+    assert pool.admit("a3", tenant="a", prompt_tokens=16 * 2, output_tokens=0).decision == "queued"
+    passed = pool.admit("b2", tenant="b", prompt_tokens=16 * 4, output_tokens=0)
+    assert passed.decision == "admitted", passed.reason
+    assert list(pool.queue) == ["a2", "a3"]
+    _, admitted = pool.release("a1")  # a's own room back: a's requests go, in their order
+    assert [r.request_id for r in admitted] == ["a2", "a3"]
+
+
+@pytest.mark.parametrize("admission", ["reservation", "working_set"])
+def test_a_request_waiting_on_its_tenants_cap_in_the_handoff_pool_holds_nobody_up(
+        make_pool, admission):
+    """a holds its 4-page limit in the decode pool (a request handed off and decoding
+    there); a's next prefill request waits for a decode reservation that only a's own
+    requests finishing can make room for. b's request behind it, whose decode reservation
+    fits, is admitted at once rather than wait for a's decode to end."""
+    from kvd.core.fairness import TenantQuota
+    from kvd.core.reservation import PoolReserver
+
+    pools = {}
+    reserver = PoolReserver(lambda name: pools[name], ttl_s=30)
+    pools["decode"] = decode = make_pool(name="decode", device_pages=32, host_pages=32,
+                                         admission=admission,
+                                         quotas={"a": TenantQuota(limit=4)})
+    pools["prefill"] = prefill = make_pool(name="prefill", device_pages=32, host_pages=32,
+                                           admission=admission, reserver=reserver)
+    assert decode.admit("a0", tenant="a", prompt_tokens=16 * 4,
+                        output_tokens=0).decision == "admitted"
+    waiting = prefill.admit("a1", tenant="a", prompt_tokens=16 * 2, output_tokens=0,
+                            handoff_pool="decode")
+    assert waiting.decision == "queued" and "4-page limit" in waiting.reason
+    passed = prefill.admit("b1", tenant="b", prompt_tokens=16 * 2, output_tokens=0,
+                           handoff_pool="decode")
+    assert passed.decision == "admitted", passed.reason
+    assert list(prefill.queue) == ["a1"]
+    decode.release("a0")
+    assert [r.request_id for r in prefill.admit_waiting()] == ["a1"]
+    for rid in ("a1", "b1"):  # never handed off: the decode reservations go too
+        prefill.release(rid)
+        decode.release(rid)
+
+
 def test_explain_data_names_the_evictor_and_charges_it_the_stall(make_pool):
     pool = make_pool(device_pages=4, host_pages=8, policy="lru")
     pool.admit("minnow", tenant="m", prompt_tokens=32, output_tokens=0)

@@ -292,11 +292,14 @@ class Admission:
         """Admit queued requests in fair order (the tenant furthest below its fair share
         first, then arrival), stopping at the first that does not fit: a big request is not
         starved by a stream of small ones behind it. A request within its tenant's guarantee
-        waits behind nobody (see _guaranteed_in_line)."""
+        waits behind nobody (see _guaranteed_in_line), and one that waits on its own
+        tenant's cap holds nobody up (see _first_not_capped)."""
         admitted = []
         while self.queue:
             req = self._next_in_line()
-            if not self.can_admit(req):
+            if self.capped(req):
+                req = self._first_not_capped()
+            if req is None or not self.can_admit(req):
                 req = self._guaranteed_in_line()
                 if req is None:
                     break
@@ -318,6 +321,28 @@ class Admission:
                 self.dequeue(req)
                 out.append((req, why))
         return out
+
+    def capped(self, req: Request) -> bool:
+        """Whether a queued request waits on its own tenant's cap, here or in its handoff
+        pool (its limit, or its part of a cluster limit): for room that only its tenant's
+        own requests ending make, and that no other tenant's request takes."""
+        if self.tenancy.over_limit(req.tenant, req.projected_pages):
+            return True
+        return bool(req.handoff_pool) and self.reserver.state(req)[0] is Verdict.CAPPED
+
+    def _first_not_capped(self) -> Request | None:
+        """The first queued request, in fair order, of a tenant whose first is not capped:
+        the head of the line once the tenants that wait on their own caps step aside. A
+        capped tenant's later requests step aside with its first, or its small requests
+        would take the room under its cap that its first waits for."""
+        capped = set()
+        for req in sorted(self.queue.values(), key=self._queue_key):
+            if req.tenant in capped:
+                continue
+            if not self.capped(req):
+                return req
+            capped.add(req.tenant)
+        return None
 
     def _guaranteed_in_line(self) -> Request | None:
         """The first queued request, in fair order, that its tenant's guarantee admits now
@@ -400,7 +425,7 @@ class Admission:
         if never:
             return Verdict.NEVER, f"handoff pool {self.name!r}: {never}"
         if self.tenancy.over_limit(tenant, projected):
-            return Verdict.WAIT, (
+            return Verdict.CAPPED, (
                 f"handoff pool {self.name!r}: tenant {tenant!r} has "
                 f"{self.tenancy.reserved_by_tenant[tenant]} of "
                 f"{self.tenancy.cap_words(tenant)} reserved")

@@ -30,10 +30,13 @@ if TYPE_CHECKING:
 
 
 class Verdict(enum.Enum):
-    """Whether a reservation can be made: now, later (after others finish), or never."""
+    """Whether a reservation can be made: now, later (after others finish), or never.
+    CAPPED is later too, once the tenant's own requests there finish: it is at its limit
+    (or its part of a cluster limit), which no other tenant's request takes from or frees."""
 
     OK = "ok"
     WAIT = "wait"
+    CAPPED = "capped"
     NEVER = "never"
 
 
