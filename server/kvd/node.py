@@ -311,14 +311,28 @@ class Node:
     async def update_intents(self, changes: Sequence[IntentChange], scope: str | None = None
                              ) -> tuple[int, int]:
         """Apply a batch of intent updates, all or none (see intent_batch.apply)."""
-        return await intent_batch.apply(changes, lambda rid: self.runtime_of(rid, scope))
+        pinned = [rt.pool.num_pinned for rt in self.pools.values()]
+        try:
+            return await intent_batch.apply(changes, lambda rid: self.runtime_of(rid, scope))
+        finally:
+            for rt, before in zip(self.pools.values(), pinned):
+                self._unpinned(rt, before)
 
     async def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
                    ) -> int:
         rt = self.runtime_of(request_id, scope)
+        pinned = rt.pool.num_pinned
         freed = await rt.run(lambda: rt.pool.free(request_id, indices))
         rt.room_may_have_changed()
+        self._unpinned(rt, pinned)
         return freed
+
+    def _unpinned(self, rt: PoolRuntime, before: int) -> None:
+        """Pins ended in a pool (an unpin, a pinned block freed): the device pages they
+        claimed are room for what waits in its queue, and in the queues that wait for
+        handoff reservations there."""
+        if rt.pool.num_pinned < before:
+            self._room_grew(rt)
 
     async def release(self, request_id: str, scope: str | None = None
                       ) -> tuple[int, list[Request]]:

@@ -17,10 +17,10 @@ PAGE_BYTES = 64
 BLOCK_TOKENS = 4
 
 
-def _node(device_pages: int = 4, tenants=()) -> Node:
+def _node(device_pages: int = 4, tenants=(), **pool) -> Node:
     pools = tuple(PoolConfig(name=name, page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS,
                              device_pages=device_pages, host_pages=device_pages,
-                             device_backend="host", link_bandwidth="1GiB/s")
+                             device_backend="host", link_bandwidth="1GiB/s", **pool)
                   for name in ("default", "decode"))
     return Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=pools,
                        tenants=tuple(tenants)))
@@ -137,5 +137,38 @@ async def test_the_requests_a_handoff_lets_in_are_announced():
         assert node.runtime("default").pool.requests["waiting"].state.value == "admitted"
         told = [events.queue.get_nowait() for _ in range(events.queue.qsize())]
         assert [(e.request_id, e.detail["decision"]) for e in told] == [("waiting", "admitted")]
+    finally:
+        await node.aclose()
+
+
+@pytest.mark.parametrize("policy", ["lru", "intent"])
+@pytest.mark.parametrize("ends", ["unpinned", "freed"])
+async def test_a_request_waiting_for_pinned_pages_goes_once_the_pins_end(policy, ends):
+    """Half the device is pinned: a request that needs all of it waits (a pinned page is no
+    room, however soon the engine that holds it calls again). The pins end, by an intent
+    update or by freeing the pinned blocks: the request goes at once. Neither looked at the
+    queue, and it waited for whatever came next, in a pool with nothing else to come for
+    ever."""
+    from kvd.core.intent import IntentChange
+
+    node = _node(policy=policy, admission="reservation")
+    try:
+        assert _admit(node, "pinner", 2) == "admitted"
+        await node.allocate("pinner", 2, {"pin_requested": True}, holder="engine")
+        why = node.admit("big", tenant="a", pool="default", prompt_tokens=4 * BLOCK_TOKENS,
+                         output_tokens=0, priority=0).reason
+        assert "needs 4 device pages; only 2 are free or evictable (2 of 4 pinned)" in why
+        node.end_holds("engine")  # the pinned pages stay pinned: no room came
+        assert _queued(node) == ["big"]
+        events = node.events.subscribe(kinds=("admission",))
+        if ends == "unpinned":
+            await node.update_intents([IntentChange("pinner", i, {"pin_requested": False})
+                                       for i in range(2)])
+        else:
+            await node.free("pinner", [0, 1])
+        assert _queued(node) == []
+        admitted = events.queue.get_nowait()
+        assert (admitted.request_id, admitted.detail["decision"]) == ("big", "admitted")
+        await node.allocate("big", 4)  # the whole device, as admitted
     finally:
         await node.aclose()

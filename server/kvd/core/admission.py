@@ -258,9 +258,12 @@ class Admission:
         pages, and what other tenants hold above their fair share (and guarantee). Under an
         intent-blind or non-fair policy every evictable page counts."""
         pages = self.pages
-        room = pages.device.num_free
         if not pages.policy.fair:
-            return room + len(pages.policy) + pages.holds.count  # held: evictable in a moment
+            # Every page no pin claims: free, evictable, held (evictable once its holder
+            # calls again) or in transit (settled in a moment). A pinned block an engine
+            # holds stays pinned when the hold ends, and one pinned on the host comes back.
+            return max(0, pages.device.capacity - pages.num_pinned)
+        room = pages.device.num_free
         tenancy = self.tenancy
         shares = tenancy.fair_shares()
         for tenant, used in tenancy.device_by_tenant.items():
