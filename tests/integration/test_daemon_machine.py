@@ -8,7 +8,8 @@ every read: a block kvd hands back must hold exactly what the engine wrote, unle
 it must be recomputed, and then its page holds zeros (nothing of another request). After
 every step the daemon's invariants hold (SelfCheck), no tenant holds more than its limit, no
 request more than its cap, pins never exceed the device, a pin never takes a page another
-tenant is guaranteed, and nothing is left in transit.
+tenant is guaranteed, nothing is left in transit, and no queued request that could go
+now waits (nor one behind a request that waits on its own tenant's cap).
 
 KVD_MACHINE_EXAMPLES sets the examples per policy (the suite's default is small; `make
 soak` runs many more).
@@ -371,6 +372,17 @@ class DaemonMachine(RuleBasedStateMachine):
             f"{pool.name!r} with "
             f"{running} + {charge} of its {guaranteed:g} guaranteed pages: {reason}")
 
+    def _capped(self, pool, req) -> bool:
+        """Whether a queued request waits on its own tenant's limit, in its pool or in the
+        decode pool it will be handed off to."""
+        if pool.tenancy.over_limit(req.tenant, req.projected_pages):
+            return True
+        if not req.handoff_pool:
+            return False
+        decode = self.daemon.runtime(req.handoff_pool).pool
+        pages = decode.admission.projected_pages(req.prompt_tokens, req.output_tokens)
+        return decode.tenancy.over_limit(req.tenant, pages)
+
     def _request(self, rid):
         rt = self.daemon.request_index.get(rid)
         return rt.pool.requests.get(rid) if rt is not None else None
@@ -438,6 +450,26 @@ class DaemonMachine(RuleBasedStateMachine):
             head = pool.admission._next_in_line()
             why = pool.admission.why_waiting(head)
             assert why.startswith("handoff pool"), f"{head.request_id} waits for ever: {why}"
+        # No queued request could go now: whatever made room (a release, a free, a hold
+        # ended, a copy done, a quota or policy changed) ran the line again. The first of
+        # each line in fair order, past the tenants whose first waits on their own cap
+        # (here or in the decode pool: room no other tenant's request takes or frees), does
+        # not fit, and nobody behind it is within a guarantee that lets it pass.
+        for rt in self.daemon.pools.values():
+            admission = rt.pool.admission
+            capped = set()
+            for req in sorted(admission.queue.values(), key=admission._queue_key):
+                if req.tenant in capped:
+                    continue
+                if self._capped(rt.pool, req):
+                    capped.add(req.tenant)
+                    continue
+                assert not admission.can_admit(req), (
+                    f"{rt.pool.name}: {req.request_id} could go now, yet waits: "
+                    f"{admission.why_waiting(req)}")
+                break
+            passing = admission._guaranteed_in_line()
+            assert passing is None, f"{rt.pool.name}: {passing.request_id} could go now"
         # The engine's view and kvd's agree: every block it wrote is still known.
         for (rid, index) in self.written:
             req = self._request(rid)
