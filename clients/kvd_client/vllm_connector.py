@@ -80,9 +80,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvd_client import (
+    AlreadyExistsError,
     Client,
     DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
     KvdClientError,
+    NotFoundError,
     UnavailableError,
     pb,
 )
@@ -256,9 +260,9 @@ class KvdConnector(KVConnectorBase_V1):
             reply = self.client.admit(rid, prompt_tokens=prompt, output_tokens=output,
                                       tenant=params.tenant, pool=self.pool,
                                       priority=clamp_priority(priority))
+        except AlreadyExistsError:  # queued before: is it in now?
+            return self._admitted_since(request)
         except KvdClientError as exc:
-            if "already exists" in str(exc):  # queued before: is it in now?
-                return self._admitted_since(request)
             log.warning("kvd admission failed, serving %s without kvd: %s", rid, exc)
             self._note_failure(exc)
             return False
@@ -321,27 +325,40 @@ class KvdConnector(KVConnectorBase_V1):
             pools=[self.pool] if self.pool else [])
 
     def _on_event(self, event: pb.Event) -> None:
-        """On the client's thread: note what kvd admitted. A gap (always sent: the stream
-        lost events, kvd publishing faster than the connector reads) makes every queued
-        request due."""
+        """On the client's thread: note what kvd admitted from its queue, or rejected from
+        it (a quota lowered under it): either way the request is due, and asked after at
+        once. A gap (always sent: the stream lost events, kvd publishing faster than the
+        connector reads) makes every queued request due."""
         if event.kind == "gap":
             self._heard.lost = True
-        elif event.detail.get("decision") == "admitted":
+        elif event.detail.get("decision") in _DECIDED:
             self._heard.add(event.request_id)
 
     def _admitted_since(self, request: Any) -> bool | None:
         """A request kvd queued: admitted now (tracked from here), still waiting (None), or
-        False (kvd does not answer: served without it)."""
+        False (kvd rejected it from its queue, or does not answer: served without it)."""
         if self._away():
             return False
-        try:  # a Store of no keys: FAILED_PRECONDITION while queued, else INVALID_ARGUMENT
+        # A Store of no keys: FAILED_PRECONDITION while queued, INVALID_ARGUMENT once
+        # admitted, NOT_FOUND once rejected. Told apart by the code first: the details name
+        # the request, whose id is the API client's to choose.
+        try:
             self.client.store(request.request_id, "", [])
-        except KvdClientError as exc:
-            if "queued" in str(exc):
+        except FailedPreconditionError as exc:
+            if "is queued for admission" in exc.details:
                 return None
-            if "no block keys" not in str(exc):
+            self._note_failure(exc)
+            return False
+        except InvalidArgumentError as exc:
+            if "no block keys" not in exc.details:
                 self._note_failure(exc)
                 return False
+        except NotFoundError:  # rejected from the queue (a quota lowered): nothing to release
+            self.queued.pop(request.request_id, None)
+            return False
+        except KvdClientError as exc:
+            self._note_failure(exc)
+            return False
         self._track(request)
         return True
 
@@ -621,6 +638,8 @@ QUEUE_FALLBACK_POLLS = 20
 # queued requests are still asked after at the short period.
 WATCH_SETTLE_S = 1.0
 ADMISSIONS_KEPT = 4096  # admitted ids heard and not yet asked about (an admin hears all)
+# The decisions on a queued request that its admission events tell (Decision's values).
+_DECIDED = frozenset({"admitted", "rejected"})
 
 
 class _RecentIds:

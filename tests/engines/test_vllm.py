@@ -822,6 +822,40 @@ def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp
     assert asked == 1  # only once kvd said it had admitted it
 
 
+@pytest.mark.parametrize("rid", ["r1", "queued-r1"])
+def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_path, rid):
+    # A quota lowered under a queued request: kvd rejects the request from its queue and
+    # says so in its admission events. The connector heard only the admissions there, and
+    # told vLLM to wait until its next fallback poll, about a second later; and it took a
+    # request as still queued when kvd's answer had "queued" anywhere in it, the request's
+    # own id included (whose id is the API client's to choose): that one waited for ever.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    config = tmp_path / "kvd.toml"
+    config.write_text(ONE_SHORT)
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        first, second = Waiting("r0"), Waiting(rid)
+        time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
+        assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+        assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # queued
+        with Client(kvd.target) as admin:  # under the 2 pages the queued request needs
+            admin.set_quota("default", limit_pages=1)
+        lowered = time.monotonic()
+        while (answer := scheduler.get_num_new_matched_tokens(second, 0)) == (None, False):
+            assert time.monotonic() - lowered < 5, "still told to wait"
+            time.sleep(0.01)
+        noticed_s = time.monotonic() - lowered
+        scheduler.request_finished(second, [])
+        scheduler.request_finished(first, [])
+        scheduler.client.close()
+    print(f"\nnoticed the rejection after {noticed_s * 1000:.0f} ms")
+    assert answer == (0, False)  # served without kvd
+    assert noticed_s < 0.5  # not the fallback poll's second
+
+
 @pytest.mark.timeout(600)
 def test_an_engine_started_before_kvd_serves_and_then_uses_kvd(tmp_path):
     # kvd is a cache beside the engine: an engine that starts while kvd does not answer
