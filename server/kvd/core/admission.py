@@ -338,14 +338,13 @@ class Admission:
         the head of the line once the tenants that wait on their own caps step aside. A
         capped tenant's later requests step aside with its first, or its small requests
         would take the room under its cap that its first waits for."""
-        capped = set()
-        for req in sorted(self.queue.values(), key=self._queue_key):
-            if req.tenant in capped:
-                continue
-            if not self.capped(req):
-                return req
-            capped.add(req.tenant)
-        return None
+        firsts: dict[str, Request] = {}
+        for req in self.queue.values():  # in arrival order: a tenant's first comes first
+            firsts.setdefault(req.tenant, req)
+        # Fair order ranks a tenant's requests among themselves by arrival: the head is one
+        # of the firsts.
+        return min((r for r in firsts.values() if not self.capped(r)), key=self._queue_key,
+                   default=None)
 
     def _guaranteed_in_line(self) -> Request | None:
         """The first queued request, in fair order, that its tenant's guarantee admits now
