@@ -62,15 +62,16 @@ class DaemonMachine(RuleBasedStateMachine):
     policy = "lru"
 
     @initialize(device_pages=st.sampled_from([3, 5, 8, 16, 64, 300]),
-                host_ratio=st.sampled_from([0, 1, 1, 2, 4]))
-    def start(self, device_pages, host_ratio):
+                host_ratio=st.sampled_from([0, 1, 1, 2, 4]),
+                admission=st.sampled_from(["working_set", "working_set", "reservation"]))
+    def start(self, device_pages, host_ratio, admission):
         self.loop = asyncio.new_event_loop()
         self.device_pages = device_pages
         limit_b = max(1, int(device_pages * LIMIT_B))
         pools = tuple(
             PoolConfig(name=name, page_bytes=PAGE_BYTES, block_tokens=4,
                        device_pages=device_pages, host_pages=device_pages * host_ratio,
-                       policy=self.policy, device_backend="host",
+                       policy=self.policy, device_backend="host", admission=admission,
                        link_bandwidth="1GiB/s", link_chunk=str(PAGE_BYTES * 4))
             for name in ("default", "decode"))
         self.config = Config(
