@@ -113,6 +113,8 @@ class Peers:
                 priority=req.priority, page_bytes=page_bytes, block_tokens=block_tokens),
                 metadata=link.metadata, timeout=link.config.timeout_s)
             verdict, reason = _VERDICTS.get(reply.decision, Verdict.WAIT), reply.reason
+            if verdict is Verdict.WAIT and reply.capped:
+                verdict = Verdict.CAPPED
         except grpc.RpcError as err:  # the peer is away: not now, and say why
             verdict = Verdict.WAIT
             reason = (f"handoff pool {req.handoff_pool!r}: peer {peer!r} at "
@@ -272,8 +274,9 @@ def reserve_here(node, request: pb.PeerReserveRequest) -> pb.PeerReserveResponse
         request.tenant, projected, request.prompt_tokens + request.output_tokens)
     if state is Verdict.NEVER:
         return pb.PeerReserveResponse(decision=pb.DECISION_REJECTED, reason=why)
-    if state is not Verdict.OK:  # later: WAIT, or CAPPED (the peer cannot tell them apart)
-        return pb.PeerReserveResponse(decision=pb.DECISION_QUEUED, reason=why)
+    if state is not Verdict.OK:  # later
+        return pb.PeerReserveResponse(decision=pb.DECISION_QUEUED, reason=why,
+                                      capped=state is Verdict.CAPPED)
     pool.reservations.reserve(request.request_id, request.tenant,
                               prompt_tokens=request.prompt_tokens,
                               output_tokens=request.output_tokens, priority=request.priority,

@@ -26,7 +26,7 @@ PAGE = 16 * 1024  # tiny pages: 16 tokens of 1 KiB
 
 
 def _peers(tmp_path, pki, *, link: str = "64MiB/s", decode_pages: int = 16,  # noqa: F811
-           decode_host_pages: int = 64):
+           decode_host_pages: int = 64, b_tenants: str = ""):
     port = _port()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -44,7 +44,7 @@ block_tokens = 16
 device_pages = {decode_pages}
 host_pages = {decode_host_pages}
 admission = "reservation"
-""")
+{b_tenants}""")
     (tmp_path / "a" / "kvd.toml").write_text(f"""
 [[pool]]
 name = "prefill"
@@ -146,6 +146,39 @@ async def test_the_peer_refuses_cleanly_and_its_reason_comes_back(tmp_path, pki)
                 await asyncio.sleep(0.05)
             assert (await _requests(ca)).get("second") == "admitted"
             assert await _requests(cb) == {"second": "reserved"}
+
+
+async def test_a_request_at_its_tenants_limit_on_the_peer_holds_no_other_tenant_up(
+        tmp_path, pki):  # noqa: F811
+    """alpha holds its 12-page limit in b's decode pool (a request handed off there); its
+    next request waits on a for a reservation only alpha's own requests on b can make room
+    for. beta's request, queued after it (first in line: neither tenant holds prefill pages
+    on a), has its reservation on b and goes in at once. b said QUEUED for alpha's as for
+    any wait, and a held its line for it."""
+    a, b = _peers(tmp_path, pki, b_tenants='[[tenant]]\nname = "alpha"\nlimit = 12\n')
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            async def admit(rid, tenant):
+                return await ca.admit(rid, prompt_tokens=12 * 16 if rid == "a1" else 2 * 16,
+                                      output_tokens=0, pool="prefill",
+                                      handoff_pool="b/decode", tenant=tenant)
+
+            assert (await admit("a1", "alpha")).decision == pb.DECISION_ADMITTED
+            await ca.allocate("a1", 1)
+            assert [p async for p in ca.handoff("a1")][-1].done  # alpha's 12 pages on b
+            capped = await admit("a2", "alpha")
+            assert capped.decision == pb.DECISION_QUEUED, capped
+            assert "12-page limit" in capped.reason and "b/decode" in capped.reason
+            passed = await admit("b1", "beta")
+            assert passed.decision == pb.DECISION_ADMITTED, passed.reason
+            assert await _requests(ca) == {"a2": "queued", "b1": "admitted"}
+            assert await _requests(cb) == {"a1": "admitted", "b1": "reserved"}
+            await cb.release("a1")  # alpha's room on b: a asks b again for a2
+            for _ in range(100):
+                if (await _requests(ca)).get("a2") == "admitted":
+                    break
+                await asyncio.sleep(0.05)
+            assert (await _requests(ca)).get("a2") == "admitted"
 
 
 async def test_a_handoff_cut_short_leaves_the_request_whole_and_nothing_on_the_peer(

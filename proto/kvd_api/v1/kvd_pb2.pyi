@@ -1017,12 +1017,14 @@ class PeerReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., pool: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ...) -> None: ...
 
 class PeerReserveResponse(_message.Message):
-    __slots__ = ("decision", "reason")
+    __slots__ = ("decision", "reason", "capped")
     DECISION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    CAPPED_FIELD_NUMBER: _ClassVar[int]
     decision: Decision
     reason: str
-    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    capped: bool
+    def __init__(self, decision: _Optional[_Union[Decision, str]] = ..., reason: _Optional[str] = ..., capped: _Optional[bool] = ...) -> None: ...
 
 class PeerUnreserveRequest(_message.Message):
     __slots__ = ("request_id", "pool")
