@@ -1,7 +1,8 @@
 """Random sequences of the daemon's whole API (admission, allocation, reads, intents, frees,
-releases, evictions, handoffs and their cancellation, quota changes, policy switches, reloaded
-tenants), under every policy and tier sizes from a handful of pages to several hundred, with
-real arenas and real copies.
+releases, evictions, handoffs and their cancellation, quota changes, the cluster's part of a
+tenant's limit moving, policy switches, reloaded tenants), under every policy, both admission
+modes and tier sizes from a handful of pages to several hundred, with real arenas and real
+copies.
 
 The engine side writes a distinct pattern into every block it is handed and checks it on
 every read: a block kvd hands back must hold exactly what the engine wrote, unless kvd says
@@ -330,6 +331,24 @@ class DaemonMachine(RuleBasedStateMachine):
             pass  # below the tenant's guarantee: refused, nothing changes
         self._forget_rejected()
 
+    @rule(tenant=st.sampled_from(TENANTS), pool=st.sampled_from(["default", "decode"]),
+          part=st.sampled_from([None, 0, 1, 2, 4, 16]))
+    def cluster_part(self, tenant, pool, part):
+        """The cluster's picture moves this node's part of a tenant's cluster-wide limit
+        (what the tenant may reserve here now, as kvd.cluster reconciles it): a request past
+        it waits, none is rejected for it."""
+        layer = dict(self.daemon.quotas.cluster)
+        if part is None:
+            layer.pop((tenant, pool), None)
+        else:
+            layer[(tenant, pool)] = {"may_reserve": part}
+        if self.daemon.quotas.set_cluster(layer):
+            self.daemon.settle_queues()
+            for rt in self.daemon.runtimes():
+                rt.waiters.notify()
+                rt.room_may_have_changed()
+        self._forget_rejected()
+
     @rule(pool=st.sampled_from(["default", "decode"]), policy=st.sampled_from(policy_names()))
     def switch_policy(self, pool, policy):
         """An operator switches a pool's policy with blocks held, pinned and in flight."""
@@ -372,6 +391,17 @@ class DaemonMachine(RuleBasedStateMachine):
             f"{rid} of tenant {tenant} waits for other tenants' working sets in pool "
             f"{pool.name!r} with "
             f"{running} + {charge} of its {guaranteed:g} guaranteed pages: {reason}")
+
+    def _head(self, pool):
+        """The first queued request in fair order of a tenant whose first is not capped."""
+        capped = set()
+        for req in sorted(pool.queue.values(), key=pool.admission._queue_key):
+            if req.tenant in capped:
+                continue
+            if not self._capped(pool, req):
+                return req
+            capped.add(req.tenant)
+        return None
 
     def _capped(self, pool, req) -> bool:
         """Whether a queued request waits on its own tenant's limit, in its pool or in the
@@ -443,14 +473,17 @@ class DaemonMachine(RuleBasedStateMachine):
                     held = req.num_live_blocks + len(req.shared)
                     assert held <= max(cap, req.projected_pages), req
         # Nothing waits for ever in a pool that runs nothing: no request there will end to
-        # make room, so the head of its line can only be waiting for its handoff
-        # reservation in the decode pool (whose requests end), and the rest behind it.
+        # make room, so the head of its line (past the tenants that wait on their own caps:
+        # in an idle pool only the cluster's part of a limit, which the cluster moves to
+        # where the demand is) can only be waiting for its handoff reservation in the decode
+        # pool (whose requests end), and the rest behind it.
         pool = self.daemon.runtime("default").pool
         if pool.queue and not any(r.state is not RequestState.QUEUED and not r.keeper
                                   for r in pool.requests.values()):
-            head = pool.admission._next_in_line()
-            why = pool.admission.why_waiting(head)
-            assert why.startswith("handoff pool"), f"{head.request_id} waits for ever: {why}"
+            head = self._head(pool)
+            why = pool.admission.why_waiting(head) if head is not None else ""
+            assert head is None or why.startswith("handoff pool"), (
+                f"{head.request_id} waits for ever: {why}")
         # No queued request could go now: whatever made room (a release, a free, a hold
         # ended, a copy done, a quota or policy changed) ran the line again. The first of
         # each line in fair order, past the tenants whose first waits on their own cap
@@ -458,17 +491,10 @@ class DaemonMachine(RuleBasedStateMachine):
         # not fit, and nobody behind it is within a guarantee that lets it pass.
         for rt in self.daemon.pools.values():
             admission = rt.pool.admission
-            capped = set()
-            for req in sorted(admission.queue.values(), key=admission._queue_key):
-                if req.tenant in capped:
-                    continue
-                if self._capped(rt.pool, req):
-                    capped.add(req.tenant)
-                    continue
-                assert not admission.can_admit(req), (
-                    f"{rt.pool.name}: {req.request_id} could go now, yet waits: "
-                    f"{admission.why_waiting(req)}")
-                break
+            head = self._head(rt.pool)
+            assert head is None or not admission.can_admit(head), (
+                f"{rt.pool.name}: {head.request_id} could go now, yet waits: "
+                f"{admission.why_waiting(head)}")
             passing = admission._guaranteed_in_line()
             assert passing is None, f"{rt.pool.name}: {passing.request_id} could go now"
         # The engine's view and kvd's agree: every block it wrote is still known.
