@@ -255,8 +255,8 @@ class Admission:
 
     def room_for(self, req: Request) -> int:
         """Device pages the request could have now: free ones, its own tenant's evictable
-        pages, and what other tenants hold above their fair share (and guarantee). Under an
-        intent-blind or non-fair policy every evictable page counts."""
+        pages, and what other tenants hold above their fair share (and guarantee). Under a
+        policy blind to tenants, every page no pin claims."""
         pages = self.pages
         if not pages.policy.fair:
             # Every page no pin claims: free, evictable, held (evictable once its holder
