@@ -289,11 +289,8 @@ class Node:
             holds = rt.pool.pages.holds
             if not holds.has(holder) or holds.end_if_only_requests(holder):
                 continue  # nothing left the policy: no room changed
-            admitted = rt.pool.end_holds(holder)
-            rt.room_may_have_changed()
-            if admitted:
-                rt.waiters.notify()
-                publish_admitted(self.events, rt.pool.name, admitted)
+            if rt.pool.end_holds(holder):
+                rt.room_may_have_changed()  # for the operations waiting in its room line
 
     def lapse_holds(self, max_age_s: float) -> int:
         """End holds older than max_age_s (a holder that never calls again): liveness over

@@ -284,12 +284,11 @@ class Pool:
     # ------------------------------------------------------------------ holds
 
     @changes_blocks
-    def end_holds(self, holder: str) -> list[Request]:
+    def end_holds(self, holder: str) -> bool:
         """The holder called again (or went away): what it was handed is evictable again.
-        Returns queued requests admitted now that those pages may be taken."""
-        if not self.pages.holds.end(holder):
-            return []
-        return self.admission.admit_from_queue() if self.queue else []
+        Whether anything was. No queued request goes for it: admission counts held pages as
+        room already (see Admission.room_for), and a hold changes no reservation."""
+        return self.pages.holds.end(holder)
 
     # ------------------------------------------------------------------ intents
 
