@@ -344,21 +344,16 @@ class KvdConnector(KVConnectorBase_V1):
         # the request, whose id is the API client's to choose.
         try:
             self.client.store(request.request_id, "", [])
-        except FailedPreconditionError as exc:
-            if "is queued for admission" in exc.details:
-                return None
-            self._note_failure(exc)
-            return False
-        except InvalidArgumentError as exc:
-            if "no block keys" not in exc.details:
-                self._note_failure(exc)
-                return False
         except NotFoundError:  # rejected from the queue (a quota lowered): nothing to release
             self.queued.pop(request.request_id, None)
             return False
         except KvdClientError as exc:
-            self._note_failure(exc)
-            return False
+            if (isinstance(exc, FailedPreconditionError)
+                    and "is queued for admission" in exc.details):
+                return None
+            if not (isinstance(exc, InvalidArgumentError) and "no block keys" in exc.details):
+                self._note_failure(exc)
+                return False
         self._track(request)
         return True
 

@@ -300,12 +300,12 @@ class Admission:
         admitted = []
         while self.queue:
             req = self._next_in_line()
-            if self.capped(req):
-                req = self._first_not_capped()
-            if req is None or not self.can_admit(req):
-                req = self._guaranteed_in_line()
-                if req is None:
-                    break
+            if not self.can_admit(req):  # an admissible head is not capped: no look needed
+                req = self._first_not_capped() if self.capped(req) else None
+                if req is None or not self.can_admit(req):
+                    req = self._guaranteed_in_line()
+                    if req is None:
+                        break
             cap = self.working_set_cap(req)  # its fair share while its demand counts
             self.dequeue(req)
             self._admit_now(req, cap)
