@@ -37,7 +37,8 @@ class SharedBlocks:
                     scope: str | None = None, holder: str = "", intent: dict | None = None
                     ) -> tuple[list[Block], list[bool], float]:
         """Shared blocks under these keys for a request: (blocks, fresh per key, stall).
-        Fresh ones are new pages, held for the holder, which writes them and commits."""
+        Fresh ones hold no written bytes yet (new pages, or another request's not yet
+        committed), held for the holder, which writes them and commits."""
         rt = self.runtime_of(request_id, scope)
         before = rt.pool.admission.working_set_used()
         plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
@@ -50,8 +51,13 @@ class SharedBlocks:
             raise Aborted("blocks found for this store were evicted while it waited for "
                           "room (another call by the same holder ended their hold); store "
                           "again")
-        fresh = {id(b) for b in plan.allocated}
-        return blocks, [id(b) in fresh for b in blocks], stall_s
+        # The engine writes every block kvd has no written bytes for: its new pages, and
+        # those another request stored and has not committed yet (that one may never: its
+        # engine may die first). A name is its tokens' hash, so both write the same bytes,
+        # and whoever commits first publishes bytes it wrote; a request told to write
+        # nothing never publishes a page nobody wrote. A block still moving (placed for
+        # another store, or between tiers) is not written into.
+        return blocks, [not b.committed and not b.moving for b in blocks], stall_s
 
     async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes],
                      scope: str | None = None) -> int:

@@ -198,9 +198,12 @@ class DaemonMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), start=st.integers(0, 4), n=st.integers(1, 4), commit=st.booleans(),
-          pin=st.integers(0, 3))
-    def store(self, data, start, n, commit, pin):
-        """Prefix blocks from one chain of keys: requests share their leading blocks."""
+          pin=st.integers(0, 3), writes=st.booleans())
+    def store(self, data, start, n, commit, pin, writes):
+        """Prefix blocks from one chain of keys: requests share their leading blocks. The
+        engine writes the blocks it is told to (`writes`), then commits what it stored;
+        or its engine dies before writing, and it commits only what it was told needs no
+        writing (a client reading StoreResponse.fresh to the letter)."""
         rid = data.draw(st.sampled_from(sorted(self.live)))
         keys = PREFIX_KEYS[start:start + n]
         intent = {"pin_requested": True} if pin == 0 else None
@@ -214,11 +217,12 @@ class DaemonMachine(RuleBasedStateMachine):
         self._check_new_pins(pins)
         for b, new, key in zip(blocks, fresh, keys):
             assert b.name == ("m", key) and not (new and b.committed)
-            if new:
-                assert b.tier is TierKind.DEVICE
+            if new and writes:
+                assert b.tier is not TierKind.NONE
                 self.tier_pages(b)[b.page] = pattern(key.hex(), 0, 0)
-        if commit:
-            self.loop.run_until_complete(self.daemon.shared.commit(rid, "m", keys))
+        done = keys if writes else [k for k, new in zip(keys, fresh) if not new]
+        if commit and done:
+            self.loop.run_until_complete(self.daemon.shared.commit(rid, "m", done))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 8), pin=st.integers(0, 3))

@@ -116,3 +116,52 @@ async def test_a_requests_pin_holds_its_shared_blocks_until_it_ends(client):
     with pytest.raises(InvalidArgumentError, match="shared blocks take only"):
         await client.load("c", NS, KEYS, intent=pb.MemoryIntent(priority=pb.PRIORITY_HOT))
     await client.release("c")
+
+
+async def test_a_prefix_stored_by_two_requests_at_once_is_found_only_once_written(client):
+    """Two engines with the same prompt store its prefix at once: the second stores before
+    the first has written and committed. Each is told to write it (kvd has no written bytes
+    for it yet), so whoever commits first publishes bytes it wrote, never an empty page."""
+    arena = MappedPool(await client.export_pool())
+    try:
+        await client.admit("a", prompt_tokens=16 * 2, tenant="x")
+        await client.admit("b", prompt_tokens=16 * 2, tenant="y")
+        first = await client.store("a", NS, KEYS[:2])  # a writes it later
+        second = await _store_and_write(client, arena, "b", KEYS[:2])
+        await client.admit("c", prompt_tokens=16 * 2, tenant="z")
+        loaded = await client.load("c", NS, KEYS[:2])
+        assert len(loaded.handles) == 2
+        assert all(_holds(arena, h, k) for h, k in zip(loaded.handles, KEYS)), \
+            "a loaded prefix block holds bytes nobody wrote"
+        assert list(first.fresh) == list(second.fresh) == [True, True]
+        for rid in ("a", "b", "c"):
+            await client.release(rid)
+    finally:
+        arena.close()
+
+
+async def test_a_prefix_whose_first_writer_ended_is_written_by_the_next(client):
+    """The first request to store a prefix ends before it commits (its engine died): the
+    request that stored it meanwhile writes and commits it, and the next request finds it."""
+    arena = MappedPool(await client.export_pool())
+    try:
+        await client.admit("a", prompt_tokens=16 * 2, tenant="x")
+        await client.admit("b", prompt_tokens=16 * 2, tenant="y")
+        await client.store("a", NS, KEYS[:2])
+        second = await client.store("b", NS, KEYS[:2])
+        await client.release("a")  # never wrote, never committed
+        written = [k for h, fresh, k in zip(second.handles, second.fresh, KEYS) if fresh]
+        for h, fresh, k in zip(second.handles, second.fresh, KEYS):
+            if fresh:
+                _fill(arena, h, k)
+        if written:  # as the engines' connectors do: commit what was written
+            await client.commit("b", NS, written)
+        found = await client.lookup(NS, KEYS[:2])
+        assert found.num_hit == 2, "the prefix is never cached while a request uses it"
+        await client.admit("c", prompt_tokens=16 * 2, tenant="z")
+        loaded = await client.load("c", NS, KEYS[:2])
+        assert all(_holds(arena, h, k) for h, k in zip(loaded.handles, KEYS))
+        for rid in ("b", "c"):
+            await client.release(rid)
+    finally:
+        arena.close()
