@@ -33,6 +33,9 @@ from kvd_api.v1 import kvd_pb2 as pb
 
 log = structlog.get_logger("kvd.handoff")
 
+# How long a handoff to a peer waits for the peer to say which prefix blocks it holds.
+PEER_LOOKUP_S = 5.0
+
 
 def _peer_error(target: str, err: grpc.RpcError) -> Exception:
     """A peer's refusal or a cut stream, as kvd's own error (the request stays here)."""
@@ -327,16 +330,20 @@ class Handoffs:
         src.transit.hold_for(blocks, this)
         page_bytes = src.pool.page_bytes
         total = len(blocks)
+        # The shared prefix blocks go along, held here (not evicted) while they are read.
+        shared_holder = f"{OWN_HOLDER}peer-handoff:{request_id}"
         try:
             link = self.links.handoff_link(src.pool.name, target)
             arenas = {TierKind.DEVICE: src.arenas["device"], TierKind.HOST: src.arenas["host"]}
             chunk_pages = max(1, int(link.sched.quantum) // page_bytes)
-            chunks = chunk_messages(blocks, arenas, chunk_pages)
+            listed, sent = await self._shared_for_peer(src, req, target)
+            src.pool.pages.holds.hold(shared_holder, sent)
+            chunks = chunk_messages(blocks + sent, arenas, chunk_pages)
             header = pb.PeerBlocks(
                 request_id=request_id, pool=split(target)[1],
                 block_indices=[b.index for b in blocks], page_bytes=page_bytes,
                 tenant=req.tenant, prompt_tokens=req.prompt_tokens,
-                output_tokens=req.output_tokens, priority=req.priority)
+                output_tokens=req.output_tokens, priority=req.priority, shared=listed)
 
             transfers = []
 
@@ -346,7 +353,7 @@ class Handoffs:
                         put(message)
 
                 def on_chunk(j: Job):
-                    done = j.bytes_done // page_bytes
+                    done = min(total, j.bytes_done // page_bytes)  # its own blocks first
                     progress.put_nowait(self._progress(req, done, total, page_bytes))
 
                 transfer = Transfer(self._handoff_job(req, chunks, page_bytes), chunks,
@@ -369,6 +376,7 @@ class Handoffs:
             if cancel.is_set():
                 raise TransferCancelled()
         except BaseException as exc:
+            src.pool.end_holds(shared_holder)
             src.transit.finish_blocks(blocks)
             src.pool.reservations.end_handoff(blocks)
             src.room_may_have_changed()
@@ -382,6 +390,7 @@ class Handoffs:
             if isinstance(exc, grpc.RpcError):
                 raise _peer_error(target, exc) from None
             raise
+        src.pool.end_holds(shared_holder)
         src.transit.finish_blocks(blocks)
         src.pool.reservations.end_handoff(blocks)
         self.peers.verdicts.pop(request_id, None)
@@ -398,6 +407,43 @@ class Handoffs:
         done = self._progress(req, total, total, page_bytes, finished=True)
         done.update(pool=target, blocks=[])
         progress.put_nowait(done)
+
+    async def _shared_for_peer(self, src: PoolRuntime, req: Request, target: str
+                               ) -> tuple[list[pb.PeerSharedBlock], list[Block]]:
+        """The shared prefix blocks a request handed off to a peer takes along: each block
+        it uses that is committed and here, listed (PeerBlocks.shared), and those to send:
+        all but the leading run of each namespace's that the peer's Lookup says it holds (a
+        peer that cannot say is sent them all). The peer takes a listed block it was not
+        sent only while it still holds it."""
+        named = src.pool.pages.named
+
+        def here(b: Block) -> bool:
+            return (b.committed and named.get(b.name) is b and b.tier is not TierKind.NONE
+                    and not b.moving)
+
+        groups: dict[str, list[Block]] = {}
+        for b in req.shared:
+            if here(b):
+                groups.setdefault(b.name[0], []).append(b)
+        peer, pool = split(target)
+        link = self.peers.link(peer)
+        listed: list[tuple[pb.PeerSharedBlock, Block]] = []
+        for namespace, group in groups.items():
+            try:
+                held = (await link.memory.Lookup(
+                    pb.LookupRequest(pool=pool, namespace=namespace,
+                                     keys=[b.name[1] for b in group]),
+                    metadata=link.metadata, timeout=PEER_LOOKUP_S)).num_hit
+            except grpc.RpcError as err:
+                log.info("a peer's lookup failed: the whole prefix goes", target=target,
+                         error=err.code().name)
+                held = 0
+            listed += [(pb.PeerSharedBlock(namespace=namespace, key=b.name[1], sent=i >= held),
+                        b) for i, b in enumerate(group)]
+        # The lookups were awaited: a block moved or let go meanwhile is not read (the peer
+        # takes its namespace's blocks up to it).
+        listed = [(e, b) for e, b in listed if not e.sent or here(b)]
+        return [e for e, _ in listed], [b for e, b in listed if e.sent]
 
     @staticmethod
     def _cancel_on(cancel: asyncio.Event, link, transfer) -> None:

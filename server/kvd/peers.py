@@ -12,6 +12,10 @@
   the engine's block indices. The peer writes them into the pages it allocated and makes the
   request live only at the stream's commit; a stream cut before it leaves nothing there, and
   the request stays whole here. After the peer's answer the request leaves this node.
+- **Its shared prefix** goes in the same stream, after its own pages: each committed prefix
+  block it used, but for the leading run of each namespace the peer's Lookup says it holds.
+  The peer stores them for the request under their names after the commit, writing those it
+  has no bytes for, so the decode engine Loads its whole prefix there; this node keeps them.
 
 The transport is `BlockSender`: kvd-to-kvd gRPC over TCP, TLS by default (the peer's CA;
 mTLS with a certificate of this kvd's). An RDMA transfer engine (Mooncake's TransferEngine,
@@ -33,7 +37,10 @@ import structlog
 
 from kvd.config import Config, PeerConfig
 from kvd.core.blocks import Request, RequestState, TierKind
-from kvd.core.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound
+from kvd.core import prefix
+from kvd.core.errors import (Aborted, BlocksInTransit, FailedPrecondition, InvalidArgument,
+                             KvdError, NotFound)
+from kvd.core.holds import OWN_HOLDER
 from kvd.core.reservation import PoolReserver, Verdict
 from kvd.core.transfer import Reason
 from kvd.memory.copier import chunk_runs, page_runs, read_pages, write_pages
@@ -57,7 +64,8 @@ def split(pool: str) -> tuple[str, str]:
 
 
 class PeerLink:
-    """A channel to one peer kvd, with its admin token."""
+    """A channel to one peer kvd (its Peer service, and its Memory service's lookups), with
+    its admin token."""
 
     def __init__(self, config: PeerConfig) -> None:
         self.config = config
@@ -72,6 +80,7 @@ class PeerLink:
         else:
             self.channel = grpc.aio.insecure_channel(config.address, options)
         self.stub = pb_grpc.PeerStub(self.channel)
+        self.memory = pb_grpc.MemoryStub(self.channel)  # the peer's Lookup of prefix blocks
         self.metadata = (("authorization", f"Bearer {config.token}"),) if config.token else ()
 
     async def close(self) -> None:
@@ -307,6 +316,9 @@ async def receive_here(node, request_iterator) -> int:
     indices = list(header.block_indices)
     if len(set(indices)) != len(indices):
         raise InvalidArgument("block indices repeat")
+    shared = list(header.shared)
+    _check_shared(shared, len(indices), pool.device.capacity + pool.host.capacity)
+    num_sent = sum(1 for e in shared if e.sent)
     reservation = pool.requests.get(rid)
     if reservation is None:  # none made at admission, or it lapsed: now or never
         pool.reservations.reserve(rid, header.tenant, prompt_tokens=header.prompt_tokens,
@@ -330,8 +342,11 @@ async def receive_here(node, request_iterator) -> int:
         pages = [b.page for b in plan.allocated] if plan is not None else []
         device = dst.arenas["device"]
         # The pages come in any order, each once: one sent twice while another never came
-        # would leave that one with what a former owner wrote in it.
-        written = bytearray(len(pages))
+        # would leave that one with what a former owner wrote in it. The shared blocks'
+        # come after the request's own, kept until they are stored here (past the commit).
+        expected = len(pages) + num_sent
+        shared_data: list[bytes] = [b""] * num_sent
+        written = bytearray(expected)
         received = 0
         message = header
         while True:
@@ -339,10 +354,10 @@ async def receive_here(node, request_iterator) -> int:
                 raise InvalidArgument(message.message)
             if message.data:
                 num = len(message.data) // pool.page_bytes
-                if (len(message.data) % pool.page_bytes or message.first + num > len(pages)):
+                if (len(message.data) % pool.page_bytes or message.first + num > expected):
                     raise InvalidArgument(
                         f"pages {message.first}..{message.first + num - 1} of a request of "
-                        f"{len(pages)}, {len(message.data)} bytes: out of range, or not "
+                        f"{expected}, {len(message.data)} bytes: out of range, or not "
                         "whole pages")
                 for i in range(num):  # consecutive ordinals, not always consecutive pages
                     ordinal = message.first + i
@@ -350,7 +365,10 @@ async def receive_here(node, request_iterator) -> int:
                         raise InvalidArgument(f"page {ordinal} of the request came twice")
                     written[ordinal] = 1
                     page_data = message.data[i * pool.page_bytes:(i + 1) * pool.page_bytes]
-                    write_pages(device, pages[ordinal], page_data)
+                    if ordinal < len(pages):
+                        write_pages(device, pages[ordinal], page_data)
+                    else:
+                        shared_data[ordinal - len(pages)] = page_data
                 received += num
             if message.commit:
                 break
@@ -358,8 +376,8 @@ async def receive_here(node, request_iterator) -> int:
                 message = await messages.__anext__()
             except StopAsyncIteration:
                 raise Aborted("the stream ended before its commit") from None
-        if received != len(indices):
-            raise InvalidArgument(f"committed with {received} of {len(indices)} pages")
+        if received != expected:
+            raise InvalidArgument(f"committed with {received} of {expected} pages")
     except BaseException as exc:
         if plan is not None:
             node.handoffs.abort_target(dst, plan, demoted)
@@ -379,8 +397,77 @@ async def receive_here(node, request_iterator) -> int:
     node.handoffs.counts["bytes"] += moved
     pool.requests[rid].bytes_moved += moved
     dst.waiters.notify()
+    prefix = await _take_shared(dst, rid, shared, shared_data) if shared else 0
     node.events.publish("handoff", pool=pool.name, tenant=pool.requests[rid].tenant,
                         request_id=rid, count=len(indices), reason="received from a peer")
     log.info("a peer's handoff received", request_id=rid, pool=pool.name,
-             blocks=len(indices), seconds=round(time.perf_counter() - started, 3))
+             blocks=len(indices), prefix_blocks=prefix,
+             seconds=round(time.perf_counter() - started, 3))
     return len(indices)
+
+
+def _check_shared(shared: list, num_own: int, most: int) -> None:
+    """Refuse a Receive whose shared blocks could not be stored here: more pages than the
+    pool has, bad keys, or keys repeated within a namespace (see prefix.check_keys)."""
+    if num_own + len(shared) > most:
+        raise InvalidArgument(f"{num_own} blocks and {len(shared)} shared blocks: more than "
+                              f"the pool's {most} pages")
+    groups: dict[str, list[bytes]] = {}
+    for e in shared:
+        groups.setdefault(e.namespace, []).append(e.key)
+    for namespace, keys in groups.items():
+        prefix.check_keys(namespace, keys)
+
+
+async def _take_shared(dst, rid: str, shared: list, data: list[bytes]) -> int:
+    """The shared prefix blocks a request received from a peer uses, stored here under their
+    names for it: pages for those this pool has no written bytes for, written with the
+    peer's, and committed. A namespace's blocks are taken up to the first one neither sent
+    nor held here (gone since the peer's lookup: a lookup finds no block past a gap).
+    Best effort: without room for them, the request has its own blocks and its engine
+    recomputes the prefix it does not find. Returns how many blocks it uses here."""
+    pool = dst.pool
+    named = pool.pages.named
+    holder = f"{OWN_HOLDER}peer-receive:{rid}"
+    arenas = {TierKind.DEVICE: dst.arenas["device"], TierKind.HOST: dst.arenas["host"]}
+    pages = iter(data)
+    groups: dict[str, list[tuple[bytes, bytes | None]]] = {}
+    for e in shared:
+        groups.setdefault(e.namespace, []).append((e.key, next(pages) if e.sent else None))
+    taken = 0
+    try:
+        for namespace, group in groups.items():
+            run = []
+            for key, page in group:
+                held = named.get((namespace, key))
+                if page is None and (held is None or not held.committed):
+                    break
+                run.append((key, page))
+            if not run:
+                continue
+            try:
+                plan, placed = pool.store(rid, namespace, [k for k, _ in run], holder)
+                if plan.num_copies:
+                    await dst.execute(plan)
+                else:
+                    dst.complete_now(plan)
+                todo = [(d, page) for d, (_, page) in zip(placed, run)
+                        if not d.committed and page is not None and not d.moving
+                        and d.tier is not TierKind.NONE]
+                for d, page in todo:
+                    write_pages(arenas[d.tier], d.page, page)
+                if todo:
+                    pool.commit(rid, namespace, [d.name[1] for d, _ in todo])
+            except (KvdError, BlocksInTransit) as exc:
+                log.info("no room for a received request's prefix blocks: its engine "
+                         "recomputes them", request_id=rid, pool=pool.name, error=str(exc))
+                continue
+            except Exception:  # a victim's copy failed (rolled back): the request is here
+                log.exception("a received request's prefix blocks were not stored",
+                              request_id=rid, pool=pool.name)
+                continue
+            taken += len(run)
+    finally:
+        pool.end_holds(holder)
+        dst.room_may_have_changed()
+    return taken

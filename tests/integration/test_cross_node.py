@@ -7,6 +7,7 @@ the peer."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import signal
 import subprocess
 import sys
@@ -363,3 +364,118 @@ host_pages = 4
             assert "r" not in await _requests(c)
             assert (await c.pool_stats("decode")).pools[0].tiers[0].used_pages == 0
             assert (await c.self_check()).ok
+
+
+async def test_a_handoff_across_nodes_brings_the_shared_prefix_its_request_used(
+        tmp_path, pki):  # noqa: F811
+    # r1 prefilled on a 4-block prefix it stored and committed (the first block already on
+    # the peer: another request stored it there) and 2 blocks of its own. On the peer the
+    # decode engine loads its whole prefix by name, byte for byte, and this node keeps the
+    # prefix for others; the block the peer had does not cross the link.
+    keys = [hashlib.sha256(b"prefix/%d" % i).digest() for i in range(4)]
+    rng = np.random.default_rng(11)
+    prefix = {k: rng.integers(0, 256, PAGE, dtype=np.uint8) for k in keys}
+    a, b = _peers(tmp_path, pki)
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            decode = MappedPool(await cb.export_pool("decode"))
+            prefill = MappedPool(await ca.export_pool("prefill"))
+            try:
+                await cb.admit("other", 16, pool="decode")
+                for h in (await cb.store("other", "m", keys[:1])).handles:
+                    decode.write(h, prefix[keys[h.block_index]])
+                await cb.commit("other", "m", keys[:1])
+                await ca.admit("r1", prompt_tokens=6 * 16, output_tokens=16, pool="prefill",
+                               handoff_pool="b/decode", tenant="chat")
+                for h in (await ca.store("r1", "m", keys)).handles:
+                    prefill.write(h, prefix[keys[h.block_index]])
+                await ca.commit("r1", "m", keys)
+                own = await _write_blocks(ca, "r1", 2, seed=12)
+                progress = [p async for p in ca.handoff("r1")]
+                assert progress[-1].done and progress[-1].blocks_done == 2
+                assert await _read_blocks(cb, "r1", "decode") == own
+                assert (await cb.lookup("m", keys, pool="decode")).num_hit == 4
+                loaded = (await cb.load("r1", "m", keys)).handles
+                assert len(loaded) == 4, "the decode node lacks the request's prefix"
+                assert [decode.read(h).tobytes() for h in loaded] == [
+                    prefix[k].tobytes() for k in keys]
+                assert (await ca.lookup("m", keys, pool="prefill")).num_hit == 4
+                (link,) = [k for k in await ca.list_links() if k.link == "prefill->b/decode"]
+                assert link.bytes_total == 5 * PAGE  # its 2 blocks, 3 of the prefix's 4
+                assert (await ca.self_check()).ok and (await cb.self_check()).ok
+            finally:
+                decode.close()
+                prefill.close()
+
+
+def _one_pool(tmp_path) -> LocalKvd:
+    (tmp_path / "kvd.toml").write_text(f"""
+[[pool]]
+name = "decode"
+page_bytes = {PAGE}
+block_tokens = 16
+device_pages = 8
+host_pages = 4
+""")
+    return LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path)
+
+
+async def _receive(c: AsyncClient, shared: list[pb.PeerSharedBlock], pages: list[bytes]):
+    """A peer's handoff of a one-block request and its shared blocks' pages, sent raw."""
+    receive = c.channel.stream_unary(
+        "/kvd.v1.Peer/Receive", request_serializer=pb.PeerBlocks.SerializeToString,
+        response_deserializer=pb.PeerReceiveResponse.FromString)
+
+    async def messages():
+        yield pb.PeerBlocks(request_id="r", pool="decode", block_indices=[0], page_bytes=PAGE,
+                            tenant="default", prompt_tokens=16 * 4, shared=shared)
+        for i, data in enumerate([b"\1" * PAGE] + pages):
+            yield pb.PeerBlocks(first=i, data=data, commit=i == len(pages))
+
+    return await receive(messages(), metadata=c.metadata)
+
+
+@pytest.mark.parametrize("shared, pages, why", [
+    ([pb.PeerSharedBlock(namespace="m", key=b"k", sent=True)] * 2, [b"\2" * PAGE] * 2,
+     "repeat"),
+    ([pb.PeerSharedBlock(namespace="m", key=b"k", sent=True)], [], "committed with 1 of 2"),
+    ([pb.PeerSharedBlock(namespace="m", key=b"k%d" % i) for i in range(12)], [],
+     "more than the pool's 12 pages"),
+], ids=["keys-repeat", "a-page-never-sent", "too-many"])
+async def test_a_peer_whose_shared_blocks_are_unsound_is_refused(tmp_path, shared, pages, why):
+    import grpc
+
+    with _one_pool(tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _receive(c, shared, pages)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert why in refused.value.details()
+            assert "r" not in await _requests(c)
+            assert (await c.pool_stats("decode")).pools[0].tiers[0].used_pages == 0
+            assert (await c.self_check()).ok
+
+
+async def test_a_received_prefix_is_taken_up_to_a_block_this_node_no_longer_holds(tmp_path):
+    # The sender's lookup said this node holds k0 of each chain; of the chain "m" it holds it
+    # no more (let go since): its k1 is not stored (a lookup finds nothing past a gap). Of
+    # the chain "n" it still does: both are the request's, k1 written with the peer's bytes.
+    with _one_pool(tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as c:
+            mapped = MappedPool(await c.export_pool("decode"))
+            try:
+                await c.admit("other", 16, pool="decode")
+                (h,) = (await c.store("other", "n", [b"k0"])).handles
+                mapped.write(h, np.frombuffer(b"\3" * PAGE, np.uint8))
+                await c.commit("other", "n", [b"k0"])
+                shared = [pb.PeerSharedBlock(namespace=ns, key=k, sent=k == b"k1")
+                          for ns in ("m", "n") for k in (b"k0", b"k1")]
+                await _receive(c, shared, [b"\4" * PAGE, b"\5" * PAGE])
+                assert (await _requests(c))["r"] == "admitted"
+                assert (await c.lookup("m", [b"k0", b"k1"], pool="decode")).num_hit == 0
+                loaded = (await c.load("r", "n", [b"k0", b"k1"])).handles
+                assert [mapped.read(h).tobytes() for h in loaded] == [b"\3" * PAGE,
+                                                                      b"\5" * PAGE]
+                assert (await c.self_check()).ok
+            finally:
+                mapped.close()

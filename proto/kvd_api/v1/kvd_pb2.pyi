@@ -1041,7 +1041,7 @@ class PeerUnreserveResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PeerBlocks(_message.Message):
-    __slots__ = ("request_id", "pool", "block_indices", "page_bytes", "tenant", "prompt_tokens", "output_tokens", "priority", "first", "data", "commit")
+    __slots__ = ("request_id", "pool", "block_indices", "page_bytes", "tenant", "prompt_tokens", "output_tokens", "priority", "first", "data", "commit", "shared")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -1053,6 +1053,7 @@ class PeerBlocks(_message.Message):
     FIRST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pool: str
     block_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -1064,7 +1065,18 @@ class PeerBlocks(_message.Message):
     first: int
     data: bytes
     commit: bool
-    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., first: _Optional[int] = ..., data: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...
+    shared: _containers.RepeatedCompositeFieldContainer[PeerSharedBlock]
+    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., first: _Optional[int] = ..., data: _Optional[bytes] = ..., commit: _Optional[bool] = ..., shared: _Optional[_Iterable[_Union[PeerSharedBlock, _Mapping]]] = ...) -> None: ...
+
+class PeerSharedBlock(_message.Message):
+    __slots__ = ("namespace", "key", "sent")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    key: bytes
+    sent: bool
+    def __init__(self, namespace: _Optional[str] = ..., key: _Optional[bytes] = ..., sent: _Optional[bool] = ...) -> None: ...
 
 class PeerReceiveResponse(_message.Message):
     __slots__ = ("blocks",)
