@@ -21,6 +21,7 @@ from kvd.core.counters import PoolCounters
 from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVictims,
                              ResourceExhausted)
 from kvd.core.holds import SWAP_HOLDER, Holds
+from kvd.core.idle import IdleKept
 from kvd.core.policies import EvictionPolicy, make_policy
 from kvd.core.tenancy import Tenancy, tally
 from kvd.core.tier import TierPages
@@ -51,7 +52,9 @@ class PageTable:
         self.requests = requests  # read only
         self.device = TierPages(TierKind.DEVICE, device_pages)
         self.host = TierPages(TierKind.HOST, host_pages)
-        self.policy: EvictionPolicy = make_policy(policy, clock, tenancy)
+        # Kept prefix blocks nobody uses: the first victims (see idle.py).
+        self.idle = IdleKept()
+        self.policy: EvictionPolicy = self._make_policy(policy)
         # Free device pages kept for tenants below their fair share (a watermark): under a fair
         # policy, a tenant at or above its share evicts its own pages instead of spending them,
         # and refill() tops them up from over-share tenants in the background.
@@ -204,7 +207,16 @@ class PageTable:
         if block.payers:
             self.tenancy.split(req.tenant, block.payers, delta)
             if not block.users:
-                self.tenancy.idle_changed(block.payers, delta)
+                self.idle_changed(block, delta)
+
+    def idle_changed(self, block: Block, sign: int) -> None:
+        """A kept block nobody uses came into the device tier (1) or left it (-1), or one
+        there lost its last user (1) or found one (-1)."""
+        self.tenancy.idle_changed(block.payers, sign)
+        if sign > 0:
+            self.idle.add(block)
+        else:
+            self.idle.discard(block)
 
     def count_pin(self, block: Block, delta: int) -> None:
         """A pinned block comes (delta 1) or goes (-1); an unpinned one counts nothing."""
@@ -225,7 +237,7 @@ class PageTable:
     def set_policy(self, name: str) -> str:
         """Switch the eviction policy; the evictable blocks carry over, oldest access first
         so order-based policies start from a sensible order."""
-        new = make_policy(name, self.clock, self.tenancy)
+        new = self._make_policy(name)
         blocks = [b for b in self.device.owner if b is not None and evictable(b)]
         blocks.sort(key=lambda b: b.last_access)
         for block in blocks:
@@ -234,7 +246,27 @@ class PageTable:
         self.holds.policy = new
         return old.name
 
+    def _make_policy(self, name: str) -> EvictionPolicy:
+        policy = make_policy(name, self.clock, self.tenancy)
+        if policy.fair:
+            policy.idle = self.idle  # it takes the paying tenant's idle blocks first
+        return policy
+
     # ------------------------------------------------------------------ room in the device tier
+
+    def choose(self, num: int, tenant: str | None, protected: Collection[Block] = ()
+               ) -> list[Block] | None:
+        """num victims, or None: kept blocks nobody uses first (of the tenant that pays,
+        under a fair policy, which takes them itself), then the policy's order."""
+        policy = self.policy
+        if not self.idle or policy.fair:
+            return policy.choose(num, tenant, protected)
+        idle = self.idle.first(num, policy, protected)
+        if len(idle) == num:
+            return idle
+        rest = policy.choose(num - len(idle), tenant,
+                             {*protected, *idle} if idle else protected)
+        return None if rest is None else idle + rest
 
     def _before_choosing(self) -> None:
         """Before the policy chooses victims: blocks of requests held by request leave it,
@@ -251,7 +283,7 @@ class PageTable:
         choice is looked at first and taken only after. `holder`: the caller's, whose own
         holds end only at its next call (waiting for them would wait for ever)."""
         self._before_choosing()
-        victims = self.policy.choose(num, cause.tenant if cause else None, protected)
+        victims = self.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
             holds = self.holds
             rounds = SWAP_HOLDER if cause is not None and cause is self.swapping else ""
@@ -427,7 +459,7 @@ class PageTable:
             return None
         over = set(self.tenancy.over_share())
         self._before_choosing()
-        victims = self.policy.choose(min(want, len(self.policy)))
+        victims = self.choose(min(want, len(self.policy)), None)
         if not victims or any(v.request.tenant not in over and not _idle_kept(v)
                               for v in victims):
             return None  # only what over-share tenants hold, or idle cache, refills it

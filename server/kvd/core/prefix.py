@@ -151,7 +151,7 @@ class Prefixes:
                 b.name, b.committed, b.recompute_ok = (namespace, k), False, True
                 b.users, b.payers = {}, (req.tenant,)
                 named[b.name] = b
-                self.tenancy.idle_changed(b.payers, 1)  # until _use below
+                self.pages.idle_changed(b, 1)  # until _use below
             if id(b) not in used:
                 self._use(req, b)
             if holder and not b.moving and b.tier is not TierKind.NONE:
@@ -239,7 +239,7 @@ class Prefixes:
             if self.named.get(b.name) is not b:
                 continue  # already let go
             if not b.users and b.tier is TierKind.DEVICE:
-                self.tenancy.idle_changed(b.payers, 1)
+                self.pages.idle_changed(b, 1)
             if not b.users and not b.committed:
                 self.pages.discard(b)
             else:
@@ -342,7 +342,7 @@ class Prefixes:
     def _use(self, req: Request, b: Block) -> None:
         counted = counted_pages(req)
         if not b.users and b.tier is TierKind.DEVICE:
-            self.tenancy.idle_changed(b.payers, -1)
+            self.pages.idle_changed(b, -1)
         b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
         req.shared.append(b)
         self.admission.shared_uses_changed(req, counted, 1)
@@ -365,7 +365,7 @@ class Prefixes:
                 self.tenancy.split(owner, payers, 1)
             b.payers = payers
         if not b.users and b.tier is TierKind.DEVICE:
-            self.tenancy.idle_changed(b.payers, 1)
+            self.pages.idle_changed(b, 1)
 
     def _recharge(self, b: Block) -> None:
         """Charge b to the tenants using it now (or, when none does, to its last payers)."""
