@@ -247,17 +247,14 @@ class PageTable:
         return old.name
 
     def _make_policy(self, name: str) -> EvictionPolicy:
-        policy = make_policy(name, self.clock, self.tenancy)
-        if policy.fair:
-            policy.idle = self.idle  # it takes the paying tenant's idle blocks first
-        return policy
+        return make_policy(name, self.clock, self.tenancy)
 
     # ------------------------------------------------------------------ room in the device tier
 
     def choose(self, num: int, tenant: str | None, protected: Collection[Block] = ()
                ) -> list[Block] | None:
-        """num victims, or None: kept blocks nobody uses first (of the tenant that pays,
-        under a fair policy, which takes them itself), then the policy's order."""
+        """num victims, or None: kept blocks nobody uses first, then the policy's order.
+        A fair policy orders them itself (see idle.py)."""
         policy = self.policy
         if not self.idle or policy.fair:
             return policy.choose(num, tenant, protected)

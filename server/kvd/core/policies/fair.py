@@ -76,8 +76,6 @@ class FairPolicy(LastReadQueued):
     def __init__(self, clock: Clock, tenancy: Tenancy, base: type[EvictionPolicy]) -> None:
         super().__init__(clock)
         self.tenancy = tenancy
-        # The pool's kept blocks nobody uses (IdleKept, set by the page table), or None.
-        self.idle = None
         self.base = base
         self.name = f"fair:{base.name}"
         self.uses_intent = base.uses_intent
@@ -187,40 +185,21 @@ class FairPolicy(LastReadQueued):
         # request's base policy once.
         taken_by_tenant: Counter[str] = Counter()
         taken_by_request: Counter[Request] = Counter()
-        # The paying tenant's kept blocks nobody uses go before its requests' (see idle.py).
-        idle = self.idle
-        cached: dict[Block, None] = {}
-        cached_by_request: Counter[Request] = _NONE
         left = n
         while left:
             paying = self._paying_tenant(taken_by_tenant, unavailable_by_tenant, for_tenant)
             if paying is None:
                 return None  # what is left is guaranteed to other tenants
             tenant, tenant_batch = paying
-            if idle is not None and tenant in idle.by_tenant:
-                some = idle.first(min(left, tenant_batch), self, protected, tenant, cached)
-                if some:
-                    if not cached:
-                        cached_by_request = Counter()
-                    for block in some:
-                        cached[block] = None
-                        cached_by_request[block.request] += 1
-                        taken_by_request[block.request] += 1
-                    taken_by_tenant[tenant] += len(some)
-                    left -= len(some)
-                    continue
             req, req_batch = self._by_size[tenant].largest(
                 taken_by_request + unavailable_by_request if protected else taken_by_request)
             k = max(1, min(left, tenant_batch, req_batch))
             taken_by_request[req] += k
             taken_by_tenant[tenant] += k
             left -= k
-        victims: list[Block] = list(cached)
+        victims: list[Block] = []
         for req, k in taken_by_request.items():
-            k -= cached_by_request[req]
-            if k:
-                victims.extend(self._by_request[req].choose(
-                    k, protected={*protected, *cached} if cached_by_request[req] else protected))
+            victims.extend(self._by_request[req].choose(k, protected=protected))
         return victims
 
     def _paying_tenant(self, taken: Counter[str], unavailable: Counter[str],
