@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import urllib.request
 
@@ -11,6 +12,39 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvd_client import AsyncClient
 from kvd_loadgen.local import LocalKvd
+
+
+# A state machine's pool: its engines' holds end with their next calls or messages, never by
+# lapsing (hold_s), under reservation admission (the machines drive paging).
+MACHINE_CONFIG = """
+[server]
+hold_s = 120
+
+[[pool]]
+page_bytes = {page_bytes}
+block_tokens = {block_tokens}
+device_pages = {device}
+host_pages = {host}
+admission = "reservation"
+policy = "lru"
+"""
+
+
+@contextlib.contextmanager
+def machine_kvd(tmp_path_factory, name: str, config: str):
+    """A kvd for a state machine's examples (one process for all of them), on `config`; it
+    must be alive when they end."""
+    tmp = tmp_path_factory.mktemp(name)
+    (tmp / "kvd.toml").write_text(config)
+    with LocalKvd("--config", str(tmp / "kvd.toml"), workdir=tmp) as kvd:
+        yield kvd
+        assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
+
+
+def size_id(size: tuple[int, int, bool]) -> str:
+    """A machine's (device pages, host pages, a tenant per engine) as a test id."""
+    device, host, tenants = size
+    return f"device{device}-host{host}{'-tenants' if tenants else ''}"
 
 
 def free_port() -> int:

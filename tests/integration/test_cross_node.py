@@ -326,6 +326,19 @@ async def test_a_request_this_node_rejects_leaves_no_reservation_on_the_peer(tmp
             assert await _requests(cb) == {}
 
 
+def _one_pool(tmp_path, device_pages: int = 8, host_pages: int = 4) -> LocalKvd:
+    """A kvd with a decode pool only, for a peer's Receive sent raw."""
+    (tmp_path / "kvd.toml").write_text(f"""
+[[pool]]
+name = "decode"
+page_bytes = {PAGE}
+block_tokens = 16
+device_pages = {device_pages}
+host_pages = {host_pages}
+""")
+    return LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path)
+
+
 @pytest.mark.parametrize("pages", [
     [(0, b"A"), (0, b"A")],  # page 0 twice, page 1 never
     [(1, b"B"), (1, b"B")],  # page 1 twice, page 0 never
@@ -336,15 +349,7 @@ async def test_a_peer_that_sends_a_page_twice_and_another_never_is_refused(tmp_p
     # bytes). kvd refuses the stream, and keeps nothing of it.
     import grpc
 
-    (tmp_path / "kvd.toml").write_text(f"""
-[[pool]]
-name = "decode"
-page_bytes = {PAGE}
-block_tokens = 16
-device_pages = 4
-host_pages = 4
-""")
-    with LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path) as kvd:
+    with _one_pool(tmp_path, device_pages=4) as kvd:
         async with AsyncClient(kvd.target) as c:
             receive = c.channel.stream_unary(
                 "/kvd.v1.Peer/Receive", request_serializer=pb.PeerBlocks.SerializeToString,
@@ -406,18 +411,6 @@ async def test_a_handoff_across_nodes_brings_the_shared_prefix_its_request_used(
             finally:
                 decode.close()
                 prefill.close()
-
-
-def _one_pool(tmp_path) -> LocalKvd:
-    (tmp_path / "kvd.toml").write_text(f"""
-[[pool]]
-name = "decode"
-page_bytes = {PAGE}
-block_tokens = 16
-device_pages = 8
-host_pages = 4
-""")
-    return LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path)
 
 
 async def _receive(c: AsyncClient, shared: list[pb.PeerSharedBlock], pages: list[bytes]):

@@ -33,7 +33,8 @@ from kvd.core.policies import policy_names
 from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, KvdClientError,
                         ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
-from kvd_loadgen.local import LocalKvd
+
+from .conftest import MACHINE_CONFIG, machine_kvd, size_id
 
 PAGE_BYTES = 64
 BLOCK_TOKENS = 16
@@ -45,18 +46,7 @@ NS = "tiny|salt"
 CHAINS = [[hashlib.sha256(b"%s/%d" % (name, i)).digest() for i in range(6)]
           for name in (b"system", b"other")]
 
-CONFIG = """
-[server]
-hold_s = 120  # holds end with the engines' next calls, never by lapsing here
-
-[[pool]]
-page_bytes = {page_bytes}
-block_tokens = {block_tokens}
-device_pages = {device}
-host_pages = {host}
-admission = "reservation"
-policy = "lru"
-"""
+CONFIG = MACHINE_CONFIG
 
 TENANTS = "".join(f"""
 [[tenant]]
@@ -246,18 +236,14 @@ SAME_PREFIX_AT_ONCE = [(0, 0, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0), (0, 1, 1, 1), (
                        (1, 2, 1, 0), (2, 3, 1, 1), (0, 2, 0, 0), (2, 3, 1, 5)]
 
 
-@pytest.fixture(scope="module", params=SIZES,
-                ids=lambda s: f"device{s[0]}-host{s[1]}{'-tenants' if s[2] else ''}")
+@pytest.fixture(scope="module", params=SIZES, ids=size_id)
 def prefix_kvd(request, tmp_path_factory):
     device, host, tenants = request.param
-    tmp = tmp_path_factory.mktemp(f"prefix{device}")
-    config = tmp / "kvd.toml"
-    config.write_text(CONFIG.format(page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS,
-                                    device=device, host=host) + (TENANTS if tenants else ""))
-    with LocalKvd("--config", str(config), workdir=tmp) as kvd:
+    config = CONFIG.format(page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS, device=device,
+                           host=host) + (TENANTS if tenants else "")
+    with machine_kvd(tmp_path_factory, f"prefix{device}", config) as kvd:
         kvd.tenants = tenants
         yield kvd
-        assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
 
 
 async def _example(kvd, operations, policy: str) -> int:

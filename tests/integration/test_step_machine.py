@@ -34,7 +34,8 @@ from kvd.core.policies import policy_names
 from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, pb
 from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
-from kvd_loadgen.local import LocalKvd
+
+from .conftest import MACHINE_CONFIG, machine_kvd, size_id
 
 PAGE_BYTES = 128
 BLOCK_TOKENS = 16
@@ -43,18 +44,7 @@ OPS = 24
 # A step kvd cannot serve in this long is stuck (nothing here waits on a slow link).
 STUCK_S = 20.0
 
-CONFIG = """
-[server]
-hold_s = 120  # the engines' holds end with their next messages, never by lapsing here
-
-[[pool]]
-page_bytes = {page_bytes}
-block_tokens = {block_tokens}
-device_pages = {device}
-host_pages = {host}
-admission = "reservation"
-policy = "lru"
-"""
+CONFIG = MACHINE_CONFIG
 
 # What an item of a step may be refused with: there was no room (for the blocks, or for a
 # pin), or a read named more blocks than the device tier holds (checked in Engine.absorb).
@@ -318,20 +308,16 @@ token = "engine1-token"
 SIZES = [(4, 16, True), (5, 2, False), (10, 40, True), (24, 24, False)]
 
 
-@pytest.fixture(scope="module", params=SIZES,
-                ids=lambda s: f"device{s[0]}-host{s[1]}{'-tenants' if s[2] else ''}")
+@pytest.fixture(scope="module", params=SIZES, ids=size_id)
 def step_kvd(request, tmp_path_factory):
     device, host, tenants = request.param
-    tmp = tmp_path_factory.mktemp(f"steps{device}")
-    config = tmp / "kvd.toml"
-    config.write_text(CONFIG.format(page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS,
-                                    device=device, host=host) + (TENANTS if tenants else ""))
-    with LocalKvd("--config", str(config), workdir=tmp) as kvd:
+    config = CONFIG.format(page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS, device=device,
+                           host=host) + (TENANTS if tenants else "")
+    with machine_kvd(tmp_path_factory, f"steps{device}", config) as kvd:
         kvd.examples = 0
         kvd.tenants = tenants
         kvd.device = device
         yield kvd
-        assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
 
 
 async def _example(kvd, operations, policy: str) -> list[int]:
