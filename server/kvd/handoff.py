@@ -33,8 +33,21 @@ from kvd_api.v1 import kvd_pb2 as pb
 
 log = structlog.get_logger("kvd.handoff")
 
-# How long a handoff to a peer waits for the peer to say which prefix blocks it holds.
-PEER_LOOKUP_S = 5.0
+
+def _kept_here(pool: Pool, b: Block) -> bool:
+    """Whether a shared block a request uses is committed and still kept in the pool (under
+    its name, in a tier)."""
+    return b.committed and pool.pages.named.get(b.name) is b and b.tier is not TierKind.NONE
+
+
+def _prefix_to_carry(pool: Pool, req: Request) -> dict[str, list[Block]]:
+    """The shared prefix blocks a handoff takes along, by namespace: those the request uses
+    that are committed and kept in its pool."""
+    groups: dict[str, list[Block]] = {}
+    for b in req.shared:
+        if _kept_here(pool, b):
+            groups.setdefault(b.name[0], []).append(b)
+    return groups
 
 
 def _peer_error(target: str, err: grpc.RpcError) -> Exception:
@@ -415,16 +428,12 @@ class Handoffs:
         all but the leading run of each namespace's that the peer's Lookup says it holds (a
         peer that cannot say is sent them all). The peer takes a listed block it was not
         sent only while it still holds it."""
-        named = src.pool.pages.named
+        def here(b: Block) -> bool:  # read now: still, and still here
+            return not b.moving and _kept_here(src.pool, b)
 
-        def here(b: Block) -> bool:
-            return (b.committed and named.get(b.name) is b and b.tier is not TierKind.NONE
-                    and not b.moving)
-
-        groups: dict[str, list[Block]] = {}
-        for b in req.shared:
-            if here(b):
-                groups.setdefault(b.name[0], []).append(b)
+        groups = {namespace: still
+                  for namespace, group in _prefix_to_carry(src.pool, req).items()
+                  if (still := [b for b in group if not b.moving])}
         peer, pool = split(target)
         link = self.peers.link(peer)
         listed: list[tuple[pb.PeerSharedBlock, Block]] = []
@@ -433,7 +442,7 @@ class Handoffs:
                 held = (await link.memory.Lookup(
                     pb.LookupRequest(pool=pool, namespace=namespace,
                                      keys=[b.name[1] for b in group]),
-                    metadata=link.metadata, timeout=PEER_LOOKUP_S)).num_hit
+                    metadata=link.metadata, timeout=link.config.timeout_s)).num_hit
             except grpc.RpcError as err:
                 log.info("a peer's lookup failed: the whole prefix goes", target=target,
                          error=err.code().name)
@@ -499,11 +508,7 @@ class Handoffs:
         prefix from its own pool. They stay in the source, where others may use them:
         held there (not evicted) while they are read, not made still as the request's own
         blocks are (a prefix every request shares would be in transit at every handoff)."""
-        groups: dict[str, list[Block]] = {}
-        named = src.pool.pages.named
-        for b in req.shared:
-            if b.committed and named.get(b.name) is b and b.tier is not TierKind.NONE:
-                groups.setdefault(b.name[0], []).append(b)
+        groups = _prefix_to_carry(src.pool, req)
         if not groups:
             return
         holder = f"{OWN_HOLDER}handoff:{req.request_id}"  # ends with the carry, never lapses
@@ -543,8 +548,7 @@ class Handoffs:
                     await src.transit.wait_for(busy_src)
                     await dst.transit.wait_for(busy_dst)
                 todo = [(s, d) for s, d in todo
-                        if named.get(s.name) is s and s.tier is not TierKind.NONE
-                        and d.tier is not TierKind.NONE]
+                        if _kept_here(src.pool, s) and d.tier is not TierKind.NONE]
                 src.pool.pages.holds.hold(holder, [s for s, _ in todo])
                 dst.pool.pages.holds.hold(holder, [d for _, d in todo])
                 pairs = [(s.tier, s.page, d.tier, d.page) for s, d in todo]

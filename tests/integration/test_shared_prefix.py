@@ -150,10 +150,11 @@ async def test_a_prefix_whose_first_writer_ended_is_written_by_the_next(client):
         await client.store("a", NS, KEYS[:2])
         second = await client.store("b", NS, KEYS[:2])
         await client.release("a")  # never wrote, never committed
-        written = [k for h, fresh, k in zip(second.handles, second.fresh, KEYS) if fresh]
+        written = []
         for h, fresh, k in zip(second.handles, second.fresh, KEYS):
             if fresh:
                 _fill(arena, h, k)
+                written.append(k)
         if written:  # as the engines' connectors do: commit what was written
             await client.commit("b", NS, written)
         found = await client.lookup(NS, KEYS[:2])

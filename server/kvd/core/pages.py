@@ -54,7 +54,7 @@ class PageTable:
         self.host = TierPages(TierKind.HOST, host_pages)
         # Kept prefix blocks nobody uses: the first victims (see idle.py).
         self.idle = IdleKept()
-        self.policy: EvictionPolicy = self._make_policy(policy)
+        self.policy: EvictionPolicy = make_policy(policy, clock, tenancy)
         # Free device pages kept for tenants below their fair share (a watermark): under a fair
         # policy, a tenant at or above its share evicts its own pages instead of spending them,
         # and refill() tops them up from over-share tenants in the background.
@@ -237,7 +237,7 @@ class PageTable:
     def set_policy(self, name: str) -> str:
         """Switch the eviction policy; the evictable blocks carry over, oldest access first
         so order-based policies start from a sensible order."""
-        new = self._make_policy(name)
+        new = make_policy(name, self.clock, self.tenancy)
         blocks = [b for b in self.device.owner if b is not None and evictable(b)]
         blocks.sort(key=lambda b: b.last_access)
         for block in blocks:
@@ -245,9 +245,6 @@ class PageTable:
         old, self.policy = self.policy, new
         self.holds.policy = new
         return old.name
-
-    def _make_policy(self, name: str) -> EvictionPolicy:
-        return make_policy(name, self.clock, self.tenancy)
 
     # ------------------------------------------------------------------ room in the device tier
 
