@@ -31,14 +31,31 @@ policy = "lru"
 
 
 @contextlib.contextmanager
-def machine_kvd(tmp_path_factory, name: str, config: str):
-    """A kvd for a state machine's examples (one process for all of them), on `config`; it
-    must be alive when they end."""
+def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool], *,
+                page_bytes: int, block_tokens: int, engines: int):
+    """A kvd for a state machine's examples (one process for all of them), of `size`
+    (device pages, host pages, whether each engine is a tenant of its own: engineN, with
+    the token engineN-token); it must be alive when they end."""
+    device, host, tenants = size
+    config = MACHINE_CONFIG.format(page_bytes=page_bytes, block_tokens=block_tokens,
+                                   device=device, host=host)
+    if tenants:
+        config += "".join(f'\n[[tenant]]\nname = "engine{i}"\ntoken = "engine{i}-token"\n'
+                          for i in range(engines))
     tmp = tmp_path_factory.mktemp(name)
     (tmp / "kvd.toml").write_text(config)
     with LocalKvd("--config", str(tmp / "kvd.toml"), workdir=tmp) as kvd:
+        kvd.tenants = tenants
+        kvd.device = device
         yield kvd
         assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
+
+
+def engine_clients(kvd, n: int, timeout_s: float) -> list[AsyncClient]:
+    """Clients for a machine_kvd's n engines: each its own tenant (by its token) where the
+    kvd has a tenant per engine, else all the unix socket's."""
+    return [AsyncClient(kvd.target, timeout_s=timeout_s,
+                        token=f"engine{i}-token" if kvd.tenants else None) for i in range(n)]
 
 
 def size_id(size: tuple[int, int, bool]) -> str:

@@ -34,7 +34,7 @@ from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, KvdC
                         ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
 
-from .conftest import MACHINE_CONFIG, machine_kvd, size_id
+from .conftest import engine_clients, machine_kvd, size_id
 
 PAGE_BYTES = 64
 BLOCK_TOKENS = 16
@@ -45,14 +45,6 @@ NS = "tiny|salt"
 # Two prompts' prefix chains: engines store and load leading runs of either.
 CHAINS = [[hashlib.sha256(b"%s/%d" % (name, i)).digest() for i in range(6)]
           for name in (b"system", b"other")]
-
-CONFIG = MACHINE_CONFIG
-
-TENANTS = "".join(f"""
-[[tenant]]
-name = "engine{i}"
-token = "engine{i}-token"
-""" for i in range(3))
 
 # (device pages, host pages, whether each engine is a tenant of its own): a device that
 # kept prefixes and one request's blocks fill, a host tier that fills (kept blocks are then
@@ -238,11 +230,8 @@ SAME_PREFIX_AT_ONCE = [(0, 0, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0), (0, 1, 1, 1), (
 
 @pytest.fixture(scope="module", params=SIZES, ids=size_id)
 def prefix_kvd(request, tmp_path_factory):
-    device, host, tenants = request.param
-    config = CONFIG.format(page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS, device=device,
-                           host=host) + (TENANTS if tenants else "")
-    with machine_kvd(tmp_path_factory, f"prefix{device}", config) as kvd:
-        kvd.tenants = tenants
+    with machine_kvd(tmp_path_factory, f"prefix{request.param[0]}", request.param,
+                     page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS, engines=3) as kvd:
         yield kvd
 
 
@@ -250,9 +239,7 @@ async def _example(kvd, operations, policy: str) -> int:
     async with AsyncClient(kvd.target, timeout_s=STUCK_S) as admin:
         await admin.set_policy(policy)
         mapped = MappedPool(await admin.export_pool())
-        clients = [AsyncClient(kvd.target, timeout_s=STUCK_S,
-                               token=f"engine{i}-token" if kvd.tenants else None)
-                   for i in range(3)]
+        clients = engine_clients(kvd, 3, STUCK_S)
         operator = Operator()
         engines = operator.others = [Engine(f"engine{i}", c, mapped, operator)
                                      for i, c in enumerate(clients)]

@@ -35,7 +35,7 @@ from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, pb
 from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
 
-from .conftest import MACHINE_CONFIG, machine_kvd, size_id
+from .conftest import engine_clients, machine_kvd, size_id
 
 PAGE_BYTES = 128
 BLOCK_TOKENS = 16
@@ -43,8 +43,6 @@ EXAMPLES = int(os.environ.get("KVD_STEP_MACHINE_EXAMPLES", "50"))
 OPS = 24
 # A step kvd cannot serve in this long is stuck (nothing here waits on a slow link).
 STUCK_S = 20.0
-
-CONFIG = MACHINE_CONFIG
 
 # What an item of a step may be refused with: there was no room (for the blocks, or for a
 # pin), or a read named more blocks than the device tier holds (checked in Engine.absorb).
@@ -291,16 +289,6 @@ async def _served(engine: Engine, others: list[Engine]) -> None:
     engine.finish()
 
 
-TENANTS = """
-[[tenant]]
-name = "engine0"
-token = "engine0-token"
-
-[[tenant]]
-name = "engine1"
-token = "engine1-token"
-"""
-
 # (device pages, host pages, whether each engine is a tenant of its own): a device smaller
 # than one request can grow to, a host tier that fills (victims the engine allowed to be
 # recomputed are then dropped), and room; two tenants' engines take turns at the loop while
@@ -310,13 +298,9 @@ SIZES = [(4, 16, True), (5, 2, False), (10, 40, True), (24, 24, False)]
 
 @pytest.fixture(scope="module", params=SIZES, ids=size_id)
 def step_kvd(request, tmp_path_factory):
-    device, host, tenants = request.param
-    config = CONFIG.format(page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS, device=device,
-                           host=host) + (TENANTS if tenants else "")
-    with machine_kvd(tmp_path_factory, f"steps{device}", config) as kvd:
+    with machine_kvd(tmp_path_factory, f"steps{request.param[0]}", request.param,
+                     page_bytes=PAGE_BYTES, block_tokens=BLOCK_TOKENS, engines=2) as kvd:
         kvd.examples = 0
-        kvd.tenants = tenants
-        kvd.device = device
         yield kvd
 
 
@@ -326,10 +310,7 @@ async def _example(kvd, operations, policy: str) -> list[int]:
     async with AsyncClient(kvd.target, timeout_s=STUCK_S) as admin:
         await admin.set_policy(policy)
         mapped = MappedPool(await admin.export_pool())
-        # Each engine a tenant of its own (by its token), or both the unix socket's.
-        clients = [AsyncClient(kvd.target, timeout_s=STUCK_S,
-                               token=f"engine{i}-token" if kvd.tenants else None)
-                   for i in range(2)]
+        clients = engine_clients(kvd, 2, STUCK_S)
         engines = [Engine(f"engine{i}", c, mapped, seed=kvd.examples * 2 + i,
                           device_pages=kvd.device)
                    for i, c in enumerate(clients)]
