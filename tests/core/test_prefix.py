@@ -389,17 +389,19 @@ def test_dropping_many_kept_blocks_passes_over_their_keeper_once(make_pool):
     assert len(keeper.live) == keeper.num_live_blocks == 40 - len(dropped)
 
 
+@pytest.mark.parametrize("gap_s", [1.0, 0.0])
 @pytest.mark.parametrize("policy", [p for p in policy_names() if not p.startswith("fair")])
-def test_a_kept_block_nobody_uses_goes_before_any_block_a_request_uses(make_pool, policy):
-    # Cache, not working set: "b" runs on blocks read longer ago than the kept prefix
-    # block was, and "c"'s new page takes the kept block's, whatever the policy's order
-    # (recency put b's oldest block first under lru and regret, its newest under reuse).
-    # Fair keeps its own order (see idle.py).
+def test_a_kept_block_nobody_uses_goes_before_any_block_a_request_uses(make_pool, policy,
+                                                                         gap_s):
+    # Cache, not working set: "b" runs on blocks read `gap_s` before the kept prefix block
+    # was, and "c"'s new page takes the kept block's, whatever the policy's order (each
+    # policy's own order took one of b's: with the gap every one but reuse, b's oldest
+    # under lru; without it reuse too, b's newest). Fair keeps its own order (idle.py).
     pool = make_pool(device_pages=8, host_pages=8, policy=policy, reserve_pages=0)
     _admit(pool, "b", tokens=16 * 6)
     settle(pool, pool.allocate("b", 6))
     settle(pool, pool.access("b", None).plan)
-    pool.clock.advance(1.0)
+    pool.clock.advance(gap_s)
     _admit(pool, "a", tokens=16)
     _stored(pool, "a", [KEYS[0]])
     pool.release("a")
