@@ -265,14 +265,18 @@ class Daemon:
         self.streams.refusal = self.auth.refusal
         # kvd pings its clients: one that stops answering (a stopped or partitioned engine
         # with a Step stream open) loses its connection, so its streams close and its lease
-        # can lapse, instead of an open stream holding its pages for ever.
+        # can lapse, instead of an open stream holding its pages for ever. A ping has as long
+        # as the lease to be answered (5 to 20 s): no less, or a client descheduled on a busy
+        # machine for less than its lease would lose its connection, its streams and, while it
+        # reconnected, its lease.
         ping_ms = int(max(1.0, min(10.0, self.config.lease_ttl_s / 3)) * 1000)
+        answer_ms = int(max(5.0, min(20.0, self.config.lease_ttl_s)) * 1000)
         server = grpc.aio.server(options=GRPC_OPTIONS + [
             # A bigger message is refused by grpc (RESOURCE_EXHAUSTED) before kvd reads it.
             ("grpc.max_receive_message_length", self.config.max_message_bytes),
             ("grpc.keepalive_time_ms", ping_ms),
-            ("grpc.keepalive_timeout_ms", ping_ms),
-            ("grpc.http2.ping_timeout_ms", ping_ms),
+            ("grpc.keepalive_timeout_ms", answer_ms),
+            ("grpc.http2.ping_timeout_ms", answer_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
         ])

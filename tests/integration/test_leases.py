@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
 
@@ -28,6 +30,29 @@ HOLDER = textwrap.dedent("""
                 await stream.step(read_all=["held-0"])
                 print("ready", flush=True)
                 await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+# Holds a Step stream open, and steps on it again at each line read from stdin.
+PAUSED_HOLDER = textwrap.dedent("""
+    import asyncio, sys
+    from kvd_client import AsyncClient
+
+    async def main():
+        async with AsyncClient(sys.argv[1]) as kvd:
+            await kvd.admit("held", 16 * 8)
+            await kvd.allocate("held", 8)
+            async with kvd.step_stream() as stream:
+                await stream.step(read_all=["held"])
+                print("ready", flush=True)
+                for _ in sys.stdin:
+                    try:
+                        await stream.step(read_all=["held"])
+                        print("stepped", flush=True)
+                    except Exception as exc:
+                        print(f"failed: {exc!r}", flush=True)
 
     asyncio.run(main())
 """)
@@ -120,8 +145,44 @@ async def test_a_stopped_client_with_an_open_stream_loses_its_pages(tmp_path):
             async with AsyncClient(kvd.target, lease="") as observer:
                 assert sum(await _used_pages(observer)) == 24
                 holder.send_signal(signal.SIGSTOP)
-                # pings every 1 s, 1 s to answer, then the TTL
-                assert await _until_used(observer, 0, tries=200) == 0
+                # pings every 1 s, 5 s to answer, then the TTL
+                assert await _until_used(observer, 0, tries=300) == 0
+        finally:
+            holder.kill()
+            holder.wait()
+
+
+async def _paused_for(paused, seconds: float, holder) -> str:
+    """Stop `paused` (a process) for `seconds`, then have the holder step on its stream once
+    more: what it says."""
+    paused.send_signal(signal.SIGSTOP)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        paused.send_signal(signal.SIGCONT)
+    holder.stdin.write("step\n")
+    holder.stdin.flush()
+    return (await asyncio.to_thread(holder.stdout.readline)).strip()
+
+
+@pytest.mark.parametrize("paused", ["client", "kvd"])
+async def test_a_pause_shorter_than_the_lease_keeps_the_connection(tmp_path, paused):
+    # kvd pings its clients to find the stopped ones. A ping had a third of the lease TTL to
+    # be answered: a client (or kvd itself) descheduled for longer than that on a busy
+    # machine, and still well within its lease, lost its connection: its open Step stream
+    # broke and its lease renewals failed until it reconnected, so it lost its lease too.
+    with LocalKvd(*SMALL, "--lease-ttl-s", "4", workdir=tmp_path) as kvd:
+        holder = subprocess.Popen([sys.executable, "-c", PAUSED_HOLDER, kvd.target],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            ready = await asyncio.to_thread(holder.stdout.readline)
+            assert ready.strip() == "ready"
+            stopped = holder if paused == "client" else kvd.proc
+            said = await _paused_for(stopped, 2.5, holder)
+            assert said == "stepped"
+            async with AsyncClient(kvd.target, lease="") as observer:
+                assert sum(await _used_pages(observer)) == 8
+                assert (await observer.explain("held")).active
         finally:
             holder.kill()
             holder.wait()
