@@ -26,8 +26,9 @@ queued request only every QUEUE_FALLBACK_POLLS x `kvd_queue_poll_s` (every
 says the stream lost events). On finish the
 request is released in kvd (one aborted while kvd still queued it too); the blocks it stored
 stay there for the next request with that prefix. While it holds requests in kvd, the
-scheduler renews its lease every third of kvd's lease TTL (at its next step): a request
-decoding for longer than the TTL is not taken for one whose engine died. Tenant and intent
+scheduler renews its lease every third of kvd's lease TTL (at its next step; one that failed,
+a sixth of the TTL later): a request decoding for longer than the TTL is not taken for one
+whose engine died. Tenant and intent
 come from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ...,
 "pin": ..., "deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the
 request's prefix blocks in kvd's device tier while it runs, a deadline says when it needs
@@ -183,6 +184,7 @@ class KvdConnector(KVConnectorBase_V1):
         # next one is due.
         self._renewal: Future | None = None
         self._renewed = self._renew_at = 0.0
+        self._lease_ttl_s = float("inf")  # kvd's, once a renewal says it
         # Worker side.
         self.copier: BlockCopier | None = None
         self.arena: MappedPool | None = None
@@ -400,10 +402,12 @@ class KvdConnector(KVConnectorBase_V1):
                 return
             self._renewal = None
             try:
-                self._renew_at = self._renewed + renewal.result().lease_ttl_s / 3
+                self._lease_ttl_s = renewal.result().lease_ttl_s
+                self._renew_at = self._renewed + self._lease_ttl_s / 3
             except KvdClientError as exc:
+                # Sent again well within the lease: kvd_retry_s may be as long as the lease.
                 log.warning("kvd lease renewal failed: %s", exc)
-                self._renew_at = self._renewed + self.retry_s
+                self._renew_at = self._renewed + min(self.retry_s, self._lease_ttl_s / 6)
         now = time.monotonic()
         if now >= self._renew_at:
             self._renewed = now

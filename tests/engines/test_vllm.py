@@ -16,8 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvd_client import AsyncClient, Client, pb
@@ -660,6 +662,49 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     assert [e.kind for e in events] == ["admission", "release"]  # the engine released it...
     held_s = stamps["release"] - stamps["admission"]
     assert held_s > run["run_s"] - lease_s  # ...once it had run, not a lease after it began
+
+
+def test_a_lease_renewal_that_fails_once_is_sent_again_within_the_lease(tmp_path):
+    # A renewal that failed (its connection broke, say) was sent again kvd_retry_s later (a
+    # second by default) whatever the lease: under a TTL not much longer than that, one
+    # failed renewal lapsed the lease under a running request. The failure is made by the
+    # test (the client's call answers with an error once); kvd and its lease are real.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import KvdClientError
+    from kvd_client import vllm_connector as vc
+
+    metrics = free_address()
+    with LocalKvd(*KVD, "--lease-ttl-s", "1.5", "--metrics", metrics, workdir=tmp_path) as kvd:
+        config = vllm_config(kvd.target)
+        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = 2.0
+        scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
+        scheduler.client.admit("r", 64)  # under the scheduler's lease
+        scheduler.tracked["r"] = vc._Tracked("ns", [], 0)
+        start, renewals, failed = scheduler.client.start, [], []
+
+        def fails_once(name, *args, **kwargs):  # the second renewal
+            if name == "keep_alive":
+                renewals.append(time.monotonic())
+            if len(renewals) == 2 and not failed:
+                failed.append(renewals[-1])
+                future = Future()
+                future.set_exception(KvdClientError("connection broke",
+                                                    grpc.StatusCode.UNAVAILABLE))
+                return future
+            return start(name, *args, **kwargs)
+
+        scheduler.client.start = fails_once
+        until = time.monotonic() + 3.0
+        while time.monotonic() < until:  # the scheduler's steps
+            scheduler._renew_lease()
+            time.sleep(0.02)
+        expired = metric_value(metrics, "kvd_lease_expirations_total")
+        with Client(kvd.target, lease="") as observer:
+            active = observer.explain("r").active
+        scheduler.client.close()
+    assert failed  # a renewal failed...
+    assert expired == 0 and active  # ...and the lease held
 
 
 def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
