@@ -302,6 +302,35 @@ def test_a_pin_on_a_shared_block_holds_while_any_request_that_asked_uses_it(make
     assert all(b in pool.policy for b in blocks)  # kept, and evictable again
 
 
+def test_a_pin_on_a_shared_block_counts_to_the_tenant_that_pins_it(make_pool):
+    # x stored a prefix and is done with it; y's requests pin it. The pins counted to the
+    # block's keeper, x: y pinned pages past its own room (the device less x's guarantee)
+    # unrefused, x was refused a pin of its own because "its" pins would take y's
+    # guarantee, and x's guarantee was pinned away by y. A pin counts to the tenant whose
+    # request asked for it: while another tenant pins the block too, to the first of them.
+    pool = make_pool(device_pages=8, host_pages=8,
+                     quotas={"x": TenantQuota(guaranteed=5), "y": TenantQuota(guaranteed=1)})
+    _admit(pool, "a", tenant="x", tokens=16 * 4)
+    _, blocks = _stored(pool, "a", KEYS[:4])
+    pool.release("a")
+    _admit(pool, "b", tenant="y", tokens=16 * 4)
+    with pytest.raises(ResourceExhausted, match="guaranteed to other tenants"):
+        pool.load("b", NS, KEYS[:4], intent={"pin_requested": True})  # 4 > 8 - 5
+    pool.load("b", NS, KEYS[:3], intent={"pin_requested": True})
+    assert pool.tenancy.pinned_by_tenant == {"y": 3}
+    _admit(pool, "c", tenant="x", tokens=16 * 4)
+    settle(pool, pool.allocate("c", 4, intent={"pin_requested": True}))  # 4 + 3 <= 8
+    assert pool.tenancy.pinned_by_tenant == {"x": 4, "y": 3}
+    # x pins y's pinned blocks too: they stay y's pins while y pins them, then x's.
+    pool.load("c", NS, KEYS[:2], intent={"pin_requested": True})
+    assert pool.tenancy.pinned_by_tenant == {"x": 4, "y": 3}
+    pool.release("b")
+    assert pool.tenancy.pinned_by_tenant == {"x": 6}
+    assert [b.pinned for b in blocks] == [True, True, False, False]
+    pool.release("c")
+    assert +pool.tenancy.pinned_by_tenant == {} and pool.num_pinned == 0
+
+
 def test_a_pin_that_would_overcommit_the_device_changes_nothing(make_pool):
     pool = make_pool(device_pages=4, host_pages=8)
     _admit(pool, "a")

@@ -129,8 +129,9 @@ class Block:
     users: dict[str, int] | None = None
     payers: tuple[str, ...] = ()
     committed: bool = True
-    # Requests using it that asked for it pinned (Prefixes.use_intent): pinned while any is.
-    pin_users: int = 0
+    # Requests using it that asked for it pinned, by tenant (Prefixes.use_intent): pinned
+    # while any is, the pin counted to the first of those tenants (see pin_tenant).
+    pin_users: dict[str, int] | None = None
 
     def refresh_flags(self) -> bool:
         """DECODE_CRITICAL implies pinned: a decode step depends on the block. An access to
@@ -262,6 +263,13 @@ class Changes:
     def forget(self) -> None:
         self.start += len(self.log)
         self.log = []
+
+
+def pin_tenant(b: Block) -> str:
+    """The tenant a pin of the block counts to: its request's; for a shared block, the first
+    tenant among those whose requests pin it (not its keeper's: a tenant pinning what
+    another stored pins in its own room, not the other's)."""
+    return next(iter(b.pin_users)) if b.pin_users else b.request.tenant
 
 
 def evictable(b: Block) -> bool:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from fractions import Fraction
 from dataclasses import dataclass, field
 
 from kvd.core.admission import counted_pages
-from kvd.core.blocks import Request, RequestState, TierKind
+from kvd.core.blocks import Request, RequestState, TierKind, pin_tenant
 from kvd.core.pool import Pool
 
 
@@ -47,14 +47,14 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
     requests, its cost split among its payers exactly as the tenancy's figures say."""
     name = pool.name
     named = pool.pages.named
-    users: Counter = Counter()
-    pinners: Counter = Counter()
+    users: defaultdict[int, Counter] = defaultdict(Counter)  # by block, by tenant
+    pinners: defaultdict[int, Counter] = defaultdict(Counter)
     uses: Counter = Counter()
     for req in pool.requests.values():
         for b in req.shared:
             uses[id(b)] += 1
         for b in req.pinned_shared:
-            pinners[id(b)] += 1
+            pinners[id(b)][req.tenant] += 1
             if b not in req.shared:
                 problems.append(f"{name}: {req.request_id!r} pins {b}, which it does not use")
         if req.keeper:
@@ -64,7 +64,7 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
             continue
         for b in req.shared:
             if named.get(b.name) is b:
-                users[id(b), req.tenant] += 1
+                users[id(b)][req.tenant] += 1
     if sum(uses.values()) != pool.admission.shared_uses:
         problems.append(f"{name}: counts {pool.admission.shared_uses} uses of shared blocks, "
                         f"the requests have {sum(uses.values())}")
@@ -80,12 +80,13 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
         if (b.name != key or not keeper.keeper or b.tier is TierKind.NONE
                 or keeper.blocks[b.index] is not b):
             problems.append(f"{name}: {b} is filed under {key!r} but is not kept there")
-        have = {t: n for (i, t), n in users.items() if i == id(b)}
+        have = dict(users.get(id(b), {}))
         if have != b.users:
             problems.append(f"{name}: {b} counts users {b.users}, has {have}")
-        if b.pin_users != pinners[id(b)] or b.pin_requested != bool(b.pin_users):
-            problems.append(f"{name}: {b} has {b.pin_users} pinning users (pin "
-                            f"{b.pin_requested}), its requests say {pinners[id(b)]}")
+        pinning = dict(pinners.get(id(b), {}))
+        if (b.pin_users or {}) != pinning or b.pin_requested != bool(pinning):
+            problems.append(f"{name}: {b} has pinning users {b.pin_users} (pin "
+                            f"{b.pin_requested}), its requests say {pinning}")
         if b.users and b.payers != tuple(sorted(b.users)):
             problems.append(f"{name}: {b} is charged to {b.payers}, used by {sorted(b.users)}")
         if b.tier is TierKind.DEVICE and b.payers != (keeper.tenant,):
@@ -169,7 +170,7 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
             problems.append(f"{name}: {b} is filed at {rid}[{i}]")
         if b.pinned:
             tally.pinned += 1
-            tally.pinned_by_tenant[req.tenant] += 1
+            tally.pinned_by_tenant[pin_tenant(b)] += 1
         if b.tier is not TierKind.NONE and not b.moving:
             if pool.pages.tier(b.tier).owner[b.page] is not b:
                 problems.append(f"{name}: {b} is not the owner of its page")

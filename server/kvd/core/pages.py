@@ -15,7 +15,7 @@ from typing import Any
 
 from kvd.core import intent as intents
 from kvd.core.attribution import Attribution
-from kvd.core.blocks import Block, Changes, Request, TierKind, evictable
+from kvd.core.blocks import Block, Changes, Request, TierKind, evictable, pin_tenant
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVictims,
@@ -221,7 +221,7 @@ class PageTable:
     def count_pin(self, block: Block, delta: int) -> None:
         """A pinned block comes (delta 1) or goes (-1); an unpinned one counts nothing."""
         if block.pinned:
-            self.add_pins(block.request.tenant, delta)
+            self.add_pins(pin_tenant(block), delta)
 
     def add_pins(self, tenant: str, delta: int) -> None:
         """Pins changed by `delta` for a tenant: the pool's and the tenant's counts follow."""

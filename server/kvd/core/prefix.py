@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from kvd.core import intent as intents
 from kvd.core.admission import Admission, counted_pages
-from kvd.core.blocks import Block, Request, RequestState, TierKind
+from kvd.core.blocks import Block, Request, RequestState, TierKind, pin_tenant
 from kvd.core.errors import FailedPrecondition, InvalidArgument
 from kvd.core.pages import PageTable
 from kvd.core.tenancy import Tenancy
@@ -223,11 +223,10 @@ class Prefixes:
     def end_uses(self, req: Request) -> None:
         """req ends: it uses its shared blocks no more. A block still used by others is
         charged to them; one nobody uses stays, charged to its last users, unless it was
-        never committed. Its pins go (a block stays pinned while another user pins it)."""
+        never committed. Its pins go (a block stays pinned while another user pins it, the
+        pin then counted to the first tenant still pinning it)."""
         for b in req.pinned_shared:
-            b.pin_users -= 1
-            if not b.pin_users and self.named.get(b.name) is b:
-                self._set_pin(b, False)
+            self._unpin(req, b)
         req.pinned_shared.clear()
         counted = counted_pages(req)
         for b in req.shared:
@@ -279,9 +278,9 @@ class Prefixes:
         if not intent or not intent.get("pin_requested"):
             return
         mine = {id(b) for b in req.pinned_shared}
-        # A pin counts to the block's owner (PageTable.count_pin).
-        self.pages.check_pins(Counter(req.tenant if b is None else b.request.tenant
-                                      for b in blocks
+        # A pin counts to the tenant that pins the block first (blocks.pin_tenant): a block
+        # pinned already stays counted where it is.
+        self.pages.check_pins(Counter(req.tenant for b in blocks
                                       if b is None or (not b.pinned and id(b) not in mine)))
 
     def use_intent(self, req: Request, blocks: Sequence[Block], intent: dict | None) -> None:
@@ -296,8 +295,10 @@ class Prefixes:
         for b in blocks:
             if pin and id(b) not in mine:
                 req.pinned_shared.append(b)
-                b.pin_users += 1
-                if b.pin_users == 1:
+                if b.pin_users is None:
+                    b.pin_users = {}
+                b.pin_users[req.tenant] = b.pin_users.get(req.tenant, 0) + 1
+                if len(b.pin_users) == 1 and b.pin_users[req.tenant] == 1:
                     self._set_pin(b, True)
             if deadline_us is not None and (b.deadline_at is None
                                             or now + deadline_us / 1e6 < b.deadline_at):
@@ -306,13 +307,32 @@ class Prefixes:
                 if self._resident(b) and not b.pinned:
                     self.pages.policy.reorder(b)
 
-    def _set_pin(self, b: Block, on: bool) -> None:
+    def _unpin(self, req: Request, b: Block) -> None:
+        """req pins b no more."""
+        users = b.pin_users
+        counted = next(iter(users))
+        if users[req.tenant] > 1:
+            users[req.tenant] -= 1
+            return
+        del users[req.tenant]
+        if self.named.get(b.name) is not b:  # let go: its pin counts nowhere now
+            b.pin_users = users or None
+            return
+        if not users:
+            self._set_pin(b, False, counted)
+            b.pin_users = None
+        elif b.pinned and next(iter(users)) != counted:  # passed to the next tenant pinning it
+            self.pages.add_pins(counted, -1)
+            self.pages.add_pins(next(iter(users)), 1)
+
+    def _set_pin(self, b: Block, on: bool, tenant: str | None = None) -> None:
+        """Pin or unpin b as its users ask, its pin counted to `tenant` (pin_tenant's)."""
         was = b.pinned
         b.pin_requested = on
         if b.refresh_flags():
             self.pages.changes.note(b.request)
         if b.pinned != was:
-            self.pages.add_pins(b.request.tenant, 1 if b.pinned else -1)
+            self.pages.add_pins(tenant or pin_tenant(b), 1 if b.pinned else -1)
             if self._resident(b):
                 (self.pages.policy.remove if b.pinned else self.pages.policy.insert)(b)
 
