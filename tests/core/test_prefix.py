@@ -332,6 +332,27 @@ def test_a_pin_on_a_shared_block_counts_to_the_tenant_that_pins_it(make_pool):
     assert +pool.tenancy.pinned_by_tenant == {} and pool.num_pinned == 0
 
 
+def test_pinning_a_block_another_tenant_pinned_takes_room_of_ones_own(make_pool):
+    # y pins a block x has pinned: no new pin, so nothing was checked. Once x's request
+    # ended the pin passed to y, past y's room, into x's guarantee. A tenant asking for a
+    # pin must have room for it whoever pins the block now: the pin may become its own.
+    pool = make_pool(device_pages=8, host_pages=8,
+                     quotas={"x": TenantQuota(guaranteed=5), "y": TenantQuota(guaranteed=1)})
+    _admit(pool, "a", tenant="x", tokens=16 * 2)
+    plan, blocks = pool.store("a", NS, KEYS[:2], intent={"pin_requested": True})
+    settle(pool, plan)
+    pool.commit("a", NS, KEYS[:2])
+    _admit(pool, "b", tenant="y", tokens=16 * 5)
+    settle(pool, pool.allocate("b", 2, intent={"pin_requested": True}))  # y's room: 3
+    with pytest.raises(ResourceExhausted, match="guaranteed to other tenants"):
+        pool.load("b", NS, KEYS[:2], intent={"pin_requested": True})
+    pool.load("b", NS, KEYS[:1], intent={"pin_requested": True})  # room for one
+    assert pool.tenancy.pinned_by_tenant == {"x": 2, "y": 2}
+    pool.release("a")
+    assert pool.tenancy.pinned_by_tenant == {"y": 3}
+    assert [b.pinned for b in blocks] == [True, False]
+
+
 def test_a_pin_that_would_overcommit_the_device_changes_nothing(make_pool):
     pool = make_pool(device_pages=4, host_pages=8)
     _admit(pool, "a")

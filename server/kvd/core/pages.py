@@ -151,26 +151,31 @@ class PageTable:
             f"{self.holds.count} held by engines until their next call, the rest in transit"
         )
 
-    def check_pins(self, more: Mapping[str, int]) -> None:
+    def check_pins(self, more: Mapping[str, int], room: Mapping[str, int] | None = None
+                   ) -> None:
         """Refuse pins (`more`: by the tenant they count to; negative: pins that end in the
         same change) that would pin more than the device tier holds, or take a page another
         tenant is guaranteed: every tenant that pins more must have its pins, and every
         other tenant's pins or guarantee (whichever is larger), within the tier. Pinned and
         guaranteed pages then never exceed it (DESIGN.md: a guarantee a pin could take,
-        which no eviction gives back, would be no guarantee)."""
+        which no eviction gives back, would be no guarantee). `room`, when given, is what the
+        guarantees are checked against in place of `more`: the pins by tenant once every pin
+        asked for counts to the tenant asking (a shared block another tenant pins now passes
+        to it when that tenant's requests end)."""
         total = sum(more.values())
         if total > 0 and self.num_pinned + total > self.device.capacity:
             raise self.overpinned(total)
-        added = [t for t, n in more.items() if n > 0]
+        room = more if room is None else room
+        added = [t for t, n in room.items() if n > 0]
         if not added or not any(q.guaranteed for q in self.tenancy.quotas.values()):
             return
         capacity = self.device.capacity
-        claims = self.tenancy.pin_claims(capacity, more)
+        claims = self.tenancy.pin_claims(capacity, room)
         claimed = sum(claims.values())
         for tenant in added:
-            pins = self.tenancy.pinned_by_tenant[tenant] + more[tenant]
+            pins = self.tenancy.pinned_by_tenant[tenant] + room[tenant]
             if pins + claimed - claims[tenant] > capacity + 1e-6:
-                raise self.guarantee_pinned(tenant, more[tenant], claims)
+                raise self.guarantee_pinned(tenant, room[tenant], claims)
 
     def overpinned(self, more: int) -> ResourceExhausted:
         """The error for a pin that would pin more than the device tier holds."""

@@ -279,9 +279,19 @@ class Prefixes:
             return
         mine = {id(b) for b in req.pinned_shared}
         # A pin counts to the tenant that pins the block first (blocks.pin_tenant): a block
-        # pinned already stays counted where it is.
-        self.pages.check_pins(Counter(req.tenant for b in blocks
-                                      if b is None or (not b.pinned and id(b) not in mine)))
+        # pinned already stays counted where it is, but req's tenant must have room for it,
+        # as it is the pin's once the others' requests end.
+        more: Counter[str] = Counter()
+        room: Counter[str] = Counter()  # as if every pin asked for were req's tenant's
+        for b in blocks:
+            if b is None or not b.pinned:
+                more[req.tenant] += 1
+                room[req.tenant] += 1
+            elif id(b) not in mine and pin_tenant(b) != req.tenant:
+                room[req.tenant] += 1
+                room[pin_tenant(b)] -= 1
+        if room[req.tenant]:
+            self.pages.check_pins(more, room)
 
     def use_intent(self, req: Request, blocks: Sequence[Block], intent: dict | None) -> None:
         """What req says of the shared blocks it uses: a pin holds while req (or another
