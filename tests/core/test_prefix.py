@@ -382,6 +382,28 @@ def test_the_earliest_deadline_on_a_shared_block_stands(make_pool):
     assert block.deadline_at < soon
 
 
+def test_a_passed_deadline_on_a_shared_block_gives_way_to_the_next(make_pool):
+    # The earliest deadline stood for good: once it had passed (its request read the block,
+    # and ended), a kept prefix kept it, and every later use's deadline was later. Under
+    # `deadline` a block due long ago ranks as the most urgent of all: the prefix outranked
+    # blocks due within the millisecond, for as long as it was kept.
+    pool = make_pool(device_pages=4, host_pages=8, policy="deadline")
+    _admit(pool, "a", tokens=16)
+    plan, (block,) = pool.store("a", NS, KEYS[:1], intent={"deadline_us": 1_000})
+    settle(pool, plan)
+    pool.commit("a", NS, KEYS[:1])
+    pool.release("a")
+    pool.clock.advance(60.0)
+    _admit(pool, "b", tokens=16 * 2)
+    pool.load("b", NS, KEYS[:1], intent={"deadline_us": 5_000_000})
+    assert block.deadline_at == pytest.approx(pool.clock.now() + 5.0)
+    # b's other block, due sooner, is kept before the prefix due in 5 s.
+    settle(pool, pool.allocate("b", 1, intent={"deadline_us": 1_000}))
+    _admit(pool, "c", tokens=16 * 3)
+    settle(pool, pool.allocate("c", 3))  # room for one of b's: the later-due goes
+    assert block.tier is TierKind.HOST
+
+
 def test_shared_blocks_refuse_an_intent_that_is_not_theirs(make_pool):
     pool = make_pool()
     _admit(pool, "a")

@@ -38,7 +38,7 @@ KEEPER_PREFIX = "\0kept/"
 MAX_KEY_BYTES = 256
 # What a request may say of the shared blocks it uses: they are other requests' too, so only
 # what holds per user (a pin, held while any user asks for it) or can only make a block
-# matter more (the earliest deadline stands).
+# matter more (the earliest deadline stands, until it passes).
 SHARED_INTENT_FIELDS = frozenset({"pin_requested", "deadline_us"})
 
 
@@ -295,7 +295,8 @@ class Prefixes:
 
     def use_intent(self, req: Request, blocks: Sequence[Block], intent: dict | None) -> None:
         """What req says of the shared blocks it uses: a pin holds while req (or another
-        user that pinned it) uses the block; a deadline stands unless an earlier one does."""
+        user that pinned it) uses the block; a deadline stands until it passes or an earlier
+        one comes."""
         if not intent:
             return
         now = self.pages.clock.now()
@@ -310,7 +311,7 @@ class Prefixes:
                 b.pin_users[req.tenant] = b.pin_users.get(req.tenant, 0) + 1
                 if len(b.pin_users) == 1 and b.pin_users[req.tenant] == 1:
                     self._set_pin(b, True)
-            if deadline_us is not None and (b.deadline_at is None
+            if deadline_us is not None and (b.deadline_at is None or b.deadline_at < now
                                             or now + deadline_us / 1e6 < b.deadline_at):
                 if intents.apply(b, {"deadline_us": deadline_us}, now):
                     self.pages.changes.note(b.request)
