@@ -319,14 +319,16 @@ def test_a_pin_on_a_shared_block_counts_to_the_tenant_that_pins_it(make_pool):
         pool.load("b", NS, KEYS[:4], intent={"pin_requested": True})  # 4 > 8 - 5
     pool.load("b", NS, KEYS[:3], intent={"pin_requested": True})
     assert pool.tenancy.pinned_by_tenant == {"y": 3}
-    _admit(pool, "c", tenant="x", tokens=16 * 4)
-    settle(pool, pool.allocate("c", 4, intent={"pin_requested": True}))  # 4 + 3 <= 8
-    assert pool.tenancy.pinned_by_tenant == {"x": 4, "y": 3}
-    # x pins y's pinned blocks too: they stay y's pins while y pins them, then x's.
+    _admit(pool, "c", tenant="x", tokens=16 * 3)
+    settle(pool, pool.allocate("c", 3, intent={"pin_requested": True}))  # 3 + 3 <= 8
+    assert pool.tenancy.pinned_by_tenant == {"x": 3, "y": 3}
+    # x pins y's pinned blocks too: they stay y's pins while y pins them, then x's; x
+    # needs room for them meanwhile (3 + 2 + y's 3 <= 8).
     pool.load("c", NS, KEYS[:2], intent={"pin_requested": True})
-    assert pool.tenancy.pinned_by_tenant == {"x": 4, "y": 3}
+    assert pool.tenancy.pinned_by_tenant == {"x": 3, "y": 3}
+    assert pool.tenancy.pin_room_by_tenant == {"x": 5, "y": 3}
     pool.release("b")
-    assert pool.tenancy.pinned_by_tenant == {"x": 6}
+    assert pool.tenancy.pinned_by_tenant == {"x": 5}
     assert [b.pinned for b in blocks] == [True, True, False, False]
     pool.release("c")
     assert +pool.tenancy.pinned_by_tenant == {} and pool.num_pinned == 0
@@ -351,6 +353,25 @@ def test_pinning_a_block_another_tenant_pinned_takes_room_of_ones_own(make_pool)
     pool.release("a")
     assert pool.tenancy.pinned_by_tenant == {"y": 3}
     assert [b.pinned for b in blocks] == [True, False]
+
+
+def test_a_tenants_own_pins_leave_room_for_the_shared_pins_that_may_pass_to_it(make_pool):
+    # y pins the three blocks x stored and pinned (room for them: 3 + x's guarantee 5 <= 8),
+    # then a block of its own: its pins then were 0 + 1, within its room, and once x's
+    # request ended the three passed to y: 4 pins and x's guarantee of 5 in 8 pages. A
+    # tenant's room holds every block its requests pin, whoever the pin counts to now.
+    pool = make_pool(device_pages=8, host_pages=8, quotas={"x": TenantQuota(guaranteed=5)})
+    _admit(pool, "a", tenant="x", tokens=16 * 3)
+    plan, blocks = pool.store("a", NS, KEYS[:3], intent={"pin_requested": True})
+    settle(pool, plan)
+    pool.commit("a", NS, KEYS[:3])
+    _admit(pool, "b", tenant="y", tokens=16 * 4)
+    pool.load("b", NS, KEYS[:3], intent={"pin_requested": True})
+    assert pool.tenancy.pinned_by_tenant == {"x": 3}
+    with pytest.raises(ResourceExhausted, match="guaranteed to other tenants"):
+        settle(pool, pool.allocate("b", 1, intent={"pin_requested": True}))
+    pool.release("a")
+    assert pool.tenancy.pinned_by_tenant == {"y": 3} and all(b.pinned for b in blocks)
 
 
 def test_a_pin_that_would_overcommit_the_device_changes_nothing(make_pool):

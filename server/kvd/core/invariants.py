@@ -21,6 +21,7 @@ class _Tally:
     reserved: int = 0
     working_set: int = 0
     pinned_by_tenant: Counter = field(default_factory=Counter)
+    pin_room_by_tenant: Counter = field(default_factory=Counter)
     reserved_by_tenant: Counter = field(default_factory=Counter)
     device_by_tenant: Counter = field(default_factory=Counter)
     working_set_by_tenant: Counter = field(default_factory=Counter)
@@ -171,6 +172,8 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
         if b.pinned:
             tally.pinned += 1
             tally.pinned_by_tenant[pin_tenant(b)] += 1
+            for tenant in b.pin_users or (req.tenant,):
+                tally.pin_room_by_tenant[tenant] += 1
         if b.tier is not TierKind.NONE and not b.moving:
             if pool.pages.tier(b.tier).owner[b.page] is not b:
                 problems.append(f"{name}: {b} is not the owner of its page")
@@ -201,6 +204,9 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
         problems.append(f"{name}: counts {pool.num_pinned} pinned blocks, has {t.pinned}")
     if +t.pinned_by_tenant != +ten.pinned_by_tenant:
         problems.append(f"{name}: pinned-by-tenant counts are off")
+    if +t.pin_room_by_tenant != +ten.pin_room_by_tenant:
+        problems.append(f"{name}: pin room by tenant {dict(+ten.pin_room_by_tenant)}, the "
+                        f"pinned blocks say {dict(+t.pin_room_by_tenant)}")
     if t.pinned > pool.device.capacity:
         problems.append(f"{name}: {t.pinned} pinned blocks exceed {pool.device.capacity} "
                         "device pages")

@@ -158,14 +158,14 @@ class PageTable:
         tenant is guaranteed: every tenant that pins more must have its pins, and every
         other tenant's pins or guarantee (whichever is larger), within the tier. Pinned and
         guaranteed pages then never exceed it (DESIGN.md: a guarantee a pin could take,
-        which no eviction gives back, would be no guarantee). `room`, when given, is what the
-        guarantees are checked against in place of `more`: the pins by tenant once every pin
-        asked for counts to the tenant asking (a shared block another tenant pins now passes
-        to it when that tenant's requests end)."""
+        which no eviction gives back, would be no guarantee). The guarantees are checked on
+        each tenant's pin room (Tenancy.pin_room_by_tenant); `room`, when given, is what the
+        change adds to it, where that is not `more` (a shared block pinned already, which
+        the change pins for another tenant too)."""
         total = sum(more.values())
         if total > 0 and self.num_pinned + total > self.device.capacity:
             raise self.overpinned(total)
-        room = more if room is None else room
+        room = more if room is None else room  # pin room asked for, by tenant
         added = [t for t, n in room.items() if n > 0]
         if not added or not any(q.guaranteed for q in self.tenancy.quotas.values()):
             return
@@ -173,7 +173,7 @@ class PageTable:
         claims = self.tenancy.pin_claims(capacity, room)
         claimed = sum(claims.values())
         for tenant in added:
-            pins = self.tenancy.pinned_by_tenant[tenant] + room[tenant]
+            pins = self.tenancy.pin_room_by_tenant[tenant] + room[tenant]
             if pins + claimed - claims[tenant] > capacity + 1e-6:
                 raise self.guarantee_pinned(tenant, room[tenant], claims)
 
@@ -194,7 +194,7 @@ class PageTable:
         return ResourceExhausted(
             f"pinning {more} more block(s) of tenant {tenant!r} would take device pages of "
             f"pool {self.name!r} guaranteed to other tenants: it pins "
-            f"{self.tenancy.pinned_by_tenant[tenant]} of {self.device.capacity}, and others "
+            f"{self.tenancy.pin_room_by_tenant[tenant]} of {self.device.capacity}, and others "
             f"pin or are guaranteed {sum(c for t, c in claims.items() if t != tenant):g} "
             f"(by tenant: {', '.join(f'{t}: {c:g}' for t, c in others)})"
         )
@@ -226,12 +226,17 @@ class PageTable:
     def count_pin(self, block: Block, delta: int) -> None:
         """A pinned block comes (delta 1) or goes (-1); an unpinned one counts nothing."""
         if block.pinned:
-            self.add_pins(pin_tenant(block), delta)
+            self.add_pins(pin_tenant(block), delta, room=False)
+            for tenant in block.pin_users or (block.request.tenant,):
+                tally(self.tenancy.pin_room_by_tenant, tenant, delta)
 
-    def add_pins(self, tenant: str, delta: int) -> None:
-        """Pins changed by `delta` for a tenant: the pool's and the tenant's counts follow."""
+    def add_pins(self, tenant: str, delta: int, room: bool = True) -> None:
+        """Pins changed by `delta` for a tenant: the pool's and the tenant's counts follow,
+        and the tenant's pin room unless `room` is False (see Tenancy.pin_room_by_tenant)."""
         self.num_pinned += delta
         tally(self.tenancy.pinned_by_tenant, tenant, delta)
+        if room:
+            tally(self.tenancy.pin_room_by_tenant, tenant, delta)
 
     def note_peak(self) -> None:
         """Keep the high-water mark of device pages in use."""

@@ -30,7 +30,7 @@ from kvd.core.admission import Admission, counted_pages
 from kvd.core.blocks import Block, Request, RequestState, TierKind, pin_tenant
 from kvd.core.errors import FailedPrecondition, InvalidArgument
 from kvd.core.pages import PageTable
-from kvd.core.tenancy import Tenancy
+from kvd.core.tenancy import Tenancy, tally
 from kvd.core.transfer import Reason, TransferPlan
 
 # Keepers' request ids: a NUL cannot be in an engine's request id, so none can collide.
@@ -277,21 +277,14 @@ class Prefixes:
         in `blocks`: a block the call makes, pinned once made)."""
         if not intent or not intent.get("pin_requested"):
             return
-        mine = {id(b) for b in req.pinned_shared}
-        # A pin counts to the tenant that pins the block first (blocks.pin_tenant): a block
-        # pinned already stays counted where it is, but req's tenant must have room for it,
-        # as it is the pin's once the others' requests end.
-        more: Counter[str] = Counter()
-        room: Counter[str] = Counter()  # as if every pin asked for were req's tenant's
-        for b in blocks:
-            if b is None or not b.pinned:
-                more[req.tenant] += 1
-                room[req.tenant] += 1
-            elif id(b) not in mine and pin_tenant(b) != req.tenant:
-                room[req.tenant] += 1
-                room[pin_tenant(b)] -= 1
-        if room[req.tenant]:
-            self.pages.check_pins(more, room)
+        # A pin counts to the tenant that pins the block first (blocks.pin_tenant), and
+        # takes room of every tenant pinning it (its pin passes to them in turn): a block
+        # pinned already adds no pin, but takes room of req's tenant's unless it pins it.
+        tenant = req.tenant
+        more = sum(1 for b in blocks if b is None or not b.pinned)
+        room = sum(1 for b in blocks if b is None or tenant not in (b.pin_users or ()))
+        if room:
+            self.pages.check_pins(Counter({tenant: more}), Counter({tenant: room}))
 
     def use_intent(self, req: Request, blocks: Sequence[Block], intent: dict | None) -> None:
         """What req says of the shared blocks it uses: a pin holds while req (or another
@@ -308,9 +301,11 @@ class Prefixes:
                 req.pinned_shared.append(b)
                 if b.pin_users is None:
                     b.pin_users = {}
-                b.pin_users[req.tenant] = b.pin_users.get(req.tenant, 0) + 1
-                if len(b.pin_users) == 1 and b.pin_users[req.tenant] == 1:
+                n = b.pin_users[req.tenant] = b.pin_users.get(req.tenant, 0) + 1
+                if n == 1 and len(b.pin_users) == 1:
                     self._set_pin(b, True)
+                elif n == 1:  # pinned already, by other tenants: room of req's tenant's too
+                    tally(self.tenancy.pin_room_by_tenant, req.tenant, 1)
             if deadline_us is not None and (b.deadline_at is None or b.deadline_at < now
                                             or now + deadline_us / 1e6 < b.deadline_at):
                 if intents.apply(b, {"deadline_us": deadline_us}, now):
@@ -332,9 +327,11 @@ class Prefixes:
         if not users:
             self._set_pin(b, False, counted)
             b.pin_users = None
-        elif b.pinned and next(iter(users)) != counted:  # passed to the next tenant pinning it
-            self.pages.add_pins(counted, -1)
-            self.pages.add_pins(next(iter(users)), 1)
+            return
+        tally(self.tenancy.pin_room_by_tenant, req.tenant, -1)
+        if next(iter(users)) != counted:  # passed to the next tenant pinning it
+            self.pages.add_pins(counted, -1, room=False)
+            self.pages.add_pins(next(iter(users)), 1, room=False)
 
     def _set_pin(self, b: Block, on: bool, tenant: str | None = None) -> None:
         """Pin or unpin b as its users ask, its pin counted to `tenant` (pin_tenant's)."""

@@ -55,7 +55,10 @@ class Tenancy:
         self.reserved_by_tenant: Counter[str] = Counter()  # admitted requests' reservations
         self.queued_by_tenant: Counter[str] = Counter()  # queued requests' projected pages
         self.waiting_by_tenant: Counter[str] = Counter()  # queued requests, not pages
-        self.pinned_by_tenant: Counter[str] = Counter()
+        self.pinned_by_tenant: Counter[str] = Counter()  # each pinned block to one tenant
+        # What each tenant's pins claim: every block its requests pin, a shared block pinned
+        # by several tenants in each one's (its pin may pass to any of them: blocks.pin_tenant).
+        self.pin_room_by_tenant: Counter[str] = Counter()
         self.blocks_read_by_tenant: Counter[str] = Counter()
         self._shares: dict[str, float] | None = None
         self._guarantees: dict[str, float] | None = None
@@ -164,7 +167,7 @@ class Tenancy:
         whether or not its tenant uses it: unpinned pages taken from it are given back by
         eviction when its tenant comes, pinned ones never would be."""
         claims = {t: g for t, g in effective_guarantees(self.quotas, capacity).items() if g}
-        pinned = self.pinned_by_tenant
+        pinned = self.pin_room_by_tenant
         for tenant in set(pinned) | set(more):
             pins = pinned[tenant] + more.get(tenant, 0)
             claims[tenant] = max(float(pins), claims.get(tenant, 0.0))
