@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -270,6 +271,12 @@ def pin_tenant(b: Block) -> str:
     tenant among those whose requests pin it (not its keeper's: a tenant pinning what
     another stored pins in its own room, not the other's)."""
     return next(iter(b.pin_users)) if b.pin_users else b.request.tenant
+
+
+def pin_room_tenants(b: Block) -> Iterable[str]:
+    """The tenants in whose pin room a pin of the block is (Tenancy.pin_room_by_tenant):
+    its request's; for a shared block, each tenant whose requests pin it."""
+    return b.pin_users or (b.request.tenant,)
 
 
 def evictable(b: Block) -> bool:

@@ -22,7 +22,6 @@ from kvd.core.blocks import (
     Priority,
     Request,
     TierKind,
-    pin_tenant,
 )
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import BlocksInTransit, InvalidArgument, ResourceExhausted
@@ -116,7 +115,7 @@ class Intents:
         take a page another tenant is guaranteed (PageTable.check_pins)."""
         more: Counter[str] = Counter()
         for b, state in final.items():
-            more[pin_tenant(b)] += pinned_after(b, state) - b.pinned
+            more[b.request.tenant] += pinned_after(b, state) - b.pinned
         self.pages.check_pins(more)
 
     def _resolve(self, changes: Sequence[IntentChange], final: dict) -> list:
@@ -150,7 +149,7 @@ class Intents:
             resident = (block.tier is TierKind.DEVICE and not block.moving
                         and not block.held)
             if block.pinned != was_pinned:
-                pages.add_pins(pin_tenant(block), 1 if block.pinned else -1)
+                pages.add_pins(block.request.tenant, 1 if block.pinned else -1)
                 if resident:
                     (policy.remove if block.pinned else policy.insert)(block)
             elif resident and not block.pinned:

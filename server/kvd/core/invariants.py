@@ -7,7 +7,7 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 
 from kvd.core.admission import counted_pages
-from kvd.core.blocks import Request, RequestState, TierKind, pin_tenant
+from kvd.core.blocks import Request, RequestState, TierKind, pin_room_tenants, pin_tenant
 from kvd.core.pool import Pool
 
 
@@ -172,7 +172,7 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
         if b.pinned:
             tally.pinned += 1
             tally.pinned_by_tenant[pin_tenant(b)] += 1
-            for tenant in b.pin_users or (req.tenant,):
+            for tenant in pin_room_tenants(b):
                 tally.pin_room_by_tenant[tenant] += 1
         if b.tier is not TierKind.NONE and not b.moving:
             if pool.pages.tier(b.tier).owner[b.page] is not b:

@@ -15,7 +15,8 @@ from typing import Any
 
 from kvd.core import intent as intents
 from kvd.core.attribution import Attribution
-from kvd.core.blocks import Block, Changes, Request, TierKind, evictable, pin_tenant
+from kvd.core.blocks import (Block, Changes, Request, TierKind, evictable, pin_room_tenants,
+                              pin_tenant)
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVictims,
@@ -227,7 +228,7 @@ class PageTable:
         """A pinned block comes (delta 1) or goes (-1); an unpinned one counts nothing."""
         if block.pinned:
             self.add_pins(pin_tenant(block), delta, room=False)
-            for tenant in block.pin_users or (block.request.tenant,):
+            for tenant in pin_room_tenants(block):
                 tally(self.tenancy.pin_room_by_tenant, tenant, delta)
 
     def add_pins(self, tenant: str, delta: int, room: bool = True) -> None:

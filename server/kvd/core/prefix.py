@@ -316,10 +316,10 @@ class Prefixes:
     def _unpin(self, req: Request, b: Block) -> None:
         """req pins b no more."""
         users = b.pin_users
-        counted = next(iter(users))
         if users[req.tenant] > 1:
             users[req.tenant] -= 1
             return
+        counted = next(iter(users))
         del users[req.tenant]
         if self.named.get(b.name) is not b:  # let go: its pin counts nowhere now
             b.pin_users = users or None
