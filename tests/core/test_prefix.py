@@ -527,7 +527,7 @@ def test_a_kept_block_someone_uses_again_is_no_longer_the_first_to_go(make_pool)
 def test_the_self_check_of_a_large_cache_is_linear_in_it(make_pool):
     # kvd checks its own bookkeeping every minute, on its event loop. The check matched each
     # named block's users by scanning every (block, tenant) pair counted: 4,000 blocks in
-    # use took 0.9 s, 20,000 some 20 s, with kvd answering nothing meanwhile. This many
+    # use took 0.9 s, 20,000 ran past this timeout, kvd answering nothing meanwhile. This many
     # take well under a second now; the timeout is what fails.
     n = 20_000
     pool = make_pool(device_pages=n + n // 2, host_pages=8)
