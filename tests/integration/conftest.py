@@ -30,18 +30,30 @@ policy = "lru"
 """
 
 
+# A machine size's third part: each engine a tenant of its own with quotas (the first
+# guaranteed a quarter of the device, the second limited to half of it, the third weighted
+# twice), rather than only a tenant of its own (True) or all the socket's tenant (False).
+QUOTAS = "quotas"
+
+
+def _quotas(device: int) -> dict[int, str]:
+    return {0: f"guaranteed = {device // 4}\n", 1: f"limit = {device // 2}\n",
+            2: "weight = 2.0\n"}
+
+
 @contextlib.contextmanager
-def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool], *,
+def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool | str], *,
                 page_bytes: int, block_tokens: int, engines: int):
     """A kvd for a state machine's examples (one process for all of them), of `size`
     (device pages, host pages, whether each engine is a tenant of its own: engineN, with
-    the token engineN-token); it must be alive when they end."""
+    the token engineN-token; QUOTAS: with quotas too); it must be alive when they end."""
     device, host, tenants = size
     config = MACHINE_CONFIG.format(page_bytes=page_bytes, block_tokens=block_tokens,
                                    device=device, host=host)
     if tenants:
+        quotas = _quotas(device) if tenants == QUOTAS else {}
         config += "".join(f'\n[[tenant]]\nname = "engine{i}"\ntoken = "engine{i}-token"\n'
-                          for i in range(engines))
+                          + quotas.get(i, "") for i in range(engines))
     tmp = tmp_path_factory.mktemp(name)
     (tmp / "kvd.toml").write_text(config)
     with LocalKvd("--config", str(tmp / "kvd.toml"), workdir=tmp) as kvd:
@@ -58,10 +70,11 @@ def engine_clients(kvd, n: int, timeout_s: float) -> list[AsyncClient]:
                         token=f"engine{i}-token" if kvd.tenants else None) for i in range(n)]
 
 
-def size_id(size: tuple[int, int, bool]) -> str:
+def size_id(size: tuple[int, int, bool | str]) -> str:
     """A machine's (device pages, host pages, a tenant per engine) as a test id."""
     device, host, tenants = size
-    return f"device{device}-host{host}{'-tenants' if tenants else ''}"
+    kind = "-quotas" if tenants == QUOTAS else "-tenants" if tenants else ""
+    return f"device{device}-host{host}{kind}"
 
 
 def free_port() -> int:

@@ -34,7 +34,7 @@ from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, KvdC
                         ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
 
-from .conftest import engine_clients, machine_kvd, size_id
+from .conftest import QUOTAS, engine_clients, machine_kvd, size_id
 
 PAGE_BYTES = 64
 BLOCK_TOKENS = 16
@@ -48,8 +48,9 @@ CHAINS = [[hashlib.sha256(b"%s/%d" % (name, i)).digest() for i in range(6)]
 
 # (device pages, host pages, whether each engine is a tenant of its own): a device that
 # kept prefixes and one request's blocks fill, a host tier that fills (kept blocks are then
-# dropped), and room.
-SIZES = [(6, 3, True), (8, 16, False), (16, 8, True)]
+# dropped), and room; and tenants with a guarantee, a limit and a weight, whose pins on the
+# blocks they share must keep within them.
+SIZES = [(6, 3, True), (8, 16, False), (16, 8, True), (12, 8, QUOTAS)]
 
 # What a call may be refused with: no room now, or blocks that moved under a store (it says
 # to store again); a commit of blocks dropped before it (FailedPrecondition says so).
@@ -180,9 +181,10 @@ async def _step(engine: Engine, admin: AsyncClient, kind: int, a: int, b: int) -
         if keys:
             with contextlib.suppress(FailedPreconditionError):  # dropped before it
                 await _call(engine, lambda: c.commit(rid, NS, keys))
-    elif kind == 3:  # load a leading run: every page holds its key's bytes
+    elif kind == 3:  # load a leading run, perhaps pinned: every page holds its key's bytes
         keys = chain[:1 + b % len(chain)]
-        reply = await _call(engine, lambda: c.load(rid, NS, keys))
+        intent = pb.MemoryIntent(pin_requested=True) if a % 4 >= 2 else None
+        reply = await _call(engine, lambda: c.load(rid, NS, keys, intent=intent))
         if reply is None:
             return
         assert len(reply.handles) <= len(keys)

@@ -35,7 +35,7 @@ from kvd_client import AsyncClient, KvdClientError, ResourceExhaustedError, pb
 from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
 
-from .conftest import engine_clients, machine_kvd, size_id
+from .conftest import QUOTAS, engine_clients, machine_kvd, size_id
 
 PAGE_BYTES = 128
 BLOCK_TOKENS = 16
@@ -292,8 +292,9 @@ async def _served(engine: Engine, others: list[Engine]) -> None:
 # (device pages, host pages, whether each engine is a tenant of its own): a device smaller
 # than one request can grow to, a host tier that fills (victims the engine allowed to be
 # recomputed are then dropped), and room; two tenants' engines take turns at the loop while
-# they compete, one tenant's steps do not.
-SIZES = [(4, 16, True), (5, 2, False), (10, 40, True), (24, 24, False)]
+# they compete, one tenant's steps do not; and tenants with a guarantee and a limit, whose
+# pins must keep within them.
+SIZES = [(4, 16, True), (5, 2, False), (10, 40, True), (24, 24, False), (10, 8, QUOTAS)]
 
 
 @pytest.fixture(scope="module", params=SIZES, ids=size_id)
