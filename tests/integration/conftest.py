@@ -71,7 +71,7 @@ def engine_clients(kvd, n: int, timeout_s: float) -> list[AsyncClient]:
 
 
 def size_id(size: tuple[int, int, bool | str]) -> str:
-    """A machine's (device pages, host pages, a tenant per engine) as a test id."""
+    """A machine's (device pages, host pages, a tenant per engine or QUOTAS) as a test id."""
     device, host, tenants = size
     kind = "-quotas" if tenants == QUOTAS else "-tenants" if tenants else ""
     return f"device{device}-host{host}{kind}"
