@@ -474,8 +474,8 @@ class Node:
 
     async def evict(self, pool: str, num_pages: int) -> list:
         rt = self.runtime(pool)
-        # Victims in transit or held by engines come free soon: wait for them as any
-        # operation that needs room does.
+        # Victims in transit come free when their copies finish: wait for them as any
+        # operation that needs room does (not for engines' holds: see Pool.evict).
         plan = await rt.run(lambda: rt.pool.evict(num_pages))
         await rt.execute(plan)
         return plan.demotions

@@ -603,3 +603,38 @@ async def test_a_guarantee_admits_its_tenant_while_anothers_working_sets_fill_th
                 for h in (await client.access(rid)).handles:
                     assert np.array_equal(mapped.read(h), written[(rid, h.block_index)])
             assert (await admin.self_check()).ok
+
+
+async def test_an_evict_the_guarantees_refuse_is_refused_at_once_while_an_engine_holds_pages(
+        tmp_path):
+    """The operator evicts 2 pages: the 2 the policy holds are beta's, within its guarantee
+    of 2, and alpha's step holds a third until alpha's next message (its hold lapses only
+    after 30 s). The evict is refused then and there, saying why: alpha may be waiting for
+    it before it steps again (a kvctl call in the engine's own loop), and the page alpha
+    holds is no victim until then."""
+    (tmp_path / "beta.token").write_text("beta-token\n")
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.format(tcp="hold_s = 30", policy="fair")
+                      .replace("device_pages = 8", "device_pages = 4"))
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, token="root-token", timeout_s=5) as admin, \
+                AsyncClient(kvd.target, token="alpha-token") as alpha, \
+                AsyncClient(kvd.target, token="beta-token") as beta:
+            await admin.set_quota("beta", guaranteed_pages=2)
+            await beta.admit("b1", 32)
+            await beta.allocate("b1", 2)
+            await beta.keep_alive()  # done writing: its pages are evictable
+            await alpha.admit("a1", 16)
+            async with alpha.step_stream() as stream:
+                reply = await stream.step(allocations=[("a1", 1)])
+                assert len(reply.allocated) == 1  # alpha's until its next message
+                with pytest.raises(ResourceExhaustedError) as refused:
+                    await admin.evict(2)
+                assert ("cannot evict 2 device page(s) now: 2 evictable, but the policy "
+                        "keeps each tenant's pages within its guarantee (device pages: "
+                        "beta: 2 of 2 guaranteed); 1 held by engines") in refused.value.details
+                reply = await stream.step(read_all=["a1"])
+                assert not reply.errors
+            (evicted,) = (await admin.evict(1)).evicted  # alpha's, no longer held
+            assert evicted.request_id == "alpha/a1"
+            assert (await admin.self_check()).ok

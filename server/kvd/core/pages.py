@@ -152,6 +152,19 @@ class PageTable:
             f"{self.holds.count} held by engines until their next call, the rest in transit"
         )
 
+    def unevictable(self, needed: int) -> ResourceExhausted:
+        """The error for `needed` victims the policy cannot give although as many are
+        evictable: a fair policy keeps what each tenant is guaranteed."""
+        kept = ", ".join(
+            f"{t}: {self.tenancy.usage(t):g} of {self.tenancy.guaranteed(t):g} guaranteed"
+            for t in sorted(self.tenancy.usages()) if self.tenancy.guaranteed(t) > 0)
+        return ResourceExhausted(
+            f"pool {self.name!r}: cannot evict {needed} device page(s) now: "
+            f"{len(self.policy)} evictable, but the policy keeps each tenant's pages within "
+            f"its guarantee (device pages: {kept or 'none guaranteed'}); "
+            f"{self.holds.count} held by engines until their next call"
+        )
+
     def check_pins(self, more: Mapping[str, int], room: Mapping[str, int] | None = None
                    ) -> None:
         """Refuse pins (`more`: by the tenant they count to; negative: pins that end in the
@@ -281,17 +294,22 @@ class PageTable:
 
     def evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
               protected: Collection[Block] = (), host_room: int | None = None,
-              holder: str = "") -> list[Move]:
+              holder: str = "", now: bool = False) -> list[Move]:
         """Take num victims (none of them protected) off the device tier: demote them to host,
         or drop those the engine can recompute when the host tier is full (or has no more
         than `host_room` pages for them). Raises before changing anything: the policy's
         choice is looked at first and taken only after. `holder`: the caller's, whose own
-        holds end only at its next call (waiting for them would wait for ever)."""
+        holds end only at its next call (waiting for them would wait for ever). `now`: the
+        victims must be there now, or come free when copies in flight finish; engines'
+        holds are not waited for (the operator's Evict: its caller may be the engine that
+        would end them)."""
         self._before_choosing()
         victims = self.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
             holds = self.holds
             rounds = SWAP_HOLDER if cause is not None and cause is self.swapping else ""
+            if now and not self.num_moving_blocks():
+                raise self.unevictable(num)
             if self.num_moving_blocks() or holds.some_may_end(rounds):
                 # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).

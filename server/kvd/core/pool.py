@@ -369,14 +369,16 @@ class Pool:
 
     @after_reads
     def evict(self, num_pages: int) -> TransferPlan:
-        """Demote num_pages victims now (the engine asked for room): all or none."""
+        """Demote num_pages victims now (the operator asked for room): all or none, refused
+        at once when they cannot go (only copies in flight are waited for)."""
         if num_pages <= 0:
             raise InvalidArgument(f"num_pages must be positive, got {num_pages}")
         self.pages.holds.materialize()  # requests steps answered are not evictable
         if num_pages > len(self.policy):
             raise self.pages.no_room(num_pages)
         return TransferPlan(self.name, Reason.EVICT, None,
-                            demotions=self.pages.evict(num_pages, None, Reason.EVICT, False))
+                            demotions=self.pages.evict(num_pages, None, Reason.EVICT, False,
+                                                       now=True))
 
     @after_reads
     def set_policy(self, name: str) -> str:
