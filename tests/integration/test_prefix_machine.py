@@ -218,7 +218,8 @@ async def _step(engine: Engine, admin: AsyncClient, kind: int, a: int, b: int) -
         if a % 3 == 0:
             await admin.set_policy(policy_names()[b % len(policy_names())])
         else:
-            # An evict waits for pages the engines hold: they come free at their next calls.
+            # An evict takes what the policy can give now (never pages the engines hold),
+            # or is refused.
             await _call(engine.operator, lambda: admin.evict(1 + b % 4))
 
 
