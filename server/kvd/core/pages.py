@@ -306,11 +306,12 @@ class PageTable:
         self._before_choosing()
         victims = self.choose(num, cause.tenant if cause else None, protected)
         if victims is None:
+            moving = self.num_moving_blocks()
+            if now and not moving:
+                raise self.unevictable(num)
             holds = self.holds
             rounds = SWAP_HOLDER if cause is not None and cause is self.swapping else ""
-            if now and not self.num_moving_blocks():
-                raise self.unevictable(num)
-            if self.num_moving_blocks() or holds.some_may_end(rounds):
+            if moving or holds.some_may_end(rounds):
                 # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).
                 raise NoVictims()
