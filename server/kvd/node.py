@@ -218,6 +218,10 @@ class Node:
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
                             request_id=request_id, count=len(plan.allocated))
+        if rt.pool.queue:
+            # The tenant now holds more: the fair order of the line may have changed, and
+            # put at its head another tenant's request that fits.
+            self._room_grew(rt)
         return plan.allocated, stall_s
 
     async def access(self, request_id: str, indices: Sequence[int] | None,
@@ -363,7 +367,8 @@ class Node:
     def _room_grew(self, rt: PoolRuntime) -> None:
         """Admission room grew in a pool without a release (a prefix stored or loaded is
         shared, counted out of its request's working set; a quota changed, see
-        settle_queues): the pool's queue, and the queues whose requests wait for handoff
+        settle_queues), or the line's fair order changed (a tenant's allocation): the pool's
+        queue, and the queues whose requests wait for handoff
         reservations there, go again."""
         admitted = rt.pool.admit_waiting() if rt.pool.queue else []
         if admitted:

@@ -517,3 +517,44 @@ def test_daemon_keeps_its_promises(policy):
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=list(HealthCheck))
     machine.TestCase().runTest()
+
+
+class _Draws:
+    """data.draw for a replayed example: the values it drew, in order."""
+
+    def __init__(self, *values) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy):
+        return self.values.pop(0)
+
+
+def test_an_allocation_that_reorders_the_line_lets_in_its_new_head():
+    """Found by this machine: tenant a's allocation put it further over its fair share, so
+    tenant b's queued request went to the head of the line in fair order, and fitted; but
+    only a release, a free or a quota change ran the line again, and it waited."""
+    machine = type("DaemonMachine_deadline", (DaemonMachine,), {"policy": "deadline"})()
+    try:
+        machine.start(device_pages=64, host_ratio=0, admission="working_set")
+        machine.admit(handoff=False, rid="r0", share=5, tenant="b")  # over b's limit
+        machine.admit(handoff=False, rid="r0", share=1, tenant="a")
+        machine.store(commit=False, data=_Draws("r0"), n=1, pin=0, start=0, writes=False)
+        cold = {"pin": False, "priority": Priority.COLD, "twice": False}
+        machine.update_intents(data=_Draws("r0", 0), **cold)
+        machine.allocate(data=_Draws("r0"), pin=0, recompute=False, share=4)
+        machine.update_intents(data=_Draws("r0", 0), **cold)
+        machine.admit(handoff=False, rid="r4", share=7, tenant="a")
+        machine.admit(handoff=False, rid="r5", share=1, tenant="a")
+        machine.update_intents(data=_Draws("r0", 0), **cold)
+        machine.store(commit=False, data=_Draws("r0"), n=1, pin=0, start=0, writes=False)
+        machine.allocate(data=_Draws("r5"), pin=0, recompute=False, share=1)
+        machine.admit(handoff=False, rid="r1", share=2, tenant="b")
+        machine.admit(handoff=False, rid="r3", share=1, tenant="b")
+        machine.promises_hold()
+        pool = machine.daemon.runtime("default").pool
+        assert pool.requests["r3"].state is RequestState.QUEUED  # behind a's requests
+        machine.allocate(data=_Draws("r0"), pin=0, recompute=False, share=1)
+        assert pool.requests["r3"].state is RequestState.ADMITTED
+        machine.promises_hold()
+    finally:
+        machine.teardown()
