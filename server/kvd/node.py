@@ -368,8 +368,8 @@ class Node:
         """Admission room grew in a pool without a release (a prefix stored or loaded is
         shared, counted out of its request's working set; a quota changed, see
         settle_queues), or the line's fair order changed (a tenant's allocation): the pool's
-        queue, and the queues whose requests wait for handoff
-        reservations there, go again."""
+        queue, and the queues whose requests wait for handoff reservations there, go
+        again."""
         admitted = rt.pool.admit_waiting() if rt.pool.queue else []
         if admitted:
             rt.waiters.notify()
