@@ -6,6 +6,7 @@ The async operations here are what the gRPC servicers call; they know nothing of
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -102,6 +103,11 @@ class Node:
         self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
         self.cluster = None  # kvd.cluster.ClusterMember, when [cluster] names etcd
         self.shared = SharedBlocks(self.runtime, self.runtime_of, self._room_grew)
+        # Pools whose line's fair order moved since it last ran (see _order_moved).
+        self._moved: dict[str, PoolRuntime] = {}
+        self._settle_soon = False
+        for rt in self.pools.values():
+            rt.pool.admission.on_order_moved = functools.partial(self._order_moved, rt)
         self.apply_tenants(config)
 
     # ------------------------------------------------------------------ lookup
@@ -165,6 +171,7 @@ class Node:
                             request_id=request_id, count=result.projected_pages,
                             decision=result.decision, reason=result.reason)
         publish_admitted(self.events, rt.pool.name, rt.pool.admission.take_newly_admitted())
+        self._settle_lines()  # a handoff reservation it made moved its handoff pool's line
         return result
 
     async def admit_async(self, request_id: str, *, tenant: str, pool: str,
@@ -218,10 +225,6 @@ class Node:
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
                             request_id=request_id, count=len(plan.allocated))
-        if rt.pool.queue:
-            # The tenant now holds more: the fair order of the line may have changed, and
-            # put at its head another tenant's request that fits.
-            self._room_grew(rt)
         return plan.allocated, stall_s
 
     async def access(self, request_id: str, indices: Sequence[int] | None,
@@ -367,7 +370,7 @@ class Node:
     def _room_grew(self, rt: PoolRuntime) -> None:
         """Admission room grew in a pool without a release (a prefix stored or loaded is
         shared, counted out of its request's working set; a quota changed, see
-        settle_queues), or the line's fair order changed (a tenant's allocation): the pool's
+        settle_queues), or the line's fair order moved (see _order_moved): the pool's
         queue, and the queues whose requests wait for handoff reservations there, go
         again."""
         admitted = rt.pool.admit_waiting() if rt.pool.queue else []
@@ -375,6 +378,29 @@ class Node:
             rt.waiters.notify()
             publish_admitted(self.events, rt.pool.name, admitted)
         self.handoffs.kick_queues(rt.pool.name)
+
+    def _order_moved(self, rt: PoolRuntime) -> None:
+        """A tenant's reserved, queued or kept pages moved in a pool whose requests wait
+        (Admission._demand_moved): the fair order of its line may now put at the head a
+        request that fits. The line runs again once the operation that moved it is done,
+        not in its middle: on the event loop's next turn, before anything else runs there
+        (or, called with no loop running, at the end of the node's call, see admit)."""
+        self._moved[rt.pool.name] = rt
+        if not self._settle_soon:
+            try:
+                asyncio.get_running_loop().call_soon(self._settle_lines)
+            except RuntimeError:
+                return
+            self._settle_soon = True
+
+    def _settle_lines(self) -> None:
+        """Run again the lines whose fair order moved (_order_moved)."""
+        try:
+            while self._moved:
+                _, rt = self._moved.popitem()
+                self._room_grew(rt)  # its admissions may move a handoff pool's order
+        finally:
+            self._settle_soon = False
 
     def settle_queues(self) -> None:
         """After a quota or policy change: each queued request that can never be admitted

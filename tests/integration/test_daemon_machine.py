@@ -489,7 +489,8 @@ class DaemonMachine(RuleBasedStateMachine):
             assert head is None or why.startswith("handoff pool"), (
                 f"{head.request_id} waits for ever: {why}")
         # No queued request could go now: whatever made room (a release, a free, a hold
-        # ended, a copy done, a quota or policy changed) ran the line again. The first of
+        # ended, a copy done, a quota or policy changed) or moved the line's fair order (a
+        # tenant's reserved, queued or kept pages) ran the line again. The first of
         # each line in fair order, past the tenants whose first waits on their own cap
         # (here or in the decode pool: room no other tenant's request takes or frees), does
         # not fit, and nobody behind it is within a guarantee that lets it pass.
@@ -529,31 +530,45 @@ class _Draws:
         return self.values.pop(0)
 
 
-def test_an_allocation_that_reorders_the_line_lets_in_its_new_head():
-    """Found by this machine: tenant a's allocation put it further over its fair share, so
+def _line_behind_tenant_a(machine) -> None:
+    """Replayed from an example this machine found: tenant a runs r0 and queues r4 and r5,
+    and tenant b's r3 waits behind a's requests, b being further over its fair share."""
+    machine.start(device_pages=64, host_ratio=0, admission="working_set")
+    machine.admit(handoff=False, rid="r0", share=5, tenant="b")  # over b's limit
+    machine.admit(handoff=False, rid="r0", share=1, tenant="a")
+    machine.store(commit=False, data=_Draws("r0"), n=1, pin=0, start=0, writes=False)
+    cold = {"pin": False, "priority": Priority.COLD, "twice": False}
+    machine.update_intents(data=_Draws("r0", 0), **cold)
+    machine.allocate(data=_Draws("r0"), pin=0, recompute=False, share=4)
+    machine.update_intents(data=_Draws("r0", 0), **cold)
+    machine.admit(handoff=False, rid="r4", share=7, tenant="a")
+    machine.admit(handoff=False, rid="r5", share=1, tenant="a")
+    machine.update_intents(data=_Draws("r0", 0), **cold)
+    machine.store(commit=False, data=_Draws("r0"), n=1, pin=0, start=0, writes=False)
+    machine.allocate(data=_Draws("r5"), pin=0, recompute=False, share=1)
+    machine.admit(handoff=False, rid="r1", share=2, tenant="b")
+    machine.admit(handoff=False, rid="r3", share=1, tenant="b")
+    machine.promises_hold()
+    pool = machine.daemon.runtime("default").pool
+    assert pool.requests["r3"].state is RequestState.QUEUED  # behind a's requests
+
+
+@pytest.mark.parametrize("grows", ["allocation", "store"])
+def test_a_tenant_growing_past_its_reservation_lets_in_the_lines_new_head(grows):
+    """Found by this machine: tenant a's request grew past what it had reserved (blocks
+    allocated, or prefix blocks stored), which put a further over its fair share, so
     tenant b's queued request went to the head of the line in fair order, and fitted; but
     only a release, a free or a quota change ran the line again, and it waited."""
     machine = type("DaemonMachine_deadline", (DaemonMachine,), {"policy": "deadline"})()
     try:
-        machine.start(device_pages=64, host_ratio=0, admission="working_set")
-        machine.admit(handoff=False, rid="r0", share=5, tenant="b")  # over b's limit
-        machine.admit(handoff=False, rid="r0", share=1, tenant="a")
-        machine.store(commit=False, data=_Draws("r0"), n=1, pin=0, start=0, writes=False)
-        cold = {"pin": False, "priority": Priority.COLD, "twice": False}
-        machine.update_intents(data=_Draws("r0", 0), **cold)
-        machine.allocate(data=_Draws("r0"), pin=0, recompute=False, share=4)
-        machine.update_intents(data=_Draws("r0", 0), **cold)
-        machine.admit(handoff=False, rid="r4", share=7, tenant="a")
-        machine.admit(handoff=False, rid="r5", share=1, tenant="a")
-        machine.update_intents(data=_Draws("r0", 0), **cold)
-        machine.store(commit=False, data=_Draws("r0"), n=1, pin=0, start=0, writes=False)
-        machine.allocate(data=_Draws("r5"), pin=0, recompute=False, share=1)
-        machine.admit(handoff=False, rid="r1", share=2, tenant="b")
-        machine.admit(handoff=False, rid="r3", share=1, tenant="b")
-        machine.promises_hold()
+        _line_behind_tenant_a(machine)
         pool = machine.daemon.runtime("default").pool
-        assert pool.requests["r3"].state is RequestState.QUEUED  # behind a's requests
-        machine.allocate(data=_Draws("r0"), pin=0, recompute=False, share=1)
+        reserved = pool.requests["r0"].reserved_pages
+        if grows == "allocation":
+            machine.allocate(data=_Draws("r0"), pin=0, recompute=False, share=1)
+        else:
+            machine.store(commit=False, data=_Draws("r0"), n=7, pin=1, start=1, writes=True)
+        assert pool.requests["r0"].reserved_pages > reserved
         assert pool.requests["r3"].state is RequestState.ADMITTED
         machine.promises_hold()
     finally:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvd.core.blocks import Request, RequestState
@@ -86,6 +87,11 @@ class Admission:
         self.working_set_by_tenant: Counter[str] = Counter()  # the same, each tenant's
         self.shared_uses = 0
         self._newly_admitted: list[Request] = []
+        # Told when the line's fair order may have moved while requests wait, outside a run
+        # of the line: see _demand_moved.
+        self.on_order_moved: Callable[[], None] | None = None
+        self._in_line = False
+        tenancy.on_demand = self._demand_moved
 
     def projected_pages(self, prompt_tokens: int, output_tokens: int) -> int:
         """Pages a request of these token counts holds at its end (whole blocks)."""
@@ -137,7 +143,11 @@ class Admission:
     def submit(self, req: Request) -> AdmitResult:
         """Queue `req` and admit in fair order: it goes now only if it is first in line and
         fits. Queued requests that go with it are kept for take_newly_admitted()."""
-        self.enqueue(req)
+        self._in_line = True  # the line runs right after it is queued
+        try:
+            self.enqueue(req)
+        finally:
+            self._in_line = False
         admitted = self.admit_from_queue()
         if req in admitted:
             self._newly_admitted = [r for r in admitted if r is not req]
@@ -298,6 +308,14 @@ class Admission:
         waits behind nobody (see _guaranteed_in_line), and one that waits on its own
         tenant's cap holds nobody up (see _first_not_capped)."""
         admitted = []
+        self._in_line = True
+        try:
+            self._run_line(admitted)
+        finally:
+            self._in_line = False
+        return admitted
+
+    def _run_line(self, admitted: list[Request]) -> None:
         while self.queue:
             req = self._next_in_line()
             if not self.can_admit(req):  # an admissible head is not capped: no look needed
@@ -310,7 +328,16 @@ class Admission:
             self.dequeue(req)
             self._admit_now(req, cap)
             admitted.append(req)
-        return admitted
+
+    def _demand_moved(self) -> None:
+        """A tenant's reserved, queued or kept pages changed (an allocation or a prefix
+        stored past a reservation, a release, a handoff reservation, a kept prefix page in or
+        out of the device tier). The line's fair order (reserved pages over fair share) is
+        made of them: a change may put at the head a request that fits, while the head it
+        had waits. With requests waiting, and outside a run of the line, the owner is told
+        (on_order_moved), to run the line again once the operation that moved it is done."""
+        if self.queue and not self._in_line and self.on_order_moved is not None:
+            self.on_order_moved()
 
     def take_never_fitting(self) -> list[tuple[Request, str]]:
         """Queued requests that can never be admitted now, taken out of the queue with why

@@ -8,7 +8,7 @@ policy read them from here, never from the pool.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 
 from kvd.core.jobs import TokenBucket
@@ -62,6 +62,9 @@ class Tenancy:
         self.blocks_read_by_tenant: Counter[str] = Counter()
         self._shares: dict[str, float] | None = None
         self._guarantees: dict[str, float] | None = None
+        # Called when reserved, queued or kept pages change (demand_changed, kept_changed):
+        # what the admission line's fair order is made of (see Admission).
+        self.on_demand: Callable[[], None] | None = None
 
     def quota(self, tenant: str) -> TenantQuota:
         """The tenant's quota (the default one for a tenant the config does not name)."""
@@ -94,10 +97,14 @@ class Tenancy:
         kept prefixes would be the first to go while another tenant floods the pool."""
         tally(self.kept_by_tenant, tenant, delta)
         self._shares = None
+        if self.on_demand is not None:
+            self.on_demand()
 
     def demand_changed(self) -> None:
         """Reserved or queued pages changed: fair shares are recomputed when next asked."""
         self._shares = None
+        if self.on_demand is not None:
+            self.on_demand()
 
     def fair_shares(self) -> dict[str, float]:
         """Each tenant's fair share of the device tier, over current demand (reserved,
