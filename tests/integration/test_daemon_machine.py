@@ -135,13 +135,19 @@ class DaemonMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
 
     @rule(rid=st.sampled_from(REQUESTS), tenant=st.sampled_from(TENANTS),
-          share=st.integers(1, 8), handoff=st.booleans())
-    def admit(self, rid, tenant, share, handoff):
+          share=st.integers(1, 8), handoff=st.booleans(),
+          decode=st.sampled_from([False, False, True]))
+    def admit(self, rid, tenant, share, handoff, decode=False):
+        """A request admitted to the prefill pool (handed off to the decode pool later, or
+        not), or now and then to the decode pool itself: its line then holds requests
+        that the prefill pool's admissions reorder, with the reservations they make."""
         pages = max(1, share * self.device_pages // 10)  # sized to the pool: pressure
         try:
-            result = self.daemon.admit(rid, tenant=tenant, pool="default",
+            result = self.daemon.admit(rid, tenant=tenant,
+                                       pool="decode" if decode else "default",
                                        prompt_tokens=pages * 4, output_tokens=4, priority=0,
-                                       lease="", handoff_pool="decode" if handoff else "")
+                                       lease="", handoff_pool="decode" if handoff and not decode
+                                       else "")
         except KvdError:
             return
         if result.decision != "rejected":
@@ -381,12 +387,12 @@ class DaemonMachine(RuleBasedStateMachine):
         guarantee: what its tenant runs (its requests' own pages, summed here) and its
         charge exceed the pages the tenant is guaranteed; within them it goes in at once,
         whatever other tenants' working sets hold."""
-        req = self.daemon.runtime("default").pool.requests[rid]
+        req = self._request(rid)
         if reason.startswith("handoff pool"):  # its reservation in the decode pool waits
             pool = self.daemon.runtime("decode").pool
             charge = pool.admission.projected_pages(req.prompt_tokens, req.output_tokens)
         else:
-            pool = self.daemon.runtime("default").pool
+            pool = self.daemon.runtime(req.pool).pool
             charge = pool.admission.working_set_charge(req)
         running = sum(counted_pages(r) for r in pool.requests.values()
                       if r.tenant == tenant and r.state is not RequestState.QUEUED)
