@@ -553,7 +553,13 @@ class Node:
         if self._peer_retry is not None:
             self._peer_retry.cancel()
         await self.engines.aclose()
-        quiet = await self.drain(timeout_s)
+        # A refill due would start its copies after the links close, into closed arenas.
+        refills = [r for rt in self.pools.values() if (r := rt.stop_refills()) is not None]
+        if refills:
+            _, late = await asyncio.wait(refills, timeout=timeout_s)
+            for refill in late:
+                refill.cancel()
+        quiet = await self.drain(max(0.0, deadline - time.monotonic()))
         pending = {t for t in self.handoffs.in_flight if not t.done()}
         if pending:
             _, pending = await asyncio.wait(pending,

@@ -68,6 +68,8 @@ class PoolRuntime:
         self.room_line = RoomLine()
         self._swapping = asyncio.Lock()  # the read swapping in rounds (see access)
         self._refilling = False
+        self._refill: asyncio.Future | None = None  # the refill due or under way
+        self._closing = False  # no refill starts (stop_refills)
         # Told of every plan done, with its stall (the node's events and stall metric).
         self.on_plan_done = on_plan_done
 
@@ -279,7 +281,8 @@ class PoolRuntime:
 
     def _refill_soon(self) -> None:
         """Top up the fair policy's free reserve in the background, off every request's path."""
-        if self.pool.pages.reserve_pages <= self.pool.device.num_free or not self.pool.policy.fair:
+        if (self._closing or self.pool.pages.reserve_pages <= self.pool.device.num_free
+                or not self.pool.policy.fair):
             return
         self._refilling = True
 
@@ -291,7 +294,15 @@ class PoolRuntime:
             finally:
                 self._refilling = False
 
-        asyncio.ensure_future(refill())
+        self._refill = asyncio.ensure_future(refill())
+
+    def stop_refills(self) -> asyncio.Future | None:
+        """The pool is closing: no refill starts from now on. Returns the one due or under
+        way, if any, for the caller to let finish (its copies are a transfer like any other)
+        before the links and arenas close."""
+        self._closing = True
+        refill = self._refill
+        return refill if refill is not None and not refill.done() else None
 
     def start(self, plan: TransferPlan | None) -> float | Callable[[], Awaitable[float]]:
         """Begin a plan. Returns the stall in seconds when the plan is already complete (no
