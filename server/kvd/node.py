@@ -556,7 +556,8 @@ class Node:
         # A refill due would start its copies after the links close, into closed arenas.
         refills = [r for rt in self.pools.values() if (r := rt.stop_refills()) is not None]
         if refills:
-            _, late = await asyncio.wait(refills, timeout=timeout_s)
+            _, late = await asyncio.wait(refills,
+                                         timeout=max(0.0, deadline - time.monotonic()))
             for refill in late:
                 refill.cancel()
         quiet = await self.drain(max(0.0, deadline - time.monotonic()))

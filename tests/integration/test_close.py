@@ -34,3 +34,28 @@ async def test_a_refill_due_at_close_does_not_copy_into_closed_arenas():
     finally:
         loop.set_exception_handler(previous)
     assert [(c.get("message"), repr(c.get("exception"))) for c in problems] == []
+
+
+async def test_close_keeps_its_deadline_when_a_refill_is_wedged():
+    """Closing takes at most its timeout in all: the wait for a refill that is due gets only
+    what is left of the deadline once the engines' feeds have closed, not the whole timeout
+    again. (A refill that never ends and feeds that take a while to close used to make
+    closing take their sum.)"""
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(page_bytes=64, block_tokens=4, device_pages=4, host_pages=4,
+                   device_backend="host"),)))
+    wedged = asyncio.ensure_future(asyncio.sleep(3600))  # a refill whose copy never ends
+    node.runtime("default")._refill = wedged
+    feeds_close = node.engines.aclose
+
+    async def slow_feeds():
+        await asyncio.sleep(1.0)
+        await feeds_close()
+
+    node.engines.aclose = slow_feeds
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await node.aclose(timeout_s=1.5)
+    took = loop.time() - started
+    assert wedged.cancelled()
+    assert took < 2.2, f"closing took {took:.2f} s against a 1.5 s timeout"
