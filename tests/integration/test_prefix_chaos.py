@@ -99,9 +99,9 @@ def private_bytes(rid: str, index: int, generation: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8)
 
 
-class Engine:
-    """One engine: its client (its tenant, its lease), its request, the pages its last call
-    handed it to read, and what it owes kvd (the fresh pages of its last Store)."""
+class _Engine:
+    """An engine: its client (its tenant, its lease), the arena it maps, its random choices,
+    and its request (the `made`th it started)."""
 
     def __init__(self, wid: int, client: AsyncClient, mapped: MappedPool) -> None:
         self.name = f"engine{wid}"
@@ -110,6 +110,14 @@ class Engine:
         self.rng = random.Random(f"{SEED}/{wid}")
         self.rid: str | None = None
         self.made = 0
+
+
+class Engine(_Engine):
+    """One engine of unary calls: the pages its last call handed it to read, and its private
+    blocks' bytes."""
+
+    def __init__(self, wid: int, client: AsyncClient, mapped: MappedPool) -> None:
+        super().__init__(wid, client, mapped)
         self.readable: list[tuple[pb.PageHandle, np.ndarray, str]] = []
         self.private: dict[int, np.ndarray] = {}
         self.generation = 0
@@ -247,19 +255,14 @@ class Engine:
             self.rid = None
 
 
-class StepEngine:
+class StepEngine(_Engine):
     """An engine on a Step stream beside them: each step reads every block of its request
     (four at most), and grows it or frees a block now and then; it writes what a step
     allocated, and checks every block a step read where kvd said it is (zeros where it said
     to recompute), and again before its next step."""
 
     def __init__(self, wid: int, client: AsyncClient, mapped: MappedPool) -> None:
-        self.name = f"engine{wid}"
-        self.c = client
-        self.mapped = mapped
-        self.rng = random.Random(f"{SEED}/{wid}")
-        self.rid: str | None = None
-        self.made = 0
+        super().__init__(wid, client, mapped)
         self.where: dict[int, pb.PageHandle] = {}
         self.data: dict[int, np.ndarray] = {}
         self.readable: list[int] = []  # the blocks the last step read or handed out
