@@ -67,8 +67,7 @@ class PoolRuntime:
         self.waiters = AdmissionWaiters(pool.admission.queue_positions)
         self.room_line = RoomLine()
         self._swapping = asyncio.Lock()  # the read swapping in rounds (see access)
-        self._refilling = False
-        self._refill: asyncio.Future | None = None  # the refill due or under way
+        self._refill: asyncio.Future | None = None  # the last refill started
         self._closing = False  # no refill starts (stop_refills)
         # Told of every plan done, with its stall (the node's events and stall metric).
         self.on_plan_done = on_plan_done
@@ -272,7 +271,7 @@ class PoolRuntime:
     def _completed(self, plan: TransferPlan, pinned_out: list[Block], stall_s: float) -> None:
         self._notify(plan, stall_s)
         self.room_may_have_changed()
-        if plan.reason is not Reason.RESERVE and not self._refilling:
+        if plan.reason is not Reason.RESERVE:
             self._refill_soon()
         if pinned_out and self.pool.policy.uses_intent:  # pinned while demoted: bring back
             run = self.start(self.pool.prefetch(pinned_out))
@@ -280,29 +279,30 @@ class PoolRuntime:
                 asyncio.ensure_future(run())
 
     def _refill_soon(self) -> None:
-        """Top up the fair policy's free reserve in the background, off every request's path."""
+        """Top up the fair policy's free reserve in the background, off every request's path
+        (unless a refill is due or under way already)."""
         if (self._closing or self.pool.pages.reserve_pages <= self.pool.device.num_free
-                or not self.pool.policy.fair):
+                or not self.pool.policy.fair or self._refilling):
             return
-        self._refilling = True
 
         async def refill():
-            try:
-                plan = self.pool.refill_plan()
-                if plan is not None:
-                    await self.execute(plan)
-            finally:
-                self._refilling = False
+            plan = self.pool.refill_plan()
+            if plan is not None:
+                await self.execute(plan)
 
         self._refill = asyncio.ensure_future(refill())
+
+    @property
+    def _refilling(self) -> bool:
+        """Whether a refill is due or under way."""
+        return self._refill is not None and not self._refill.done()
 
     def stop_refills(self) -> asyncio.Future | None:
         """The pool is closing: no refill starts from now on. Returns the one due or under
         way, if any, for the caller to let finish (its copies are a transfer like any other)
         before the links and arenas close."""
         self._closing = True
-        refill = self._refill
-        return refill if refill is not None and not refill.done() else None
+        return self._refill if self._refilling else None
 
     def start(self, plan: TransferPlan | None) -> float | Callable[[], Awaitable[float]]:
         """Begin a plan. Returns the stall in seconds when the plan is already complete (no
