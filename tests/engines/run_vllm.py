@@ -7,10 +7,12 @@ SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params
 ...], "abort": [indices of prompts aborted once the engine has stepped] (optional),
 "max_tokens": each output's length, past any end of sequence (optional: 8, or less)}, ...],
 "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
-publishes its KV cache events there), "tenants": the connector's kvd_tenants (optional)}. The batches run one after the other in the same engine; after
-each it prints one line, `KVD_RESULT {json}`: each prompt's output tokens and cached tokens,
-the seconds the engine took to start and the batch to run. With "pause", it then waits for a
-line on stdin before the next batch (the test changes kvd meanwhile).
+publishes its KV cache events there), "tenants": the connector's kvd_tenants (optional),
+"step_s": the least time between the engine's steps (optional: see paced_steps.py)}. The
+batches run one after the other in the same engine; after each it prints one line,
+`KVD_RESULT {json}`: each prompt's output tokens and cached tokens, the seconds the engine
+took to start and the batch to run. With "pause", it then waits for a line on stdin before
+the next batch (the test changes kvd meanwhile).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ def main() -> None:
     from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    paced = []
+    if spec.get("step_s"):  # vLLM's worker imports the pacing processor from beside this file
+        os.environ["KVD_TEST_STEP_S"] = str(spec["step_s"])
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(MODEL.parent), os.environ.get("PYTHONPATH")]))
+        paced = ["paced_steps:PacedSteps"]
     events = spec.get("kv_events")
     kv_events = (KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                 endpoint=events[0], replay_endpoint=events[1])
@@ -40,7 +48,7 @@ def main() -> None:
     llm = LLM(model=str(MODEL), kv_events_config=kv_events, load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
               enforce_eager=True, max_model_len=spec.get("max_model_len", 1024),
-              gpu_memory_utilization=0.3, seed=0,
+              gpu_memory_utilization=0.3, seed=0, logits_processors=paced or None,
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvdConnector", kv_role="kv_both",
                   kv_connector_module_path="kvd_client.vllm_connector",

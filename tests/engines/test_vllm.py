@@ -52,9 +52,10 @@ class Engine:
 
     def __init__(self, target: str, batches: list[dict], pause: bool = False,
                  kv_events: tuple[str, str] | None = None, tenants: list[str] = (),
-                 max_model_len: int = 1024) -> None:
+                 max_model_len: int = 1024, step_s: float = 0.0) -> None:
         spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events,
-                           "tenants": list(tenants), "max_model_len": max_model_len})
+                           "tenants": list(tenants), "max_model_len": max_model_len,
+                           "step_s": step_s})
         # A session of its own: killing it takes vLLM's engine-core and worker processes
         # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
@@ -631,20 +632,23 @@ def test_a_request_that_runs_longer_than_the_lease_stays_admitted(tmp_path):
     # connector calls kvd when requests arrive and finish, not while they decode: a request
     # decoding for longer than the lease (a long answer) was released under the running
     # engine, and kvd counted its pages free for others to be admitted into.
-    # The lease (1.5 s, renewed every 0.5 s) leaves a step 1 s to spare: a shorter one let a
-    # pause of a busy machine's scheduler, not the connector, decide the test.
+    # The lease (6 s, renewed every 2 s) leaves 4 s to spare. A 1.5 s lease (1 s to spare)
+    # lapsed in CI under the running engine: on these 2-core machines one CPU was seen
+    # stalled for 2.5 s while the other ran on, and kvd, on the other, cannot tell an engine
+    # stalled that long from one that died. So that it outlasts two such leases on any
+    # machine, the engine steps at most 125 times a second (as a large model decodes), not
+    # as fast as this machine runs the tiny model.
     # When kvd held the request is read from kvd's own events, stamped when kvd admitted and
     # released it: a test polling kvd could not tell a released request from an answer that
     # a machine busy decoding delayed past the release.
-    lease_s = 1.5
+    lease_s = 6.0
     metrics = free_address()
     with LocalKvd(*KVD, "--lease-ttl-s", str(lease_s), "--metrics", metrics,
                   workdir=tmp_path) as kvd:
         events = watch_events(kvd.target, ["admission", "release", "lease"])
-        # As long an answer as the model holds: 880 tokens (a 1,024-token context) took
-        # 2.1 s on a quiet machine, which no 1.5 s lease twice outlives.
+        # As long an answer as the model holds, 8 ms a step at least: 15 s.
         engine = Engine(kvd.target, [{"prompts": PROMPTS[:1], "max_tokens": 1880}],
-                        max_model_len=2048)
+                        max_model_len=2048, step_s=0.008)
         try:
             run = engine.result()
         finally:
@@ -668,16 +672,18 @@ def test_a_lease_renewal_that_fails_once_is_sent_again_within_the_lease(tmp_path
     # A renewal that failed (its connection broke, say) was sent again kvd_retry_s later (a
     # second by default) whatever the lease: under a TTL not much longer than that, one
     # failed renewal lapsed the lease under a running request. The failure is made by the
-    # test (the client's call answers with an error once); kvd and its lease are real.
+    # test (the client's call answers with an error once); kvd and its lease are real. The
+    # lease (6 s) is long enough that a stall of this machine (2.5 s seen) cannot lapse it
+    # between renewals (every 2 s; one a second after a failure); kvd_retry_s is longer.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvd_client import KvdClientError
     from kvd_client import vllm_connector as vc
 
     metrics = free_address()
-    with LocalKvd(*KVD, "--lease-ttl-s", "1.5", "--metrics", metrics, workdir=tmp_path) as kvd:
+    with LocalKvd(*KVD, "--lease-ttl-s", "6", "--metrics", metrics, workdir=tmp_path) as kvd:
         config = vllm_config(kvd.target)
-        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = 2.0
+        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = 8.0
         scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
         scheduler.client.admit("r", 64)  # under the scheduler's lease
         scheduler.tracked["r"] = vc._Tracked("ns", [], 0)
@@ -695,7 +701,7 @@ def test_a_lease_renewal_that_fails_once_is_sent_again_within_the_lease(tmp_path
             return start(name, *args, **kwargs)
 
         scheduler.client.start = fails_once
-        until = time.monotonic() + 3.0
+        until = time.monotonic() + 10.0
         while time.monotonic() < until:  # the scheduler's steps
             scheduler._renew_lease()
             time.sleep(0.02)
