@@ -359,13 +359,14 @@ def test_a_hung_kvd_holds_up_each_sglang_thread_once_a_retry_period(tmp_path):
     # A kvd that hangs (stopped: its socket takes calls, nothing answers) makes each call
     # wait out the backend's timeout. SGLang's prefetch and backup threads call one batch
     # after another: the first timeout marks kvd away for kvd_retry_s, and until then the
-    # calls miss at once rather than wait again.
+    # calls miss at once rather than wait again. The timeout (4 s) is long against a stall of
+    # this machine (2.5 s seen): three calls and a stall take less than one more timeout.
     import os
     import signal
 
     with kvd(tmp_path) as k:
         pool = host_pool()
-        storage = backend(k.target, pool, extra={"kvd_timeout_s": 1.0, "kvd_retry_s": 30})
+        storage = backend(k.target, pool, extra={"kvd_timeout_s": 4.0, "kvd_retry_s": 60})
         src = written_pages(pool, 2, seed=70)
         assert storage.batch_set_v1(keys("h", 2), src) == [True] * 2
         os.kill(k.proc.pid, signal.SIGSTOP)
@@ -383,7 +384,7 @@ def test_a_hung_kvd_holds_up_each_sglang_thread_once_a_retry_period(tmp_path):
             os.kill(k.proc.pid, signal.SIGCONT)
         storage.close()
     print(f"\ncalls against a hung kvd took {took} s")
-    assert took[0] >= 0.9 and sum(took[1:]) < 0.5
+    assert took[0] >= 3.9 and sum(took[1:]) < 3.5
 
 
 def test_a_batch_larger_than_kvds_device_tier_is_stored_and_read_back_whole(tmp_path):

@@ -713,9 +713,20 @@ def test_a_lease_renewal_that_fails_once_is_sent_again_within_the_lease(tmp_path
     assert expired == 0 and active  # ...and the lease held
 
 
+# The connector's timeout in the tests of a kvd that hangs: long against a stall of this
+# machine (2.5 s seen), so that one timeout and a stall stay shorter than two timeouts.
+HUNG_TIMEOUT_S = 4.0
+
+
+def hung_config(target: str):
+    config = vllm_config(target)
+    config.kv_transfer_config.kv_connector_extra_config["kvd_timeout_s"] = HUNG_TIMEOUT_S
+    return config
+
+
 def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
     # A kvd that hangs (stopped, not gone: its socket still takes calls) answers nothing,
-    # and each call waits out the connector's timeout (2 s). The first such call marks kvd
+    # and each call waits out the connector's timeout. The first such call marks kvd
     # away for kvd_retry_s; no other may wait meanwhile. The lease renewal waited for its
     # answer at every renewal, and each request kvd had queued was asked after in turn.
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -723,7 +734,7 @@ def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(hung_config(kvd.target), KVConnectorRole.SCHEDULER)
         scheduler.tracked["r"] = vc._Tracked("ns", [], 0)  # it holds a request...
         scheduler.queued.update(q0=0.0, q1=0.0, q2=0.0)  # ...and kvd queued three
         scheduler.client.keep_alive()  # connected
@@ -744,22 +755,22 @@ def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
         scheduler.client.close()
     print(f"\nrenewals against a hung kvd took {renewals} s; a step asking after three "
           f"queued requests {asked:.1f} s")
-    assert max(renewals) < 0.5
+    assert max(renewals) < HUNG_TIMEOUT_S - 1  # none waited out the timeout
     assert scheduler._renewed > 0  # a renewal was sent
-    assert asked < 3.0  # one call's timeout, not three
+    assert asked < 2 * HUNG_TIMEOUT_S  # one call's timeout, not three
 
 
 def test_a_kvd_that_hangs_mid_step_holds_up_a_workers_step_once_at_most(tmp_path):
     # The worker's loads and saves of one step go to kvd one request after another. A kvd
     # that hangs once the step began (here: right after answering the worker's check of
-    # which kvd it is) made each of them wait out the connector's timeout (2 s) in turn.
+    # which kvd it is) made each of them wait out the connector's timeout in turn.
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        worker = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.WORKER)
+        worker = vc.KvdConnector(hung_config(kvd.target), KVConnectorRole.WORKER)
         worker.register_kv_caches({f"layer.{i}": torch.zeros((8, 32, 128), dtype=torch.bfloat16)
                                    for i in range(2)})
         checked = worker._check_kvd
@@ -790,7 +801,7 @@ def test_a_kvd_that_hangs_mid_step_holds_up_a_workers_step_once_at_most(tmp_path
         worker.client.close()
     print(f"\na step of three loads, and one of three saves, against a kvd that hung: {took}")
     assert worker.get_block_ids_with_load_errors() == {0, 1, 2}  # recomputed
-    assert took["loads"] < 3.0 and took["saves"] < 3.0  # one call's timeout, not three
+    assert max(took.values()) < 2 * HUNG_TIMEOUT_S  # one call's timeout, not three
 
 
 # One request of 104 prompt and 400 output tokens (16 pages) at a time for tenant "engine".
@@ -830,6 +841,18 @@ def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
     assert calls <= 3 * n + (n - 1) * (20 * WATCH_SETTLE_S + run["run_s"] / fallback_s + 1)
 
 
+# The connector's queue poll in the tests of how soon it hears kvd's word: its fallback
+# (every QUEUE_FALLBACK_POLLS polls, 10 s) is far enough that a stall of this machine (2.5 s
+# seen) cannot make hearing the word look like waiting for the fallback.
+QUEUE_POLL_S = 0.5
+
+
+def polled_config(target: str):
+    config = vllm_config(target)
+    config.kv_transfer_config.kv_connector_extra_config["kvd_queue_poll_s"] = QUEUE_POLL_S
+    return config
+
+
 # One request of 64 prompt tokens (2 pages) at a time for tenant "default".
 ONE_SHORT = LIMITED.replace('name = "engine"', 'name = "default"').replace("limit = 5",
                                                                              "limit = 2")
@@ -846,7 +869,7 @@ def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp
     config = tmp_path / "kvd.toml"
     config.write_text(ONE_SHORT)
     with LocalKvd("--config", str(config), "--metrics", metrics, workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(polled_config(kvd.target), KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting("r1")
         time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -868,8 +891,8 @@ def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp
         scheduler.client.close()
     print(f"\n{polls} questions in 2 s queued; noticed the admission after "
           f"{noticed_s * 1000:.0f} ms, {asked} more")
-    assert polls <= 2 / (vc.QUEUE_FALLBACK_POLLS * 0.05) + 1  # not 20 a second
-    assert noticed_s < 0.5  # not the fallback poll's second
+    assert polls <= 2 / (vc.QUEUE_FALLBACK_POLLS * QUEUE_POLL_S) + 1  # not one a poll
+    assert noticed_s < 4  # not the fallback poll's 10 s
     assert asked == 1  # only once kvd said it had admitted it
 
 
@@ -887,7 +910,7 @@ def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_
     config = tmp_path / "kvd.toml"
     config.write_text(ONE_SHORT)
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(polled_config(kvd.target), KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting(rid)
         time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -904,7 +927,7 @@ def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_
         scheduler.client.close()
     print(f"\nnoticed the rejection after {noticed_s * 1000:.0f} ms")
     assert answer == (0, False)  # served without kvd
-    assert noticed_s < 0.5  # not the fallback poll's second
+    assert noticed_s < 4  # not the fallback poll's 10 s
 
 
 @pytest.mark.timeout(600)
