@@ -79,8 +79,18 @@ class Client:
 
     def close(self) -> None:
         if self._thread.is_alive():
-            self._run(self._client.close())
+            self._run(self._aclose())
             self._stop()
+
+    async def _aclose(self) -> None:
+        """Close the channel, then end what still runs on the client's loop (a follow()
+        reading its stream, a start()ed call waiting for kvd): cancelled and awaited, so
+        their futures end (cancelled) rather than wait for ever on a stopped loop."""
+        await self._client.close()
+        running = asyncio.all_tasks() - {asyncio.current_task()}
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -78,3 +78,34 @@ def test_a_followed_stream_calls_back_on_each_item_until_cancelled(kvd):
         bad = c.follow("watch_events", on_event, kinds=["no-such-kind"])
         with pytest.raises(InvalidArgumentError):  # the stream's error, as kvd_client's
             bad.result(timeout=5)
+
+
+
+
+def test_closing_the_client_ends_what_runs_on_its_loop(kvd, tmp_path):
+    # close() stopped the client's loop under a followed stream still reading and a started
+    # call still waiting: their futures never ended (a thread waiting on one waited for
+    # ever) and their tasks were destroyed pending ("Task was destroyed but it is pending!").
+    # The call waits on a kvd not yet listening (a client that rides out restarts waits for
+    # its channel to be ready).
+    import concurrent.futures
+    import gc
+    import time
+
+    from kvd_client import RetryPolicy
+
+    following = Client(kvd.target, timeout_s=30)
+    calling = Client(f"unix://{tmp_path}/not-yet.sock", timeout_s=30, retry=RetryPolicy())
+    watch = following.follow("watch_events", lambda _: None, kinds=["admission"])
+    call = calling.start("keep_alive")
+    time.sleep(0.3)
+    assert not watch.done() and not call.done()  # both waiting
+    problems = []
+    for c in (following, calling):
+        c._loop.set_exception_handler(lambda _, context: problems.append(context["message"]))
+        c.close()
+    gc.collect()
+    for future in (watch, call):
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(timeout=5)  # ended by the close, not left pending
+    assert problems == []
