@@ -28,7 +28,8 @@ request is released in kvd (one aborted while kvd still queued it too); the bloc
 stay there for the next request with that prefix. While it holds requests in kvd, the
 scheduler renews its lease every third of kvd's lease TTL (at its next step; one that failed,
 a sixth of the TTL later): a request decoding for longer than the TTL is not taken for one
-whose engine died. Tenant and intent
+whose engine died. An engine that stops releases in kvd what it still held there (vLLM's
+shutdown of the connector). Tenant and intent
 come from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ...,
 "pin": ..., "deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the
 request's prefix blocks in kvd's device tier while it runs, a deadline says when it needs
@@ -460,6 +461,29 @@ class KvdConnector(KVConnectorBase_V1):
                 log.warning("kvd release of %s failed: %s", rid, exc)
                 self._note_failure(exc)
         return False, None
+
+    # ------------------------------------------------------------------ both sides
+
+    def shutdown(self) -> None:
+        """vLLM stops the engine. The scheduler side releases in kvd the requests it still
+        holds there (running, or queued by kvd): their pages come back now, not once its
+        lease lapses (kvd's lease_ttl_s, 30 s by default), while a restarted engine of the
+        same tenant finds its budget spent. A kvd away is not waited for (its lease
+        reclaims them). Then either side closes its client."""
+        held = [*self.tracked, *self.queued]
+        self.tracked.clear()
+        self.queued.clear()
+        for rid in held:
+            if self._away():
+                break
+            try:
+                self.client.release(rid)
+            except NotFoundError:  # rejected from kvd's queue meanwhile: nothing to release
+                pass
+            except KvdClientError as exc:
+                log.warning("kvd release of %s at shutdown failed: %s", rid, exc)
+                self._note_failure(exc)
+        self.client.close()
 
     # ------------------------------------------------------------------ worker side
 

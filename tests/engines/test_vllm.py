@@ -930,6 +930,36 @@ def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_
     assert noticed_s < 4  # not the fallback poll's 10 s
 
 
+def test_an_engine_shutting_down_releases_what_it_holds_in_kvd(tmp_path):
+    # vLLM shuts the connector down when the engine stops (its Scheduler.shutdown). The
+    # connector had no shutdown: the requests it held stayed admitted in kvd, and those kvd
+    # queued stayed queued, until its lease lapsed (30 s by default), and a restarted engine
+    # of the same tenant found its budget spent meanwhile.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    config = tmp_path / "kvd.toml"
+    config.write_text(ONE_SHORT)
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        scheduler = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        worker = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.WORKER)
+        assert scheduler.get_num_new_matched_tokens(Waiting("r0"), 0) == (0, False)
+        assert scheduler.get_num_new_matched_tokens(Waiting("r1"), 0) == (None, False)
+        with Client(kvd.target, lease="") as observer:
+            held = observer.pool_stats("default").pools[0]
+            scheduler.shutdown()
+            worker.shutdown()
+            left = observer.pool_stats("default").pools[0]
+        # A new engine's request is admitted at once: the tenant's two pages are free.
+        restarted = vc.KvdConnector(vllm_config(kvd.target), KVConnectorRole.SCHEDULER)
+        assert restarted.get_num_new_matched_tokens(Waiting("s0"), 0) == (0, False)
+        restarted.shutdown()
+    assert (held.num_requests, held.num_queued) == (1, 1)
+    assert (left.num_requests, left.num_queued) == (0, 0)
+    assert not scheduler.client._thread.is_alive() and not worker.client._thread.is_alive()
+
+
 @pytest.mark.timeout(600)
 def test_an_engine_started_before_kvd_serves_and_then_uses_kvd(tmp_path):
     # kvd is a cache beside the engine: an engine that starts while kvd does not answer
