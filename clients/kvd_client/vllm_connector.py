@@ -24,8 +24,10 @@ admission events on a stream of its own, from the engine's start, and asks kvd a
 queued request only every QUEUE_FALLBACK_POLLS x `kvd_queue_poll_s` (every
 `kvd_queue_poll_s` while the stream is down or new, and at once for all of them when kvd
 says the stream lost events). On finish the
-request is released in kvd (one aborted while kvd still queued it too); the blocks it stored
-stay there for the next request with that prefix. While it holds requests in kvd, the
+request is released in kvd (one aborted while kvd still queued it too, and one whose Admit
+got no answer, which kvd may have taken); a release kvd does not take (it is away, or does
+not answer) is sent again at the next steps. The blocks it stored stay there for the next
+request with that prefix. While it holds requests in kvd, the
 scheduler renews its lease every third of kvd's lease TTL (at its next step; one that failed,
 a sixth of the TTL later): a request decoding for longer than the TTL is not taken for one
 whose engine died. An engine that stops releases in kvd what it still held there (vLLM's
@@ -172,6 +174,13 @@ class KvdConnector(KVConnectorBase_V1):
         # admits them, or kvd admits them for nobody.
         self.queued: dict[str, float] = {}
         self.queue_poll_s = float(extra.get("kvd_queue_poll_s", 0.05))
+        # Requests whose Admit got no answer (kvd may hold them), and releases kvd has not
+        # taken yet (it was away, or did not answer): sent again at the next steps. The
+        # lease, renewed while the engine runs, would keep them in kvd for as long.
+        # At most OWED_KEPT owed (oldest first, dropped past it): a kvd away for good would
+        # have them grow without end, and its leases have long lapsed by then.
+        self.unsure: set[str] = set()
+        self.owed: dict[str, None] = {}
         # kvd's admission events, followed from the scheduler's start (_follow_admissions),
         # and the ids kvd admitted lately, filled on the client's thread.
         self._watch: Future | None = None
@@ -267,6 +276,8 @@ class KvdConnector(KVConnectorBase_V1):
             return self._admitted_since(request)
         except KvdClientError as exc:
             log.warning("kvd admission failed, serving %s without kvd: %s", rid, exc)
+            if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+                self.unsure.add(rid)  # kvd may have taken it: released at its end all the same
             self._note_failure(exc)
             return False
         if reply.decision == pb.DECISION_QUEUED:
@@ -417,6 +428,8 @@ class KvdConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         self._renew_lease()  # the scheduler builds metadata every step
         self._check_queue()
+        if self.owed:
+            self._send_releases()
         meta = KvdConnectorMetadata(loads=list(self._loads))
         self._loads.clear()
         scheduled = scheduler_output.num_scheduled_tokens
@@ -453,14 +466,35 @@ class KvdConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         tracked = self.tracked.pop(rid, None)
-        known = self.queued.pop(rid, None) is not None or tracked is not None
-        if known and not self._away():
+        queued = self.queued.pop(rid, None) is not None
+        if rid in self.unsure or queued or tracked is not None:
+            self.unsure.discard(rid)
+            self._owe(rid)
+            self._send_releases()
+        return False, None
+
+    def _owe(self, *rids: str) -> None:
+        for rid in rids:
+            self.owed[rid] = None
+        while len(self.owed) > OWED_KEPT:
+            del self.owed[next(iter(self.owed))]
+
+    def _send_releases(self) -> None:
+        """Release in kvd the requests owed (see `owed`), unless kvd is away. One kvd did
+        not answer stays owed; one kvd refuses for another reason is given up, logged."""
+        for rid in list(self.owed):
+            if self._away():
+                return
             try:
                 self.client.release(rid)
+            except NotFoundError:  # released meanwhile (its lease, a queue rejection)
+                pass
             except KvdClientError as exc:
                 log.warning("kvd release of %s failed: %s", rid, exc)
                 self._note_failure(exc)
-        return False, None
+                if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+                    continue  # sent again at a later step
+            del self.owed[rid]
 
     # ------------------------------------------------------------------ both sides
 
@@ -470,19 +504,11 @@ class KvdConnector(KVConnectorBase_V1):
         lease lapses (kvd's lease_ttl_s, 30 s by default), while a restarted engine of the
         same tenant finds its budget spent. A kvd away is not waited for (its lease
         reclaims them). Then either side closes its client."""
-        held = [*self.tracked, *self.queued]
+        self._owe(*self.tracked, *self.queued, *self.unsure)
         self.tracked.clear()
         self.queued.clear()
-        for rid in held:
-            if self._away():
-                break
-            try:
-                self.client.release(rid)
-            except NotFoundError:  # rejected from kvd's queue meanwhile: nothing to release
-                pass
-            except KvdClientError as exc:
-                log.warning("kvd release of %s at shutdown failed: %s", rid, exc)
-                self._note_failure(exc)
+        self.unsure.clear()
+        self._send_releases()
         self.client.close()
 
     # ------------------------------------------------------------------ worker side
@@ -657,6 +683,8 @@ ANY_TENANT = "*"
 # While kvd's admission events reach the connector, a queued request is asked after only
 # every this many kvd_queue_poll_s (in case its admission was missed).
 QUEUE_FALLBACK_POLLS = 20
+# Releases kvd has not taken yet kept for sending again (see KvdConnector.owed).
+OWED_KEPT = 65536
 # A stream this young may not be subscribed yet: what kvd admits meanwhile is not heard, so
 # queued requests are still asked after at the short period.
 WATCH_SETTLE_S = 1.0

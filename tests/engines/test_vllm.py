@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -958,6 +959,65 @@ def test_an_engine_shutting_down_releases_what_it_holds_in_kvd(tmp_path):
     assert (held.num_requests, held.num_queued) == (1, 1)
     assert (left.num_requests, left.num_queued) == (0, 0)
     assert not scheduler.client._thread.is_alive() and not worker.client._thread.is_alive()
+
+
+# A scheduler step that schedules nothing (what build_connector_meta reads of vLLM's
+# SchedulerOutput).
+IDLE_STEP = types.SimpleNamespace(
+    num_scheduled_tokens={}, scheduled_new_reqs=[],
+    scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                resumed_req_ids=set(),
+                                                num_computed_tokens=[]))
+
+
+def test_a_release_kvd_did_not_take_is_sent_again(tmp_path):
+    # A request that finished while kvd was away (a call had just waited out the timeout:
+    # kvd stalled, say) was never released in kvd, nor one whose Admit kvd took but whose
+    # answer was lost (the same timeout). The engine's lease, renewed while it runs, never
+    # lapsed: kvd held their pages and the tenant's budget for as long as the engine ran.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import DeadlineExceededError, NotFoundError
+    from kvd_client import vllm_connector as vc
+
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        config = vllm_config(kvd.target)
+        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = 3.0
+        scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
+        first, second, third = Waiting("r0"), Waiting("r1"), Waiting("r2")
+        assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)  # admitted
+        assert scheduler.get_num_new_matched_tokens(third, 0) == (0, False)  # admitted
+        admit = scheduler.client.admit
+
+        def answer_lost(*args, **kwargs):  # kvd admits it; its answer is lost on the way
+            admit(*args, **kwargs)
+            raise DeadlineExceededError("Deadline Exceeded")
+
+        scheduler.client.admit = answer_lost
+        # No answer: served without kvd, and kvd away for kvd_retry_s.
+        assert scheduler.get_num_new_matched_tokens(second, 0) == (0, False)
+        scheduler.client.admit = admit
+        scheduler.request_finished(first, [])  # while kvd is away
+        scheduler.request_finished(second, [])
+        with Client(kvd.target, lease="") as observer:
+            def active(rid: str) -> bool:
+                try:
+                    return observer.explain(rid).active
+                except NotFoundError:
+                    return False
+
+            held = {rid for rid in ("r0", "r1", "r2") if active(rid)}
+            deadline = time.monotonic() + 10  # kvd_retry_s, and then some
+            while time.monotonic() < deadline:  # the scheduler's steps, the third running
+                scheduler.build_connector_meta(IDLE_STEP)
+                left = {rid for rid in ("r0", "r1", "r2") if active(rid)}
+                if left == {"r2"}:
+                    break
+                time.sleep(0.05)
+        scheduler.request_finished(third, [])
+        scheduler.client.close()
+    print(f"\nheld in kvd while it was away: {held}; after 10 s: {left}")
+    assert left == {"r2"}  # the running one only
 
 
 @pytest.mark.timeout(600)
