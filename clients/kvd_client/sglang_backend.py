@@ -43,6 +43,7 @@ slice on, and SGLang recomputes or keeps those pages on its host tier).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import hashlib
@@ -62,6 +63,7 @@ from kvd_client import (
     Client,
     DeadlineExceededError,
     KvdClientError,
+    NotFoundError,
     UnavailableError,
     pb,
 )
@@ -73,6 +75,8 @@ log = logging.getLogger("kvd.sglang")
 MAX_NAMESPACE = 256
 # Keys one Lookup asks after at most (SGLang's keys are 64-character hashes: 270 KB a call).
 LOOKUP_SLICE = 4096
+# Releases kvd has not taken kept per thread for sending again (see _request).
+OWED_KEPT = 4096
 # A page's bytes in kvd, as (address, size) segments of the host pool.
 Segments = list[tuple[int, int]]
 
@@ -245,10 +249,18 @@ class KvdStorage(HiCacheStorage):
 
     @contextlib.contextmanager
     def _request(self, num_pages: int) -> Iterator[str]:
-        """A kvd request for one call's pages, released after it."""
+        """A kvd request for one call's pages, released after it. A release kvd does not
+        take (it does not answer), and an Admit whose answer is lost (kvd may have taken
+        it), are owed: sent again before the thread's next request. The thread's lease,
+        renewed by its calls, would keep them in kvd for as long as SGLang runs."""
+        self._send_releases()
         rid = next(self._ids)
-        reply = self.client.admit(rid, prompt_tokens=num_pages * self.page_tokens,
-                                  tenant=self.tenant, pool=self.pool)
+        try:
+            reply = self.client.admit(rid, prompt_tokens=num_pages * self.page_tokens,
+                                      tenant=self.tenant, pool=self.pool)
+        except (UnavailableError, DeadlineExceededError):
+            self._owed.append(rid)
+            raise
         if reply.decision == pb.DECISION_REJECTED:  # kvd keeps no such request
             raise _NotAdmitted(reply.reason)
         try:
@@ -256,7 +268,32 @@ class KvdStorage(HiCacheStorage):
                 raise _NotAdmitted(reply.reason or pb.Decision.Name(reply.decision))
             yield rid
         finally:
-            self.client.release(rid)
+            self._owed.append(rid)
+            self._send_releases()
+
+    @property
+    def _owed(self) -> collections.deque[str]:
+        """The calling thread's releases kvd has not taken (the last OWED_KEPT)."""
+        owed = getattr(self._local, "owed", None)
+        if owed is None:
+            owed = self._local.owed = collections.deque(maxlen=OWED_KEPT)
+        return owed
+
+    def _send_releases(self) -> None:
+        """Release the thread's owed requests, unless kvd is away; one kvd does not answer
+        stays owed (and kvd is away a while), one it refuses otherwise is given up."""
+        owed = self._owed
+        while owed and not self._away():
+            try:
+                self.client.release(owed[0])
+            except NotFoundError:  # released meanwhile (its lease lapsed)
+                pass
+            except KvdClientError as exc:
+                log.warning("kvd: releasing %s failed: %s", owed[0], exc)
+                self._note_failure(exc)
+                if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+                    return
+            owed.popleft()
 
     def _copy(self, arena: MappedPool, handle: pb.PageHandle, segments: Segments,
               into_kvd: bool) -> None:

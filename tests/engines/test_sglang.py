@@ -387,6 +387,47 @@ def test_a_hung_kvd_holds_up_each_sglang_thread_once_a_retry_period(tmp_path):
     assert took[0] >= 3.9 and sum(took[1:]) < 3.5
 
 
+def test_a_release_kvd_did_not_take_is_sent_again(tmp_path):
+    # Each call's kvd request was released once, in the call: a release that failed (kvd
+    # did not answer), or an Admit kvd took whose answer was lost, left the request in kvd,
+    # and the thread's lease, renewed by its next calls, never lapsed: kvd held its pages
+    # and the tenant's budget for as long as SGLang ran. The failures are the test's (the
+    # client's calls answer with an error once); kvd is real.
+    from kvd_client import DeadlineExceededError, UnavailableError
+
+    with kvd(tmp_path) as k:
+        pool = host_pool()
+        storage = backend(k.target, pool, extra={"kvd_retry_s": 0.5})
+        src = written_pages(pool, 2, seed=71)
+        client = storage.client  # this thread's
+        admit, release = client.admit, client.release
+
+        def release_fails(*args, **kwargs):
+            client.release = release
+            raise UnavailableError("connection broke")
+
+        def answer_lost(*args, **kwargs):
+            client.admit = admit
+            admit(*args, **kwargs)
+            raise DeadlineExceededError("Deadline Exceeded")
+
+        client.release = release_fails
+        stored = storage.batch_set_v1(keys("h", 2), src)  # not released
+        time.sleep(0.6)  # kvd_retry_s
+        client.admit = answer_lost
+        missed = storage.batch_get_v1(keys("h", 2), pool.alloc(2 * PAGE_TOKENS))
+        with Client(k.target, lease="") as observer:
+            held = observer.pool_stats().pools[0].num_requests
+            time.sleep(0.6)
+            got = storage.batch_get_v1(keys("h", 2), pool.alloc(2 * PAGE_TOKENS))  # the next
+            left = observer.pool_stats().pools[0].num_requests
+        storage.close()
+    print(f"\nkvd requests held after the failures: {held}; after the next call: {left}")
+    assert left == 0
+    assert missed == [False] * 2 and got == [True] * 2
+    assert stored == [True] * 2  # committed: the release is not the store's
+
+
 def test_a_batch_larger_than_kvds_device_tier_is_stored_and_read_back_whole(tmp_path):
     # SGLang backs up and prefetches a prefix's pages in one call, and a long prompt has more
     # pages than kvd's device tier (with SGLang's default page of one token, many more). One
