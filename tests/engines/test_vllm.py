@@ -931,6 +931,94 @@ def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_
     assert noticed_s < 4  # not the fallback poll's 10 s
 
 
+def test_the_connector_leaves_kvd_holding_only_what_it_knows_whatever_calls_fail(tmp_path):
+    # Random requests started, finished and stepped through the scheduler side (kvd taken
+    # for away after a call it did not answer, and waited out at times), each Admit and
+    # Release answering normally, not delivered (UNAVAILABLE) or delivered with its
+    # answer lost (DEADLINE_EXCEEDED). After every operation, each request kvd holds is one
+    # the connector knows it may hold (running, queued, unanswered or owed a release); once
+    # all have finished and kvd has been back a while, kvd holds none of them.
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from kvd_client import DeadlineExceededError, NotFoundError, UnavailableError
+    from kvd_client import vllm_connector as vc
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    faults = ("none", "undelivered", "lost")
+    retry_s = 0.05
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd, Client(kvd.target, lease="") as observer:
+        config = vllm_config(kvd.target)
+        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = retry_s
+        scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
+        injected = {"admit": "none", "release": "none"}
+
+        def failing(name, call):
+            def faulty(*args, **kwargs):
+                fault, injected[name] = injected[name], "none"
+                if fault == "undelivered":
+                    raise UnavailableError("connection broke")
+                reply = call(*args, **kwargs)
+                if fault == "lost":
+                    raise DeadlineExceededError("Deadline Exceeded")
+                return reply
+            return faulty
+
+        scheduler.client.admit = failing("admit", scheduler.client.admit)
+        scheduler.client.release = failing("release", scheduler.client.release)
+        examples = iter(range(10**9))
+
+        def held(rids) -> set[str]:
+            out = set()
+            for rid in rids:
+                try:
+                    if observer.explain(rid).active:
+                        out.add(rid)
+                except NotFoundError:
+                    pass
+            return out
+
+        @settings(max_examples=int(os.environ.get("KVD_RELEASE_EXAMPLES", "200")),
+                  deadline=None, database=None)
+        @given(st.lists(st.tuples(st.sampled_from(("start", "finish", "step", "wait")),
+                                  st.integers(0, 1),
+                                  st.sampled_from(("none",) * 4 + faults[1:])), max_size=30))
+        def run(ops):
+            prefix = f"e{next(examples)}-"
+            running, seen = set(), set()
+            time.sleep(max(0.0, scheduler._away_until - time.monotonic()))  # kvd back
+            for op, i, fault in ops:
+                rid = prefix + str(i)
+                if op == "start" and rid not in seen:
+                    injected["admit"] = fault
+                    seen.add(rid)
+                    running.add(rid)
+                    scheduler.get_num_new_matched_tokens(Waiting(rid), 0)
+                elif op == "finish" and rid in running:
+                    injected["release"] = fault
+                    running.discard(rid)
+                    scheduler.request_finished(Waiting(rid), [])
+                elif op == "wait":  # until kvd is taken for back
+                    time.sleep(max(0.0, scheduler._away_until - time.monotonic()))
+                else:
+                    scheduler.build_connector_meta(IDLE_STEP)
+                injected.update(admit="none", release="none")
+                known = (set(scheduler.tracked) | set(scheduler.queued)
+                         | scheduler.unsure | set(scheduler.owed))
+                assert held(seen) <= known, (op, rid, fault)
+            for rid in sorted(running):
+                scheduler.request_finished(Waiting(rid), [])
+            for _ in range(40):  # kvd back a while: the steps send what is owed
+                if not held(seen):
+                    break
+                time.sleep(retry_s)
+                scheduler.build_connector_meta(IDLE_STEP)
+            assert held(seen) == set()
+
+        run()
+        scheduler.client.close()
+
+
 def test_an_engine_shutting_down_releases_what_it_holds_in_kvd(tmp_path):
     # vLLM shuts the connector down when the engine stops (its Scheduler.shutdown). The
     # connector had no shutdown: the requests it held stayed admitted in kvd, and those kvd
