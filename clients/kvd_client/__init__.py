@@ -15,6 +15,7 @@ from kvd_client.errors import (
     PermissionDeniedError,
     ResourceExhaustedError,
     UnauthenticatedError,
+    UNANSWERED,
     UnavailableError,
 )
 from kvd_client.session import EngineSession, Recovery
@@ -25,5 +26,5 @@ __all__ = [
     "EngineSession", "Recovery", "RetryPolicy",
     "FailedPreconditionError", "InvalidArgumentError", "KvdClientError", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "StepStream", "Tls", "UnauthenticatedError",
-    "UnavailableError", "default_target", "pb",
+    "UNANSWERED", "UnavailableError", "default_target", "pb",
 ]

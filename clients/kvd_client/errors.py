@@ -69,6 +69,10 @@ class AbortedError(KvdClientError):
     code = grpc.StatusCode.ABORTED
 
 
+# kvd did not answer (gone, or the call timed out): what the call asked may or may not have
+# been done.
+UNANSWERED = (UnavailableError, DeadlineExceededError)
+
 _BY_CODE = {
     cls.code: cls
     for cls in (InvalidArgumentError, NotFoundError, AlreadyExistsError, ResourceExhaustedError,

@@ -60,11 +60,10 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 from kvd_client import (
+    UNANSWERED,
     Client,
-    DeadlineExceededError,
     KvdClientError,
     NotFoundError,
-    UnavailableError,
     pb,
 )
 from kvd_client.arena import MappedPool, arena_names
@@ -190,7 +189,7 @@ class KvdStorage(HiCacheStorage):
         """A call kvd did not answer (it is gone, or hangs and the call timed out): SGLang's
         threads call batch after batch, and each would wait out the timeout again. Until
         kvd_retry_s has passed, calls miss at once."""
-        if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+        if isinstance(exc, UNANSWERED):
             self._away_until = time.monotonic() + self.retry_s
 
     @contextlib.contextmanager
@@ -258,7 +257,7 @@ class KvdStorage(HiCacheStorage):
         try:
             reply = self.client.admit(rid, prompt_tokens=num_pages * self.page_tokens,
                                       tenant=self.tenant, pool=self.pool)
-        except (UnavailableError, DeadlineExceededError):
+        except UNANSWERED:
             self._owed.append(rid)
             raise
         if reply.decision == pb.DECISION_REJECTED:  # kvd keeps no such request
@@ -291,7 +290,7 @@ class KvdStorage(HiCacheStorage):
             except KvdClientError as exc:
                 log.warning("kvd: releasing %s failed: %s", owed[0], exc)
                 self._note_failure(exc)
-                if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+                if isinstance(exc, UNANSWERED):
                     return
             owed.popleft()
 

@@ -84,14 +84,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvd_client import (
+    UNANSWERED,
     AlreadyExistsError,
     Client,
-    DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     KvdClientError,
     NotFoundError,
-    UnavailableError,
     pb,
 )
 from kvd_client.arena import MappedPool, arena_names
@@ -276,7 +275,7 @@ class KvdConnector(KVConnectorBase_V1):
             return self._admitted_since(request)
         except KvdClientError as exc:
             log.warning("kvd admission failed, serving %s without kvd: %s", rid, exc)
-            if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+            if isinstance(exc, UNANSWERED):
                 self.unsure.add(rid)  # kvd may have taken it: released at its end all the same
             self._note_failure(exc)
             return False
@@ -304,7 +303,7 @@ class KvdConnector(KVConnectorBase_V1):
         return time.monotonic() < self._away_until
 
     def _note_failure(self, exc: KvdClientError) -> None:
-        if isinstance(exc, (UnavailableError, DeadlineExceededError)):
+        if isinstance(exc, UNANSWERED):
             self._away_until = time.monotonic() + self.retry_s
 
     def _poll_period(self) -> float:
@@ -492,8 +491,8 @@ class KvdConnector(KVConnectorBase_V1):
             except KvdClientError as exc:
                 log.warning("kvd release of %s failed: %s", rid, exc)
                 self._note_failure(exc)
-                if isinstance(exc, (UnavailableError, DeadlineExceededError)):
-                    continue  # sent again at a later step
+                if isinstance(exc, UNANSWERED):
+                    return  # kvd is away now: sent again at a later step
             del self.owed[rid]
 
     # ------------------------------------------------------------------ both sides

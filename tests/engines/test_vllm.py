@@ -101,8 +101,9 @@ def engine_run(target: str, prompts, params=None) -> dict:
 
 
 def vllm_config(target: str, dtype: str = "bfloat16", cache_dtype: str = "auto",
-                **parallel):
-    """vLLM's real configuration of the test model with kvd's connector at `target`."""
+                extra: dict | None = None, **parallel):
+    """vLLM's real configuration of the test model with kvd's connector at `target` (and
+    the connector's `extra` settings)."""
     from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              VllmConfig)
 
@@ -114,7 +115,7 @@ def vllm_config(target: str, dtype: str = "bfloat16", cache_dtype: str = "auto",
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvdConnector", kv_role="kv_both",
             kv_connector_module_path="kvd_client.vllm_connector",
-            kv_connector_extra_config={"kvd_target": target}))
+            kv_connector_extra_config={"kvd_target": target, **(extra or {})}))
 
 
 class Waiting:
@@ -683,8 +684,7 @@ def test_a_lease_renewal_that_fails_once_is_sent_again_within_the_lease(tmp_path
 
     metrics = free_address()
     with LocalKvd(*KVD, "--lease-ttl-s", "6", "--metrics", metrics, workdir=tmp_path) as kvd:
-        config = vllm_config(kvd.target)
-        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = 8.0
+        config = vllm_config(kvd.target, extra={"kvd_retry_s": 8.0})
         scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
         scheduler.client.admit("r", 64)  # under the scheduler's lease
         scheduler.tracked["r"] = vc._Tracked("ns", [], 0)
@@ -717,12 +717,7 @@ def test_a_lease_renewal_that_fails_once_is_sent_again_within_the_lease(tmp_path
 # The connector's timeout in the tests of a kvd that hangs: long against a stall of this
 # machine (2.5 s seen), so that one timeout and a stall stay shorter than two timeouts.
 HUNG_TIMEOUT_S = 4.0
-
-
-def hung_config(target: str):
-    config = vllm_config(target)
-    config.kv_transfer_config.kv_connector_extra_config["kvd_timeout_s"] = HUNG_TIMEOUT_S
-    return config
+HUNG = {"kvd_timeout_s": HUNG_TIMEOUT_S}
 
 
 def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
@@ -735,7 +730,7 @@ def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(hung_config(kvd.target), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=HUNG), KVConnectorRole.SCHEDULER)
         scheduler.tracked["r"] = vc._Tracked("ns", [], 0)  # it holds a request...
         scheduler.queued.update(q0=0.0, q1=0.0, q2=0.0)  # ...and kvd queued three
         scheduler.client.keep_alive()  # connected
@@ -771,7 +766,7 @@ def test_a_kvd_that_hangs_mid_step_holds_up_a_workers_step_once_at_most(tmp_path
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        worker = vc.KvdConnector(hung_config(kvd.target), KVConnectorRole.WORKER)
+        worker = vc.KvdConnector(vllm_config(kvd.target, extra=HUNG), KVConnectorRole.WORKER)
         worker.register_kv_caches({f"layer.{i}": torch.zeros((8, 32, 128), dtype=torch.bfloat16)
                                    for i in range(2)})
         checked = worker._check_kvd
@@ -846,12 +841,7 @@ def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
 # (every QUEUE_FALLBACK_POLLS polls, 10 s) is far enough that a stall of this machine (2.5 s
 # seen) cannot make hearing the word look like waiting for the fallback.
 QUEUE_POLL_S = 0.5
-
-
-def polled_config(target: str):
-    config = vllm_config(target)
-    config.kv_transfer_config.kv_connector_extra_config["kvd_queue_poll_s"] = QUEUE_POLL_S
-    return config
+POLLED = {"kvd_queue_poll_s": QUEUE_POLL_S}
 
 
 # One request of 64 prompt tokens (2 pages) at a time for tenant "default".
@@ -870,7 +860,7 @@ def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp
     config = tmp_path / "kvd.toml"
     config.write_text(ONE_SHORT)
     with LocalKvd("--config", str(config), "--metrics", metrics, workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(polled_config(kvd.target), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED), KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting("r1")
         time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -911,7 +901,7 @@ def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_
     config = tmp_path / "kvd.toml"
     config.write_text(ONE_SHORT)
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(polled_config(kvd.target), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED), KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting(rid)
         time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -948,8 +938,7 @@ def test_the_connector_leaves_kvd_holding_only_what_it_knows_whatever_calls_fail
     faults = ("none", "undelivered", "lost")
     retry_s = 0.05
     with LocalKvd(*KVD, workdir=tmp_path) as kvd, Client(kvd.target, lease="") as observer:
-        config = vllm_config(kvd.target)
-        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = retry_s
+        config = vllm_config(kvd.target, extra={"kvd_retry_s": retry_s})
         scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
         injected = {"admit": "none", "release": "none"}
 
@@ -1069,8 +1058,7 @@ def test_a_release_kvd_did_not_take_is_sent_again(tmp_path):
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        config = vllm_config(kvd.target)
-        config.kv_transfer_config.kv_connector_extra_config["kvd_retry_s"] = 3.0
+        config = vllm_config(kvd.target, extra={"kvd_retry_s": 3.0})
         scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
         first, second, third = Waiting("r0"), Waiting("r1"), Waiting("r2")
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)  # admitted
