@@ -1,6 +1,13 @@
 """EngineSession: what an engine holds in kvd, kept on the engine's side so that when kvd
 restarts (configuration and quotas survive; requests and page contents do not) the engine can
-re-register its running requests in one call and learn which blocks it must recompute."""
+re-register its running requests in one call and learn which blocks it must recompute.
+
+A call kvd did not answer (it was away, or the answer was lost: UNANSWERED) may or may not
+have been done. The session keeps what the engine asked for: a request released or blocks
+freed are no longer the engine's whatever kvd answered, and a request whose Admit went
+unanswered may be in kvd without the engine's knowing. recover() (and, for an Admit, the
+next admit of the same id) settles these with kvd first, so kvd never goes on holding what
+the engine let go of."""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_client.client import AsyncClient
-from kvd_client.errors import AlreadyExistsError, KvdClientError
+from kvd_client.errors import UNANSWERED, AlreadyExistsError, KvdClientError, NotFoundError
 
 
 @dataclass
@@ -36,10 +43,22 @@ class EngineSession:
     def __init__(self, client: AsyncClient) -> None:
         self.client = client
         self.held: dict[str, _Held] = {}
+        # What kvd may hold that the engine does not: requests released, or admitted by an
+        # Admit, that kvd did not answer; block indices freed, a list per unanswered Free
+        # (kvd frees a call's blocks all or none).
+        self.owed_releases: set[str] = set()
+        self.owed_frees: dict[str, list[list[int]]] = {}
 
     async def admit(self, request_id: str, prompt_tokens: int, output_tokens: int = 0,
                     **options) -> pb.AdmitResponse:
-        reply = await self.client.admit(request_id, prompt_tokens, output_tokens, **options)
+        if request_id in self.owed_releases:  # an Admit of it went unanswered: kvd may have it
+            await self._settle_release(request_id)
+        try:
+            reply = await self.client.admit(request_id, prompt_tokens, output_tokens,
+                                            **options)
+        except UNANSWERED:
+            self.owed_releases.add(request_id)
+            raise
         if reply.decision != pb.DECISION_REJECTED:
             self.held[request_id] = _Held(prompt_tokens, output_tokens, options)
         return reply
@@ -50,33 +69,79 @@ class EngineSession:
         return reply
 
     async def free(self, request_id: str, blocks: list[int]) -> pb.FreeResponse:
-        reply = await self.client.free(request_id, blocks)
-        gone = set(blocks)
+        """Free blocks of a request. Once kvd refuses (answers with an error), they are
+        still the request's; unanswered, they are not, and the free is owed."""
         held = self.held[request_id]
+        gone = set(blocks)
+        try:
+            reply = await self.client.free(request_id, blocks)
+        except UNANSWERED:
+            self.owed_frees.setdefault(request_id, []).append(list(blocks))
+            held.blocks = [i for i in held.blocks if i not in gone]
+            raise
         held.blocks = [i for i in held.blocks if i not in gone]
         return reply
 
     async def release(self, request_id: str) -> pb.ReleaseResponse:
-        reply = await self.client.release(request_id)
+        """Give the request back. One kvd does not know (it restarted since) holds nothing:
+        that is not an error here."""
         self.held.pop(request_id, None)
-        return reply
+        self.owed_frees.pop(request_id, None)
+        self.owed_releases.discard(request_id)
+        try:
+            return await self.client.release(request_id)
+        except NotFoundError:
+            return pb.ReleaseResponse()
+        except UNANSWERED:
+            self.owed_releases.add(request_id)
+            raise
+
+    async def _settle_release(self, request_id: str) -> None:
+        """Send an owed release again (raising, and still owing it, if kvd does not answer)."""
+        try:
+            await self.client.release(request_id)
+        except NotFoundError:
+            pass
+        self.owed_releases.discard(request_id)
+
+    async def _settle_frees(self, request_id: str) -> None:
+        """Send a request's owed frees again, one per call as the engine made them: a free
+        kvd did before its answer was lost finds its blocks gone (NOT_FOUND)."""
+        owed = self.owed_frees.get(request_id, [])
+        while owed:
+            try:
+                await self.client.free(request_id, owed[0])
+            except NotFoundError:
+                pass
+            owed.pop(0)
+        self.owed_frees.pop(request_id, None)
 
     async def recover(self) -> Recovery:
         """Admit every held request again and allocate as many blocks as it held. A request
         kvd still has (it did not restart) is left as it is. One kvd queues holds no block
         (the engine allocates once it is admitted); one whose blocks kvd cannot give back
         now (a smaller or busier kvd came back) is released again and refused, and the
-        others are recovered all the same."""
+        others are recovered all the same.
+
+        First the calls kvd did not answer are settled: owed releases sent again, and owed
+        frees for the requests kvd still has. A call that still goes unanswered raises, and
+        stays owed for the next recover()."""
         out = Recovery()
+        for request_id in sorted(self.owed_releases):
+            await self._settle_release(request_id)
         for request_id, held in list(self.held.items()):
             try:
                 reply = await self.client.admit(request_id, held.prompt_tokens,
                                                 held.output_tokens, **held.options)
             except AlreadyExistsError:
-                continue  # kvd still knows it
+                await self._settle_frees(request_id)  # kvd still knows it
+                continue
             except KvdClientError as exc:
+                if isinstance(exc, UNANSWERED):  # kvd may have it: released before it goes again
+                    self.owed_releases.add(request_id)
                 out.refused[request_id] = str(exc)
                 continue
+            self.owed_frees.pop(request_id, None)  # a new kvd: nothing of it to free there
             if reply.decision == pb.DECISION_REJECTED:
                 out.refused[request_id] = reply.reason
                 del self.held[request_id]
@@ -94,7 +159,7 @@ class EngineSession:
                     out.refused[request_id] = str(exc)
                     del self.held[request_id]
                     with contextlib.suppress(KvdClientError):
-                        await self.client.release(request_id)
+                        await self.release(request_id)  # owed if kvd does not answer
                     continue
             out.admitted[request_id] = dict(zip(held.blocks, handles))
             held.blocks = [h.block_index for h in handles]

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvd_client import AsyncClient, EngineSession, RetryPolicy, pb
+import pytest
+
+from kvd_client import (AsyncClient, DeadlineExceededError, EngineSession, KvdClientError,
+                        RetryPolicy, UnavailableError, pb)
 from kvd_loadgen.local import LocalKvd
 
 from .conftest import SMALL
@@ -88,6 +91,102 @@ async def test_a_request_kvd_cannot_give_its_blocks_back_does_not_stop_the_other
             # big released again: small is in with its block, late waits.
             assert (stats.num_requests, stats.num_queued, stats.tiers[0].used_pages) == \
                 (1, 1, 1)
+            assert (await c.self_check()).ok
+    finally:
+        kvd.stop()
+
+
+async def test_a_request_released_across_a_restart_is_not_recovered(tmp_path):
+    # The engine finished "b" after kvd restarted and before it recovered: the release
+    # found no "b" (NOT_FOUND), and the session raised and kept it, so recover() admitted
+    # it again with its block, held for a request the engine had finished.
+    kvd = LocalKvd(*SMALL, workdir=tmp_path).start()
+    try:
+        async with _riding_out_restarts(kvd.target) as c:
+            session = EngineSession(c)
+            for rid in ("a", "b"):
+                assert (await session.admit(rid, 16, 16)).decision == pb.DECISION_ADMITTED
+                await session.allocate(rid, 1)
+            assert kvd.stop() == 0
+            kvd.start()
+            assert (await session.release("b")).num_freed == 0  # kvd had nothing of it
+            assert "b" not in session.held
+            assert sorted((await session.recover()).admitted) == ["a"]
+            assert [r.request_id for r in await c.list_requests()] == ["a"]
+    finally:
+        kvd.stop()
+
+
+class _Unanswered:
+    """Makes a client's next call of `method` go unanswered: not delivered (UNAVAILABLE),
+    or done by kvd with its answer lost (DEADLINE_EXCEEDED)."""
+
+    def __init__(self, client: AsyncClient, method: str, done: bool) -> None:
+        self.client, self.method, self.done = client, method, done
+
+    def __enter__(self) -> None:
+        real = getattr(self.client, self.method)
+
+        async def unanswered(*args, **kwargs):
+            setattr(self.client, self.method, real)  # the next call goes through
+            if self.done:
+                await real(*args, **kwargs)
+                raise DeadlineExceededError("the answer was lost")
+            raise UnavailableError("kvd did not get the call")
+
+        setattr(self.client, self.method, unanswered)
+
+    def __exit__(self, *exc) -> None:
+        vars(self.client).pop(self.method, None)
+
+
+@pytest.mark.parametrize("done", [False, True], ids=["undelivered", "answer-lost"])
+async def test_what_kvd_did_not_answer_is_settled_before_the_session_recovers(tmp_path,
+                                                                            done):
+    # kvd did not answer a release, a free and an admit (or did them and the answers were
+    # lost), and stayed up. recover() found every request still there (ALREADY_EXISTS) and
+    # left it: kvd held "b", which the engine had finished, "a"'s freed block, and "c",
+    # which the engine did not know it had (and could not admit again: ALREADY_EXISTS).
+    kvd = LocalKvd(*SMALL, workdir=tmp_path).start()
+    try:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            session = EngineSession(c)
+            for rid, blocks in (("a", 3), ("b", 1)):
+                assert (await session.admit(rid, 16 * blocks, 16)).decision == \
+                    pb.DECISION_ADMITTED
+                await session.allocate(rid, blocks)
+            for method, call in (("release", session.release("b")),
+                                 ("free", session.free("a", [1])),
+                                 ("admit", session.admit("c", 16, 16))):
+                with _Unanswered(c, method, done), pytest.raises(KvdClientError):
+                    await call
+            assert set(session.held) == {"a"} and session.held["a"].blocks == [0, 2]
+
+            assert (await session.recover()).admitted == {}
+            requests = {r.request_id: r for r in await c.list_requests()}
+            assert sorted(requests) == ["a"]
+            assert (await c.pool_stats()).pools[0].tiers[0].used_pages == 2
+            # What was settled is not sent again, and "c" may be admitted now.
+            assert (await session.recover()).admitted == {}
+            assert (await session.admit("c", 16, 16)).decision == pb.DECISION_ADMITTED
+            assert (await c.self_check()).ok
+    finally:
+        kvd.stop()
+
+
+async def test_an_admit_whose_answer_was_lost_may_be_made_again(tmp_path):
+    # The engine tried "c" again at once: kvd had taken the first Admit, and the second
+    # was refused ALREADY_EXISTS, so the engine could not run "c" through kvd at all.
+    kvd = LocalKvd(*SMALL, workdir=tmp_path).start()
+    try:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            session = EngineSession(c)
+            with _Unanswered(c, "admit", True), pytest.raises(DeadlineExceededError):
+                await session.admit("c", 64, 16)
+            assert (await session.admit("c", 16, 16)).decision == pb.DECISION_ADMITTED
+            await session.allocate("c", 1)
+            (info,) = await c.list_requests()  # the second Admit's: 32 tokens, 2 pages
+            assert (info.request_id, info.reserved_pages) == ("c", 2)
             assert (await c.self_check()).ok
     finally:
         kvd.stop()
