@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvd_client import AsyncClient
+from kvd_client import AsyncClient, DeadlineExceededError, UnavailableError
 from kvd_loadgen.local import LocalKvd
 
 
@@ -129,6 +129,30 @@ async def admit_until(target: str, done, prefix: str, tries: int = 200) -> None:
 # which working-set admission would queue (it has tests of its own).
 SMALL = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8", "--host-pages", "32",
          "--admission", "reservation")
+
+
+@contextlib.contextmanager
+def answered_as(client: AsyncClient, method: str, fault: str):
+    """The client's next call of `method` goes as `fault` says: "none" (answered),
+    "undelivered" (UNAVAILABLE: kvd never got it) or "lost" (kvd did it, and its answer was
+    lost: DEADLINE_EXCEEDED)."""
+    if fault == "none":
+        yield
+        return
+    real = getattr(client, method)
+
+    async def unanswered(*args, **kwargs):
+        setattr(client, method, real)  # the next call goes through
+        if fault == "lost":
+            await real(*args, **kwargs)
+            raise DeadlineExceededError("the answer was lost")
+        raise UnavailableError("kvd did not get the call")
+
+    setattr(client, method, unanswered)
+    try:
+        yield
+    finally:
+        vars(client).pop(method, None)
 
 
 @pytest.fixture

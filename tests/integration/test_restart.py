@@ -8,10 +8,10 @@ import asyncio
 import pytest
 
 from kvd_client import (AsyncClient, DeadlineExceededError, EngineSession, KvdClientError,
-                        RetryPolicy, UnavailableError, pb)
+                        RetryPolicy, pb)
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import SMALL
+from .conftest import SMALL, answered_as
 
 
 def _riding_out_restarts(target: str) -> AsyncClient:
@@ -117,32 +117,9 @@ async def test_a_request_released_across_a_restart_is_not_recovered(tmp_path):
         kvd.stop()
 
 
-class _Unanswered:
-    """Makes a client's next call of `method` go unanswered: not delivered (UNAVAILABLE),
-    or done by kvd with its answer lost (DEADLINE_EXCEEDED)."""
-
-    def __init__(self, client: AsyncClient, method: str, done: bool) -> None:
-        self.client, self.method, self.done = client, method, done
-
-    def __enter__(self) -> None:
-        real = getattr(self.client, self.method)
-
-        async def unanswered(*args, **kwargs):
-            setattr(self.client, self.method, real)  # the next call goes through
-            if self.done:
-                await real(*args, **kwargs)
-                raise DeadlineExceededError("the answer was lost")
-            raise UnavailableError("kvd did not get the call")
-
-        setattr(self.client, self.method, unanswered)
-
-    def __exit__(self, *exc) -> None:
-        vars(self.client).pop(self.method, None)
-
-
-@pytest.mark.parametrize("done", [False, True], ids=["undelivered", "answer-lost"])
+@pytest.mark.parametrize("fault", ["undelivered", "lost"])
 async def test_what_kvd_did_not_answer_is_settled_before_the_session_recovers(tmp_path,
-                                                                            done):
+                                                                            fault):
     # kvd did not answer a release, a free and an admit (or did them and the answers were
     # lost), and stayed up. recover() found every request still there (ALREADY_EXISTS) and
     # left it: kvd held "b", which the engine had finished, "a"'s freed block, and "c",
@@ -158,7 +135,7 @@ async def test_what_kvd_did_not_answer_is_settled_before_the_session_recovers(tm
             for method, call in (("release", session.release("b")),
                                  ("free", session.free("a", [1])),
                                  ("admit", session.admit("c", 16, 16))):
-                with _Unanswered(c, method, done), pytest.raises(KvdClientError):
+                with answered_as(c, method, fault), pytest.raises(KvdClientError):
                     await call
             assert set(session.held) == {"a"} and session.held["a"].blocks == [0, 2]
 
@@ -181,7 +158,7 @@ async def test_an_admit_whose_answer_was_lost_may_be_made_again(tmp_path):
     try:
         async with AsyncClient(kvd.target, timeout_s=10) as c:
             session = EngineSession(c)
-            with _Unanswered(c, "admit", True), pytest.raises(DeadlineExceededError):
+            with answered_as(c, "admit", "lost"), pytest.raises(DeadlineExceededError):
                 await session.admit("c", 64, 16)
             assert (await session.admit("c", 16, 16)).decision == pb.DECISION_ADMITTED
             await session.allocate("c", 1)
