@@ -4,6 +4,7 @@ for handoffs, made on first use when the config declares none)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,9 +49,11 @@ def make_arenas(pc: PoolConfig) -> dict[str, object]:
 
 
 def build_pool(pc: PoolConfig, config: Config, clock: Clock, links: Links,
-               reserver: Reserver, on_plan_done: Callable[[TransferPlan, float], None]
-               ) -> PoolRuntime:
-    """A pool, its arenas and its device<->host link, ready to serve."""
+               reserver: Reserver, on_plan_done: Callable[[TransferPlan, float], None],
+               stepping: Callable[[], bool] | None = None) -> PoolRuntime:
+    """A pool, its arenas and its device<->host link, ready to serve. `stepping`: whether
+    Step messages are being served (the pool's deferred recording of reads waits for them:
+    see record_later)."""
     pool = Pool(
         pc.name,
         page_bytes=pc.resolved_page_bytes,
@@ -63,7 +66,7 @@ def build_pool(pc: PoolConfig, config: Config, clock: Clock, links: Links,
         admission=pc.admission,
         attribution=Attribution(config.eviction_ledger, config.explain_keep),
         reserver=reserver,
-        defer=record_later,
+        defer=functools.partial(record_later, busy=stepping),
     )
     arenas = make_arenas(pc)
     try:

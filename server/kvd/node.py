@@ -72,6 +72,9 @@ class Node:
         # Holders whose Step message is being served: their holds do not lapse meanwhile
         # (what the step handed out earlier must stay while it waits for more room).
         self.serving: set[str] = set()
+        # The Step messages being served, from their arrival to their reply's write (the
+        # Step service's own set: StepStreams): the pools' deferred work waits for them.
+        self.stepping: set = set()
         self.events = EventBus()
         self.request_index: dict[str, PoolRuntime] = {}
         # Requests taken out of a queue they could never leave (see settle_queues): id ->
@@ -92,7 +95,8 @@ class Node:
         try:
             for pc in config.pools:
                 self.pools[pc.name] = build_pool(pc, config, self.clock, self.link_table,
-                                                 reserver, plan_events)
+                                                 reserver, plan_events,
+                                                 lambda: bool(self.stepping))
                 self.pools[pc.name].pool.pages.holds.serving = self.serving
             for lc in config.links:
                 self.link_table.handoff[(lc.source, lc.target)] = \

@@ -31,20 +31,36 @@ log = structlog.get_logger("kvd.runtime")
 # time: see Pool.record_some_reads). Nothing sees them late: every other pool operation,
 # stats and metrics included, records them first, whenever it comes.
 RECORD_READS_AFTER_S = 0.2
+# While engines' Step messages are being served, the recording waits for them (looking again
+# this often), for at most RECORD_WAIT_S in all: engines stepping at the same instants (in
+# lock-step, or at periods that divide RECORD_READS_AFTER_S, as 50 steps a second does)
+# would otherwise have the slices of their earlier steps recorded between their steps, and
+# the last step of each burst would wait for all of them.
+RECORD_RETRY_S = 0.001
+RECORD_WAIT_S = 0.05
 
 
-def record_later(fn: Callable[[], bool]) -> None:
+def record_later(fn: Callable[[], bool], busy: Callable[[], bool] | None = None) -> None:
     """fn on the event loop RECORD_READS_AFTER_S from now, and again on the loop's next turn
     while it says more is left (what came meanwhile is served in between); without a
-    running loop, at once until it is done."""
+    running loop, at once until it is done. `busy`: whether Step messages are being served,
+    which it waits for (see RECORD_WAIT_S)."""
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         while fn():
             pass
         return
+    until = None  # when it stops waiting for the steps
 
     def go() -> None:
+        nonlocal until
+        if busy is not None and busy():
+            now = loop.time()
+            until = now + RECORD_WAIT_S if until is None else until
+            if now < until:
+                loop.call_later(RECORD_RETRY_S, go)
+                return
         if fn():
             loop.call_soon(go)
 

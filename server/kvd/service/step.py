@@ -70,6 +70,7 @@ class StepStreams:
                  limits: CallLimits, streams: OpenStreams) -> None:
         self.streams = streams
         self.node = node
+        node.stepping = streams.working  # the messages the node's deferred work waits for
         self.auth = auth
         self.turns = turns
         self.limits = limits
