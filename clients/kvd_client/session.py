@@ -73,13 +73,14 @@ class EngineSession:
         still the request's; unanswered, they are not, and the free is owed."""
         held = self.held[request_id]
         gone = set(blocks)
+        left = [i for i in held.blocks if i not in gone]
         try:
             reply = await self.client.free(request_id, blocks)
         except UNANSWERED:
             self.owed_frees.setdefault(request_id, []).append(list(blocks))
-            held.blocks = [i for i in held.blocks if i not in gone]
+            held.blocks = left
             raise
-        held.blocks = [i for i in held.blocks if i not in gone]
+        held.blocks = left
         return reply
 
     async def release(self, request_id: str) -> pb.ReleaseResponse:

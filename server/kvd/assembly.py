@@ -50,10 +50,10 @@ def make_arenas(pc: PoolConfig) -> dict[str, object]:
 
 def build_pool(pc: PoolConfig, config: Config, clock: Clock, links: Links,
                reserver: Reserver, on_plan_done: Callable[[TransferPlan, float], None],
-               stepping: Callable[[], bool] | None = None) -> PoolRuntime:
-    """A pool, its arenas and its device<->host link, ready to serve. `stepping`: whether
-    Step messages are being served (the pool's deferred recording of reads waits for them:
-    see record_later)."""
+               busy: Callable[[], bool]) -> PoolRuntime:
+    """A pool, its arenas and its device<->host link, ready to serve. `busy`: whether Step
+    messages are being served (the pool's deferred recording of reads waits for them: see
+    record_later)."""
     pool = Pool(
         pc.name,
         page_bytes=pc.resolved_page_bytes,
@@ -66,7 +66,7 @@ def build_pool(pc: PoolConfig, config: Config, clock: Clock, links: Links,
         admission=pc.admission,
         attribution=Attribution(config.eviction_ledger, config.explain_keep),
         reserver=reserver,
-        defer=functools.partial(record_later, busy=stepping),
+        defer=functools.partial(record_later, busy=busy),
     )
     arenas = make_arenas(pc)
     try:

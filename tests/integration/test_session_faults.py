@@ -80,10 +80,14 @@ async def _example(kvd: LocalKvd, operations) -> None:
                     await session.recover()
                     continue
                 held = session.held.get(rid)
-                if op in ("allocate", "free") and (held is None or held.blocks == [] and
-                                                   op == "free"):
-                    continue  # the engine only frees blocks it has, of requests it has
+                # The engine admits only requests it does not have, and allocates and frees
+                # blocks only of requests it has (frees only blocks it has); it may release
+                # any.
                 if op == "admit" and held is not None:
+                    continue
+                if op in ("allocate", "free") and held is None:
+                    continue
+                if op == "free" and not held.blocks:
                     continue
                 with answered_as(client, op, fault), contextlib.suppress(KvdClientError):
                     if op == "admit":
