@@ -22,7 +22,8 @@ from kvd.core.clock import Clock
 log = structlog.get_logger("kvd.leases")
 
 LEASE_METADATA = "kvd-lease"
-RELEASE_TIMEOUT_S = 5.0
+# A lapsed lease's release still waiting after this long is logged (and waited for).
+RELEASE_SLOW_S = 5.0
 
 
 @dataclass(slots=True)
@@ -97,36 +98,64 @@ class LeaseTable:
         """Every period, release the requests of expired leases with `release(request_id)`.
         Silence is judged on what clients sent, not on when kvd got round to reading it: a
         tick that comes late (kvd's loop was busy, or the process was stopped) credits every
-        lease with the lost time, since their calls may be waiting unread meanwhile."""
+        lease with the lost time, since their calls may be waiting unread meanwhile.
+
+        Each expired lease's requests are released in a task of its own, each as long as it
+        takes: a request whose blocks are in transit (a promotion over a slow or capped
+        link may take seconds) is released when the transfer ends. Given up, it would stay
+        admitted for ever with no lease left to reap it; waited for here, every other lease
+        would wait for the one release. Stopping the reaper stops those tasks."""
+        releasing: set[asyncio.Task] = set()
         last = self.clock.now()
-        while True:
-            await asyncio.sleep(period_s)
-            now = self.clock.now()
-            late = now - last - period_s
-            last = now
-            if late > period_s:
-                for lease in self.leases.values():
-                    lease.last_seen = min(now, lease.last_seen + late)
-            for lease in self.expired():
-                self.num_expired += 1
-                released = 0
-                for request_id in sorted(lease.requests):
-                    try:
-                        # Bounded: one request that cannot be released (a transfer stuck
-                        # under it) must not keep every other lease from being reclaimed.
-                        await asyncio.wait_for(release(request_id), RELEASE_TIMEOUT_S)
-                        released += 1
-                    except asyncio.TimeoutError:
-                        log.error("lease release timed out; will not retry",
-                                  request_id=request_id[:64], lease=lease.lease_id)
-                    except Exception as exc:  # already released, or released by its owner
-                        log.debug("lease release skipped", request_id=request_id,
-                                  error=str(exc))
-                self.num_requests_released += released
-                if events is not None:
-                    events.publish("lease", tenant=lease.tenant, count=released,
-                                   lease=lease.lease_id)
-                (log.warning if released else log.debug)(
-                    "lease expired: released its requests", lease=lease.lease_id,
-                    tenant=lease.tenant, num_requests=released,
-                    silent_s=round(self.clock.now() - lease.last_seen, 3))
+        try:
+            while True:
+                await asyncio.sleep(period_s)
+                now = self.clock.now()
+                late = now - last - period_s
+                last = now
+                if late > period_s:
+                    for lease in self.leases.values():
+                        lease.last_seen = min(now, lease.last_seen + late)
+                for lease in self.expired():
+                    self.num_expired += 1
+                    task = asyncio.ensure_future(self._release(lease, release, events))
+                    releasing.add(task)
+                    task.add_done_callback(releasing.discard)
+        finally:
+            for task in releasing:
+                task.cancel()
+
+    async def _release(self, lease: Lease, release, events) -> None:
+        """Release an expired lease's requests, together; log and count what was."""
+        outcomes = await asyncio.gather(*(self._release_one(release, request_id, lease)
+                                          for request_id in sorted(lease.requests)))
+        released = sum(outcomes)
+        self.num_requests_released += released
+        if events is not None:
+            events.publish("lease", tenant=lease.tenant, count=released,
+                           lease=lease.lease_id)
+        (log.warning if released else log.debug)(
+            "lease expired: released its requests", lease=lease.lease_id,
+            tenant=lease.tenant, num_requests=released,
+            silent_s=round(self.clock.now() - lease.last_seen, 3))
+
+    @staticmethod
+    async def _release_one(release, request_id: str, lease: Lease) -> bool:
+        """Release one request; whether it was (False: gone already, released by its owner).
+        One still waiting after RELEASE_SLOW_S (its blocks in transit) is logged, and
+        waited for."""
+        task = asyncio.ensure_future(release(request_id))
+        try:
+            done, _ = await asyncio.wait((task,), timeout=RELEASE_SLOW_S)
+            if not done:
+                log.warning("lease release waits for the request's blocks in transit",
+                            request_id=request_id[:64], lease=lease.lease_id,
+                            waited_s=RELEASE_SLOW_S)
+            await task
+            return True
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        except Exception as exc:  # already released, or released by its owner
+            log.debug("lease release skipped", request_id=request_id, error=str(exc))
+            return False

@@ -83,3 +83,88 @@ def test_a_lease_that_holds_nothing_is_not_kept():
     table.stream_closed("t/f")
     clock.advance(6.0)
     assert [lease.lease_id for lease in table.expired()] == ["t/f"]
+
+
+
+async def _reaping(release, ttl_s: float = 0.2):
+    import asyncio
+
+    from kvd.core.clock import MonotonicClock
+
+    table = LeaseTable(MonotonicClock(), ttl_s=ttl_s)
+    return table, asyncio.ensure_future(table.reap_forever(release, 0.05))
+
+
+async def test_a_release_that_waits_for_a_transfer_is_not_given_up(monkeypatch):
+    """A lapsed lease's request whose blocks are in transit (a promotion over a slow link:
+    seconds) is released once the transfer ends, however long that takes, past the time
+    after which kvd says it waits (RELEASE_SLOW_S). Given up after a bound, it stayed
+    admitted for ever, its lease gone and its pages held."""
+    import asyncio
+
+    from kvd import leases
+
+    monkeypatch.setattr(leases, "RELEASE_SLOW_S", 0.1)
+    transfer_done = asyncio.Event()
+    released = []
+
+    async def release(request_id):
+        await transfer_done.wait()
+        released.append(request_id)
+
+    table, reaper = await _reaping(release)
+    table.attach("l1", "t", "in-transit")
+    try:
+        await asyncio.sleep(0.6)  # l1 lapsed, and its release has waited past any bound
+        assert released == []
+        transfer_done.set()
+        await asyncio.sleep(0.1)
+        assert released == ["in-transit"] and table.num_requests_released == 1
+    finally:
+        reaper.cancel()
+
+
+async def test_a_release_that_waits_holds_up_no_other_lease():
+    """While one lapsed lease's release waits for its transfer, the other leases lapse on
+    time. The reaper used to wait on the one release (up to 5 s) before it looked again,
+    and its late tick then credited every lease with the time it had waited."""
+    import asyncio
+
+    transfer_done = asyncio.Event()
+    released = []
+
+    async def release(request_id):
+        if request_id == "in-transit":
+            await transfer_done.wait()
+        released.append(request_id)
+
+    table, reaper = await _reaping(release)
+    table.attach("l1", "t", "in-transit")
+    try:
+        await asyncio.sleep(0.4)  # l1 lapsed; its release waits for the transfer
+        table.attach("l2", "t", "idle")
+        await asyncio.sleep(0.6)  # l2 lapses 0.2 s after it was last heard from
+        assert released == ["idle"]
+    finally:
+        transfer_done.set()
+        reaper.cancel()
+
+
+async def test_a_stopped_reaper_stops_the_releases_it_started():
+    """kvd stopping cancels the reaper: the releases it left waiting end with it."""
+    import asyncio
+
+    started = asyncio.Event()
+
+    async def release(request_id):
+        started.set()
+        await asyncio.sleep(3600)
+
+    table, reaper = await _reaping(release)
+    table.attach("l1", "t", "in-transit")
+    await asyncio.wait_for(started.wait(), 5)
+    reaper.cancel()
+    await asyncio.gather(reaper, return_exceptions=True)
+    await asyncio.sleep(0)
+    waiting = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    assert waiting == []

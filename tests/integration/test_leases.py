@@ -115,6 +115,64 @@ async def test_a_killed_client_gets_every_page_back(tmp_path):
         assert '"num_requests": 3' in kvd.log()
 
 
+# Admits a request, has its blocks demoted, starts reading them back (a promotion over the
+# slow link kvd is given below) and waits, to be killed while the copies run.
+PROMOTING_HOLDER = textwrap.dedent("""
+    import asyncio, sys
+    from kvd_client import AsyncClient
+
+    async def main():
+        async with AsyncClient(sys.argv[1]) as kvd:
+            await kvd.admit("promoting", 16 * 32)
+            await kvd.allocate("promoting", 32)
+            await kvd.evict(32)
+            reading = asyncio.ensure_future(kvd.access("promoting"))
+            await asyncio.sleep(0.3)
+            print("reading", flush=True)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+async def test_a_client_killed_while_its_blocks_are_in_transit_gets_them_back(tmp_path):
+    """The holder dies while its 32 blocks (2 MiB) come back over a link capped at 256 KiB/s:
+    8 s of copies, which go on without it. Its lease lapses within about a second, and the
+    request is released once the copies are done. The release used to be given up after
+    5 s of waiting for them: the request then stayed admitted, holding 32 device pages, for
+    as long as kvd ran."""
+    config = tmp_path / "kvd.toml"
+    config.write_text(textwrap.dedent("""
+        [server]
+        lease_ttl_s = 1
+        [[pool]]
+        name = "default"
+        page_bytes = 65536
+        device_pages = 64
+        host_pages = 128
+        link_bandwidth = "256KiB"
+    """))
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        holder = subprocess.Popen([sys.executable, "-c", PROMOTING_HOLDER, kvd.target],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            reading = await asyncio.to_thread(holder.stdout.readline)
+            assert reading.strip() == "reading"
+        finally:
+            holder.kill()
+            holder.wait()
+        async with AsyncClient(kvd.target, lease="") as observer:
+            assert [r.request_id for r in await observer.list_requests()] == ["promoting"]
+            for _ in range(300):  # 30 s: the copies end about 8 s from the read's start
+                if not await observer.list_requests():
+                    break
+                await asyncio.sleep(0.1)
+            assert await observer.list_requests() == []
+            assert await _used_pages(observer) == [0, 0]
+            assert (await observer.self_check()).ok
+        assert '"lease release waits for the request\'s blocks in transit"' in kvd.log()
+
+
 async def test_keep_alive_holds_a_unary_client_and_silence_expires_it(tmp_path):
     # Keep-alives at a quarter of the TTL: at half of it, one 0.2 s late (a busy machine)
     # would lapse the lease.
