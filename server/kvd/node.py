@@ -9,9 +9,10 @@ import asyncio
 import functools
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
 
@@ -21,7 +22,7 @@ from kvd.core.admission import AdmitResult, Decision
 from kvd.core.attribution import RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
-from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
+from kvd.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvd.core.holds import OWN_HOLDER
 from kvd.core.intent import IntentChange
 from kvd.core.prefix import Shares
@@ -39,6 +40,7 @@ from kvd.peers import Peers, RemoteReserver, Reservers, is_remote
 from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
 from kvd.shared import SharedBlocks
 
+T = TypeVar("T")
 log = structlog.get_logger("kvd.node")
 
 # Queued requests rejected after a quota or policy change whose reason kvd keeps for their
@@ -222,8 +224,14 @@ class Node:
                        scope: str | None = None, holder: str = ""
                        ) -> tuple[list[Block], float]:
         """New blocks for a request; with a holder, held for it until its next call (the
-        engine writes them meanwhile)."""
+        engine writes them meanwhile). Refused while the request is handed off: its blocks
+        are those the handoff copies, and one added meanwhile would be left behind."""
         rt = self.runtime_of(request_id, scope)
+        if self.handoffs.under_way(request_id):
+            raise FailedPrecondition(
+                f"request {request_id!r} is being handed off to pool "
+                f"{rt.pool.requests[request_id].handoff_pool!r}: allocate once the handoff "
+                "is done, there")
         plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent,
                                                      holder=holder), holder=holder)
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
@@ -246,10 +254,15 @@ class Node:
                            scope: str | None = None, holder: str = "") -> StartedAccess:
         """An access whose copies may run on while the caller starts others (a Step's
         reads); StartedAccess.wait() finishes it."""
-        rt = self.request_index.get(request_id) if scope is None else None
-        if rt is None:
-            rt = self.runtime_of(request_id, scope)
-        return await rt.begin_access(request_id, indices, holder)
+        while True:
+            rt = self.request_index.get(request_id) if scope is None else None
+            if rt is None:
+                rt = self.runtime_of(request_id, scope)
+            try:
+                return await rt.begin_access(request_id, indices, holder)
+            except NotFound:  # handed off while it waited for the copies (see _run_where)
+                if self.request_index.get(request_id, rt) is rt:
+                    raise
 
     def read_all(self, request_ids: Sequence[str], scope: str | None,
                  key: bytes | None = None
@@ -328,12 +341,32 @@ class Node:
 
     async def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
                    ) -> int:
-        rt = self.runtime_of(request_id, scope)
-        pinned = rt.pool.num_pinned
-        freed = await rt.run(lambda: rt.pool.free(request_id, indices))
+        pinned = 0
+
+        def free(rt: PoolRuntime) -> int:
+            nonlocal pinned
+            pinned = rt.pool.num_pinned
+            return rt.pool.free(request_id, indices)
+
+        rt, freed = await self._run_where(request_id, scope, free)
         rt.room_may_have_changed()
         self._unpinned(rt, pinned)
         return freed
+
+    async def _run_where(self, request_id: str, scope: str | None,
+                         op: Callable[[PoolRuntime], T]) -> tuple[PoolRuntime, T]:
+        """op(rt) on the request's pool through rt.run, which waits out its blocks in
+        transit; returns the pool's runtime and op's result. A handoff holds the request's
+        blocks in transit until its copies end, and moves the request to its target pool
+        when it goes through: op then runs there. (Run again in the pool the request had
+        left, it answered NOT_FOUND for a request kvd still held.)"""
+        while True:
+            rt = self.runtime_of(request_id, scope)
+            try:
+                return rt, await rt.run(functools.partial(op, rt))
+            except NotFound:
+                if self.request_index.get(request_id, rt) is rt:
+                    raise  # gone, or never moved: the pool's answer stands
 
     def _unpinned(self, rt: PoolRuntime, before: int) -> None:
         """Pins ended in a pool (an unpin, a pinned block freed): the device pages they
@@ -344,10 +377,15 @@ class Node:
 
     async def release(self, request_id: str, scope: str | None = None
                       ) -> tuple[int, list[Request]]:
-        rt = self.runtime_of(request_id, scope)
-        req = rt.pool.requests[request_id]
+        req = None
+
+        def release(rt: PoolRuntime) -> tuple[int, list[Request]]:
+            nonlocal req
+            req = rt.pool.requests.get(request_id)
+            return rt.pool.release(request_id)
+
+        rt, (freed, admitted) = await self._run_where(request_id, scope, release)
         tenant = req.tenant
-        freed, admitted = await rt.run(lambda: rt.pool.release(request_id))
         rt.room_may_have_changed()
         self._forget(req)
         # Its pages are free, or only reserved ones (a request handed off that grew no

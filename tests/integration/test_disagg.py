@@ -182,6 +182,52 @@ async def test_cancelled_handoff_leaves_nothing_half_moved(tmp_path):
             decode.close()
 
 
+
+@pytest.mark.parametrize("call", ["release", "free", "access", "allocate"])
+async def test_a_call_on_a_request_during_its_handoff_acts_where_the_request_is(
+        tmp_path, call):
+    """A release, free or access of a request whose handoff is copying waits for the
+    copies, and acts where the request is once they end: in the decode pool, as the
+    handoff went through. They used to look for it in the prefill pool it had left, and
+    answer NOT_FOUND while kvd held the request, whole, in decode: an engine that takes
+    NOT_FOUND for 'released' (a session, a lease's reaper) left it there for good. An
+    allocation is refused while the handoff runs: it was made in the prefill pool, and the
+    handoff, which copies the blocks it began with, left the new ones behind and freed
+    their pages under the engine that was writing them."""
+    # 64 KiB/s with 16 KiB pages: 6 blocks take ~1.5 s; the call lands early in the copies.
+    with start(tmp_path, bandwidth="64KiB/s") as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            await c.admit("r", 6 * 16, 32, pool="prefill", handoff_pool="decode")
+            await c.allocate("r", 6)
+            handing = asyncio.ensure_future(c.handoff_all("r"))
+            for _ in range(100):
+                if (await stats(c, "decode")).handoff_reserved_pages == 0:
+                    break  # claimed: the copies have begun
+                await asyncio.sleep(0.02)
+            left = 6
+            if call == "release":
+                await c.release("r")
+                assert await c.list_requests() == []
+                left = 0
+            elif call == "free":
+                assert (await c.free("r", [0, 1])).num_freed == 2
+                left = 4
+            elif call == "access":
+                handles = (await c.access("r")).handles
+                assert [(h.pool, h.block_index) for h in handles] == [
+                    ("decode", i) for i in range(6)]
+            else:
+                with pytest.raises(FailedPreconditionError, match="being handed off"):
+                    await c.allocate("r", 2)
+            last = await handing
+            # Done, handing out what the request still holds after the call.
+            assert last.done and len(last.handles) == left
+            assert [r.num_blocks for r in await c.list_requests()] == ([left] if left else [])
+            assert sum(t.used_pages for t in (await stats(c, "decode")).tiers) == left
+            assert sum(t.used_pages for t in (await stats(c, "prefill")).tiers) == 0
+            assert (await c.self_check()).ok
+
+
 async def test_handoff_without_reservation_can_be_refused(tmp_path):
     with start(tmp_path) as kvd:
         async with AsyncClient(kvd.target, timeout_s=10) as c:

@@ -90,7 +90,7 @@ class Told:
             req = block.request
             rt = pools.get(req.pool)
             if (rt is None or rt.pool.requests.get(req.request_id) is not req
-                    or block.index >= len(req.blocks) or req.blocks[block.index] is not block):
+                    or not its_own(block)):
                 continue
             block.lost = block.lost or lost
             if block.seen_epoch == epoch:  # else it moved since, and is told anyway
@@ -98,6 +98,12 @@ class Told:
             req.maybe_relocated = True
             rt.pool.pages.changes.note(req)  # a step's answer kept looks at it again
         self.blocks = []
+
+
+def its_own(block: Block) -> bool:
+    """Whether the block is still its request's: not freed, nor released with it."""
+    blocks = block.request.blocks
+    return block.index < len(blocks) and blocks[block.index] is block
 
 
 def _told(block: Block, page_bytes: int, ns: int, told: Told | None) -> dict:

@@ -19,7 +19,7 @@ from kvd.node import Node
 from kvd.runtime import find_runtime
 from kvd.service import convert
 from kvd.service.auth import Authenticator
-from kvd.service.convert import handle
+from kvd.service.convert import handle, its_own
 from kvd.service.register import Malformed
 from kvd.service.status import local_message, status_of
 from kvd_api.v1 import kvd_pb2 as pb
@@ -112,7 +112,10 @@ class Streams:
                         blocks_done=p["blocks_done"], blocks_total=p["blocks_total"],
                         bytes_done=p["bytes_done"], bytes_total=p["bytes_total"],
                         done=p["done"],
-                        handles=[handle(b, page_bytes, ns) for b in p["blocks"] or ()]))
+                        # Those the request still has: a release or a free that waited
+                        # for the copies runs as soon as they end, before this is written.
+                        handles=[handle(b, page_bytes, ns) for b in p["blocks"] or ()
+                                 if its_own(b)]))
         except errors.KvdError as exc:
             code = status_of(exc).name
             await context.abort(status_of(exc), local_message(exc, caller))
