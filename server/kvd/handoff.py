@@ -296,12 +296,13 @@ class Handoffs:
                 progress: asyncio.Queue, holder: str) -> None:
         """The blocks live in the target now; the prefill pages go."""
         request_id = req.request_id
+        dst_req = dst.pool.requests[request_id]
+        dst_req.keep_indices(len(req.blocks))
         self._end_handoff(src, dst, request_id, blocks, release=src.pool)
         self.request_index[request_id] = dst
         moved = len(blocks) * src.pool.page_bytes
         self.counts["completed"] += 1
         self.counts["bytes"] += moved
-        dst_req = dst.pool.requests[request_id]
         dst_req.bytes_moved += moved
         if holder:  # the engine reads what the last message hands it: nothing may move it
             dst.pool.pages.holds.hold(holder, dst_req.live_blocks())
@@ -354,7 +355,8 @@ class Handoffs:
             chunks = chunk_messages(blocks + sent, arenas, chunk_pages)
             header = pb.PeerBlocks(
                 request_id=request_id, pool=split(target)[1],
-                block_indices=[b.index for b in blocks], page_bytes=page_bytes,
+                block_indices=[b.index for b in blocks], indices_used=len(req.blocks),
+                page_bytes=page_bytes,
                 tenant=req.tenant, prompt_tokens=req.prompt_tokens,
                 output_tokens=req.output_tokens, priority=req.priority, shared=listed)
 

@@ -49,6 +49,9 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("kvd.peers")
 
+# The most block indices a request handed off here may say it used (PeerBlocks.indices_used):
+# a peer's word costs a slot each (a million: 8 MiB, 16M tokens of 16-token blocks).
+MAX_INDICES_USED = 1 << 20
 _VERDICTS = {pb.DECISION_ADMITTED: Verdict.OK, pb.DECISION_QUEUED: Verdict.WAIT,
              pb.DECISION_REJECTED: Verdict.NEVER}
 
@@ -316,6 +319,9 @@ async def receive_here(node, request_iterator) -> int:
     indices = list(header.block_indices)
     if len(set(indices)) != len(indices):
         raise InvalidArgument("block indices repeat")
+    if header.indices_used > MAX_INDICES_USED:
+        raise InvalidArgument(f"indices_used is at most {MAX_INDICES_USED}, got "
+                              f"{header.indices_used}")
     shared = list(header.shared)
     _check_shared(shared, len(indices), pool.device.capacity + pool.host.capacity)
     num_sent = sum(1 for e in shared if e.sent)
@@ -391,6 +397,7 @@ async def receive_here(node, request_iterator) -> int:
     if plan is not None:
         pool.complete(plan)
         dst.transit.finish(plan)
+    pool.requests[rid].keep_indices(header.indices_used)
     node.request_index[rid] = dst
     moved = len(indices) * pool.page_bytes
     node.handoffs.counts["received"] += 1

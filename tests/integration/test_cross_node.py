@@ -124,6 +124,29 @@ async def test_a_handoff_across_nodes_delivers_the_pages_byte_for_byte(tmp_path,
         assert "prefill->b/decode" in shown.stdout and "chat 0.2 MiB" in shown.stdout
 
 
+
+async def test_a_request_handed_across_nodes_keeps_the_indices_it_used(tmp_path, pki):  # noqa: F811
+    """Block indices freed after the request's last block are not handed out again on the
+    peer: the peer used to go on from the last block it received, and a free the engine sent
+    again (its first answer lost) freed the block it had just written there."""
+    from kvd_client import NotFoundError
+
+    a, b = _peers(tmp_path, pki)
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            await ca.admit("r1", prompt_tokens=4 * 16, output_tokens=32, pool="prefill",
+                           handoff_pool="b/decode")
+            await ca.allocate("r1", 4)
+            await ca.free("r1", [2, 3])
+            assert (await ca.handoff_all("r1")).done
+            grown = (await cb.allocate("r1", 1)).handles
+            assert [h.block_index for h in grown] == [4]
+            with pytest.raises(NotFoundError, match="freed"):
+                await cb.free("r1", [2])  # the free sent again
+            assert [h.block_index for h in (await cb.access("r1")).handles] == [0, 1, 4]
+            assert (await cb.self_check()).ok
+
+
 async def test_the_peer_refuses_cleanly_and_its_reason_comes_back(tmp_path, pki):  # noqa: F811
     a, b = _peers(tmp_path, pki, decode_pages=16, decode_host_pages=4)  # 20 pages in all
     with b, a:
@@ -368,6 +391,34 @@ async def test_a_peer_that_sends_a_page_twice_and_another_never_is_refused(tmp_p
             assert "twice" in refused.value.details()
             assert "r" not in await _requests(c)
             assert (await c.pool_stats("decode")).pools[0].tiers[0].used_pages == 0
+            assert (await c.self_check()).ok
+
+
+
+async def test_a_peer_that_claims_too_many_indices_used_is_refused(tmp_path):
+    """Each index a peer says the request used costs a slot here: past the bound, the
+    stream is refused and nothing kept."""
+    import grpc
+
+    from kvd.peers import MAX_INDICES_USED
+
+    with _one_pool(tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as c:
+            receive = c.channel.stream_unary(
+                "/kvd.v1.Peer/Receive", request_serializer=pb.PeerBlocks.SerializeToString,
+                response_deserializer=pb.PeerReceiveResponse.FromString)
+
+            async def messages():
+                yield pb.PeerBlocks(request_id="r", pool="decode", block_indices=[0],
+                                    indices_used=MAX_INDICES_USED + 1, page_bytes=PAGE,
+                                    tenant="default", prompt_tokens=16)
+                yield pb.PeerBlocks(first=0, data=b"A" * PAGE, commit=True)
+
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await receive(messages(), metadata=c.metadata)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "indices_used" in refused.value.details()
+            assert "r" not in await _requests(c)
             assert (await c.self_check()).ok
 
 

@@ -9,7 +9,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from kvd_client import AsyncClient, FailedPreconditionError, ResourceExhaustedError, pb
+from kvd_client import (AsyncClient, FailedPreconditionError, NotFoundError,
+                        ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
 from kvd_loadgen.local import LocalKvd
@@ -225,6 +226,27 @@ async def test_a_call_on_a_request_during_its_handoff_acts_where_the_request_is(
             assert [r.num_blocks for r in await c.list_requests()] == ([left] if left else [])
             assert sum(t.used_pages for t in (await stats(c, "decode")).tiers) == left
             assert sum(t.used_pages for t in (await stats(c, "prefill")).tiers) == 0
+            assert (await c.self_check()).ok
+
+
+
+async def test_a_handoff_keeps_the_indices_the_request_has_used(tmp_path):
+    """An engine names blocks by index, and an index freed is never handed out again: a
+    free sent twice (its first answer lost, as an engine session retries it) finds the
+    block gone, not another. A handoff kept the indices of the blocks it carried, but
+    forgot those freed after the last of them: the decode pool handed them out again, and
+    the retried free of block 2 freed the block the engine had just written there."""
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            await c.admit("r", 4 * 16, 32, pool="prefill", handoff_pool="decode")
+            await c.allocate("r", 4)
+            await c.free("r", [2, 3])
+            assert (await c.handoff_all("r")).done
+            grown = (await c.allocate("r", 1)).handles
+            assert [(h.pool, h.block_index) for h in grown] == [("decode", 4)]
+            with pytest.raises(NotFoundError, match="freed"):
+                await c.free("r", [2])  # the free sent again
+            assert [h.block_index for h in (await c.access("r")).handles] == [0, 1, 4]
             assert (await c.self_check()).ok
 
 

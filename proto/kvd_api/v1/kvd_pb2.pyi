@@ -1041,7 +1041,7 @@ class PeerUnreserveResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PeerBlocks(_message.Message):
-    __slots__ = ("request_id", "pool", "block_indices", "page_bytes", "tenant", "prompt_tokens", "output_tokens", "priority", "first", "data", "commit", "shared")
+    __slots__ = ("request_id", "pool", "block_indices", "page_bytes", "tenant", "prompt_tokens", "output_tokens", "priority", "first", "data", "commit", "shared", "indices_used")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
@@ -1054,6 +1054,7 @@ class PeerBlocks(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    INDICES_USED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     pool: str
     block_indices: _containers.RepeatedScalarFieldContainer[int]
@@ -1066,7 +1067,8 @@ class PeerBlocks(_message.Message):
     data: bytes
     commit: bool
     shared: _containers.RepeatedCompositeFieldContainer[PeerSharedBlock]
-    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., first: _Optional[int] = ..., data: _Optional[bytes] = ..., commit: _Optional[bool] = ..., shared: _Optional[_Iterable[_Union[PeerSharedBlock, _Mapping]]] = ...) -> None: ...
+    indices_used: int
+    def __init__(self, request_id: _Optional[str] = ..., pool: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., page_bytes: _Optional[int] = ..., tenant: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., first: _Optional[int] = ..., data: _Optional[bytes] = ..., commit: _Optional[bool] = ..., shared: _Optional[_Iterable[_Union[PeerSharedBlock, _Mapping]]] = ..., indices_used: _Optional[int] = ...) -> None: ...
 
 class PeerSharedBlock(_message.Message):
     __slots__ = ("namespace", "key", "sent")

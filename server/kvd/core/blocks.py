@@ -209,6 +209,14 @@ class Request:
     pinned_shared: list[Block] = field(default_factory=list)  # of those, the ones it pins
     keeper: bool = False
 
+    def keep_indices(self, used: int) -> None:
+        """The request, handed off here, goes on from the block indices it used where it was
+        (the freed ones after its last block included): an engine names blocks by index, and
+        a free it sends again (its first answer lost) must find its block gone, not a block
+        handed out under that index since."""
+        if len(self.blocks) < used:
+            self.blocks.extend([None] * (used - len(self.blocks)))
+
     def live_blocks(self) -> list[Block]:
         """The request's blocks that are not freed, in index order (a copy: the caller may
         free them while it walks it)."""
