@@ -55,7 +55,8 @@ def add_handles(handles, blocks: Iterable[Block], page_bytes: int, ns: int = 0) 
     made in place (a made handle appended is copied)."""
     told = TOLD.get()
     for block in blocks:
-        handles.add(**_told(block, page_bytes, ns, told))
+        if its_own(block):  # not freed by another call since (see its_own)
+            handles.add(**_told(block, page_bytes, ns, told))
 
 
 # Where a Step stream keeps what its latest reply tells (see Told); None elsewhere.

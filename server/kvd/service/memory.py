@@ -19,6 +19,7 @@ from kvd.service.convert import (
     indices,
     intent_change,
     intent_fields,
+    its_own,
     shared_handle,
 )
 from kvd.service.gate import CallGate, CallLimits, StepTurns
@@ -98,9 +99,9 @@ class MemoryService(pb_grpc.MemoryServicer):
                                                      intent_fields(request.intent),
                                                      caller.scope, holder=caller.holder)
         page_bytes = self._page_bytes(rid)
-        return pb.AllocateResponse(
-            handles=[handle(b, page_bytes, ns) for b in blocks], stall_us=int(stall_s * 1e6)
-        )
+        return pb.AllocateResponse(  # those not freed meanwhile (see Access)
+            handles=[handle(b, page_bytes, ns) for b in blocks if its_own(b)],
+            stall_us=int(stall_s * 1e6))
 
     @unary
     async def Access(self, request: pb.AccessRequest, caller: Caller) -> pb.AccessResponse:
@@ -110,7 +111,9 @@ class MemoryService(pb_grpc.MemoryServicer):
                                                              caller.scope, holder=caller.holder)
         page_bytes = self._page_bytes(rid)
         return pb.AccessResponse(
-            handles=[handle(b, page_bytes, ns) for b in blocks],
+            # The blocks read that the request still has: one freed by another call while
+            # the read waited for its copies is gone (its page with it).
+            handles=[handle(b, page_bytes, ns) for b in blocks if its_own(b)],
             stall_us=int(stall_s * 1e6),
             num_promoted=promoted,
         )
