@@ -41,6 +41,7 @@ from kvd.core import prefix
 from kvd.core.errors import (Aborted, BlocksInTransit, FailedPrecondition, InvalidArgument,
                              KvdError, NotFound)
 from kvd.core.holds import OWN_HOLDER
+from kvd.core.pages import MAX_BLOCK_INDEX
 from kvd.core.reservation import PoolReserver, Verdict
 from kvd.core.transfer import Reason
 from kvd.memory.copier import chunk_runs, page_runs, read_pages, write_pages
@@ -49,9 +50,9 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("kvd.peers")
 
-# The most block indices a request handed off here may say it used (PeerBlocks.indices_used):
-# a peer's word costs a slot each (a million: 8 MiB, 16M tokens of 16-token blocks).
-MAX_INDICES_USED = 1 << 20
+# The most block indices a request handed off here may say it used (PeerBlocks.indices_used,
+# each a slot here): as many as the block indices a handoff may name.
+MAX_INDICES_USED = MAX_BLOCK_INDEX + 1
 _VERDICTS = {pb.DECISION_ADMITTED: Verdict.OK, pb.DECISION_QUEUED: Verdict.WAIT,
              pb.DECISION_REJECTED: Verdict.NEVER}
 

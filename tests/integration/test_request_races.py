@@ -68,7 +68,7 @@ bandwidth = "512KiB"
 chunk = "16KiB"
 """
 KINDS = ["handoff", "handoff", "cancelled_handoff", "release", "free", "free", "access",
-         "read", "allocate", "pin", "unpin", "evict"]
+         "read", "allocate", "pin", "unpin", "evict", "step_read", "step_free", "decode"]
 CODE = grpc.StatusCode
 # What each call may be refused with (NOT_FOUND, only once a release went through, or for a
 # pin or a read by index, once the free of a block it names did).
@@ -81,8 +81,15 @@ REFUSALS = {
     "allocate": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED},
     "pin": {CODE.RESOURCE_EXHAUSTED, CODE.FAILED_PRECONDITION},
     "evict": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED},
+    # A Step's items, by section.
+    "read_all": {CODE.RESOURCE_EXHAUSTED},
+    "frees": set(),
 }
 STUCK_S = 20.0
+
+
+def _code(number: int) -> CODE:
+    return next(code for code in CODE if code.value[0] == number)
 
 
 def pattern(rid: str, index: int) -> np.ndarray:
@@ -98,7 +105,8 @@ def _race(draw):
     frees = iter(draw(st.permutations(range(blocks))))  # each free names another block
     calls = []
     for kind in kinds:
-        arg = next(frees, None) if kind == "free" else draw(st.integers(0, blocks - 1))
+        arg = (next(frees, None) if kind in ("free", "step_free")
+               else draw(st.integers(0, blocks - 1)))
         if arg is not None:
             calls.append((kind, draw(st.integers(0, 250)), arg))
     return blocks, evicted, calls
@@ -149,8 +157,21 @@ class Race:
                 self.write((await c.allocate(rid, 1)).handles, racing_handoff)
             elif kind in ("pin", "unpin"):
                 await c.update_intents([intent_update(rid, arg, pin_requested=kind == "pin")])
-            else:
+            elif kind == "evict":
                 await c.evict(arg + 1, pool="prefill")
+            else:  # an engine's steps on a stream of its own: read it all (and free a block)
+                frees = [(rid, [arg])] if kind == "step_free" else []
+                errors = []
+                async with c.step_stream() as stream:
+                    for i in range(4 if kind == "decode" else 1):  # decode: the same again
+                        if i:
+                            await asyncio.sleep(0.015)
+                        errors += (await stream.step(frees=frees, read_all=[rid])).errors
+                for error in errors:
+                    self.refused.append((error.section, arg, _code(error.code), error.message))
+                if frees and not any(e.section == "frees" for e in errors):
+                    self.blocks.discard(arg)
+                    self.freed.add(arg)
         except KvdClientError as exc:
             self.refused.append((kind, arg, exc.code, str(exc)))
 
