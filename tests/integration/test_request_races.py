@@ -1,8 +1,9 @@
 """Calls on one request that race each other, against one real kvd with prefill and decode
 pools over slow links: while the request's blocks are being copied (a handoff, a read that
-brings them back from the host tier), the engine, its operator or a second thread of the
-engine releases the request, frees blocks, reads, allocates, pins, evicts or hands it off
-again. The engine writes a distinct pattern into every block it is handed.
+brings them back from the host tier), the engine (several of its threads at once) releases
+the request, frees blocks, reads, allocates, pins or hands it off again, on calls or Step
+streams of their own, and the operator evicts or switches a pool's policy. The engine writes
+a distinct pattern into every block it is handed.
 
 Once every call has ended: a request whose release was answered OK is gone, and every page
 with it; otherwise kvd holds it in one pool, with exactly the blocks the engine has (those
@@ -28,6 +29,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
+from kvd.core.policies import policy_names
 from kvd_client import AsyncClient, KvdClientError, pb
 from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
@@ -68,7 +70,8 @@ bandwidth = "512KiB"
 chunk = "16KiB"
 """
 KINDS = ["handoff", "handoff", "cancelled_handoff", "release", "free", "free", "access",
-         "read", "allocate", "pin", "unpin", "evict", "step_read", "step_free", "decode"]
+         "read", "allocate", "pin", "unpin", "evict", "step_read", "step_free", "decode",
+         "policy"]
 CODE = grpc.StatusCode
 # What each call may be refused with (NOT_FOUND, only once a release went through, or for a
 # pin or a read by index, once the free of a block it names did).
@@ -81,11 +84,13 @@ REFUSALS = {
     "allocate": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED},
     "pin": {CODE.RESOURCE_EXHAUSTED, CODE.FAILED_PRECONDITION},
     "evict": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED},
+    "policy": set(),
     # A Step's items, by section.
     "read_all": {CODE.RESOURCE_EXHAUSTED},
     "frees": set(),
 }
 STUCK_S = 20.0
+POLICIES = policy_names()
 
 
 def _code(number: int) -> CODE:
@@ -159,6 +164,9 @@ class Race:
                 await c.update_intents([intent_update(rid, arg, pin_requested=kind == "pin")])
             elif kind == "evict":
                 await c.evict(arg + 1, pool="prefill")
+            elif kind == "policy":  # the operator switches a pool's policy
+                await c.set_policy(POLICIES[arg % len(POLICIES)],
+                                   pool=("prefill", "decode")[arg % 2])
             else:  # an engine's steps on a stream of its own: read it all (and free a block)
                 frees = [(rid, [arg])] if kind == "step_free" else []
                 errors = []
