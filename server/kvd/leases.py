@@ -121,9 +121,12 @@ class LeaseTable:
                     task = asyncio.ensure_future(self._release(lease, release, events))
                     releasing.add(task)
                     task.add_done_callback(releasing.discard)
-        finally:
+        except asyncio.CancelledError:
+            # kvd stops: so do the releases. (Those of a reaper that failed go on while it
+            # is started again.)
             for task in releasing:
                 task.cancel()
+            raise
 
     async def _release(self, lease: Lease, release, events) -> None:
         """Release an expired lease's requests, together; log and count what was."""
