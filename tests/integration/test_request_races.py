@@ -1,15 +1,17 @@
-"""Calls on one request that race each other, against one real kvd with prefill and decode
+"""Calls on a request that race each other, against one real kvd with prefill and decode
 pools over slow links: while the request's blocks are being copied (a handoff, a read that
 brings them back from the host tier), the engine (several of its threads at once) releases
 the request, frees blocks, reads, allocates, pins or hands it off again, on calls or Step
-streams of their own, and the operator evicts or switches a pool's policy. The engine writes
-a distinct pattern into every block it is handed.
+streams of their own, and the operator evicts or switches a pool's policy; now and then a
+second request's calls race beside them, for the same pages and links. The engine writes a
+distinct pattern into every block it is handed.
 
-Once every call has ended: a request whose release was answered OK is gone, and every page
-with it; otherwise kvd holds it in one pool, with exactly the blocks the engine has (those
-whose frees were answered OK are gone, those handed out are there), each holding what the
-engine wrote. A call is answered OK or with a documented refusal: NOT_FOUND only once a
-release of the request went through, and nothing may hang.
+Once every call has ended, for each request: one whose release was answered OK is gone;
+otherwise kvd holds it in one pool, with exactly the blocks the engine has (those whose frees
+were answered OK are gone, those handed out are there), each holding what the engine wrote.
+Then no page and no reservation is left in either pool. A call is answered OK or with a
+documented refusal: NOT_FOUND only once a release of the request went through (or, for a
+call naming a block, once that block's free did), and nothing may hang.
 
 The other property tests run an engine's calls one after another, each waiting for the last:
 none of these races came up there.
@@ -104,17 +106,19 @@ def pattern(rid: str, index: int) -> np.ndarray:
 
 @st.composite
 def _race(draw):
-    blocks = draw(st.integers(2, 6))
-    evicted = draw(st.integers(0, blocks))  # pages the operator demotes first
-    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=5))
-    frees = iter(draw(st.permutations(range(blocks))))  # each free names another block
+    """Requests (their block counts: one request, or two whose calls race too), pages the
+    operator demotes first, and the calls: (request, kind, delay in ms, argument)."""
+    sizes = draw(st.lists(st.integers(2, 6), min_size=1, max_size=2))
+    evicted = draw(st.integers(0, sum(sizes)))  # some are read back over the link
+    frees = [iter(draw(st.permutations(range(n)))) for n in sizes]  # each free, its own block
     calls = []
-    for kind in kinds:
-        arg = (next(frees, None) if kind in ("free", "step_free")
-               else draw(st.integers(0, blocks - 1)))
+    for _ in range(draw(st.integers(1, 5))):
+        who, kind = draw(st.integers(0, len(sizes) - 1)), draw(st.sampled_from(KINDS))
+        arg = (next(frees[who], None) if kind in ("free", "step_free")
+               else draw(st.integers(0, sizes[who] - 1)))
         if arg is not None:
-            calls.append((kind, draw(st.integers(0, 250)), arg))
-    return blocks, evicted, calls
+            calls.append((who, kind, draw(st.integers(0, 250)), arg))
+    return sizes, evicted, calls
 
 
 class Race:
@@ -195,6 +199,30 @@ class Race:
             assert code in allowed, f"{kind} refused with {code.name}: {text}"
 
 
+    async def check_whole_or_gone(self, calls) -> None:
+        """Released: gone. Else whole in one pool, every block holding what the engine
+        wrote; then released, by the engine."""
+        client, rid = self.c, self.rid
+        found = await _one_pool(client, rid)
+        if self.released:
+            assert found == [], f"released, and kvd still holds it: {found}"
+            return
+        assert len(found) == 1, f"kvd holds the request {len(found)} times: {found}"
+        assert found[0].num_blocks == len(self.blocks), (found[0], self.blocks)
+        handles = (await client.access(rid)).handles
+        assert sorted(h.block_index for h in handles) == sorted(self.blocks)
+        for h in handles:
+            if h.block_index in self.unwritten:
+                continue
+            page = self.maps[h.pool or "prefill"].read(h)
+            want = (np.zeros(PAGE, np.uint8) if h.recompute
+                    else pattern(rid, h.block_index))
+            assert np.array_equal(page, want), (
+                f"{rid} block {h.block_index} ({h.pool} page {h.page_index}) does not "
+                f"hold what the engine wrote; calls {calls}")
+        await client.release(rid)
+
+
 async def _pools(client: AsyncClient) -> dict[str, pb.PoolStats]:
     return {p.pool: p for p in (await client.pool_stats()).pools}
 
@@ -211,63 +239,51 @@ async def _one_pool(client: AsyncClient, rid: str) -> list[pb.RequestInfo]:
     return found
 
 
-async def _example(client, maps, n: int, blocks: int, evicted: int, calls) -> None:
-    rid = f"r{n}"
-    race = Race(client, maps, rid)
+async def _example(client, maps, n: int, sizes: list[int], evicted: int, calls) -> None:
+    races = [Race(client, maps, f"r{n}-{i}") for i in range(len(sizes))]
     try:
-        admitted = await client.admit(rid, 16 * blocks, 32, pool="prefill",
-                                      handoff_pool="decode")
-        assert admitted.decision == pb.DECISION_ADMITTED
-        race.write((await client.allocate(rid, blocks)).handles, racing_handoff=False)
-        race.first_blocks = blocks
+        for race, blocks in zip(races, sizes):
+            admitted = await client.admit(race.rid, 16 * blocks, 32, pool="prefill",
+                                          handoff_pool="decode")
+            assert admitted.decision == pb.DECISION_ADMITTED
+            race.write((await client.allocate(race.rid, blocks)).handles,
+                       racing_handoff=False)
+            race.first_blocks = blocks
         if evicted:
-            await client.evict(evicted, pool="prefill")  # some are read back over the link
-        racing_handoff = any(kind.endswith("handoff") for kind, _, _ in calls)
+            await client.evict(evicted, pool="prefill")
+        handed = {who for who, kind, _, _ in calls if kind.endswith("handoff")}
         done, pending = await asyncio.wait(
-            [asyncio.ensure_future(race.call(kind, delay, arg, racing_handoff))
-             for kind, delay, arg in calls], timeout=STUCK_S)
+            [asyncio.ensure_future(races[who].call(kind, delay, arg, who in handed))
+             for who, kind, delay, arg in calls], timeout=STUCK_S)
         assert not pending, f"calls stuck for {STUCK_S} s: {calls}"
         for task in done:
             task.result()
-        race.check_refusals()
-        found = await _one_pool(client, rid)
-        if race.released:
-            assert found == [], f"released, and kvd still holds it: {found}"
-        else:
-            assert len(found) == 1, f"kvd holds the request {len(found)} times: {found}"
-            assert found[0].num_blocks == len(race.blocks), (found[0], race.blocks)
-            handles = (await client.access(rid)).handles
-            assert sorted(h.block_index for h in handles) == sorted(race.blocks)
-            for h in handles:
-                if h.block_index in race.unwritten:
-                    continue
-                page = maps[h.pool or "prefill"].read(h)
-                want = np.zeros(PAGE, np.uint8) if h.recompute else pattern(rid,
-                                                                             h.block_index)
-                assert np.array_equal(page, want), (
-                    f"block {h.block_index} ({h.pool} page {h.page_index}) does not hold "
-                    f"what the engine wrote; calls {calls}")
-            await client.release(rid)
+        for race in races:
+            race.check_refusals()
+            await race.check_whole_or_gone(calls)
         # Nothing is left behind: no page, no reservation in either pool.
         for name, stats in (await _pools(client)).items():
             assert sum(t.used_pages for t in stats.tiers) == 0, (name, stats)
             assert stats.reserved_pages == stats.handoff_reserved_pages == 0, (name, stats)
         assert (await client.self_check()).ok
     finally:  # the next example starts on an empty kvd
-        with contextlib.suppress(KvdClientError):
-            await client.release(rid)
+        for race in races:
+            with contextlib.suppress(KvdClientError):
+                await client.release(race.rid)
 
 
 # Each race the first versions of this test found, once for sure.
 EXPLICIT = [
-    (6, 0, [("handoff", 0, 0), ("release", 30, 0)]),
-    (6, 0, [("handoff", 0, 0), ("free", 30, 1)]),
-    (6, 0, [("handoff", 0, 0), ("access", 30, 0)]),
-    (6, 0, [("handoff", 0, 0), ("allocate", 30, 0)]),
-    (6, 6, [("access", 0, 0), ("release", 20, 0)]),
-    (6, 3, [("read", 0, 0), ("free", 5, 0), ("free", 5, 1), ("free", 5, 2), ("free", 5, 3),
-            ("free", 5, 4)]),
-    (6, 0, [("cancelled_handoff", 0, 0), ("release", 10, 0), ("access", 20, 0)]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "release", 30, 0)]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "free", 30, 1)]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "access", 30, 0)]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "allocate", 30, 0)]),
+    ([4], 0, [(0, "free", 0, 2), (0, "free", 0, 3), (0, "handoff", 30, 0),
+              (0, "unpin", 300, 2)]),
+    ([6], 6, [(0, "access", 0, 0), (0, "release", 20, 0)]),
+    ([6], 3, [(0, "read", 0, 0), (0, "free", 5, 0), (0, "free", 5, 1), (0, "free", 5, 2),
+              (0, "free", 5, 3), (0, "free", 5, 4)]),
+    ([6], 0, [(0, "cancelled_handoff", 0, 0), (0, "release", 10, 0), (0, "access", 20, 0)]),
 ]
 
 
