@@ -2,9 +2,9 @@
 pools over slow links: while the request's blocks are being copied (a handoff, a read that
 brings them back from the host tier), the engine (several of its threads at once) releases
 the request, frees blocks, reads, allocates, pins or hands it off again, on calls or Step
-streams of their own, and the operator evicts or switches a pool's policy; now and then a
-second request's calls race beside them, for the same pages and links. The engine writes a
-distinct pattern into every block it is handed.
+streams of their own, and the operator evicts, switches a pool's policy or lowers the
+tenant's limit; now and then a second request's calls race beside them, for the same pages
+and links. The engine writes a distinct pattern into every block it is handed.
 
 Once every call has ended, for each request: one whose release was answered OK is gone;
 otherwise kvd holds it in one pool, with exactly the blocks the engine has (those whose frees
@@ -73,7 +73,7 @@ chunk = "16KiB"
 """
 KINDS = ["handoff", "handoff", "cancelled_handoff", "release", "free", "free", "access",
          "read", "allocate", "pin", "unpin", "evict", "step_read", "step_free", "decode",
-         "policy"]
+         "policy", "quota"]
 CODE = grpc.StatusCode
 # What each call may be refused with (NOT_FOUND, only once a release went through, or for a
 # pin or a read by index, once the free of a block it names did).
@@ -87,6 +87,7 @@ REFUSALS = {
     "pin": {CODE.RESOURCE_EXHAUSTED, CODE.FAILED_PRECONDITION},
     "evict": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED},
     "policy": set(),
+    "quota": set(),
     # A Step's items, by section.
     "read_all": {CODE.RESOURCE_EXHAUSTED},
     "frees": set(),
@@ -171,6 +172,9 @@ class Race:
             elif kind == "policy":  # the operator switches a pool's policy
                 await c.set_policy(POLICIES[arg % len(POLICIES)],
                                    pool=("prefill", "decode")[arg % 2])
+            elif kind == "quota":  # the operator lowers the tenant's limit in a pool
+                await c.set_quota("default", pool=("prefill", "decode")[arg % 2],
+                                  limit_pages=2 + arg, create=True)
             else:  # an engine's steps on a stream of its own: read it all (and free a block)
                 frees = [(rid, [arg])] if kind == "step_free" else []
                 errors = []
@@ -266,10 +270,12 @@ async def _example(client, maps, n: int, sizes: list[int], evicted: int, calls) 
             assert sum(t.used_pages for t in stats.tiers) == 0, (name, stats)
             assert stats.reserved_pages == stats.handoff_reserved_pages == 0, (name, stats)
         assert (await client.self_check()).ok
-    finally:  # the next example starts on an empty kvd
+    finally:  # the next example starts on an empty kvd, with no limit
         for race in races:
             with contextlib.suppress(KvdClientError):
                 await client.release(race.rid)
+        for pool in ("prefill", "decode"):
+            await client.set_quota("default", pool=pool, limit_pages=0, create=True)
 
 
 # Each race the first versions of this test found, once for sure.
