@@ -105,21 +105,23 @@ async def test_a_release_that_waits_for_a_transfer_is_not_given_up(monkeypatch):
     from kvd import leases
 
     monkeypatch.setattr(leases, "RELEASE_SLOW_S", 0.1)
-    transfer_done = asyncio.Event()
+    waiting, transfer_done = asyncio.Event(), asyncio.Event()
     released = []
 
     async def release(request_id):
+        waiting.set()
         await transfer_done.wait()
         released.append(request_id)
 
     table, reaper = await _reaping(release)
     table.attach("l1", "t", "in-transit")
     try:
-        await asyncio.sleep(0.6)  # l1 lapsed, and its release has waited past any bound
+        await asyncio.wait_for(waiting.wait(), 10)  # l1 lapsed; its release waits
+        await asyncio.sleep(0.5)  # past RELEASE_SLOW_S, and past any bound of old
         assert released == []
         transfer_done.set()
-        await asyncio.sleep(0.1)
-        assert released == ["in-transit"] and table.num_requests_released == 1
+        assert await _until(lambda: released) == ["in-transit"]
+        assert table.num_requests_released == 1
     finally:
         reaper.cancel()
 
@@ -130,24 +132,37 @@ async def test_a_release_that_waits_holds_up_no_other_lease():
     and its late tick then credited every lease with the time it had waited."""
     import asyncio
 
-    transfer_done = asyncio.Event()
+    waiting, transfer_done = asyncio.Event(), asyncio.Event()
     released = []
 
     async def release(request_id):
         if request_id == "in-transit":
+            waiting.set()
             await transfer_done.wait()
         released.append(request_id)
 
     table, reaper = await _reaping(release)
     table.attach("l1", "t", "in-transit")
     try:
-        await asyncio.sleep(0.4)  # l1 lapsed; its release waits for the transfer
+        await asyncio.wait_for(waiting.wait(), 10)  # l1 lapsed; its release waits
         table.attach("l2", "t", "idle")
-        await asyncio.sleep(0.6)  # l2 lapses 0.2 s after it was last heard from
-        assert released == ["idle"]
+        # l2 lapses 0.2 s after it was last heard from: well within 3 s, even on a machine
+        # that stalls kvd for a second or two (the stall is credited to every lease).
+        assert await _until(lambda: released, within_s=3.0) == ["idle"]
     finally:
         transfer_done.set()
         reaper.cancel()
+
+
+async def _until(value, within_s: float = 5.0):
+    """value() once it is truthy, looking every 20 ms for at most within_s; else its last."""
+    import asyncio
+    import time
+
+    until = time.monotonic() + within_s
+    while not value() and time.monotonic() < until:
+        await asyncio.sleep(0.02)
+    return value()
 
 
 async def test_a_stopped_reaper_stops_the_releases_it_started():

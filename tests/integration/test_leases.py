@@ -123,9 +123,9 @@ PROMOTING_HOLDER = textwrap.dedent("""
 
     async def main():
         async with AsyncClient(sys.argv[1]) as kvd:
-            await kvd.admit("promoting", 16 * 32)
-            await kvd.allocate("promoting", 32)
-            await kvd.evict(32)
+            await kvd.admit("promoting", 16 * 48)
+            await kvd.allocate("promoting", 48)
+            await kvd.evict(48)
             reading = asyncio.ensure_future(kvd.access("promoting"))
             await asyncio.sleep(0.3)
             print("reading", flush=True)
@@ -136,10 +136,10 @@ PROMOTING_HOLDER = textwrap.dedent("""
 
 
 async def test_a_client_killed_while_its_blocks_are_in_transit_gets_them_back(tmp_path):
-    """The holder dies while its 32 blocks (2 MiB) come back over a link capped at 256 KiB/s:
-    8 s of copies, which go on without it. Its lease lapses within about a second, and the
+    """The holder dies while its 48 blocks (3 MiB) come back over a link capped at 256 KiB/s:
+    12 s of copies, which go on without it. Its lease lapses within about a second, and the
     request is released once the copies are done. The release used to be given up after
-    5 s of waiting for them: the request then stayed admitted, holding 32 device pages, for
+    5 s of waiting for them: the request then stayed admitted, holding 48 device pages, for
     as long as kvd ran."""
     config = tmp_path / "kvd.toml"
     config.write_text(textwrap.dedent("""
@@ -163,7 +163,7 @@ async def test_a_client_killed_while_its_blocks_are_in_transit_gets_them_back(tm
             holder.wait()
         async with AsyncClient(kvd.target, lease="") as observer:
             assert [r.request_id for r in await observer.list_requests()] == ["promoting"]
-            for _ in range(300):  # 30 s: the copies end about 8 s from the read's start
+            for _ in range(400):  # 40 s: the copies end about 12 s from the read's start
                 if not await observer.list_requests():
                     break
                 await asyncio.sleep(0.1)
