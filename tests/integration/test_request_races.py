@@ -299,16 +299,6 @@ def test_calls_racing_on_one_request_leave_it_whole_or_gone(tmp_path, policy):
     config = tmp_path / "kvd.toml"
     config.write_text(CONFIG.format(policy=policy))
     loop = asyncio.new_event_loop()  # one loop for every example: grpc.aio keeps to it
-    kvd = LocalKvd("--config", str(config), workdir=tmp_path).start()
-
-    async def connect():  # on the loop the examples run on
-        client = AsyncClient(kvd.target, timeout_s=STUCK_S)
-        await client.__aenter__()
-        return client, {name: MappedPool(await client.export_pool(name))
-                        for name in ("prefill", "decode")}
-
-    client, maps = loop.run_until_complete(connect())
-    counter = iter(range(10**6))
 
     # No shrinking: kvd lives on across examples, so a replay is not the same run.
     @settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -320,12 +310,22 @@ def test_calls_racing_on_one_request_leave_it_whole_or_gone(tmp_path, policy):
     for race in EXPLICIT:
         run = example(race=race)(run)
 
+    counter = iter(range(10**6))
     try:
-        run()
-        assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
+        with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+            async def connect() -> AsyncClient:  # on the loop the examples run on
+                return AsyncClient(kvd.target, timeout_s=STUCK_S)
+
+            client = loop.run_until_complete(connect())
+            maps: dict[str, MappedPool] = {}
+            try:
+                for name in ("prefill", "decode"):
+                    maps[name] = MappedPool(loop.run_until_complete(client.export_pool(name)))
+                run()
+                assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
+            finally:
+                for mapped in maps.values():
+                    mapped.close()
+                loop.run_until_complete(client.close())
     finally:
-        for mapped in maps.values():
-            mapped.close()
-        loop.run_until_complete(client.__aexit__(None, None, None))
-        kvd.stop()
         loop.close()
