@@ -9,7 +9,7 @@ import asyncio
 import functools
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -254,15 +254,9 @@ class Node:
                            scope: str | None = None, holder: str = "") -> StartedAccess:
         """An access whose copies may run on while the caller starts others (a Step's
         reads); StartedAccess.wait() finishes it."""
-        while True:
-            rt = self.request_index.get(request_id) if scope is None else None
-            if rt is None:
-                rt = self.runtime_of(request_id, scope)
-            try:
-                return await rt.begin_access(request_id, indices, holder)
-            except NotFound:  # handed off while it waited for the copies (see _run_where)
-                if self.request_index.get(request_id, rt) is rt:
-                    raise
+        _, started = await self._follow(
+            request_id, scope, lambda rt: rt.begin_access(request_id, indices, holder))
+        return started
 
     def read_all(self, request_ids: Sequence[str], scope: str | None,
                  key: bytes | None = None
@@ -348,22 +342,23 @@ class Node:
             pinned = rt.pool.num_pinned
             return rt.pool.free(request_id, indices)
 
-        rt, freed = await self._run_where(request_id, scope, free)
+        rt, freed = await self._follow(request_id, scope,
+                                       lambda rt: rt.run(functools.partial(free, rt)))
         rt.room_may_have_changed()
         self._unpinned(rt, pinned)
         return freed
 
-    async def _run_where(self, request_id: str, scope: str | None,
-                         op: Callable[[PoolRuntime], T]) -> tuple[PoolRuntime, T]:
-        """op(rt) on the request's pool through rt.run, which waits out its blocks in
-        transit; returns the pool's runtime and op's result. A handoff holds the request's
-        blocks in transit until its copies end, and moves the request to its target pool
-        when it goes through: op then runs there. (Run again in the pool the request had
-        left, it answered NOT_FOUND for a request kvd still held.)"""
+    async def _follow(self, request_id: str, scope: str | None,
+                      call: Callable[[PoolRuntime], Awaitable[T]]) -> tuple[PoolRuntime, T]:
+        """call(rt) on the request's pool runtime; returns the runtime and call's result.
+        A call that waits out the request's blocks in transit may find a handoff moved the
+        request to its target pool meanwhile (a handoff holds the blocks until its copies
+        end): it runs again there. (Run again in the pool the request had left, it answered
+        NOT_FOUND for a request kvd still held.)"""
         while True:
             rt = self.runtime_of(request_id, scope)
             try:
-                return rt, await rt.run(functools.partial(op, rt))
+                return rt, await call(rt)
             except NotFound:
                 if self.request_index.get(request_id, rt) is rt:
                     raise  # gone, or never moved: the pool's answer stands
@@ -384,7 +379,8 @@ class Node:
             req = rt.pool.requests.get(request_id)
             return rt.pool.release(request_id)
 
-        rt, (freed, admitted) = await self._run_where(request_id, scope, release)
+        rt, (freed, admitted) = await self._follow(
+            request_id, scope, lambda rt: rt.run(functools.partial(release, rt)))
         tenant = req.tenant
         rt.room_may_have_changed()
         self._forget(req)

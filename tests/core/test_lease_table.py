@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvd.core.clock import FakeClock
+import asyncio
+import time
+
+from kvd import leases
+from kvd.core.clock import FakeClock, MonotonicClock
 from kvd.leases import LeaseTable
 
 
@@ -26,11 +30,6 @@ def test_detach_forgets_the_request_in_its_own_lease_only():
 async def test_a_busy_kvd_does_not_count_as_a_silent_client():
     """kvd's loop frozen for longer than the TTL (one huge call used to do it): the client's
     keep-alives wait unread meanwhile, so the lapse is kvd's, not the client's."""
-    import asyncio
-    import time
-
-    from kvd.core.clock import MonotonicClock
-
     released = []
 
     async def release(request_id):
@@ -86,13 +85,34 @@ def test_a_lease_that_holds_nothing_is_not_kept():
 
 
 
-async def _reaping(release, ttl_s: float = 0.2):
-    import asyncio
 
-    from kvd.core.clock import MonotonicClock
+class _Transfers:
+    """A node's release for the reaper: a request named in `in_transit` waits for its
+    blocks' copies (until `done` is set) before it is released."""
 
+    def __init__(self, *in_transit: str) -> None:
+        self.in_transit = set(in_transit)
+        self.waiting, self.done = asyncio.Event(), asyncio.Event()
+        self.released: list[str] = []
+
+    async def release(self, request_id: str) -> None:
+        if request_id in self.in_transit:
+            self.waiting.set()
+            await self.done.wait()
+        self.released.append(request_id)
+
+
+def _reaping(transfers: _Transfers, ttl_s: float = 0.2):
     table = LeaseTable(MonotonicClock(), ttl_s=ttl_s)
-    return table, asyncio.ensure_future(table.reap_forever(release, 0.05))
+    return table, asyncio.ensure_future(table.reap_forever(transfers.release, 0.05))
+
+
+async def _until(value, within_s: float = 5.0):
+    """value() once it is truthy, looking every 20 ms for at most within_s; else its last."""
+    until = time.monotonic() + within_s
+    while not value() and time.monotonic() < until:
+        await asyncio.sleep(0.02)
+    return value()
 
 
 async def test_a_release_that_waits_for_a_transfer_is_not_given_up(monkeypatch):
@@ -100,27 +120,16 @@ async def test_a_release_that_waits_for_a_transfer_is_not_given_up(monkeypatch):
     seconds) is released once the transfer ends, however long that takes, past the time
     after which kvd says it waits (RELEASE_SLOW_S). Given up after a bound, it stayed
     admitted for ever, its lease gone and its pages held."""
-    import asyncio
-
-    from kvd import leases
-
     monkeypatch.setattr(leases, "RELEASE_SLOW_S", 0.1)
-    waiting, transfer_done = asyncio.Event(), asyncio.Event()
-    released = []
-
-    async def release(request_id):
-        waiting.set()
-        await transfer_done.wait()
-        released.append(request_id)
-
-    table, reaper = await _reaping(release)
+    transfers = _Transfers("in-transit")
+    table, reaper = _reaping(transfers)
     table.attach("l1", "t", "in-transit")
     try:
-        await asyncio.wait_for(waiting.wait(), 10)  # l1 lapsed; its release waits
+        await asyncio.wait_for(transfers.waiting.wait(), 10)  # l1 lapsed; its release waits
         await asyncio.sleep(0.5)  # past RELEASE_SLOW_S, and past any bound of old
-        assert released == []
-        transfer_done.set()
-        assert await _until(lambda: released) == ["in-transit"]
+        assert transfers.released == []
+        transfers.done.set()
+        assert await _until(lambda: transfers.released) == ["in-transit"]
         assert table.num_requests_released == 1
     finally:
         reaper.cancel()
@@ -130,54 +139,26 @@ async def test_a_release_that_waits_holds_up_no_other_lease():
     """While one lapsed lease's release waits for its transfer, the other leases lapse on
     time. The reaper used to wait on the one release (up to 5 s) before it looked again,
     and its late tick then credited every lease with the time it had waited."""
-    import asyncio
-
-    waiting, transfer_done = asyncio.Event(), asyncio.Event()
-    released = []
-
-    async def release(request_id):
-        if request_id == "in-transit":
-            waiting.set()
-            await transfer_done.wait()
-        released.append(request_id)
-
-    table, reaper = await _reaping(release)
+    transfers = _Transfers("in-transit")
+    table, reaper = _reaping(transfers)
     table.attach("l1", "t", "in-transit")
     try:
-        await asyncio.wait_for(waiting.wait(), 10)  # l1 lapsed; its release waits
+        await asyncio.wait_for(transfers.waiting.wait(), 10)  # l1 lapsed; its release waits
         table.attach("l2", "t", "idle")
         # l2 lapses 0.2 s after it was last heard from: well within 3 s, even on a machine
         # that stalls kvd for a second or two (the stall is credited to every lease).
-        assert await _until(lambda: released, within_s=3.0) == ["idle"]
+        assert await _until(lambda: transfers.released, within_s=3.0) == ["idle"]
     finally:
-        transfer_done.set()
+        transfers.done.set()
         reaper.cancel()
-
-
-async def _until(value, within_s: float = 5.0):
-    """value() once it is truthy, looking every 20 ms for at most within_s; else its last."""
-    import asyncio
-    import time
-
-    until = time.monotonic() + within_s
-    while not value() and time.monotonic() < until:
-        await asyncio.sleep(0.02)
-    return value()
 
 
 async def test_a_stopped_reaper_stops_the_releases_it_started():
     """kvd stopping cancels the reaper: the releases it left waiting end with it."""
-    import asyncio
-
-    started = asyncio.Event()
-
-    async def release(request_id):
-        started.set()
-        await asyncio.sleep(3600)
-
-    table, reaper = await _reaping(release)
+    transfers = _Transfers("in-transit")
+    table, reaper = _reaping(transfers)
     table.attach("l1", "t", "in-transit")
-    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.wait_for(transfers.waiting.wait(), 5)
     reaper.cancel()
     await asyncio.gather(reaper, return_exceptions=True)
     await asyncio.sleep(0)

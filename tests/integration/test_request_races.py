@@ -41,36 +41,27 @@ EXAMPLES = int(os.environ.get("KVD_RACE_EXAMPLES", "20"))
 PAGE = 16 * 1024  # the tiny model: 1 KiB a token, 16 tokens a page
 # Slow links: a handoff of 6 blocks takes ~0.2 s, a block read back from the host ~30 ms;
 # the racing calls land within 0.25 s of the first.
-CONFIG = """
+POOL = """
+[[pool]]
+name = "{name}"
+model = "tiny"
+device_pages = 12
+host_pages = 16
+policy = "{policy}"
+admission = "reservation"
+link_bandwidth = "512KiB"
+link_chunk = "16KiB"
+"""
+CONFIG = ("""
 [server]
 handoff_ttl_s = 30
-
-[[pool]]
-name = "prefill"
-model = "tiny"
-device_pages = 12
-host_pages = 16
-policy = "{policy}"
-admission = "reservation"
-link_bandwidth = "512KiB"
-link_chunk = "16KiB"
-
-[[pool]]
-name = "decode"
-model = "tiny"
-device_pages = 12
-host_pages = 16
-policy = "{policy}"
-admission = "reservation"
-link_bandwidth = "512KiB"
-link_chunk = "16KiB"
-
+""" + POOL.replace("{name}", "prefill") + POOL.replace("{name}", "decode") + """
 [[link]]
 source = "prefill"
 target = "decode"
 bandwidth = "512KiB"
 chunk = "16KiB"
-"""
+""")
 KINDS = ["handoff", "handoff", "cancelled_handoff", "release", "free", "free", "access",
          "read", "allocate", "pin", "unpin", "evict", "step_read", "step_free", "decode",
          "policy", "quota"]

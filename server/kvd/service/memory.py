@@ -15,11 +15,10 @@ from kvd.service import convert
 from kvd.service.auth import UNLEASED, Authenticator, Caller
 from kvd.service.convert import (
     DECISIONS,
-    handle,
+    add_handles,
     indices,
     intent_change,
     intent_fields,
-    its_own,
     shared_handle,
 )
 from kvd.service.gate import CallGate, CallLimits, StepTurns
@@ -98,10 +97,9 @@ class MemoryService(pb_grpc.MemoryServicer):
         blocks, stall_s = await self.node.allocate(rid, request.num_blocks,
                                                      intent_fields(request.intent),
                                                      caller.scope, holder=caller.holder)
-        page_bytes = self._page_bytes(rid)
-        return pb.AllocateResponse(  # those not freed meanwhile (see Access)
-            handles=[handle(b, page_bytes, ns) for b in blocks if its_own(b)],
-            stall_us=int(stall_s * 1e6))
+        reply = pb.AllocateResponse(stall_us=int(stall_s * 1e6))
+        add_handles(reply.handles, blocks, self._page_bytes(rid), ns)  # not freed meanwhile
+        return reply
 
     @unary
     async def Access(self, request: pb.AccessRequest, caller: Caller) -> pb.AccessResponse:
@@ -109,14 +107,11 @@ class MemoryService(pb_grpc.MemoryServicer):
         rid, ns = caller.ns + request.request_id, len(caller.ns)
         blocks, stall_s, promoted = await self.node.access(rid, indices(request),
                                                              caller.scope, holder=caller.holder)
-        page_bytes = self._page_bytes(rid)
-        return pb.AccessResponse(
-            # The blocks read that the request still has: one freed by another call while
-            # the read waited for its copies is gone (its page with it).
-            handles=[handle(b, page_bytes, ns) for b in blocks if its_own(b)],
-            stall_us=int(stall_s * 1e6),
-            num_promoted=promoted,
-        )
+        reply = pb.AccessResponse(stall_us=int(stall_s * 1e6), num_promoted=promoted)
+        # The blocks read that the request still has: one freed by another call while the
+        # read waited for its copies is gone (its page with it).
+        add_handles(reply.handles, blocks, self._page_bytes(rid), ns)
+        return reply
 
     @unary
     @reads_state

@@ -19,7 +19,7 @@ from kvd.node import Node
 from kvd.runtime import find_runtime
 from kvd.service import convert
 from kvd.service.auth import Authenticator
-from kvd.service.convert import handle, its_own
+from kvd.service.convert import add_handles
 from kvd.service.register import Malformed
 from kvd.service.status import local_message, status_of
 from kvd_api.v1 import kvd_pb2 as pb
@@ -107,15 +107,15 @@ class Streams:
                     # A peer's pool (PEER/POOL): its handles are the peer's to give.
                     page_bytes = (0 if "/" in p["pool"]
                                   else self.node.runtime(p["pool"]).pool.page_bytes)
-                    await context.write(pb.HandoffProgress(
+                    reply = pb.HandoffProgress(
                         request_id=p["request_id"][ns:], pool=p["pool"],
                         blocks_done=p["blocks_done"], blocks_total=p["blocks_total"],
                         bytes_done=p["bytes_done"], bytes_total=p["bytes_total"],
-                        done=p["done"],
-                        # Those the request still has: a release or a free that waited
-                        # for the copies runs as soon as they end, before this is written.
-                        handles=[handle(b, page_bytes, ns) for b in p["blocks"] or ()
-                                 if its_own(b)]))
+                        done=p["done"])
+                    # Those the request still has: a release or a free that waited for the
+                    # copies runs as soon as they end, before this is written.
+                    add_handles(reply.handles, p["blocks"] or (), page_bytes, ns)
+                    await context.write(reply)
         except errors.KvdError as exc:
             code = status_of(exc).name
             await context.abort(status_of(exc), local_message(exc, caller))
