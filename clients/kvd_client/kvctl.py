@@ -425,7 +425,7 @@ def _run(args, client: Client, out: Console) -> int:
         view = client.get_cluster(args.pool)
         peer_links = [link for link in client.list_links() if "/" in link.link]
         if args.json:
-            print(json.dumps({**_json(view), "peer_links": [_json(l) for l in peer_links]},
+            print(json.dumps({**_json(view), "peer_links": [_json(link) for link in peer_links]},
                              indent=2))
         else:
             out.print(cluster_tables(view, peer_links))

@@ -224,8 +224,8 @@ async def _drive(s, rng, etcd, kvds, clients, progress) -> dict:
                 row["nodes"][name]["own"] = {
                     t.tenant: t.reserved_pages for t in await clients[name].list_tenants("default")}
         with contextlib.suppress(KvdClientError):
-            row["links"] = {l.link: l.bytes_total for l in await clients["a"].list_links()
-                            if "/" in l.link}
+            row["links"] = {lk.link: lk.bytes_total for lk in await clients["a"].list_links()
+                            if "/" in lk.link}
         samples.append(row)
 
     try:

@@ -75,7 +75,7 @@ def bisected(capacity: float, demand: dict[str, float], quotas: dict[str, Tenant
 def test_water_fill_finds_the_level_whose_shares_fill_the_capacity(capacity, demand, raw):
     # Many tenants, weights of zero and fractions, guarantees over the capacity, limits
     # under demand: the level water_fill solves for gives the shares of its definition.
-    quotas = {t: TenantQuota(weight=w, guaranteed=g, limit=l) for t, (w, g, l) in raw.items()}
+    quotas = {t: TenantQuota(weight=w, guaranteed=g, limit=cap) for t, (w, g, cap) in raw.items()}
     shares = water_fill(capacity, demand, quotas)
     assert shares == pytest.approx(bisected(capacity, demand, quotas), abs=1e-6, rel=1e-9)
     assert sum(shares.values()) <= capacity + 1e-6
@@ -85,7 +85,7 @@ def test_water_fill_finds_the_level_whose_shares_fill_the_capacity(capacity, dem
                        st.tuples(st.integers(1, 5), st.integers(0, 80),
                                  st.none() | st.integers(0, 300))))
 def test_water_fill_properties(demand, raw):
-    quotas = {t: TenantQuota(weight=w, guaranteed=g, limit=l) for t, (w, g, l) in raw.items()}
+    quotas = {t: TenantQuota(weight=w, guaranteed=g, limit=cap) for t, (w, g, cap) in raw.items()}
     shares = water_fill(200, demand, quotas)
     assert sum(shares.values()) <= 200 + 1e-6
     for t, share in shares.items():

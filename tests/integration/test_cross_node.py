@@ -114,7 +114,7 @@ async def test_a_handoff_across_nodes_delivers_the_pages_byte_for_byte(tmp_path,
             assert (await _requests(cb)) == {"r1": "admitted"}
             received = await _read_blocks(cb, "r1", "decode")
             assert received == written  # every page, at the engine's own block indices
-            (link,) = [l for l in await ca.list_links() if l.link == "prefill->b/decode"]
+            (link,) = [lk for lk in await ca.list_links() if lk.link == "prefill->b/decode"]
             assert link.bytes_total == 10 * PAGE
             assert {t.tenant: t.bytes for t in link.tenants} == {"chat": 10 * PAGE}
         shown = subprocess.run([str(Path(sys.executable).with_name("kvctl")), "--target",
@@ -312,7 +312,7 @@ async def test_tenants_share_the_link_to_a_peer_by_weight(tmp_path, pki):  # noq
             tasks = [asyncio.ensure_future(hand_off(f"{t}{i}"))
                      for t in ("gold", "bronze") for i in range(2)]
             async def sent() -> tuple[float, dict[str, int]]:
-                (link,) = [l for l in await ca.list_links() if l.link == "prefill->b/decode"]
+                (link,) = [lk for lk in await ca.list_links() if lk.link == "prefill->b/decode"]
                 return time.monotonic(), {t.tenant: t.bytes for t in link.tenants}
 
             # Both backlogged until the second sample (bronze's 768 KiB not yet through).

@@ -12,8 +12,6 @@ import pytest
 from kvd_client import AsyncClient, DeadlineExceededError, pb
 from kvd_client.arena import MappedPool
 
-from .conftest import SMALL
-
 READS = {
     "lookup": lambda c: c.lookup("ns", [b"k"]),
     "export_pool": lambda c: c.export_pool(),
