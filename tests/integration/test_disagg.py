@@ -251,6 +251,27 @@ async def test_a_handoff_keeps_the_indices_the_request_has_used(tmp_path):
             assert (await c.self_check()).ok
 
 
+async def test_a_handoff_carries_no_pins(tmp_path):
+    """A pin claims device room in the pool it was made in: the blocks arrive in the decode
+    pool unpinned (the prefill pool's pin ends with its request there), and the decode
+    engine pins what it needs itself."""
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as c:
+            await c.admit("r", 3 * 16, 32, pool="prefill", handoff_pool="decode")
+            await c.allocate("r", 3)
+            await c.update_intents([intent_update("r", 1, pin_requested=True)])
+
+            async def pinned(pool):
+                return (await stats(c, pool)).tiers[0].pinned_pages
+
+            assert (await pinned("prefill"), await pinned("decode")) == (1, 0)
+            assert (await c.handoff_all("r")).done
+            assert (await pinned("prefill"), await pinned("decode")) == (0, 0)
+            await c.update_intents([intent_update("r", 1, pin_requested=True)])
+            assert (await pinned("prefill"), await pinned("decode")) == (0, 1)
+            assert (await c.self_check()).ok
+
+
 async def test_handoff_without_reservation_can_be_refused(tmp_path):
     with start(tmp_path) as kvd:
         async with AsyncClient(kvd.target, timeout_s=10) as c:
