@@ -231,6 +231,29 @@ async def test_a_call_on_a_request_during_its_handoff_acts_where_the_request_is(
 
 
 
+async def test_list_requests_tells_a_handoffs_target_while_it_copies(tmp_path):
+    """A request whose handoff copies has an entry in both pools: the target's, which holds
+    the pages it is copied into, says "arriving" (it said "admitted", like the source's,
+    as if the request were running twice)."""
+    with start(tmp_path, bandwidth="16KiB/s") as kvd:  # 4 blocks: ~4 s of copies
+        async with AsyncClient(kvd.target, timeout_s=20) as c:
+            await c.admit("r", 4 * 16, 32, pool="prefill", handoff_pool="decode")
+            await c.allocate("r", 4)
+
+            async def states():
+                return sorted((r.pool, r.state) for r in await c.list_requests())
+
+            assert await states() == [("decode", "reserved"), ("prefill", "admitted")]
+            handing = asyncio.ensure_future(c.handoff_all("r"))
+            for _ in range(100):
+                if (await stats(c, "decode")).handoff_reserved_pages == 0:
+                    break  # claimed: the copies have begun
+                await asyncio.sleep(0.02)
+            assert await states() == [("decode", "arriving"), ("prefill", "admitted")]
+            assert (await handing).done
+            assert await states() == [("decode", "admitted")]
+
+
 async def test_a_handoff_keeps_the_indices_the_request_has_used(tmp_path):
     """An engine names blocks by index, and an index freed is never handed out again: a
     free sent twice (its first answer lost, as an engine session retries it) finds the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvd import stats
 from kvd.core import errors
+from kvd.core.blocks import RequestState
 from kvd.core.policies import policy_names
 from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller
@@ -12,6 +13,9 @@ from kvd.service.gate import CallGate
 from kvd.service.unary import unary
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+
+# ListRequests' state of a handoff's target entry while the copies run.
+ARRIVING = "arriving"
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -87,10 +91,18 @@ class AdminService(pb_grpc.AdminServicer):
         def rt_of(r):
             return self.node.pools[r.pool]
 
+        def state_of(r) -> str:
+            """Its state; "arriving" for a handoff's target while it copies: the request is
+            still its source pool's, the entry holds the pages it is copied into."""
+            if (r.state is RequestState.ADMITTED and self.node.handoffs.under_way(r.request_id)
+                    and self.node.request_index.get(r.request_id) is not rt_of(r)):
+                return ARRIVING
+            return r.state.value
+
         reqs.sort(key=lambda r: (-r.num_device_blocks, -r.num_live_blocks, r.request_id))
         return pb.ListRequestsResponse(requests=[
             pb.RequestInfo(
-                request_id=r.request_id, tenant=r.tenant, pool=r.pool, state=r.state.value,
+                request_id=r.request_id, tenant=r.tenant, pool=r.pool, state=state_of(r),
                 num_blocks=r.num_live_blocks, device_blocks=r.num_device_blocks,
                 reserved_pages=r.reserved_pages,
                 stall_seconds=r.account.stall_s if r.account else 0.0,
