@@ -70,6 +70,14 @@ async def stats(client, pool):
     return (await client.pool_stats(pool)).pools[0]
 
 
+async def copying(client) -> None:
+    """Until the handoff under way has claimed its reservation: its copies have begun."""
+    for _ in range(100):
+        if (await stats(client, "decode")).handoff_reserved_pages == 0:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def test_handoff_moves_the_right_bytes(tmp_path):
     with start(tmp_path) as kvd:
         async with AsyncClient(kvd.target, timeout_s=10) as c:
@@ -202,10 +210,7 @@ async def test_a_call_on_a_request_during_its_handoff_acts_where_the_request_is(
             await c.admit("r", 6 * 16, 32, pool="prefill", handoff_pool="decode")
             await c.allocate("r", 6)
             handing = asyncio.ensure_future(c.handoff_all("r"))
-            for _ in range(100):
-                if (await stats(c, "decode")).handoff_reserved_pages == 0:
-                    break  # claimed: the copies have begun
-                await asyncio.sleep(0.02)
+            await copying(c)
             left = 6
             if call == "release":
                 await c.release("r")
@@ -245,10 +250,7 @@ async def test_list_requests_tells_a_handoffs_target_while_it_copies(tmp_path):
 
             assert await states() == [("decode", "reserved"), ("prefill", "admitted")]
             handing = asyncio.ensure_future(c.handoff_all("r"))
-            for _ in range(100):
-                if (await stats(c, "decode")).handoff_reserved_pages == 0:
-                    break  # claimed: the copies have begun
-                await asyncio.sleep(0.02)
+            await copying(c)
             assert await states() == [("decode", "arriving"), ("prefill", "admitted")]
             assert (await handing).done
             assert await states() == [("decode", "admitted")]
