@@ -459,9 +459,9 @@ async def _take_shared(dst, rid: str, shared: list, data: list[bytes]) -> int:
                     await dst.execute(plan)
                 else:
                     dst.complete_now(plan)
-                todo = [(d, page) for d, (_, page) in zip(placed, run)
-                        if not d.committed and page is not None and not d.moving
-                        and d.tier is not TierKind.NONE]
+                sent = [(d, page) for d, (_, page) in zip(placed, run) if page is not None]
+                todo = [(d, page) for (d, page), told in zip(
+                    sent, pool.prefixes.to_write(rid, [d for d, _ in sent])) if told]
                 for d, page in todo:
                     write_pages(arenas[d.tier], d.page, page)
                 if todo:

@@ -54,10 +54,10 @@ class SharedBlocks:
         # The engine writes every block kvd has no written bytes for: its new pages, and
         # those another request stored and has not committed yet (that one may never: its
         # engine may die first). A name is its tokens' hash, so both write the same bytes,
-        # and whoever commits first publishes bytes it wrote; a request told to write
-        # nothing never publishes a page nobody wrote. A block still moving (placed for
-        # another store, or between tiers) is not written into.
-        return blocks, [not b.committed and not b.moving for b in blocks], stall_s
+        # and whoever commits first publishes bytes it wrote. A block still moving (placed
+        # for another store, or between tiers) is not written into; and a request commits
+        # only what it was told to write, so none publishes a page nobody wrote.
+        return blocks, rt.pool.prefixes.to_write(request_id, blocks), stall_s
 
     async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes],
                      scope: str | None = None) -> int:

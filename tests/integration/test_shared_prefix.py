@@ -5,13 +5,15 @@ copies, and charged 1/k to the k tenants using it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import numpy as np
 import pytest
 
-from kvd_client import InvalidArgumentError, pb
+from kvd_client import AsyncClient, InvalidArgumentError, pb
 from kvd_client.arena import MappedPool
+from kvd_loadgen.local import LocalKvd
 
 NS = "tiny|"
 KEYS = [hashlib.sha256(b"%d" % i).digest() for i in range(6)]
@@ -166,3 +168,62 @@ async def test_a_prefix_whose_first_writer_ended_is_written_by_the_next(client):
             await client.release(rid)
     finally:
         arena.close()
+
+
+SLOW_LINK = """
+[[pool]]
+model = "tiny"
+device_pages = 2
+host_pages = 8
+admission = "reservation"
+link_bandwidth = "8KiB"  # a page in two seconds once its burst is spent
+link_chunk = "16KiB"
+link_burst = "16KiB"
+"""
+
+
+async def test_a_block_still_being_placed_is_published_only_by_the_store_that_writes_it(
+        tmp_path):
+    """A store whose new page is being vacated (a victim copied out over a slow link) has
+    not answered yet; another request stores the same key meanwhile and is told it has
+    nothing to write (the block is moving). That request's commit published the block, and
+    the first store, answering after, saw it committed and told its engine there was
+    nothing to write either: every lookup then found a page holding the victim's bytes.
+    The engines sharing prefixes at once (test_prefix_chaos) found it as a loaded block
+    holding another request's private bytes."""
+    config = tmp_path / "kvd.toml"
+    config.write_text(SLOW_LINK)
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=20) as a, \
+                AsyncClient(kvd.target, timeout_s=20) as b:
+            arena = MappedPool(await a.export_pool())
+            try:
+                for rid in ("filler", "filler2"):  # the device full, the link's burst
+                    await a.admit(rid, prompt_tokens=16, tenant="x")  # spent in between
+                    for h in (await a.allocate(rid, 1)).handles:
+                        arena.write(h, np.full(arena.page_bytes, 7, np.uint8))
+                    if rid == "filler":
+                        await a.allocate("filler", 1)
+                        await a.evict(1)
+                await a.admit("a", prompt_tokens=16, tenant="x")
+                await b.admit("b", prompt_tokens=16, tenant="y")
+                first = asyncio.ensure_future(a.store("a", NS, KEYS[:1]))  # ~1 s of copy
+                await asyncio.sleep(0.3)
+                assert not first.done()
+                second = await b.store("b", NS, KEYS[:1])
+                assert list(second.fresh) == [False]  # still being placed: not written into
+                assert (await b.commit("b", NS, KEYS[:1])).num_committed == 0
+                assert (await b.lookup(NS, KEYS[:1])).num_hit == 0, \
+                    "a block nobody wrote was published"
+                stored = await first
+                assert list(stored.fresh) == [True]  # the first store's engine writes it
+                _fill(arena, stored.handles[0], KEYS[0])
+                assert (await a.commit("a", NS, KEYS[:1])).num_committed == 1
+                await b.admit("c", prompt_tokens=16, tenant="y")
+                loaded = await b.load("c", NS, KEYS[:1])
+                assert [_holds(arena, h, KEYS[0]) for h in loaded.handles] == [True]
+                for rid in ("filler", "filler2", "a", "b", "c"):
+                    await a.release(rid)
+                assert (await a.self_check()).ok
+            finally:
+                arena.close()

@@ -130,6 +130,9 @@ class Block:
     users: dict[str, int] | None = None
     payers: tuple[str, ...] = ()
     committed: bool = True
+    # Uncommitted: the ids of the requests told to write it (Prefixes.to_write); only one
+    # of them may commit it.
+    writers: set[str] | None = None
     # Requests using it that asked for it pinned, by tenant (Prefixes.use_intent): pinned
     # while any is, the pin counted to the first of those tenants (see pin_tenant).
     pin_users: dict[str, int] | None = None

@@ -150,6 +150,7 @@ class Prefixes:
                 b = next(made)
                 b.name, b.committed, b.recompute_ok = (namespace, k), False, True
                 b.users, b.payers = {}, (req.tenant,)
+                b.writers = {req.request_id}  # its new page: req writes it (to_write)
                 named[b.name] = b
                 self.pages.idle_changed(b, 1)  # until _use below
             if id(b) not in used:
@@ -164,9 +165,29 @@ class Prefixes:
         self.use_intent(req, blocks, intent)
         return plan, blocks
 
+    @staticmethod
+    def to_write(request_id: str, blocks: Sequence[Block]) -> list[bool]:
+        """Which of these blocks, just stored for a request, its engine is to write: those kvd has
+        no written bytes for (new pages, or another request's not yet committed: both write
+        the same bytes, a name being its tokens' hash) that are in place (a block still
+        moving, placed for another store or between tiers, is not written into). The
+        request may commit those, and only those (see commit)."""
+        fresh = []
+        for b in blocks:
+            told = not b.committed and not b.moving and b.tier is not TierKind.NONE
+            if told:
+                if b.writers is None:
+                    b.writers = set()
+                b.writers.add(request_id)
+            fresh.append(told)
+        return fresh
+
     def commit(self, req: Request, namespace: str, keys: Sequence[bytes]) -> int:
         """The engine wrote these blocks: lookups find them from now on. Returns how many
-        were not committed before."""
+        were not committed before. A block req was not told to write (to_write) is left to
+        the request that was: committed by req, it published a page nobody had written
+        (req's store found it still being placed for another store, whose engine was then
+        told nothing was left to write)."""
         check_keys(namespace, keys)
         used = {id(b) for b in req.shared}
         blocks = []
@@ -182,9 +203,11 @@ class Prefixes:
                 raise InvalidArgument(
                     f"request {req.request_id!r} did not store block key {k.hex()[:32]!r}")
             blocks.append(b)
-        newly = sum(1 for b in blocks if not b.committed)
+        newly = 0
         for b in blocks:
-            b.committed = True
+            if not b.committed and b.writers is not None and req.request_id in b.writers:
+                b.committed, b.writers = True, None
+                newly += 1
         return newly
 
     def load(self, req: Request, namespace: str, keys: Sequence[bytes],
@@ -230,6 +253,8 @@ class Prefixes:
         req.pinned_shared.clear()
         counted = counted_pages(req)
         for b in req.shared:
+            if b.writers is not None:
+                b.writers.discard(req.request_id)  # its id may come again, for another
             n = b.users.get(req.tenant, 0) - 1
             if n > 0:
                 b.users[req.tenant] = n
