@@ -377,9 +377,9 @@ async def _chaos(tmp_path, policy: str, device: int, host: int) -> None:
                     # A crowded device refuses many calls, and the engines' timing decides
                     # how many: more rounds until enough was read back to mean something.
                     if (sum(e.checked for e in engines) > ENGINES * 3
-                            and sum(e.loaded for e in engines) > 0):
+                            and sum(e.loaded for e in engines) > 0 and stepper.checked > 0):
                         break
-                    await asyncio.gather(*(e.run(STEPS) for e in engines))
+                    await asyncio.gather(*(e.run(STEPS) for e in (*engines, stepper)))
             finally:
                 stop.set()
                 await watch
