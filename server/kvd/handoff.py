@@ -549,11 +549,9 @@ class Handoffs:
                         break
                     await src.transit.wait_for(busy_src)
                     await dst.transit.wait_for(busy_dst)
-                todo = [(s, d) for s, d in todo
-                        if _kept_here(src.pool, s) and d.tier is not TierKind.NONE]
                 # The handoff writes them (and so may commit them: see Prefixes.commit).
-                todo = [(s, d) for (s, d), told in zip(todo, dst.pool.prefixes.to_write(
-                    req.request_id, [d for _, d in todo])) if told]
+                todo = dst.pool.prefixes.writes_of(
+                    req.request_id, [(s, d) for s, d in todo if _kept_here(src.pool, s)], 1)
                 src.pool.pages.holds.hold(holder, [s for s, _ in todo])
                 dst.pool.pages.holds.hold(holder, [d for _, d in todo])
                 pairs = [(s.tier, s.page, d.tier, d.page) for s, d in todo]

@@ -459,9 +459,8 @@ async def _take_shared(dst, rid: str, shared: list, data: list[bytes]) -> int:
                     await dst.execute(plan)
                 else:
                     dst.complete_now(plan)
-                sent = [(d, page) for d, (_, page) in zip(placed, run) if page is not None]
-                todo = [(d, page) for (d, page), told in zip(
-                    sent, pool.prefixes.to_write(rid, [d for d, _ in sent])) if told]
+                todo = pool.prefixes.writes_of(
+                    rid, [(d, page) for d, (_, page) in zip(placed, run) if page is not None], 0)
                 for d, page in todo:
                     write_pages(arenas[d.tier], d.page, page)
                 if todo:

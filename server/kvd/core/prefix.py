@@ -182,6 +182,13 @@ class Prefixes:
             fresh.append(told)
         return fresh
 
+    @classmethod
+    def writes_of(cls, request_id: str, items: Sequence[tuple], at: int) -> list[tuple]:
+        """The items (tuples) whose block, item[at], the request is to write (to_write):
+        for kvd's own writers of stored blocks (a handoff's copies, a peer's pages)."""
+        told = cls.to_write(request_id, [item[at] for item in items])
+        return [item for item, write in zip(items, told) if write]
+
     def commit(self, req: Request, namespace: str, keys: Sequence[bytes]) -> int:
         """The engine wrote these blocks: lookups find them from now on. Returns how many
         were not committed before. A block req was not told to write (to_write) is left to
