@@ -43,13 +43,14 @@ def _quotas(device: int) -> dict[int, str]:
 
 @contextlib.contextmanager
 def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool | str], *,
-                page_bytes: int, block_tokens: int, engines: int):
+                page_bytes: int, block_tokens: int, engines: int, pool_extra: str = ""):
     """A kvd for a state machine's examples (one process for all of them), of `size`
     (device pages, host pages, whether each engine is a tenant of its own: engineN, with
-    the token engineN-token; QUOTAS: with quotas too); it must be alive when they end."""
+    the token engineN-token; QUOTAS: with quotas too); it must be alive when they end.
+    `pool_extra`: more lines for its pool's table."""
     device, host, tenants = size
     config = MACHINE_CONFIG.format(page_bytes=page_bytes, block_tokens=block_tokens,
-                                   device=device, host=host)
+                                   device=device, host=host) + pool_extra
     if tenants:
         quotas = _quotas(device) if tenants == QUOTAS else {}
         config += "".join(f'\n[[tenant]]\nname = "engine{i}"\ntoken = "engine{i}-token"\n'
