@@ -89,11 +89,21 @@ class Handoffs:
         # Requests with a Handoff under way: a second one is refused at once (it used to
         # start too, and claim a reservation the first had rolled back).
         self._handing_off: set[str] = set()
+        # Requests whose pages a peer's handoff is writing here (see peers.receive_here).
+        self.receiving: set[str] = set()
         self.counts: Counter = Counter()
 
     def under_way(self, request_id: str) -> bool:
         """Whether a handoff of the request is in flight."""
         return request_id in self._handing_off
+
+    def arriving(self, request_id: str, runtime: PoolRuntime) -> bool:
+        """Whether the request's entry in this pool is a handoff's target while its pages
+        are copied in: from another pool of this kvd (the request is still the source's),
+        or from a peer's."""
+        return (request_id in self.receiving
+                or (request_id in self._handing_off
+                    and self.request_index.get(request_id) is not runtime))
 
     def runtime(self, pool: str) -> PoolRuntime:
         return find_runtime(self.pools, pool)

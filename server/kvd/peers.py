@@ -334,6 +334,19 @@ async def receive_here(node, request_iterator) -> int:
     elif reservation.state is not RequestState.RESERVED:
         raise FailedPrecondition(f"request {rid!r} is being handed off already")
     pool.reservations.claim(rid)
+    node.handoffs.receiving.add(rid)  # ListRequests: "arriving" until it is live here
+    try:
+        return await _receive(node, dst, rid, header, messages, indices, shared, num_sent)
+    finally:
+        node.handoffs.receiving.discard(rid)
+
+
+async def _receive(node, dst, rid: str, header, messages, indices: list[int], shared: list,
+                   num_sent: int) -> int:
+    """receive_here, from the claim of the request's reservation on."""
+    from kvd.service.register import Malformed
+
+    pool = dst.pool
     this = asyncio.current_task()
     plan = None
     demoted = False

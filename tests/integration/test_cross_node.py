@@ -240,6 +240,32 @@ async def test_a_handoff_cut_short_leaves_the_request_whole_and_nothing_on_the_p
             assert await _read_blocks(cb, "r", "decode") == written
 
 
+async def test_the_peer_lists_a_request_whose_pages_are_arriving_as_arriving(
+        tmp_path, pki):  # noqa: F811
+    """While a handoff's pages cross to the peer, the sender lists the request as admitted
+    (it runs there still) and the peer as arriving (the entry holds the pages being
+    written; it said "admitted", as if the request ran on both nodes); then only the peer
+    has it, admitted."""
+    # 16 pages of 16 KiB at 64 KiB/s: two seconds of copying past the link's burst.
+    a, b = _peers(tmp_path, pki, link="64KiB/s")
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            await ca.admit("r", prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
+                           handoff_pool="b/decode")
+            await _write_blocks(ca, "r", 16, seed=3)
+            assert await _requests(cb) == {"r": "reserved"}
+            call = asyncio.ensure_future(ca.handoff_all("r"))
+            for _ in range(100):  # until the peer has claimed the reservation
+                if await _requests(cb) != {"r": "reserved"}:
+                    break
+                await asyncio.sleep(0.02)
+            assert await _requests(cb) == {"r": "arriving"}
+            assert await _requests(ca) == {"r": "admitted"}
+            assert (await call).done
+            assert await _requests(cb) == {"r": "admitted"}
+            assert await _requests(ca) == {}
+
+
 async def test_the_peer_rolls_back_when_the_sender_dies_mid_stream(tmp_path, pki):  # noqa: F811
     a, b = _peers(tmp_path, pki, link="64KiB/s")
     with b, a:

@@ -93,9 +93,10 @@ class AdminService(pb_grpc.AdminServicer):
 
         def state_of(r) -> str:
             """Its state; "arriving" for a handoff's target while it copies: the request is
-            still its source pool's, the entry holds the pages it is copied into."""
-            if (r.state is RequestState.ADMITTED and self.node.handoffs.under_way(r.request_id)
-                    and self.node.request_index.get(r.request_id) is not rt_of(r)):
+            still its source's (a pool here, or a peer's), the entry holds the pages it is
+            copied into."""
+            if (r.state is RequestState.ADMITTED
+                    and self.node.handoffs.arriving(r.request_id, rt_of(r))):
                 return ARRIVING
             return r.state.value
 
