@@ -86,9 +86,10 @@ class Handoffs:
         self.events = events
         self.peers = peers or Peers(config)
         self.in_flight: set[asyncio.Task] = set()
-        # Requests with a Handoff under way: a second one is refused at once (it used to
-        # start too, and claim a reservation the first had rolled back).
-        self._handing_off: set[str] = set()
+        # Requests with a Handoff under way, and its task: a second one is refused at once
+        # (it used to start too, and claim a reservation the first had rolled back), and a
+        # release waits for it to end (see settled).
+        self._handing_off: dict[str, asyncio.Task] = {}
         # Requests whose pages a peer's handoff is writing here (see peers.receive_here).
         self.receiving: set[str] = set()
         self.counts: Counter = Counter()
@@ -96,6 +97,15 @@ class Handoffs:
     def under_way(self, request_id: str) -> bool:
         """Whether a handoff of the request is in flight."""
         return request_id in self._handing_off
+
+    async def settled(self, request_id: str) -> None:
+        """Until no handoff of the request is in flight (whether it went through or rolled
+        back): a release waits for it, then acts wherever the request is. Waiting for its
+        blocks in transit is not enough: a request with no block of its own (only the prefix
+        it stored, which the handoff carries) has none, and a release that went first was
+        undone by the handoff's commit, which made the request live in its target again."""
+        while (task := self._handing_off.get(request_id)) is not None:
+            await asyncio.wait({task})
 
     def arriving(self, request_id: str, runtime: PoolRuntime) -> bool:
         """Whether the request's entry in this pool is a handoff's target while its pages
@@ -169,8 +179,8 @@ class Handoffs:
         task = asyncio.ensure_future(
             self._handoff(src, dst, req, progress, cancel, holder) if dst is not None
             else self._remote_handoff(src, req, progress, cancel))
-        self._handing_off.add(request_id)
-        task.add_done_callback(lambda _: self._handing_off.discard(request_id))
+        self._handing_off[request_id] = task
+        task.add_done_callback(lambda _: self._handing_off.pop(request_id, None))
         self.in_flight.add(task)
         task.add_done_callback(_settle_handoff)
         task.add_done_callback(self.in_flight.discard)

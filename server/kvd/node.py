@@ -379,6 +379,8 @@ class Node:
             req = rt.pool.requests.get(request_id)
             return rt.pool.release(request_id)
 
+        self.runtime_of(request_id, scope)  # NOT_FOUND (or not the caller's) at once
+        await self.handoffs.settled(request_id)
         rt, (freed, admitted) = await self._follow(
             request_id, scope, lambda rt: rt.run(functools.partial(release, rt)))
         tenant = req.tenant

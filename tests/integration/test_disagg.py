@@ -4,6 +4,7 @@ that moves the right bytes, all-or-nothing rollback, reservation expiry."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 
 import numpy as np
@@ -453,3 +454,31 @@ async def test_a_handoff_takes_the_shared_prefix_its_request_used_along(tmp_path
             assert (await c.self_check()).ok
             prefill.close()
             decode.close()
+
+
+async def test_a_release_while_a_handoff_carries_only_prefix_blocks_is_not_undone(tmp_path):
+    """A request with no blocks of its own (only the prefix it stored) hands off: the copies
+    carry its prefix blocks. A release meanwhile found no block of its own held by the
+    handoff, so it did not wait: it released the request, and the handoff then made it
+    live in decode again, with no lease and no engine: never released."""
+    keys = [b"q0", b"q1", b"q2"]
+    with start(tmp_path, bandwidth="16KiB/s") as kvd:  # 3 prefix blocks: ~3 s of copies
+        async with AsyncClient(kvd.target, timeout_s=20) as c:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            try:
+                await c.admit("r", 16 * 3, 16, pool="prefill", handoff_pool="decode")
+                for h in (await c.store("r", "m", keys)).handles:
+                    prefill.write(h, np.full(PAGE, h.block_index + 1, np.uint8))
+                await c.commit("r", "m", keys)
+                handing = asyncio.ensure_future(c.handoff_all("r"))
+                await copying(c)
+                await c.release("r")  # answered once the request is gone, wherever it was
+                with contextlib.suppress(Exception):
+                    await handing
+                assert await c.list_requests() == []
+                assert (await stats(c, "decode")).num_requests == 0
+                with pytest.raises(NotFoundError):
+                    await c.access("r")
+                assert (await c.self_check()).ok
+            finally:
+                prefill.close()
