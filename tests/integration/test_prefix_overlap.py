@@ -437,6 +437,8 @@ async def _example(kvd, operations, policy: str) -> dict[str, int]:
             assert check.ok, list(check.problems)
             for stats in (await admin.pool_stats()).pools:
                 assert stats.num_requests == 0, f"requests left in {stats.pool}"
+                assert stats.reserved_pages == stats.handoff_reserved_pages == 0, stats
+            assert await admin.list_requests() == [], "entries left"
             return {"loaded": sum(e.loaded for e in engines),
                     "checked": sum(e.checked for e in engines),
                     "handed": sum(e.handed for e in engines)}

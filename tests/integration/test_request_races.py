@@ -85,10 +85,21 @@ REFUSALS = {
 }
 STUCK_S = 20.0
 POLICIES = policy_names()
+# The calls that name one of the request's blocks by index.
+BY_INDEX = ("read", "pin", "unpin")
+# A prompt's prefix blocks, which requests store and commit before the calls race (a
+# handoff carries them to decode): the same keys in every example, and the same bytes
+# whoever writes them (a key is its tokens' hash).
+NS = "races"
+PREFIX = [b"races-prefix/%d" % i for i in range(3)]
 
 
 def _code(number: int) -> CODE:
     return next(code for code in CODE if code.value[0] == number)
+
+
+def prefix_bytes(key: bytes) -> np.ndarray:
+    return pattern(key.decode(), 0)
 
 
 def pattern(rid: str, index: int) -> np.ndarray:
@@ -99,18 +110,22 @@ def pattern(rid: str, index: int) -> np.ndarray:
 @st.composite
 def _race(draw):
     """Requests (their block counts: one request, or two whose calls race too), pages the
-    operator demotes first, and the calls: (request, kind, delay in ms, argument)."""
-    sizes = draw(st.lists(st.integers(2, 6), min_size=1, max_size=2))
+    operator demotes first, the calls: (request, kind, delay in ms, argument), and how many
+    of the shared prefix's blocks each request stored and committed first."""
+    sizes = draw(st.lists(st.integers(0, 6), min_size=1, max_size=2))
     evicted = draw(st.integers(0, sum(sizes)))  # some are read back over the link
     frees = [iter(draw(st.permutations(range(n)))) for n in sizes]  # each free, its own block
     calls = []
     for _ in range(draw(st.integers(1, 5))):
         who, kind = draw(st.integers(0, len(sizes) - 1)), draw(st.sampled_from(KINDS))
         arg = (next(frees[who], None) if kind in ("free", "step_free")
-               else draw(st.integers(0, sizes[who] - 1)))
+               else None if not sizes[who] and kind in BY_INDEX
+               else draw(st.integers(0, max(sizes[who], 1) - 1)))
         if arg is not None:
             calls.append((who, kind, draw(st.integers(0, 250)), arg))
-    return sizes, evicted, calls
+    prefixes = draw(st.lists(st.integers(0, len(PREFIX)), min_size=len(sizes),
+                             max_size=len(sizes)))
+    return sizes, evicted, calls, prefixes
 
 
 class Race:
@@ -124,6 +139,7 @@ class Race:
         self.freed: set[int] = set()  # blocks whose frees were answered OK
         self.released = False
         self.first_blocks = 0
+        self.prefix: list[bytes] = []  # the prefix blocks it stored and committed
 
     def write(self, handles, racing_handoff: bool) -> None:
         for h in handles:
@@ -215,6 +231,12 @@ class Race:
             assert np.array_equal(page, want), (
                 f"{rid} block {h.block_index} ({h.pool} page {h.page_index}) does not "
                 f"hold what the engine wrote; calls {calls}")
+        if self.prefix:  # the prefix it committed, wherever the request is now
+            for h, key in zip((await client.load(rid, NS, self.prefix)).handles, self.prefix):
+                assert np.array_equal(self.maps[h.pool or "prefill"].read(h),
+                                      prefix_bytes(key)), (
+                    f"{rid} prefix block {key!r} ({h.pool} page {h.page_index}) does not "
+                    f"hold its bytes; calls {calls}")
         await client.release(rid)
 
 
@@ -234,31 +256,47 @@ async def _one_pool(client: AsyncClient, rid: str) -> list[pb.RequestInfo]:
     return found
 
 
-async def _example(client, maps, n: int, sizes: list[int], evicted: int, calls) -> None:
+async def _example(client, maps, n: int, sizes: list[int], evicted: int, calls,
+                   prefixes: list[int]) -> None:
     races = [Race(client, maps, f"r{n}-{i}") for i in range(len(sizes))]
     try:
-        for race, blocks in zip(races, sizes):
-            admitted = await client.admit(race.rid, 16 * blocks, 32, pool="prefill",
-                                          handoff_pool="decode")
+        for race, blocks, stored in zip(races, sizes, prefixes):
+            # Its prompt: its own blocks and the prefix it stores.
+            admitted = await client.admit(race.rid, 16 * max(1, blocks + stored), 32,
+                                          pool="prefill", handoff_pool="decode")
             assert admitted.decision == pb.DECISION_ADMITTED
-            race.write((await client.allocate(race.rid, blocks)).handles,
-                       racing_handoff=False)
+            if blocks:
+                race.write((await client.allocate(race.rid, blocks)).handles,
+                           racing_handoff=False)
             race.first_blocks = blocks
+        for race, stored in zip(races, prefixes):
+            if stored:
+                keys = PREFIX[:stored]
+                reply = await client.store(race.rid, NS, keys)
+                for h, fresh, key in zip(reply.handles, reply.fresh, keys):
+                    if fresh:
+                        maps[h.pool or "prefill"].write(h, prefix_bytes(key))
+                await client.commit(race.rid, NS, keys)
+                race.prefix = keys
         if evicted:
             await client.evict(evicted, pool="prefill")
         handed = {who for who, kind, _, _ in calls if kind.endswith("handoff")}
-        done, pending = await asyncio.wait(
-            [asyncio.ensure_future(races[who].call(kind, delay, arg, who in handed))
-             for who, kind, delay, arg in calls], timeout=STUCK_S)
-        assert not pending, f"calls stuck for {STUCK_S} s: {calls}"
-        for task in done:
-            task.result()
+        tasks = [asyncio.ensure_future(races[who].call(kind, delay, arg, who in handed))
+                 for who, kind, delay, arg in calls]
+        if tasks:  # none where each call drawn named a block its request did not have
+            done, pending = await asyncio.wait(tasks, timeout=STUCK_S)
+            assert not pending, f"calls stuck for {STUCK_S} s: {calls}"
+            for task in done:
+                task.result()
         for race in races:
             race.check_refusals()
             await race.check_whole_or_gone(calls)
-        # Nothing is left behind: no page, no reservation in either pool.
+        # Nothing is left behind: no page but the prefix blocks kept for the next requests,
+        # no reservation, in either pool.
         for name, stats in (await _pools(client)).items():
-            assert sum(t.used_pages for t in stats.tiers) == 0, (name, stats)
+            kept = sum([(await client.lookup(NS, [key], pool=name)).num_hit
+                        for key in PREFIX])
+            assert sum(t.used_pages for t in stats.tiers) == kept, (name, kept, stats)
             assert stats.reserved_pages == stats.handoff_reserved_pages == 0, (name, stats)
         assert (await client.self_check()).ok
     finally:  # the next example starts on an empty kvd, with no limit
@@ -271,16 +309,20 @@ async def _example(client, maps, n: int, sizes: list[int], evicted: int, calls) 
 
 # Each race the first versions of this test found, once for sure.
 EXPLICIT = [
-    ([6], 0, [(0, "handoff", 0, 0), (0, "release", 30, 0)]),
-    ([6], 0, [(0, "handoff", 0, 0), (0, "free", 30, 1)]),
-    ([6], 0, [(0, "handoff", 0, 0), (0, "access", 30, 0)]),
-    ([6], 0, [(0, "handoff", 0, 0), (0, "allocate", 30, 0)]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "release", 30, 0)], [0]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "free", 30, 1)], [0]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "access", 30, 0)], [0]),
+    ([6], 0, [(0, "handoff", 0, 0), (0, "allocate", 30, 0)], [0]),
     ([4], 0, [(0, "free", 0, 2), (0, "free", 0, 3), (0, "handoff", 30, 0),
-              (0, "unpin", 300, 2)]),
-    ([6], 6, [(0, "access", 0, 0), (0, "release", 20, 0)]),
+              (0, "unpin", 300, 2)], [0]),
+    ([6], 6, [(0, "access", 0, 0), (0, "release", 20, 0)], [0]),
     ([6], 3, [(0, "read", 0, 0), (0, "free", 5, 0), (0, "free", 5, 1), (0, "free", 5, 2),
-              (0, "free", 5, 3), (0, "free", 5, 4)]),
-    ([6], 0, [(0, "cancelled_handoff", 0, 0), (0, "release", 10, 0), (0, "access", 20, 0)]),
+              (0, "free", 5, 3), (0, "free", 5, 4)], [0]),
+    ([6], 0, [(0, "cancelled_handoff", 0, 0), (0, "release", 10, 0), (0, "access", 20, 0)],
+     [0]),
+    # A request with no block of its own hands off the prefix it committed; a release went
+    # through at once, and the handoff's commit then made it live in decode again.
+    ([0], 0, [(0, "handoff", 0, 0), (0, "release", 30, 0)], [3]),
 ]
 
 
