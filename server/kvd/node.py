@@ -108,7 +108,8 @@ class Node:
             raise
         self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
         self.cluster = None  # kvd.cluster.ClusterMember, when [cluster] names etcd
-        self.shared = SharedBlocks(self.runtime, self.runtime_of, self._room_grew)
+        self.shared = SharedBlocks(self.runtime, self.runtime_of, self._room_grew,
+                                   handing_off=self.handoffs.under_way)
         # Pools whose line's fair order moved since it last ran (see _order_moved).
         self._moved: dict[str, PoolRuntime] = {}
         self._settle_soon = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from kvd.core.blocks import Block, TierKind
-from kvd.core.errors import Aborted
+from kvd.core.errors import Aborted, FailedPrecondition
 from kvd.runtime import PoolRuntime
 
 
@@ -17,9 +17,12 @@ class SharedBlocks:
 
     def __init__(self, runtime: Callable[[str], PoolRuntime],
                  runtime_of: Callable[[str, str | None], PoolRuntime],
-                 on_room: Callable[[PoolRuntime], None] | None = None) -> None:
+                 on_room: Callable[[PoolRuntime], None] | None = None,
+                 handing_off: Callable[[str], bool] = lambda request_id: False) -> None:
         self.runtime = runtime
         self.runtime_of = runtime_of
+        # Whether a handoff of the request is under way (Handoffs.under_way).
+        self.handing_off = handing_off
         # Told when a store or load left a pool's running working sets smaller (blocks a
         # request stored or loaded are shared, not its working set): queued requests may go.
         self.on_room = on_room
@@ -40,6 +43,7 @@ class SharedBlocks:
         Fresh ones hold no written bytes yet (new pages, or another request's not yet
         committed), held for the holder, which writes them and commits."""
         rt = self.runtime_of(request_id, scope)
+        self._not_handing_off(request_id, rt)
         before = rt.pool.admission.working_set_used()
         plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
                                                           holder, intent), holder=holder)
@@ -51,6 +55,9 @@ class SharedBlocks:
             raise Aborted("blocks found for this store were evicted while it waited for "
                           "room (another call by the same holder ended their hold); store "
                           "again")
+        # A handoff begun while it waited: what it placed stays unwritten and goes with
+        # the request's pool (nothing is told to write it), see _not_handing_off.
+        self._not_handing_off(request_id, rt)
         # The engine writes every block kvd has no written bytes for: its new pages, and
         # those another request stored and has not committed yet (that one may never: its
         # engine may die first). A name is its tokens' hash, so both write the same bytes,
@@ -58,6 +65,21 @@ class SharedBlocks:
         # for another store, or between tiers) is not written into; and a request commits
         # only what it was told to write, so none publishes a page nobody wrote.
         return blocks, rt.pool.prefixes.to_write(request_id, blocks), stall_s
+
+    def _not_handing_off(self, request_id: str, rt: PoolRuntime) -> None:
+        """Refuse a store while the request is handed off, or once it left the pool the
+        store placed its blocks in: those pages are that pool's, and the handoff's commit
+        (or a release) lets go of what the request stored there and never committed, so an
+        engine told to write them would write into pages another request may have by then.
+        An Allocate is refused alike."""
+        if self.handing_off(request_id):
+            raise FailedPrecondition(
+                f"request {request_id!r} is being handed off: store once the handoff is "
+                "done, in its new pool")
+        if rt.pool.requests.get(request_id) is None:
+            raise FailedPrecondition(
+                f"request {request_id!r} left pool {rt.pool.name!r} while this store waited "
+                "(handed off or released): nothing it placed there is to be written")
 
     async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes],
                      scope: str | None = None) -> int:

@@ -482,3 +482,39 @@ async def test_a_release_while_a_handoff_carries_only_prefix_blocks_is_not_undon
                 assert (await c.self_check()).ok
             finally:
                 prefill.close()
+
+
+async def test_a_store_while_its_request_is_handed_off_never_hands_out_a_page_to_lose(
+        tmp_path):
+    """A store by a request whose handoff copies placed a new page in prefill and told the
+    engine to write it; the handoff's commit then let go of the uncommitted block, its page
+    went to another request, and the engine's write landed in that request's block. A store
+    is refused while its request is handed off, as an allocation is."""
+    with start(tmp_path, bandwidth="16KiB/s") as kvd:  # 6 blocks: ~4 s of copies
+        async with AsyncClient(kvd.target, timeout_s=20) as c, \
+                AsyncClient(kvd.target, timeout_s=20) as other:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            try:
+                await c.admit("r", 16 * 6, 16, pool="prefill", handoff_pool="decode")
+                await c.allocate("r", 6)
+                handing = asyncio.ensure_future(c.handoff_all("r"))
+                await copying(c)
+                try:
+                    to_write = (await c.store("r", "m", [b"k"])).handles
+                except FailedPreconditionError as exc:
+                    assert "being handed off" in str(exc)
+                    to_write = []
+                assert (await handing).done
+                await other.admit("x", 16 * 8, 0, pool="prefill")
+                mine = (await other.allocate("x", 8)).handles  # every prefill page
+                for h in mine:
+                    prefill.write(h, np.full(PAGE, 7, np.uint8))
+                for h in to_write:  # r's engine writes what its store told it to
+                    prefill.write(h, np.full(PAGE, 1, np.uint8))
+                assert all((prefill.read(h) == 7).all()
+                           for h in (await other.access("x")).handles)
+                assert to_write == []
+                assert (await c.lookup("m", [b"k"], pool="prefill")).num_hit == 0
+                assert (await c.self_check()).ok
+            finally:
+                prefill.close()

@@ -64,7 +64,7 @@ chunk = "16KiB"
 """)
 KINDS = ["handoff", "handoff", "cancelled_handoff", "release", "free", "free", "access",
          "read", "allocate", "pin", "unpin", "evict", "step_read", "step_free", "decode",
-         "policy", "quota"]
+         "policy", "quota", "store"]
 CODE = grpc.StatusCode
 # What each call may be refused with (NOT_FOUND, only once a release went through, or for a
 # pin or a read by index, once the free of a block it names did).
@@ -75,6 +75,9 @@ REFUSALS = {
     "access": {CODE.RESOURCE_EXHAUSTED},
     "read": {CODE.RESOURCE_EXHAUSTED},
     "allocate": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED},
+    # Refused while its request is handed off or once it left the pool (FAILED_PRECONDITION,
+    # as its commit is for a block dropped before it); no room; found blocks evicted.
+    "store": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED, CODE.ABORTED},
     "pin": {CODE.RESOURCE_EXHAUSTED, CODE.FAILED_PRECONDITION},
     "evict": {CODE.FAILED_PRECONDITION, CODE.RESOURCE_EXHAUSTED},
     "policy": set(),
@@ -172,6 +175,13 @@ class Race:
                 await c.access(rid, list(range(arg, self.first_blocks)))
             elif kind == "allocate":
                 self.write((await c.allocate(rid, 1)).handles, racing_handoff)
+            elif kind == "store":  # one of the prompt's prefix blocks: written, committed
+                key = PREFIX[arg % len(PREFIX)]
+                reply = await c.store(rid, NS, [key])
+                for h, fresh in zip(reply.handles, reply.fresh):
+                    if fresh:
+                        self.maps[h.pool or "prefill"].write(h, prefix_bytes(key))
+                await c.commit(rid, NS, [key])
             elif kind in ("pin", "unpin"):
                 await c.update_intents([intent_update(rid, arg, pin_requested=kind == "pin")])
             elif kind == "evict":
