@@ -29,6 +29,7 @@ from kvd.links import Transfer, TransferCancelled
 from kvd.memory.copier import chunk_runs, copy_between, page_runs
 from kvd.peers import BlockSender, Peers, chunk_messages, is_remote, read_chunk, split
 from kvd.runtime import PoolRuntime, find_runtime
+from kvd.waiters import give_back_turn
 from kvd_api.v1 import kvd_pb2 as pb
 
 log = structlog.get_logger("kvd.handoff")
@@ -105,6 +106,7 @@ class Handoffs:
         it stored, which the handoff carries) has none, and a release that went first was
         undone by the handoff's commit, which made the request live in its target again."""
         while (task := self._handing_off.get(request_id)) is not None:
+            give_back_turn()  # a handoff takes seconds: the tenant's other streams go on
             await asyncio.wait({task})
 
     def arriving(self, request_id: str, runtime: PoolRuntime) -> bool:

@@ -14,6 +14,7 @@ from kvd.service.auth import Caller
 from kvd.service.gate import CallLimits, StepTurns
 from kvd.service.register import OpenStreams
 from kvd.service.step import StepStreams, _Turn
+from kvd.waiters import ON_ROOM_WAIT
 from kvd_api.v1 import kvd_pb2 as pb
 
 
@@ -296,5 +297,46 @@ async def test_a_copy_that_fails_under_a_steps_allocation_is_that_items_error():
         for b in node.pools["default"].pool.requests["a"].live:
             assert (device[b.page] == b.index + 1).all(), f"a's block {b.index}"
         assert await node.self_check() == []
+    finally:
+        await node.aclose()
+
+
+async def test_a_release_waiting_for_a_handoff_gives_its_streams_turn_back():
+    """A step that releases a request whose handoff is under way waits for the handoff to
+    end (it then acts wherever the request is), which takes as long as the copies do; the
+    tenant's turn goes back meanwhile, as it does while a step waits for room, so its other
+    streams step on."""
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    try:
+        turns = StepTurns(1)
+        streams = StepStreams(node, None, turns, CallLimits(1024, 65536), OpenStreams())
+        flooder = Caller(tenant="flood", admin=False)
+        node.admit("r", tenant="flood", pool="default", prompt_tokens=16, output_tokens=0,
+                   priority=0)
+        # A handoff of r under way until `copied` is set (the task Handoffs.handoff keeps).
+        copied = asyncio.Event()
+        handoff = node.handoffs._handing_off["r"] = asyncio.ensure_future(copied.wait())
+        handoff.add_done_callback(lambda _: node.handoffs._handing_off.pop("r"))
+        turns.contended("victim", time.monotonic())  # another tenant steps
+        first, second = _Turn(turns, "flood"), _Turn(turns, "flood")
+        assert await streams._next(_messages(1).__aiter__(), flooder, first, "h1") is not None
+
+        async def releasing_step():  # as StepStreams.serve runs it, its turn held
+            ON_ROOM_WAIT.set(first.leave)
+            return await streams.step(pb.StepRequest(
+                step_id=1, releases=[pb.ReleaseRequest(request_id="r")]), [], "flood",
+                holder="h1")
+
+        step = asyncio.ensure_future(releasing_step())
+        other = asyncio.ensure_future(
+            streams._next(_messages(1).__aiter__(), flooder, second, "h2"))
+        assert await asyncio.wait_for(other, 1) is not None  # stepped while r's waits
+        assert not step.done()
+        copied.set()
+        reply = await asyncio.wait_for(step, 1)
+        assert not reply.errors and "r" not in node.request_index
+        second.leave()
+        assert not turns.gate.busy("flood")
     finally:
         await node.aclose()
