@@ -18,6 +18,16 @@ from kvd.waiters import ON_ROOM_WAIT
 from kvd_api.v1 import kvd_pb2 as pb
 
 
+def _node() -> Node:
+    """A node in this process, one pool of 64 device pages."""
+    return Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+
+
+def _streams(node: Node, turns: StepTurns, auth=None) -> StepStreams:
+    return StepStreams(node, auth, turns, CallLimits(1024, 65536), OpenStreams())
+
+
 async def _messages(n: int):
     for i in range(n):
         step = pb.StepRequest(step_id=i + 1, read_all=["r"])
@@ -25,11 +35,10 @@ async def _messages(n: int):
 
 
 async def test_a_tenants_streams_take_turns_while_another_tenant_steps():
-    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
-        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    node = _node()
     try:
         turns = StepTurns(1)  # one turn per tenant
-        streams = StepStreams(node, None, turns, CallLimits(1024, 65536), OpenStreams())
+        streams = _streams(node, turns)
         flooder = Caller(tenant="flood", admin=False)
         assert turns.contended("victim", time.monotonic()) is False  # the victim stepped
         first, second = _Turn(turns, "flood"), _Turn(turns, "flood")
@@ -56,11 +65,10 @@ async def test_a_tenants_streams_take_turns_while_another_tenant_steps():
 
 
 async def test_a_tenant_alone_is_not_gated():
-    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
-        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    node = _node()
     try:
         turns = StepTurns(1)
-        streams = StepStreams(node, None, turns, CallLimits(1024, 65536), OpenStreams())
+        streams = _streams(node, turns)
         caller = Caller(tenant="only", admin=False)
         read = [streams._next(_messages(1).__aiter__(), caller, _Turn(turns, "only"), f"h{i}")
                 for i in range(4)]
@@ -89,11 +97,10 @@ class _Inbox:
 
 
 async def test_a_stream_waiting_for_its_next_message_holds_no_turn():
-    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
-        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    node = _node()
     try:
         turns = StepTurns(1)
-        streams = StepStreams(node, None, turns, CallLimits(1024, 65536), OpenStreams())
+        streams = _streams(node, turns)
         caller = Caller(tenant="a", admin=False)
         turns.contended("b", time.monotonic())  # another tenant steps
         quiet_inbox, quiet = _Inbox(), _Turn(turns, "a")
@@ -166,10 +173,9 @@ async def test_a_stream_whose_engine_reads_no_replies_holds_no_turn():
     reading its replies (its stream's window full, the write waiting for ever) kept its
     tenant's turn, and while tenants competed every other stream and call of the tenant
     waited behind it."""
-    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
-        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    node = _node()
     turns = StepTurns(1)
-    streams = StepStreams(node, _Auth(), turns, CallLimits(1024, 65536), OpenStreams())
+    streams = _streams(node, turns, _Auth())
 
     async def other_tenant_steps():
         while True:
@@ -211,10 +217,9 @@ async def _flood_steps_before_the_victims(per_tenant: int, streams_of_flood: int
     """How many of a flooding tenant's steps kvd serves before another tenant's, when the
     flood's messages (one on each of its streams) came just before the other's message (on
     the first of its streams; the others stay open and quiet)."""
-    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
-        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    node = _node()
     turns = StepTurns(per_tenant)
-    streams = StepStreams(node, _Tenants(), turns, CallLimits(1024, 65536), OpenStreams())
+    streams = _streams(node, turns, _Tenants())
     order: list[str] = []
     flood = [_Engine(f"flood{i}", served=order) for i in range(streams_of_flood)]
     victims = [_Engine(f"victim{i}", served=order) for i in range(streams_of_victim)]
@@ -306,11 +311,10 @@ async def test_a_release_waiting_for_a_handoff_gives_its_streams_turn_back():
     end (it then acts wherever the request is), which takes as long as the copies do; the
     tenant's turn goes back meanwhile, as it does while a step waits for room, so its other
     streams step on."""
-    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
-        PoolConfig(model="tiny", page_bytes=4096, device_pages=64, host_pages=64),)))
+    node = _node()
     try:
         turns = StepTurns(1)
-        streams = StepStreams(node, None, turns, CallLimits(1024, 65536), OpenStreams())
+        streams = _streams(node, turns)
         flooder = Caller(tenant="flood", admin=False)
         node.admit("r", tenant="flood", pool="default", prompt_tokens=16, output_tokens=0,
                    priority=0)
