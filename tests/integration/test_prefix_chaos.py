@@ -336,7 +336,8 @@ class StepEngine(_Engine):
             if self.rid is not None:
                 await self.step(stream, read_all=[self.rid])
                 await self.step(stream, releases=[self.rid])
-                self.rid, self.readable = None, []
+                # Its blocks went with it: a next round's request starts with none.
+                self.rid, self.where, self.data, self.readable = None, {}, {}, []
 
 
 async def operator(c: AsyncClient, stop: asyncio.Event, checks: list) -> None:
