@@ -99,6 +99,19 @@ class Handoffs:
         """Whether a handoff of the request is in flight."""
         return request_id in self._handing_off
 
+    def refuse_while_under_way(self, request_id: str, what: str) -> None:
+        """Refuse a call that adds pages to a request (`what`: the call, as the engine
+        names it) while a handoff of it is under way: they would be in the pool the request
+        is leaving, left behind (an allocation's blocks) or let go under the engine (a
+        store's new pages, which the handoff's commit drops uncommitted)."""
+        if request_id in self._handing_off:
+            rt = self.request_index.get(request_id)
+            req = rt.pool.requests.get(request_id) if rt is not None else None
+            raise FailedPrecondition(
+                f"request {request_id!r} is being handed off to pool "
+                f"{req.handoff_pool if req is not None else ''!r}: {what} once the handoff "
+                "is done, there")
+
     async def settled(self, request_id: str) -> None:
         """Until no handoff of the request is in flight (whether it went through or rolled
         back): a release waits for it, then acts wherever the request is. Waiting for its

@@ -22,7 +22,7 @@ from kvd.core.admission import AdmitResult, Decision
 from kvd.core.attribution import RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
-from kvd.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
 from kvd.core.holds import OWN_HOLDER
 from kvd.core.intent import IntentChange
 from kvd.core.prefix import Shares
@@ -109,7 +109,7 @@ class Node:
         self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
         self.cluster = None  # kvd.cluster.ClusterMember, when [cluster] names etcd
         self.shared = SharedBlocks(self.runtime, self.runtime_of, self._room_grew,
-                                   handing_off=self.handoffs.under_way)
+                                   self.handoffs.refuse_while_under_way)
         # Pools whose line's fair order moved since it last ran (see _order_moved).
         self._moved: dict[str, PoolRuntime] = {}
         self._settle_soon = False
@@ -228,11 +228,7 @@ class Node:
         engine writes them meanwhile). Refused while the request is handed off: its blocks
         are those the handoff copies, and one added meanwhile would be left behind."""
         rt = self.runtime_of(request_id, scope)
-        if self.handoffs.under_way(request_id):
-            raise FailedPrecondition(
-                f"request {request_id!r} is being handed off to pool "
-                f"{rt.pool.requests[request_id].handoff_pool!r}: allocate once the handoff "
-                "is done, there")
+        self.handoffs.refuse_while_under_way(request_id, "allocate")
         plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent,
                                                      holder=holder), holder=holder)
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)

@@ -18,11 +18,12 @@ class SharedBlocks:
     def __init__(self, runtime: Callable[[str], PoolRuntime],
                  runtime_of: Callable[[str, str | None], PoolRuntime],
                  on_room: Callable[[PoolRuntime], None] | None = None,
-                 handing_off: Callable[[str], bool] = lambda request_id: False) -> None:
+                 refuse_while_handed_off: Callable[[str, str], None] | None = None) -> None:
         self.runtime = runtime
         self.runtime_of = runtime_of
-        # Whether a handoff of the request is under way (Handoffs.under_way).
-        self.handing_off = handing_off
+        # Refuses a call on a request whose handoff is under way (see
+        # Handoffs.refuse_while_under_way).
+        self.refuse_while_handed_off = refuse_while_handed_off
         # Told when a store or load left a pool's running working sets smaller (blocks a
         # request stored or loaded are shared, not its working set): queued requests may go.
         self.on_room = on_room
@@ -72,10 +73,8 @@ class SharedBlocks:
         (or a release) lets go of what the request stored there and never committed, so an
         engine told to write them would write into pages another request may have by then.
         An Allocate is refused alike."""
-        if self.handing_off(request_id):
-            raise FailedPrecondition(
-                f"request {request_id!r} is being handed off: store once the handoff is "
-                "done, in its new pool")
+        if self.refuse_while_handed_off is not None:
+            self.refuse_while_handed_off(request_id, "store")
         if rt.pool.requests.get(request_id) is None:
             raise FailedPrecondition(
                 f"request {request_id!r} left pool {rt.pool.name!r} while this store waited "
