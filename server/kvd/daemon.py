@@ -33,7 +33,7 @@ from kvd.tier_events import TierEventPublisher
 from kvd.metrics import serve_metrics, watch_loop_lag
 from kvd.service.admin import AdminService
 from kvd.service.gate import CallGate, StepTurns
-from kvd.service.auth import Authenticator
+from kvd.service.auth import Authenticator, lease_holder
 from kvd.service.memory import MemoryService
 from kvd.service.peer import PeerService
 from kvd.service.register import DRAINING, OpenStreams, add_service
@@ -333,7 +333,8 @@ class Daemon:
         self._ready = True
         node, config = self.node, self.config
         self._keep("lease_reaper", lambda: node.leases.reap_forever(
-            node.release, max(0.05, min(1.0, config.lease_ttl_s / 4)), node.events))
+            node.release, max(0.05, min(1.0, config.lease_ttl_s / 4)), node.events,
+            end_holds=lambda lease: node.end_holds(lease_holder(lease))))
         self._keep("expiry", lambda: node.expire_forever(
             max(0.05, min(1.0, config.handoff_ttl_s / 4, config.hold_s / 4))))
         if config.self_check_s:

@@ -94,8 +94,11 @@ class LeaseTable:
             del self.leases[lease.lease_id]
         return gone
 
-    async def reap_forever(self, release, period_s: float, events=None) -> None:
-        """Every period, release the requests of expired leases with `release(request_id)`.
+    async def reap_forever(self, release, period_s: float, events=None,
+                           end_holds=None) -> None:
+        """Every period, release the requests of expired leases with `release(request_id)`,
+        after ending what the lease's client was handed with `end_holds(lease_id)`: a client
+        silent past its TTL is gone, and the pages kept for it (see Holds.keep) are free.
         Silence is judged on what clients sent, not on when kvd got round to reading it: a
         tick that comes late (kvd's loop was busy, or the process was stopped) credits every
         lease with the lost time, since their calls may be waiting unread meanwhile.
@@ -118,6 +121,8 @@ class LeaseTable:
                         lease.last_seen = min(now, lease.last_seen + late)
                 for lease in self.expired():
                     self.num_expired += 1
+                    if end_holds is not None:
+                        end_holds(lease.lease_id)
                     task = asyncio.ensure_future(self._release(lease, release, events))
                     releasing.add(task)
                     task.add_done_callback(releasing.discard)

@@ -28,6 +28,11 @@ def unprefixed(text: str, ns: str) -> str:
     return text.replace("'" + ns, "'") if ns else text
 
 
+def lease_holder(lease: str) -> str:
+    """The holder of what a client's unary calls under this lease are handed."""
+    return f"lease:{lease}"
+
+
 @dataclass(slots=True)
 class Caller:  # not frozen: made on every call, and a frozen dataclass is 3x slower to make
     tenant: str  # "" for the admin identity, which acts for no tenant in particular
@@ -41,7 +46,7 @@ class Caller:  # not frozen: made on every call, and a frozen dataclass is 3x sl
     def holder(self) -> str:
         """Who holds the pages this caller's unary calls hand out: its lease, else its
         tenant. Its next call ends the hold."""
-        return f"lease:{self.lease}" if self.lease else f"tenant:{self.tenant}"
+        return lease_holder(self.lease) if self.lease else f"tenant:{self.tenant}"
 
     @property
     def ns(self) -> str:
