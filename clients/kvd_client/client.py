@@ -255,9 +255,10 @@ class AsyncClient:
     async def drain(self) -> None:
         await self._call(self.admin.Drain, pb.DrainRequest())
 
-    async def keep_alive(self) -> pb.KeepAliveResponse:
-        """Renew this client's lease (any call does; this one does nothing else)."""
-        return await self._call(self.memory.KeepAlive, pb.KeepAliveRequest())
+    async def keep_alive(self, timeout_s: float | None = None) -> pb.KeepAliveResponse:
+        """Renew this client's lease, and say it is done with the pages its calls were
+        handed (any call does both; this one does nothing else)."""
+        return await self._call(self.memory.KeepAlive, pb.KeepAliveRequest(), timeout_s)
 
     async def explain(self, request_id: str) -> pb.ExplainResponse:
         return await self._call(self.memory.Explain, pb.ExplainRequest(request_id=request_id))

@@ -64,6 +64,14 @@ def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool | str], 
         assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
 
 
+async def done_with_pages(clients) -> None:
+    """Each client says it is done with the pages its calls were handed (KeepAlive ends its
+    holds), as an engine's next call does: the pages of a request that another client
+    released stay out of use until then."""
+    for c in clients:
+        await c.keep_alive(timeout_s=10)
+
+
 def engine_clients(kvd, n: int, timeout_s: float) -> list[AsyncClient]:
     """Clients for a machine_kvd's n engines: each its own tenant (by its token) where the
     kvd has a tenant per engine, else all the unix socket's."""

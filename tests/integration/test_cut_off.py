@@ -20,6 +20,8 @@ from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
 from kvd_loadgen.local import LocalKvd
 
+from .conftest import done_with_pages
+
 PAGE = 16 * 1024
 ENGINES = 4
 STEPS = int(os.environ.get("KVD_CUT_OFF_STEPS", "80"))  # per engine
@@ -250,6 +252,7 @@ async def _cut_off(tmp_path, policy: str, shape: tuple[int, int], seed: int) -> 
             assert sum(e.checked for e in engines) > ENGINES * 10  # it did read back
             check = await clients[0].self_check()
             assert check.ok, list(check.problems)
+            await done_with_pages(clients)  # an engine releases with its patient client
             for stats in (await clients[0].pool_stats()).pools:
                 assert stats.num_requests == 0, stats
                 assert sum(t.used_pages for t in stats.tiers) == 0, stats

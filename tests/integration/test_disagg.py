@@ -231,6 +231,9 @@ async def test_a_call_on_a_request_during_its_handoff_acts_where_the_request_is(
             # Done, handing out what the request still holds after the call.
             assert last.done and len(last.handles) == left
             assert [r.num_blocks for r in await c.list_requests()] == ([left] if left else [])
+            # The handoff held the decode pages for the caller before the release went
+            # through: released, they stay out of use until the caller's next call.
+            await c.keep_alive()
             assert sum(t.used_pages for t in (await stats(c, "decode")).tiers) == left
             assert sum(t.used_pages for t in (await stats(c, "prefill")).tiers) == 0
             assert (await c.self_check()).ok

@@ -37,6 +37,8 @@ from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
 from kvd_loadgen.local import LocalKvd
 
+from .conftest import done_with_pages
+
 EXAMPLES = int(os.environ.get("KVD_RACE_EXAMPLES", "20"))
 PAGE = 16 * 1024  # the tiny model: 1 KiB a token, 16 tokens a page
 # Slow links: a handoff of 6 blocks takes ~0.2 s, a block read back from the host ~30 ms;
@@ -302,7 +304,9 @@ async def _example(client, maps, n: int, sizes: list[int], evicted: int, calls,
             race.check_refusals()
             await race.check_whole_or_gone(calls)
         # Nothing is left behind: no page but the prefix blocks kept for the next requests,
-        # no reservation, in either pool.
+        # no reservation, in either pool. (A release that raced a call handing out pages
+        # keeps them out of use until the client's next call: this one.)
+        await done_with_pages([client])
         for name, stats in (await _pools(client)).items():
             kept = sum([(await client.lookup(NS, [key], pool=name)).num_hit
                         for key in PREFIX])

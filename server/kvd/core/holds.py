@@ -11,11 +11,17 @@ A Step that finds a request's blocks all in place holds the request, not its blo
 request is noted for the holder, and its blocks leave the policy only when something is about
 to choose victims (`materialize`). A step costs one entry per request, not per block, and
 what it handed out is still never taken under the engine.
+
+A request released by someone else (an operator, a lapsed lease, another of the tenant's
+clients) while a holder holds its blocks does not give their device pages to another block
+at once: the engine may still be writing them (a decode step writes each request's last
+block). The pages stay out of use, owned by nobody, until each of their holders calls again
+or its holds lapse (`keep`): a released request's bytes never land in another request's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
@@ -33,7 +39,7 @@ class Holds:
     """Blocks held by holder (a client's lease, a Step stream), and since when."""
 
     def __init__(self, clock: Clock, requests: Mapping[str, Request],
-                 policy: EvictionPolicy) -> None:
+                 policy: EvictionPolicy, release_page: Callable[[int], None]) -> None:
         self.clock = clock
         self.requests = requests  # read only: whether a held block's request still lives
         # The page table's policy; the page table sets it anew when it switches policy.
@@ -44,6 +50,11 @@ class Holds:
         self._lazy = 0  # holders with requests held whose blocks are not held yet
         # Holders whose Step message is being served (the node's set, shared by its pools).
         self.serving: set[str] = set()
+        # Device pages of blocks that went while held (see keep): page -> its holders, and
+        # holder -> its pages; `release_page` frees one once no holder is left.
+        self.kept: dict[int, set[str]] = {}
+        self._kept_by_holder: dict[str, list[int]] = {}
+        self.release_page = release_page
 
     def hold_one(self, holder: str, block: Block) -> None:
         """Hold a device block for the holder until its next call (another holder's hold of
@@ -74,9 +85,10 @@ class Holds:
         lazy.append(requests)
 
     def only_requests(self, holder: str) -> bool:
-        """Whether the holder holds no block itself (requests at most, or nothing)."""
+        """Whether the holder holds no block itself (requests at most, or nothing), and no
+        page kept for it (see keep)."""
         entry = self._by_holder.get(holder)
-        return entry is None or not entry[1]
+        return (entry is None or not entry[1]) and holder not in self._kept_by_holder
 
     def hold_again(self, holder: str, requests: list[Request]) -> None:
         """The holder's next call holds these requests (see hold_requests) in place of what
@@ -130,14 +142,15 @@ class Holds:
         message, which waits for this one: waiting on its holds, its own or another's
         waiting likewise, would wait for ever."""
         serving = self.serving
-        return any(h not in serving and h != own and blocks
-                   for h, (_, blocks, _) in self._by_holder.items())
+        return (any(h not in serving and h != own and blocks
+                    for h, (_, blocks, _) in self._by_holder.items())
+                or any(h not in serving and h != own for h in self._kept_by_holder))
 
     def end_if_only_requests(self, holder: str) -> bool:
         """End the holder's holds if they are of requests whose blocks never left the policy
         (nothing else changes then); whether they were."""
         entry = self._by_holder.get(holder)
-        if entry is None or entry[1]:
+        if entry is None or entry[1] or holder in self._kept_by_holder:
             return False
         del self._by_holder[holder]
         if entry[2]:
@@ -156,6 +169,8 @@ class Holds:
             return False
         if entry[2]:
             self._lazy -= 1
+        if self._kept_by_holder:
+            self._let_go(holder)
         for b in entry[1]:
             if not b.held:
                 continue  # gone since
@@ -168,3 +183,48 @@ class Holds:
                     and evictable(b)):
                 self.policy.insert(b)
         return True
+
+    def keep(self, req: Request, blocks: list[Block]) -> set[int]:
+        """The device pages of these blocks of req (going now: req is released) that a
+        client's holder still holds, by block or by request (a read): kept out of use until
+        each such holder's next call, or until its holds lapse. Returns them; the caller
+        lets go of the blocks without freeing those pages (PageTable.discard). kvd's own
+        holders are not waited for: their work ended before a release could run."""
+        held = [b for b in blocks if b.held and b.tier is TierKind.DEVICE]
+        lazy_holders = ([h for h, (_, _, lazy) in self._by_holder.items()
+                         if lazy and any(req in requests for requests in lazy)]
+                        if self._lazy else [])
+        if not held and not lazy_holders:
+            return set()
+        holders_of: dict[int, set[str]] = {}
+        if held:
+            going = {id(b) for b in held}
+            for h, (_, entry_blocks, _) in self._by_holder.items():
+                for b in entry_blocks:
+                    if id(b) in going and b.held:
+                        holders_of.setdefault(b.page, set()).add(h)
+        for b in blocks:  # a read held every device block its engine was told of
+            if lazy_holders and b.tier is TierKind.DEVICE and not b.moving:
+                holders_of.setdefault(b.page, set()).update(lazy_holders)
+        for page, holders in holders_of.items():
+            holders = {h for h in holders if not h.startswith(OWN_HOLDER)}
+            if not holders:
+                continue
+            self.kept[page] = holders
+            for h in holders:
+                self._kept_by_holder.setdefault(h, []).append(page)
+        return {page for page in holders_of if page in self.kept}
+
+    def kept_without_holder(self) -> list[str]:
+        """Holders with pages kept for them that hold nothing else (the self-check's): no
+        next call or lapse of theirs would let go of those pages."""
+        return [h for h in self._kept_by_holder if h not in self._by_holder]
+
+    def _let_go(self, holder: str) -> None:
+        """The holder called again: the kept pages only it still held are free."""
+        for page in self._kept_by_holder.pop(holder, ()):
+            holders = self.kept[page]
+            holders.discard(holder)
+            if not holders:
+                del self.kept[page]
+                self.release_page(page)

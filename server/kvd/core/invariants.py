@@ -109,6 +109,13 @@ def _check_pages(pool: Pool, problems: list[str]) -> Counter:
     """Free lists and page owners of both tiers; returns how many pages each block owns."""
     name = pool.name
     owners: Counter = Counter()
+    kept = pool.pages.holds.kept  # released requests' pages their holders still hold
+    for page in kept:
+        if pool.device.is_free(page) or pool.device.owner[page] is not None:
+            problems.append(f"{name}/DEVICE[{page}]: kept for its holders, but "
+                            + ("free" if pool.device.is_free(page) else "owned"))
+    for holder in pool.pages.holds.kept_without_holder():
+        problems.append(f"{name}: pages kept for holder {holder!r}, which holds nothing")
     for tier in (pool.device, pool.host):
         where = f"{name}/{tier.kind.name}"
         free = set(tier.free_pages())
@@ -121,7 +128,7 @@ def _check_pages(pool: Pool, problems: list[str]) -> Counter:
             if is_free and block is not None:
                 problems.append(f"{where}[{page}]: free but owned by {block}")
             if block is None:
-                if not is_free:
+                if not is_free and (tier is not pool.device or page not in kept):
                     problems.append(f"{where}[{page}]: used but owned by nobody")
                 continue
             owners[id(block)] += 1

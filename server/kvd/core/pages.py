@@ -61,7 +61,7 @@ class PageTable:
         # and refill() tops them up from over-share tenants in the background.
         self.reserve_pages = reserve_pages
         self.num_pinned = 0
-        self.holds = Holds(clock, requests, self.policy)
+        self.holds = Holds(clock, requests, self.policy, self._let_go_of_kept)
         # Shared prefix blocks by (namespace, key): see prefix.py.
         self.named: dict[tuple[str, bytes], Block] = {}
         # Every request with blocks in transit, and some that had them (moving_requests()
@@ -149,7 +149,10 @@ class PageTable:
             f"pool {self.name!r}: cannot free {needed} device page(s): "
             f"{self.device.num_free} free, {len(self.policy)} evictable, "
             f"{self.num_pinned} of {self.device.capacity} pinned (by tenant: {held}), "
-            f"{self.holds.count} held by engines until their next call, the rest in transit"
+            f"{self.holds.count} held by engines until their next call"
+            + (f", {len(self.holds.kept)} of released requests kept until their engines' "
+               "next calls" if self.holds.kept else "")
+            + ", the rest in transit"
         )
 
     def unevictable(self, needed: int) -> ResourceExhausted:
@@ -529,27 +532,41 @@ class PageTable:
         self.note_peak()
         return placed
 
-    def discard_all(self, blocks: Iterable[Block]) -> None:
+    def release_blocks(self, req: Request, blocks: list[Block]) -> None:
+        """The blocks of a request being released go (discard_all); the device pages a
+        client's holder still holds stay out of use until it calls again (Holds.keep)."""
+        self.discard_all(blocks, self.holds.keep(req, blocks))
+
+    def _let_go_of_kept(self, page: int) -> None:
+        """A kept page's last holder called again (or its holds lapsed): the page is free."""
+        self.device.release(page)
+
+    def discard_all(self, blocks: Iterable[Block], kept: Collection[int] = ()) -> None:
         """discard() of each block, taking them out of their requests' `live` in one pass a
-        request: letting go of k of a keeper's n kept blocks costs O(n), not O(k n)."""
+        request: letting go of k of a keeper's n kept blocks costs O(n), not O(k n).
+        `kept`: device pages that stay out of use (see discard)."""
         gone: dict[Request, list[Block]] = {}  # both hash by identity (eq=False)
         for b in blocks:
-            self.discard(b, unlive=False)
+            self.discard(b, unlive=False, kept=kept)
             gone.setdefault(b.request, []).append(b)
         for req, blocks_gone in gone.items():
             req.unlive(blocks_gone)
 
-    def discard(self, block: Block, unlive: bool = True) -> None:
+    def discard(self, block: Block, unlive: bool = True, kept: Collection[int] = ()) -> None:
         """The block is gone (freed or released): its page, pin and hold go with it.
         `unlive=False`: the caller takes it out of its request's `live` (with others at
-        once, see Request.unlive)."""
+        once, see Request.unlive). A device page in `kept` (see Holds.keep) is owned by
+        nobody and stays out of use until its holders let go of it."""
         req = block.request
         self.changes.note(req)
         self.holds.forget(block)
         if block.tier is TierKind.DEVICE:
             if block in self.policy:
                 self.policy.remove(block)
-            self.device.release(block.page)
+            if block.page in kept:
+                self.device.owner[block.page] = None
+            else:
+                self.device.release(block.page)
             self.device_delta(block, -1)
         elif block.tier is TierKind.HOST:
             self.host.release(block.page)

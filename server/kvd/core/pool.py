@@ -360,7 +360,7 @@ class Pool:
             return 0, self.admission.admit_from_queue()
         live = req.live_blocks()
         check_still(live + self.prefixes.unused(req))
-        self.pages.discard_all(live)
+        self.pages.release_blocks(req, live)
         self.prefixes.end_uses(req)
         self.attribution.close(request_id)
         self.admission.unreserve(req)

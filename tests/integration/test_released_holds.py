@@ -1,0 +1,105 @@
+"""A request released by someone else (another of the tenant's clients, an operator, a lapsed
+lease) while its engine holds what a Step handed it: the engine may still be writing those
+pages (its forward pass is under way), so no other request gets them until the engine's next
+message, or until its holds lapse. Before, the release freed them at once, and the engine's
+writes landed in the next request's blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from kvd_client import AsyncClient, pb
+from kvd_client.arena import MappedPool
+
+DEVICE_PAGES = 8  # the kvd fixture's device tier (conftest.SMALL)
+
+
+def _bytes(seed: int, n: int, page_bytes: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, page_bytes, np.uint8) for _ in range(n)]
+
+
+async def _handed(engine: AsyncClient, stream, how: str) -> list[pb.PageHandle]:
+    """The engine's request "mine" fills the device tier; its stream's last message handed
+    it every page: allocated them, or (`read`) a later step read them."""
+    await engine.admit("mine", 16 * DEVICE_PAGES)
+    handles = list((await stream.step(allocations=[("mine", DEVICE_PAGES)])).allocated)
+    assert len(handles) == DEVICE_PAGES
+    if how == "read":
+        reply = await stream.step(read_all=["mine"])
+        assert not reply.errors, reply.errors
+    return handles
+
+
+@pytest.mark.parametrize("how", ["allocated", "read"])
+async def test_a_released_requests_pages_wait_for_its_engines_next_message(kvd, how):
+    async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+            AsyncClient(kvd.target, timeout_s=10) as other:
+        arena = MappedPool(await engine.export_pool())
+        try:
+            async with engine.step_stream() as stream:
+                mine = await _handed(engine, stream, how)
+                await other.release("mine")  # while the engine's forward pass runs
+                await other.admit("theirs", 16 * DEVICE_PAGES)
+                theirs = asyncio.ensure_future(other.allocate("theirs", DEVICE_PAGES))
+                await asyncio.sleep(0.3)
+                # The only room is the released request's pages, which the engine may still
+                # write: the other request waits for them.
+                assert not theirs.done(), (
+                    "the released request's pages went to another request while its engine "
+                    f"held them: {[h.page_index for h in (await theirs).handles]}")
+                stats = (await other.pool_stats()).pools[0]
+                assert stats.held_pages == DEVICE_PAGES  # shown as held: engines hold them
+                for h, data in zip(mine, _bytes(1, DEVICE_PAGES, arena.page_bytes)):
+                    arena.write(h, data)  # the engine's forward pass writes them
+                await stream.step()  # the engine's next message: it is done with them
+                handles = (await theirs).handles
+            assert sorted(h.page_index for h in handles) == sorted(h.page_index for h in mine)
+            wrote = _bytes(2, DEVICE_PAGES, arena.page_bytes)
+            for h, data in zip(handles, wrote):
+                arena.write(h, data)
+            for h, data in zip(handles, wrote):
+                assert arena.read(h).tobytes() == data.tobytes(), f"block {h.block_index}"
+        finally:
+            arena.close()
+        check = await other.self_check()
+        assert check.ok, list(check.problems)
+
+
+async def test_a_released_requests_pages_come_free_when_its_engines_holds_lapse(kvd):
+    """An engine that never sends again (stalled, or gone without closing its stream) keeps
+    the pages no longer than its holds last (hold_s, 1 s by default)."""
+    async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+            AsyncClient(kvd.target, timeout_s=10) as other:
+        async with engine.step_stream() as stream:
+            await _handed(engine, stream, "allocated")
+            await other.release("mine")
+            await other.admit("theirs", 16 * DEVICE_PAGES)
+            started = time.monotonic()
+            handles = (await other.allocate("theirs", DEVICE_PAGES)).handles
+            waited = time.monotonic() - started
+            assert len(handles) == DEVICE_PAGES
+            assert waited > 0.5, f"got the engine's pages after {waited:.2f} s"
+            assert not (await stream.step()).errors  # the engine, back, finds nothing amiss
+        check = await other.self_check()
+        assert check.ok, list(check.problems)
+
+
+async def test_an_engines_own_release_frees_its_pages_at_once(kvd):
+    """The engine's own release ends its holds first (its next message): nothing is kept,
+    and the next request gets the pages without waiting."""
+    async with AsyncClient(kvd.target, timeout_s=2) as engine:
+        async with engine.step_stream() as stream:
+            await _handed(engine, stream, "allocated")
+            reply = await stream.step(releases=["mine"])
+            assert not reply.errors, reply.errors
+            await engine.admit("next", 16 * DEVICE_PAGES)
+            reply = await stream.step(allocations=[("next", DEVICE_PAGES)])
+            assert not reply.errors, reply.errors
+            assert len(reply.allocated) == DEVICE_PAGES
+        check = await engine.self_check()
+        assert check.ok, list(check.problems)
