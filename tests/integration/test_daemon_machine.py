@@ -288,6 +288,80 @@ class DaemonMachine(RuleBasedStateMachine):
             pass
         self._forget(rid)
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), share=st.integers(1, 6), read=st.booleans())
+    def released_under_the_engine(self, data, share, read):
+        """The engine is handed a request's pages (it allocates blocks, or reads them all);
+        someone else (an operator, another of the tenant's clients) then releases the
+        request, and another engine allocates at once; the engine, mid-step, writes what it
+        was handed. The other engine's blocks must not be in those pages: they stay out of
+        use until the engine's next call."""
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        pool = self.daemon.runtime_of(rid).pool.name
+        others = sorted(r for r in self.live
+                        if r != rid and (req := self._request(r)) is not None
+                        and req.state is RequestState.ADMITTED and req.pool == pool)
+        if others:
+            other = data.draw(st.sampled_from(others))
+        else:  # the other engine's request is admitted now
+            free = [r for r in REQUESTS if r not in self.live]
+            if not free:
+                return
+            other = free[0]
+            self.admit(other, data.draw(st.sampled_from(TENANTS)), share, False,
+                       decode=pool == "decode")
+            req = self._request(other)
+            if req is None or req.state is not RequestState.ADMITTED:
+                return
+        num = max(1, share * self.device_pages // 10)
+        try:
+            if read:
+                handed, _, _ = self.run(self.daemon.access(rid, None, holder=self.holder))
+            else:
+                handed, _ = self.run(self.daemon.allocate(rid, num, holder=self.holder))
+        except KvdError:
+            return
+        for b in handed:
+            if b.lost or not read:
+                b.lost = False
+                self.write(b)
+        handed = [(b.request.pool, b.page) for b in handed]
+
+        async def release_then_allocate():
+            try:
+                await self.daemon.release(rid)  # not the engine's call: its holds stay
+            except KvdError:
+                return None
+            # The other engine's allocation, written the moment its reply comes.
+            task = asyncio.ensure_future(self.daemon.allocate(other, num, holder="other"))
+            await asyncio.sleep(0.01)
+            return task
+
+        task = self.loop.run_until_complete(asyncio.wait_for(release_then_allocate(), 30))
+        self._forget(rid)
+        blocks = []
+        if task is not None and task.done():
+            try:
+                blocks, _ = task.result()
+            except KvdError:
+                pass
+            for b in blocks:
+                self.write(b)
+        for pool, page in handed:  # the engine's late writes
+            self.arena(pool)[page] = pattern(rid, -1, 0)
+        self.check_read(blocks, set())
+        # The engine's next call; the other engine's allocation, if it waited for the
+        # released pages, gets them now, and it is done with them at once.
+        self.daemon.end_holds(self.holder)
+        if task is not None and not task.done():
+            try:
+                blocks, _ = self.loop.run_until_complete(asyncio.wait_for(task, 30))
+            except KvdError:
+                blocks = []
+            for b in blocks:
+                self.write(b)
+        self.daemon.end_holds("other")
+
     @rule(share=st.integers(1, 5), pool=st.sampled_from(["default", "decode"]))
     def evict(self, share, pool):
         num = max(1, share * self.device_pages // 10)
