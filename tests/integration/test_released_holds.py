@@ -16,6 +16,7 @@ from kvd_client import AsyncClient, pb
 from kvd_client.arena import MappedPool
 
 DEVICE_PAGES = 8  # the kvd fixture's device tier (conftest.SMALL)
+HOLD_S = 1.0  # its hold_s (the default)
 
 
 def _bytes(seed: int, n: int, page_bytes: int) -> list[np.ndarray]:
@@ -76,14 +77,16 @@ async def test_a_released_requests_pages_come_free_when_its_engines_holds_lapse(
     async with AsyncClient(kvd.target, timeout_s=10) as engine, \
             AsyncClient(kvd.target, timeout_s=10) as other:
         async with engine.step_stream() as stream:
-            await _handed(engine, stream, "allocated")
+            await engine.admit("mine", 16 * DEVICE_PAGES)
+            sent = time.monotonic()  # the holds begin after this, and last hold_s
+            reply = await stream.step(allocations=[("mine", DEVICE_PAGES)])
+            assert len(reply.allocated) == DEVICE_PAGES
             await other.release("mine")
             await other.admit("theirs", 16 * DEVICE_PAGES)
-            started = time.monotonic()
             handles = (await other.allocate("theirs", DEVICE_PAGES)).handles
-            waited = time.monotonic() - started
+            held = time.monotonic() - sent
             assert len(handles) == DEVICE_PAGES
-            assert waited > 0.5, f"got the engine's pages after {waited:.2f} s"
+            assert held >= HOLD_S, f"got the engine's pages {held:.2f} s after it was handed them"
             assert not (await stream.step()).errors  # the engine, back, finds nothing amiss
         check = await other.self_check()
         assert check.ok, list(check.problems)
