@@ -14,6 +14,8 @@ import pytest
 
 from kvd_client import AsyncClient, pb
 from kvd_client.arena import MappedPool
+from kvd_client.client import intent_update
+from kvd_loadgen.local import LocalKvd
 
 DEVICE_PAGES = 8  # the kvd fixture's device tier (conftest.SMALL)
 HOLD_S = 1.0  # its hold_s (the default)
@@ -106,3 +108,35 @@ async def test_an_engines_own_release_frees_its_pages_at_once(kvd):
             assert len(reply.allocated) == DEVICE_PAGES
         check = await engine.self_check()
         assert check.ok, list(check.problems)
+
+
+async def test_a_queued_request_goes_in_when_the_release_leaves_it_kept_pages(tmp_path):
+    """Under a fair policy, admission counts a page's room where it will be free: the
+    released request's kept pages are, once the engine calls again, and the request
+    waiting for them is admitted at the release, not left queued with nothing to run its
+    line again (the engine's next call makes no admission decision)."""
+    args = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8",
+            "--host-pages", "0", "--admission", "reservation", "--policy", "fair")
+    with LocalKvd(*args, workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+                AsyncClient(kvd.target, timeout_s=10) as other:
+            async with engine.step_stream() as stream:
+                await engine.admit("mine", 16 * 4)
+                assert len((await stream.step(allocations=[("mine", 4)])).allocated) == 4
+                # The rest of the device: pinned, so the only room left is "mine"'s.
+                await other.admit("pinned", 16 * 4)
+                assert len((await other.allocate("pinned", 4)).handles) == 4
+                await other.update_intents([intent_update("pinned", i, pin_requested=True)
+                                            for i in range(4)])
+                await other.admit("next", 16 * 4)
+                assert await _state(other, "next") == "queued"
+                await other.release("mine")
+                assert await _state(other, "next") == "admitted"
+                await stream.step()  # the engine is done with the released pages
+                assert len((await other.allocate("next", 4)).handles) == 4
+            check = await other.self_check()
+            assert check.ok, list(check.problems)
+
+
+async def _state(client: AsyncClient, rid: str) -> str:
+    return next(r.state for r in await client.list_requests() if r.request_id == rid)

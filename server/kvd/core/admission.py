@@ -264,16 +264,19 @@ class Admission:
         return min(req.projected_pages, max(0, headroom))
 
     def room_for(self, req: Request) -> int:
-        """Device pages the request could have now: free ones, its own tenant's evictable
-        pages, and what other tenants hold above their fair share (and guarantee). Under a
-        policy blind to tenants, every page no pin claims."""
+        """Device pages the request could have now: free ones (kept ones included, see
+        Holds.keep), its own tenant's evictable pages, and what other tenants hold above
+        their fair share (and guarantee). Under a policy blind to tenants, every page no
+        pin claims."""
         pages = self.pages
         if not pages.policy.fair:
             # Every page no pin claims: free, evictable, held (evictable once its holder
             # calls again) or in transit (settled in a moment). A pinned block an engine
             # holds stays pinned when the hold ends, and one pinned on the host comes back.
             return max(0, pages.device.capacity - pages.num_pinned)
-        room = pages.device.num_free
+        # Free pages, and those of released requests kept for their holders (free once
+        # the holders call again, as held pages are evictable then).
+        room = pages.device.num_free + len(pages.holds.kept)
         tenancy = self.tenancy
         shares = tenancy.fair_shares()
         for tenant, used in tenancy.device_by_tenant.items():
