@@ -85,6 +85,14 @@ async def _write_blocks(client: AsyncClient, rid: str, num: int, seed: int) -> d
         mapped.close()
 
 
+async def _admitted_and_written(client: AsyncClient, seed: int) -> dict[int, bytes]:
+    """Request "r" of 16 blocks, admitted to a's prefill pool to be handed off to b's decode
+    pool, its blocks written (see _write_blocks)."""
+    await client.admit("r", prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
+                       handoff_pool="b/decode")
+    return await _write_blocks(client, "r", 16, seed=seed)
+
+
 async def _read_blocks(client: AsyncClient, rid: str, pool: str) -> dict[int, bytes]:
     mapped = MappedPool(await client.export_pool(pool))
     try:
@@ -211,9 +219,7 @@ async def test_a_handoff_cut_short_leaves_the_request_whole_and_nothing_on_the_p
     a, b = _peers(tmp_path, pki, link="64KiB/s")
     with b, a:
         async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
-            await ca.admit("r", prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
-                           handoff_pool="b/decode")
-            written = await _write_blocks(ca, "r", 16, seed=2)
+            written = await _admitted_and_written(ca, seed=2)
             free_before = (await cb.pool_stats("decode")).pools[0].tiers[0]
 
             async def hand_off():
@@ -250,9 +256,7 @@ async def test_the_peer_lists_a_request_whose_pages_are_arriving_as_arriving(
     a, b = _peers(tmp_path, pki, link="64KiB/s")
     with b, a:
         async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
-            await ca.admit("r", prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
-                           handoff_pool="b/decode")
-            await _write_blocks(ca, "r", 16, seed=3)
+            await _admitted_and_written(ca, seed=3)
             assert await _requests(cb) == {"r": "reserved"}
             call = asyncio.ensure_future(ca.handoff_all("r"))
             for _ in range(100):  # until the peer has claimed the reservation
@@ -270,9 +274,7 @@ async def test_the_peer_rolls_back_when_the_sender_dies_mid_stream(tmp_path, pki
     a, b = _peers(tmp_path, pki, link="64KiB/s")
     with b, a:
         async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
-            await ca.admit("r", prompt_tokens=16 * 16, output_tokens=0, pool="prefill",
-                           handoff_pool="b/decode")
-            await _write_blocks(ca, "r", 16, seed=3)
+            await _admitted_and_written(ca, seed=3)
 
             async def hand_off():
                 return [p async for p in ca.handoff("r")]
