@@ -206,14 +206,15 @@ class Holds:
         for b in blocks:  # a read held every device block its engine was told of
             if lazy_holders and b.tier is TierKind.DEVICE and not b.moving:
                 holders_of.setdefault(b.page, set()).update(lazy_holders)
+        kept = set()
         for page, holders in holders_of.items():
             holders = {h for h in holders if not h.startswith(OWN_HOLDER)}
-            if not holders:
-                continue
-            self.kept[page] = holders
-            for h in holders:
-                self._kept_by_holder.setdefault(h, []).append(page)
-        return {page for page in holders_of if page in self.kept}
+            if holders:
+                kept.add(page)
+                self.kept[page] = holders
+                for h in holders:
+                    self._kept_by_holder.setdefault(h, []).append(page)
+        return kept
 
     def kept_without_holder(self) -> list[str]:
         """Holders with pages kept for them that hold nothing else (the self-check's): no

@@ -61,7 +61,8 @@ class PageTable:
         # and refill() tops them up from over-share tenants in the background.
         self.reserve_pages = reserve_pages
         self.num_pinned = 0
-        self.holds = Holds(clock, requests, self.policy, self._let_go_of_kept)
+        # A kept page (see Holds.keep) goes back to the free list once let go of.
+        self.holds = Holds(clock, requests, self.policy, self.device.release)
         # Shared prefix blocks by (namespace, key): see prefix.py.
         self.named: dict[tuple[str, bytes], Block] = {}
         # Every request with blocks in transit, and some that had them (moving_requests()
@@ -536,10 +537,6 @@ class PageTable:
         """The blocks of a request being released go (discard_all); the device pages a
         client's holder still holds stay out of use until it calls again (Holds.keep)."""
         self.discard_all(blocks, self.holds.keep(req, blocks))
-
-    def _let_go_of_kept(self, page: int) -> None:
-        """A kept page's last holder called again (or its holds lapsed): the page is free."""
-        self.device.release(page)
 
     def discard_all(self, blocks: Iterable[Block], kept: Collection[int] = ()) -> None:
         """discard() of each block, taking them out of their requests' `live` in one pass a
