@@ -194,8 +194,15 @@ class Node:
             probe = rt.pool.admission.new_request(request_id, tenant or "default",
                                                   prompt_tokens, output_tokens, priority,
                                                   handoff_pool)
-            verdict = await self.peers.reserve(probe, rt.pool.page_bytes,
-                                               rt.pool.block_tokens)
+            try:
+                verdict = await self.peers.reserve(probe, rt.pool.page_bytes,
+                                                   rt.pool.block_tokens)
+            except asyncio.CancelledError:
+                # The caller went away while the peer answered: the peer may have
+                # reserved already, and nothing here would ever claim it.
+                if request_id not in self.request_index:
+                    self.peers.unreserve(handoff_pool, request_id)
+                raise
         result = self.admit(request_id, tenant=tenant, pool=pool, prompt_tokens=prompt_tokens,
                             output_tokens=output_tokens, priority=priority, lease=lease,
                             handoff_pool=handoff_pool)
@@ -216,6 +223,12 @@ class Node:
         answers = await asyncio.gather(*(self.peers.reserve(req, rt.pool.page_bytes,
                                                             rt.pool.block_tokens)
                                          for rt, req in waiting), return_exceptions=True)
+        for rt, req in waiting:
+            if rt.pool.requests.get(req.request_id) is not req:
+                # Released while the peer answered: its release gave back what the peer
+                # held then, and the answer may be a reservation made since.
+                if req.request_id not in self.request_index:
+                    self.peers.unreserve(req.handoff_pool, req.request_id)
         for rt in {rt for (rt, _), verdict in zip(waiting, answers) if verdict is Verdict.OK}:
             admitted = rt.pool.admit_waiting()
             publish_admitted(self.events, rt.pool.name, admitted)
