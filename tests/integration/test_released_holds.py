@@ -73,6 +73,38 @@ async def test_a_released_requests_pages_wait_for_its_engines_next_message(kvd, 
         assert check.ok, list(check.problems)
 
 
+async def test_a_released_requests_stored_blocks_wait_for_its_engines_next_call(kvd):
+    """The engine stored prefix blocks (fresh ones: it writes them, then commits) and is
+    writing them when someone else releases its request: they were never committed, so
+    they go with it, but their pages wait for the engine's next call like its own blocks'."""
+    keys = [bytes([i]) * 16 for i in range(DEVICE_PAGES)]
+    async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+            AsyncClient(kvd.target, timeout_s=10) as other:
+        arena = MappedPool(await engine.export_pool())
+        try:
+            await engine.admit("mine", 16 * DEVICE_PAGES)
+            stored = await engine.store("mine", "ns", keys)
+            assert list(stored.fresh) == [True] * DEVICE_PAGES
+            mine = list(stored.handles)
+            await other.release("mine")  # while the engine writes the blocks
+            await other.admit("theirs", 16 * DEVICE_PAGES)
+            theirs = asyncio.ensure_future(other.allocate("theirs", DEVICE_PAGES))
+            await asyncio.sleep(0.3)
+            assert not theirs.done(), (
+                "the released request's stored pages went to another request while its "
+                f"engine wrote them: {[h.page_index for h in (await theirs).handles]}")
+            for h, data in zip(mine, _bytes(1, DEVICE_PAGES, arena.page_bytes)):
+                arena.write(h, data)  # the engine's late writes
+            await engine.keep_alive()  # its next call: it is done with them
+            handles = (await theirs).handles
+            assert sorted(h.page_index for h in handles) == sorted(h.page_index for h in mine)
+            assert (await engine.lookup("ns", keys)).num_hit == 0  # never committed
+        finally:
+            arena.close()
+        check = await other.self_check()
+        assert check.ok, list(check.problems)
+
+
 async def test_a_released_requests_pages_come_free_when_its_engines_holds_lapse(kvd):
     """An engine that never sends again (stalled, or gone without closing its stream) keeps
     the pages no longer than its holds last (hold_s, 1 s by default)."""

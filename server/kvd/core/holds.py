@@ -15,8 +15,10 @@ what it handed out is still never taken under the engine.
 A request released by someone else (an operator, a lapsed lease, another of the tenant's
 clients) while a holder holds its blocks does not give their device pages to another block
 at once: the engine may still be writing them (a decode step writes each request's last
-block). The pages stay out of use, owned by nobody, until each of their holders calls again
-or its holds lapse (`keep`): a released request's bytes never land in another request's.
+block, or the fresh prefix blocks its Store handed it, which go with the request when it
+never committed them). The pages stay out of use, owned by nobody, until each of their
+holders calls again or its holds lapse (`keep`): a released request's bytes never land in
+another request's.
 """
 
 from __future__ import annotations

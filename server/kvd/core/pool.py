@@ -359,9 +359,12 @@ class Pool:
             del self.requests[request_id]
             return 0, self.admission.admit_from_queue()
         live = req.live_blocks()
-        check_still(live + self.prefixes.unused(req))
+        unused = self.prefixes.unused(req)
+        check_still(live + unused)
         self.pages.release_blocks(req, live)
-        self.prefixes.end_uses(req)
+        # The blocks it stored and never committed go too, and the engine may be writing
+        # them as it does its own blocks.
+        self.prefixes.end_uses(req, self.pages.holds.keep(req, unused))
         self.attribution.close(request_id)
         self.admission.unreserve(req)
         del self.requests[request_id]

@@ -22,7 +22,7 @@ committed goes when its last user does.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvd.core import intent as intents
@@ -250,11 +250,12 @@ class Prefixes:
                 if not b.committed and self.named.get(b.name) is b
                 and sum(b.users.values()) == b.users.get(req.tenant, 0) == 1]
 
-    def end_uses(self, req: Request) -> None:
+    def end_uses(self, req: Request, kept: Collection[int] = ()) -> None:
         """req ends: it uses its shared blocks no more. A block still used by others is
         charged to them; one nobody uses stays, charged to its last users, unless it was
         never committed. Its pins go (a block stays pinned while another user pins it, the
-        pin then counted to the first tenant still pinning it)."""
+        pin then counted to the first tenant still pinning it). `kept`: device pages of the
+        blocks that go which stay out of use (see Holds.keep)."""
         for b in req.pinned_shared:
             self._unpin(req, b)
         req.pinned_shared.clear()
@@ -272,7 +273,7 @@ class Prefixes:
             if not b.users and b.tier is TierKind.DEVICE:
                 self.pages.idle_changed(b, 1)
             if not b.users and not b.committed:
-                self.pages.discard(b)
+                self.pages.discard(b, kept=kept)
             else:
                 self._recharge(b)
         uses = len(req.shared)
