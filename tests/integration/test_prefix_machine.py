@@ -3,7 +3,8 @@ arenas and copies), under every policy and several device sizes: each engine's r
 store the prompts' prefix blocks (two chains of keys, which the engines' prompts share),
 commit them, load what others stored, grow private blocks that push kept prefixes to the
 host tier or out, and die now and then between a store and the writes it was told to do.
-The operator evicts and switches the policy between calls.
+The operator evicts, switches the policy, and releases an engine's request under it (the
+engine still writes what its last Store told it to) between calls.
 
 An engine does what a real one does between two calls: it writes the pages its last Store
 told it to (fresh), reads the pages its last Load or Access handed it (checked when the
@@ -96,6 +97,7 @@ class Engine:
         self.private: dict[int, bytes] = {}  # block index -> what it wrote there
         self.generation = 0
         self.loads = 0
+        self.tenant = False  # whether it is a tenant of its own (engineN)
 
     def check(self, handle: pb.PageHandle, want: bytes, what: str) -> None:
         got = self.mapped.read(handle)[:len(want)].tobytes()
@@ -217,10 +219,34 @@ async def _step(engine: Engine, admin: AsyncClient, kind: int, a: int, b: int) -
     elif kind == 6:  # the operator
         if a % 3 == 0:
             await admin.set_policy(policy_names()[b % len(policy_names())])
+        elif a % 3 == 1 and b % 2:
+            await _released_under(engine, admin, b)
         else:
             # An evict takes what the policy can give now (never pages the engines hold),
             # or is refused.
             await _call(engine.operator, lambda: admin.evict(1 + b % 4))
+
+
+async def _released_under(engine: Engine, admin: AsyncClient, b: int) -> None:
+    """The operator releases the engine's request while the engine writes the fresh blocks
+    its last Store handed it; another engine allocates at once and writes its blocks; then
+    the first engine's writes land, and it calls again. The other engine's blocks must hold
+    its bytes when it reads them."""
+    if not engine.to_write:  # a Store whose fresh blocks the engine is writing
+        await _step(engine, admin, 1, 1, b)  # (not committed at once, not pinned)
+        if engine.rid is None:
+            return
+    whole = f"{engine.name}/{engine.rid}" if engine.tenant else engine.rid  # the admin's
+    if await _call(engine.operator, lambda: admin.release(whole)) is None:
+        return
+    engine.rid = None
+    other = next((e for e in engine.others if e.rid is not None), None)
+    if other is not None:
+        await _step(other, admin, 4, 0, b)  # it allocates and writes
+    engine.between_calls()  # the released engine's writes
+    await engine.client.keep_alive()  # and its next call
+    if other is not None and other.rid is not None:
+        await _step(other, admin, 5, 0, 2)  # it reads its newest blocks
 
 
 OPERATION = st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 9),
@@ -246,6 +272,8 @@ async def _example(kvd, operations, policy: str) -> int:
         operator = Operator()
         engines = operator.others = [Engine(f"engine{i}", c, mapped, operator)
                                      for i, c in enumerate(clients)]
+        for e in engines:
+            e.tenant = bool(kvd.tenants)
         try:
             for e in engines:
                 await e.client.__aenter__()
