@@ -22,7 +22,7 @@ from kvd.core.admission import AdmitResult, Decision
 from kvd.core.attribution import RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
-from kvd.core.errors import AlreadyExists, InvalidArgument, NotFound
+from kvd.core.errors import AlreadyExists, InvalidArgument, KvdError, NotFound
 from kvd.core.holds import OWN_HOLDER
 from kvd.core.intent import IntentChange
 from kvd.core.prefix import Shares
@@ -203,9 +203,18 @@ class Node:
                 if request_id not in self.request_index:
                     self.peers.unreserve(handoff_pool, request_id)
                 raise
-        result = self.admit(request_id, tenant=tenant, pool=pool, prompt_tokens=prompt_tokens,
-                            output_tokens=output_tokens, priority=priority, lease=lease,
-                            handoff_pool=handoff_pool)
+        try:
+            result = self.admit(request_id, tenant=tenant, pool=pool,
+                                prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                                priority=priority, lease=lease, handoff_pool=handoff_pool)
+        except KvdError:
+            # Refused here after the peer reserved (the tenant's share of the queue is
+            # full, say): nothing will claim the reservation, unless the id is another
+            # request's that the peer reserved for too.
+            if (is_remote(handoff_pool) and verdict is Verdict.OK
+                    and request_id not in self.request_index):
+                self.peers.unreserve(handoff_pool, request_id)
+            raise
         if is_remote(handoff_pool) and result.decision is Decision.REJECTED:
             if verdict is Verdict.OK:  # rejected here for reasons of its own
                 self.peers.unreserve(handoff_pool, request_id)

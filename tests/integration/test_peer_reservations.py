@@ -17,7 +17,7 @@ import pytest
 
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 from kvd_client import AsyncClient, pb
-from kvd_client.errors import DeadlineExceededError
+from kvd_client.errors import DeadlineExceededError, ResourceExhaustedError
 from kvd_loadgen.local import LocalKvd
 
 from .test_tls import _port
@@ -67,7 +67,7 @@ async def _serve(peer: StandInPeer, port: int) -> grpc.aio.Server:
     return server
 
 
-def _node(tmp_path, port: int) -> LocalKvd:
+def _node(tmp_path, port: int, pool_extra: str = "") -> LocalKvd:
     (tmp_path / "kvd.toml").write_text(f"""
 [[pool]]
 name = "prefill"
@@ -76,6 +76,7 @@ block_tokens = 16
 device_pages = 64
 host_pages = 64
 admission = "reservation"
+{pool_extra}
 [[peer]]
 name = "p"
 address = "127.0.0.1:{port}"
@@ -156,5 +157,42 @@ async def test_a_request_released_while_a_retry_asks_the_peer_leaves_nothing_the
                     "the peer holds a reservation for a request released here"
                 assert peer.unreserves > unreserved
                 assert await client.list_requests() == []
+    finally:
+        await server.stop(None)
+
+
+async def test_an_admit_refused_here_after_the_peer_reserved_gives_the_reservation_back(
+        tmp_path):
+    """The peer reserves, then this node refuses the Admit (the tenant's share of its
+    admission queue is full): the peer's reservation goes back at once, and the queued
+    request keeps its own."""
+    port = _port()
+    peer = StandInPeer(at_once=True)
+    server = await _serve(peer, port)
+    try:
+        with _node(tmp_path, port, "max_queue = 1") as kvd:
+            async with AsyncClient(kvd.target, timeout_s=10) as client:
+                for n in range(64):  # requests of q1's size until no room is left here
+                    local = await client.admit(f"local{n}", prompt_tokens=4 * 16,
+                                               pool="prefill")
+                    if local.decision != pb.DECISION_ADMITTED:
+                        await client.release(f"local{n}")
+                        break
+                assert local.decision == pb.DECISION_QUEUED
+                for rid, answer in (("q1", pb.DECISION_QUEUED), ("q2", None)):
+                    admit = asyncio.ensure_future(client.admit(
+                        rid, prompt_tokens=4 * 16, pool="prefill", handoff_pool="p/decode"))
+                    assert await asyncio.wait_for(peer.asked.get(), 5) == rid
+                    await peer.answers.put(pb.DECISION_ADMITTED)
+                    if answer is not None:
+                        assert (await admit).decision == answer  # reserved there, queued here
+                with pytest.raises(ResourceExhaustedError, match="admission queue"):
+                    await admit
+                for _ in range(100):
+                    if peer.reserved == {"q1"}:
+                        break
+                    await asyncio.sleep(0.05)
+                assert peer.reserved == {"q1"}, \
+                    "the peer holds a reservation for an Admit this node refused"
     finally:
         await server.stop(None)
