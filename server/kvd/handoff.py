@@ -10,7 +10,7 @@ import asyncio
 from collections import Counter
 
 import grpc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import structlog
 
@@ -78,8 +78,11 @@ class Handoffs:
 
     def __init__(self, config: Config, clock: Clock, pools: Mapping[str, PoolRuntime],
                  request_index: dict[str, PoolRuntime], links: Links,
-                 events: EventBus, peers: Peers | None = None) -> None:
+                 events: EventBus, peers: Peers | None = None,
+                 left: Callable[[str], None] = lambda request_id: None) -> None:
         self.config = config
+        # Called with a request that left this node for a peer's (its lease lets go of it).
+        self.left = left
         self.clock = clock
         self.pools = pools
         self.request_index = request_index
@@ -447,6 +450,7 @@ class Handoffs:
         req.handoff_pool = ""  # handed off: nothing to give back at its release here
         src.pool.release(request_id)
         self.request_index.pop(request_id, None)
+        self.left(request_id)  # its lease ending later must not release the id's next user
         src.room_may_have_changed()
         src.waiters.notify()
         moved = total * page_bytes

@@ -86,7 +86,8 @@ class Node:
         self.peers = Peers(config)  # other nodes' kvds, for handoffs across nodes
         self._peer_retry: asyncio.Task | None = None
         self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
-                                 self.link_table, self.events, self.peers)
+                                 self.link_table, self.events, self.peers,
+                                 left=self.leases.detach)
         self.health = Health(self.pools)
         self.engines = EngineEvents(config.engines)
         # A prefill pool reserves its requests' decode pages in the others through this.

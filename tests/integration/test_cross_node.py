@@ -27,7 +27,7 @@ PAGE = 16 * 1024  # tiny pages: 16 tokens of 1 KiB
 
 
 def _peers(tmp_path, pki, *, link: str = "64MiB/s", decode_pages: int = 16,  # noqa: F811
-           decode_host_pages: int = 64, b_tenants: str = ""):
+           decode_host_pages: int = 64, b_tenants: str = "", a_top: str = ""):
     port = _port()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -46,7 +46,7 @@ device_pages = {decode_pages}
 host_pages = {decode_host_pages}
 admission = "reservation"
 {b_tenants}""")
-    (tmp_path / "a" / "kvd.toml").write_text(f"""
+    (tmp_path / "a" / "kvd.toml").write_text(f"""{a_top}
 [[pool]]
 name = "prefill"
 page_bytes = {PAGE}
@@ -357,6 +357,27 @@ async def test_tenants_share_the_link_to_a_peer_by_weight(tmp_path, pki):  # noq
     assert 2.4 <= gold / max(bronze, 1) <= 4.0, after
     moved = sum(after.values()) - sum(before.values())
     assert moved / (t1 - t0) >= 0.8 * 2**20, (before, after)  # at its cap while both wait
+
+
+async def test_a_request_handed_to_the_peer_leaves_its_lease_here(tmp_path, pki):  # noqa: F811
+    """Its client's lease on the sender no longer holds a request handed to the peer: when
+    that lease lapses later, the sender must not release the request now under that id (it
+    released it, whoever had admitted it since)."""
+    a, b = _peers(tmp_path, pki, a_top="[server]\nlease_ttl_s = 1.0")
+    with b, a:
+        async with AsyncClient(a.target) as later:
+            async with AsyncClient(a.target) as first:
+                await _admitted_and_written(first, seed=5)
+                assert (await first.handoff_all("r")).done  # r left a for b
+            # first's client is gone; its lease lapses in a second. The id is used again.
+            admitted = await later.admit("r", prompt_tokens=16, output_tokens=0,
+                                         pool="prefill")
+            assert admitted.decision == pb.DECISION_ADMITTED
+            for _ in range(12):  # past the lapse and the reaper's next rounds
+                await later.keep_alive()
+                await asyncio.sleep(0.25)
+            assert await _requests(later) == {"r": "admitted"}, \
+                "a lapsed lease released a request it never held"
 
 
 async def test_a_request_this_node_rejects_leaves_no_reservation_on_the_peer(tmp_path,
