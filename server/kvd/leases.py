@@ -8,6 +8,11 @@ released, their pages go back to the free lists, and kvd logs and counts it.
 Only a lease that holds something (requests admitted under it, or open streams) is kept: a
 client may name a new lease on every call, and leases holding nothing would pile up for a
 TTL each, in memory and in every look for silent ones.
+
+A request that arrives from a peer's handoff was admitted under no lease here. It is held by
+a lease of its own (`arrived`) until a client's call names it, which makes it that client's
+(`adopt`): the decode engine that runs it holds it as if it had admitted it, and a request
+no client takes up within the TTL is released like any lapsed lease's.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ log = structlog.get_logger("kvd.leases")
 LEASE_METADATA = "kvd-lease"
 # A lapsed lease's release still waiting after this long is logged (and waited for).
 RELEASE_SLOW_S = 5.0
+# The lease of a request that arrived from a peer, until a client takes it up (no client's
+# lease starts so: the client library's are host-pid-hex, and kvd's own holders "kvd:").
+ARRIVAL = "kvd:arrived:"
 
 
 @dataclass(slots=True)
@@ -41,6 +49,7 @@ class LeaseTable:
         self.ttl_s = ttl_s
         self.leases: dict[str, Lease] = {}
         self._lease_of: dict[str, str] = {}  # request id -> the lease it was admitted under
+        self._arrived: set[str] = set()  # requests from peers no client has taken up yet
         self.num_expired = 0
         self.num_requests_released = 0
 
@@ -67,8 +76,30 @@ class LeaseTable:
             self._held(lease_id, tenant).requests.add(request_id)
             self._lease_of[request_id] = lease_id
 
+    def arrived(self, request_id: str, tenant: str) -> None:
+        """The request came here from a peer's handoff: held by a lease of its own until a
+        client's call names it (adopt), released if none does within the TTL."""
+        self.attach(ARRIVAL + request_id, tenant, request_id)
+        self._arrived.add(request_id)
+
+    @property
+    def unclaimed(self) -> bool:
+        """Whether some request that arrived from a peer awaits a client (see adopt)."""
+        return bool(self._arrived)
+
+    def adopt(self, request_ids, lease_id: str, tenant: str) -> None:
+        """A call under lease_id named these requests: those that arrived from a peer and
+        no client has taken up yet are the lease's from now on."""
+        if not self._arrived or not lease_id:
+            return
+        for request_id in request_ids:
+            if request_id in self._arrived:
+                self.detach(request_id)
+                self.attach(lease_id, tenant, request_id)
+
     def detach(self, request_id: str) -> None:
         """The request is gone (released, or its lease's requests are being released)."""
+        self._arrived.discard(request_id)
         lease = self.leases.get(self._lease_of.pop(request_id, ""))
         if lease is not None:
             lease.requests.discard(request_id)

@@ -413,6 +413,7 @@ async def _receive(node, dst, rid: str, header, messages, indices: list[int], sh
         dst.transit.finish(plan)
     pool.requests[rid].keep_indices(header.indices_used)
     node.request_index[rid] = dst
+    node.leases.arrived(rid, pool.requests[rid].tenant)  # the decode engine's, once it calls
     moved = len(indices) * pool.page_bytes
     node.handoffs.counts["received"] += 1
     node.handoffs.counts["bytes"] += moved

@@ -27,6 +27,23 @@ def test_detach_forgets_the_request_in_its_own_lease_only():
     assert table._lease_of == {}  # nothing kept for requests that are gone
 
 
+def test_a_request_from_a_peer_is_the_first_callers_or_lapses_unclaimed():
+    clock = FakeClock()
+    table = LeaseTable(clock, ttl_s=5.0)
+    table.arrived("a", "t")
+    table.arrived("b", "t")
+    assert table.unclaimed
+    table.adopt(["a"], "", "t")  # a call under no lease (the admin's) takes up nothing
+    table.adopt(["a", "x"], "engine", "t")
+    table.adopt(["a"], "other", "t")  # taken up once: the first caller's
+    assert table.leases["engine"].requests == {"a"}
+    clock.advance(6.0)
+    table.renew("engine")
+    assert [lease.requests for lease in table.expired()] == [{"b"}]  # nobody took it up
+    table.detach("b")
+    assert not table.unclaimed and table._lease_of == {"a": "engine"}
+
+
 async def test_a_busy_kvd_does_not_count_as_a_silent_client():
     """kvd's loop frozen for longer than the TTL (one huge call used to do it): the client's
     keep-alives wait unread meanwhile, so the lapse is kvd's, not the client's."""

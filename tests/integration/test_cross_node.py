@@ -27,7 +27,8 @@ PAGE = 16 * 1024  # tiny pages: 16 tokens of 1 KiB
 
 
 def _peers(tmp_path, pki, *, link: str = "64MiB/s", decode_pages: int = 16,  # noqa: F811
-           decode_host_pages: int = 64, b_tenants: str = "", a_top: str = ""):
+           decode_host_pages: int = 64, b_tenants: str = "", a_top: str = "",
+           b_server: str = ""):
     port = _port()
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -36,6 +37,7 @@ def _peers(tmp_path, pki, *, link: str = "64MiB/s", decode_pages: int = 16,  # n
 tcp = "127.0.0.1:{port}"
 tls_cert = "{pki}/server.pem"
 tls_key = "{pki}/server.key"
+{b_server}
 [auth]
 admin_token = "b-admin-token-0123456789"
 [[pool]]
@@ -378,6 +380,38 @@ async def test_a_request_handed_to_the_peer_leaves_its_lease_here(tmp_path, pki)
                 await asyncio.sleep(0.25)
             assert await _requests(later) == {"r": "admitted"}, \
                 "a lapsed lease released a request it never held"
+
+
+async def test_a_request_handed_to_the_peer_is_held_by_the_engine_that_takes_it_up(
+        tmp_path, pki):  # noqa: F811
+    """On the peer, a request that arrived is the lease's of the first client whose call
+    names it (the decode engine's): released when that client goes silent, kept while it
+    calls; and one no client takes up within the lease TTL is released. It used to be
+    nobody's there: left for ever when its decode engine died, or never came."""
+    a, b = _peers(tmp_path, pki, b_server="lease_ttl_s = 1.0")
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as watcher:
+            for rid in ("taken", "untaken"):
+                await ca.admit(rid, prompt_tokens=2 * 16, pool="prefill",
+                               handoff_pool="b/decode")
+                await ca.allocate(rid, 2)
+                assert (await ca.handoff_all(rid)).done
+            async with AsyncClient(b.target) as decode:
+                await decode.access("taken")  # the decode engine takes it up
+                for _ in range(10):  # calling, past the TTL: it keeps the request
+                    await decode.keep_alive()
+                    await watcher.keep_alive()
+                    await asyncio.sleep(0.25)
+                assert await _requests(watcher) == {"taken": "admitted"}, \
+                    "a request nobody took up outlived the lease TTL"
+            # The decode engine is gone: its request goes once its lease lapses.
+            for _ in range(40):
+                if not await _requests(watcher):
+                    break
+                await asyncio.sleep(0.1)
+            assert await _requests(watcher) == {}, "a gone engine's request was kept"
+            stats = (await watcher.pool_stats("decode")).pools[0]
+            assert sum(t.used_pages for t in stats.tiers) == 0
 
 
 async def test_a_request_this_node_rejects_leaves_no_reservation_on_the_peer(tmp_path,

@@ -61,6 +61,15 @@ class MemoryService(pb_grpc.MemoryServicer):
     def end_holds(self, holder: str) -> None:
         self.node.end_holds(holder)
 
+    def adopt(self, request, caller: Caller) -> None:
+        """A call named a request: one that arrived from a peer and no client has taken up
+        is the caller's lease's from now on (see LeaseTable.adopt)."""
+        leases = self.node.leases
+        if leases.unclaimed:
+            request_id = getattr(request, "request_id", "")
+            if request_id:
+                leases.adopt((caller.ns + request_id,), caller.lease, caller.tenant)
+
     def _page_bytes(self, request_id: str) -> int:
         return self.node.runtime_of(request_id).pool.page_bytes
 

@@ -166,6 +166,9 @@ class StepStreams:
                         reply = await self.step(step, read_all, caller.scope, key, holder, ns)
                     finally:
                         node.serving.discard(holder)
+                    if node.leases.unclaimed and caller.lease:  # see LeaseTable.adopt
+                        node.leases.adopt(_named(step, read_all, ns), caller.lease,
+                                          caller.tenant)
                 observe_rpc("Step", "OK", time.perf_counter() - started)
                 # The turn goes back before the reply is written: the write needs none, and
                 # it waits for as long as the engine does not read (its stream's window
@@ -396,6 +399,13 @@ def _reply_of(head) -> pb.StepResponse | None:
     """The reply to a decode step whose bytes before its batch parsed to `head` (None when
     they did not)."""
     return None if type(head) is Malformed else pb.StepResponse(step_id=head.step_id)
+
+
+def _named(step: pb.StepRequest, read_all: list[str] | None, ns: str) -> list[str]:
+    """The request ids a step names (in kvd: with the caller's namespace)."""
+    return [*(read_all or ()), *(ns + item.request_id for section in (
+        step.intents, step.frees, step.releases, step.allocations, step.accesses)
+        for item in section[:])]
 
 
 def _step_items(step: pb.StepRequest) -> tuple[int, int]:

@@ -72,7 +72,12 @@ def unary(method: Handler) -> Callable:
             end_holds = getattr(self, "end_holds", None) if ends_holds else None
             if end_holds is not None:  # the caller is done with what it was handed before
                 end_holds(caller.holder)
-            return await method(self, request, caller)
+            reply = await method(self, request, caller)
+            if caller.lease:
+                adopt = getattr(self, "adopt", None)
+                if adopt is not None:  # a request from a peer is the first caller's
+                    adopt(request, caller)
+            return reply
         except errors.KvdError as exc:
             status = status_of(exc)
             code = status.name
