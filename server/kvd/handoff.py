@@ -79,10 +79,14 @@ class Handoffs:
     def __init__(self, config: Config, clock: Clock, pools: Mapping[str, PoolRuntime],
                  request_index: dict[str, PoolRuntime], links: Links,
                  events: EventBus, peers: Peers | None = None,
-                 left: Callable[[str], None] = lambda request_id: None) -> None:
+                 left: Callable[[str], None] = lambda request_id: None,
+                 handed: Callable[[str], None] = lambda request_id: None) -> None:
         self.config = config
-        # Called with a request that left this node for a peer's (its lease lets go of it).
+        # Called with a request that left this node for a peer's (its lease lets go of it),
+        # and with one handed to another of this node's pools (its decode engine's lease
+        # takes it up, see LeaseTable.adopt).
         self.left = left
+        self.handed = handed
         self.clock = clock
         self.pools = pools
         self.request_index = request_index
@@ -338,6 +342,7 @@ class Handoffs:
         dst_req.keep_indices(len(req.blocks))
         self._end_handoff(src, dst, request_id, blocks, release=src.pool)
         self.request_index[request_id] = dst
+        self.handed(request_id)
         moved = len(blocks) * src.pool.page_bytes
         self.counts["completed"] += 1
         self.counts["bytes"] += moved

@@ -9,10 +9,13 @@ Only a lease that holds something (requests admitted under it, or open streams) 
 client may name a new lease on every call, and leases holding nothing would pile up for a
 TTL each, in memory and in every look for silent ones.
 
-A request that arrives from a peer's handoff was admitted under no lease here. It is held by
-a lease of its own (`arrived`) until a client's call names it, which makes it that client's
-(`adopt`): the decode engine that runs it holds it as if it had admitted it, and a request
-no client takes up within the TTL is released like any lapsed lease's.
+A request handed off to another pool is the decode engine's from then on: the first call
+under another lease that names it makes it that lease's (`adopt`), so the decode engine that
+runs it holds it as if it had admitted it, and the prefill engine's going away no longer
+releases it. Handed off within the node (`handed`), it stays its lease's until then. One
+that arrives from a peer's handoff was admitted under no lease here: it is held by a lease of
+its own (`arrived`) until a client takes it up, and released like any lapsed lease's if none
+does within the TTL.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ class LeaseTable:
         self.ttl_s = ttl_s
         self.leases: dict[str, Lease] = {}
         self._lease_of: dict[str, str] = {}  # request id -> the lease it was admitted under
-        self._arrived: set[str] = set()  # requests from peers no client has taken up yet
+        # Requests handed off (from a peer, or between this node's pools) that no other
+        # client has taken up yet (see adopt).
+        self._arrived: set[str] = set()
         self.num_expired = 0
         self.num_requests_released = 0
 
@@ -82,18 +87,25 @@ class LeaseTable:
         self.attach(ARRIVAL + request_id, tenant, request_id)
         self._arrived.add(request_id)
 
+    def handed(self, request_id: str) -> None:
+        """The request was handed off to another pool of this node: its lease holds it
+        until a call under another lease names it (adopt)."""
+        self._arrived.add(request_id)
+
     @property
     def unclaimed(self) -> bool:
-        """Whether some request that arrived from a peer awaits a client (see adopt)."""
+        """Whether some request handed off awaits its decode engine (see adopt)."""
         return bool(self._arrived)
 
     def adopt(self, request_ids, lease_id: str, tenant: str) -> None:
-        """A call under lease_id named these requests: those that arrived from a peer and
-        no client has taken up yet are the lease's from now on."""
+        """A call under lease_id named these requests: those handed off that no other
+        client has taken up yet are the lease's from now on (a call under the lease that
+        holds one already changes nothing)."""
         if not self._arrived or not lease_id:
             return
         for request_id in request_ids:
-            if request_id in self._arrived:
+            if (request_id in self._arrived
+                    and self._lease_of.get(request_id) != lease_id):
                 self.detach(request_id)
                 self.attach(lease_id, tenant, request_id)
 

@@ -87,7 +87,7 @@ class Node:
         self._peer_retry: asyncio.Task | None = None
         self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
                                  self.link_table, self.events, self.peers,
-                                 left=self.leases.detach)
+                                 left=self.leases.detach, handed=self.leases.handed)
         self.health = Health(self.pools)
         self.engines = EngineEvents(config.engines)
         # A prefill pool reserves its requests' decode pages in the others through this.

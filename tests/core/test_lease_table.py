@@ -44,6 +44,18 @@ def test_a_request_from_a_peer_is_the_first_callers_or_lapses_unclaimed():
     assert not table.unclaimed and table._lease_of == {"a": "engine"}
 
 
+def test_a_request_handed_between_pools_is_its_leases_until_another_takes_it_up():
+    table = LeaseTable(FakeClock(), ttl_s=5.0)
+    table.attach("prefill", "t", "r")
+    table.handed("r")
+    table.adopt(["r"], "prefill", "t")  # its own lease naming it changes nothing
+    assert table._lease_of == {"r": "prefill"} and table.unclaimed
+    table.adopt(["r"], "decode", "t")
+    table.adopt(["r"], "other", "t")
+    assert table._lease_of == {"r": "decode"} and not table.unclaimed
+    assert "prefill" not in table.leases  # holding nothing, it is forgotten
+
+
 async def test_a_busy_kvd_does_not_count_as_a_silent_client():
     """kvd's loop frozen for longer than the TTL (one huge call used to do it): the client's
     keep-alives wait unread meanwhile, so the lapse is kvd's, not the client's."""

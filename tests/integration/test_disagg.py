@@ -21,6 +21,7 @@ PAGE = 16 * 1024  # the tiny model: 1 KiB a token, 16 tokens a page
 CONFIG = """
 [server]
 handoff_ttl_s = {ttl}
+lease_ttl_s = {lease_ttl}
 
 [[pool]]
 name = "prefill"
@@ -44,9 +45,9 @@ chunk = "16KiB"  # one page: handoff progress block by block
 """
 
 
-def start(tmp_path, bandwidth="auto", ttl=30):
+def start(tmp_path, bandwidth="auto", ttl=30, lease_ttl=30):
     config = tmp_path / "kvd.toml"
-    config.write_text(CONFIG.format(bandwidth=bandwidth, ttl=ttl))
+    config.write_text(CONFIG.format(bandwidth=bandwidth, ttl=ttl, lease_ttl=lease_ttl))
     return LocalKvd("--config", str(config), workdir=tmp_path)
 
 
@@ -387,7 +388,7 @@ async def test_a_dropped_block_brought_back_unread_is_not_handed_off_as_data(tmp
     # hands the block out says recompute): a handoff then would give decode those zeros as
     # the block's bytes. It is refused until the engine has read the block (and recomputed).
     config = tmp_path / "kvd.toml"
-    config.write_text(CONFIG.format(bandwidth="auto", ttl=30).replace(
+    config.write_text(CONFIG.format(bandwidth="auto", ttl=30, lease_ttl=30).replace(
         "device_pages = 8\nhost_pages = 32",
         'device_pages = 4\nhost_pages = 0\npolicy = "intent"  # brings pinned blocks back'))
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
@@ -521,3 +522,32 @@ async def test_a_store_while_its_request_is_handed_off_never_hands_out_a_page_to
                 assert (await c.self_check()).ok
             finally:
                 prefill.close()
+
+
+async def test_a_handed_off_request_is_the_decode_engines_once_it_takes_it_up(tmp_path):
+    """The decode engine's first call naming a request handed to its pool makes it its
+    lease's: the prefill engine going away no longer releases a request being decoded
+    (it did: the request was its lease's to the end). Until then the prefill engine's
+    lease holds it, as before."""
+    with start(tmp_path, lease_ttl=1.0) as kvd:
+        async with AsyncClient(kvd.target) as decode, AsyncClient(kvd.target) as watcher:
+            async with AsyncClient(kvd.target) as prefill:
+                for rid in ("taken", "untaken"):
+                    await prefill.admit(rid, prompt_tokens=2 * 16, output_tokens=16,
+                                        pool="prefill", handoff_pool="decode")
+                    await prefill.allocate(rid, 2)
+                    assert (await prefill.handoff_all(rid, "decode")).done
+                for _ in range(8):  # the prefill engine still calls: both stay
+                    await prefill.keep_alive()
+                    await decode.keep_alive()
+                    await asyncio.sleep(0.25)
+                assert {r.request_id for r in await watcher.list_requests()} == {
+                    "taken", "untaken"}
+                assert len((await decode.access("taken")).handles) == 2  # taken up
+            # The prefill engine is gone: what no decode engine took up goes with its lease.
+            for _ in range(12):
+                await decode.keep_alive()
+                await watcher.keep_alive()
+                await asyncio.sleep(0.25)
+            assert {r.request_id: r.pool for r in await watcher.list_requests()} == {
+                "taken": "decode"}, "a request being decoded went with the prefill's lease"
