@@ -5,13 +5,14 @@ The prefill engine writes a distinct pattern into every block it is handed; whic
 reads a request afterwards (on the prefill node, or on the decode node after its handoff)
 checks that every block holds exactly what was written there. Requests are admitted with the
 decode pages reserved on the peer (admitted, queued, rejected, refused for a full queue, or
-given up by the engine while the peer answers), grow, are read, have blocks
-freed, are handed off (let run, or cancelled at a random point of the copy, or released while
-the copy runs), grow and are read on the decode node, and are released wherever they are;
-the operator evicts on either node and switches the decode pool's policy. No call may hang or
-fail other than with a documented refusal; both daemons' self-checks hold after every
-operation; and once every request is released, neither node has a request, a reservation or
-a page in use.
+given up by the engine while the peer answers), grow, are read, have blocks freed, store and
+load shared prefixes, are handed off (let run, cancelled at a random point of the copy, or
+released while the copy runs), grow and are read on the decode node (by calls, and by its
+engine's Step stream), and are released wherever they are; the operator evicts on either
+node and switches the decode pool's policy. No call may hang or fail other than with a
+documented refusal; both daemons' self-checks hold after every operation; and once every
+request is released, neither node has a request, a reservation, a hold or a page in use
+(but the prefix blocks it keeps as cache).
 
 KVD_CROSS_NODE_EXAMPLES sets the examples (the suite's default is small).
 """
@@ -23,6 +24,7 @@ import contextlib
 import hashlib
 import os
 
+import grpc
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
@@ -44,6 +46,8 @@ STUCK_S = 20.0
 # Refusals a call may meet (no room, a request mid-handoff, a copy rolled back); anything
 # else (NOT_FOUND for a request the node lists, INTERNAL, a hang) is a failure.
 REFUSED = (ResourceExhaustedError, FailedPreconditionError, AbortedError)
+STEP_REFUSED = {grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                grpc.StatusCode.FAILED_PRECONDITION.value[0], grpc.StatusCode.ABORTED.value[0]}
 
 
 @pytest.fixture(scope="module")
@@ -292,6 +296,13 @@ async def _step(cluster: Cluster, kind: int, x: int, y: int) -> None:
         await cluster.store(node, rid, CHAINS[x % 2][:1 + y % 4])
     elif kind == 8:  # load a prefix where the request runs (brought along by its handoff)
         await cluster.load(node, rid, CHAINS[x % 2][:1 + y % 4])
+    elif kind == 9 and node is cluster.b:  # the decode engine's Step: grow and read all
+        reply = await asyncio.wait_for(
+            cluster.stream.step(allocations=[(rid, 1)] if y % 2 else [], read_all=[rid]),
+            STUCK_S)
+        for error in reply.errors:  # no room: the step goes on without it
+            assert error.code in STEP_REFUSED, error
+        await cluster.write(node, rid, reply.allocated)
     elif kind == 6:  # the operator, on either node
         if y % 4 == 0:
             await call(cluster.b.client.set_policy(policy_names()[x % len(policy_names())],
@@ -333,11 +344,12 @@ async def _example(nodes, operations) -> Cluster:
             node.mapped = MappedPool(await node.client.export_pool(node.pool))
         try:
             await cb.set_policy("lru", pool="decode")
-            for kind, x, y in operations:
-                await _step(cluster, kind, x, y)
-                for node in (cluster.a, cluster.b):
-                    check = await node.client.self_check()
-                    assert check.ok, (node.name, list(check.problems))
+            async with cb.step_stream() as cluster.stream:  # the decode engine's
+                for kind, x, y in operations:
+                    await _step(cluster, kind, x, y)
+                    for node in (cluster.a, cluster.b):
+                        check = await node.client.self_check()
+                        assert check.ok, (node.name, list(check.problems))
             await _settled(cluster)
             return cluster
         finally:
@@ -347,12 +359,12 @@ async def _example(nodes, operations) -> Cluster:
                 node.mapped.close()
 
 
-OPERATION = st.tuples(st.integers(0, 8), st.integers(0, 9), st.integers(0, 9))
+OPERATION = st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9))
 # Admitted, a prefix stored and its own blocks grown and written, read, handed off whole
-# (the prefix along), the prefix loaded and the blocks read on the decode node, grown there,
-# a block freed, read again.
+# (the prefix along), the prefix loaded and the blocks read on the decode node, grown there
+# by a call and by a Step, a block freed, read again.
 HANDED_AND_READ = [(0, 3, 0), (7, 0, 3), (1, 0, 1), (3, 0, 0), (2, 0, 0), (8, 0, 3),
-                   (3, 0, 0), (1, 0, 0), (4, 0, 0), (3, 0, 0)]
+                   (3, 0, 0), (1, 0, 0), (9, 0, 1), (4, 0, 0), (3, 0, 0)]
 
 
 @pytest.mark.timeout(max(180, EXAMPLES * 15))
