@@ -21,6 +21,7 @@ does within the TTL.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import structlog
@@ -97,7 +98,7 @@ class LeaseTable:
         """Whether some request handed off awaits its decode engine (see adopt)."""
         return bool(self._arrived)
 
-    def adopt(self, request_ids, lease_id: str, tenant: str) -> None:
+    def adopt(self, request_ids: Iterable[str], lease_id: str, tenant: str) -> None:
         """A call under lease_id named these requests: those handed off that no other
         client has taken up yet are the lease's from now on (a call under the lease that
         holds one already changes nothing)."""

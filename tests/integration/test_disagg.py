@@ -544,10 +544,12 @@ async def test_a_handed_off_request_is_the_decode_engines_once_it_takes_it_up(tm
                 assert {r.request_id for r in await watcher.list_requests()} == {
                     "taken", "untaken"}
                 assert len((await decode.access("taken")).handles) == 2  # taken up
+                await watcher.explain("untaken")  # a look takes up nothing
             # The prefill engine is gone: what no decode engine took up goes with its lease.
             for _ in range(12):
                 await decode.keep_alive()
                 await watcher.keep_alive()
                 await asyncio.sleep(0.25)
             assert {r.request_id: r.pool for r in await watcher.list_requests()} == {
-                "taken": "decode"}, "a request being decoded went with the prefill's lease"
+                "taken": "decode"}, ("the request the decode engine took up must stay, and "
+                                     "only it")

@@ -62,8 +62,9 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.node.end_holds(holder)
 
     def adopt(self, request, caller: Caller) -> None:
-        """A call named a request: one that arrived from a peer and no client has taken up
-        is the caller's lease's from now on (see LeaseTable.adopt)."""
+        """A call that hands out or changes something named a request: one handed off that
+        no other client has taken up is the caller's lease's from now on (see
+        LeaseTable.adopt). Calls that only read kvd's state (Explain) take up nothing."""
         leases = self.node.leases
         if leases.unclaimed:
             request_id = getattr(request, "request_id", "")

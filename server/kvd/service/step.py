@@ -166,7 +166,8 @@ class StepStreams:
                         reply = await self.step(step, read_all, caller.scope, key, holder, ns)
                     finally:
                         node.serving.discard(holder)
-                    if node.leases.unclaimed and caller.lease:  # see LeaseTable.adopt
+                    if node.leases.unclaimed and caller.lease:
+                        # The requests it names that were handed off are its (adopt).
                         node.leases.adopt(_named(step, read_all, ns), caller.lease,
                                           caller.tenant)
                 observe_rpc("Step", "OK", time.perf_counter() - started)

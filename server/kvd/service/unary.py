@@ -73,9 +73,9 @@ def unary(method: Handler) -> Callable:
             if end_holds is not None:  # the caller is done with what it was handed before
                 end_holds(caller.holder)
             reply = await method(self, request, caller)
-            if caller.lease:
+            if caller.lease and ends_holds:
                 adopt = getattr(self, "adopt", None)
-                if adopt is not None:  # a request from a peer is the first caller's
+                if adopt is not None:  # a request handed off is its decode engine's
                     adopt(request, caller)
             return reply
         except errors.KvdError as exc:
