@@ -8,6 +8,7 @@ import socket
 import urllib.request
 
 import pytest
+from hypothesis import HealthCheck, Phase, settings
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd_client import AsyncClient, DeadlineExceededError, UnavailableError
@@ -62,6 +63,15 @@ def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool | str], 
         kvd.device = device
         yield kvd
         assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
+
+
+def on_live_daemons(examples: int) -> settings:
+    """Hypothesis settings for examples run against daemons that live on across them: no
+    shrinking and no database (a replay is not the same run, so the failing example is
+    reported as generated), no deadline."""
+    return settings(max_examples=examples, deadline=None, database=None,
+                    phases=(Phase.explicit, Phase.generate),
+                    suppress_health_check=list(HealthCheck))
 
 
 async def done_with_pages(clients) -> None:

@@ -27,7 +27,7 @@ import os
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvd.core.policies import policy_names
@@ -36,6 +36,7 @@ from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, NotF
 from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
+from .conftest import on_live_daemons
 from .test_tls import _port
 
 EXAMPLES = int(os.environ.get("KVD_CROSS_NODE_EXAMPLES", "40"))
@@ -372,9 +373,7 @@ def test_random_traffic_across_two_nodes_reads_only_what_was_written(nodes):
     done = []
     loop = asyncio.new_event_loop()  # one loop for every example: grpc.aio keeps to it
 
-    # No shrinking: the daemons live on across examples, so a replay is not the same run.
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+    @on_live_daemons(EXAMPLES)
     @given(operations=st.lists(OPERATION, min_size=OPS // 3, max_size=OPS))
     @example(operations=HANDED_AND_READ)
     def run(operations):

@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvd.core.policies import policy_names
@@ -35,7 +35,7 @@ from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, KvdC
                         ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
 
-from .conftest import QUOTAS, engine_clients, machine_kvd, size_id
+from .conftest import QUOTAS, engine_clients, machine_kvd, on_live_daemons, size_id
 
 PAGE_BYTES = 64
 BLOCK_TOKENS = 16
@@ -303,10 +303,8 @@ def test_random_prefix_traffic_of_three_engines_loads_only_written_bytes(prefix_
     loaded = []
     loop = asyncio.new_event_loop()  # one loop for every example: grpc.aio keeps to it
 
-    # No shrinking: the daemon (and the prefixes it keeps) lives on across examples, so a
-    # replay is not the same run (the failing example is reported as generated).
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+    # The daemon (and the prefixes it keeps) lives on across examples.
+    @on_live_daemons(EXAMPLES)
     @given(operations=st.lists(OPERATION, min_size=OPS // 3, max_size=OPS),
            policy=st.sampled_from(policy_names()))
     @example(operations=SAME_PREFIX_AT_ONCE, policy="lru")

@@ -38,6 +38,19 @@ async def _handed(engine: AsyncClient, stream, how: str) -> list[pb.PageHandle]:
     return handles
 
 
+async def _another_request_waits(other: AsyncClient) -> asyncio.Future:
+    """Another request allocates the device tier's worth: the only room is the released
+    request's pages, which its engine may still write, so it waits for them. Returns the
+    allocation, still under way."""
+    await other.admit("theirs", 16 * DEVICE_PAGES)
+    theirs = asyncio.ensure_future(other.allocate("theirs", DEVICE_PAGES))
+    await asyncio.sleep(0.3)
+    assert not theirs.done(), (
+        "the released request's pages went to another request while its engine held them: "
+        f"{[h.page_index for h in (await theirs).handles]}")
+    return theirs
+
+
 @pytest.mark.parametrize("how", ["allocated", "read"])
 async def test_a_released_requests_pages_wait_for_its_engines_next_message(kvd, how):
     async with AsyncClient(kvd.target, timeout_s=10) as engine, \
@@ -47,14 +60,7 @@ async def test_a_released_requests_pages_wait_for_its_engines_next_message(kvd, 
             async with engine.step_stream() as stream:
                 mine = await _handed(engine, stream, how)
                 await other.release("mine")  # while the engine's forward pass runs
-                await other.admit("theirs", 16 * DEVICE_PAGES)
-                theirs = asyncio.ensure_future(other.allocate("theirs", DEVICE_PAGES))
-                await asyncio.sleep(0.3)
-                # The only room is the released request's pages, which the engine may still
-                # write: the other request waits for them.
-                assert not theirs.done(), (
-                    "the released request's pages went to another request while its engine "
-                    f"held them: {[h.page_index for h in (await theirs).handles]}")
+                theirs = await _another_request_waits(other)
                 stats = (await other.pool_stats()).pools[0]
                 assert stats.held_pages == DEVICE_PAGES  # shown as held: engines hold them
                 for h, data in zip(mine, _bytes(1, DEVICE_PAGES, arena.page_bytes)):
@@ -87,12 +93,7 @@ async def test_a_released_requests_stored_blocks_wait_for_its_engines_next_call(
             assert list(stored.fresh) == [True] * DEVICE_PAGES
             mine = list(stored.handles)
             await other.release("mine")  # while the engine writes the blocks
-            await other.admit("theirs", 16 * DEVICE_PAGES)
-            theirs = asyncio.ensure_future(other.allocate("theirs", DEVICE_PAGES))
-            await asyncio.sleep(0.3)
-            assert not theirs.done(), (
-                "the released request's stored pages went to another request while its "
-                f"engine wrote them: {[h.page_index for h in (await theirs).handles]}")
+            theirs = await _another_request_waits(other)
             for h, data in zip(mine, _bytes(1, DEVICE_PAGES, arena.page_bytes)):
                 arena.write(h, data)  # the engine's late writes
             await engine.keep_alive()  # its next call: it is done with them
