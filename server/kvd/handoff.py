@@ -78,9 +78,8 @@ class Handoffs:
 
     def __init__(self, config: Config, clock: Clock, pools: Mapping[str, PoolRuntime],
                  request_index: dict[str, PoolRuntime], links: Links,
-                 events: EventBus, peers: Peers | None = None,
-                 left: Callable[[str], None] = lambda request_id: None,
-                 handed: Callable[[str], None] = lambda request_id: None) -> None:
+                 events: EventBus, peers: Peers | None, *, left: Callable[[str], None],
+                 handed: Callable[[str], None]) -> None:
         self.config = config
         # Called with a request that left this node for a peer's (its lease lets go of it),
         # and with one handed to another of this node's pools (its decode engine's lease

@@ -55,7 +55,7 @@ class LeaseTable:
         self._lease_of: dict[str, str] = {}  # request id -> the lease it was admitted under
         # Requests handed off (from a peer, or between this node's pools) that no other
         # client has taken up yet (see adopt).
-        self._arrived: set[str] = set()
+        self._untaken: set[str] = set()
         self.num_expired = 0
         self.num_requests_released = 0
 
@@ -86,33 +86,33 @@ class LeaseTable:
         """The request came here from a peer's handoff: held by a lease of its own until a
         client's call names it (adopt), released if none does within the TTL."""
         self.attach(ARRIVAL + request_id, tenant, request_id)
-        self._arrived.add(request_id)
+        self._untaken.add(request_id)
 
     def handed(self, request_id: str) -> None:
         """The request was handed off to another pool of this node: its lease holds it
         until a call under another lease names it (adopt)."""
-        self._arrived.add(request_id)
+        self._untaken.add(request_id)
 
     @property
     def unclaimed(self) -> bool:
         """Whether some request handed off awaits its decode engine (see adopt)."""
-        return bool(self._arrived)
+        return bool(self._untaken)
 
     def adopt(self, request_ids: Iterable[str], lease_id: str, tenant: str) -> None:
         """A call under lease_id named these requests: those handed off that no other
         client has taken up yet are the lease's from now on (a call under the lease that
         holds one already changes nothing)."""
-        if not self._arrived or not lease_id:
+        if not self._untaken or not lease_id:
             return
         for request_id in request_ids:
-            if (request_id in self._arrived
+            if (request_id in self._untaken
                     and self._lease_of.get(request_id) != lease_id):
                 self.detach(request_id)
                 self.attach(lease_id, tenant, request_id)
 
     def detach(self, request_id: str) -> None:
         """The request is gone (released, or its lease's requests are being released)."""
-        self._arrived.discard(request_id)
+        self._untaken.discard(request_id)
         lease = self.leases.get(self._lease_of.pop(request_id, ""))
         if lease is not None:
             lease.requests.discard(request_id)

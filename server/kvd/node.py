@@ -201,8 +201,7 @@ class Node:
             except asyncio.CancelledError:
                 # The caller went away while the peer answered: the peer may have
                 # reserved already, and nothing here would ever claim it.
-                if request_id not in self.request_index:
-                    self.peers.unreserve(handoff_pool, request_id)
+                self._unclaimed(handoff_pool, request_id)
                 raise
         try:
             result = self.admit(request_id, tenant=tenant, pool=pool,
@@ -210,17 +209,22 @@ class Node:
                                 priority=priority, lease=lease, handoff_pool=handoff_pool)
         except KvdError:
             # Refused here after the peer reserved (the tenant's share of the queue is
-            # full, say): nothing will claim the reservation, unless the id is another
-            # request's that the peer reserved for too.
-            if (is_remote(handoff_pool) and verdict is Verdict.OK
-                    and request_id not in self.request_index):
-                self.peers.unreserve(handoff_pool, request_id)
+            # full, say): nothing will claim the reservation.
+            if is_remote(handoff_pool) and verdict is Verdict.OK:
+                self._unclaimed(handoff_pool, request_id)
             raise
         if is_remote(handoff_pool) and result.decision is Decision.REJECTED:
             if verdict is Verdict.OK:  # rejected here for reasons of its own
                 self.peers.unreserve(handoff_pool, request_id)
             self.peers.verdicts.pop(request_id, None)
         return result
+
+    def _unclaimed(self, handoff_pool: str, request_id: str) -> None:
+        """Give back a reservation the peer may hold for request_id that no request here
+        will claim; unless a request under that id was admitted here since (the peer's
+        reservation is then that request's)."""
+        if request_id not in self.request_index:
+            self.peers.unreserve(handoff_pool, request_id)
 
     async def retry_peers(self) -> None:
         """Ask the peers again for requests queued here because a peer said not now; those
@@ -237,8 +241,7 @@ class Node:
             if rt.pool.requests.get(req.request_id) is not req:
                 # Released while the peer answered: its release gave back what the peer
                 # held then, and the answer may be a reservation made since.
-                if req.request_id not in self.request_index:
-                    self.peers.unreserve(req.handoff_pool, req.request_id)
+                self._unclaimed(req.handoff_pool, req.request_id)
         for rt in {rt for (rt, _), verdict in zip(waiting, answers) if verdict is Verdict.OK}:
             admitted = rt.pool.admit_waiting()
             publish_admitted(self.events, rt.pool.name, admitted)

@@ -83,7 +83,7 @@ class Engine:
     before its next call (the fresh pages of its last Store, written then)."""
 
     def __init__(self, name: str, client: AsyncClient, mapped: MappedPool,
-                 operator: Operator) -> None:
+                 operator: Operator, tenant: bool) -> None:
         self.name = name
         self.operator = operator
         self.client = client
@@ -97,7 +97,7 @@ class Engine:
         self.private: dict[int, bytes] = {}  # block index -> what it wrote there
         self.generation = 0
         self.loads = 0
-        self.tenant = False  # whether it is a tenant of its own (engineN)
+        self.tenant = tenant  # whether it is a tenant of its own (engineN)
 
     def check(self, handle: pb.PageHandle, want: bytes, what: str) -> None:
         got = self.mapped.read(handle)[:len(want)].tobytes()
@@ -270,10 +270,9 @@ async def _example(kvd, operations, policy: str) -> int:
         mapped = MappedPool(await admin.export_pool())
         clients = engine_clients(kvd, 3, STUCK_S)
         operator = Operator()
-        engines = operator.others = [Engine(f"engine{i}", c, mapped, operator)
+        engines = operator.others = [Engine(f"engine{i}", c, mapped, operator,
+                                            bool(kvd.tenants))
                                      for i, c in enumerate(clients)]
-        for e in engines:
-            e.tenant = bool(kvd.tenants)
         try:
             for e in engines:
                 await e.client.__aenter__()
