@@ -39,14 +39,15 @@ async def _handed(engine: AsyncClient, stream, how: str) -> list[pb.PageHandle]:
 
 
 async def _another_request_waits(other: AsyncClient) -> asyncio.Future:
-    """Another request allocates the device tier's worth: the only room is the released
-    request's pages, which its engine may still write, so it waits for them. Returns the
+    """Another request allocates the device tier's worth: the only room is the pages of the
+    blocks that went (released or freed), which their engine may still write, so it waits
+    for them. Returns the
     allocation, still under way."""
     await other.admit("theirs", 16 * DEVICE_PAGES)
     theirs = asyncio.ensure_future(other.allocate("theirs", DEVICE_PAGES))
     await asyncio.sleep(0.3)
     assert not theirs.done(), (
-        "the released request's pages went to another request while its engine held them: "
+        "pages that went while their engine held them went to another request: "
         f"{[h.page_index for h in (await theirs).handles]}")
     return theirs
 
@@ -77,6 +78,50 @@ async def test_a_released_requests_pages_wait_for_its_engines_next_message(kvd, 
             arena.close()
         check = await other.self_check()
         assert check.ok, list(check.problems)
+
+
+@pytest.mark.parametrize("how", ["allocated", "read"])
+async def test_blocks_another_client_frees_wait_for_their_engines_next_message(kvd, how):
+    """Blocks freed by another of the tenant's clients (a router, a second process of the
+    engine) while the engine holds them: their pages wait for the engine's next message as
+    a released request's do. Before, the free gave them to the next allocation at once,
+    of any tenant, and the engine's writes landed in that request's blocks."""
+    async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+            AsyncClient(kvd.target, timeout_s=10) as other:
+        arena = MappedPool(await engine.export_pool())
+        try:
+            async with engine.step_stream() as stream:
+                mine = await _handed(engine, stream, how)
+                freed = await other.free("mine", [h.block_index for h in mine])
+                assert freed.num_freed == DEVICE_PAGES
+                theirs = await _another_request_waits(other)
+                for h, data in zip(mine, _bytes(1, DEVICE_PAGES, arena.page_bytes)):
+                    arena.write(h, data)  # the engine's forward pass writes them
+                assert not (await stream.step()).errors  # its next message
+                handles = (await theirs).handles
+            assert sorted(h.page_index for h in handles) == sorted(h.page_index for h in mine)
+            wrote = _bytes(2, DEVICE_PAGES, arena.page_bytes)
+            for h, data in zip(handles, wrote):
+                arena.write(h, data)
+            for h, data in zip(handles, wrote):
+                assert arena.read(h).tobytes() == data.tobytes(), f"block {h.block_index}"
+        finally:
+            arena.close()
+        check = await other.self_check()
+        assert check.ok, list(check.problems)
+
+
+async def test_blocks_an_engine_frees_itself_are_free_at_once(kvd):
+    """The engine's own free ends its holds first (its next message): nothing is kept."""
+    async with AsyncClient(kvd.target, timeout_s=2) as engine:
+        async with engine.step_stream() as stream:
+            mine = await _handed(engine, stream, "read")
+            reply = await stream.step(frees=[("mine", [h.block_index for h in mine])])
+            assert not reply.errors, reply.errors
+            await engine.admit("next", 16 * DEVICE_PAGES)
+            reply = await stream.step(allocations=[("next", DEVICE_PAGES)])
+            assert not reply.errors, reply.errors
+            assert len(reply.allocated) == DEVICE_PAGES
 
 
 async def test_a_released_requests_stored_blocks_wait_for_its_engines_next_call(kvd):

@@ -6,7 +6,9 @@ last batch again and do nothing else, under every policy and several device size
 engines' steps interleaved with each other and with the operator's evictions; the engines
 are one tenant, or a tenant each. The operator also switches the policy between steps, and
 an engine's stream now and then breaks off (the engine restarted, the connection broke),
-with its last reply read or not: the engine goes on on a new stream.
+with its last reply read or not: the engine goes on on a new stream. And another of the
+tenant's clients frees blocks an engine's last step handed it, while its forward pass still
+writes their pages.
 
 Each engine writes bytes of its own into every page it is handed, learns where its blocks
 went only from the replies (`allocated`, `relocated`), and checks every block a step read:
@@ -86,6 +88,9 @@ class Engine:
         # off after it read the reply: kvd may tell them again, and the engine has
         # recomputed them.
         self.recomputed: set[tuple[str, int]] = set()
+        # Pages of blocks another client freed while this engine held them: its forward
+        # pass writes them all the same, just before its next message (see late_writes).
+        self.late: list[pb.PageHandle] = []
         self.last_recompute: set[tuple[str, int]] = set()
         # The reply to the step in flight is lost: the engine breaks off before it reads
         # it (a step that only reads, which changes nothing the engine keeps: where that
@@ -102,6 +107,7 @@ class Engine:
         assert self.pending is None
         self.check(self.readable)  # what it was handed is its to read until the break
         self.readable = []
+        self.late_writes()
         if read_last:
             self.recomputed |= self.last_recompute
         self.call.cancel()
@@ -117,11 +123,26 @@ class Engine:
                                  f"{handle.page_index} does not hold what the engine wrote")
             self.checked += 1
 
+    def freed_by_another(self, rid: str, indices: list[int]) -> None:
+        """Another client freed these blocks, which the engine's last step handed it: the
+        engine forgets them, but its forward pass, under way, still writes their pages."""
+        for index in indices:
+            self.late.append(self.where.pop((rid, index)))
+            del self.blocks[rid][index]
+        self.readable = [key for key in self.readable if key in self.where]
+
+    def late_writes(self) -> None:
+        """The forward pass writes the pages of blocks freed under it (bytes nobody reads)."""
+        for handle in self.late:
+            self.mapped.write(handle, self.rng.randbytes(PAGE_BYTES))
+        self.late = []
+
     async def send(self, message: pb.StepRequest) -> None:
         """Send a step (the engine has read what the last one handed out: checked first)."""
         assert self.pending is None
         self.check(self.readable)
         self.readable = []
+        self.late_writes()
         self.steps += 1
         message.step_id = self.steps
         if message.read_all:
@@ -259,7 +280,7 @@ class Engine:
 
 
 # One operation: (engine, what it does, the integers its choices are made by).
-OPERATION = st.tuples(st.integers(0, 1), st.integers(0, 3),
+OPERATION = st.tuples(st.integers(0, 1), st.integers(0, 4),
                       st.lists(st.integers(0, 2**16), min_size=24, max_size=24))
 # Engine 0 admits a one-block request, then steps: no intents, free or release; one block
 # allocated for the request, which it reads in the same step (see Engine.step). Run first
@@ -347,6 +368,33 @@ async def _example(kvd, operations, policy: str) -> list[int]:
                     # The operator switches the policy between two steps.
                     names = policy_names()
                     await admin.set_policy(names[choices[1] % len(names)])
+                    continue
+                if kind == 4:
+                    # Another of the tenant's clients (the engine's scheduler, a router)
+                    # frees blocks the engine's last step handed it, while its forward
+                    # pass writes them: nobody else may get their pages before the
+                    # engine's next message.
+                    await _served(engine, _others(engine, engines))
+                    if not engine.readable and engine.blocks:  # it reads all it has first
+                        await engine.send(pb.StepRequest(read_all=sorted(engine.blocks)))
+                        await _served(engine, _others(engine, engines))
+                    handed = sorted({rid for rid, _ in engine.readable})
+                    if handed:
+                        rid = handed[choices[0] % len(handed)]
+                        held = sorted({i for r, i in engine.readable if r == rid})
+                        indices = random.Random(choices[1]).sample(
+                            held, 1 + choices[2] % len(held))
+                        await engine.client.free(rid, indices)
+                        engine.freed_by_another(rid, indices)
+                        other = _others(engine, engines)[0]
+                        if choices[3] % 2 and other.blocks:
+                            # The other engine grows a request at once: the pages freed
+                            # are the first free ones, and must not be its yet.
+                            await _served(other, [engine])
+                            grown = sorted(other.blocks)[choices[4] % len(other.blocks)]
+                            await other.send(pb.StepRequest(allocations=[
+                                pb.AllocateRequest(request_id=grown, num_blocks=1)]))
+                            await _served(other, [engine])
                     continue
                 if kind == 0 or not engine.blocks:
                     made += 1

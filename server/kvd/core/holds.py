@@ -16,9 +16,9 @@ A request released by someone else (an operator, a lapsed lease, another of the 
 clients) while a holder holds its blocks does not give their device pages to another block
 at once: the engine may still be writing them (a decode step writes each request's last
 block, or the fresh prefix blocks its Store handed it, which go with the request when it
-never committed them). The pages stay out of use, owned by nobody, until each of their
-holders calls again or its holds lapse (`keep`): a released request's bytes never land in
-another request's.
+never committed them). Nor do blocks another client frees. The pages stay out of use, owned
+by nobody, until each of their holders calls again or its holds lapse (`keep`): the bytes of
+blocks that went never land in another request's.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ class Holds:
         self.kept: dict[int, set[str]] = {}
         self._kept_by_holder: dict[str, list[int]] = {}
         self.release_page = release_page
+        # id of a read's list of requests held by request -> (the list, its set): see
+        # _holding_by_request.
+        self._sets: dict[int, tuple[list[Request], set[Request]]] = {}
 
     def hold_one(self, holder: str, block: Block) -> None:
         """Hold a device block for the holder until its next call (another holder's hold of
@@ -187,15 +190,14 @@ class Holds:
         return True
 
     def keep(self, req: Request, blocks: list[Block]) -> set[int]:
-        """The device pages of these blocks of req (going now: req is released) that a
-        client's holder still holds, by block or by request (a read): kept out of use until
-        each such holder's next call, or until its holds lapse. Returns them; the caller
-        lets go of the blocks without freeing those pages (PageTable.discard). kvd's own
-        holders are not waited for: their work ended before a release could run."""
+        """The device pages of these blocks of req (going now: freed, or req released) that
+        a client's holder still holds, by block or by request (a read): kept out of use
+        until each such holder's next call, or until its holds lapse. Returns them; the
+        caller lets go of the blocks without freeing those pages (PageTable.discard). kvd's
+        own holders are not waited for: their work ended before a free or release could
+        run. (The caller's own holds ended before its call: see unary and Step.)"""
         held = [b for b in blocks if b.held and b.tier is TierKind.DEVICE]
-        lazy_holders = ([h for h, (_, _, lazy) in self._by_holder.items()
-                         if lazy and any(req in requests for requests in lazy)]
-                        if self._lazy else [])
+        lazy_holders = self._holding_by_request(req) if self._lazy else ()
         if not held and not lazy_holders:
             return set()
         holders_of: dict[int, set[str]] = {}
@@ -217,6 +219,24 @@ class Holds:
                 for h in holders:
                     self._kept_by_holder.setdefault(h, []).append(page)
         return kept
+
+    def _holding_by_request(self, req: Request) -> list[str]:
+        """The holders that hold req by request (a read's lazy hold). Each read's list of
+        requests is made a set once (by identity: nobody changes such a list), so a step's
+        free asks each holder once, not each request of its batch."""
+        sets = self._sets
+        if len(sets) > 2 * len(self._by_holder) + 16:
+            sets.clear()  # lists no holder holds any more
+        found = []
+        for h, (_, _, lazy) in self._by_holder.items():
+            for requests in lazy:
+                entry = sets.get(id(requests))
+                if entry is None:  # (the entry keeps the list: its id is not reused)
+                    entry = sets[id(requests)] = (requests, set(requests))
+                if req in entry[1]:
+                    found.append(h)
+                    break
+        return found
 
     def kept_without_holder(self) -> list[str]:
         """Holders with pages kept for them that hold nothing else (the self-check's): no

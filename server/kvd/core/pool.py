@@ -341,11 +341,13 @@ class Pool:
 
     @changes_blocks
     def free(self, request_id: str, indices: Sequence[int]) -> int:
-        """Give back some blocks of a request; their indices stay unused."""
+        """Give back some blocks of a request; their indices stay unused. The device pages
+        of those another client's holder holds stay out of use until it calls again (see
+        Holds.keep): its engine may be writing them."""
         req = self.get_admitted(request_id)
         blocks = resolve(req, indices)
         check_still(blocks)
-        self.pages.discard_all(blocks)
+        self.pages.discard_all(blocks, self.pages.holds.keep(req, blocks))
         return len(blocks)
 
     @after_reads
