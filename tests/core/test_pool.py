@@ -968,3 +968,32 @@ def test_a_block_index_past_the_last_a_request_may_have_is_refused(make_pool):
     settle(pool, pool.allocate("r", 1, indices=[MAX_BLOCK_INDEX], reason=Reason.HANDOFF))
     assert [b.index for b in pool.requests["r"].live_blocks()] == [MAX_BLOCK_INDEX]
     pool.release("r")
+
+
+def test_a_free_keeps_the_pages_another_holder_reads_until_its_next_call(make_pool):
+    """Blocks freed while another holder holds them (by request, its step's read, or by
+    block, its allocation) keep their pages out of use until that holder calls again; a
+    holder whose read moved on to other requests keeps nothing of the ones it left."""
+    pool = make_pool(device_pages=4, host_pages=16, policy="lru")
+    for rid in ("a", "b"):
+        pool.admit(rid, tenant="t", prompt_tokens=32, output_tokens=0)
+        settle(pool, pool.allocate(rid, 1))
+    _, _, answered = pool.read_all(["a"])
+    pool.hold_read(answered, "reader")  # by request: its blocks stay in the policy
+    _, _, answered = pool.read_all(["b"])
+    pool.hold_read(answered, "other")
+    pool.end_holds("other")
+    _, _, answered = pool.read_all(["a"])  # a read of a new list: "other" holds a now
+    pool.hold_read(answered, "other")
+    settle(pool, pool.allocate("b", 1, holder="writer"))  # by block: it writes it
+    page_a = pool.requests["a"].blocks[0].page
+    page_b = pool.requests["b"].blocks[1].page
+    pool.free("a", [0])
+    pool.free("b", [0, 1])  # b's first block nobody holds now: its page comes free
+    assert pool.pages.holds.kept == {page_a: {"reader", "other"}, page_b: {"writer"}}
+    assert pool.device.num_free == 2  # the one free before, and b's first block's
+    pool.end_holds("reader")
+    assert pool.device.num_free == 2  # "other" still reads a's old page
+    pool.end_holds("other")
+    pool.end_holds("writer")
+    assert pool.device.num_free == 4 and not pool.pages.holds.kept
