@@ -289,13 +289,13 @@ class DaemonMachine(RuleBasedStateMachine):
         self._forget(rid)
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), share=st.integers(1, 6), read=st.booleans())
-    def released_under_the_engine(self, data, share, read):
+    @rule(data=st.data(), share=st.integers(1, 6), read=st.booleans(), free=st.booleans())
+    def gone_under_the_engine(self, data, share, read, free):
         """The engine is handed a request's pages (it allocates blocks, or reads them all);
         someone else (an operator, another of the tenant's clients) then releases the
-        request, and another engine allocates at once; the engine, mid-step, writes what it
-        was handed. The other engine's blocks must not be in those pages: they stay out of
-        use until the engine's next call."""
+        request, or frees some of those blocks, and another engine allocates at once; the
+        engine, mid-step, writes what it was handed. The other engine's blocks must not be
+        in the pages that went: they stay out of use until the engine's next call."""
         rid = data.draw(st.sampled_from(sorted(self.live)))
         pool = self.daemon.runtime_of(rid).pool.name
         others = sorted(r for r in self.live
@@ -325,11 +325,19 @@ class DaemonMachine(RuleBasedStateMachine):
             if b.lost or not read:
                 b.lost = False
                 self.write(b)
+        if free and not handed:
+            return
+        if free:  # some of them: the rest stay the engine's
+            handed = data.draw(st.lists(st.sampled_from(handed), min_size=1, unique=True))
+        freed = [b.index for b in handed]
         handed = [(b.request.pool, b.page) for b in handed]
 
         async def release_then_allocate():
-            try:
-                await self.daemon.release(rid)  # not the engine's call: its holds stay
+            try:  # not the engine's call: its holds stay
+                if free:
+                    await self.daemon.free(rid, sorted(freed))
+                else:
+                    await self.daemon.release(rid)
             except KvdError:
                 return None
             # The other engine's allocation, written the moment its reply comes.
@@ -338,7 +346,13 @@ class DaemonMachine(RuleBasedStateMachine):
             return task
 
         task = self.loop.run_until_complete(asyncio.wait_for(release_then_allocate(), 30))
-        self._forget(rid)
+        if not free:
+            self._forget(rid)
+        elif task is None:
+            return  # nothing was freed: what the engine writes is its own
+        else:
+            for index in freed:
+                self.written.pop((rid, index), None)
         blocks = []
         if task is not None and task.done():
             try:
