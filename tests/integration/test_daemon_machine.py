@@ -325,9 +325,9 @@ class DaemonMachine(RuleBasedStateMachine):
             if b.lost or not read:
                 b.lost = False
                 self.write(b)
-        if free and not handed:
-            return
         if free:  # some of them: the rest stay the engine's
+            if not handed:
+                return
             handed = data.draw(st.lists(st.sampled_from(handed), min_size=1, unique=True))
         freed = [b.index for b in handed]
         handed = [(b.request.pool, b.page) for b in handed]

@@ -88,10 +88,10 @@ class Engine:
         # off after it read the reply: kvd may tell them again, and the engine has
         # recomputed them.
         self.recomputed: set[tuple[str, int]] = set()
+        self.last_recompute: set[tuple[str, int]] = set()
         # Pages of blocks another client freed while this engine held them: its forward
         # pass writes them all the same, just before its next message (see late_writes).
         self.late: list[pb.PageHandle] = []
-        self.last_recompute: set[tuple[str, int]] = set()
         # The reply to the step in flight is lost: the engine breaks off before it reads
         # it (a step that only reads, which changes nothing the engine keeps: where that
         # reply said blocks went, and which to recompute, it learns only from kvd's next
