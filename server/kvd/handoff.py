@@ -10,7 +10,7 @@ import asyncio
 from collections import Counter
 
 import grpc
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 
 import structlog
 
@@ -189,17 +189,24 @@ class Handoffs:
         return expired
 
     async def handoff(self, src: PoolRuntime, request_id: str, target: str = "",
-                      holder: str = "") -> AsyncIterator[dict]:
+                      holder: str = "", own: Callable[[str], bool] | None = None
+                      ) -> AsyncIterator[dict]:
         """Copy a request's blocks to its handoff pool under the pool->pool link's budget,
         yielding progress; all or nothing. The work runs in a task of its own, so a caller
         that goes away cancels it between chunks and it rolls back cleanly. The blocks the
-        last message hands out are held for `holder` until its next call."""
+        last message hands out are held for `holder` until its next call.
+
+        Another client's engine that holds the request's blocks (it was handed them, and its
+        forward pass may still write them) is waited for first, until its next call or until
+        its holds lapse (see _after_writers); `own`: the caller's holders, not waited for
+        (an engine hands its request off once it is done with it)."""
         req, dst = self._target(src, request_id, target)
         progress: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
-        task = asyncio.ensure_future(
+        task = asyncio.ensure_future(self._after_writers(
+            src, req, own or (lambda h: h == holder), cancel, dst,
             self._handoff(src, dst, req, progress, cancel, holder) if dst is not None
-            else self._remote_handoff(src, req, progress, cancel))
+            else self._remote_handoff(src, req, progress, cancel)))
         self._handing_off[request_id] = task
         task.add_done_callback(lambda _: self._handing_off.pop(request_id, None))
         self.in_flight.add(task)
@@ -225,6 +232,57 @@ class Handoffs:
             if not task.done():
                 cancel.set()  # the caller went away: roll back between chunks
                 self.counts["cancelled"] += 1
+
+    async def _after_writers(self, src: PoolRuntime, req: Request, own: Callable[[str], bool],
+                             cancel: asyncio.Event, dst: PoolRuntime | None,
+                             copy: Coroutine) -> None:
+        """Run `copy` (the handoff) once every other client's holder that holds a device
+        block of the request has called again, or its holds lapsed (hold_s): what its
+        engine wrote into the pages it was handed is in them by then (a router's Handoff
+        copied at once would give the decode pool what they held half-way through the
+        engine's forward pass). A caller that goes away meanwhile gives the reservation
+        back, as a rollback does."""
+        holds = src.pool.pages.holds
+        waiting = {h: e for h, e in holds.writers(req).items() if not own(h)}
+        try:
+            if waiting:
+                await self._writers_called(src, req, waiting, cancel)
+            if cancel.is_set():  # the caller went away before anything began
+                if dst is not None:
+                    self.drop_reservation(dst.pool.name, req.request_id)
+                self.counts["rolled_back"] += 1
+                self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
+                                    request_id=req.request_id,
+                                    reason="rolled back: its caller went away before it began")
+                raise TransferCancelled()
+        except BaseException:
+            copy.close()
+            raise
+        await copy
+
+    async def _writers_called(self, src: PoolRuntime, req: Request, waiting: dict,
+                              cancel: asyncio.Event) -> None:
+        """Until each of `waiting` (Holds.writers) called again, or the caller went away."""
+        holds = src.pool.pages.holds
+        done = asyncio.get_running_loop().create_future()
+
+        def check() -> None:
+            if not done.done() and all(holds.called_again(h, e) for h, e in waiting.items()):
+                done.set_result(None)
+
+        log.info("handoff waits for the engines that hold the request's blocks",
+                 request_id=req.request_id, pool=src.pool.name, holders=len(waiting))
+        self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
+                            request_id=req.request_id, count=len(waiting),
+                            reason="waiting for the next call of the engines holding it")
+        holds.watchers.append(check)
+        canceller = asyncio.ensure_future(cancel.wait())
+        try:
+            await asyncio.wait({done, canceller}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            holds.watchers.remove(check)
+            canceller.cancel()
+            done.cancel()
 
     def _target(self, src: PoolRuntime, request_id: str, target: str
                 ) -> tuple[Request, PoolRuntime]:

@@ -74,6 +74,9 @@ class Node:
         # Holders whose Step message is being served: their holds do not lapse meanwhile
         # (what the step handed out earlier must stay while it waits for more room).
         self.serving: set[str] = set()
+        # Each open Step stream's holder, and the lease of the client that opened it: a
+        # client's handoff does not wait for its own streams (see Handoffs.handoff).
+        self.stream_leases: dict[str, str] = {}
         # The Step messages being served, from their arrival to their reply's write (the
         # Step service's own set: StepStreams): the pools' deferred work waits for them.
         self.stepping: set = set()
@@ -518,11 +521,16 @@ class Node:
             rt.pool.tenancy.engine_held = held
 
     def handoff(self, request_id: str, target: str = "", scope: str | None = None,
-                holder: str = "") -> AsyncIterator[dict]:
+                holder: str = "", lease: str = "") -> AsyncIterator[dict]:
         """Copy a request's blocks to its handoff pool, yielding progress (see
-        Handoffs.handoff); the caller may touch only requests of `scope`."""
+        Handoffs.handoff); the caller may touch only requests of `scope`. `holder`, `lease`:
+        the caller's; its own holds (its unary calls' and its lease's Step streams') do
+        not hold the copy up."""
+        def own(h: str) -> bool:
+            return h == holder or (bool(lease) and self.stream_leases.get(h) == lease)
+
         return self.handoffs.handoff(self.runtime_of(request_id, scope), request_id, target,
-                                     holder)
+                                     holder, own)
 
     def explain(self, request_id: str, scope: str | None = None) -> Explained:
         """A request's account (active or recently released), its pool, whether active, and

@@ -16,6 +16,7 @@ from kvd.core.errors import (
     ResourceExhausted,
 )
 from kvd.core.fairness import TenantQuota
+from kvd.core.holds import OWN_HOLDER
 from kvd.core.intent import IntentChange
 from kvd.core.policies import policy_names
 
@@ -997,3 +998,37 @@ def test_a_free_keeps_the_pages_another_holder_reads_until_its_next_call(make_po
     pool.end_holds("other")
     pool.end_holds("writer")
     assert pool.device.num_free == 4 and not pool.pages.holds.kept
+
+
+def test_a_handoff_knows_the_holders_that_may_still_write_a_request_and_their_next_calls(
+        make_pool):
+    """Holds.writers: the clients' holders of a request's device blocks, by block (an
+    allocation) or by request (a step's read), kvd's own not among them; called_again says
+    when each called again (its holds ended, were replaced by a new read's, or lapsed), and
+    the watchers are told each time."""
+    pool = make_pool(device_pages=8, host_pages=16, policy="lru")
+    for rid in ("a", "b"):
+        pool.admit(rid, tenant="t", prompt_tokens=32, output_tokens=0)
+        settle(pool, pool.allocate(rid, 1))
+    holds = pool.pages.holds
+    told = []
+    holds.watchers.append(lambda: told.append(1))
+    _, _, answered = pool.read_all(["a"])
+    pool.hold_read(answered, "reader")
+    settle(pool, pool.allocate("a", 1, holder="writer"))
+    holds.hold(OWN_HOLDER + "work", pool.requests["a"].live_blocks())
+    _, _, answered = pool.read_all(["b"])
+    pool.hold_read(answered, "elsewhere")
+    writers = holds.writers(pool.requests["a"])
+    assert set(writers) == {"reader", "writer"}
+    assert not any(holds.called_again(h, e) for h, e in writers.items())
+    assert set(holds.writers(pool.requests["b"])) == {"elsewhere"}
+    holds.hold_again("reader", [pool.requests["a"]])  # its next step reads a again (the
+    # fast path: a read of the same requests replaces its entry)
+    assert holds.called_again("reader", writers["reader"]) and told == [1]
+    pool.end_holds("writer")
+    assert holds.called_again("writer", writers["writer"]) and told == [1, 1]
+    assert holds.end_if_only_requests("elsewhere")  # (the node's way for reads only)
+    assert told == [1, 1, 1]
+    pool.end_holds(OWN_HOLDER + "work")
+    assert set(holds.writers(pool.requests["a"])) == {"reader"}  # its new read's

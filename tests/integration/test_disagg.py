@@ -553,3 +553,145 @@ async def test_a_handed_off_request_is_the_decode_engines_once_it_takes_it_up(tm
             assert {r.request_id: r.pool for r in await watcher.list_requests()} == {
                 "taken": "decode"}, ("the request the decode engine took up must stay, and "
                                      "only it")
+
+
+HOLD_S = 1.0  # the daemon's hold_s (the default)
+
+
+async def _engine_handed(engine: AsyncClient, stream, how: str) -> list[pb.PageHandle]:
+    """The engine's request r1 (6 blocks) in the prefill pool, its pages handed to the engine
+    by its last call: a unary Allocate, a Step's allocation, or a later Step's read."""
+    await engine.admit("r1", 6 * 16, 16, pool="prefill", handoff_pool="decode")
+    if how == "unary":
+        return list((await engine.allocate("r1", 6)).handles)
+    handles = list((await stream.step(allocations=[("r1", 6)])).allocated)
+    if how == "read":
+        reply = await stream.step(read_all=["r1"])
+        assert not reply.errors, reply.errors
+    return handles
+
+
+def _write(mapped: MappedPool, handles, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    digests = []
+    for h in handles:
+        data = rng.integers(0, 256, PAGE, dtype=np.uint8)
+        mapped.write(h, data)
+        digests.append(hashlib.sha256(data.tobytes()).hexdigest())
+    return digests
+
+
+async def _handoff_events(client: AsyncClient, into: list) -> None:
+    async for event in client.watch_events(kinds=["handoff"]):
+        into.append(event.detail.get("reason", ""))
+
+
+@pytest.mark.parametrize("how", ["unary", "step", "read"])
+async def test_a_handoff_another_client_asks_for_waits_for_the_engines_writes(tmp_path, how):
+    """A router (another client of the tenant) hands the request off while its engine's
+    forward pass still writes the pages its last call handed it: the copy waits for the
+    engine's next call. Before, it copied at once, and the decode pool got what the pages
+    held half-way (here: nothing the engine wrote)."""
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+                AsyncClient(kvd.target, timeout_s=10) as router:
+            prefill = MappedPool(await engine.export_pool("prefill"))
+            decode = MappedPool(await engine.export_pool("decode"))
+            events: list[str] = []
+            watching = asyncio.ensure_future(_handoff_events(router, events))
+            try:
+                async with engine.step_stream() as stream:
+                    handles = await _engine_handed(engine, stream, how)
+                    handing = asyncio.ensure_future(router.handoff_all("r1"))
+                    await asyncio.sleep(0.3)
+                    assert not handing.done(), \
+                        "the handoff copied the pages while their engine still wrote them"
+                    want = _write(prefill, handles, seed=7)  # the forward pass, late
+                    if how == "unary":
+                        await engine.keep_alive()  # its next call: done with them
+                    else:
+                        assert not (await stream.step()).errors
+                    last = await asyncio.wait_for(handing, 10)
+                assert last.done and len(last.handles) == 6
+                got = [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
+                       for h in last.handles]
+                assert got == want
+                assert "waiting for the next call of the engines holding it" in events
+                assert (await router.self_check()).ok
+            finally:
+                watching.cancel()
+                prefill.close()
+                decode.close()
+
+
+async def test_an_engines_own_handoff_does_not_wait_for_its_step_stream(tmp_path):
+    """The engine hands its request off once its forward pass is done with it: neither its
+    unary calls' holds nor its own Step stream's (the same lease) hold the copy up."""
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as engine:
+            prefill = MappedPool(await engine.export_pool("prefill"))
+            decode = MappedPool(await engine.export_pool("decode"))
+            events: list[str] = []
+            watching = asyncio.ensure_future(_handoff_events(engine, events))
+            try:
+                async with engine.step_stream() as stream:
+                    handles = await _engine_handed(engine, stream, "read")
+                    want = _write(prefill, handles, seed=8)
+                    last = await engine.handoff_all("r1")
+                    assert [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
+                            for h in last.handles] == want
+                    for _ in range(100):  # the event feed catches up with the handoff
+                        if "completed" in events:
+                            break
+                        await asyncio.sleep(0.01)
+                    assert events and events[-1] == "completed"
+                    assert "waiting for the next call of the engines holding it" not in events
+            finally:
+                watching.cancel()
+                prefill.close()
+                decode.close()
+
+
+async def test_a_handoff_waits_for_an_engine_that_never_calls_again_no_longer_than_its_holds(
+        tmp_path):
+    """An engine that never sends again (stalled, or gone without closing its stream) holds
+    the handoff up no longer than its holds last (hold_s): nothing is stuck."""
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+                AsyncClient(kvd.target, timeout_s=10) as router:
+            async with engine.step_stream() as stream:
+                loop = asyncio.get_running_loop()
+                sent = loop.time()  # the holds begin after this, and last hold_s
+                await _engine_handed(engine, stream, "step")
+                last = await asyncio.wait_for(router.handoff_all("r1"), 10)
+                waited = loop.time() - sent
+                assert last.done and len(last.handles) == 6
+                assert waited >= HOLD_S, f"handed off {waited:.2f} s after the engine's step"
+                assert not (await stream.step()).errors  # the engine, back, finds no error
+            assert (await router.self_check()).ok
+
+
+async def test_a_router_that_goes_away_while_its_handoff_waits_leaves_nothing(tmp_path):
+    """The caller cancels while the handoff waits for the engine: the reservation goes
+    back to the decode pool, and the request stays whole in prefill."""
+    with start(tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+                AsyncClient(kvd.target, timeout_s=10) as router:
+            async with engine.step_stream() as stream:
+                await _engine_handed(engine, stream, "step")
+                handing = asyncio.ensure_future(router.handoff_all("r1"))
+                await asyncio.sleep(0.3)
+                handing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handing
+                for _ in range(100):
+                    dec = await stats(engine, "decode")
+                    if dec.reserved_pages == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                assert dec.reserved_pages == 0 and dec.num_requests == 0
+                assert not (await stream.step(read_all=["r1"])).errors  # still in prefill
+                assert (await stats(engine, "prefill")).num_requests == 1
+                last = await engine.handoff_all("r1")  # asked afresh, by its engine
+                assert last.done and len(last.handles) == 6
+            assert (await router.self_check()).ok

@@ -19,6 +19,9 @@ block, or the fresh prefix blocks its Store handed it, which go with the request
 never committed them). Nor do blocks another client frees. The pages stay out of use, owned
 by nobody, until each of their holders calls again or its holds lapse (`keep`): the bytes of
 blocks that went never land in another request's.
+
+Likewise, a request another client hands off is not copied while an engine holds its blocks:
+the handoff waits for each such holder's next call (`writers`, `called_again`, `watchers`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ class Holds:
         # id of a read's list of requests held by request -> (the list, its set): see
         # _holding_by_request.
         self._sets: dict[int, tuple[list[Request], set[Request]]] = {}
+        # Called whenever a holder's holds end or are replaced (its next call, or a lapse):
+        # a handoff waiting for the engines that hold its request's blocks (see writers).
+        self.watchers: list[Callable[[], None]] = []
 
     def hold_one(self, holder: str, block: Block) -> None:
         """Hold a device block for the holder until its next call (another holder's hold of
@@ -103,6 +109,8 @@ class Holds:
         if entry is None or not entry[2]:
             self._lazy += 1
         self._by_holder[holder] = (self.clock.now(), [], [requests])
+        if self.watchers:
+            self._tell_watchers()
 
     def materialize(self) -> None:
         """Hold the blocks of every request held by request: called before victims are chosen
@@ -160,6 +168,8 @@ class Holds:
         del self._by_holder[holder]
         if entry[2]:
             self._lazy -= 1
+        if self.watchers:
+            self._tell_watchers()
         return True
 
     def since(self) -> dict[str, float]:
@@ -187,7 +197,31 @@ class Holds:
             if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b
                     and evictable(b)):
                 self.policy.insert(b)
+        if self.watchers:
+            self._tell_watchers()
         return True
+
+    def writers(self, req: Request) -> dict[str, object]:
+        """The clients' holders that hold a device block of req now (by block, or by a read
+        of req): each may still be writing it until its next call. Each with its present
+        holds, for `called_again`."""
+        found = {h: self._by_holder[h] for h in self._holding_by_request(req)} if self._lazy \
+            else {}
+        blocks = {id(b) for b in req.live if b.held}
+        if blocks:
+            for h, entry in self._by_holder.items():
+                if h not in found and any(id(b) in blocks and b.held for b in entry[1]):
+                    found[h] = entry
+        return {h: entry for h, entry in found.items() if not h.startswith(OWN_HOLDER)}
+
+    def called_again(self, holder: str, holds: object) -> bool:
+        """Whether the holder called again (or its holds lapsed) since it held `holds` (one
+        of writers()' values): what it wrote by then is in the pages."""
+        return self._by_holder.get(holder) is not holds
+
+    def _tell_watchers(self) -> None:
+        for watcher in list(self.watchers):
+            watcher()
 
     def keep(self, req: Request, blocks: list[Block]) -> set[int]:
         """The device pages of these blocks of req (going now: freed, or req released) that

@@ -83,6 +83,7 @@ class StepStreams:
         node = self.node
         node.leases.stream_opened(caller.lease, caller.tenant)  # an open stream holds it
         holder = f"stream:{id(context)}:{time.monotonic_ns()}"
+        node.stream_leases[holder] = caller.lease
         node.end_holds(caller.holder)  # the client's unary calls before are done too
         turn = _Turn(self.turns, caller.tenant or "admin")
         # A step that waits for device room gives its tenant's turn back meanwhile: the
@@ -192,6 +193,7 @@ class StepStreams:
             self.turns.part(turn.who)
             told.retell(node.pools)  # its last reply may not have been read
             node.end_holds(holder)
+            node.stream_leases.pop(holder, None)
             node.leases.stream_closed(caller.lease)
 
     async def _next(self, messages, caller: Caller, turn: _Turn, holder: str):

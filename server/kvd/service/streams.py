@@ -102,7 +102,7 @@ class Streams:
             # handoff's owner is this call, and a caller that went away rolls it back now.
             async with contextlib.aclosing(self.node.handoff(
                     caller.ns + request.request_id, request.target_pool, caller.scope,
-                    caller.holder)) as progress:
+                    caller.holder, caller.lease)) as progress:
                 async for p in progress:
                     # A peer's pool (PEER/POOL): its handles are the peer's to give.
                     page_bytes = (0 if "/" in p["pool"]
