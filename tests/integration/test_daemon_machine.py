@@ -385,10 +385,35 @@ class DaemonMachine(RuleBasedStateMachine):
             pass
 
     @precondition(lambda self: self.live)
-    @rule(data=st.data(), cancel_after=st.sampled_from([None, 0, 1]))
-    def handoff(self, data, cancel_after):
+    @rule(data=st.data(), cancel_after=st.sampled_from([None, 0, 1]),
+          under_the_engine=st.booleans())
+    def handoff(self, data, cancel_after, under_the_engine):
+        """The engine hands its request off; or (`under_the_engine`) a router does, just
+        after the engine read the request, while its forward pass still writes the pages:
+        the decode pool must get what the engine wrote before its next call."""
         rid = data.draw(st.sampled_from(sorted(self.live)))
-        self.run(self._handoff(rid, cancel_after))
+        if not under_the_engine:
+            self.run(self._handoff(rid, cancel_after))
+            return
+        try:
+            handed, _, _ = self.run(self.daemon.access(rid, None, holder=self.holder))
+        except KvdError:
+            handed = []
+        lost = {b.index for b in handed if b.lost}
+        for b in handed:
+            b.lost = False
+        self.check_read(handed, lost)
+
+        async def router_then_engine():
+            task = asyncio.ensure_future(self._handoff(rid, cancel_after))
+            await asyncio.sleep(0.03)
+            for b in handed:  # the engine's forward pass, late
+                if b.request.request_id == rid:
+                    self.write(b)
+            self.daemon.end_holds(self.holder)  # the engine's next call
+            await task
+
+        self.loop.run_until_complete(asyncio.wait_for(router_then_engine(), 30))
 
     async def _handoff(self, rid, cancel_after):
         req = self._request(rid)
