@@ -135,6 +135,38 @@ async def test_a_handoff_across_nodes_delivers_the_pages_byte_for_byte(tmp_path,
 
 
 
+async def test_a_routers_handoff_across_nodes_waits_for_the_engines_writes(tmp_path,
+                                                                          pki):  # noqa: F811
+    """A router hands the request to the peer while the engine's forward pass still writes
+    the pages its last step was handed: nothing is sent before the engine's next message,
+    and the peer gets what the engine wrote."""
+    a, b = _peers(tmp_path, pki)
+    with b, a:
+        async with AsyncClient(a.target) as engine, AsyncClient(a.target) as router, \
+                AsyncClient(b.target) as cb:
+            await engine.admit("r", prompt_tokens=6 * 16, output_tokens=0, pool="prefill",
+                               handoff_pool="b/decode")
+            mapped = MappedPool(await engine.export_pool("prefill"))
+            try:
+                async with engine.step_stream() as stream:
+                    handles = (await stream.step(allocations=[("r", 6)])).allocated
+                    handing = asyncio.ensure_future(router.handoff_all("r"))
+                    await asyncio.sleep(0.3)
+                    assert not handing.done(), "sent while the engine still wrote the pages"
+                    rng = np.random.default_rng(11)
+                    written = {}
+                    for h in handles:  # the forward pass, late
+                        data = rng.integers(0, 256, mapped.page_bytes, dtype=np.uint8)
+                        mapped.write(h, data)
+                        written[h.block_index] = data.tobytes()
+                    assert not (await stream.step()).errors  # its next message
+                    last = await asyncio.wait_for(handing, 10)
+            finally:
+                mapped.close()
+            assert last.done and last.pool == "b/decode"
+            assert await _read_blocks(cb, "r", "decode") == written
+
+
 async def test_a_request_handed_across_nodes_keeps_the_indices_it_used(tmp_path, pki):  # noqa: F811
     """Block indices freed after the request's last block are not handed out again on the
     peer: the peer used to go on from the last block it received, and a free the engine sent
