@@ -406,7 +406,11 @@ class DaemonMachine(RuleBasedStateMachine):
 
         async def router_then_engine():
             task = asyncio.ensure_future(self._handoff(rid, cancel_after))
-            await asyncio.sleep(0.03)
+            holds = self.daemon.runtime("default").pool.pages.holds
+            for _ in range(1000):  # until it waits for the engine, or is over
+                if task.done() or holds.watchers:
+                    break
+                await asyncio.sleep(0.001)
             for b in handed:  # the engine's forward pass, late
                 if b.request.request_id == rid:
                     self.write(b)
