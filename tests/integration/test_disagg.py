@@ -581,9 +581,25 @@ def _write(mapped: MappedPool, handles, seed: int) -> list[str]:
     return digests
 
 
-async def _handoff_events(client: AsyncClient, into: list) -> None:
-    async for event in client.watch_events(kinds=["handoff"]):
-        into.append(event.detail.get("reason", ""))
+@contextlib.asynccontextmanager
+async def _pools_and_handoff_events(client: AsyncClient):
+    """The prefill and decode arenas mapped, and the reasons of the handoff events the
+    client sees from now on, as they come."""
+    prefill = MappedPool(await client.export_pool("prefill"))
+    decode = MappedPool(await client.export_pool("decode"))
+    events: list[str] = []
+
+    async def watch():
+        async for event in client.watch_events(kinds=["handoff"]):
+            events.append(event.detail.get("reason", ""))
+
+    watching = asyncio.ensure_future(watch())
+    try:
+        yield prefill, decode, events
+    finally:
+        watching.cancel()
+        prefill.close()
+        decode.close()
 
 
 @pytest.mark.parametrize("how", ["unary", "step", "read"])
@@ -594,62 +610,46 @@ async def test_a_handoff_another_client_asks_for_waits_for_the_engines_writes(tm
     held half-way (here: nothing the engine wrote)."""
     with start(tmp_path) as kvd:
         async with AsyncClient(kvd.target, timeout_s=10) as engine, \
-                AsyncClient(kvd.target, timeout_s=10) as router:
-            prefill = MappedPool(await engine.export_pool("prefill"))
-            decode = MappedPool(await engine.export_pool("decode"))
-            events: list[str] = []
-            watching = asyncio.ensure_future(_handoff_events(router, events))
-            try:
-                async with engine.step_stream() as stream:
-                    handles = await _engine_handed(engine, stream, how)
-                    handing = asyncio.ensure_future(router.handoff_all("r1"))
-                    await asyncio.sleep(0.3)
-                    assert not handing.done(), \
-                        "the handoff copied the pages while their engine still wrote them"
-                    want = _write(prefill, handles, seed=7)  # the forward pass, late
-                    if how == "unary":
-                        await engine.keep_alive()  # its next call: done with them
-                    else:
-                        assert not (await stream.step()).errors
-                    last = await asyncio.wait_for(handing, 10)
-                assert last.done and len(last.handles) == 6
-                got = [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
-                       for h in last.handles]
-                assert got == want
-                assert "waiting for the next call of the engines holding it" in events
-                assert (await router.self_check()).ok
-            finally:
-                watching.cancel()
-                prefill.close()
-                decode.close()
+                AsyncClient(kvd.target, timeout_s=10) as router, \
+                _pools_and_handoff_events(router) as (prefill, decode, events):
+            async with engine.step_stream() as stream:
+                handles = await _engine_handed(engine, stream, how)
+                handing = asyncio.ensure_future(router.handoff_all("r1"))
+                await asyncio.sleep(0.3)
+                assert not handing.done(), \
+                    "the handoff copied the pages while their engine still wrote them"
+                want = _write(prefill, handles, seed=7)  # the forward pass, late
+                if how == "unary":
+                    await engine.keep_alive()  # its next call: done with them
+                else:
+                    assert not (await stream.step()).errors
+                last = await asyncio.wait_for(handing, 10)
+            assert last.done and len(last.handles) == 6
+            got = [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
+                   for h in last.handles]
+            assert got == want
+            assert "waiting for the next call of the engines holding it" in events
+            assert (await router.self_check()).ok
 
 
 async def test_an_engines_own_handoff_does_not_wait_for_its_step_stream(tmp_path):
     """The engine hands its request off once its forward pass is done with it: neither its
     unary calls' holds nor its own Step stream's (the same lease) hold the copy up."""
     with start(tmp_path) as kvd:
-        async with AsyncClient(kvd.target, timeout_s=10) as engine:
-            prefill = MappedPool(await engine.export_pool("prefill"))
-            decode = MappedPool(await engine.export_pool("decode"))
-            events: list[str] = []
-            watching = asyncio.ensure_future(_handoff_events(engine, events))
-            try:
-                async with engine.step_stream() as stream:
-                    handles = await _engine_handed(engine, stream, "read")
-                    want = _write(prefill, handles, seed=8)
-                    last = await engine.handoff_all("r1")
-                    assert [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
-                            for h in last.handles] == want
-                    for _ in range(100):  # the event feed catches up with the handoff
-                        if "completed" in events:
-                            break
-                        await asyncio.sleep(0.01)
-                    assert events and events[-1] == "completed"
-                    assert "waiting for the next call of the engines holding it" not in events
-            finally:
-                watching.cancel()
-                prefill.close()
-                decode.close()
+        async with AsyncClient(kvd.target, timeout_s=10) as engine, \
+                _pools_and_handoff_events(engine) as (prefill, decode, events):
+            async with engine.step_stream() as stream:
+                handles = await _engine_handed(engine, stream, "read")
+                want = _write(prefill, handles, seed=8)
+                last = await engine.handoff_all("r1")
+                assert [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
+                        for h in last.handles] == want
+                for _ in range(100):  # the event feed catches up with the handoff
+                    if "completed" in events:
+                        break
+                    await asyncio.sleep(0.01)
+                assert events and events[-1] == "completed"
+                assert "waiting for the next call of the engines holding it" not in events
 
 
 async def test_a_handoff_waits_for_an_engine_that_never_calls_again_no_longer_than_its_holds(
