@@ -10,7 +10,7 @@ import asyncio
 from collections import Counter
 
 import grpc
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import structlog
 
@@ -203,10 +203,14 @@ class Handoffs:
         req, dst = self._target(src, request_id, target)
         progress: asyncio.Queue = asyncio.Queue()
         cancel = asyncio.Event()
-        task = asyncio.ensure_future(self._after_writers(
-            src, req, own or (lambda h: h == holder), cancel, dst,
-            self._handoff(src, dst, req, progress, cancel, holder) if dst is not None
-            else self._remote_handoff(src, req, progress, cancel)))
+        async def run() -> None:
+            await self._after_writers(src, req, own or (lambda h: h == holder), cancel, dst)
+            if dst is not None:
+                await self._handoff(src, dst, req, progress, cancel, holder)
+            else:
+                await self._remote_handoff(src, req, progress, cancel)
+
+        task = asyncio.ensure_future(run())
         self._handing_off[request_id] = task
         task.add_done_callback(lambda _: self._handing_off.pop(request_id, None))
         self.in_flight.add(task)
@@ -234,31 +238,25 @@ class Handoffs:
                 self.counts["cancelled"] += 1
 
     async def _after_writers(self, src: PoolRuntime, req: Request, own: Callable[[str], bool],
-                             cancel: asyncio.Event, dst: PoolRuntime | None,
-                             copy: Coroutine) -> None:
-        """Run `copy` (the handoff) once every other client's holder that holds a device
-        block of the request has called again, or its holds lapsed (hold_s): what its
+                             cancel: asyncio.Event, dst: PoolRuntime | None) -> None:
+        """Until every other client's holder that holds a device block of the request has
+        called again, or its holds lapsed (hold_s), before the copy begins: what its
         engine wrote into the pages it was handed is in them by then (a router's Handoff
         copied at once would give the decode pool what they held half-way through the
         engine's forward pass). A caller that goes away meanwhile gives the reservation
         back, as a rollback does."""
         holds = src.pool.pages.holds
         waiting = {h: e for h, e in holds.writers(req).items() if not own(h)}
-        try:
-            if waiting:
-                await self._writers_called(src, req, waiting, cancel)
-            if cancel.is_set():  # the caller went away before anything began
-                if dst is not None:
-                    self.drop_reservation(dst.pool.name, req.request_id)
-                self.counts["rolled_back"] += 1
-                self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
-                                    request_id=req.request_id,
-                                    reason="rolled back: its caller went away before it began")
-                raise TransferCancelled()
-        except BaseException:
-            copy.close()
-            raise
-        await copy
+        if waiting:
+            await self._writers_called(src, req, waiting, cancel)
+        if cancel.is_set():  # the caller went away before anything began
+            if dst is not None:
+                self.drop_reservation(dst.pool.name, req.request_id)
+            self.counts["rolled_back"] += 1
+            self.events.publish("handoff", pool=src.pool.name, tenant=req.tenant,
+                                request_id=req.request_id,
+                                reason="rolled back: its caller went away before it began")
+            raise TransferCancelled()
 
     async def _writers_called(self, src: PoolRuntime, req: Request, waiting: dict,
                               cancel: asyncio.Event) -> None:

@@ -51,16 +51,20 @@ def start(tmp_path, bandwidth="auto", ttl=30, lease_ttl=30):
     return LocalKvd("--config", str(config), workdir=tmp_path)
 
 
-async def fill(client, mapped, request_id, num_blocks, seed):
-    """Allocate blocks and write random bytes into them; returns each block's digest."""
+def _write(mapped: MappedPool, handles, seed: int) -> list[str]:
+    """Write random bytes into these pages; returns each page's digest."""
     rng = np.random.default_rng(seed)
-    reply = await client.allocate(request_id, num_blocks)
     digests = []
-    for h in reply.handles:
+    for h in handles:
         data = rng.integers(0, 256, PAGE, dtype=np.uint8)
         mapped.write(h, data)
         digests.append(hashlib.sha256(data.tobytes()).hexdigest())
     return digests
+
+
+async def fill(client, mapped, request_id, num_blocks, seed):
+    """Allocate blocks and write random bytes into them; returns each block's digest."""
+    return _write(mapped, (await client.allocate(request_id, num_blocks)).handles, seed)
 
 
 async def digests_of(client, mapped, request_id):
@@ -569,16 +573,6 @@ async def _engine_handed(engine: AsyncClient, stream, how: str) -> list[pb.PageH
         reply = await stream.step(read_all=["r1"])
         assert not reply.errors, reply.errors
     return handles
-
-
-def _write(mapped: MappedPool, handles, seed: int) -> list[str]:
-    rng = np.random.default_rng(seed)
-    digests = []
-    for h in handles:
-        data = rng.integers(0, 256, PAGE, dtype=np.uint8)
-        mapped.write(h, data)
-        digests.append(hashlib.sha256(data.tobytes()).hexdigest())
-    return digests
 
 
 @contextlib.asynccontextmanager

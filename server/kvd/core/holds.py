@@ -26,7 +26,7 @@ the handoff waits for each such holder's next call (`writers`, `called_again`, `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
@@ -205,14 +205,9 @@ class Holds:
         """The clients' holders that hold a device block of req now (by block, or by a read
         of req): each may still be writing it until its next call. Each with its present
         holds, for `called_again`."""
-        found = {h: self._by_holder[h] for h in self._holding_by_request(req)} if self._lazy \
-            else {}
-        blocks = {id(b) for b in req.live if b.held}
-        if blocks:
-            for h, entry in self._by_holder.items():
-                if h not in found and any(id(b) in blocks and b.held for b in entry[1]):
-                    found[h] = entry
-        return {h: entry for h, entry in found.items() if not h.startswith(OWN_HOLDER)}
+        found = set(self._holding_by_request(req)) if self._lazy else set()
+        found.update(h for h, _ in self._holding_blocks(req.live))
+        return {h: self._by_holder[h] for h in found if not h.startswith(OWN_HOLDER)}
 
     def called_again(self, holder: str, holds: object) -> bool:
         """Whether the holder called again (or its holds lapsed) since it held `holds` (one
@@ -235,12 +230,8 @@ class Holds:
         if not held and not lazy_holders:
             return set()
         holders_of: dict[int, set[str]] = {}
-        if held:
-            going = {id(b) for b in held}
-            for h, (_, entry_blocks, _) in self._by_holder.items():
-                for b in entry_blocks:
-                    if id(b) in going and b.held:
-                        holders_of.setdefault(b.page, set()).add(h)
+        for h, b in self._holding_blocks(held):
+            holders_of.setdefault(b.page, set()).add(h)
         for b in blocks:  # a read held every device block its engine was told of
             if lazy_holders and b.tier is TierKind.DEVICE and not b.moving:
                 holders_of.setdefault(b.page, set()).update(lazy_holders)
@@ -253,6 +244,17 @@ class Holds:
                 for h in holders:
                     self._kept_by_holder.setdefault(h, []).append(page)
         return kept
+
+    def _holding_blocks(self, blocks: list[Block]) -> Iterator[tuple[str, Block]]:
+        """(holder, block) for each hold by block of one of these blocks (kvd's own
+        holders' included)."""
+        held = {id(b) for b in blocks if b.held}
+        if not held:
+            return
+        for h, (_, entry_blocks, _) in self._by_holder.items():
+            for b in entry_blocks:
+                if id(b) in held and b.held:
+                    yield h, b
 
     def _holding_by_request(self, req: Request) -> list[str]:
         """The holders that hold req by request (a read's lazy hold). Each read's list of
