@@ -597,6 +597,95 @@ def test_engines_whose_kv_bytes_differ_name_their_blocks_apart(tmp_path):
                                 [b"h0"]).num_hit == 0
 
 
+def trace_prompts(pairs: int = 12, depth: int = 6, tail: int = 8) -> list[list[int]]:
+    """Prompts with the prefix structure of Mooncake's production trace: `pairs` of its
+    conversations, each a request and a later one that shares 2 to `depth` of its first
+    blocks (as a conversation's next turn does), every prompt cut to its first `depth`
+    blocks plus `tail` tokens of its own. Each hash id is one vLLM block (32 tokens drawn
+    from the id), so prompts share blocks wherever the trace's requests do, the trace's
+    first block (its system prompt) among all of them."""
+    import random
+
+    from kvd_loadgen.data import data_dir
+
+    path = data_dir() / "request-traces" / "mooncake_conversation_trace_head4000.jsonl"
+    rows = [json.loads(line)["hash_ids"][:depth] for line in path.open()]
+    first: dict[tuple, int] = {}  # a prefix of hash ids -> the first row that had it
+    chosen: list[int] = []
+    for i, ids in enumerate(rows):
+        shared = next((k for k in range(len(ids), 1, -1) if tuple(ids[:k]) in first), 0)
+        if shared and first[tuple(ids[:shared])] not in chosen and len(chosen) < 2 * pairs:
+            chosen += [first[tuple(ids[:shared])], i]
+        for k in range(1, len(ids) + 1):
+            first.setdefault(tuple(ids[:k]), i)
+    assert len(chosen) == 2 * pairs, "the trace has fewer conversations than asked for"
+
+    def block(hash_id: int) -> list[int]:
+        rng = random.Random(hash_id)
+        return [rng.randrange(10, 500) for _ in range(32)]
+
+    return [[t for h in rows[i] for t in block(h)]
+            + [(7 * i + j) % 490 + 10 for j in range(tail)] for i in sorted(chosen)]
+
+
+@pytest.mark.timeout(900)  # four engine starts of ~30 s each (two at once), and their batches
+def test_under_pressure_fresh_engines_get_back_the_bytes_they_computed(tmp_path):
+    # The block model engines use, under pressure: prompts sharing prefix blocks as the
+    # trace's requests do, through a kvd whose tiers hold a fraction of the blocks they
+    # make, so kvd demotes and drops blocks between one engine's stores and another's
+    # loads. Then two fresh engines (replicas of the model: their caches empty, their
+    # blocks shared in kvd) run the prompts again at once, one in the trace's order and
+    # one in the other: each loads whatever kvd has while the other's stores push blocks
+    # out. Every prompt's tokens must be the first engine's, on both.
+    prompts_ = trace_prompts()
+    batches = [prompts_[i:i + 8] for i in range(0, len(prompts_), 8)]
+    small = ("--page-bytes", str(PAGE_BYTES), "--block-tokens", "32", "--device-pages", "12",
+             "--host-pages", "12")
+    with LocalKvd(*small, workdir=tmp_path) as kvd:
+        def run(*orders):
+            engines = [Engine(kvd.target, [{"prompts": b} for b in order]) for order in orders]
+            try:
+                return [[e.result() for _ in order] for e, order in zip(engines, orders)]
+            finally:
+                for e in engines:
+                    e.close()
+
+        [first] = run(batches)
+        with Client(kvd.target) as c:
+            after_first = c.pool_stats().pools[0]
+        forward, backward = run(batches, batches[::-1])
+        backward = backward[::-1]
+        with Client(kvd.target) as c:
+            after_both = c.pool_stats().pools[0]
+            # The control: a run with every byte kvd keeps spoiled must change some output,
+            # else equal outputs would prove nothing.
+            arena = MappedPool(c.export_pool())
+            for tier in (pb.TIER_DEVICE, pb.TIER_HOST):
+                arena.tiers[tier][:] ^= 0x55
+            arena.close()
+        [spoiled] = run(batches[::-1])
+        spoiled = spoiled[::-1]
+    distinct = len({tuple(p[:k]) for p in prompts_ for k in range(32, len(p) + 1, 32)})
+    print(f"\n{len(prompts_)} prompts, {distinct} distinct blocks, 12 + 12 pages in kvd")
+    for name, stats in (("the first engine", after_first), ("the two", after_both)):
+        print(f"after {name}: evictions {stats.num_evictions}, demotions "
+              f"{stats.num_demotions}, drops {stats.num_drops}")
+    for name, result in (("forward", forward), ("backward", backward)):
+        print(f"cached tokens, {name}:", [r["cached"] for r in result])
+    assert distinct > 2 * 24  # kvd holds a fraction of the blocks
+    # Pressure all along: the engines' stores demoted and dropped what earlier ones made
+    # (an engine loads a block from whichever tier holds it).
+    assert 0 < after_first.num_evictions < after_both.num_evictions
+    assert after_both.num_drops
+    # Each one's first batch found nothing in its own cache: what it did not compute came
+    # from kvd.
+    assert sum(forward[0]["cached"]) > 0 and sum(backward[-1]["cached"]) > 0
+    for i, reference in enumerate(first):
+        assert forward[i]["tokens"] == reference["tokens"], f"batch {i}, trace order"
+        assert backward[i]["tokens"] == reference["tokens"], f"batch {i}, other order"
+    assert any(s["tokens"] != f["tokens"] for s, f in zip(spoiled, first))
+
+
 def free_address() -> str:
     """A free local TCP address (for kvd's metrics)."""
     with socket.socket() as s:
