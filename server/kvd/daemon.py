@@ -398,18 +398,32 @@ class Daemon:
             reloaded["auth"] = replace(fresh.auth, **{k: getattr(self.config.auth, k)
                                                       for k in kept})
             unapplied += [f"auth.{k}" for k in kept]
+        config = replace(self.config, **reloaded)
+        try:
+            # The file was checked against its own pools; what applies is its tenants over
+            # the pools kvd runs (pools need a restart), where a quota may not fit (pages of
+            # another size) or name a pool kvd does not run. Checked before anything
+            # changes: found half-way, the tenants were taken for applied and never were.
+            config.validate()
+        except KvdError as exc:
+            log.error("reload failed; keeping the running config",
+                      error=f"{exc} (with the pools kvd runs: "
+                      f"{', '.join(p.name for p in config.pools)})")
+            return
         if unapplied:
             log.warning("these settings need a restart; kvd keeps their running values",
                         settings=unapplied)
         self._from_file = replace(self._from_file, **reloaded)
-        self.config = replace(self.config, **reloaded)
+        self.config = config
         self.auth.configure(self.config)
         self._apply_limits()
         sdnotify.notify("RELOADING=1")
-        self.node.apply_tenants(self.config)
-        if self.node.cluster is not None:
-            self.node.cluster.reload(self.config)
-        sdnotify.notify("READY=1")
+        try:
+            self.node.apply_tenants(self.config)
+            if self.node.cluster is not None:
+                self.node.cluster.reload(self.config)
+        finally:
+            sdnotify.notify("READY=1")  # whatever happened: systemd waits for it
         log.info("config reloaded", path=self.config.path,
                  tenants=[t.name for t in self.config.tenants])
 

@@ -121,6 +121,44 @@ async def test_a_bad_reload_keeps_the_running_config(tmp_path):
         assert proc.proc.poll() is None
 
 
+async def test_a_reload_whose_quotas_do_not_fit_the_running_pools_changes_nothing(tmp_path):
+    # Pools need a restart; tenants are reloaded, against the pools kvd runs. A file that
+    # also made the pages 4096 times bigger had a limit that fit its own pages (6.4 million
+    # of 16 MiB) but not kvd's (26.8 billion of 4 KiB, past what kvd counts in): the reload
+    # raised half-way, a traceback in the log, the weight's change and every later
+    # reload's tenants taken for applied and never applied, and systemd told "reloading"
+    # and never "ready" again.
+    config = tmp_path / "kvd.toml"
+    pool = '[[pool]]\nmodel = "tiny"\npage_bytes = {}\ndevice_pages = 8\nhost_pages = 8\n'
+    config.write_text(pool.format(4096) + '[[tenant]]\nname = "a"\nlimit = 4\n')
+
+    async def reload(text: str, outcome: str) -> None:
+        config.write_text(text)
+        before = proc.log().count(outcome)
+        proc.proc.send_signal(signal.SIGHUP)
+        for _ in range(200):
+            if proc.log().count(outcome) > before:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no {outcome!r} in the log:\n{proc.log()[-3000:]}")
+
+    with LocalKvd("--config", str(config), workdir=tmp_path) as proc:
+        await reload(pool.format(2**24) + '[[tenant]]\nname = "a"\nlimit = "100TiB"\n'
+                     "weight = 3\n", "reload failed; keeping the running config")
+        assert "26843545600 pages of 4096 bytes" in proc.log()
+        assert "Traceback" not in proc.log()
+        async with AsyncClient(proc.target) as c:
+            (a,) = [t for t in await c.list_tenants() if t.tenant == "a"]
+            assert (a.limit_pages, a.weight) == (4, 1.0)
+        # The running config is whole: the next good file applies.
+        await reload(pool.format(4096) + '[[tenant]]\nname = "a"\nlimit = 6\n',
+                     "config reloaded")
+        async with AsyncClient(proc.target) as c:
+            (a,) = [t for t in await c.list_tenants() if t.tenant == "a"]
+            assert a.limit_pages == 6
+        assert proc.proc.poll() is None
+
+
 def test_kvd_says_its_version():
     from kvd import __version__
 
