@@ -1,0 +1,205 @@
+"""Any config an operator may write: kvd takes it, or says what is wrong in one line; and a
+running kvd reloading any file either applies its tenants or keeps what it runs, never
+stops half-way. (In process: the config loader and the daemon's reload, over a node of
+small arenas; the subprocess tests in test_startup show the one line reaching stderr.)"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import os
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvd.config import (
+    AuthConfig,
+    Config,
+    EngineEventsConfig,
+    LinkConfig,
+    PeerConfig,
+    PoolConfig,
+    TenantConfig,
+    config_from_dict,
+    load_config,
+)
+from kvd.core.errors import InvalidArgument
+from kvd.daemon import Daemon
+from kvd.node import Node
+from kvd.service.auth import Authenticator
+
+EXAMPLES = int(os.environ.get("KVD_CONFIG_EXAMPLES", "300"))
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                           HealthCheck.function_scoped_fixture])
+
+
+def keys(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+# What TOML can hold: numbers of any size, floats (nan and inf too), booleans, strings
+# (sizes, names, addresses, junk), dates and times, and arrays and tables of them.
+SCALARS = (st.integers(-3, 10) | st.integers(-2**70, 2**70)
+           | st.sampled_from([2**32, 2**63, 2**64])
+           | st.floats(allow_nan=True, allow_infinity=True) | st.booleans()
+           | st.sampled_from(["", "auto", "1GiB", "0.5", "-1", "1e309", "nan", "10MiB/s",
+                              "0MiB/s", "lru", "fair", "fifo", "tiny", "default", "decode", "a",
+                              "127.0.0.1:0", "x" * 300, "100TiB", "\x00"])
+           | st.text(max_size=4)
+           | st.sampled_from([datetime.date(2026, 1, 1), datetime.time(1, 2),
+                              datetime.datetime(2026, 1, 1)]))
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.sampled_from(["default", "decode", "limit", "weight", "guaranteed", "x"]), inner,
+    max_size=3), max_leaves=6)
+SERVER_KEYS = [k for k in keys(Config) if k not in (
+    "pools", "tenants", "links", "engines", "auth", "path", "cluster", "peers")]
+
+
+def table(cls, extra: tuple[str, ...] = ()):
+    return st.dictionaries(st.sampled_from([*keys(cls), *extra, "typo"]), VALUES, max_size=5)
+
+
+DOCUMENTS = st.fixed_dictionaries({}, optional={
+    "server": table(Config).map(lambda t: {k: v for k, v in t.items() if k in SERVER_KEYS}),
+    "pool": st.lists(table(PoolConfig), max_size=3) | VALUES,
+    "tenant": st.lists(table(TenantConfig, ("token_env", "token_file")), max_size=3),
+    "link": st.lists(table(LinkConfig), max_size=2),
+    "engine": st.lists(table(EngineEventsConfig), max_size=2),
+    "peer": st.lists(table(PeerConfig), max_size=2),
+    "auth": table(AuthConfig, ("admin_token_env",)),
+    "bogus": VALUES,
+})
+
+QUOTA = st.sampled_from([0, 1, 4, 2**31, "4KiB", "1MiB", "5TiB", "100TiB"])
+POOL = st.fixed_dictionaries(
+    {"name": st.sampled_from(["default", "decode"]), "model": st.just("tiny"),
+     "device_pages": st.integers(1, 16), "host_pages": st.integers(0, 16),
+     "link_bandwidth": st.just("1GiB/s")},
+    optional={"policy": st.sampled_from(["lru", "fair", "intent", "fair:deadline"]),
+              "page_bytes": st.sampled_from([1024, 4096, 2**20, 2**24]),
+              "admission": st.sampled_from(["working_set", "reservation"])})
+TENANT = st.fixed_dictionaries(
+    {"name": st.sampled_from(["a", "b", "c"])},
+    optional={"weight": st.sampled_from([0.5, 1, 3]), "guaranteed": QUOTA, "limit": QUOTA,
+              "max_request_pages": st.integers(0, 10),
+              "max_request_fraction": st.sampled_from([0, 0.5, 1]),
+              "pools": st.dictionaries(st.sampled_from(["default", "decode"]),
+                                       st.fixed_dictionaries({}, optional={
+                                           "limit": QUOTA, "guaranteed": QUOTA,
+                                           "weight": st.sampled_from([0.5, 2])}),
+                                       max_size=2)})
+
+
+@st.composite
+def near_valid(draw, wild: bool = True) -> dict:
+    """A config an operator may well write: pools, tenants, a link, and now and then a
+    value or two gone wild."""
+    doc = {"pool": draw(st.lists(POOL, min_size=1, max_size=2, unique_by=lambda p: p["name"])),
+           "tenant": draw(st.lists(TENANT, max_size=3, unique_by=lambda t: t["name"]))}
+    if len(doc["pool"]) == 2 and draw(st.booleans()):
+        doc["link"] = [{"source": doc["pool"][0]["name"], "target": doc["pool"][1]["name"],
+                        "bandwidth": "1GiB/s"}]
+    for _ in range(draw(st.integers(0, 2)) if wild else 0):
+        section = draw(st.sampled_from(["pool", "tenant", "server"]))
+        if section == "server":
+            doc.setdefault("server", {})[draw(st.sampled_from(SERVER_KEYS))] = draw(VALUES)
+        elif doc[section]:
+            cls = PoolConfig if section == "pool" else TenantConfig
+            draw(st.sampled_from(doc[section]))[draw(st.sampled_from(keys(cls)))] = draw(VALUES)
+    return doc
+
+
+def _one_line_or_config(doc: dict) -> Config | None:
+    try:
+        return config_from_dict(doc)
+    except InvalidArgument as exc:
+        assert str(exc) and "\n" not in str(exc), repr(str(exc))
+        return None
+
+
+@SETTINGS
+@given(DOCUMENTS | near_valid())
+def test_any_config_document_is_taken_or_refused_in_one_line(doc):
+    config = _one_line_or_config(doc)
+    event("taken" if config else "refused")
+    if config is not None:
+        config.validate()
+
+
+def _toml(doc: dict) -> str:
+    """The document as TOML (the few kinds of values near_valid() writes without wild ones)."""
+    def value(v):
+        if isinstance(v, str):
+            return '"' + v + '"'
+        if isinstance(v, bool):
+            return str(v).lower()
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
+        return repr(v)
+
+    lines = []
+    for section in ("pool", "tenant", "link"):
+        for entry in doc.get(section, []):
+            lines.append(f"[[{section}]]")
+            lines += [f"{k} = {value(v)}" for k, v in entry.items()]
+    return "\n".join(lines) + "\n"
+
+
+@st.composite
+def edited(draw) -> tuple[dict, dict]:
+    """A running config, and the file an operator then edits it into: other tenants, and
+    now and then a pool changed (which takes a restart), added or gone."""
+    running = draw(near_valid(wild=False))
+    pools = [dict(p) for p in running["pool"]]
+    for pool in pools:
+        if draw(st.booleans()):
+            pool["page_bytes"] = draw(st.sampled_from([1024, 4096, 2**20, 2**24]))
+    if draw(st.booleans()):
+        pools = draw(st.lists(POOL, min_size=1, max_size=2, unique_by=lambda p: p["name"]))
+    file = {"pool": pools, "tenant": draw(st.lists(TENANT, max_size=3,
+                                                   unique_by=lambda t: t["name"]))}
+    return running, file
+
+
+@SETTINGS
+@given(edit=edited())
+def test_a_reload_applies_the_files_tenants_or_keeps_the_running_ones(tmp_path, edit):
+    running, file = edit
+    path = tmp_path / "kvd.toml"
+    path.write_text(_toml(running))
+    config = _one_line_or_config(running)
+    if config is None:
+        return
+    config = dataclasses.replace(load_config(path), socket="", tcp="127.0.0.1:0", metrics="")
+
+    async def reload() -> None:
+        daemon = Daemon(config)
+        daemon.node = Node(config)
+        daemon.auth = Authenticator(config, daemon.node.leases)
+        try:
+            before = _quotas(daemon.node)
+            path.write_text(_toml(file))
+            daemon.reload()  # never raises: applied, or refused and logged
+            if daemon.config is config:  # refused: nothing changed
+                event("kept")
+                assert _quotas(daemon.node) == before
+            else:
+                event("applied")
+                fresh = config_from_dict(file)
+                assert daemon.config.tenants == fresh.tenants
+                for tenant in fresh.tenants:
+                    for name, rt in daemon.node.pools.items():
+                        assert rt.pool.tenancy.quota(tenant.name) == tenant.quota_for(
+                            name, rt.pool.page_bytes)
+        finally:
+            await daemon.node.aclose()
+
+    asyncio.run(reload())
+
+
+def _quotas(node: Node) -> dict:
+    return {name: dict(rt.pool.tenancy.quotas) for name, rt in node.pools.items()}
