@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import socket
 import urllib.request
 
@@ -190,3 +191,16 @@ async def client(kvd):
     async with AsyncClient(kvd.target, timeout_s=10) as c:
         check = await c.self_check()
         assert check.ok, list(check.problems)
+
+
+async def reload_config(kvd: LocalKvd, path, text: str, landed: str) -> None:
+    """Write the config file at `path`, SIGHUP kvd, and wait for the log line that says how
+    the reload went ("config reloaded", "reload failed")."""
+    seen = kvd.log().count(landed)
+    path.write_text(text)
+    kvd.proc.send_signal(signal.SIGHUP)
+    for _ in range(200):
+        if kvd.log().count(landed) > seen:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {landed!r} in kvd's log after SIGHUP:\n{kvd.log()[-3000:]}")

@@ -4,10 +4,8 @@ keeps the running config."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +15,8 @@ import pytest
 from kvd.memory.cuda import gpu_available
 from kvd_client import AsyncClient, pb
 from kvd_loadgen.local import LocalKvd
+
+from .conftest import reload_config
 
 
 def kvd(*args: str, config: str | None = None, tmp_path=None) -> subprocess.CompletedProcess:
@@ -105,13 +105,8 @@ async def test_a_bad_reload_keeps_the_running_config(tmp_path):
     config.write_text('[[pool]]\nmodel = "tiny"\ndevice_pages = 8\nhost_pages = 8\n'
                       '[[tenant]]\nname = "a"\nweight = 2\n')
     with LocalKvd("--config", str(config), workdir=tmp_path) as proc:
-        config.write_text(config.read_text().replace("weight = 2", 'weight = "3"'))
-        proc.proc.send_signal(signal.SIGHUP)
-        for _ in range(100):
-            if "reload failed" in proc.log():
-                break
-            await asyncio.sleep(0.05)
-        assert "reload failed; keeping the running config" in proc.log()
+        await reload_config(proc, config, config.read_text().replace("weight = 2", 'weight = "3"'),
+                            "reload failed; keeping the running config")
         assert "weight: Input should be a valid number" in proc.log()
         assert "Traceback" not in proc.log()
         async with AsyncClient(proc.target) as c:
@@ -132,27 +127,19 @@ async def test_a_reload_whose_quotas_do_not_fit_the_running_pools_changes_nothin
     pool = '[[pool]]\nmodel = "tiny"\npage_bytes = {}\ndevice_pages = 8\nhost_pages = 8\n'
     config.write_text(pool.format(4096) + '[[tenant]]\nname = "a"\nlimit = 4\n')
 
-    async def reload(text: str, outcome: str) -> None:
-        config.write_text(text)
-        before = proc.log().count(outcome)
-        proc.proc.send_signal(signal.SIGHUP)
-        for _ in range(200):
-            if proc.log().count(outcome) > before:
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"no {outcome!r} in the log:\n{proc.log()[-3000:]}")
-
     with LocalKvd("--config", str(config), workdir=tmp_path) as proc:
-        await reload(pool.format(2**24) + '[[tenant]]\nname = "a"\nlimit = "100TiB"\n'
-                     "weight = 3\n", "reload failed; keeping the running config")
+        await reload_config(proc, config, pool.format(2**24) + '[[tenant]]\nname = "a"\n'
+                            'limit = "100TiB"\nweight = 3\n',
+                            "reload failed; keeping the running config")
         assert "26843545600 pages of 4096 bytes" in proc.log()
         assert "Traceback" not in proc.log()
         async with AsyncClient(proc.target) as c:
             (a,) = [t for t in await c.list_tenants() if t.tenant == "a"]
             assert (a.limit_pages, a.weight) == (4, 1.0)
         # The running config is whole: the next good file applies.
-        await reload(pool.format(4096) + '[[tenant]]\nname = "a"\nlimit = 6\n',
-                     "config reloaded")
+        await reload_config(proc, config,
+                            pool.format(4096) + '[[tenant]]\nname = "a"\nlimit = 6\n',
+                            "config reloaded")
         async with AsyncClient(proc.target) as c:
             (a,) = [t for t in await c.list_tenants() if t.tenant == "a"]
             assert a.limit_pages == 6

@@ -21,7 +21,7 @@ from kvd_client import (
 from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import free_port, scrape
+from .conftest import free_port, reload_config, scrape
 
 CONFIG = """
 [server]
@@ -174,23 +174,12 @@ async def test_sighup_reloads_tenants_without_dropping_state(tenants_kvd):
         assert len((await alpha.access("kept")).handles) == 1  # state survived the reload
 
 
-async def _reload(kvd, text: str, landed: str) -> None:
-    """Write the config, SIGHUP, and wait for the log line that says the reload was done."""
-    seen = kvd.log().count(landed)
-    kvd.config.write_text(text)
-    kvd.proc.send_signal(signal.SIGHUP)
-    for _ in range(200):
-        if kvd.log().count(landed) > seen:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no {landed!r} in kvd's log after SIGHUP")
-
-
 async def test_a_reload_of_a_file_cut_short_lets_no_token_less_caller_in(tenants_kvd):
     # Written halfway (an editor's save, a deploy tool's copy) when the SIGHUP came: the
     # [auth] section that locks the unix socket down is not there yet.
     full = tenants_kvd.config.read_text()
-    await _reload(tenants_kvd, full[:full.index("[auth]")], "config reloaded")
+    await reload_config(tenants_kvd, tenants_kvd.config, full[:full.index("[auth]")],
+                        "config reloaded")
     assert "auth.unix_admin" in tenants_kvd.log() and "auth.unix_tenant" in tenants_kvd.log()
     async with AsyncClient(tenants_kvd.target) as anyone:
         with pytest.raises(UnauthenticatedError):
@@ -200,7 +189,8 @@ async def test_a_reload_of_a_file_cut_short_lets_no_token_less_caller_in(tenants
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
         with pytest.raises(UnauthenticatedError):  # the file names no tenant: as it says
             await alpha.admit("a0", 16)
-    await _reload(tenants_kvd, full, "config reloaded")  # written whole: as before
+    # Written whole: as before.
+    await reload_config(tenants_kvd, tenants_kvd.config, full, "config reloaded")
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
         assert (await alpha.admit("a1", 16)).decision == pb.DECISION_ADMITTED
 
@@ -208,7 +198,7 @@ async def test_a_reload_of_a_file_cut_short_lets_no_token_less_caller_in(tenants
 async def test_a_reload_of_an_empty_file_changes_nothing(tenants_kvd):
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha:
         await alpha.admit("kept", 16)
-    await _reload(tenants_kvd, "# being written\n", "reload failed")
+    await reload_config(tenants_kvd, tenants_kvd.config, "# being written\n", "reload failed")
     assert "sets nothing" in tenants_kvd.log()
     async with AsyncClient(tenants_kvd.target) as anyone:
         with pytest.raises(UnauthenticatedError):
