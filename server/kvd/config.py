@@ -307,6 +307,17 @@ class TenantConfig:
                 raise InvalidArgument(
                     f"tenant {self.name!r}, pool {pool.name!r}: guaranteed "
                     f"({quota.guaranteed} pages) is above limit ({quota.limit} pages)")
+            # The cluster's quota is pages of each pool too: the cluster's reconcile takes
+            # it as the local quota is taken here.
+            where = f"tenant {self.name!r}, pool {pool.name!r}: [tenant.cluster]"
+            try:
+                cluster = self.cluster_quota(pool.resolved_page_bytes)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"{where} {exc}") from None
+            if (cluster is not None and cluster.limit is not None
+                    and cluster.guaranteed > cluster.limit):
+                raise InvalidArgument(f"{where} guaranteed ({cluster.guaranteed} pages) is above "
+                                      f"limit ({cluster.limit} pages)")
 
 
 @dataclass(frozen=True, slots=True)

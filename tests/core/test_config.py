@@ -100,6 +100,15 @@ def test_the_shipped_example_config_loads(tmp_path):
      "a quota of 100TiB is 26843545600 pages of 4096 bytes: at most 4294967295"),
     ({"tenant": [{"name": "a", "max_request_pages": 2**32}]},
      "max_request_pages: Input should be less than or equal to 4294967295"),
+    # A cluster quota is pages of each pool too, checked as the local one is (kvd took
+    # these, and then failed applying the cluster's picture at every reconcile).
+    ({"pool": [{"name": "default", "page_bytes": 4096}], "cluster": {"etcd": "127.0.0.1:2379"},
+      "tenant": [{"name": "a", "cluster": {"limit": "100TiB"}}]},
+     r"tenant 'a', pool 'default': \[tenant.cluster\] a quota of 100TiB is 26843545600 pages"),
+    ({"cluster": {"etcd": "127.0.0.1:2379"},
+      "tenant": [{"name": "a", "cluster": {"guaranteed": 10, "limit": 4}}]},
+     r"tenant 'a', pool 'default': \[tenant.cluster\] guaranteed \(10 pages\) is above "
+     r"limit \(4 pages\)"),
 ])
 def test_bad_values_are_one_line_naming_the_key(data, message):
     with pytest.raises(InvalidArgument, match=message) as err:

@@ -72,7 +72,10 @@ DOCUMENTS = st.fixed_dictionaries({}, optional={
     "bogus": VALUES,
 })
 
-QUOTA = st.sampled_from([0, 1, 4, 2**31, "4KiB", "1MiB", "5TiB", "100TiB"])
+# Mostly quotas a pool can hold; now and then one past what kvd counts in some pool's pages.
+SMALL_QUOTA = st.sampled_from([0, 1, 4, "4KiB", "1MiB"])
+QUOTA = st.one_of(SMALL_QUOTA, SMALL_QUOTA, SMALL_QUOTA,
+                  st.sampled_from([2**31, "5TiB", "100TiB"]))
 POOL = st.fixed_dictionaries(
     {"name": st.sampled_from(["default", "decode"]), "model": st.just("tiny"),
      "device_pages": st.integers(1, 16), "host_pages": st.integers(0, 16),
@@ -80,6 +83,8 @@ POOL = st.fixed_dictionaries(
     optional={"policy": st.sampled_from(["lru", "fair", "intent", "fair:deadline"]),
               "page_bytes": st.sampled_from([1024, 4096, 2**20, 2**24]),
               "admission": st.sampled_from(["working_set", "reservation"])})
+CLUSTER_QUOTA = st.fixed_dictionaries({}, optional={
+    "limit": QUOTA, "guaranteed": QUOTA, "weight": st.sampled_from([0.5, 2])})
 TENANT = st.fixed_dictionaries(
     {"name": st.sampled_from(["a", "b", "c"])},
     optional={"weight": st.sampled_from([0.5, 1, 3]), "guaranteed": QUOTA, "limit": QUOTA,
@@ -98,6 +103,10 @@ def near_valid(draw, wild: bool = True) -> dict:
     value or two gone wild."""
     doc = {"pool": draw(st.lists(POOL, min_size=1, max_size=2, unique_by=lambda p: p["name"])),
            "tenant": draw(st.lists(TENANT, max_size=3, unique_by=lambda t: t["name"]))}
+    if draw(st.booleans()):  # quotas over a cluster of kvds too
+        doc["cluster"] = {"etcd": "127.0.0.1:2379"}
+        for tenant in doc["tenant"]:
+            tenant["cluster"] = draw(CLUSTER_QUOTA)
     if len(doc["pool"]) == 2 and draw(st.booleans()):
         doc["link"] = [{"source": doc["pool"][0]["name"], "target": doc["pool"][1]["name"],
                         "bandwidth": "1GiB/s"}]
@@ -124,8 +133,17 @@ def _one_line_or_config(doc: dict) -> Config | None:
 def test_any_config_document_is_taken_or_refused_in_one_line(doc):
     config = _one_line_or_config(doc)
     event("taken" if config else "refused")
-    if config is not None:
-        config.validate()
+    if config is None:
+        return
+    config.validate()
+    # What kvd then makes of it in every pool, locally and over the cluster.
+    for pool in config.pools:
+        for tenant in config.tenants:
+            quota = tenant.quota_for(pool.name, pool.resolved_page_bytes)
+            assert quota.limit is None or quota.guaranteed <= quota.limit
+            cluster = tenant.cluster_quota(pool.resolved_page_bytes)
+            assert cluster is None or cluster.limit is None or (
+                cluster.guaranteed <= cluster.limit)
 
 
 def _toml(doc: dict) -> str:
@@ -142,6 +160,8 @@ def _toml(doc: dict) -> str:
         return repr(v)
 
     lines = []
+    if "cluster" in doc:
+        lines += ["[cluster]", *(f"{k} = {value(v)}" for k, v in doc["cluster"].items())]
     for section in ("pool", "tenant", "link"):
         for entry in doc.get(section, []):
             lines.append(f"[[{section}]]")
@@ -162,6 +182,10 @@ def edited(draw) -> tuple[dict, dict]:
         pools = draw(st.lists(POOL, min_size=1, max_size=2, unique_by=lambda p: p["name"]))
     file = {"pool": pools, "tenant": draw(st.lists(TENANT, max_size=3,
                                                    unique_by=lambda t: t["name"]))}
+    if "cluster" in running:
+        file["cluster"] = running["cluster"]
+        for tenant in file["tenant"]:
+            tenant["cluster"] = draw(CLUSTER_QUOTA)
     return running, file
 
 
