@@ -10,12 +10,19 @@ Load it with
 `kvd_token_file`), `kvd_pool` ("default"), `kvd_tenant` (the tenant of requests that name
 none), `kvd_tenants` (the tenants a request may name, see below), `kvd_load_failure_policy`
 ("recompute", see below), `kvd_queue_poll_s` (how often kvd is asked whether it admitted a
-request it queued, while the connector cannot hear kvd's admissions: 0.05; see below).
+request it queued, while the connector cannot hear kvd's admissions: 0.05; see below),
+`kvd_lookup_again_s` (how long a lookup's answer stands for a request vLLM has not been able
+to schedule yet: 0.5; see below).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
 prefix blocks, named by vLLM's own block hashes within a namespace of the model, block size,
 KV dtype and the request's cache salt (see `namespace`), are looked up in kvd and their
-tokens reported as an external hit. A request admitted by no one (kvd's budget for its tenant
+tokens reported as an external hit. While vLLM's own cache has no room for a request, its
+scheduler asks about it again at every step: kvd is asked again only once the last answer
+is `kvd_lookup_again_s` old (an engine short of memory would otherwise make one more call to
+kvd at every step, waited for by every running request), and afresh once vLLM has given the
+request blocks (to be asked again after a preemption). An answer kvd has since changed is a
+miss (computed), or a hit the worker cannot load (recomputed, see below). A request admitted by no one (kvd's budget for its tenant
 is spent) is told to wait: the connector answers None until kvd admits it. vLLM asks about
 every waiting request at every step; rather than ask kvd after each (a tenant that floods the
 engine with requests kvd queues would have the scheduler call kvd thousands of times a
@@ -128,6 +135,10 @@ class _Tracked:
     block_ids: list[int] = field(default_factory=list)
     num_in_kvd: int = 0
     pending_load: _Transfer | None = None
+    # The last lookup's hit (blocks) and until when it stands, while vLLM has not scheduled
+    # the request since (see KvdConnector.lookup_again_s).
+    hit: int = 0
+    hit_until: float = 0.0
 
 
 class KvdConnector(KVConnectorBase_V1):
@@ -173,6 +184,7 @@ class KvdConnector(KVConnectorBase_V1):
         # admits them, or kvd admits them for nobody.
         self.queued: dict[str, float] = {}
         self.queue_poll_s = float(extra.get("kvd_queue_poll_s", 0.05))
+        self.lookup_again_s = float(extra.get("kvd_lookup_again_s", LOOKUP_AGAIN_S))
         # Requests whose Admit got no answer (kvd may hold them), and releases kvd has not
         # taken yet (it was away, or did not answer): sent again at the next steps. The
         # lease, renewed while the engine runs, would keep them in kvd for as long.
@@ -224,12 +236,17 @@ class KvdConnector(KVConnectorBase_V1):
             self.queued.pop(rid, None)
             tracked = self.tracked[rid]
         prompt = len(request.prompt_token_ids or ())
-        try:
-            hit = self._lookup(tracked)
-        except KvdClientError as exc:
-            log.warning("kvd lookup failed, computing %s: %s", rid, exc)
-            self._note_failure(exc)
-            return 0, False
+        now = time.monotonic()
+        if now < tracked.hit_until:  # asked again: vLLM had no room for it
+            hit = tracked.hit
+        else:
+            try:
+                hit = self._lookup(tracked)
+            except KvdClientError as exc:
+                log.warning("kvd lookup failed, computing %s: %s", rid, exc)
+                self._note_failure(exc)
+                return 0, False
+            tracked.hit, tracked.hit_until = hit, now + self.lookup_again_s
         # vLLM computes at least the prompt's last token itself.
         hit_tokens = min(hit * self.block_size, (prompt - 1) // self.block_size
                          * self.block_size)
@@ -384,6 +401,7 @@ class KvdConnector(KVConnectorBase_V1):
         if tracked is None:
             return
         tracked.block_ids = list(blocks.get_block_ids()[0])
+        tracked.hit_until = 0.0  # scheduled: asked afresh should it wait again (preempted)
         load, tracked.pending_load = tracked.pending_load, None
         if load is not None and num_external_tokens > 0:
             positions = load.block_ids[:num_external_tokens // self.block_size]
@@ -687,6 +705,8 @@ OWED_KEPT = 65536
 # A stream this young may not be subscribed yet: what kvd admits meanwhile is not heard, so
 # queued requests are still asked after at the short period.
 WATCH_SETTLE_S = 1.0
+# How long a lookup's answer stands for a request vLLM has no room for (kvd_lookup_again_s).
+LOOKUP_AGAIN_S = 0.5
 ADMISSIONS_KEPT = 4096  # admitted ids heard and not yet asked about (an admin hears all)
 # The decisions on a queued request that its admission events tell (Decision's values).
 _DECIDED = frozenset({"admitted", "rejected"})

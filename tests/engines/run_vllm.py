@@ -8,7 +8,8 @@ SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params
 "max_tokens": each output's length, past any end of sequence (optional: 8, or less)}, ...],
 "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
 publishes its KV cache events there), "tenants": the connector's kvd_tenants (optional),
-"step_s": the least time between the engine's steps (optional: see paced_steps.py)}. The
+"step_s": the least time between the engine's steps (optional: see paced_steps.py),
+"gpu_blocks": the blocks of vLLM's own cache (optional: what its memory holds)}. The
 batches run one after the other in the same engine; after each it prints one line,
 `KVD_RESULT {json}`: each prompt's output tokens and cached tokens, the seconds the engine
 took to start and the batch to run. With "pause", it then waits for a line on stdin before
@@ -49,6 +50,7 @@ def main() -> None:
               dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
               enforce_eager=True, max_model_len=spec.get("max_model_len", 1024),
               gpu_memory_utilization=0.3, seed=0, logits_processors=paced or None,
+              num_gpu_blocks_override=spec.get("gpu_blocks"),
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvdConnector", kv_role="kv_both",
                   kv_connector_module_path="kvd_client.vllm_connector",

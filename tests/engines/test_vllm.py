@@ -53,10 +53,11 @@ class Engine:
 
     def __init__(self, target: str, batches: list[dict], pause: bool = False,
                  kv_events: tuple[str, str] | None = None, tenants: list[str] = (),
-                 max_model_len: int = 1024, step_s: float = 0.0) -> None:
+                 max_model_len: int = 1024, step_s: float = 0.0,
+                 gpu_blocks: int | None = None) -> None:
         spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events,
                            "tenants": list(tenants), "max_model_len": max_model_len,
-                           "step_s": step_s})
+                           "step_s": step_s, "gpu_blocks": gpu_blocks})
         # A session of its own: killing it takes vLLM's engine-core and worker processes
         # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
@@ -924,6 +925,75 @@ def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
     # the nine queued requests made about 10 x 9 x run_s calls.
     fallback_s = QUEUE_FALLBACK_POLLS * 0.05
     assert calls <= 3 * n + (n - 1) * (20 * WATCH_SETTLE_S + run["run_s"] / fallback_s + 1)
+
+
+def test_a_request_vllm_has_no_room_for_costs_kvd_a_lookup_a_period(tmp_path):
+    # While vLLM's own cache is full, its scheduler asks the connector about the request at
+    # the head of its queue at every step, and the connector looked the request's blocks up
+    # in kvd each time: an engine short of memory made one more call at every step (367
+    # lookups for 12 requests in an engine of 14 blocks), and its running requests waited
+    # on each. The answer now stands for kvd_lookup_again_s, and the request is looked up
+    # afresh once vLLM has given it blocks (asked again after a preemption).
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    again_s = 0.5
+    metrics = free_address()
+    with LocalKvd(*KVD, "--metrics", metrics, workdir=tmp_path) as kvd:
+        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra={
+            "kvd_lookup_again_s": again_s}), KVConnectorRole.SCHEDULER)
+        request = Waiting("r0")  # 64 tokens: blocks h0 and h1, the last token computed
+        ns = vc.namespace(scheduler.model, scheduler.block_size, scheduler.kv_dtype, "")
+        with Client(kvd.target) as other:  # another engine stored h0
+            other.admit("w", prompt_tokens=32)
+            other.store("w", ns, [b"h0"])
+            other.commit("w", ns, [b"h0"])
+            other.release("w")
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
+        looked = rpc_counts(metrics, "Lookup")
+        # Steps of 10 ms for two seconds, vLLM without room for the request at each.
+        asks, until = 0, time.monotonic() + 2.0
+        while time.monotonic() < until:
+            assert scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
+            asks += 1
+            time.sleep(0.01)
+        waiting = rpc_counts(metrics, "Lookup") - looked
+        # vLLM gives it blocks, then preempts it: asked again, kvd is asked at once.
+        scheduler.update_state_after_alloc(
+            request, types.SimpleNamespace(get_block_ids=lambda: ([7, 8],)), 32)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (32, False)
+        resumed = rpc_counts(metrics, "Lookup") - looked - waiting
+        scheduler.request_finished(request, [])
+        scheduler.client.close()
+    print(f"\n{asks} asks in 2 s without room: {waiting} lookups")
+    assert asks > 4 * (2 / again_s)  # the test asked far more often than the period
+    assert waiting <= 2 / again_s + 1
+    assert resumed == 1
+
+
+def test_an_engine_short_of_memory_asks_kvd_about_its_waiting_requests_at_a_pace(tmp_path):
+    # The same in a real engine: 14 blocks of its own, and requests of 10 blocks each (200
+    # prompt tokens, 100 output), so one runs while the next waits at the head of vLLM's
+    # queue. Asked at every step, kvd served 1,111 lookups for the 12 requests.
+    from kvd_client.vllm_connector import LOOKUP_AGAIN_S
+
+    n = 12
+    metrics = free_address()
+    long = [[(i * 7 + j) % 500 + 10 for j in range(200)] for i in range(n)]
+    with LocalKvd(*KVD, "--metrics", metrics, workdir=tmp_path) as kvd:
+        engine = Engine(kvd.target, [{"prompts": long, "max_tokens": 100}],
+                        max_model_len=320, gpu_blocks=14)
+        try:
+            run = engine.result()
+        finally:
+            engine.close()
+        lookups = rpc_counts(metrics, "Lookup")
+    print(f"\nrun: {run['run_s']:.1f} s, {lookups} lookups for {n} requests")
+    assert all(len(t) == 100 for t in run["tokens"])
+    # Each request once as it comes and once each time it is scheduled again (preempted),
+    # and the request waiting at the head of the queue once a period while it waits.
+    assert lookups <= 2 * n + run["run_s"] / LOOKUP_AGAIN_S + 1
 
 
 # The connector's queue poll in the tests of how soon it hears kvd's word: its fallback
