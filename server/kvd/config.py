@@ -25,6 +25,7 @@ from kvd.config_values import (
     Address,
     Count,
     FileMode,
+    Flag,
     Fraction,
     Name,
     NonNegative,
@@ -155,7 +156,7 @@ class EngineEventsConfig:
     endpoint: str = ""
     replay_endpoint: str = ""
     topic: str = ""
-    bind: bool = False
+    bind: Flag = False
     tenant: str = ""
     # TensorRT-LLM instead: trtllm-serve's /kv_cache_events, polled every poll_s.
     url: str = ""
@@ -230,9 +231,9 @@ class ClusterConfig:
     etcd: str = ""  # host:port of an etcd member (v3 API)
     node: str = ""  # this node's name in the cluster ("": the host name)
     prefix: str = "/kvd"
-    lease_ttl_s: Annotated[float, Field(ge=2, le=300)] = 10.0
-    reconcile_s: Annotated[float, Field(gt=0, le=60)] = 1.0
-    timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0  # one etcd call, at most
+    lease_ttl_s: Annotated[float, Field(ge=2, le=300, strict=True)] = 10.0
+    reconcile_s: Annotated[float, Field(gt=0, le=60, strict=True)] = 1.0
+    timeout_s: Annotated[float, Field(gt=0, le=60, strict=True)] = 2.0  # one etcd call, at most
 
     def validate(self) -> None:
         if self.etcd:
@@ -329,7 +330,7 @@ class AuthConfig:
     __pydantic_config__ = SCHEMA
     admin_token: str = field(default="", repr=False)
     unix_tenant: str = "default"  # "": unix callers need a token too
-    unix_admin: Annotated[bool, Field(strict=True)] = True  # unix callers may call admin
+    unix_admin: Flag = True  # unix callers may call admin
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +346,7 @@ class Config:
     tls_key: str = ""
     tls_client_ca: str = ""
     # Bearer tokens over TCP without TLS travel in clear: refused unless this says so.
-    allow_plaintext_tokens: Annotated[bool, Field(strict=True)] = False
+    allow_plaintext_tokens: Flag = False
     log_format: Literal["auto", "json", "console"] = "auto"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     grace_s: NonNegative = 10.0

@@ -95,9 +95,13 @@ QuotaPages = Annotated[int, Field(ge=0, le=MAX_QUOTA_PAGES, **_STRICT)]
 Positive = Annotated[float, Field(gt=0, **_STRICT)]  # seconds, milliseconds, weights
 NonNegative = Annotated[float, Field(ge=0, **_STRICT)]
 Fraction = Annotated[float, Field(ge=0, le=1, **_STRICT)]
+Flag = Annotated[bool, Field(**_STRICT)]  # true or false: not "no", 0 or "yes"
 Name = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
-Size = Annotated[int | float | str, AfterValidator(_size)]
-PositiveSizeOrAuto = Annotated[int | float | str, AfterValidator(_positive_size_or_auto)]
+# A number of bytes, or a string with a unit; true or false is neither (a lax int would
+# take true for 1).
+_Bytes = Annotated[int, Field(**_STRICT)] | Annotated[float, Field(**_STRICT)] | str
+Size = Annotated[_Bytes, AfterValidator(_size)]
+PositiveSizeOrAuto = Annotated[_Bytes, AfterValidator(_positive_size_or_auto)]
 Quota = Annotated[Annotated[int, Field(strict=True)] | str, AfterValidator(_quota)]
 Address = Annotated[str, AfterValidator(_address)]
 PolicyName = Annotated[str, AfterValidator(_policy)]

@@ -91,6 +91,19 @@ def test_the_shipped_example_config_loads(tmp_path):
     ({"server": {"tls_cert": "c.pem", "tls_key": "k.pem"}}, "set tcp too"),
     ({"server": {"tcp": "127.0.0.1:1", "tls_client_ca": "ca.pem"}}, "needs tls_cert"),
     ({"server": {"allow_plaintext_tokens": "yes"}}, "allow_plaintext_tokens: Input should"),
+    # Values of another type that kvd read as something else ("no" as true or false, "10"
+    # as ten seconds, true as one byte a second) are refused as the others are.
+    ({"engine": [{"name": "e", "endpoint": "tcp://127.0.0.1:5557", "bind": "no"}]},
+     r"\[\[engine\]\] #1 bind: Input should be a valid boolean \(got 'no'\)"),
+    ({"cluster": {"etcd": "127.0.0.1:2379", "lease_ttl_s": "10"}},
+     r"\[cluster\] lease_ttl_s: Input should be a valid number \(got '10'\)"),
+    ({"cluster": {"etcd": "127.0.0.1:2379", "reconcile_s": True}},
+     r"\[cluster\] reconcile_s: Input should be a valid number \(got True\)"),
+    ({"tenant": [{"name": "a", "bandwidth_cap": True}]},
+     r"bandwidth_cap.int: Input should be a valid integer \(got True\)"),
+    ({"pool": [{"name": "a"}, {"name": "b"}],
+      "link": [{"source": "a", "target": "b", "burst": True}]},
+     r"\[\[link\]\] #1 burst.int: Input should be a valid integer \(got True\)"),
     # Quotas of more pages than kvd reports (uint32 in the API): every tenant listing and
     # pool's stats would fail.
     ({"tenant": [{"name": "a", "guaranteed": 2**32}]},
