@@ -265,6 +265,9 @@ class TenantConfig:
     bandwidth_burst: Size = 0
     request_bandwidth_cap: Size = 0
     read_budget: Size = 0
+    # Whether the tenant's engines share prefix blocks with other tenants' (false: what
+    # they store and look up is in a space of the tenant's own; see Authenticator).
+    share_prefixes: Flag = True
     pools: dict[Name, QuotaOverrides] = field(default_factory=dict)
     cluster: ClusterQuotaConfig | None = None
 

@@ -95,6 +95,8 @@ def test_the_shipped_example_config_loads(tmp_path):
     # as ten seconds, true as one byte a second) are refused as the others are.
     ({"engine": [{"name": "e", "endpoint": "tcp://127.0.0.1:5557", "bind": "no"}]},
      r"\[\[engine\]\] #1 bind: Input should be a valid boolean \(got 'no'\)"),
+    ({"tenant": [{"name": "a", "share_prefixes": "no"}]},
+     r"\[\[tenant\]\] #1 share_prefixes: Input should be a valid boolean"),
     ({"cluster": {"etcd": "127.0.0.1:2379", "lease_ttl_s": "10"}},
      r"\[cluster\] lease_ttl_s: Input should be a valid number \(got '10'\)"),
     ({"cluster": {"etcd": "127.0.0.1:2379", "reconcile_s": True}},

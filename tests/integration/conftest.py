@@ -36,6 +36,8 @@ policy = "lru"
 # guaranteed a quarter of the device, the second limited to half of it, the third weighted
 # twice), rather than only a tenant of its own (True) or all the socket's tenant (False).
 QUOTAS = "quotas"
+# A tenant per engine, the first keeping its prefix blocks apart (share_prefixes = false).
+PRIVATE = "private"
 
 
 def _quotas(device: int) -> dict[int, str]:
@@ -48,19 +50,22 @@ def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool | str], 
                 page_bytes: int, block_tokens: int, engines: int, pool_extra: str = ""):
     """A kvd for a state machine's examples (one process for all of them), of `size`
     (device pages, host pages, whether each engine is a tenant of its own: engineN, with
-    the token engineN-token; QUOTAS: with quotas too); it must be alive when they end.
+    the token engineN-token; QUOTAS: with quotas too; PRIVATE: engine0 shares no prefix
+    blocks, `kvd.private`); it must be alive when they end.
     `pool_extra`: more lines for its pool's table."""
     device, host, tenants = size
     config = MACHINE_CONFIG.format(page_bytes=page_bytes, block_tokens=block_tokens,
                                    device=device, host=host) + pool_extra
     if tenants:
-        quotas = _quotas(device) if tenants == QUOTAS else {}
+        quotas = (_quotas(device) if tenants == QUOTAS else
+                  {0: "share_prefixes = false\n"} if tenants == PRIVATE else {})
         config += "".join(f'\n[[tenant]]\nname = "engine{i}"\ntoken = "engine{i}-token"\n'
                           + quotas.get(i, "") for i in range(engines))
     tmp = tmp_path_factory.mktemp(name)
     (tmp / "kvd.toml").write_text(config)
     with LocalKvd("--config", str(tmp / "kvd.toml"), workdir=tmp) as kvd:
         kvd.tenants = tenants
+        kvd.private = {"engine0"} if tenants == PRIVATE else set()
         kvd.device = device
         yield kvd
         assert kvd.proc.poll() is None, f"kvd died:\n{kvd.log()}"
@@ -93,7 +98,8 @@ def engine_clients(kvd, n: int, timeout_s: float) -> list[AsyncClient]:
 def size_id(size: tuple[int, int, bool | str]) -> str:
     """A machine's (device pages, host pages, a tenant per engine or QUOTAS) as a test id."""
     device, host, tenants = size
-    kind = "-quotas" if tenants == QUOTAS else "-tenants" if tenants else ""
+    kind = (f"-{tenants}" if tenants in (QUOTAS, PRIVATE) else "-tenants" if tenants
+            else "")
     return f"device{device}-host{host}{kind}"
 
 

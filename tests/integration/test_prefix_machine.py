@@ -11,7 +11,8 @@ told it to (fresh), reads the pages its last Load or Access handed it (checked w
 reply comes and again just before its next call: nothing may move them meanwhile), then
 calls again. Every key has its bytes (a key is its tokens' hash: whoever writes it writes
 the same), so every page a Load hands out must hold its key's bytes, whoever stored it,
-whatever happened to it since; a private block holds what its engine wrote, or zeros where
+whatever happened to it since. An engine whose tenant keeps its prefix blocks apart writes
+bytes of its own for each key: it must load only those, and the others never those; a private block holds what its engine wrote, or zeros where
 the reply said to recompute it. No call may hang or fail other than with a documented
 refusal, and kvd's self-check must hold after every call.
 
@@ -35,7 +36,8 @@ from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, KvdC
                         ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
 
-from .conftest import QUOTAS, engine_clients, machine_kvd, on_live_daemons, size_id
+from .conftest import (PRIVATE, QUOTAS, engine_clients, machine_kvd, on_live_daemons,
+                       size_id)
 
 PAGE_BYTES = 64
 BLOCK_TOKENS = 16
@@ -51,14 +53,18 @@ CHAINS = [[hashlib.sha256(b"%s/%d" % (name, i)).digest() for i in range(6)]
 # kept prefixes and one request's blocks fill, a host tier that fills (kept blocks are then
 # dropped), and room; and tenants with a guarantee, a limit and a weight, whose pins on the
 # blocks they share must keep within them.
-SIZES = [(6, 3, True), (8, 16, False), (16, 8, True), (12, 8, QUOTAS)]
+SIZES = [(6, 3, True), (8, 16, False), (16, 8, True), (12, 8, QUOTAS), (8, 8, PRIVATE)]
 
 # What a call may be refused with: no room now, or blocks that moved under a store (it says
 # to store again); a commit of blocks dropped before it (FailedPrecondition says so).
 REFUSED = (ResourceExhaustedError, AbortedError)
 
 
-def key_bytes(key: bytes) -> bytes:
+def key_bytes(key: bytes, space: str = "") -> bytes:
+    """A key's bytes, as an engine whose prefix blocks are in `space` writes them ("": the
+    space the tenants that share have in common)."""
+    if space:
+        key = hashlib.sha256(space.encode() + key).digest()
     return (key * (PAGE_BYTES // len(key) + 1))[:PAGE_BYTES]
 
 
@@ -83,7 +89,7 @@ class Engine:
     before its next call (the fresh pages of its last Store, written then)."""
 
     def __init__(self, name: str, client: AsyncClient, mapped: MappedPool,
-                 operator: Operator, tenant: bool) -> None:
+                 operator: Operator, tenant: bool, private: bool = False) -> None:
         self.name = name
         self.operator = operator
         self.client = client
@@ -98,6 +104,7 @@ class Engine:
         self.generation = 0
         self.loads = 0
         self.tenant = tenant  # whether it is a tenant of its own (engineN)
+        self.space = name if private else ""  # whose prefix blocks it stores and loads
 
     def check(self, handle: pb.PageHandle, want: bytes, what: str) -> None:
         got = self.mapped.read(handle)[:len(want)].tobytes()
@@ -110,7 +117,7 @@ class Engine:
             self.check(handle, want, "a page it was handed")
         self.readable = []
         for handle, key in self.to_write:
-            self.mapped.write(handle, np.frombuffer(key_bytes(key), np.uint8))
+            self.mapped.write(handle, np.frombuffer(key_bytes(key, self.space), np.uint8))
             self.written.append(key)
         self.to_write = []
 
@@ -191,8 +198,9 @@ async def _step(engine: Engine, admin: AsyncClient, kind: int, a: int, b: int) -
             return
         assert len(reply.handles) <= len(keys)
         for handle, key in zip(reply.handles, keys):
-            engine.check(handle, key_bytes(key), f"prefix block {chain.index(key)}")
-            engine.readable.append((handle, key_bytes(key)))
+            want = key_bytes(key, engine.space)
+            engine.check(handle, want, f"prefix block {chain.index(key)}")
+            engine.readable.append((handle, want))
         engine.loads += len(reply.handles)
     elif kind == 4:  # grow private blocks (pressure on the kept prefixes) and write them
         reply = await _call(engine, lambda: c.allocate(rid, 1 + b % 3))
@@ -271,7 +279,7 @@ async def _example(kvd, operations, policy: str) -> int:
         clients = engine_clients(kvd, 3, STUCK_S)
         operator = Operator()
         engines = operator.others = [Engine(f"engine{i}", c, mapped, operator,
-                                            bool(kvd.tenants))
+                                            bool(kvd.tenants), f"engine{i}" in kvd.private)
                                      for i, c in enumerate(clients)]
         try:
             for e in engines:

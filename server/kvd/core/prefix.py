@@ -36,6 +36,9 @@ from kvd.core.transfer import Reason, TransferPlan
 # Keepers' request ids: a NUL cannot be in an engine's request id, so none can collide.
 KEEPER_PREFIX = "\0kept/"
 MAX_KEY_BYTES = 256
+# A tenant's private namespace (see Authenticator.prefix_namespace) is its name (64 characters
+# at most) and two more before the namespace it names.
+PRIVATE_ROOM = 66
 # What a request may say of the shared blocks it uses: they are other requests' too, so only
 # what holds per user (a pin, held while any user asks for it) or can only make a block
 # matter more (the earliest deadline stands, until it passes).
@@ -53,10 +56,14 @@ def check_intent(intent: dict | None) -> None:
     intents.validate(intent)
 
 
+def check_namespace(namespace: str, most: int = MAX_KEY_BYTES) -> None:
+    if len(namespace) > most:
+        raise InvalidArgument(f"namespace is longer than {most} characters")
+
+
 def check_keys(namespace: str, keys: Sequence[bytes]) -> None:
     """InvalidArgument unless the keys are non-empty, short, and distinct."""
-    if len(namespace) > MAX_KEY_BYTES:
-        raise InvalidArgument(f"namespace is longer than {MAX_KEY_BYTES} characters")
+    check_namespace(namespace, MAX_KEY_BYTES + PRIVATE_ROOM)
     if not keys:
         raise InvalidArgument("no block keys given")
     for k in keys:

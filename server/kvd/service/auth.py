@@ -7,7 +7,8 @@ import hmac
 from dataclasses import dataclass
 
 from kvd.config import Config
-from kvd.core.errors import KvdError, PermissionDenied, Unauthenticated
+from kvd.core.errors import InvalidArgument, KvdError, PermissionDenied, Unauthenticated
+from kvd.core.prefix import check_namespace
 from kvd.leases import LEASE_METADATA
 
 
@@ -77,6 +78,8 @@ class Authenticator:
         self._unix_tenant = config.auth.unix_tenant
         self._unix_admin = config.auth.unix_admin
         self._plaintext_tokens_ok = bool(config.tls_cert) or config.allow_plaintext_tokens
+        self._private_prefixes = frozenset(t.name for t in config.tenants
+                                           if not t.share_prefixes)
 
     def identify(self, context) -> Caller:
         token = lease = ""
@@ -104,6 +107,25 @@ class Authenticator:
         if lease and self.leases is not None:
             self.leases.renew(lease)
         return Caller(tenant, admin, lease)
+
+    def prefix_namespace(self, caller: Caller, namespace: str) -> str:
+        """The namespace in kvd of the prefix blocks a caller names in `namespace`.
+
+        Prefix blocks are shared by name: a tenant reads the bytes another stored under the
+        same name, and two engines storing one name at once both write its page. A tenant
+        with `share_prefixes = false` stores and looks up its blocks in a space of its own
+        (`NUL tenant /` before its namespace, which no tenant may name itself): it reads no
+        other tenant's bytes, and no other tenant reads or writes its. The admin names
+        namespaces whole, as they are kept (a peer's handoff carries a tenant's private
+        blocks so)."""
+        if caller.admin:
+            return namespace
+        check_namespace(namespace)
+        if "\0" in namespace:
+            raise InvalidArgument("a namespace may not hold a NUL character")
+        if caller.tenant in self._private_prefixes:
+            return f"\0{caller.tenant}/{namespace}"
+        return namespace
 
     def stream_owner(self, context) -> str | None:
         """The tenant whose open streams a new stream counts among (max_streams_per_tenant):

@@ -129,7 +129,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits.check(len(request.keys), "block keys", blocks=True)
         pool = request.pool or "default"
         self._may_use(pool, caller.tenant or "default")
-        run = self.node.shared.lookup(pool, request.namespace, list(request.keys))
+        run = self.node.shared.lookup(
+            pool, self.auth.prefix_namespace(caller, request.namespace), list(request.keys))
         return pb.LookupResponse(num_hit=len(run), tiers=[int(b.tier) for b in run])
 
     @unary
@@ -137,7 +138,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits.check(len(request.keys), "block keys", blocks=True)
         rid = caller.ns + request.request_id
         blocks, fresh, stall_s = await self.node.shared.store(
-            rid, request.namespace, list(request.keys), caller.scope, holder=caller.holder,
+            rid, self.auth.prefix_namespace(caller, request.namespace), list(request.keys),
+            caller.scope, holder=caller.holder,
             intent=intent_fields(request.intent))
         page_bytes = self._page_bytes(rid)
         return pb.StoreResponse(
@@ -148,16 +150,21 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitResponse:
         self.limits.check(len(request.keys), "block keys", blocks=True)
-        n = await self.node.shared.commit(caller.ns + request.request_id, request.namespace,
-                                   list(request.keys), caller.scope)
+        n = await self.node.shared.commit(
+            caller.ns + request.request_id,
+            self.auth.prefix_namespace(caller, request.namespace), list(request.keys),
+            caller.scope)
         return pb.CommitResponse(num_committed=n)
 
     @unary
     async def Load(self, request: pb.LoadRequest, caller: Caller) -> pb.LoadResponse:
         self.limits.check(len(request.keys), "block keys", blocks=True)
         rid = caller.ns + request.request_id
-        blocks = await self.node.shared.load(rid, request.namespace, list(request.keys),
-                                             caller.scope, holder=caller.holder,
+        blocks = await self.node.shared.load(rid,
+                                             self.auth.prefix_namespace(caller,
+                                                                        request.namespace),
+                                             list(request.keys), caller.scope,
+                                             holder=caller.holder,
                                              intent=intent_fields(request.intent))
         page_bytes = self._page_bytes(rid)
         return pb.LoadResponse(handles=[shared_handle(b, page_bytes, request.request_id, i)
