@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvd.config import (
     AuthConfig,
+    ClusterConfig,
     Config,
     EngineEventsConfig,
     LinkConfig,
@@ -112,6 +113,13 @@ EDITED_TENANT = tenant_table(SMALL_QUOTA | BIG_QUOTA)
 def near_valid(draw, wild: bool = True) -> dict:
     """A config an operator may well write: pools, tenants, a link, and now and then a
     value or two gone wild."""
+    return draw(near_valid_with_wild(wild))[0]
+
+
+@st.composite
+def near_valid_with_wild(draw, wild: bool = True, least: int = 0
+                         ) -> tuple[dict, list[tuple]]:
+    """near_valid(), and its values gone wild: (section, index, key, value) each."""
     doc = {"pool": draw(st.lists(POOL, min_size=1, max_size=2, unique_by=lambda p: p["name"])),
            "tenant": draw(st.lists(TENANT, max_size=3, unique_by=lambda t: t["name"]))}
     if draw(st.booleans()):  # quotas over a cluster of kvds too
@@ -121,14 +129,30 @@ def near_valid(draw, wild: bool = True) -> dict:
     if len(doc["pool"]) == 2 and draw(st.booleans()):
         doc["link"] = [{"source": doc["pool"][0]["name"], "target": doc["pool"][1]["name"],
                         "bandwidth": "1GiB/s"}]
-    for _ in range(draw(st.integers(0, 2)) if wild else 0):
-        section = draw(st.sampled_from(["pool", "tenant", "server"]))
-        if section == "server":
-            doc.setdefault("server", {})[draw(st.sampled_from(SERVER_KEYS))] = draw(VALUES)
-        elif doc[section]:
-            cls = PoolConfig if section == "pool" else TenantConfig
-            draw(st.sampled_from(doc[section]))[draw(st.sampled_from(keys(cls)))] = draw(VALUES)
-    return doc
+    if draw(st.booleans()):  # an engine whose KV events kvd follows
+        doc["engine"] = [{"name": "e", "endpoint": "tcp://127.0.0.1:5557"}]
+    changed = {}
+    for _ in range(draw(st.integers(least, 2)) if wild else 0):
+        section = draw(st.sampled_from(sorted(WILD)))
+        cls, keys_of = WILD[section]
+        value = draw(VALUES | CONFUSERS)
+        key = draw(st.sampled_from(keys_of))
+        if cls is None:  # a table of its own
+            doc.setdefault(section, {})[key] = value
+            changed[(section, 0, key)] = value
+        elif doc.get(section):
+            index = draw(st.integers(0, len(doc[section]) - 1))
+            doc[section][index][key] = value
+            changed[(section, index, key)] = value
+    return doc, [(*where, value) for where, value in changed.items()]
+
+
+# Where near_valid() puts a wild value: lists of tables (their class), and tables (None).
+WILD = {"pool": (PoolConfig, keys(PoolConfig)), "tenant": (TenantConfig, keys(TenantConfig)),
+        "link": (LinkConfig, keys(LinkConfig)), "engine": (EngineEventsConfig,
+                                                            keys(EngineEventsConfig)),
+        "server": (None, SERVER_KEYS), "auth": (None, keys(AuthConfig)),
+        "cluster": (None, keys(ClusterConfig))}
 
 
 def _one_line_or_config(doc: dict) -> Config | None:
@@ -155,6 +179,39 @@ def test_any_config_document_is_taken_or_refused_in_one_line(doc):
             cluster = tenant.cluster_quota(pool.resolved_page_bytes)
             assert cluster is None or cluster.limit is None or (
                 cluster.guaranteed <= cluster.limit)
+
+
+# Values a lax reader takes for another kind: a flag for a number, a word for a flag, a
+# number in a string for a number.
+CONFUSERS = st.sampled_from([True, False, 0, 1, "no", "yes", "true", "off", "0", "10", "0.5"])
+
+
+def _number_like(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+@settings(SETTINGS, max_examples=EXAMPLES * 4)  # cheap, and each example tries one or two
+@given(near_valid_with_wild(least=1))
+def test_a_value_kvd_takes_is_taken_as_what_it_is(case):
+    # A value of the wrong kind is refused, never read as another: "no" is not false, 0
+    # is not false, true is not one byte, "0.5" is not a half.
+    doc, wild = case
+    config = _one_line_or_config(doc)
+    if config is None:
+        return
+    for section, index, key, value in wild:
+        entry = {"server": config, "auth": config.auth, "cluster": config.cluster}.get(
+            section) or getattr(config, {"pool": "pools", "tenant": "tenants", "link": "links",
+                                         "engine": "engines"}[section])[index]
+        stored = getattr(entry, key)
+        what = f"{section} {key} = {value!r} taken as {stored!r}"
+        assert isinstance(stored, bool) == isinstance(value, bool), what
+        if isinstance(value, str) and _number_like(value):
+            assert not isinstance(stored, (int, float)), what
 
 
 def _toml(doc: dict) -> str:
