@@ -13,7 +13,7 @@ from kvd.assembly import Links, apply_caps
 from kvd.config import Config
 from kvd.config_values import check_quota_pages
 from kvd.core.clock import Clock
-from kvd.core.errors import InvalidArgument, NotFound
+from kvd.core.errors import InvalidArgument, NotFound, check_printable
 from kvd.core.fairness import TenantQuota
 from kvd.events import EventBus, publish_admitted
 from kvd.runtime import PoolRuntime
@@ -112,6 +112,7 @@ class Quotas:
         names."""
         if not tenant:
             raise InvalidArgument("tenant must not be empty")
+        check_printable("tenant", tenant)
         if reset:
             if tenant not in self.known():
                 raise NotFound(f"no tenant {tenant!r}")

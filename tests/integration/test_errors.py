@@ -51,6 +51,17 @@ async def _state(client):
         (lambda c: c.admit("z", 16, tenant="t" * 300), InvalidArgumentError, "tenant is longer"),
         (lambda c: c.update_intents([intent_update("y" * 4096, 0)]), InvalidArgumentError,
          "updates.request_id is longer"),
+        # Ids and names are shown to operators (kvctl, logs, events): none may hold a
+        # control character, which would drive their terminal or make one id look like
+        # another. kvd took all of these but the NUL.
+        (lambda c: c.admit("z\x1b]0;pwned\x07", 16), InvalidArgumentError,
+         r"request_id must not hold control characters (found \x1b)"),
+        (lambda c: c.admit("z\x00", 16), InvalidArgumentError, "control characters"),
+        (lambda c: c.admit("abc\u202edef", 16), InvalidArgumentError, r"(found \u202e)"),
+        (lambda c: c.admit("z", 16, tenant="t\x1b[2J"), InvalidArgumentError,
+         r"tenant must not hold control characters (found \x1b)"),
+        (lambda c: c.set_quota("t\r", weight=2, create=True), InvalidArgumentError,
+         r"tenant must not hold control characters (found \r)"),
         (lambda c: c.watch_events(buffer=10**9).__anext__(), InvalidArgumentError,
          "buffer is at most"),
         # Work per call is bounded.

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from kvd.core.blocks import Request, RequestState
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
-from kvd.core.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, short_repr
+from kvd.core.errors import (FailedPrecondition, InvalidArgument, ResourceExhausted,
+                             check_printable, short_repr)
 from kvd.core.pages import PageTable
 from kvd.core.reservation import Reserver, Verdict
 from kvd.core.tenancy import Tenancy, tally
@@ -482,8 +483,7 @@ class Admission:
         holds the prompt's pages here; its output is decoded in the handoff pool."""
         if not request_id:
             raise InvalidArgument("request_id must not be empty")
-        if "\0" in request_id:
-            raise InvalidArgument("request_id must not contain NUL characters")
+        check_printable("request_id", request_id)
         if prompt_tokens < 0 or output_tokens < 0:
             raise InvalidArgument("token counts must be >= 0")
         if prompt_tokens + output_tokens == 0:

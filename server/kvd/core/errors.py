@@ -70,3 +70,15 @@ class NoVictims(BlocksInTransit):
 def short_repr(text: str, limit: int = 64) -> str:
     """A repr of text for an error message, at most about `limit` characters."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
+
+
+def check_printable(what: str, value: str) -> None:
+    """InvalidArgument when an id or name holds a control character (NUL, ESC, DEL, C1, or
+    a format character such as a right-to-left override): ids and names are shown to
+    operators (kvctl, logs, events), where an ESC would drive their terminal and a format
+    character would make one id read as another."""
+    if value.isprintable():  # the space is (and is allowed); the check runs in C
+        return
+    c = next(c for c in value if not c.isprintable())
+    raise InvalidArgument(f"{what} must not hold control characters (found "
+                          f"{c.encode('unicode_escape').decode()})")

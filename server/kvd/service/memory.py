@@ -77,6 +77,7 @@ class MemoryService(pb_grpc.MemoryServicer):
     @unary
     async def Admit(self, request: pb.AdmitRequest, caller: Caller) -> pb.AdmitResponse:
         tenant = request.tenant or caller.tenant or "default"
+        errors.check_printable("tenant", tenant)
         if not caller.may_touch(tenant):
             raise errors.PermissionDenied(
                 f"caller is tenant {caller.tenant!r}; it cannot admit for {tenant!r}")
