@@ -63,6 +63,28 @@ def _numbers(message, data: dict) -> None:
             data[field.name] = [int(v) for v in value] if field.is_repeated else int(value)
 
 
+class Shown(Console):
+    """A console for what kvd says: much of it is the tenants' own words (request ids,
+    which any tenant chooses), shown as written. Not read as rich's markup: an id like
+    "[/]" stopped every table with a traceback, and "[link=...]" hid part of itself. And
+    its control characters written escaped (ESC as \\x1b): raw, they would drive the
+    operator's terminal (clear it, retitle it, hide what follows)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(markup=False, emoji=False, **kwargs)
+
+    def render_str(self, text: str, **kwargs):
+        return super().render_str(printable(text), **kwargs)
+
+
+def printable(text: str) -> str:
+    """The text with each control character (but line breaks) escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode()
+                   for c in text)
+
+
 def _mib(pages: int, page_bytes: int) -> str:
     return f"{pages * page_bytes / 2**20:,.0f} MiB"
 
@@ -360,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvctl: cannot read --token-file {args.token_file}: {exc}", file=sys.stderr)
             return 2
     console = Console()
-    out = Console(width=max(console.width, 160))
+    out = Shown(width=max(console.width, 160))
     try:
         tls = (Tls(args.tls_ca, args.tls_cert, args.tls_key)
                if args.tls_ca or args.tls_cert else None)
@@ -447,7 +469,7 @@ def _run(args, client: Client, out: Console) -> int:
             if args.json:
                 print(json.dumps(_json(event)), flush=True)
             elif event.kind == "gap":
-                out.print(f"[red]-- lost {event.lost} event(s) --")
+                out.print(f"-- lost {event.lost} event(s) --", style="red")
             else:
                 detail = " ".join(f"{k}={v}" for k, v in sorted(event.detail.items()) if v)
                 out.print(f"{event.seq:>8} {time.strftime('%H:%M:%S', time.localtime(event.time_s))}"

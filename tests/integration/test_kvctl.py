@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -148,6 +149,47 @@ def test_top_without_a_terminal_prints_its_view(busy_kvd):
         proc.wait()
         proc.stdout.close()
     assert views >= 2, out  # a view every refresh
+
+
+# Request ids any tenant may choose that rich's markup reads as its own: a closing tag
+# (kvctl stopped with a traceback on every table listing it) and a link (shown as "xy").
+MARKUP_IDS = ("[/]", "x[link=http://evil]y", "[bold red]ok[/bold red]")
+
+
+def test_a_request_id_is_shown_as_written_whatever_it_looks_like(kvd):
+    with Client(kvd.target, lease="") as client:
+        for rid in MARKUP_IDS:
+            client.admit(rid, 16, tenant="t1")
+    for args in (("requests",), ("top", "--count", "1")):
+        shown = kvctl(kvd.target, *args)
+        assert shown.returncode == 0, shown.stderr
+        assert all(rid in shown.stdout for rid in MARKUP_IDS), shown.stdout
+    for rid in MARKUP_IDS:
+        explained = kvctl(kvd.target, "explain", rid)
+        assert explained.returncode == 0, explained.stderr
+        assert explained.stdout.lstrip().startswith(rid), explained.stdout
+
+
+def test_control_characters_from_kvd_reach_the_terminal_escaped():
+    # kvd refuses ids and names with control characters, but kvctl may talk to a kvd that
+    # took them (an older one), and an ESC written raw drives the operator's terminal: a
+    # title set, the screen cleared, a line hidden.
+    import io
+
+    from kvd_client import pb
+    from kvd_client.kvctl import Shown, explain_table, requests_table
+
+    rid = "a\x1b]0;pwned\x07b\x1b[2J\u202ec"
+    out = io.StringIO()
+    console = Shown(file=out, width=200, force_terminal=True)
+    console.print(requests_table([pb.RequestInfo(request_id=rid, tenant="t\x1b[8m")], "x"))
+    console.print(explain_table(pb.ExplainResponse(request_id=rid, tenant="t")))
+    text = out.getvalue()
+    assert "\x07" not in text and "\u202e" not in text
+    # Rich's own styles are ESC [ ... m; nothing else may start with an ESC.
+    assert not re.search("\x1b(?!\\[[0-9;]*m)", text), repr(text)
+    assert "\\x1b]0;pwned\\x07b\\x1b[2J\\u202ec" in text
+    assert "t\\x1b[8m" in text
 
 
 def test_json_gives_64_bit_integers_as_numbers_not_strings(busy_kvd):
