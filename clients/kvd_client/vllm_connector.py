@@ -22,11 +22,12 @@ scheduler asks about it again at every step: kvd is asked again only once the la
 is `kvd_lookup_again_s` old (an engine short of memory would otherwise make one more call to
 kvd at every step, waited for by every running request), and afresh once vLLM has given the
 request blocks (to be asked again after a preemption). An answer kvd has since changed is a
-miss (computed), or a hit the worker cannot load (recomputed, see below). A request admitted by no one (kvd's budget for its tenant
-is spent) is told to wait: the connector answers None until kvd admits it. vLLM asks about
-every waiting request at every step; rather than ask kvd after each (a tenant that floods the
-engine with requests kvd queues would have the scheduler call kvd thousands of times a
-second, and every running request wait on those calls), the connector follows kvd's
+miss (computed), or a hit the worker cannot load (recomputed, see below). A request
+admitted by no one (kvd's budget for its tenant is spent) is told to wait: the connector
+answers None until kvd admits it. vLLM asks about every waiting request at every step;
+rather than ask kvd after each (a tenant that floods the engine with requests kvd queues
+would have the scheduler call kvd thousands of times a second, and every running request
+wait on those calls), the connector follows kvd's
 admission events on a stream of its own, from the engine's start, and asks kvd after a
 queued request only every QUEUE_FALLBACK_POLLS x `kvd_queue_poll_s` (every
 `kvd_queue_poll_s` while the stream is down or new, and at once for all of them when kvd
