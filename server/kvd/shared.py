@@ -65,7 +65,14 @@ class SharedBlocks:
         # and whoever commits first publishes bytes it wrote. A block still moving (placed
         # for another store, or between tiers) is not written into; and a request commits
         # only what it was told to write, so none publishes a page nobody wrote.
-        return blocks, rt.pool.prefixes.to_write(request_id, blocks), stall_s
+        fresh = rt.pool.prefixes.to_write(request_id, blocks)
+        if holder:
+            # What the engine is told to write is held for it until its next call, as new
+            # pages are: a block found still moving (between tiers, or placed for another
+            # store) was not held when the store was planned, and a release before the
+            # engine wrote it would have given its page to another request.
+            rt.pool.pages.holds.hold_unheld(holder, [b for b, f in zip(blocks, fresh) if f])
+        return blocks, fresh, stall_s
 
     def _not_handing_off(self, request_id: str, rt: PoolRuntime) -> None:
         """Refuse a store while the request is handed off, or once it left the pool the

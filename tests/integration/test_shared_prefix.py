@@ -227,3 +227,43 @@ async def test_a_block_still_being_placed_is_published_only_by_the_store_that_wr
                 assert (await a.self_check()).ok
             finally:
                 arena.close()
+
+
+async def test_an_engine_is_never_told_to_write_a_page_that_may_be_given_away(tmp_path):
+    """A stored a prefix block, wrote it, and called again before committing it; the block
+    went to the host tier under B's allocation. A stored it again, and kvd told it to write
+    the block where it was: in its host page. The operator released A's request before A's
+    engine wrote, and kvd gave that host page (kept out of use only in the device tier) to
+    the next block demoted: one of B's. A's write then landed in B's block, and B read A's
+    bytes. An engine is now told to write device pages only, which kvd keeps until its next
+    call."""
+    with LocalKvd("--device-pages", "2", "--host-pages", "2", "--page-bytes", "4096",
+                  "--policy", "lru", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as a, AsyncClient(kvd.target) as b, \
+                AsyncClient(kvd.target) as operator:
+            arena = MappedPool(await operator.export_pool())
+            try:
+                await a.admit("a", prompt_tokens=16)
+                (h,) = (await a.store("a", NS, KEYS[:1])).handles
+                _fill(arena, h, KEYS[0])
+                await a.keep_alive()  # called again, the block not committed yet
+                await b.admit("b", prompt_tokens=32)
+                mine = {h.block_index: bytes([h.block_index + 1]) * 32
+                        for h in (await b.allocate("b", 2)).handles}
+                for h in (await b.access("b")).handles:
+                    _fill(arena, h, mine[h.block_index])
+                await b.keep_alive()
+                again = await a.store("a", NS, KEYS[:1])  # found in the host tier
+                told = [h for h, fresh in zip(again.handles, again.fresh) if fresh]
+                assert all(h.tier == pb.TIER_DEVICE for h in told), "told to write a host page"
+                await operator.release("a")  # while A's engine writes
+                await operator.evict(2)  # B's blocks demoted: into the host pages free now
+                for h in told:  # A's engine writes what it was told to, as it was told
+                    _fill(arena, h, KEYS[0])
+                await a.keep_alive()
+                for h in (await b.access("b")).handles:
+                    assert _holds(arena, h, mine[h.block_index]), \
+                        f"B's block {h.block_index} holds another request's bytes"
+                assert (await operator.self_check()).ok
+            finally:
+                arena.close()

@@ -78,6 +78,16 @@ class Holds:
             self.policy.remove(block)
         self.count += 1
 
+    def hold_unheld(self, holder: str, blocks: list[Block]) -> None:
+        """Hold those of these device blocks the holder does not hold yet (hold_one)."""
+        if not blocks:
+            return
+        entry = self._by_holder.get(holder)
+        mine = {id(b) for b in entry[1]} if entry is not None else set()
+        for b in blocks:
+            if id(b) not in mine:
+                self.hold_one(holder, b)
+
     def _entry(self, holder: str) -> tuple[float, list[Block], list[list[Request]]]:
         entry = self._by_holder.get(holder)
         if entry is None:

@@ -173,15 +173,24 @@ class Prefixes:
         return plan, blocks
 
     @staticmethod
-    def to_write(request_id: str, blocks: Sequence[Block]) -> list[bool]:
+    def to_write(request_id: str, blocks: Sequence[Block], engine: bool = True) -> list[bool]:
         """Which of these blocks, just stored for a request, its engine is to write: those kvd has
         no written bytes for (new pages, or another request's not yet committed: both write
         the same bytes, a name being its tokens' hash) that are in place (a block still
         moving, placed for another store or between tiers, is not written into). The
-        request may commit those, and only those (see commit)."""
+        request may commit those, and only those (see commit).
+
+        An engine is told to write only blocks in the device tier, whose pages kvd keeps out
+        of use until its next call should the block go meanwhile (Holds.keep): one in the
+        host tier (another request stored it, and it was demoted before being committed)
+        is left to that request's engine. Told to write it, an engine whose request was
+        released before it wrote wrote into a host page kvd had given to another request's
+        demoted block. (kvd's own writers, `engine=False`, write before anything else runs.)"""
         fresh = []
         for b in blocks:
-            told = not b.committed and not b.moving and b.tier is not TierKind.NONE
+            told = (not b.committed and not b.moving
+                    and (b.tier is TierKind.DEVICE
+                         or not engine and b.tier is not TierKind.NONE))
             if told:
                 if b.writers is None:
                     b.writers = set()
@@ -193,7 +202,7 @@ class Prefixes:
     def writes_of(cls, request_id: str, items: Sequence[tuple], at: int) -> list[tuple]:
         """The items (tuples) whose block, item[at], the request is to write (to_write):
         for kvd's own writers of stored blocks (a handoff's copies, a peer's pages)."""
-        told = cls.to_write(request_id, [item[at] for item in items])
+        told = cls.to_write(request_id, [item[at] for item in items], engine=False)
         return [item for item, write in zip(items, told) if write]
 
     def commit(self, req: Request, namespace: str, keys: Sequence[bytes]) -> int:
