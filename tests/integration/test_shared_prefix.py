@@ -267,3 +267,27 @@ async def test_an_engine_is_never_told_to_write_a_page_that_may_be_given_away(tm
                 assert (await operator.self_check()).ok
             finally:
                 arena.close()
+
+
+async def test_a_commit_publishes_only_what_the_last_store_said_to_write(tmp_path):
+    """A's store was told to write a new block, and its engine never wrote it (its copy
+    failed). The block went to the host tier uncommitted under B's allocation, and A stored
+    it again: not fresh this time (kvd tells engines to write device pages only). A commit of
+    every key A stored, which the API says leaves alone the keys its Store reply did not
+    mark fresh, committed it all the same, A being the request told to write it at the
+    first store: lookups then found a page nobody had written, and every engine loaded its
+    unwritten bytes as the prefix's KV."""
+    with LocalKvd("--device-pages", "2", "--host-pages", "2", "--page-bytes", "4096",
+                  "--policy", "lru", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as a, AsyncClient(kvd.target) as b:
+            await a.admit("a", prompt_tokens=16)
+            first = await a.store("a", NS, KEYS[:1])
+            assert list(first.fresh) == [True]  # ... and its engine never writes it
+            await a.keep_alive()  # called again, the block not committed
+            await b.admit("b", prompt_tokens=32)
+            await b.allocate("b", 2)  # pushes A's block out of the device tier
+            again = await a.store("a", NS, KEYS[:1])
+            assert again.handles[0].tier == pb.TIER_HOST and list(again.fresh) == [False]
+            committed = (await a.commit("a", NS, KEYS[:1])).num_committed
+            assert committed == 0, "committed a key its Store reply did not mark fresh"
+            assert (await b.lookup(NS, KEYS[:1])).num_hit == 0, "a page nobody wrote is found"

@@ -185,7 +185,12 @@ class Prefixes:
         host tier (another request stored it, and it was demoted before being committed)
         is left to that request's engine. Told to write it, an engine whose request was
         released before it wrote wrote into a host page kvd had given to another request's
-        demoted block. (kvd's own writers, `engine=False`, write before anything else runs.)"""
+        demoted block. (kvd's own writers, `engine=False`, write before anything else runs.)
+
+        What the request's latest store says stands: an uncommitted block it is not told to
+        write now is no longer its to commit, even if an earlier store told it to. (Its
+        engine may never have written it then; the page went to the host tier unwritten,
+        and a commit of every key stored published it.)"""
         fresh = []
         for b in blocks:
             told = (not b.committed and not b.moving
@@ -195,6 +200,8 @@ class Prefixes:
                 if b.writers is None:
                     b.writers = set()
                 b.writers.add(request_id)
+            elif b.writers:
+                b.writers.discard(request_id)
             fresh.append(told)
         return fresh
 
