@@ -257,7 +257,7 @@ async def test_an_engine_is_never_told_to_write_a_page_that_may_be_given_away(tm
                 told = [h for h, fresh in zip(again.handles, again.fresh) if fresh]
                 assert all(h.tier == pb.TIER_DEVICE for h in told), "told to write a host page"
                 await operator.release("a")  # while A's engine writes
-                await operator.evict(2)  # B's blocks demoted: into the host pages free now
+                await operator.evict(1)  # B's device block demoted: into a host page free now
                 for h in told:  # A's engine writes what it was told to, as it was told
                     _fill(arena, h, KEYS[0])
                 await a.keep_alive()
@@ -291,3 +291,37 @@ async def test_a_commit_publishes_only_what_the_last_store_said_to_write(tmp_pat
             committed = (await a.commit("a", NS, KEYS[:1])).num_committed
             assert committed == 0, "committed a key its Store reply did not mark fresh"
             assert (await b.lookup(NS, KEYS[:1])).num_hit == 0, "a page nobody wrote is found"
+
+
+async def test_a_block_its_writer_never_wrote_is_written_by_the_next_request_to_store_it(
+        tmp_path):
+    """A's engine never wrote a new block (it died, or its copy failed), and the block went to
+    the host tier uncommitted. Engines are told to write device pages only, so every later
+    store of the key was told there was nothing to write: while some request used the
+    block, no engine wrote it and no lookup found it. A hot prefix (a system prompt) was
+    never cached again. A store now brings such a block back to the device to be written."""
+    with LocalKvd("--device-pages", "2", "--host-pages", "4", "--page-bytes", "4096",
+                  "--policy", "lru", "--admission", "reservation", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as a, AsyncClient(kvd.target) as b, \
+                AsyncClient(kvd.target) as c:
+            arena = MappedPool(await c.export_pool())
+            try:
+                await a.admit("a", prompt_tokens=16)
+                assert list((await a.store("a", NS, KEYS[:1])).fresh) == [True]
+                await a.keep_alive()  # its engine never writes the block
+                await b.admit("b", prompt_tokens=32)
+                await b.allocate("b", 2)  # pushes the block out of the device tier
+                await b.keep_alive()
+                await c.admit("c", prompt_tokens=16)
+                reply = await _store_and_write(c, arena, "c", KEYS[:1])
+                assert list(reply.fresh) == [True], "nobody is left to write the block"
+                assert reply.handles[0].tier == pb.TIER_DEVICE
+                await a.release("a")
+                assert (await b.lookup(NS, KEYS[:1])).num_hit == 1
+                await b.release("b")
+                await b.admit("b2", prompt_tokens=16)
+                (h,) = (await b.load("b2", NS, KEYS[:1])).handles
+                assert _holds(arena, h, KEYS[0])
+                assert (await c.self_check()).ok
+            finally:
+                arena.close()

@@ -465,15 +465,20 @@ class PageTable:
         protected = {b for b in keep if b.tier is TierKind.DEVICE}
         pages, demotions = self.make_room(len(missing), req, reason, protected, holder)
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
+        plan.promotions = self.moves_in(missing, pages)
+        return plan
+
+    def moves_in(self, blocks: Sequence[Block], pages: Sequence[int]) -> list[Move]:
+        """The moves bringing these blocks (in the host tier, or dropped) to these device
+        pages, which make_room claimed."""
         self.moves += 1
-        for block, page in zip(missing, pages):
+        moves = []
+        for block, page in zip(blocks, pages):
             self.device.owner[page] = block
             self.start_moving(block)
             kind = MoveKind.PROMOTE if block.tier is TierKind.HOST else MoveKind.REMATERIALIZE
-            plan.promotions.append(
-                Move(block, kind, block.tier, block.page, TierKind.DEVICE, page, False)
-            )
-        return plan
+            moves.append(Move(block, kind, block.tier, block.page, TierKind.DEVICE, page, False))
+        return moves
 
     def refill(self) -> TransferPlan | None:
         """Under a fair policy, demote pages of tenants above their fair share, or kept

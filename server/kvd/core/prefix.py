@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from kvd.core import intent as intents
 from kvd.core.admission import Admission, counted_pages
 from kvd.core.blocks import Block, Request, RequestState, TierKind, pin_tenant
-from kvd.core.errors import FailedPrecondition, InvalidArgument
+from kvd.core.errors import (BlocksInTransit, FailedPrecondition, InvalidArgument,
+                             ResourceExhausted)
 from kvd.core.pages import PageTable
 from kvd.core.tenancy import Tenancy, tally
 from kvd.core.transfer import Reason, TransferPlan
@@ -136,16 +137,34 @@ class Prefixes:
         for b, _ in taken_over:
             self._use(req, b)
             used.add(id(b))
+        # Blocks nobody committed that went to the host tier come back to be written: an
+        # engine is told to write device pages only (to_write), so there the block would
+        # stay unwritten, and unfound, while any request uses it (a hot prefix, never
+        # cached again, after one engine that stored it died before writing).
+        lift = [b for b in found if b is not None and not b.committed and not b.moving
+                and b.tier is TierKind.HOST]
+        # The blocks found are handed back: none may be a victim of the new pages' room.
+        kept = [b for b in found if b is not None]
         try:
-            # The blocks found are handed back: none may be a victim of the new pages' room.
-            page_numbers, demotions = pages.make_room(
-                len(fresh), req, Reason.ALLOCATE, [b for b in found if b is not None],
-                holder)
+            try:
+                page_numbers, demotions = pages.make_room(
+                    len(fresh) + len(lift), req, Reason.ALLOCATE, kept, holder)
+            except (ResourceExhausted, BlocksInTransit):
+                if not lift:
+                    raise
+                # No room for them now (or not without waiting): the store goes on as it
+                # would have, and a later one brings them back.
+                lift = []
+                page_numbers, demotions = pages.make_room(
+                    len(fresh), req, Reason.ALLOCATE, kept, holder)
         except BaseException:
             for b, payers in reversed(taken_over):
                 self._unuse(req, b, payers)
             raise
         plan = TransferPlan(self.pool, Reason.ALLOCATE, req, demotions=demotions)
+        if lift:
+            plan.promotions = pages.moves_in(lift, page_numbers[len(fresh):])
+            page_numbers = page_numbers[:len(fresh)]
         keeper = self.keeper(req.tenant)
         start = len(keeper.blocks)
         plan.allocated = pages.place(keeper, page_numbers, range(start, start + len(fresh)),
@@ -181,11 +200,11 @@ class Prefixes:
         request may commit those, and only those (see commit).
 
         An engine is told to write only blocks in the device tier, whose pages kvd keeps out
-        of use until its next call should the block go meanwhile (Holds.keep): one in the
-        host tier (another request stored it, and it was demoted before being committed)
-        is left to that request's engine. Told to write it, an engine whose request was
-        released before it wrote wrote into a host page kvd had given to another request's
-        demoted block. (kvd's own writers, `engine=False`, write before anything else runs.)
+        of use until its next call should the block go meanwhile (Holds.keep); store brings
+        an uncommitted block back from the host tier where it can. Told to write a host page,
+        an engine whose request was released before it wrote wrote into a host page kvd had
+        given to another request's demoted block. (kvd's own writers, `engine=False`, write
+        before anything else runs.)
 
         What the request's latest store says stands: an uncommitted block it is not told to
         write now is no longer its to commit, even if an earlier store told it to. (Its
