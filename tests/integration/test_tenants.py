@@ -464,9 +464,27 @@ async def test_a_pool_restricted_to_tenants_refuses_the_others(tmp_path):
         'tenants = ["alpha"]\n'))
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
         async with AsyncClient(kvd.target, token="alpha-token") as alpha, \
-                AsyncClient(kvd.target, token="beta-token") as beta:
+                AsyncClient(kvd.target, token="beta-token") as beta, \
+                AsyncClient(kvd.target, token="root-token") as admin:
             assert (await alpha.admit("a", 16, pool="private")).decision == pb.DECISION_ADMITTED
             assert (await alpha.export_pool("private")).tiers
+            await alpha.store("a", "ns", [b"k"])
+            await alpha.commit("a", "ns", [b"k"])
+            assert (await alpha.lookup("ns", [b"k"], pool="private")).num_hit == 1
+            # An engine with the admin identity serves the pool's tenants: it admitted,
+            # stored and exported there, but its lookups were refused as tenant 'default'.
+            assert (await admin.lookup("ns", [b"k"], pool="private")).num_hit == 1
+            with pytest.raises(PermissionDeniedError, match="not open to tenant 'beta'"):
+                await beta.lookup("ns", [b"k"], pool="private")
+            # Nor may the admin put a request of a tenant in a pool not open to it (it could
+            # hand one there, though Admit refused it the same).
+            assert (await admin.admit("b", 16, tenant="beta")).decision == pb.DECISION_ADMITTED
+            await admin.allocate("b", 1)
+            with pytest.raises(PermissionDeniedError, match="not open to tenant 'beta'"):
+                async for _ in admin.handoff("b", target_pool="private"):
+                    pass
+            assert [r.pool for r in await admin.list_requests() if r.request_id == "b"] == [
+                "default"]
             with pytest.raises(PermissionDeniedError, match="not open to tenant 'beta'"):
                 await beta.admit("b", 16, pool="private")
             with pytest.raises(PermissionDeniedError, match="not open to tenant 'beta'"):

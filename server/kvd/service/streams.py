@@ -95,8 +95,12 @@ class Streams:
                 raise errors.InvalidArgument(request.message)
             caller = self.auth.identify(context)
             ns = len(caller.ns)
-            if request.target_pool and not caller.admin:
-                self.may_use(request.target_pool, caller.tenant)
+            if request.target_pool:
+                # The request's tenant, whoever asks: the admin may not put a request in a
+                # pool its tenant may not use (Admit holds it to that too).
+                rid = caller.ns + request.request_id
+                self.may_use(request.target_pool, caller.tenant if not caller.admin
+                             else self.node.runtime_of(rid).pool.requests[rid].tenant)
             self.node.end_holds(caller.holder)  # its calls before are done
             # Closed however this handler ends, a cancel while writing included: the
             # handoff's owner is this call, and a caller that went away rolls it back now.
