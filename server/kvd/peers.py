@@ -275,6 +275,12 @@ def reserve_here(node, request: pb.PeerReserveRequest) -> pb.PeerReserveResponse
                    f"{pool.block_tokens} tokens a page; the prefill pool: "
                    f"{request.page_bytes}, {request.block_tokens}): kvd hands off block "
                    "for block")
+    allowed = next((p.tenants for p in node.config.pools if p.name == pool.name), ())
+    if allowed and request.tenant not in allowed:
+        # The peer's Admit could not tell: its tenants may not use this node's pool.
+        return pb.PeerReserveResponse(
+            decision=pb.DECISION_REJECTED,
+            reason=f"pool {pool.name!r} is not open to tenant {request.tenant!r}")
     existing = pool.requests.get(request.request_id)
     if existing is not None:
         if existing.state is RequestState.RESERVED and existing.tenant == request.tenant:

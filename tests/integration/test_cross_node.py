@@ -638,3 +638,22 @@ async def test_a_received_prefix_is_taken_up_to_a_block_this_node_no_longer_hold
                 assert (await c.self_check()).ok
             finally:
                 mapped.close()
+
+
+async def test_a_peers_pool_restricted_to_tenants_refuses_the_others_handoffs(
+        tmp_path, pki):  # noqa: F811
+    """b's decode pool is open to alpha only. a admitted beta's request to be handed off
+    there (a knows nothing of b's pools), and b reserved its pages: any tenant of a could
+    put its requests in a pool of b's that b keeps for others."""
+    a, b = _peers(tmp_path, pki, b_tenants='tenants = ["alpha"]\n')
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            async def admit(rid, tenant):
+                return await ca.admit(rid, prompt_tokens=2 * 16, output_tokens=0,
+                                      pool="prefill", handoff_pool="b/decode", tenant=tenant)
+
+            assert (await admit("a1", "alpha")).decision == pb.DECISION_ADMITTED
+            refused = await admit("b1", "beta")
+            assert refused.decision == pb.DECISION_REJECTED, refused
+            assert "not open to tenant 'beta'" in refused.reason
+            assert await _requests(cb) == {"a1": "reserved"}
