@@ -164,7 +164,9 @@ def explain_table(e: pb.ExplainResponse) -> Table:
     for x in e.evictions_caused:
         rows.setdefault((x.other.tenant, x.other.request_id), [0.0, 0, 0])[2] = x.count
     for (tenant, rid), (secs, suffered, caused) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
-        who = f"{tenant}/{rid}" if tenant or rid else "(the engine itself)"
+        # No request id: the tenant's kept prefix blocks, or another tenant's request.
+        who = (f"{tenant}/{rid}" if rid else f"tenant {tenant}") if tenant or rid \
+            else "(the engine itself)"
         t.add_row(who, f"{secs:.4f}", str(suffered), str(caused))
     return t
 

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvd.core.admission import Decision
-from kvd.core.blocks import Request
+from kvd.core.blocks import Request, public_id
 from kvd.core.errors import ResourceExhausted
 from kvd.core.transfer import MoveKind, Reason, TransferPlan
 
 # Event watchers one tenant may have open at once.
 MAX_PER_OWNER = 16
+# An eviction's detail when its victims are a tenant's kept prefix blocks (no request's).
+KEPT = {"kept": "prefix blocks"}
 
 KINDS = ("admission", "allocation", "eviction", "promotion", "recompute", "release", "quota",
          "policy", "lease", "handoff", "cluster")
@@ -113,12 +115,12 @@ class PlanEvents:
         cause = plan.cause
         cause_tenant = cause.tenant if cause else ""
         cause_request = cause.request_id if cause else ""
-        victims = Counter((m.block.request.request_id, m.block.request.tenant)
+        victims = Counter((public_id(m.block.request.request_id), m.block.request.tenant)
                           for m in plan.demotions)
         for (rid, tenant), n in victims.items():
             bus.publish("eviction", pool=plan.pool, tenant=tenant, request_id=rid, count=n,
                         reason=plan.reason, cause_tenant=cause_tenant,
-                        cause_request=cause_request)
+                        cause_request=cause_request, **({} if rid else KEPT))
         # Blocks whose bytes were dropped came back as zeroed pages: the engine recomputes.
         lost = Counter((m.block.request.request_id, m.block.request.tenant)
                        for m in plan.promotions if m.kind is MoveKind.REMATERIALIZE)

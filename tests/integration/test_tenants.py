@@ -646,3 +646,53 @@ async def test_an_evict_the_guarantees_refuse_is_refused_at_once_while_an_engine
             (evicted,) = (await admin.evict(1)).evicted  # alpha's, no longer held
             assert evicted.request_id == "alpha/a1"
             assert (await admin.self_check()).ok
+
+
+async def test_kept_prefix_blocks_are_no_request_of_the_tenant_wherever_kvd_names_them(
+        tenants_kvd):
+    """A tenant's prefix blocks kept after its requests end belong to kvd's own record of
+    them, whose id is internal. A tenant's watcher saw their eviction as one of its own
+    requests', its id cut out of that record's ('\\0kept/alpha' less 'alpha/': 'alpha', the
+    name of a request it had released); the admin saw the NUL-led id itself, in events, in
+    Evict's reply and in Explain. They are now named by no request id, and events say
+    `kept`."""
+    async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha, \
+            AsyncClient(tenants_kvd.target, token="beta-token") as beta, \
+            AsyncClient(tenants_kvd.target, token="root-token") as admin:
+        seen: dict[str, list] = {"alpha": [], "admin": []}
+
+        async def watch(client, out):
+            async for e in client.watch_events(kinds=["eviction"]):
+                out.append(e)
+
+        watchers = [asyncio.ensure_future(watch(alpha, seen["alpha"])),
+                    asyncio.ensure_future(watch(admin, seen["admin"]))]
+        await asyncio.sleep(0.2)  # subscribed
+        for rid, keys in (("alpha", [b"k1", b"k2"]), ("again", [b"k3"])):
+            await alpha.admit(rid, 32)
+            await alpha.store(rid, "ns", keys)
+            await alpha.commit(rid, "ns", keys)
+            await alpha.release(rid)
+        await admin.evict(1)  # one kept block, by the operator
+        await beta.admit("big", 16 * 8)
+        await beta.allocate("big", 8)  # the rest, by beta's request
+        for _ in range(100):
+            if sum(e.count for e in seen["alpha"]) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        for w in watchers:
+            w.cancel()
+        for who, events in seen.items():
+            assert sum(e.count for e in events) == 3, who
+            assert [(e.tenant, e.request_id, e.detail["kept"]) for e in events] == [
+                ("alpha", "", "prefix blocks")] * len(events), who
+        for explain in (await beta.explain("big"), await admin.explain("beta/big")):
+            assert [(x.other.tenant, x.other.request_id, x.count)
+                    for x in explain.evictions_caused] == [("alpha", "", 2)]
+        await beta.release("big")
+        await alpha.admit("b", 32)
+        await alpha.store("b", "ns", [b"k4"])
+        await alpha.commit("b", "ns", [b"k4"])
+        await alpha.release("b")
+        evicted = (await admin.evict(1)).evicted
+        assert [(e.request_id, e.block_index) for e in evicted] == [("", 0)]

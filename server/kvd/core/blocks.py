@@ -277,6 +277,17 @@ class Changes:
         self.log = []
 
 
+# Keepers' request ids (see prefix.py): a NUL cannot be in an engine's request id, so none
+# can collide.
+KEEPER_PREFIX = "\0kept/"
+
+
+def public_id(request_id: str) -> str:
+    """A request id as kvd's callers are told it: a keeper's (the record of a tenant's kept
+    prefix blocks, see prefix.py) is kvd's own, and names no request of theirs: empty."""
+    return "" if request_id.startswith(KEEPER_PREFIX) else request_id
+
+
 def pin_tenant(b: Block) -> str:
     """The tenant a pin of the block counts to: its request's; for a shared block, the first
     tenant among those whose requests pin it (not its keeper's: a tenant pinning what

@@ -27,15 +27,14 @@ from dataclasses import dataclass
 
 from kvd.core import intent as intents
 from kvd.core.admission import Admission, counted_pages
-from kvd.core.blocks import Block, Request, RequestState, TierKind, pin_tenant
+from kvd.core.blocks import (KEEPER_PREFIX, Block, Request, RequestState, TierKind,
+                              pin_tenant)
 from kvd.core.errors import (BlocksInTransit, FailedPrecondition, InvalidArgument,
                              ResourceExhausted)
 from kvd.core.pages import PageTable
 from kvd.core.tenancy import Tenancy, tally
 from kvd.core.transfer import Reason, TransferPlan
 
-# Keepers' request ids: a NUL cannot be in an engine's request id, so none can collide.
-KEEPER_PREFIX = "\0kept/"
 MAX_KEY_BYTES = 256
 # A tenant's private namespace (see Authenticator.prefix_namespace) is its name (64 characters
 # at most) and two more before the namespace it names.

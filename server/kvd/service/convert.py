@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 
 from kvd.core.admission import Decision
-from kvd.core.blocks import Block, TierKind
+from kvd.core.blocks import Block, TierKind, public_id
 from kvd.core.intent import IntentChange
 from kvd.service.auth import namespace
 from kvd.stats import LinkFigures, PoolFigures, TenantFigures
@@ -233,5 +233,5 @@ def _redact(tenant: str, request_id: str, scope: str | None) -> str:
     """A request id as this caller may see it: the admin (None) sees all, whole; a tenant
     sees its own without their namespace and other tenants' not at all."""
     if scope is None:
-        return request_id
-    return request_id.removeprefix(namespace(scope)) if tenant == scope else ""
+        return public_id(request_id)
+    return public_id(request_id).removeprefix(namespace(scope)) if tenant == scope else ""

@@ -10,6 +10,7 @@ import grpc
 
 from kvd import __version__, stats
 from kvd.core import errors
+from kvd.core.blocks import public_id
 from kvd.node import Node
 from kvd.service import convert
 from kvd.service.auth import UNLEASED, Authenticator, Caller
@@ -212,8 +213,9 @@ class MemoryService(pb_grpc.MemoryServicer):
         return pb.EvictResponse(
             evicted=[
                 pb.EvictedBlock(
-                    request_id=m.block.request.request_id,
-                    block_index=m.block.index,
+                    # A kept prefix block is no request's: its index is kvd's own record's.
+                    request_id=public_id(m.block.request.request_id),
+                    block_index=m.block.index if not m.block.request.keeper else 0,
                     to_tier=int(m.dst_tier),
                 )
                 for m in moves
