@@ -160,7 +160,9 @@ class Streams:
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
         generation = self.auth.generation
-        ns = len(caller.ns)  # a tenant sees only its own requests' events: their ids unprefixed
+        # A tenant sees only its own requests' events: their ids without its namespace (one
+        # the admin admitted for it under an id of its own choosing, whole).
+        ns = caller.ns
         try:
             while True:
                 e = await bus.next(sub)
@@ -170,8 +172,9 @@ class Streams:
                         self.auth.identify(context)
                     except errors.KvdError as exc:
                         await context.abort(status_of(exc), str(exc))
-                await context.write(pb.Event(seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool,
-                               tenant=e.tenant, request_id=e.request_id[ns:], count=e.count,
-                               detail=convert.redacted(e.detail, caller.scope), lost=e.lost))
+                await context.write(pb.Event(
+                    seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool, tenant=e.tenant,
+                    request_id=e.request_id.removeprefix(ns), count=e.count,
+                    detail=convert.redacted(e.detail, caller.scope), lost=e.lost))
         finally:
             bus.unsubscribe(sub)
