@@ -121,7 +121,8 @@ def tenants_table(tenants) -> Table:
     for x in tenants:
         causes = ", ".join(f"{c.cause_tenant or '(engine)'}: {c.stall_seconds:.3f}"
                            for c in x.stalls_by_cause) or "-"
-        t.add_row(x.pool, x.tenant, f"{x.weight:g}", f"{x.device_pages:,}",
+        t.add_row(x.pool, x.tenant + (" (own prefixes)" if x.private_prefixes else ""),
+                  f"{x.weight:g}", f"{x.device_pages:,}",
                   f"{x.charged_pages:,.1f}",
                   f"{x.shared_pages:,} ({x.shared_saved_pages:,.1f})" if x.shared_pages else "-",
                   f"{x.fair_share_pages:,.1f}", f"{x.guaranteed_pages:,}",

@@ -12,6 +12,10 @@ tenants that share go on sharing.
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,6 +148,19 @@ async def test_a_tenant_kept_apart_can_neither_poison_nor_read_the_others_prefix
         assert check.ok, list(check.problems)
 
 
+async def _private(kvd) -> dict[str, bool]:
+    """Which tenants keep their prefixes apart, as ListTenants says and kvctl shows it."""
+    async with AsyncClient(kvd.target, token="root-token") as admin:
+        listed = {t.tenant: t.private_prefixes for t in await admin.list_tenants()
+                  if t.tenant != "default"}
+    shown = subprocess.run(
+        [str(Path(sys.executable).with_name("kvctl")), "--target", kvd.target, "tenants"],
+        capture_output=True, text=True, timeout=60, check=True,
+        env={**os.environ, "KVD_TOKEN": "root-token", "COLUMNS": "300"}).stdout
+    assert {t: f"{t} (own prefixes)" in shown for t in listed} == listed, shown
+    return listed
+
+
 async def test_a_reload_that_lets_the_tenant_share_again_shares_from_then_on(private_kvd):
     target = private_kvd.target
     async with AsyncClient(target, token="chat-token") as chat, \
@@ -153,9 +170,11 @@ async def test_a_reload_that_lets_the_tenant_share_again_shares_from_then_on(pri
             await chat.admit("c1", prompt_tokens=16 * 3)
             await _store(chat, arena, "chat", "c1", SYSTEM)
             assert (await guest.lookup(NS, SYSTEM)).num_hit == 0
+            assert await _private(private_kvd) == {"chat": False, "rag": False, "guest": True}
             await reload_config(private_kvd, private_kvd.config, CONFIG.format(share="true"),
                                 "config reloaded")
             assert (await guest.lookup(NS, SYSTEM)).num_hit == 3
+            assert await _private(private_kvd) == {"chat": False, "rag": False, "guest": False}
             await guest.admit("g1", prompt_tokens=16 * 3)
             assert await _loaded_from(guest, arena, "g1", SYSTEM, ("chat",)) == ["chat"] * 3
         finally:

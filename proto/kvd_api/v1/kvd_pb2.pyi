@@ -767,7 +767,7 @@ class TenantStallByCause(_message.Message):
     def __init__(self, cause_tenant: _Optional[str] = ..., stall_seconds: _Optional[float] = ...) -> None: ...
 
 class TenantInfo(_message.Message):
-    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "device_pages", "reserved_pages", "queued_pages", "fair_share_pages", "evictions_suffered", "evictions_caused", "stalls_by_cause", "pinned_pages", "bytes_moved", "bytes_read", "bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s", "charged_pages", "shared_pages", "shared_saved_pages", "engine_gpu_blocks")
+    __slots__ = ("tenant", "pool", "weight", "guaranteed_pages", "limit_pages", "max_request_pages", "max_request_fraction", "device_pages", "reserved_pages", "queued_pages", "fair_share_pages", "evictions_suffered", "evictions_caused", "stalls_by_cause", "pinned_pages", "bytes_moved", "bytes_read", "bandwidth_cap_bytes_per_s", "read_budget_bytes_per_s", "charged_pages", "shared_pages", "shared_saved_pages", "engine_gpu_blocks", "private_prefixes")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -791,6 +791,7 @@ class TenantInfo(_message.Message):
     SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
     SHARED_SAVED_PAGES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_GPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PRIVATE_PREFIXES_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     pool: str
     weight: float
@@ -814,7 +815,8 @@ class TenantInfo(_message.Message):
     shared_pages: int
     shared_saved_pages: float
     engine_gpu_blocks: float
-    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., evictions_caused: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[TenantStallByCause, _Mapping]]] = ..., pinned_pages: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ..., charged_pages: _Optional[float] = ..., shared_pages: _Optional[int] = ..., shared_saved_pages: _Optional[float] = ..., engine_gpu_blocks: _Optional[float] = ...) -> None: ...
+    private_prefixes: bool
+    def __init__(self, tenant: _Optional[str] = ..., pool: _Optional[str] = ..., weight: _Optional[float] = ..., guaranteed_pages: _Optional[int] = ..., limit_pages: _Optional[int] = ..., max_request_pages: _Optional[int] = ..., max_request_fraction: _Optional[float] = ..., device_pages: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., queued_pages: _Optional[int] = ..., fair_share_pages: _Optional[float] = ..., evictions_suffered: _Optional[int] = ..., evictions_caused: _Optional[int] = ..., stalls_by_cause: _Optional[_Iterable[_Union[TenantStallByCause, _Mapping]]] = ..., pinned_pages: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., bytes_read: _Optional[int] = ..., bandwidth_cap_bytes_per_s: _Optional[float] = ..., read_budget_bytes_per_s: _Optional[float] = ..., charged_pages: _Optional[float] = ..., shared_pages: _Optional[int] = ..., shared_saved_pages: _Optional[float] = ..., engine_gpu_blocks: _Optional[float] = ..., private_prefixes: _Optional[bool] = ...) -> None: ...
 
 class ListTenantsResponse(_message.Message):
     __slots__ = ("tenants",)

@@ -121,8 +121,11 @@ class AdminService(pb_grpc.AdminServicer):
 
     def _tenants(self, pool: str, tenant: str | None = None) -> list[pb.TenantInfo]:
         """Each pool's tenants (one pool's, and only `tenant` when given)."""
-        return [tenant_info(t) for rt in self.node.runtimes(pool)
-                for t in stats.pool_figures(self.node, rt, tenant).tenants]
+        infos = [tenant_info(t) for rt in self.node.runtimes(pool)
+                 for t in stats.pool_figures(self.node, rt, tenant).tenants]
+        for info in infos:
+            info.private_prefixes = self.auth.private_prefixes(info.tenant)
+        return infos
 
     @unary
     async def GetCluster(self, request: pb.GetClusterRequest,

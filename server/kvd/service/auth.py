@@ -108,6 +108,10 @@ class Authenticator:
             self.leases.renew(lease)
         return Caller(tenant, admin, lease)
 
+    def private_prefixes(self, tenant: str) -> bool:
+        """Whether the tenant keeps its prefix blocks apart (`share_prefixes = false`)."""
+        return tenant in self._private_prefixes
+
     def prefix_namespace(self, caller: Caller, namespace: str) -> str:
         """The namespace in kvd of the prefix blocks a caller names in `namespace`.
 
