@@ -196,10 +196,10 @@ def explain_response(explained, scope: str | None = None) -> pb.ExplainResponse:
     account = explained.account
 
     def cause(key):
-        return pb.Cause(tenant=key[0], request_id=_redact(key[0], key[1], scope))
+        return pb.Cause(tenant=key[0], request_id=shown_id(key[0], key[1], scope))
 
     return pb.ExplainResponse(
-        request_id=_redact(account.tenant, account.request_id, scope),
+        request_id=shown_id(account.tenant, account.request_id, scope),
         tenant=account.tenant,
         pool=explained.pool,
         active=explained.active,
@@ -224,14 +224,15 @@ def _shares(s) -> pb.Shares:
 
 def redacted(detail: dict, scope: str | None) -> dict:
     if "cause_request" in detail and scope is not None:
-        return {**detail, "cause_request": _redact(detail["cause_tenant"],
+        return {**detail, "cause_request": shown_id(detail["cause_tenant"],
                                                    detail["cause_request"], scope)}
     return detail
 
 
-def _redact(tenant: str, request_id: str, scope: str | None) -> str:
+def shown_id(tenant: str, request_id: str, scope: str | None) -> str:
     """A request id as this caller may see it: the admin (None) sees all, whole; a tenant
-    sees its own without their namespace and other tenants' not at all."""
+    sees its own without their namespace (one the admin chose for it, whole) and other
+    tenants' not at all. A keeper's id is no request's (public_id)."""
     if scope is None:
         return public_id(request_id)
     return public_id(request_id).removeprefix(namespace(scope)) if tenant == scope else ""

@@ -160,9 +160,7 @@ class Streams:
         except errors.KvdError as exc:
             await context.abort(status_of(exc), str(exc))
         generation = self.auth.generation
-        # A tenant sees only its own requests' events: their ids without its namespace (one
-        # the admin admitted for it under an id of its own choosing, whole).
-        ns = caller.ns
+        scope = caller.scope  # a tenant sees only its own requests' events (convert.shown_id)
         try:
             while True:
                 e = await bus.next(sub)
@@ -174,7 +172,7 @@ class Streams:
                         await context.abort(status_of(exc), str(exc))
                 await context.write(pb.Event(
                     seq=e.seq, time_s=e.at, kind=e.kind, pool=e.pool, tenant=e.tenant,
-                    request_id=e.request_id.removeprefix(ns), count=e.count,
-                    detail=convert.redacted(e.detail, caller.scope), lost=e.lost))
+                    request_id=convert.shown_id(e.tenant, e.request_id, scope), count=e.count,
+                    detail=convert.redacted(e.detail, scope), lost=e.lost))
         finally:
             bus.unsubscribe(sub)
