@@ -32,6 +32,16 @@ policy = "lru"
 """
 
 
+# The [auth] of configs whose tenants are told apart by their tokens: the admin's is
+# "root-token", and a unix caller without a token is refused.
+TOKENS_ONLY = """
+[auth]
+admin_token = "root-token"
+unix_tenant = ""
+unix_admin = false
+"""
+
+
 # A machine size's third part: each engine a tenant of its own with quotas (the first
 # guaranteed a quarter of the device, the second limited to half of it, the third weighted
 # twice), rather than only a tenant of its own (True) or all the socket's tenant (False).

@@ -24,17 +24,12 @@ from kvd_client import AsyncClient, InvalidArgumentError
 from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import reload_config
+from .conftest import TOKENS_ONLY, reload_config
 
 CONFIG = """
 [server]
 grace_s = 2
-
-[auth]
-admin_token = "root-token"
-unix_tenant = ""
-unix_admin = false
-
+""" + TOKENS_ONLY + """
 [[pool]]
 name = "default"
 model = "tiny"
@@ -181,12 +176,7 @@ async def test_a_reload_that_lets_the_tenant_share_again_shares_from_then_on(pri
             arena.close()
 
 
-DISAGG = """
-[auth]
-admin_token = "root-token"
-unix_tenant = ""
-unix_admin = false
-
+DISAGG = TOKENS_ONLY + """
 [[pool]]
 name = "prefill"
 model = "tiny"

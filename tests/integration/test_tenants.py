@@ -21,19 +21,14 @@ from kvd_client import (
 from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
-from .conftest import free_port, reload_config, scrape
+from .conftest import TOKENS_ONLY, free_port, reload_config, scrape
 
 CONFIG = """
 [server]
 grace_s = 2
 allow_plaintext_tokens = true  # TLS has tests of its own
 {tcp}
-
-[auth]
-admin_token = "root-token"
-unix_tenant = ""
-unix_admin = false
-
+""" + TOKENS_ONLY + """
 [[pool]]
 name = "default"
 model = "tiny"
