@@ -1,5 +1,6 @@
 """One vLLM engine run against kvd, in a process of its own (as a fresh engine is): the tiny
-random-weight Llama beside this file, kvd's connector, token-id prompts.
+random-weight Llama beside this file (its weights made on first use, see `ensure_weights`),
+kvd's connector, token-id prompts.
 
     python run_vllm.py KVD_TARGET SPEC_JSON
 
@@ -12,7 +13,8 @@ publishes its KV cache events there), "tenants": the connector's kvd_tenants (op
 "gpu_blocks": the blocks of vLLM's own cache (optional: what its memory holds)}. The
 batches run one after the other in the same engine; after each it prints one line,
 `KVD_RESULT {json}`: each prompt's output tokens and cached tokens, the seconds the engine
-took to start and the batch to run. With "pause", it then waits for a line on stdin before
+took to start and the batch to run, and the preemptions vLLM's scheduler made so far (its
+`vllm:num_preemptions` counter). With "pause", it then waits for a line on stdin before
 the next batch (the test changes kvd meanwhile).
 """
 
@@ -26,12 +28,66 @@ from pathlib import Path
 
 MODEL = Path(__file__).resolve().parent / "tiny_llama"
 BLOCK_SIZE = 32  # the CPU backend's block size must be a multiple of 32
+# vLLM's dummy weights (load_format="dummy", uniform in +-1e-3) leave the model's attention all
+# but uniform: its tokens hardly depend on what its KV cache holds, and a block loaded into
+# the wrong place, or with another block's bytes, changes none of them. Weights at unit scale
+# (each layer's output about as large as its input) make every token depend on its context,
+# so wrong KV bytes show in the tokens that follow.
+WEIGHTS = MODEL / "model.safetensors"  # made from a seed on first use; not committed
+SEED = 0
+
+
+def ensure_weights() -> None:
+    """The test model's weights, the same on every machine (a seeded generator on the CPU);
+    written under another name and renamed, as engines may start together."""
+    if WEIGHTS.exists():
+        return
+    import tempfile
+
+    import torch
+    from safetensors.torch import save_file
+
+    c = json.loads((MODEL / "config.json").read_text())
+    hidden, inner, heads, kv_heads, head_dim, vocab = (
+        c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
+        c["num_key_value_heads"], c["head_dim"], c["vocab_size"])
+    rng = torch.Generator().manual_seed(SEED)
+
+    def linear(out: int, into: int) -> torch.Tensor:
+        return (torch.randn(out, into, generator=rng) / into ** 0.5).to(torch.bfloat16)
+
+    def ones() -> torch.Tensor:
+        return torch.ones(hidden, dtype=torch.bfloat16)
+
+    weights = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=rng)
+               .to(torch.bfloat16),
+               "model.norm.weight": ones(), "lm_head.weight": linear(vocab, hidden)}
+    for i in range(c["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        weights |= {
+            layer + "self_attn.q_proj.weight": linear(heads * head_dim, hidden),
+            layer + "self_attn.k_proj.weight": linear(kv_heads * head_dim, hidden),
+            layer + "self_attn.v_proj.weight": linear(kv_heads * head_dim, hidden),
+            layer + "self_attn.o_proj.weight": linear(hidden, heads * head_dim),
+            layer + "mlp.gate_proj.weight": linear(inner, hidden),
+            layer + "mlp.up_proj.weight": linear(inner, hidden),
+            layer + "mlp.down_proj.weight": linear(hidden, inner),
+            layer + "input_layernorm.weight": ones(),
+            layer + "post_attention_layernorm.weight": ones()}
+    fd, part = tempfile.mkstemp(dir=MODEL, suffix=".part")
+    os.close(fd)
+    try:
+        save_file(weights, part)
+        os.replace(part, WEIGHTS)
+    finally:
+        Path(part).unlink(missing_ok=True)
 
 
 def main() -> None:
     target, spec = sys.argv[1], json.loads(sys.argv[2])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     started = time.monotonic()
+    ensure_weights()
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -46,10 +102,12 @@ def main() -> None:
     kv_events = (KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                 endpoint=events[0], replay_endpoint=events[1])
                  if events else None)
-    llm = LLM(model=str(MODEL), kv_events_config=kv_events, load_format="dummy", skip_tokenizer_init=True,
+    llm = LLM(model=str(MODEL), kv_events_config=kv_events, load_format="safetensors",
+              skip_tokenizer_init=True,
               dtype="bfloat16", block_size=BLOCK_SIZE, enable_prefix_caching=True,
               enforce_eager=True, max_model_len=spec.get("max_model_len", 1024),
               gpu_memory_utilization=0.3, seed=0, logits_processors=paced or None,
+              disable_log_stats=False,  # for its preemptions counter
               num_gpu_blocks_override=spec.get("gpu_blocks"),
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvdConnector", kv_role="kv_both",
@@ -76,6 +134,8 @@ def main() -> None:
             "tokens": [list(o.outputs[0].token_ids) if o else None for o in outputs],
             "cached": [o.num_cached_tokens if o else None for o in outputs],
             "start_s": start_s, "run_s": time.monotonic() - ran,
+            "preemptions": sum(m.value for m in llm.get_metrics()
+                               if m.name == "vllm:num_preemptions"),
         }), flush=True)
         if spec.get("pause") and i + 1 < len(batches):
             sys.stdin.readline()
