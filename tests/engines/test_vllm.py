@@ -687,6 +687,40 @@ def test_under_pressure_fresh_engines_get_back_the_bytes_they_computed(tmp_path)
     assert any(s["tokens"] != f["tokens"] for s, f in zip(spoiled, first))
 
 
+def test_requests_vllm_preempts_come_back_with_their_prefix_from_kvd(tmp_path):
+    # vLLM short of its own blocks preempts running requests (their blocks freed, their
+    # tokens to compute again) and schedules them again later, when the connector is asked
+    # about them afresh: they resume with the prompt blocks kvd keeps, loaded into the new
+    # blocks vLLM gives them, while other requests store and load beside them. Their tokens
+    # must be those of the same requests run with room to spare.
+    n = 12
+    distinct = [[(i * 37 + j * 3) % 500 + 10 for j in range(64)] for i in range(n)]
+    batch = [{"prompts": distinct, "max_tokens": 128}]  # 2 blocks, growing to 6
+
+    def run(gpu_blocks):
+        metrics = free_address()
+        with LocalKvd(*KVD, "--metrics", metrics, workdir=tmp_path) as kvd:
+            # 9 blocks: vLLM's least for a context of 256 tokens (one is its null block).
+            engine = Engine(kvd.target, batch, max_model_len=256, gpu_blocks=gpu_blocks)
+            try:
+                result = engine.result()
+            finally:
+                engine.close()
+            return result, rpc_counts(metrics, "Load")
+
+    roomy, roomy_loads = run(None)
+    pressed, loads = run(9)
+    print(f"\npreemptions {pressed['preemptions']:.0f}, loads from kvd {loads} "
+          f"(with room: {roomy['preemptions']:.0f}, {roomy_loads})")
+    assert roomy["preemptions"] == 0 and roomy_loads == 0
+    assert pressed["preemptions"] > 0
+    # No prompt shares a block with another, and none found one in kvd when it came: what
+    # was loaded was loaded by a request coming back after a preemption.
+    assert pressed["cached"] == [0] * n
+    assert loads > 0
+    assert pressed["tokens"] == roomy["tokens"]
+
+
 def free_address() -> str:
     """A free local TCP address (for kvd's metrics)."""
     with socket.socket() as s:
