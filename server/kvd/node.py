@@ -22,7 +22,8 @@ from kvd.core.admission import AdmitResult, Decision
 from kvd.core.attribution import RequestAccount
 from kvd.core.blocks import Block, Request, RequestState
 from kvd.core.clock import Clock, MonotonicClock
-from kvd.core.errors import AlreadyExists, InvalidArgument, KvdError, NotFound
+from kvd.core.errors import (AlreadyExists, InvalidArgument, KvdError, NotFound,
+                             PermissionDenied)
 from kvd.core.holds import OWN_HOLDER
 from kvd.core.intent import IntentChange
 from kvd.core.prefix import Shares
@@ -66,6 +67,7 @@ class Node:
 
     def __init__(self, config: Config, clock: Clock | None = None) -> None:
         self.config = config
+        self._restricted = {p.name: frozenset(p.tenants) for p in config.pools if p.tenants}
         self.clock = clock or MonotonicClock()
         self.started_at = time.time()
         self._executor = ThreadPoolExecutor(config.workers, thread_name_prefix="kvd-copy")
@@ -125,6 +127,13 @@ class Node:
 
     def runtime(self, pool: str) -> PoolRuntime:
         return find_runtime(self.pools, pool or "default")
+
+    def may_use(self, pool: str, tenant: str) -> None:
+        """Pools restricted to tenants (`[[pool]] tenants = [...]`) refuse the others, whoever
+        asks for them: the tenant, the admin identity or a peer kvd."""
+        allowed = self._restricted.get(pool)
+        if allowed is not None and tenant not in allowed:
+            raise PermissionDenied(f"pool {pool!r} is not open to tenant {tenant!r}")
 
     def runtimes(self, pool: str = "") -> list[PoolRuntime]:
         """The named pool's runtime, or every pool's ("")."""

@@ -39,7 +39,7 @@ from kvd.config import Config, PeerConfig
 from kvd.core.blocks import Request, RequestState, TierKind
 from kvd.core import prefix
 from kvd.core.errors import (Aborted, BlocksInTransit, FailedPrecondition, InvalidArgument,
-                             KvdError, NotFound)
+                             KvdError, NotFound, PermissionDenied)
 from kvd.core.holds import OWN_HOLDER
 from kvd.core.pages import MAX_BLOCK_INDEX
 from kvd.core.reservation import PoolReserver, Verdict
@@ -275,12 +275,10 @@ def reserve_here(node, request: pb.PeerReserveRequest) -> pb.PeerReserveResponse
                    f"{pool.block_tokens} tokens a page; the prefill pool: "
                    f"{request.page_bytes}, {request.block_tokens}): kvd hands off block "
                    "for block")
-    allowed = next((p.tenants for p in node.config.pools if p.name == pool.name), ())
-    if allowed and request.tenant not in allowed:
-        # The peer's Admit could not tell: its tenants may not use this node's pool.
-        return pb.PeerReserveResponse(
-            decision=pb.DECISION_REJECTED,
-            reason=f"pool {pool.name!r} is not open to tenant {request.tenant!r}")
+    try:
+        node.may_use(pool.name, request.tenant)
+    except PermissionDenied as exc:  # the peer's Admit could not tell
+        return pb.PeerReserveResponse(decision=pb.DECISION_REJECTED, reason=str(exc))
     existing = pool.requests.get(request.request_id)
     if existing is not None:
         if existing.state is RequestState.RESERVED and existing.tenant == request.tenant:

@@ -49,15 +49,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits = CallLimits(node.config.max_items_per_call,
                                  node.config.max_blocks_per_call)
         self.steps = StepStreams(node, auth, self.turns, self.limits, streams or OpenStreams())
-        self.streams = Streams(node, auth, self._may_use)
-        self.restricted = {p.name: frozenset(p.tenants) for p in node.config.pools
-                           if p.tenants}
-
-    def _may_use(self, pool: str, tenant: str) -> None:
-        """Pools restricted to tenants (`[[pool]] tenants = [...]`) refuse the others."""
-        allowed = self.restricted.get(pool)
-        if allowed is not None and tenant not in allowed:
-            raise errors.PermissionDenied(f"pool {pool!r} is not open to tenant {tenant!r}")
+        self.streams = Streams(node, auth)
 
     def end_holds(self, holder: str) -> None:
         self.node.end_holds(holder)
@@ -83,7 +75,7 @@ class MemoryService(pb_grpc.MemoryServicer):
             raise errors.PermissionDenied(
                 f"caller is tenant {caller.tenant!r}; it cannot admit for {tenant!r}")
         for pool in (request.pool or "default", request.handoff_pool):
-            self._may_use(pool, tenant)
+            self.node.may_use(pool, tenant)
         if not caller.lease and not caller.admin:
             raise errors.FailedPrecondition(UNLEASED)
         result = await self.node.admit_async(
@@ -131,7 +123,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.limits.check(len(request.keys), "block keys", blocks=True)
         pool = request.pool or "default"
         if not caller.admin:  # an engine with the admin identity serves any tenant
-            self._may_use(pool, caller.tenant)
+            self.node.may_use(pool, caller.tenant)
         run = self.node.shared.lookup(
             pool, self.auth.prefix_namespace(caller, request.namespace), list(request.keys))
         return pb.LookupResponse(num_hit=len(run), tiers=[int(b.tier) for b in run])
@@ -228,7 +220,7 @@ class MemoryService(pb_grpc.MemoryServicer):
                          caller: Caller) -> pb.ExportPoolResponse:
         rt = self.node.runtime(request.pool)
         if not caller.admin:  # the arenas are read and written whole: only its users
-            self._may_use(rt.pool.name, caller.tenant)
+            self.node.may_use(rt.pool.name, caller.tenant)
         return convert.pool_export(rt)
 
     @unary

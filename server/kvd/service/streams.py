@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
 
 import grpc
 import structlog
@@ -31,14 +30,11 @@ MAX_EVENT_BUFFER = 16384
 
 
 class Streams:
-    """WaitAdmission, Handoff and WatchEvents for the Memory service. `may_use(pool, tenant)`
-    refuses a tenant a pool restricted to others."""
+    """WaitAdmission, Handoff and WatchEvents for the Memory service."""
 
-    def __init__(self, node: Node, auth: Authenticator,
-                 may_use: Callable[[str, str], None]) -> None:
+    def __init__(self, node: Node, auth: Authenticator) -> None:
         self.node = node
         self.auth = auth
-        self.may_use = may_use
 
     async def wait_admission(self, request: pb.WaitAdmissionRequest,
                             context: grpc.aio.ServicerContext) -> None:
@@ -99,8 +95,9 @@ class Streams:
                 # The request's tenant, whoever asks: the admin may not put a request in a
                 # pool its tenant may not use (Admit holds it to that too).
                 rid = caller.ns + request.request_id
-                self.may_use(request.target_pool, caller.tenant if not caller.admin
-                             else self.node.runtime_of(rid).pool.requests[rid].tenant)
+                tenant = (caller.tenant if not caller.admin
+                          else self.node.runtime_of(rid).pool.requests[rid].tenant)
+                self.node.may_use(request.target_pool, tenant)
             self.node.end_holds(caller.holder)  # its calls before are done
             # Closed however this handler ends, a cancel while writing included: the
             # handoff's owner is this call, and a caller that went away rolls it back now.
