@@ -4,6 +4,7 @@ Explain."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import numpy as np
@@ -219,6 +220,32 @@ def test_a_reload_widens_no_unix_access_and_narrows_any():
     assert widened_auth(AuthConfig(), closed) == []
 
 
+@contextlib.asynccontextmanager
+async def _watching(client: AsyncClient, kinds: list[str]):
+    """The events of these kinds the client's watcher gets while inside (subscribed before
+    the body runs)."""
+    seen: list = []
+
+    async def watch():
+        async for event in client.watch_events(kinds=kinds):
+            seen.append(event)
+
+    watcher = asyncio.ensure_future(watch())
+    await asyncio.sleep(0.2)  # subscribed
+    try:
+        yield seen
+    finally:
+        watcher.cancel()
+
+
+async def _until(done, tries: int) -> None:
+    """Wait for done() at most `tries` times 20 ms (the machine may be busy)."""
+    for _ in range(tries):
+        if done():
+            return
+        await asyncio.sleep(0.02)
+
+
 async def _watched_waiter(alpha: AsyncClient) -> tuple[list, asyncio.Task]:
     """alpha fills 32 of the pool's 39 reservable pages (8 device + 32 host - 1 headroom) and
     queues "waiter" for 8 more: its WaitAdmission updates as they come, and the task that
@@ -379,24 +406,13 @@ async def test_other_tenants_request_ids_are_not_shown(tenants_kvd):
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha, \
             AsyncClient(tenants_kvd.target, token="beta-token") as beta, \
             AsyncClient(tenants_kvd.target, token="root-token") as admin:
-        seen = []
-
-        async def watch():
-            async for event in alpha.watch_events(kinds=["eviction"]):
-                seen.append(event)
-
-        watcher = asyncio.ensure_future(watch())
-        await asyncio.sleep(0.2)
-        await alpha.admit("a1", 16 * 8)
-        await alpha.allocate("a1", 8)
-        await alpha.keep_alive()  # done writing: its pages may be taken
-        await beta.admit("secret-b1", 16 * 8)
-        await beta.allocate("secret-b1", 8)  # pushes alpha's blocks to host
-        for _ in range(100):
-            if seen:
-                break
-            await asyncio.sleep(0.02)
-        watcher.cancel()
+        async with _watching(alpha, ["eviction"]) as seen:
+            await alpha.admit("a1", 16 * 8)
+            await alpha.allocate("a1", 8)
+            await alpha.keep_alive()  # done writing: its pages may be taken
+            await beta.admit("secret-b1", 16 * 8)
+            await beta.allocate("secret-b1", 8)  # pushes alpha's blocks to host
+            await _until(lambda: seen, 100)
         assert seen and seen[0].detail["cause_tenant"] == "beta"
         assert seen[0].detail["cause_request"] == ""
         mine = await alpha.explain("a1")
@@ -414,40 +430,29 @@ async def test_each_tenant_names_its_requests_in_a_namespace_of_its_own(tenants_
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha, \
             AsyncClient(tenants_kvd.target, token="beta-token") as beta, \
             AsyncClient(tenants_kvd.target, token="root-token") as admin:
-        seen = []
-
-        async def watch():
-            async for event in beta.watch_events(kinds=["admission", "allocation"]):
-                seen.append(event)
-
-        watcher = asyncio.ensure_future(watch())
-        await asyncio.sleep(0.2)
-        assert (await alpha.admit("same", 32)).decision == pb.DECISION_ADMITTED
-        assert (await beta.admit("same", 32)).decision == pb.DECISION_ADMITTED
-        with pytest.raises(AlreadyExistsError, match="'same'") as again:
-            await beta.admit("same", 32)  # its own id twice is still refused
-        assert "beta/" not in again.value.details
-        a = await alpha.allocate("same", 2)
-        b = await beta.allocate("same", 1)
-        assert [h.request_id for h in [*a.handles, *b.handles]] == ["same"] * 3
-        assert len((await alpha.access("same")).handles) == 2
-        assert len((await beta.access("same")).handles) == 1
-        async with beta.step_stream() as stream:
-            reply = await stream.step(allocations=[("same", 1)], read_all=["same", "nope"])
-        assert [h.request_id for h in reply.allocated] == ["same"]
-        assert [(e.section, e.item_index) for e in reply.errors] == [("read_all", 1)]
-        assert "'nope'" in reply.errors[0].message and "beta/" not in reply.errors[0].message
-        assert (await beta.explain("same")).request_id == "same"
-        listed = await admin.list_requests()
-        assert sorted((r.tenant, r.request_id) for r in listed) == [
-            ("alpha", "alpha/same"), ("beta", "beta/same")]
-        await beta.release("same")
-        assert len((await alpha.access("same")).handles) == 2  # alpha's is untouched
-        for _ in range(100):
-            if len(seen) >= 3:
-                break
-            await asyncio.sleep(0.02)
-        watcher.cancel()
+        async with _watching(beta, ["admission", "allocation"]) as seen:
+            assert (await alpha.admit("same", 32)).decision == pb.DECISION_ADMITTED
+            assert (await beta.admit("same", 32)).decision == pb.DECISION_ADMITTED
+            with pytest.raises(AlreadyExistsError, match="'same'") as again:
+                await beta.admit("same", 32)  # its own id twice is still refused
+            assert "beta/" not in again.value.details
+            a = await alpha.allocate("same", 2)
+            b = await beta.allocate("same", 1)
+            assert [h.request_id for h in [*a.handles, *b.handles]] == ["same"] * 3
+            assert len((await alpha.access("same")).handles) == 2
+            assert len((await beta.access("same")).handles) == 1
+            async with beta.step_stream() as stream:
+                reply = await stream.step(allocations=[("same", 1)], read_all=["same", "nope"])
+            assert [h.request_id for h in reply.allocated] == ["same"]
+            assert [(e.section, e.item_index) for e in reply.errors] == [("read_all", 1)]
+            assert "'nope'" in reply.errors[0].message and "beta/" not in reply.errors[0].message
+            assert (await beta.explain("same")).request_id == "same"
+            listed = await admin.list_requests()
+            assert sorted((r.tenant, r.request_id) for r in listed) == [
+                ("alpha", "alpha/same"), ("beta", "beta/same")]
+            await beta.release("same")
+            assert len((await alpha.access("same")).handles) == 2  # alpha's is untouched
+            await _until(lambda: len(seen) >= 3, 100)
         assert {(e.tenant, e.request_id) for e in seen} == {("beta", "same")}
 
 
@@ -654,29 +659,19 @@ async def test_kept_prefix_blocks_are_no_request_of_the_tenant_wherever_kvd_name
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha, \
             AsyncClient(tenants_kvd.target, token="beta-token") as beta, \
             AsyncClient(tenants_kvd.target, token="root-token") as admin:
-        seen: dict[str, list] = {"alpha": [], "admin": []}
-
-        async def watch(client, out):
-            async for e in client.watch_events(kinds=["eviction"]):
-                out.append(e)
-
-        watchers = [asyncio.ensure_future(watch(alpha, seen["alpha"])),
-                    asyncio.ensure_future(watch(admin, seen["admin"]))]
-        await asyncio.sleep(0.2)  # subscribed
-        for rid, keys in (("alpha", [b"k1", b"k2"]), ("again", [b"k3"])):
-            await alpha.admit(rid, 32)
-            await alpha.store(rid, "ns", keys)
-            await alpha.commit(rid, "ns", keys)
-            await alpha.release(rid)
-        await admin.evict(1)  # one kept block, by the operator
-        await beta.admit("big", 16 * 8)
-        await beta.allocate("big", 8)  # the rest, by beta's request
-        for _ in range(500):  # both watchers (the machine may be busy)
-            if all(sum(e.count for e in events) >= 3 for events in seen.values()):
-                break
-            await asyncio.sleep(0.02)
-        for w in watchers:
-            w.cancel()
+        async with _watching(alpha, ["eviction"]) as by_alpha, \
+                _watching(admin, ["eviction"]) as by_admin:
+            for rid, keys in (("alpha", [b"k1", b"k2"]), ("again", [b"k3"])):
+                await alpha.admit(rid, 32)
+                await alpha.store(rid, "ns", keys)
+                await alpha.commit(rid, "ns", keys)
+                await alpha.release(rid)
+            await admin.evict(1)  # one kept block, by the operator
+            await beta.admit("big", 16 * 8)
+            await beta.allocate("big", 8)  # the rest, by beta's request
+            seen = {"alpha": by_alpha, "admin": by_admin}
+            await _until(lambda: all(sum(e.count for e in events) >= 3  # both watchers
+                                     for events in seen.values()), 500)
         for who, events in seen.items():
             assert sum(e.count for e in events) == 3, who
             assert [(e.tenant, e.request_id, e.detail["kept"]) for e in events] == [
@@ -699,19 +694,8 @@ async def test_a_tenants_watcher_sees_the_ids_the_admin_gave_its_requests_whole(
     id ('request-123' came as 'st-123'), as if every id of its requests began with it."""
     async with AsyncClient(tenants_kvd.target, token="alpha-token") as alpha, \
             AsyncClient(tenants_kvd.target, token="root-token") as admin:
-        seen = []
-
-        async def watch():
-            async for e in alpha.watch_events(kinds=["admission"]):
-                seen.append(e.request_id)
-
-        watcher = asyncio.ensure_future(watch())
-        await asyncio.sleep(0.2)  # subscribed
-        await admin.admit("request-123", 16, tenant="alpha")
-        await alpha.admit("mine", 16)
-        for _ in range(500):
-            if len(seen) >= 2:
-                break
-            await asyncio.sleep(0.02)
-        watcher.cancel()
-        assert seen == ["request-123", "mine"]
+        async with _watching(alpha, ["admission"]) as seen:
+            await admin.admit("request-123", 16, tenant="alpha")
+            await alpha.admit("mine", 16)
+            await _until(lambda: len(seen) >= 2, 500)
+        assert [e.request_id for e in seen] == ["request-123", "mine"]
