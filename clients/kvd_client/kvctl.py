@@ -92,7 +92,7 @@ def _mib(pages: int, page_bytes: int) -> str:
 def status_table(stats: pb.GetPoolStatsResponse) -> Table:
     t = Table(title=f"kvd {stats.version} — up {stats.uptime_s:,.0f} s")
     for col in ("pool", "policy", "tier", "backend", "used / capacity", "pinned", "requests",
-                "queued", "evictions", "promotions", "stall s"):
+                "queued", "evictions", "promotions", "stall s", "prefix hits / asked"):
         t.add_column(col, justify="left" if col in ("pool", "policy", "tier", "backend")
                      else "right", no_wrap=True)
     for p in stats.pools:
@@ -106,7 +106,8 @@ def status_table(stats: pb.GetPoolStatsResponse) -> Table:
                       f"{p.num_requests:,}" if first else "", f"{p.num_queued:,}" if first else "",
                       f"{p.num_evictions:,}" if first else "",
                       f"{p.num_promotions:,}" if first else "",
-                      f"{p.stall_seconds_total:.3f}" if first else "")
+                      f"{p.stall_seconds_total:.3f}" if first else "",
+                      f"{p.num_prefix_hits:,} / {p.num_prefix_looked_up:,}" if first else "")
     return t
 
 

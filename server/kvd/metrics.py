@@ -192,6 +192,9 @@ class KvdCollector(Collector):
             yield cut
 
 
+PREFIX_OPS = ("looked_up", "hits", "loaded", "stored")  # kvd_prefix_blocks' op label
+
+
 def _pool_families(pools: list[PoolFigures]):
     info = _gauge("kvd_pool_info", "A pool's policy, page size and tier backends (value 1)",
                   ["pool", "policy", "page_bytes", "device_backend", "host_backend"])
@@ -211,6 +214,9 @@ def _pool_families(pools: list[PoolFigures]):
                   "take (what each grows to by its end)", ["pool"])
     wcap = _gauge("kvd_working_set_capacity_pages", "Device pages working-set admission "
                   "keeps the running requests' working sets within", ["pool"])
+    prefixes = _counter("kvd_prefix_blocks", "Prefix blocks: keys engines looked up, the "
+                        "blocks found for them, blocks loaded, and blocks committed (stored)",
+                        ["pool", "op"])
     # Counters of the core with one label, the pool: (family, PoolCounters field).
     plain = [(_counter(name, doc, ["pool"]), field) for name, doc, field in (
         ("kvd_drops", "Pages dropped for the engine to recompute", "num_drops"),
@@ -245,10 +251,12 @@ def _pool_families(pools: list[PoolFigures]):
                              ("host_to_device", c.num_promotions)):
             moves.add_metric([name, direction], n)
             moved.add_metric([name, direction], n * p.page_bytes)
+        for op in PREFIX_OPS:
+            prefixes.add_metric([name, op], getattr(c, f"num_prefix_{op}"))
         for family, field in plain:
             family.add_metric([name], getattr(c, field))
     yield from (info, pages, queue, flight, adm, moves, moved, stuck, problems, hres, wset,
-                wcap)
+                wcap, prefixes)
     yield from (family for family, _ in plain)
 
 

@@ -46,6 +46,12 @@ def test_status_and_tenants_as_tables_and_json(busy_kvd):
     assert by_name["t1"]["reserved_pages"] == 8 and by_name["t2"]["reserved_pages"] == 4
     table = kvctl(busy_kvd.target, "tenants").stdout
     assert "t1" in table and "fair share" in table
+    with Client(busy_kvd.target, lease="") as client:  # the prefix blocks engines found
+        client.store("a", "ns|", [b"k" * 32])
+        client.commit("a", "ns|", [b"k" * 32])
+        assert client.lookup("ns|", [b"k" * 32, b"l" * 32]).num_hit == 1
+    shown = kvctl(busy_kvd.target, "status").stdout
+    assert "prefix hits" in shown and "1 / 2" in shown
 
 
 def test_links(busy_kvd):

@@ -88,6 +88,31 @@ async def test_metrics_after_a_workload(tmp_path):
         assert check.returncode == 0, check.stdout + check.stderr
 
 
+async def test_prefix_blocks_looked_up_found_loaded_and_stored_are_counted(tmp_path):
+    # What the engines' prefix calls got from kvd, the KV tier's hit rate: keys looked up,
+    # the leading run found for them, blocks loaded, blocks committed (once each).
+    port = free_port()
+    ns, keys = "m|", [bytes([i]) * 32 for i in range(6)]
+    with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as client:
+            await client.admit("w", 64)
+            await client.store("w", ns, keys[:4])
+            assert (await client.commit("w", ns, [keys[0], keys[1], keys[3]])).num_committed == 3
+            assert (await client.lookup(ns, keys)).num_hit == 2  # keys[2] is not written
+            assert (await client.lookup("other|", keys[:2])).num_hit == 0
+            await client.admit("r", 96)
+            assert len((await client.load("r", ns, keys)).handles) == 2
+            assert (await client.commit("w", ns, [keys[2]])).num_committed == 1
+            assert (await client.commit("w", ns, keys[:4])).num_committed == 0
+            assert (await client.lookup(ns, keys)).num_hit == 4
+            stats = (await client.pool_stats()).pools[0]
+            _, samples = scrape(port)
+    counts = {"looked_up": 6 + 2 + 6, "hits": 2 + 4, "loaded": 2, "stored": 4}
+    assert {op: getattr(stats, f"num_prefix_{op}") for op in counts} == counts
+    assert {op: _value(samples, "kvd_prefix_blocks_total", pool="default", op=op)
+            for op in counts} == counts
+
+
 def test_loop_histogram_exposes_what_prometheus_clients_histogram_would():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 

@@ -473,7 +473,7 @@ class TierStats(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., backend: _Optional[str] = ..., capacity_pages: _Optional[int] = ..., used_pages: _Optional[int] = ..., free_pages: _Optional[int] = ..., pinned_pages: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total", "peak_device_pages", "num_prefetches", "num_accesses", "num_misses", "links", "bytes_read", "handoff_reserved_pages", "num_admitted", "num_lost_blocks", "held_pages", "admission", "working_set_pages", "working_set_capacity_pages")
+    __slots__ = ("pool", "policy", "page_bytes", "block_tokens", "tiers", "num_requests", "num_queued", "reserved_pages", "num_evictions", "num_demotions", "num_promotions", "num_drops", "bytes_moved", "num_decode_critical_accesses", "num_decode_critical_misses", "num_deadline_misses", "stall_seconds_total", "peak_device_pages", "num_prefetches", "num_accesses", "num_misses", "links", "bytes_read", "handoff_reserved_pages", "num_admitted", "num_lost_blocks", "held_pages", "admission", "working_set_pages", "working_set_capacity_pages", "num_prefix_looked_up", "num_prefix_hits", "num_prefix_loaded", "num_prefix_stored")
     POOL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -504,6 +504,10 @@ class PoolStats(_message.Message):
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     WORKING_SET_PAGES_FIELD_NUMBER: _ClassVar[int]
     WORKING_SET_CAPACITY_PAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_LOADED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFIX_STORED_FIELD_NUMBER: _ClassVar[int]
     pool: str
     policy: str
     page_bytes: int
@@ -534,7 +538,11 @@ class PoolStats(_message.Message):
     admission: str
     working_set_pages: int
     working_set_capacity_pages: int
-    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., handoff_reserved_pages: _Optional[int] = ..., num_admitted: _Optional[int] = ..., num_lost_blocks: _Optional[int] = ..., held_pages: _Optional[int] = ..., admission: _Optional[str] = ..., working_set_pages: _Optional[int] = ..., working_set_capacity_pages: _Optional[int] = ...) -> None: ...
+    num_prefix_looked_up: int
+    num_prefix_hits: int
+    num_prefix_loaded: int
+    num_prefix_stored: int
+    def __init__(self, pool: _Optional[str] = ..., policy: _Optional[str] = ..., page_bytes: _Optional[int] = ..., block_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., num_requests: _Optional[int] = ..., num_queued: _Optional[int] = ..., reserved_pages: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_demotions: _Optional[int] = ..., num_promotions: _Optional[int] = ..., num_drops: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., num_decode_critical_accesses: _Optional[int] = ..., num_decode_critical_misses: _Optional[int] = ..., num_deadline_misses: _Optional[int] = ..., stall_seconds_total: _Optional[float] = ..., peak_device_pages: _Optional[int] = ..., num_prefetches: _Optional[int] = ..., num_accesses: _Optional[int] = ..., num_misses: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkStats, _Mapping]]] = ..., bytes_read: _Optional[int] = ..., handoff_reserved_pages: _Optional[int] = ..., num_admitted: _Optional[int] = ..., num_lost_blocks: _Optional[int] = ..., held_pages: _Optional[int] = ..., admission: _Optional[str] = ..., working_set_pages: _Optional[int] = ..., working_set_capacity_pages: _Optional[int] = ..., num_prefix_looked_up: _Optional[int] = ..., num_prefix_hits: _Optional[int] = ..., num_prefix_loaded: _Optional[int] = ..., num_prefix_stored: _Optional[int] = ...) -> None: ...
 
 class LinkStats(_message.Message):
     __slots__ = ("link", "capacity_bytes_per_s", "burst_bytes", "scheduling", "bytes_total", "transfers_total", "utilisation", "busy_seconds", "queues", "tenants")

@@ -28,6 +28,13 @@ class PoolCounters:
     num_admitted: int = 0
     num_queued: int = 0
     num_rejected: int = 0
+    # Prefix blocks: keys engines looked up and the blocks found for them (the leading run
+    # of each lookup), blocks handed out by loads, and blocks committed (written, found by
+    # lookups from then on).
+    num_prefix_looked_up: int = 0
+    num_prefix_hits: int = 0
+    num_prefix_loaded: int = 0
+    num_prefix_stored: int = 0
     stall_seconds_total: float = 0.0
     peak_device_pages: int = 0
     evictions_by_reason: Counter = field(default_factory=Counter)

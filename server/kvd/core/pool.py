@@ -315,7 +315,10 @@ class Pool:
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> list[Block]:
         """The leading run of keys the pool holds (see Prefixes.lookup)."""
         prefix.check_keys(namespace, keys)
-        return self.prefixes.lookup(namespace, keys)
+        run = self.prefixes.lookup(namespace, keys)
+        self.counters.num_prefix_looked_up += len(keys)
+        self.counters.num_prefix_hits += len(run)
+        return run
 
     @after_reads
     def store(self, request_id: str, namespace: str, keys: Sequence[bytes],
@@ -328,14 +331,18 @@ class Pool:
     @after_reads
     def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]) -> int:
         """The engine wrote these stored blocks (see Prefixes.commit)."""
-        return self.prefixes.commit(self.get_admitted(request_id), namespace, keys)
+        n = self.prefixes.commit(self.get_admitted(request_id), namespace, keys)
+        self.counters.num_prefix_stored += n
+        return n
 
     @after_reads
     def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
              holder: str = "", intent: dict | None = None) -> list[Block]:
         """The leading run of these keys, for the request to read (see Prefixes.load)."""
-        return self.prefixes.load(self.get_admitted(request_id), namespace, keys, holder,
-                                  intent)
+        run = self.prefixes.load(self.get_admitted(request_id), namespace, keys, holder,
+                                 intent)
+        self.counters.num_prefix_loaded += len(run)
+        return run
 
     # ------------------------------------------------------------------ giving back
 

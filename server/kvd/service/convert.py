@@ -188,7 +188,9 @@ def pool_stats(f: PoolFigures) -> pb.PoolStats:
         num_admitted=c.num_admitted, num_lost_blocks=c.num_lost_blocks,
         held_pages=f.held_pages, admission=f.admission,
         working_set_pages=f.working_set_pages,
-        working_set_capacity_pages=f.working_set_capacity_pages)
+        working_set_capacity_pages=f.working_set_capacity_pages,
+        num_prefix_looked_up=c.num_prefix_looked_up, num_prefix_hits=c.num_prefix_hits,
+        num_prefix_loaded=c.num_prefix_loaded, num_prefix_stored=c.num_prefix_stored)
 
 
 def explain_response(explained, scope: str | None = None) -> pb.ExplainResponse:
