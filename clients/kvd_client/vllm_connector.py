@@ -12,43 +12,46 @@ none), `kvd_tenants` (the tenants a request may name, see below), `kvd_load_fail
 ("recompute", see below), `kvd_queue_poll_s` (how often kvd is asked whether it admitted a
 request it queued, while the connector cannot hear kvd's admissions: 0.05; see below),
 `kvd_lookup_again_s` (how long a lookup's answer stands for a request vLLM has not been able
-to schedule yet: 0.5; see below).
+to schedule yet: 0.5; see below), `kvd_save_output` (false; see below).
 
 Scheduler side: every request is admitted in kvd with its prompt and expected output; its
 prefix blocks, named by vLLM's own block hashes within a namespace of the model, block size,
 KV dtype and the request's cache salt (see `namespace`), are looked up in kvd and their
-tokens reported as an external hit. While vLLM's own cache has no room for a request, its
-scheduler asks about it again at every step: kvd is asked again only once the last answer
-is `kvd_lookup_again_s` old (an engine short of memory would otherwise make one more call to
-kvd at every step, waited for by every running request), and afresh once vLLM has given the
-request blocks (to be asked again after a preemption). An answer kvd has since changed is a
-miss (computed), or a hit the worker cannot load (recomputed, see below). A request
-admitted by no one (kvd's budget for its tenant is spent) is told to wait: the connector
-answers None until kvd admits it. vLLM asks about every waiting request at every step;
-rather than ask kvd after each (a tenant that floods the engine with requests kvd queues
-would have the scheduler call kvd thousands of times a second, and every running request
-wait on those calls), the connector follows kvd's
+tokens reported as an external hit. With `kvd_save_output`, the blocks of a request's output
+are stored too, as they fill: a conversation's next turn, whose prompt holds this answer,
+finds it in kvd, and so does a request vLLM preempted (it resumes without computing its
+output again). Without it only prompts are stored: in a workload of single-turn requests an
+answer is never read again, and its blocks would take kvd pages from the prompts that are.
+While vLLM's own cache has no room for a request, its scheduler asks about it again at every
+step: kvd is asked again only once the last answer is `kvd_lookup_again_s` old (an engine
+short of memory would otherwise make one more call to kvd at every step, waited for by every
+running request), and afresh once vLLM has given the request blocks (to be asked again after
+a preemption). An answer kvd has since changed is a miss (computed), or a hit the worker
+cannot load (recomputed, see below). A request admitted by no one (kvd's budget for its
+tenant is spent) is told to wait: the connector answers None until kvd admits it. vLLM asks
+about every waiting request at every step; rather than ask kvd after each (a tenant that
+floods the engine with requests kvd queues would have the scheduler call kvd thousands of
+times a second, and every running request wait on those calls), the connector follows kvd's
 admission events on a stream of its own, from the engine's start, and asks kvd after a
 queued request only every QUEUE_FALLBACK_POLLS x `kvd_queue_poll_s` (every
 `kvd_queue_poll_s` while the stream is down or new, and at once for all of them when kvd
-says the stream lost events). On finish the
-request is released in kvd (one aborted while kvd still queued it too, and one whose Admit
-got no answer, which kvd may have taken); a release kvd does not take (it is away, or does
-not answer) is sent again at the next steps. The blocks it stored stay there for the next
-request with that prefix. While it holds requests in kvd, the
-scheduler renews its lease every third of kvd's lease TTL (at its next step; one that failed,
-a sixth of the TTL later): a request decoding for longer than the TTL is not taken for one
-whose engine died. An engine that stops releases in kvd what it still held there (vLLM's
-shutdown of the connector). Tenant and intent
-come from the request: `kv_transfer_params={"kvd": {"tenant": ..., "priority": ...,
-"pin": ..., "deadline_ms": ...}}`, the priority falling back to vLLM's own; a pin holds the
-request's prefix blocks in kvd's device tier while it runs, a deadline says when it needs
-them. Whoever sends a request to vLLM's API server writes its kv_transfer_params, so they
-are checked like any input from outside: a request may name only a tenant listed in
-`kvd_tenants` (a list, or "*" for any: a front end that sets the field itself), else it runs
-as `kvd_tenant`, and a field of the wrong type or range is ignored; each is logged. Without
-that, one client could name another's tenant, or a new tenant per request, each with a fair
-share of its own, and one malformed field would stop the engine.
+says the stream lost events). On finish the request is released in kvd (one aborted while
+kvd still queued it too, and one whose Admit got no answer, which kvd may have taken); a
+release kvd does not take (it is away, or does not answer) is sent again at the next steps.
+The blocks it stored stay there for the next request with that prefix. While it holds
+requests in kvd, the scheduler renews its lease every third of kvd's lease TTL (at its next
+step; one that failed, a sixth of the TTL later): a request decoding for longer than the TTL
+is not taken for one whose engine died. An engine that stops releases in kvd what it still
+held there (vLLM's shutdown of the connector). Tenant and intent come from the request:
+`kv_transfer_params={"kvd": {"tenant": ..., "priority": ..., "pin": ..., "deadline_ms":
+...}}`, the priority falling back to vLLM's own; a pin holds the request's prefix blocks in
+kvd's device tier while it runs, a deadline says when it needs them. Whoever sends a request
+to vLLM's API server writes its kv_transfer_params, so they are checked like any input from
+outside: a request may name only a tenant listed in `kvd_tenants` (a list, or "*" for any: a
+front end that sets the field itself), else it runs as `kvd_tenant`, and a field of the
+wrong type or range is ignored; each is logged. Without that, one client could name
+another's tenant, or a new tenant per request, each with a fair share of its own, and one
+malformed field would stop the engine.
 
 Worker side: the KV layout is learnt from register_kv_caches; one kvd page holds one vLLM
 block of every layer, layer after layer. An engine of several workers (tensor, context or
@@ -126,12 +129,13 @@ class KvdConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class _Tracked:
-    """A request the scheduler side follows: its namespace, block ids, and how many of its
-    prompt blocks are in kvd (loaded or saved)."""
+    """A request the scheduler side follows: its namespace, block keys, block ids, how many
+    of its blocks are in kvd (loaded or saved), and vLLM's request."""
 
     namespace: str
     keys: list[bytes]
     num_prompt_blocks: int
+    request: Any = None  # whose block_hashes grow with its output (see save_output)
     intent: pb.MemoryIntent | None = None
     block_ids: list[int] = field(default_factory=list)
     num_in_kvd: int = 0
@@ -149,6 +153,9 @@ class KvdConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.save_output = extra.get("kvd_save_output", False)
+        if not isinstance(self.save_output, bool):
+            raise ValueError(f"kvd_save_output is true or false, not {self.save_output!r}")
         token = extra.get("kvd_token")
         if token is None and extra.get("kvd_token_file"):
             token = Path(extra["kvd_token_file"]).read_text().strip()
@@ -236,7 +243,10 @@ class KvdConnector(KVConnectorBase_V1):
                 return 0, False
             self.queued.pop(rid, None)
             tracked = self.tracked[rid]
-        prompt = len(request.prompt_token_ids or ())
+        # The tokens kvd may hold blocks of: the prompt's, and with save_output those of
+        # the output so far (a request resumed after a preemption).
+        tokens = (request.num_tokens if self.save_output
+                  else len(request.prompt_token_ids or ()))
         now = time.monotonic()
         if now < tracked.hit_until:  # asked again: vLLM had no room for it
             hit = tracked.hit
@@ -249,7 +259,7 @@ class KvdConnector(KVConnectorBase_V1):
                 return 0, False
             tracked.hit, tracked.hit_until = hit, now + self.lookup_again_s
         # vLLM computes at least the prompt's last token itself.
-        hit_tokens = min(hit * self.block_size, (prompt - 1) // self.block_size
+        hit_tokens = min(hit * self.block_size, (tokens - 1) // self.block_size
                          * self.block_size)
         first = num_computed_tokens // self.block_size
         last = hit_tokens // self.block_size
@@ -261,7 +271,7 @@ class KvdConnector(KVConnectorBase_V1):
 
     def _lookup(self, tracked: _Tracked) -> int:
         """The leading run of the request's blocks kvd holds for every worker's shard."""
-        hit = len(tracked.keys)
+        hit = len(self._keys(tracked))
         for suffix in self.shards:
             if not hit:
                 break
@@ -392,9 +402,18 @@ class KvdConnector(KVConnectorBase_V1):
         salt = getattr(request, "cache_salt", None) or ""
         prompt = len(request.prompt_token_ids or ())
         self.tracked[request.request_id] = _Tracked(
+            request=request,
             namespace=namespace(self.model, self.block_size, self.kv_dtype, salt),
             keys=[bytes(h) for h in request.block_hashes],
             num_prompt_blocks=prompt // self.block_size, intent=self._params(request).intent)
+
+    def _keys(self, tracked: _Tracked) -> list[bytes]:
+        """The request's block keys: its prompt's, and with save_output its output's too, as
+        vLLM hashes each block it fills."""
+        if self.save_output:
+            hashes, keys = tracked.request.block_hashes, tracked.keys
+            keys.extend(bytes(h) for h in hashes[len(keys):])
+        return tracked.keys
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
@@ -466,16 +485,19 @@ class KvdConnector(KVConnectorBase_V1):
         return meta
 
     def _plan_save(self, meta: KvdConnectorMetadata, rid: str, computed: int) -> None:
-        """Save the prompt blocks this step completes that kvd does not have yet."""
+        """Save the blocks this step completes that kvd does not have yet: the prompt's, and
+        with save_output the output's."""
         tracked = self.tracked.get(rid)
         if tracked is None:
             return
-        full = min(computed // self.block_size, tracked.num_prompt_blocks, len(tracked.keys),
-                   len(tracked.block_ids))
+        keys = self._keys(tracked)
+        full = min(computed // self.block_size, len(keys), len(tracked.block_ids))
+        if not self.save_output:
+            full = min(full, tracked.num_prompt_blocks)
         if full > tracked.num_in_kvd:
             positions = range(tracked.num_in_kvd, full)
             meta.saves.append(_Transfer(rid, tracked.namespace,
-                                        [tracked.keys[i] for i in positions],
+                                        [keys[i] for i in positions],
                                         [tracked.block_ids[i] for i in positions],
                                         tracked.intent))
             tracked.num_in_kvd = full

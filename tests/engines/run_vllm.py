@@ -10,7 +10,8 @@ SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params
 "pause": false, "kv_events": [endpoint, replay endpoint] (optional: vLLM
 publishes its KV cache events there), "tenants": the connector's kvd_tenants (optional),
 "step_s": the least time between the engine's steps (optional: see paced_steps.py),
-"gpu_blocks": the blocks of vLLM's own cache (optional: what its memory holds)}. The
+"gpu_blocks": the blocks of vLLM's own cache (optional: what its memory holds),
+"save_output": the connector's kvd_save_output (optional: false)}. The
 batches run one after the other in the same engine; after each it prints one line,
 `KVD_RESULT {json}`: each prompt's output tokens and cached tokens, the seconds the engine
 took to start and the batch to run, and the preemptions vLLM's scheduler made so far (its
@@ -113,7 +114,9 @@ def main() -> None:
                   kv_connector="KvdConnector", kv_role="kv_both",
                   kv_connector_module_path="kvd_client.vllm_connector",
                   kv_connector_extra_config={"kvd_target": target, "kvd_tenant": "engine",
-                                             "kvd_tenants": spec.get("tenants", [])}))
+                                             "kvd_tenants": spec.get("tenants", []),
+                                             "kvd_save_output": spec.get("save_output",
+                                                                         False)}))
     start_s = time.monotonic() - started
     batches = spec["batches"]
     for i, batch in enumerate(batches):

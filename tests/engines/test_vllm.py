@@ -54,10 +54,11 @@ class Engine:
     def __init__(self, target: str, batches: list[dict], pause: bool = False,
                  kv_events: tuple[str, str] | None = None, tenants: list[str] = (),
                  max_model_len: int = 1024, step_s: float = 0.0,
-                 gpu_blocks: int | None = None) -> None:
+                 gpu_blocks: int | None = None, save_output: bool = False) -> None:
         spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events,
                            "tenants": list(tenants), "max_model_len": max_model_len,
-                           "step_s": step_s, "gpu_blocks": gpu_blocks})
+                           "step_s": step_s, "gpu_blocks": gpu_blocks,
+                           "save_output": save_output})
         # A session of its own: killing it takes vLLM's engine-core and worker processes
         # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
@@ -368,6 +369,15 @@ def test_kvd_tenants_and_request_params_are_read_strictly():
         assert (params.tenant, params.priority, params.intent) == ("e", None, None), bad
         assert len(params.problems) == 1, bad
     assert clamp_priority(2**40) == 2**31 - 1 and clamp_priority(-(2**40)) == -(2**31)
+    # A setting of the wrong type stops the engine's start with its name, not silently.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client.vllm_connector import KvdConnector
+
+    for bad in ("true", 1, None):
+        with pytest.raises(ValueError, match="kvd_save_output"):
+            KvdConnector(vllm_config("unix:///nowhere", extra={"kvd_save_output": bad}),
+                         KVConnectorRole.WORKER)
 
 
 def test_a_request_whose_max_tokens_outruns_the_model_is_admitted_for_its_context(tmp_path):
@@ -690,35 +700,89 @@ def test_under_pressure_fresh_engines_get_back_the_bytes_they_computed(tmp_path)
 def test_requests_vllm_preempts_come_back_with_their_prefix_from_kvd(tmp_path):
     # vLLM short of its own blocks preempts running requests (their blocks freed, their
     # tokens to compute again) and schedules them again later, when the connector is asked
-    # about them afresh: they resume with the prompt blocks kvd keeps, loaded into the new
-    # blocks vLLM gives them, while other requests store and load beside them. Their tokens
-    # must be those of the same requests run with room to spare.
-    n = 12
-    distinct = [[(i * 37 + j * 3) % 500 + 10 for j in range(64)] for i in range(n)]
-    batch = [{"prompts": distinct, "max_tokens": 128}]  # 2 blocks, growing to 6
+    # about them afresh: they resume with the blocks kvd keeps, loaded into the new blocks
+    # vLLM gives them, while other requests store and load beside them: their prompt's, and
+    # with kvd_save_output the output's they had made. Their tokens must be those of the
+    # same requests run with room to spare.
+    n, prompt, output = 12, 64, 128
+    distinct = [[(i * 37 + j * 3) % 500 + 10 for j in range(prompt)] for i in range(n)]
+    batch = [{"prompts": distinct, "max_tokens": output}]  # 2 blocks, growing to 6
 
-    def run(gpu_blocks):
+    def run(gpu_blocks, save_output=False):
         metrics = free_address()
         with LocalKvd(*KVD, "--metrics", metrics, workdir=tmp_path) as kvd:
             # 9 blocks: vLLM's least for a context of 256 tokens (one is its null block).
-            engine = Engine(kvd.target, batch, max_model_len=256, gpu_blocks=gpu_blocks)
+            engine = Engine(kvd.target, batch, max_model_len=256, gpu_blocks=gpu_blocks,
+                            save_output=save_output)
             try:
                 result = engine.result()
+                with Client(kvd.target) as c:  # every request done: what kvd keeps
+                    kept = sum(t.used_pages for t in c.pool_stats().pools[0].tiers)
+                loaded = metric_value(metrics, "kvd_prefix_blocks_total", op="loaded")
             finally:
                 engine.close()
-            return result, rpc_counts(metrics, "Load")
+            return result, rpc_counts(metrics, "Load"), loaded, kept
 
-    roomy, roomy_loads = run(None)
-    pressed, loads = run(9)
-    print(f"\npreemptions {pressed['preemptions']:.0f}, loads from kvd {loads} "
-          f"(with room: {roomy['preemptions']:.0f}, {roomy_loads})")
+    roomy, roomy_loads, _, _ = run(None)
+    pressed, loads, blocks, kept = run(9)
+    outputs, output_loads, output_blocks, kept_outputs = run(9, save_output=True)
+    for name, (result, loaded, loaded_blocks) in {
+            "prompts kept": (pressed, loads, blocks),
+            "outputs kept too": (outputs, output_loads, output_blocks),
+            "with room": (roomy, roomy_loads, 0)}.items():
+        print(f"\n{name}: preemptions {result['preemptions']:.0f}, loads from kvd {loaded} "
+              f"({loaded_blocks:.0f} blocks)")
     assert roomy["preemptions"] == 0 and roomy_loads == 0
-    assert pressed["preemptions"] > 0
-    # No prompt shares a block with another, and none found one in kvd when it came: what
-    # was loaded was loaded by a request coming back after a preemption.
-    assert pressed["cached"] == [0] * n
-    assert loads > 0
-    assert pressed["tokens"] == roomy["tokens"]
+    for result, loaded in ((pressed, loads), (outputs, output_loads)):
+        assert result["preemptions"] > 0
+        # No prompt shares a block with another, and none found one in kvd when it came:
+        # what was loaded was loaded by a request coming back after a preemption.
+        assert result["cached"] == [0] * n
+        assert loaded > 0
+        assert result["tokens"] == roomy["tokens"]
+    # A prompt's last block is vLLM's to compute: with prompts kept, a request comes back
+    # with one block from kvd at most. With outputs kept, with those it had made too.
+    assert blocks <= loads
+    assert output_blocks > output_loads
+    # kvd keeps each request's prompt blocks; with save_output also every block of its
+    # output whose KV vLLM computed (all but the last token's).
+    assert kept == n * (prompt // 32)
+    assert kept_outputs == n * ((prompt + output - 1) // 32)
+
+
+@pytest.mark.timeout(600)  # three engine starts of ~30 s each (two at once), and their batches
+def test_a_conversations_next_turn_finds_the_answer_in_kvd(tmp_path):
+    # A conversation's next turn sends the last prompt, the answer and a new message: with
+    # kvd_save_output, a fresh engine (another replica) finds the answer's blocks in kvd as
+    # well as the first prompt's, and computes the tokens an engine that finds nothing does.
+    prompt, output, more = 64, 96, 16
+    first = [[(i * 41 + j * 7) % 500 + 10 for j in range(prompt)] for i in range(4)]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with LocalKvd(*KVD, workdir=tmp_path / "a") as kvd, \
+            LocalKvd(*KVD, workdir=tmp_path / "b") as empty:
+        turn = Engine(kvd.target, [{"prompts": first, "max_tokens": output}], save_output=True)
+        try:
+            answers = turn.result()["tokens"]
+        finally:
+            turn.close()
+        second = [p + a + [(i * 13 + j) % 500 + 10 for j in range(more)]
+                  for i, (p, a) in enumerate(zip(first, answers))]
+        batch = [{"prompts": second, "max_tokens": 8}]
+        engines = [Engine(kvd.target, batch, save_output=True), Engine(empty.target, batch)]
+        try:
+            found, computed = (e.result() for e in engines)
+        finally:
+            for e in engines:
+                e.close()
+    print(f"\ncached tokens of the next turn: {found['cached']} (from an empty kvd: "
+          f"{computed['cached']})")
+    assert [len(a) for a in answers] == [output] * len(first)
+    assert computed["cached"] == [0] * len(first)
+    # Every block whose KV the first turn computed: the prompt's and the answer's, but for
+    # the answer's last token, which no step fed back.
+    assert found["cached"] == [(prompt + output - 1) // 32 * 32] * len(first)
+    assert found["tokens"] == computed["tokens"]
 
 
 def free_address() -> str:
@@ -738,9 +802,10 @@ def metric_samples(metrics: str):
     return [s for family in text_string_to_metric_families(text) for s in family.samples]
 
 
-def metric_value(metrics: str, name: str) -> float:
-    """The one sample called `name` in kvd's exposition."""
-    values = [s.value for s in metric_samples(metrics) if s.name == name]
+def metric_value(metrics: str, name: str, **labels: str) -> float:
+    """The one sample called `name` (with these labels) in kvd's exposition."""
+    values = [s.value for s in metric_samples(metrics)
+              if s.name == name and labels.items() <= s.labels.items()]
     assert len(values) == 1, (name, values)
     return values[0]
 
