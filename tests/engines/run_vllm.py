@@ -38,11 +38,26 @@ WEIGHTS = MODEL / "model.safetensors"  # made from a seed on first use; not comm
 SEED = 0
 
 
+def weights_made_for() -> dict[str, str]:
+    """What the weights are made from: the model's config and the seed (kept in the weights
+    file's metadata, so a changed config makes them again)."""
+    import hashlib
+
+    config = hashlib.sha256((MODEL / "config.json").read_bytes()).hexdigest()
+    return {"format": "pt", "config_sha256": config, "seed": str(SEED)}
+
+
 def ensure_weights() -> None:
-    """The test model's weights, the same on every machine (a seeded generator on the CPU);
-    written under another name and renamed, as engines may start together."""
+    """The test model's weights, the same on every machine (a seeded generator on the CPU),
+    made again when the config or the seed changed; written under another name and renamed,
+    as engines may start together."""
+    from safetensors import safe_open
+
+    made_for = weights_made_for()
     if WEIGHTS.exists():
-        return
+        with safe_open(str(WEIGHTS), "pt") as f:
+            if f.metadata() == made_for:
+                return
     import tempfile
 
     import torch
@@ -78,7 +93,7 @@ def ensure_weights() -> None:
     fd, part = tempfile.mkstemp(dir=MODEL, suffix=".part")
     os.close(fd)
     try:
-        save_file(weights, part)
+        save_file(weights, part, metadata=made_for)
         os.replace(part, WEIGHTS)
     finally:
         Path(part).unlink(missing_ok=True)

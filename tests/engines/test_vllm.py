@@ -129,6 +129,32 @@ class Waiting:
         self.sampling_params, self.priority = None, 0
 
 
+def test_the_test_models_weights_follow_its_config(tmp_path, monkeypatch):
+    # The weights are made once per checkout: a config changed since makes them again,
+    # else a model of other shapes would load weights that do not fit it.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_vllm_under_test", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    config = json.loads((runner.MODEL / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(runner, "MODEL", tmp_path)
+    monkeypatch.setattr(runner, "WEIGHTS", tmp_path / "model.safetensors")
+    runner.ensure_weights()
+    made = runner.WEIGHTS.read_bytes()
+    runner.ensure_weights()  # the same config: kept as it is
+    assert runner.WEIGHTS.read_bytes() == made
+    (tmp_path / "config.json").write_text(json.dumps(config | {"intermediate_size": 128}))
+    runner.ensure_weights()
+    from safetensors import safe_open
+
+    with safe_open(str(runner.WEIGHTS), "pt") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [
+            128, config["hidden_size"]]
+    assert not list(tmp_path.glob("*.part"))
+
+
 @pytest.mark.timeout(600)  # three engine starts of ~30 s each
 def test_a_fresh_engine_takes_its_prefix_from_kvd_and_computes_the_same_tokens(tmp_path):
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
