@@ -102,7 +102,8 @@ class Engine:
         self.readable: list[tuple[pb.PageHandle, bytes]] = []
         self.private: dict[int, bytes] = {}  # block index -> what it wrote there
         self.generation = 0
-        self.loads = 0
+        self.loads = 0  # prefix blocks its loads handed it
+        self.committed = 0  # prefix blocks its commits published
         self.tenant = tenant  # whether it is a tenant of its own (engineN)
         self.space = name if private else ""  # whose prefix blocks it stores and loads
 
@@ -189,7 +190,8 @@ async def _step(engine: Engine, admin: AsyncClient, kind: int, a: int, b: int) -
         engine.written = []
         if keys:
             with contextlib.suppress(FailedPreconditionError):  # dropped before it
-                await _call(engine, lambda: c.commit(rid, NS, keys))
+                reply = await _call(engine, lambda: c.commit(rid, NS, keys))
+                engine.committed += reply.num_committed if reply is not None else 0
     elif kind == 3:  # load a leading run, perhaps pinned: every page holds its key's bytes
         keys = chain[:1 + b % len(chain)]
         intent = pb.MemoryIntent(pin_requested=True) if a % 4 >= 2 else None
@@ -276,6 +278,7 @@ async def _example(kvd, operations, policy: str) -> int:
     async with AsyncClient(kvd.target, timeout_s=STUCK_S) as admin:
         await admin.set_policy(policy)
         mapped = MappedPool(await admin.export_pool())
+        before = (await admin.pool_stats()).pools[0]
         clients = engine_clients(kvd, 3, STUCK_S)
         operator = Operator()
         engines = operator.others = [Engine(f"engine{i}", c, mapped, operator,
@@ -294,7 +297,13 @@ async def _example(kvd, operations, policy: str) -> int:
                     e.rid = None
             check = await admin.self_check()
             assert check.ok, list(check.problems)
-            assert (await admin.pool_stats()).pools[0].num_requests == 0, "requests left"
+            after = (await admin.pool_stats()).pools[0]
+            assert after.num_requests == 0, "requests left"
+            # kvd counts what its answers gave: the blocks loads handed out, those commits
+            # published (a refused call counts nothing).
+            assert (after.num_prefix_loaded - before.num_prefix_loaded,
+                    after.num_prefix_stored - before.num_prefix_stored) == (
+                sum(e.loads for e in engines), sum(e.committed for e in engines))
             return sum(e.loads for e in engines)
         finally:
             for e in engines:  # after a failure too: the next example starts clean
