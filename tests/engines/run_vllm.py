@@ -11,7 +11,8 @@ SPEC: {"batches": [{"prompts": [[token ids], ...], "params": [kv_transfer_params
 publishes its KV cache events there), "tenants": the connector's kvd_tenants (optional),
 "step_s": the least time between the engine's steps (optional: see paced_steps.py),
 "gpu_blocks": the blocks of vLLM's own cache (optional: what its memory holds),
-"save_output": the connector's kvd_save_output (optional: false)}. The
+"save_output": the connector's kvd_save_output (optional: false), "chunk": the most
+tokens a step computes, vLLM's max_num_batched_tokens (optional: a prompt in one step)}. The
 batches run one after the other in the same engine; after each it prints one line,
 `KVD_RESULT {json}`: each prompt's output tokens and cached tokens, the seconds the engine
 took to start and the batch to run, and the preemptions vLLM's scheduler made so far (its
@@ -125,6 +126,8 @@ def main() -> None:
               gpu_memory_utilization=0.3, seed=0, logits_processors=paced or None,
               disable_log_stats=False,  # for its preemptions counter
               num_gpu_blocks_override=spec.get("gpu_blocks"),
+              **({"max_num_batched_tokens": spec["chunk"], "max_num_seqs": spec["chunk"]}
+                 if spec.get("chunk") else {}),
               kv_transfer_config=KVTransferConfig(
                   kv_connector="KvdConnector", kv_role="kv_both",
                   kv_connector_module_path="kvd_client.vllm_connector",

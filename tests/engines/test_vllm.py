@@ -54,11 +54,12 @@ class Engine:
     def __init__(self, target: str, batches: list[dict], pause: bool = False,
                  kv_events: tuple[str, str] | None = None, tenants: list[str] = (),
                  max_model_len: int = 1024, step_s: float = 0.0,
-                 gpu_blocks: int | None = None, save_output: bool = False) -> None:
+                 gpu_blocks: int | None = None, save_output: bool = False,
+                 chunk: int | None = None) -> None:
         spec = json.dumps({"batches": batches, "pause": pause, "kv_events": kv_events,
                            "tenants": list(tenants), "max_model_len": max_model_len,
                            "step_s": step_s, "gpu_blocks": gpu_blocks,
-                           "save_output": save_output})
+                           "save_output": save_output, "chunk": chunk})
         # A session of its own: killing it takes vLLM's engine-core and worker processes
         # too, which a kill of the runner alone would leave running (about 2 GB each pair).
         self.proc = subprocess.Popen([sys.executable, str(RUNNER), target, spec],
@@ -178,6 +179,29 @@ def test_a_fresh_engine_takes_its_prefix_from_kvd_and_computes_the_same_tokens(t
     assert second["cached"] == [96, 96, 96]
     assert second["tokens"] == first["tokens"]
     assert spoiled["cached"] == [96, 96, 96] and spoiled["tokens"] != first["tokens"]
+
+
+@pytest.mark.timeout(600)  # two engine starts of ~30 s each, and their batches
+def test_a_prompt_prefilled_in_chunks_is_stored_only_in_computed_blocks(tmp_path):
+    # A prompt longer than a step's token budget is prefilled over several steps (vLLM's
+    # chunked prefill; a long prompt in production), a chunk ending mid-block. A block is
+    # stored only once every token of it is computed: a fresh engine loading the prefix
+    # must make the tokens of the engine that computed it.
+    with LocalKvd(*KVD, workdir=tmp_path) as kvd:
+        chunked = Engine(kvd.target, [{"prompts": PROMPTS}], chunk=48)  # 1.5 blocks a step
+        try:
+            computed = chunked.result()
+        finally:
+            chunked.close()
+        with Client(kvd.target) as c:
+            stats = c.pool_stats().pools[0]
+        fresh = engine_run(kvd.target, PROMPTS)
+    print(f"\ncached tokens: computed in chunks {computed['cached']}, then {fresh['cached']}")
+    assert computed["cached"] == [0, 64, 64]  # its own cache: the shared two blocks
+    # Each prompt's 3 whole blocks, the first two shared: 2 + 3 x 1 stored.
+    assert stats.num_prefix_stored == 5
+    assert fresh["cached"] == [96, 96, 96]
+    assert fresh["tokens"] == computed["tokens"]
 
 
 @pytest.mark.timeout(600)  # two engine starts of ~30 s each
