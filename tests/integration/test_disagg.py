@@ -459,6 +459,13 @@ async def test_a_handoff_takes_the_shared_prefix_its_request_used_along(tmp_path
             (link,) = [k for k in (await stats(c, "prefill")).links
                        if k.link == "prefill->decode"]
             assert link.bytes_total == 3 * PAGE  # its 2 blocks and the prefix block decode lacked
+            # Each pool counts the blocks published in it: decode, other's two and the one
+            # the handoff brought; and the loads it served.
+            counted = {}
+            for pool in ("prefill", "decode"):
+                figures = await stats(c, pool)
+                counted[pool] = (figures.num_prefix_stored, figures.num_prefix_loaded)
+            assert counted == {"prefill": (3, 0), "decode": (3, 3)}
             assert (await c.self_check()).ok
             prefill.close()
             decode.close()
