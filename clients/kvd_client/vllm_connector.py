@@ -133,8 +133,7 @@ class _Tracked:
     of its blocks are in kvd (loaded or saved), and vLLM's request."""
 
     namespace: str
-    keys: list[bytes]
-    num_prompt_blocks: int
+    keys: list[bytes]  # the prompt's full blocks; with save_output the output's as they fill
     request: Any = None  # whose block_hashes grow with its output (see save_output)
     intent: pb.MemoryIntent | None = None
     block_ids: list[int] = field(default_factory=list)
@@ -400,12 +399,10 @@ class KvdConnector(KVConnectorBase_V1):
 
     def _track(self, request: Any) -> None:
         salt = getattr(request, "cache_salt", None) or ""
-        prompt = len(request.prompt_token_ids or ())
         self.tracked[request.request_id] = _Tracked(
             request=request,
             namespace=namespace(self.model, self.block_size, self.kv_dtype, salt),
-            keys=[bytes(h) for h in request.block_hashes],
-            num_prompt_blocks=prompt // self.block_size, intent=self._params(request).intent)
+            keys=[bytes(h) for h in request.block_hashes], intent=self._params(request).intent)
 
     def _keys(self, tracked: _Tracked) -> list[bytes]:
         """The request's block keys: its prompt's, and with save_output its output's too, as
@@ -492,8 +489,6 @@ class KvdConnector(KVConnectorBase_V1):
             return
         keys = self._keys(tracked)
         full = min(computed // self.block_size, len(keys), len(tracked.block_ids))
-        if not self.save_output:
-            full = min(full, tracked.num_prompt_blocks)
         if full > tracked.num_in_kvd:
             positions = range(tracked.num_in_kvd, full)
             meta.saves.append(_Transfer(rid, tracked.namespace,

@@ -126,6 +126,7 @@ def main() -> None:
               gpu_memory_utilization=0.3, seed=0, logits_processors=paced or None,
               disable_log_stats=False,  # for its preemptions counter
               num_gpu_blocks_override=spec.get("gpu_blocks"),
+              # vLLM refuses a step budget below its most sequences a step (256).
               **({"max_num_batched_tokens": spec["chunk"], "max_num_seqs": spec["chunk"]}
                  if spec.get("chunk") else {}),
               kv_transfer_config=KVTransferConfig(

@@ -95,8 +95,9 @@ class Engine:
         self.proc.wait()
 
 
-def engine_run(target: str, prompts, params=None) -> dict:
-    engine = Engine(target, [{"prompts": prompts, "params": params}])
+def engine_run(target: str, prompts, params=None, **options) -> dict:
+    """One batch on a fresh engine (`options`: Engine's)."""
+    engine = Engine(target, [{"prompts": prompts, "params": params}], **options)
     try:
         return engine.result()
     finally:
@@ -188,11 +189,7 @@ def test_a_prompt_prefilled_in_chunks_is_stored_only_in_computed_blocks(tmp_path
     # stored only once every token of it is computed: a fresh engine loading the prefix
     # must make the tokens of the engine that computed it.
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        chunked = Engine(kvd.target, [{"prompts": PROMPTS}], chunk=48)  # 1.5 blocks a step
-        try:
-            computed = chunked.result()
-        finally:
-            chunked.close()
+        computed = engine_run(kvd.target, PROMPTS, chunk=48)  # 1.5 blocks a step
         with Client(kvd.target) as c:
             stats = c.pool_stats().pools[0]
         fresh = engine_run(kvd.target, PROMPTS)
@@ -549,7 +546,7 @@ def test_each_worker_of_a_tensor_parallel_engine_gets_back_its_own_shard(tmp_pat
                     f"worker {workers.index(worker)}, {name}: another worker's heads"
         # A block counts as a hit while kvd holds every worker's shard of it.
         scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
-        assert scheduler._lookup(vc._Tracked(namespace, keys, 3)) == 2
+        assert scheduler._lookup(vc._Tracked(namespace, keys)) == 2
         for connector in (*workers, scheduler):
             connector.client.close()
 
@@ -926,7 +923,7 @@ def test_a_lease_renewal_that_fails_once_is_sent_again_within_the_lease(tmp_path
         config = vllm_config(kvd.target, extra={"kvd_retry_s": 8.0})
         scheduler = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
         scheduler.client.admit("r", 64)  # under the scheduler's lease
-        scheduler.tracked["r"] = vc._Tracked("ns", [], 0)
+        scheduler.tracked["r"] = vc._Tracked("ns", [])
         start, renewals, failed = scheduler.client.start, [], []
 
         def fails_once(name, *args, **kwargs):  # the second renewal
@@ -970,7 +967,7 @@ def test_a_hung_kvd_holds_up_a_scheduler_step_once_at_most(tmp_path):
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
         scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=HUNG), KVConnectorRole.SCHEDULER)
-        scheduler.tracked["r"] = vc._Tracked("ns", [], 0)  # it holds a request...
+        scheduler.tracked["r"] = vc._Tracked("ns", [])  # it holds a request...
         scheduler.queued.update(q0=0.0, q1=0.0, q2=0.0)  # ...and kvd queued three
         scheduler.client.keep_alive()  # connected
         os.kill(kvd.proc.pid, signal.SIGSTOP)
