@@ -6,33 +6,56 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import os
 import threading
+from collections.abc import Coroutine
 
 from kvd_client.client import AsyncClient
+
+_shared_lock = threading.Lock()
+_shared: tuple[int, asyncio.AbstractEventLoop, threading.Thread] | None = None
+
+
+def _shared_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    """The event loop every Client of this process runs its calls on, in a thread of its
+    own, started with the first Client and never closed.
+
+    grpc.aio binds each loop that makes a call to its completion queue for the life of
+    the process and hands every loop's completions out from whichever bound loop reads
+    them first. A Client with a loop of its own that closed it left a closed loop bound:
+    a completion for its channel that came after the close (its calls' last ones do)
+    made the loop that read it raise "Event loop is closed" in grpc's reader, logged as
+    an error in every other loop of the process, and each closed client kept its loop
+    alive in grpc's table. One loop, never closed, has neither. A process forked from
+    one that had it starts its own (the thread does not survive the fork)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, name="kvd-client", daemon=True)
+            thread.start()
+            _shared = (os.getpid(), loop, thread)
+        return _shared[1:]
 
 
 class Client:
     """The same calls as AsyncClient, blocking: derived from it (every public coroutine
     becomes a blocking call, every async stream a blocking iterator), run on an event loop
-    of the client's own in a background thread, so the two cannot drift apart. The async
-    client's step_stream is left out: a blocking caller sends Steps with step()."""
+    in a background thread that the process's Clients share, so the two cannot drift
+    apart. The async client's step_stream is left out: a blocking caller sends Steps with
+    step()."""
 
     _ASYNC_ONLY = frozenset({"step_stream", "close", "wait_ready"})
 
     def __init__(self, target: str | None = None, **kw) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvd-client",
-                                        daemon=True)
-        self._thread.start()
+        self._loop, self._thread = _shared_loop()
+        self._tasks: set[asyncio.Task] = set()  # this client's calls under way
+        self.closed = False
 
         async def connect() -> AsyncClient:
             return AsyncClient(target, **kw)
 
-        try:
-            self._client = self._run(connect())
-        except BaseException:
-            self._stop()
-            raise
+        self._client = self._run(connect())
         self.target = self._client.target
 
     def __enter__(self) -> Client:
@@ -41,26 +64,46 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Run `coro` on the shared loop as one of this client's calls (close() ends it)."""
+        if self.closed:
+            coro.close()
+            raise RuntimeError("this kvd client is closed")
+
+        async def tracked():
+            task = asyncio.current_task()
+            self._tasks.add(task)
+            try:
+                return await coro
+            finally:
+                self._tasks.discard(task)
+
+        return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking kvd call on the clients' own thread (from a "
+                               "follow() callback) would wait on itself: use start()")
+        return self._submit(coro).result()
 
     def start(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
         """Start the call `name` (any of the blocking calls) and return at once: a future of
         its reply, for a caller that must not wait on kvd (kvd_client errors, as the
         blocking call raises them, come out of its result())."""
-        return asyncio.run_coroutine_threadsafe(
-            getattr(self._client, name)(*args, **kwargs), self._loop)
+        return self._submit(getattr(self._client, name)(*args, **kwargs))
 
     def follow(self, name: str, on_item, *args, **kwargs) -> concurrent.futures.Future:
         """Read the stream `name` (watch_events, say) in the background, calling
-        `on_item(item)` on the client's thread for each item, and return at once: a future
+        `on_item(item)` on the clients' thread for each item, and return at once: a future
         that ends with the stream (kvd_client errors come out of its result()); cancel() it
-        to stop reading."""
+        to stop reading. Every client's calls run on that thread: on_item must return
+        soon, and may start() a call but not wait on one."""
         async def read():
             async for item in getattr(self._client, name)(*args, **kwargs):
                 on_item(item)
 
-        return asyncio.run_coroutine_threadsafe(read(), self._loop)
+        return self._submit(read())
 
     def _iterate(self, stream):
         """A blocking iterator over an async stream; closing it early closes the stream
@@ -75,27 +118,25 @@ class Client:
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(stream.aclose())
+            if not self.closed:  # close() has ended the stream's call
+                self._run(stream.aclose())
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._run(self._aclose())
-            self._stop()
+        """Close the channel, then end this client's calls still under way (a follow()
+        reading its stream, a start()ed call waiting for kvd, another thread's blocking
+        call): cancelled and awaited, so their futures end (cancelled) rather than wait for
+        ever. The shared loop goes on for the process's other clients."""
+        if self.closed:
+            return
+        self.closed = True
+        asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result()
 
     async def _aclose(self) -> None:
-        """Close the channel, then end what still runs on the client's loop (a follow()
-        reading its stream, a start()ed call waiting for kvd): cancelled and awaited, so
-        their futures end (cancelled) rather than wait for ever on a stopped loop."""
         await self._client.close()
-        running = asyncio.all_tasks() - {asyncio.current_task()}
+        running = set(self._tasks)
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-
-    def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
 
     def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel is connected; TimeoutError after timeout_s."""

@@ -80,9 +80,31 @@ def test_a_followed_stream_calls_back_on_each_item_until_cancelled(kvd):
             bad.result(timeout=5)
 
 
+def test_a_callback_that_waits_on_a_call_is_told_not_left_hanging(kvd):
+    # A follow() callback runs on the thread that runs the client's calls: a blocking call
+    # from it on its own client waited for ever on the thread it held, and the stream with
+    # it. The process's clients share that thread, so that holds for any client's call.
+    import time
+
+    with Client(kvd.target, timeout_s=10) as c, Client(kvd.target, timeout_s=10) as other:
+        for waiter in (c, other):
+            watch = c.follow("watch_events", lambda _, w=waiter: w.keep_alive(),
+                             kinds=["admission"])
+            time.sleep(0.3)  # subscribed
+            c.admit(f"r{id(waiter)}", 32)
+            with pytest.raises(RuntimeError, match="use start"):
+                watch.result(timeout=5)
+        started = []
+        watch = c.follow("watch_events", lambda _: started.append(other.start("keep_alive")),
+                         kinds=["admission"])
+        time.sleep(0.3)
+        c.admit("s", 32)
+        time.sleep(0.3)
+        assert started[0].result(timeout=5).lease_ttl_s > 0
+        watch.cancel()
 
 
-def test_closing_the_client_ends_what_runs_on_its_loop(kvd, tmp_path):
+def test_closing_the_client_ends_its_calls_under_way(kvd, tmp_path):
     # close() stopped the client's loop under a followed stream still reading and a started
     # call still waiting: their futures never ended (a thread waiting on one waited for
     # ever) and their tasks were destroyed pending ("Task was destroyed but it is pending!").
@@ -109,3 +131,38 @@ def test_closing_the_client_ends_what_runs_on_its_loop(kvd, tmp_path):
         with pytest.raises(concurrent.futures.CancelledError):
             future.result(timeout=5)  # ended by the close, not left pending
     assert problems == []
+    with pytest.raises(RuntimeError, match="closed"):
+        following.keep_alive()
+
+
+def test_clients_closed_beside_one_in_use_leave_its_loop_no_errors(kvd, tmp_path):
+    # Each Client ran its own event loop and closed it on close(). grpc.aio keeps every
+    # loop that made a call bound to its completion queue and hands completions out from
+    # whichever bound loop reads them first: a completion for a closed client's call that
+    # came after its close (a cancelled call's last ones do) made the loop reading it
+    # raise "Event loop is closed" in grpc's reader, logged as an error in the process (an
+    # engine reconnecting to kvd closes clients beside others in use). It came by timing,
+    # in a few closes in a hundred (once in a CI run of this file's test above), so each
+    # close here is checked to leave no closed loop for grpc to hand a completion to, and
+    # the loop in use to have logged nothing.
+    import time
+
+    from kvd_client import RetryPolicy
+
+    problems = []
+    with Client(kvd.target, timeout_s=30) as alive:
+        alive._loop.set_exception_handler(lambda _, context: problems.append(context))
+        for _ in range(60):
+            following = Client(kvd.target, timeout_s=30)
+            watch = following.follow("watch_events", lambda _: None, kinds=["admission"])
+            waiting = Client(f"unix://{tmp_path}/not-yet.sock", timeout_s=30,
+                             retry=RetryPolicy())
+            call = waiting.start("keep_alive")
+            time.sleep(0.05)
+            for closing in (waiting, following):
+                closing.close()
+                assert not closing._loop.is_closed()
+            assert watch.cancelled() and call.cancelled()
+            for _ in range(3):
+                assert alive.keep_alive().lease_ttl_s > 0
+    assert [(p["message"], repr(p.get("exception"))) for p in problems] == []
