@@ -84,22 +84,32 @@ def test_a_callback_that_waits_on_a_call_is_told_not_left_hanging(kvd):
     # A follow() callback runs on the thread that runs the client's calls: a blocking call
     # from it on its own client waited for ever on the thread it held, and the stream with
     # it. The process's clients share that thread, so that holds for any client's call.
+    import itertools
     import time
+
+    ids = (f"r{i}" for i in itertools.count())
+
+    def admit_until(heard) -> None:
+        """Admit (and release) requests until the watch has heard one: it is subscribed
+        some time after follow() returns."""
+        deadline = time.monotonic() + 10
+        while not heard() and time.monotonic() < deadline:
+            request = next(ids)
+            c.admit(request, 32)
+            c.release(request)
+            time.sleep(0.05)
 
     with Client(kvd.target, timeout_s=10) as c, Client(kvd.target, timeout_s=10) as other:
         for waiter in (c, other):
             watch = c.follow("watch_events", lambda _, w=waiter: w.keep_alive(),
                              kinds=["admission"])
-            time.sleep(0.3)  # subscribed
-            c.admit(f"r{id(waiter)}", 32)
+            admit_until(watch.done)
             with pytest.raises(RuntimeError, match="use start"):
                 watch.result(timeout=5)
         started = []
         watch = c.follow("watch_events", lambda _: started.append(other.start("keep_alive")),
                          kinds=["admission"])
-        time.sleep(0.3)
-        c.admit("s", 32)
-        time.sleep(0.3)
+        admit_until(lambda: started)
         assert started[0].result(timeout=5).lease_ttl_s > 0
         watch.cancel()
 
