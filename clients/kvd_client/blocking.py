@@ -71,6 +71,9 @@ class Client:
             raise RuntimeError("this kvd client is closed")
 
         async def tracked():
+            if self.closed:  # closed between the check above and now: close() missed it
+                coro.close()
+                raise RuntimeError("this kvd client is closed")
             task = asyncio.current_task()
             self._tasks.add(task)
             try:

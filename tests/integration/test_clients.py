@@ -177,3 +177,26 @@ def test_closing_clients_ends_their_calls_and_leaves_the_process_no_errors(kvd, 
         capture_output=True, text=True, timeout=90)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_a_call_started_as_its_client_closes_is_refused_as_closed(kvd, monkeypatch):
+    # A call that passed start()'s check while another thread closed the client, and was
+    # queued on the loop after the close, ran on the closed channel: not one of the calls
+    # the close ended, nor refused as closed. The interleaving is forced: the close runs
+    # between the call's check and its queueing.
+    import asyncio
+
+    c = Client(kvd.target, timeout_s=10)
+    queue = asyncio.run_coroutine_threadsafe
+    closing = [True]
+
+    def close_first(coro, loop):
+        if closing:
+            closing.clear()
+            c.close()
+        return queue(coro, loop)
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", close_first)
+    call = c.start("keep_alive")
+    with pytest.raises(RuntimeError, match="this kvd client is closed"):
+        call.result(timeout=5)
