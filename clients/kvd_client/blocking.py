@@ -83,11 +83,19 @@ class Client:
 
         return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
 
-    def _run(self, coro):
+    def _refuse_on_own_thread(self, what: str) -> None:
+        """A wait on the clients' thread, from that thread (a follow() callback), would
+        wait for ever: refused."""
         if threading.current_thread() is self._thread:
+            raise RuntimeError(f"{what} on the clients' own thread (from a follow() "
+                               "callback) would wait on itself")
+
+    def _run(self, coro):
+        try:
+            self._refuse_on_own_thread("a blocking kvd call (use start())")
+        except RuntimeError:
             coro.close()
-            raise RuntimeError("a blocking kvd call on the clients' own thread (from a "
-                               "follow() callback) would wait on itself: use start()")
+            raise
         return self._submit(coro).result()
 
     def start(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
@@ -131,6 +139,7 @@ class Client:
         ever. The shared loop goes on for the process's other clients."""
         if self.closed:
             return
+        self._refuse_on_own_thread("closing a kvd client")
         self.closed = True
         asyncio.run_coroutine_threadsafe(self._aclose(), self._loop).result()
 

@@ -83,7 +83,8 @@ def test_a_followed_stream_calls_back_on_each_item_until_cancelled(kvd):
 def test_a_callback_that_waits_on_a_call_is_told_not_left_hanging(kvd):
     # A follow() callback runs on the thread that runs the client's calls: a blocking call
     # from it on its own client waited for ever on the thread it held, and the stream with
-    # it. The process's clients share that thread, so that holds for any client's call.
+    # it. The process's clients share that thread, so that holds for any client's call,
+    # and for a close (which waits for the client's calls to end).
     import itertools
     import time
 
@@ -100,12 +101,13 @@ def test_a_callback_that_waits_on_a_call_is_told_not_left_hanging(kvd):
             time.sleep(0.05)
 
     with Client(kvd.target, timeout_s=10) as c, Client(kvd.target, timeout_s=10) as other:
-        for waiter in (c, other):
-            watch = c.follow("watch_events", lambda _, w=waiter: w.keep_alive(),
+        for waits in (c.keep_alive, other.keep_alive, other.close):
+            watch = c.follow("watch_events", lambda _, waits=waits: waits(),
                              kinds=["admission"])
             admit_until(watch.done)
-            with pytest.raises(RuntimeError, match="use start"):
+            with pytest.raises(RuntimeError, match="would wait on itself"):
                 watch.result(timeout=5)
+        assert not other.closed
         started = []
         watch = c.follow("watch_events", lambda _: started.append(other.start("keep_alive")),
                          kinds=["admission"])
