@@ -167,7 +167,7 @@ def test_closing_clients_ends_their_calls_and_leaves_the_process_no_errors(kvd, 
     # Then each Client ran its own event loop and closed it on close(). A completion for a
     # closed client's call that came after its close (a cancelled call's last ones do) made
     # the loop reading it raise "Event loop is closed" in grpc's reader, logged as an error
-    # in the process (an engine reconnecting to kvd closes clients beside others in use).
+    # in the process (SGLang's backend keeps a client a thread and closes each in turn).
     # It came by timing, in a few closes in a hundred (once in a CI run), so each of many
     # closes is checked to leave no closed loop for grpc to hand a completion to, and the
     # loop in use to have logged nothing.
