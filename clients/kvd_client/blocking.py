@@ -64,16 +64,19 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _submit(self, coro: Coroutine) -> concurrent.futures.Future:
-        """Run `coro` on the shared loop as one of this client's calls (close() ends it)."""
+    def _refuse_if_closed(self, coro: Coroutine) -> None:
+        """A call on a closed client is refused, its coroutine closed unrun."""
         if self.closed:
             coro.close()
             raise RuntimeError("this kvd client is closed")
 
+    def _submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        """Run `coro` on the shared loop as one of this client's calls (close() ends it)."""
+        self._refuse_if_closed(coro)
+
         async def tracked():
-            if self.closed:  # closed between the check above and now: close() missed it
-                coro.close()
-                raise RuntimeError("this kvd client is closed")
+            # Closed between the check above and now: close() did not see this call.
+            self._refuse_if_closed(coro)
             task = asyncio.current_task()
             self._tasks.add(task)
             try:
@@ -83,19 +86,17 @@ class Client:
 
         return asyncio.run_coroutine_threadsafe(tracked(), self._loop)
 
-    def _refuse_on_own_thread(self, what: str) -> None:
+    def _refuse_on_own_thread(self, what: str, coro: Coroutine | None = None) -> None:
         """A wait on the clients' thread, from that thread (a follow() callback), would
-        wait for ever: refused."""
+        wait for ever: refused (and `coro`, the call it would wait on, closed unrun)."""
         if threading.current_thread() is self._thread:
+            if coro is not None:
+                coro.close()
             raise RuntimeError(f"{what} on the clients' own thread (from a follow() "
                                "callback) would wait on itself")
 
     def _run(self, coro):
-        try:
-            self._refuse_on_own_thread("a blocking kvd call (use start())")
-        except RuntimeError:
-            coro.close()
-            raise
+        self._refuse_on_own_thread("a blocking kvd call (use start())", coro)
         return self._submit(coro).result()
 
     def start(self, name: str, *args, **kwargs) -> concurrent.futures.Future:
