@@ -7,7 +7,7 @@ import asyncio
 import os
 import socket
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ from kvd_client.errors import from_rpc_error
 from kvd_client.step_stream import StepStream, access_request
 
 DEFAULT_TIMEOUT_S = 30.0
+SUBSCRIBED = "kvd-subscribed"  # the header a WatchEvents stream opens with, subscribed
 
 
 def default_target() -> str:
@@ -312,12 +313,19 @@ class AsyncClient:
         """The cluster this kvd shares tenants' quotas with, as it sees it (admin)."""
         return await self._call(self.admin.GetCluster, pb.GetClusterRequest(pool=pool))
 
-    async def watch_events(self, *, pools=(), tenants=(), kinds=(), buffer: int = 0):
-        """Yield kvd's events as they happen (a "gap" event counts ones this watcher lost)."""
+    async def watch_events(self, *, pools=(), tenants=(), kinds=(), buffer: int = 0,
+                           on_subscribed: Callable[[], object] | None = None):
+        """Yield kvd's events as they happen (a "gap" event counts ones this watcher lost).
+        `on_subscribed` is called once kvd has subscribed the watcher, before its first
+        event: every event from then on is yielded (or counted by a gap)."""
         call = self.memory.WatchEvents(
             pb.WatchEventsRequest(pools=pools, tenants=tenants, kinds=kinds, buffer=buffer),
             metadata=self.metadata)
         try:
+            if on_subscribed is not None:
+                # Refused, the call ends with no such header, and its error is raised below.
+                if any(key == SUBSCRIBED for key, _ in await call.initial_metadata() or ()):
+                    on_subscribed()
             async for event in call:
                 yield event
         except grpc.RpcError as err:

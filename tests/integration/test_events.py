@@ -19,9 +19,9 @@ from kvd_client import AsyncClient, pb
 from .conftest import admit_until
 
 
-async def _collect(client, n, **filters):
+async def _collect(client, n, subscribed: asyncio.Event, **filters):
     events = []
-    async for event in client.watch_events(**filters):
+    async for event in client.watch_events(on_subscribed=subscribed.set, **filters):
         events.append(event)
         if len(events) == n:
             return events
@@ -29,8 +29,9 @@ async def _collect(client, n, **filters):
 
 async def test_events_arrive_in_order_without_gaps(kvd):
     async with AsyncClient(kvd.target) as client:
-        watcher = asyncio.ensure_future(_collect(client, 3 * 3 + 1))
-        await asyncio.sleep(0.2)  # subscribed
+        subscribed = asyncio.Event()
+        watcher = asyncio.ensure_future(_collect(client, 3 * 3 + 1, subscribed))
+        await asyncio.wait_for(subscribed.wait(), 10)
         for rid in ("a", "b", "c"):  # admit, allocate, (read,) release: 3 events each
             await client.admit(rid, 64, tenant="t")
             await client.allocate(rid, 4)
@@ -48,8 +49,10 @@ async def test_events_arrive_in_order_without_gaps(kvd):
 
 async def test_filters_by_kind_and_tenant(kvd):
     async with AsyncClient(kvd.target) as client:
-        watcher = asyncio.ensure_future(_collect(client, 2, kinds=["eviction"], tenants=["m"]))
-        await asyncio.sleep(0.2)
+        subscribed = asyncio.Event()
+        watcher = asyncio.ensure_future(_collect(client, 2, subscribed, kinds=["eviction"],
+                                                 tenants=["m"]))
+        await asyncio.wait_for(subscribed.wait(), 10)
         await client.admit("minnow", 32, tenant="m")
         await client.allocate("minnow", 2)
         await client.admit("whale", 16 * 8, tenant="w")
@@ -73,6 +76,32 @@ async def test_a_watch_of_a_pool_kvd_does_not_have_is_refused_at_once(kvd):
         with pytest.raises(NotFoundError, match="no pool 'defualt'; this kvd has default"):
             await asyncio.wait_for(anext(client.watch_events(pools=["default", "defualt"])),
                                    5)
+
+
+async def test_a_watcher_told_it_is_subscribed_sees_the_next_event(kvd):
+    # Told by the stream's headers, a watcher need not sleep and hope: the admission made
+    # the moment it is told is its first event, every time.
+    async with AsyncClient(kvd.target) as client:
+        for i in range(20):
+            subscribed = asyncio.Event()
+            events = client.watch_events(kinds=["admission"], on_subscribed=subscribed.set)
+            first = asyncio.ensure_future(anext(events))
+            await asyncio.wait_for(subscribed.wait(), 10)
+            await client.admit(f"s{i}", 16)
+            assert (await asyncio.wait_for(first, 10)).request_id == f"s{i}"
+            await events.aclose()
+            await client.release(f"s{i}")
+
+
+async def test_a_refused_watch_is_never_told_it_is_subscribed(kvd):
+    from kvd_client import InvalidArgumentError
+
+    told = []
+    async with AsyncClient(kvd.target) as client:
+        with pytest.raises(InvalidArgumentError, match="unknown event kinds"):
+            await asyncio.wait_for(anext(client.watch_events(
+                kinds=["admision"], on_subscribed=lambda: told.append(1))), 5)
+    assert told == []
 
 
 async def test_a_stalled_watcher_gets_a_gap_marker_and_kvd_stays_fast(kvd):

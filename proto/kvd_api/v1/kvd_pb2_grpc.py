@@ -247,7 +247,10 @@ class MemoryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """Tenants see their own requests' events; the admin sees everything.
+        """Tenants see their own requests' events; the admin sees everything. The stream's
+        headers (initial metadata), with "kvd-subscribed: 1", come once the watcher is
+        subscribed and before its first event: every event from then on reaches it, or a gap
+        event counts it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

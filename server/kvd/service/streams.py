@@ -27,6 +27,8 @@ log = structlog.get_logger("kvd.service")
 
 # Events kvd keeps for one watcher that does not read (about 600 bytes each).
 MAX_EVENT_BUFFER = 16384
+# The header a WatchEvents stream opens with once its watcher is subscribed.
+SUBSCRIBED = "kvd-subscribed"
 
 
 class Streams:
@@ -159,6 +161,9 @@ class Streams:
         generation = self.auth.generation
         scope = caller.scope  # a tenant sees only its own requests' events (convert.shown_id)
         try:
+            # Headers now, before any event: they tell the watcher it is subscribed (every
+            # event from here on reaches it, or a gap event counts it).
+            await context.send_initial_metadata(((SUBSCRIBED, "1"),))
             while True:
                 e = await bus.next(sub)
                 if self.auth.generation != generation:
