@@ -239,17 +239,18 @@ def watch_events(target: str, kinds: list[str]) -> list:
     """Every event of these kinds kvd publishes, collected on a thread of its own while the
     test runs."""
     seen: list = []
+    subscribed = threading.Event()
 
     async def watch():
         try:
             async with AsyncClient(target) as c:
-                async for e in c.watch_events(kinds=kinds):
+                async for e in c.watch_events(kinds=kinds, on_subscribed=subscribed.set):
                     seen.append(e)
         except Exception:  # kvd stopped at the end of the test
             pass
 
     threading.Thread(target=lambda: asyncio.run(watch()), daemon=True).start()
-    time.sleep(0.5)  # subscribed before the engine starts
+    assert subscribed.wait(30)  # subscribed before the engine starts
     return seen
 
 

@@ -65,8 +65,10 @@ def test_a_followed_stream_calls_back_on_each_item_until_cancelled(kvd):
         heard.set()
 
     with Client(kvd.target, timeout_s=10) as c:
-        watch = c.follow("watch_events", on_event, kinds=["admission"])
-        time.sleep(0.3)  # subscribed
+        subscribed = threading.Event()
+        watch = c.follow("watch_events", on_event, kinds=["admission"],
+                         on_subscribed=subscribed.set)
+        assert subscribed.wait(10)
         c.admit("r", 32)
         assert heard.wait(5)
         assert seen == [("r", "admitted")] and not watch.done()

@@ -187,13 +187,15 @@ async def test_etcd_down_then_up_decisions_continue_then_converge(tmp_path, etcd
         async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
             await _wait_for(lambda: _members_are(ca, {"a", "b"}), 10, "a sees a and b")
             events = []
+            subscribed = asyncio.Event()
 
             async def watch():
-                async for event in ca.watch_events(kinds=["cluster"]):
+                async for event in ca.watch_events(kinds=["cluster"],
+                                                   on_subscribed=subscribed.set):
                     events.append(event.detail["change"])
 
             watcher = asyncio.ensure_future(watch())
-            await asyncio.sleep(0.2)
+            await asyncio.wait_for(subscribed.wait(), 10)
             etcd.stop()
             view = await _wait_for(lambda: _etcd_down(ca), 5, "a notices etcd is away")
             assert "unreachable" in view.detail and "deciding on the picture" in view.detail

@@ -589,13 +589,15 @@ async def _pools_and_handoff_events(client: AsyncClient):
     prefill = MappedPool(await client.export_pool("prefill"))
     decode = MappedPool(await client.export_pool("decode"))
     events: list[str] = []
+    subscribed = asyncio.Event()
 
     async def watch():
-        async for event in client.watch_events(kinds=["handoff"]):
+        async for event in client.watch_events(kinds=["handoff"], on_subscribed=subscribed.set):
             events.append(event.detail.get("reason", ""))
 
     watching = asyncio.ensure_future(watch())
     try:
+        await asyncio.wait_for(subscribed.wait(), 10)
         yield prefill, decode, events
     finally:
         watching.cancel()

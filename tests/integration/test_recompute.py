@@ -21,12 +21,15 @@ async def test_dropped_block_comes_back_flagged_and_zeroed(tmp_path):
         async with AsyncClient(kvd.target, timeout_s=10) as c:
             mapped = MappedPool(await c.export_pool())
 
+            subscribed = asyncio.Event()
+
             async def first_recompute():
-                async for event in c.watch_events(kinds=["recompute"]):
+                async for event in c.watch_events(kinds=["recompute"],
+                                                  on_subscribed=subscribed.set):
                     return event
 
             watcher = asyncio.ensure_future(first_recompute())
-            await asyncio.sleep(0.2)  # subscribed
+            await asyncio.wait_for(subscribed.wait(), 10)
             try:
                 await c.admit("r", 32, 0)
                 reply = await c.allocate("r", 2)

@@ -226,12 +226,14 @@ async def _watching(client: AsyncClient, kinds: list[str]):
     the body runs)."""
     seen: list = []
 
+    subscribed = asyncio.Event()
+
     async def watch():
-        async for event in client.watch_events(kinds=kinds):
+        async for event in client.watch_events(kinds=kinds, on_subscribed=subscribed.set):
             seen.append(event)
 
     watcher = asyncio.ensure_future(watch())
-    await asyncio.sleep(0.2)  # subscribed
+    await asyncio.wait_for(subscribed.wait(), 10)
     try:
         yield seen
     finally:
@@ -260,7 +262,7 @@ async def _watched_waiter(alpha: AsyncClient) -> tuple[list, asyncio.Task]:
             updates.append(update)
 
     task = asyncio.ensure_future(wait())
-    await asyncio.sleep(0.2)
+    await _until(lambda: updates, 500)
     assert [u.decision for u in updates] == [pb.DECISION_QUEUED]
     return updates, task
 
@@ -506,9 +508,11 @@ async def test_a_tenant_cannot_open_watchers_and_waiters_without_bound(tenants_k
             assert (await w.__anext__()).decision == pb.DECISION_QUEUED
         with pytest.raises(ResourceExhaustedError, match="at most 8"):
             await alpha.wait_admission("q").__anext__()
-        watchers = [alpha.watch_events() for _ in range(16)]
+        subscribed: list[int] = []
+        watchers = [alpha.watch_events(on_subscribed=lambda: subscribed.append(1))
+                    for _ in range(16)]
         pending = [asyncio.ensure_future(w.__anext__()) for w in watchers]
-        await asyncio.sleep(0.3)
+        await _until(lambda: len(subscribed) == 16, 500)
         with pytest.raises(ResourceExhaustedError, match="16 event watchers"):
             await alpha.watch_events().__anext__()
         for p in pending:
