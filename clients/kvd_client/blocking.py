@@ -38,6 +38,11 @@ def _shared_loop() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
         return _shared[1:]
 
 
+FORKED = ("this kvd client was made in process {pid}, which this process forked from: its "
+          "calls run on a thread of that process, which a fork does not copy; make clients "
+          "in the process that uses them, after it forks")
+
+
 class Client:
     """The same calls as AsyncClient, blocking: derived from it (every public coroutine
     becomes a blocking call, every async stream a blocking iterator), run on an event loop
@@ -49,6 +54,7 @@ class Client:
 
     def __init__(self, target: str | None = None, **kw) -> None:
         self._loop, self._thread = _shared_loop()
+        self._pid = os.getpid()  # the loop's thread runs in this process only
         self._tasks: set[asyncio.Task] = set()  # this client's calls under way
         self.closed = False
 
@@ -65,7 +71,11 @@ class Client:
         self.close()
 
     def _refuse_if_closed(self, coro: Coroutine) -> None:
-        """A call on a closed client is refused, its coroutine closed unrun."""
+        """A call on a closed client, or on one made in the process this one forked from,
+        is refused, its coroutine closed unrun."""
+        if self._pid != os.getpid():
+            coro.close()
+            raise RuntimeError(FORKED.format(pid=self._pid))
         if self.closed:
             coro.close()
             raise RuntimeError("this kvd client is closed")
@@ -139,6 +149,11 @@ class Client:
         call): cancelled and awaited, so their futures end (cancelled) rather than wait for
         ever. The shared loop goes on for the process's other clients."""
         if self.closed:
+            return
+        if self._pid != os.getpid():
+            # Made before this process forked: its loop, channel and calls are the parent's
+            # (closing the channel here would end the parent's connection).
+            self.closed = True
             return
         self._refuse_on_own_thread("closing a kvd client")
         self.closed = True

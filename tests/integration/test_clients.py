@@ -204,3 +204,46 @@ def test_a_call_started_as_its_client_closes_is_refused_as_closed(kvd, monkeypat
     call = c.start("keep_alive")
     with pytest.raises(RuntimeError, match="this kvd client is closed"):
         call.result(timeout=5)
+
+
+# A client made, then the process forked (a server that forks its workers, a pool of
+# processes started by fork), in a Python process of its own.
+FORKED = """
+import faulthandler, os, sys
+from kvd_client import Client
+
+c = Client(sys.argv[1], timeout_s=10)
+assert c.health() == "SERVING"
+pid = os.fork()
+if pid == 0:
+    faulthandler.dump_traceback_later(20, exit=True)  # a wait for ever fails, saying where
+    try:
+        c.health()
+        print("answered in the child", flush=True)
+    except RuntimeError as exc:
+        print("refused:", exc, flush=True)
+    c.close()
+    print("closed:", c.closed, flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit:", os.waitstatus_to_exitcode(status), flush=True)
+print("the parent's:", c.health(), flush=True)
+c.close()
+"""
+
+
+def test_a_client_made_before_a_fork_is_refused_in_the_child_not_a_hang(kvd):
+    # Its calls ran on the shared loop's thread, which stayed in the parent: in the child
+    # a call (and close()) waited for ever on a loop no thread runs. Refused at once, and
+    # closing it in the child leaves the parent's connection alone.
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", FORKED, kvd.target],
+                         capture_output=True, text=True, timeout=90)
+    lines = run.stdout.splitlines()
+    assert run.returncode == 0, run.stderr
+    assert lines[0].startswith("refused: this kvd client was made in process "), run.stdout
+    assert "which this process forked from" in lines[0]
+    assert lines[1:] == ["closed: True", "child exit: 0", "the parent's: SERVING"], \
+        (run.stdout, run.stderr[-2000:])
