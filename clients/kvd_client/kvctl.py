@@ -468,7 +468,11 @@ def _run(args, client: Client, out: Console) -> int:
     elif cmd == "events":
         for pool in args.pools:  # a misspelt pool is an error, not an endless silence
             client.pool_stats(pool)
-        stream = client.watch_events(pools=args.pools, tenants=args.tenants, kinds=args.kinds)
+        # Said on stderr (stdout stays the events alone): from now on nothing is missed.
+        stream = client.watch_events(
+            pools=args.pools, tenants=args.tenants, kinds=args.kinds,
+            on_subscribed=lambda: print(f"kvctl: watching kvd's events at {client.target}",
+                                        file=sys.stderr, flush=True))
         for n, event in enumerate(stream, start=1):
             if args.json:
                 print(json.dumps(_json(event)), flush=True)

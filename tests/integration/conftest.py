@@ -149,18 +149,6 @@ async def start_slow_read(client, stream) -> asyncio.Future:
     return asyncio.ensure_future(stream.step(accesses=[("r", list(range(8)))]))
 
 
-async def admit_until(target: str, done, prefix: str, tries: int = 200) -> None:
-    """Admit requests (prefix0, prefix1, ...) one every 100 ms until done() is true: until a
-    watcher that starts in its own time (kvctl events) has seen what it waits for."""
-    async with AsyncClient(target) as client:
-        for i in range(tries):
-            if done():
-                return
-            await client.admit(f"{prefix}{i}", 16)
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"still not done after {tries} admissions")
-
-
 # The tests on it drive demotions and promotions: requests over-subscribe the device tier,
 # which working-set admission would queue (it has tests of its own).
 SMALL = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8", "--host-pages", "32",

@@ -16,7 +16,6 @@ import pytest
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 from kvd_client import AsyncClient, pb
 
-from .conftest import admit_until
 
 
 async def _collect(client, n, subscribed: asyncio.Event, **filters):
@@ -170,15 +169,17 @@ async def test_a_stalled_watcher_gets_a_gap_marker_and_kvd_stays_fast(kvd):
 def test_kvctl_events_follows_the_stream(kvd):
     kvctl = str(Path(sys.executable).with_name("kvctl"))
     proc = subprocess.Popen([kvctl, "--target", kvd.target, "events", "--json", "--count", "2",
-                             "--kind", "admission"], stdout=subprocess.PIPE, text=True)
+                             "--kind", "admission"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    # It says on stderr when it is watching: the next two admissions are its two events.
+    assert proc.stderr.readline() == f"kvctl: watching kvd's events at {kvd.target}\n"
 
-    # One admission after another until kvctl has its two: when it starts watching is its
-    # own (a second on a busy machine was once not enough), and it is told only what
-    # happens after.
-    asyncio.run(admit_until(kvd.target, lambda: proc.poll() is not None, "e"))
-    out, _ = proc.communicate(timeout=20)
-    assert proc.returncode == 0
-    ids = [json.loads(line)["request_id"] for line in out.splitlines()]
-    assert len(ids) == 2 and ids[0].startswith("e")
-    first = int(ids[0][1:])
-    assert ids == [f"e{first}", f"e{first + 1}"]  # in order, none missed
+    async def admit_two() -> None:
+        async with AsyncClient(kvd.target) as client:
+            for rid in ("e0", "e1"):
+                await client.admit(rid, 16)
+
+    asyncio.run(admit_two())
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    assert [json.loads(line)["request_id"] for line in out.splitlines()] == ["e0", "e1"]
