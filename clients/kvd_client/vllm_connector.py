@@ -34,10 +34,11 @@ floods the engine with requests kvd queues would have the scheduler call kvd tho
 times a second, and every running request wait on those calls), the connector follows kvd's
 admission events on a stream of its own, from the engine's start, and asks kvd after a
 queued request only every QUEUE_FALLBACK_POLLS x `kvd_queue_poll_s` (every
-`kvd_queue_poll_s` while the stream is down or new, and at once for all of them when kvd
-says the stream lost events). On finish the request is released in kvd (one aborted while
-kvd still queued it too, and one whose Admit got no answer, which kvd may have taken); a
-release kvd does not take (it is away, or does not answer) is sent again at the next steps.
+`kvd_queue_poll_s` until kvd has subscribed the stream and while it is down, and at once
+for all of them when kvd says the stream lost events). On finish the request is released
+in kvd (one aborted while kvd still queued it too, and one whose Admit got no answer, which
+kvd may have taken); a release kvd does not take (it is away, or does not answer) is sent
+again at the next steps.
 The blocks it stored stay there for the next request with that prefix. While it holds
 requests in kvd, the scheduler renews its lease every third of kvd's lease TTL (at its next
 step; one that failed, a sixth of the TTL later): a request decoding for longer than the TTL
@@ -202,11 +203,14 @@ class KvdConnector(KVConnectorBase_V1):
         # kvd's admission events, followed from the scheduler's start (_follow_admissions),
         # and the ids kvd admitted lately, filled on the client's thread.
         self._watch: Future | None = None
-        self._watch_again_at = self._watch_started = 0.0
+        self._watch_again_at = 0.0
         self._watch_failed = False
+        # Whether kvd has subscribed the stream (its events reach the connector from then
+        # on): set on the client's thread, once a stream is, and cleared at each new one.
+        self.watch_subscribed = False
         self._heard = _RecentIds(ADMISSIONS_KEPT)
         if role == KVConnectorRole.SCHEDULER:
-            self._follow_admissions()  # settled by the first request, if kvd answers now
+            self._follow_admissions()  # subscribed before requests queue, if kvd answers now
         self._loads: list[_Transfer] = []  # planned since the last step's metadata
         # The lease's renewal in flight (see _renew_lease), when it was sent, and when the
         # next one is due.
@@ -337,8 +341,7 @@ class KvdConnector(KVConnectorBase_V1):
         """How long a queued request waits before kvd is asked after it again: long while
         kvd's admission events reach the connector, short while they do not."""
         watch = self._watch
-        if (watch is not None and not watch.done()
-                and time.monotonic() - self._watch_started > WATCH_SETTLE_S):
+        if watch is not None and not watch.done() and self.watch_subscribed:
             return self.queue_poll_s * QUEUE_FALLBACK_POLLS
         return self.queue_poll_s
 
@@ -359,10 +362,15 @@ class KvdConnector(KVConnectorBase_V1):
                         "every kvd_queue_poll_s until they are followed again",
                         watch.exception() or "the stream ended")
         self._watch_again_at = now + self.retry_s
-        self._watch_started = now
+        self.watch_subscribed = False  # what kvd admits before it is, is not heard
         self._watch = self.client.follow(
             "watch_events", self._on_event, kinds=["admission"],
-            pools=[self.pool] if self.pool else [])
+            pools=[self.pool] if self.pool else [], on_subscribed=self._on_subscribed)
+
+    def _on_subscribed(self) -> None:
+        """On the client's thread: kvd's admission events reach the connector from now on
+        (what it admitted before, its queued requests' polls until now have asked)."""
+        self.watch_subscribed = True
 
     def _on_event(self, event: pb.Event) -> None:
         """On the client's thread: note what kvd admitted from its queue, or rejected from
@@ -720,9 +728,6 @@ ANY_TENANT = "*"
 QUEUE_FALLBACK_POLLS = 20
 # Releases kvd has not taken yet kept for sending again (see KvdConnector.owed).
 OWED_KEPT = 65536
-# A stream this young may not be subscribed yet: what kvd admits meanwhile is not heard, so
-# queued requests are still asked after at the short period.
-WATCH_SETTLE_S = 1.0
 # How long a lookup's answer stands for a request vLLM has no room for (kvd_lookup_again_s).
 LOOKUP_AGAIN_S = 0.5
 ADMISSIONS_KEPT = 4096  # admitted ids heard and not yet asked about (an admin hears all)

@@ -1041,6 +1041,11 @@ def test_a_kvd_that_hangs_mid_step_holds_up_a_workers_step_once_at_most(tmp_path
 ONE_LONG = LIMITED.replace("limit = 5", "limit = 20")
 
 
+# How soon after an engine's scheduler starts kvd has subscribed its admission events (in
+# milliseconds on a quiet machine; a busy one may take longer).
+SUBSCRIBED_S = 1.0
+
+
 @pytest.mark.timeout(600)
 def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
     # vLLM asks the connector about every waiting request at every step. The connector
@@ -1049,7 +1054,7 @@ def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
     # queues still cost kvd, and the scheduler, 20 calls a second for each of them, and the
     # running requests waited on those calls at every step. The connector follows kvd's
     # admission events instead, asking after each queued request about once a second.
-    from kvd_client.vllm_connector import QUEUE_FALLBACK_POLLS, WATCH_SETTLE_S
+    from kvd_client.vllm_connector import QUEUE_FALLBACK_POLLS
 
     n = 10
     metrics = free_address()
@@ -1066,12 +1071,12 @@ def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
     print(f"\nrun: {run['run_s']:.1f} s, {calls} Admit and Store calls ({commits} commits)")
     assert all(len(t) == 400 for t in run["tokens"])
     # Each request: its Admit, its first store, and the question once kvd admitted it; each
-    # queued one asked 20 times a second while the event stream settles (it starts with the
-    # engine's scheduler, a moment before the first requests), then once every fallback
-    # period for at most the whole run. Asked 20 times a second for as long as it waited,
+    # queued one asked 20 times a second until kvd has subscribed the event stream (it
+    # starts with the engine's scheduler, a moment before the first requests: within
+    # SUBSCRIBED_S), then once every fallback period for at most the whole run. Asked 20 times a second for as long as it waited,
     # the nine queued requests made about 10 x 9 x run_s calls.
     fallback_s = QUEUE_FALLBACK_POLLS * 0.05
-    assert calls <= 3 * n + (n - 1) * (20 * WATCH_SETTLE_S + run["run_s"] / fallback_s + 1)
+    assert calls <= 3 * n + (n - 1) * (20 * SUBSCRIBED_S + run["run_s"] / fallback_s + 1)
 
 
 def test_a_request_vllm_has_no_room_for_costs_kvd_a_lookup_a_period(tmp_path):
@@ -1143,6 +1148,15 @@ def test_an_engine_short_of_memory_asks_kvd_about_its_waiting_requests_at_a_pace
     assert lookups <= 2 * n + run["run_s"] / LOOKUP_AGAIN_S + 1
 
 
+def subscribed(scheduler) -> None:
+    """Wait until kvd has subscribed the scheduler's stream of admission events (it starts
+    with the scheduler)."""
+    deadline = time.monotonic() + 10
+    while not scheduler.watch_subscribed:
+        assert time.monotonic() < deadline, "kvd's admission events were never followed"
+        time.sleep(0.01)
+
+
 # The connector's queue poll in the tests of how soon it hears kvd's word: its fallback
 # (every QUEUE_FALLBACK_POLLS polls, 10 s) is far enough that a stall of this machine (2.5 s
 # seen) cannot make hearing the word look like waiting for the fallback.
@@ -1168,7 +1182,7 @@ def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp
     with LocalKvd("--config", str(config), "--metrics", metrics, workdir=tmp_path) as kvd:
         scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED), KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting("r1")
-        time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
+        subscribed(scheduler)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
         assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # queued
         # Steps of 10 ms for two seconds, vLLM asking about the queued request at each.
@@ -1193,6 +1207,47 @@ def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp
     assert asked == 1  # only once kvd said it had admitted it
 
 
+def test_a_request_kvd_admits_before_its_events_are_followed_is_not_left_to_the_fallback(
+        tmp_path, monkeypatch):
+    # The connector took its stream of admission events for subscribed a second after it
+    # started it, and from then on asked after a queued request only at the fallback poll
+    # (10 s here). Where kvd took longer (a busy machine), a request it admitted meanwhile
+    # was never heard of and waited for that poll. The stream is made late here: it starts
+    # two seconds after the connector asks for it.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvd_client import vllm_connector as vc
+
+    follow = Client.follow
+
+    def late(client, *args, **kwargs) -> Future:
+        threading.Timer(2.0, follow, (client, *args), kwargs).start()
+        return Future()  # under way, as far as the connector can tell
+
+    monkeypatch.setattr(Client, "follow", late)
+    config = tmp_path / "kvd.toml"
+    config.write_text(ONE_SHORT)
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED),
+                                    KVConnectorRole.SCHEDULER)
+        first, second = Waiting("r0"), Waiting("r1")
+        time.sleep(1.2)  # past the second the connector once gave the stream
+        assert not getattr(scheduler, "watch_subscribed", False)
+        assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
+        assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # queued
+        scheduler.request_finished(first, [])  # kvd admits the second, unheard
+        released = time.monotonic()
+        while scheduler.get_num_new_matched_tokens(second, 0) == (None, False):
+            assert time.monotonic() - released < 5, "left to the fallback poll"
+            time.sleep(0.01)
+        noticed_s = time.monotonic() - released
+        subscribed(scheduler)  # and the stream, once late, is followed
+        scheduler.request_finished(second, [])
+        scheduler.client.close()
+    print(f"\nnoticed the admission after {noticed_s * 1000:.0f} ms")
+    assert noticed_s <= QUEUE_POLL_S + 1
+
+
 @pytest.mark.parametrize("rid", ["r1", "queued-r1"])
 def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_path, rid):
     # A quota lowered under a queued request: kvd rejects the request from its queue and
@@ -1209,7 +1264,7 @@ def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
         scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED), KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting(rid)
-        time.sleep(vc.WATCH_SETTLE_S)  # the engine runs a while before requests queue
+        subscribed(scheduler)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
         assert scheduler.get_num_new_matched_tokens(second, 0) == (None, False)  # queued
         with Client(kvd.target) as admin:  # under the 2 pages the queued request needs
