@@ -402,7 +402,9 @@ class KvdStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """The leading run of keys kvd holds, asked LOOKUP_SLICE keys at a time (one call
         takes at most 65,536 keys and 4 MiB, and a long prompt of one-token pages names more)
-        as far as the run goes."""
+        as far as the run goes. A run is one chain: it ends at a repeat, as a read's does
+        (and kvd refuses a lookup that names a key twice)."""
+        keys = keys[:_leading_distinct(keys)]
         hit = 0
         for start in range(0, len(keys), LOOKUP_SLICE):
             if self._away():

@@ -443,6 +443,22 @@ def test_a_batch_larger_than_kvds_device_tier_is_stored_and_read_back_whole(tmp_
         storage.close()
 
 
+def test_a_lookup_naming_a_key_twice_counts_the_run_before_the_repeat(tmp_path):
+    # A run of pages is one chain of hashes, so a key named twice ends it (reads stop
+    # there). kvd refuses a lookup that names a key twice: the backend sent such a batch
+    # whole, and counted no hit at all where a read of the same keys found their run.
+    with kvd(tmp_path) as k:
+        pool = host_pool()
+        storage = backend(k.target, pool)
+        names = keys("a", 3)
+        assert storage.batch_set_v1(names, written_pages(pool, 3, seed=95)) == [True] * 3
+        asked = [*names[:2], names[0], names[2]]
+        assert storage.batch_exists(asked) == 2
+        assert storage.batch_get_v1(asked, pool.alloc(4 * PAGE_TOKENS)) == [True] * 2 + [
+            False] * 2
+        storage.close()
+
+
 def test_a_lookup_of_more_keys_than_one_kvd_call_takes_counts_the_run(tmp_path):
     # A long prompt at SGLang's default page of one token names more pages than one kvd call
     # takes (65,536 block keys, and 4 MiB a message): the whole lookup was refused and
@@ -454,3 +470,4 @@ def test_a_lookup_of_more_keys_than_one_kvd_call_takes_counts_the_run(tmp_path):
         assert storage.batch_set_v1(names[:4], written_pages(pool, 4, seed=90)) == [True] * 4
         assert storage.batch_exists(names) == 4
         storage.close()
+
