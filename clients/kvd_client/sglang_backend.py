@@ -108,7 +108,11 @@ class KvdStorage(HiCacheStorage):
         self._namespace = extra.get("kvd_namespace")
         self._config = storage_config
         self.namespace = ""
-        self._ids = (f"sglang-{uuid.uuid4().hex[:12]}-{n}" for n in itertools.count())
+        # Request ids: this storage's prefix, then a number. SGLang's threads take numbers
+        # at once: itertools.count's next() is one C call under the GIL, where a generator
+        # runs in one thread at a time and refuses the others ("already executing").
+        self._id_prefix = f"sglang-{uuid.uuid4().hex[:12]}-"
+        self._numbers = itertools.count()
         self.arena: MappedPool | None = None
         self._arena_names: tuple[bytes, ...] = ()
         # Calls copying through each mapping: one a restart replaced is closed once no call
@@ -253,7 +257,7 @@ class KvdStorage(HiCacheStorage):
         it), are owed: sent again before the thread's next request. The thread's lease,
         renewed by its calls, would keep them in kvd for as long as SGLang runs."""
         self._send_releases()
-        rid = next(self._ids)
+        rid = f"{self._id_prefix}{next(self._numbers)}"
         try:
             reply = self.client.admit(rid, prompt_tokens=num_pages * self.page_tokens,
                                       tenant=self.tenant, pool=self.pool)

@@ -223,6 +223,61 @@ def test_a_read_while_another_thread_stores_gets_the_bytes_it_asked_for(tmp_path
         storage.close()
 
 
+def test_two_threads_starting_kvd_requests_at_once_both_go_on(tmp_path, monkeypatch):
+    # Each call names its kvd request from an id generator the storage's threads share. A
+    # generator runs in one thread at a time, and making an id let go of the GIL (a fresh
+    # uuid, read from the OS): a thread that asked for an id meanwhile got "generator
+    # already executing", out of SGLang's own prefetch or backup thread. Here one thread's
+    # id is held up while it is being made (where it is made when the call asks) and the
+    # other thread stores meanwhile.
+    import threading
+    import uuid
+
+    from kvd_client import sglang_backend
+
+    with kvd(tmp_path) as k:
+        pool = host_pool()
+        storage = backend(k.target, pool)
+        src = {"a": written_pages(pool, 2, seed=97), "b": written_pages(pool, 2, seed=98)}
+        inside, tried = threading.Event(), threading.Event()
+        warmed, ready = threading.Barrier(3), threading.Barrier(3)
+        results: dict[str, object] = {}
+        make_uuid = uuid.uuid4
+
+        def held_up_uuid():
+            if threading.current_thread().name == "a" and not inside.is_set():
+                inside.set()
+                tried.wait(timeout=5)
+            return make_uuid()
+
+        def store(name: str) -> None:
+            storage.batch_exists(["warm-up"])  # the thread's own client, made first
+            warmed.wait(timeout=30)
+            ready.wait(timeout=30)
+            if name == "b":
+                inside.wait(timeout=2)  # while "a" is making its id, if it makes one now
+            try:
+                results[name] = storage.batch_set_v1(keys(name, 2), src[name])
+            except Exception as exc:  # noqa: BLE001 - what SGLang's thread would have got
+                results[name] = exc
+            finally:
+                if name == "b":
+                    tried.set()
+
+        threads = [threading.Thread(target=store, args=(n,), name=n) for n in "ab"]
+        for t in threads:
+            t.start()
+        warmed.wait(timeout=30)
+        monkeypatch.setattr(sglang_backend.uuid, "uuid4", held_up_uuid)
+        ready.wait(timeout=30)
+        for t in threads:
+            t.join(timeout=30)
+        assert results == {"a": [True] * 2, "b": [True] * 2}
+        for name in "ab":
+            assert_read_back(storage, pool, keys(name, 2), src[name])
+        storage.close()
+
+
 @pytest.mark.parametrize("shards", [
     [dict(is_mla_model=True, pp_size=2, pp_rank=r) for r in range(2)],
     [dict(attn_cp_size=2, attn_cp_rank=r) for r in range(2)],
