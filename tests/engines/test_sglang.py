@@ -11,12 +11,16 @@ is imported. Nothing used here calls it.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "stand_ins"))
 warnings.filterwarnings("ignore", message="Only CUDA")
@@ -28,6 +32,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from kvd.core.policies import policy_names  # noqa: E402
 from kvd_client import Client  # noqa: E402
 from kvd_loadgen.local import LocalKvd  # noqa: E402
 
@@ -526,3 +531,180 @@ def test_a_lookup_of_more_keys_than_one_kvd_call_takes_counts_the_run(tmp_path):
         assert storage.batch_exists(names) == 4
         storage.close()
 
+
+# Random sequences of SGLang's storage calls, from two instances sharing kvd.
+SGLANG_EXAMPLES = int(os.environ.get("KVD_SGLANG_EXAMPLES", "12"))
+UNIVERSE = 10  # the page keys the instances name
+
+
+def key_page(pool: MHATokenToKVPoolHost, n: int) -> torch.Tensor:
+    """The bytes of page key n (a page's key is its tokens' hash: whoever writes it writes
+    the same), as SGLang's flat data page."""
+    dummy = pool.get_dummy_flat_data_page()
+    gen = torch.Generator().manual_seed(1000 + n)
+    data = torch.randint(0, 256, (dummy.numel() * dummy.element_size(),), generator=gen,
+                         dtype=torch.uint8)
+    return data.view(dummy.dtype).reshape(dummy.shape)
+
+
+_OP = st.tuples(st.sampled_from(("set", "get", "exists", "set_generic", "get_generic")),
+                st.integers(0, 1), st.lists(st.integers(0, UNIVERSE - 1), min_size=1,
+                                            max_size=6))
+
+
+def _call(storage, pool: MHATokenToKVPoolHost, pages: list, op: str, batch: list[int]
+          ) -> tuple[int | list[bool], list | None]:
+    """One of SGLang's storage calls on these keys (pages: each key's bytes, written into
+    the host pool first for a zero-copy store): what it answered, and for a read the pages
+    it read into."""
+    names = [f"key{n}" for n in batch]
+    if op == "exists":
+        return storage.batch_exists(names), None
+    if op == "set_generic":
+        return [storage.batch_set(names, [pages[n] for n in batch])] * len(batch), None
+    if op == "get_generic":
+        got = storage.batch_get(names, [pool.get_dummy_flat_data_page().clone()
+                                        for _ in batch])
+        return [g is not None for g in got], got
+    indices = pool.alloc(len(batch) * PAGE_TOKENS)
+    starts = [int(indices[i * PAGE_TOKENS]) for i in range(len(batch))]
+    try:
+        if op == "set":
+            for start, n in zip(starts, batch):
+                pool.set_from_flat_data_page(start, pages[n])
+            return storage.batch_set_v1(names, indices), None
+        done = storage.batch_get_v1(names, indices)
+        return done, [pool.get_data_page(start) for start in starts]
+    finally:
+        pool.free(indices)
+
+
+def _check_found(op: str, batch: list[int], answer, got, pages: list, stored: set[int]
+                 ) -> int:
+    """Check a read's or a lookup's answer (the hits a leading run that ends at a repeated
+    key, each key found one some store has stored or begun, each page read holding its key's
+    bytes); how many it found."""
+    distinct = next((i for i, n in enumerate(batch) if n in batch[:i]), len(batch))
+    if op == "exists":
+        hit = answer
+    else:
+        assert len(answer) == len(batch)
+        hit = sum(answer)
+        assert answer == [True] * hit + [False] * (len(batch) - hit), \
+            f"{op}: hits are not a leading run: {answer}"
+    assert hit <= distinct, f"{op}: a run went past a repeated key"
+    for i in range(hit):
+        n = batch[i]
+        assert n in stored, f"{op}: key{n} found, never stored"
+        if got is not None:
+            assert torch.equal(got[i].view(torch.uint8).flatten(),
+                               pages[n].view(torch.uint8).flatten()), \
+                f"{op}: key{n} came back with other bytes"
+    return hit
+
+
+def _sglang_kvd(tmp: str, policy: str, device: int, host: int) -> LocalKvd:
+    return LocalKvd("--page-bytes", str(PAGE_BYTES), "--block-tokens", str(PAGE_TOKENS),
+                    "--device-pages", str(device), "--host-pages", str(host),
+                    "--policy", policy, workdir=Path(tmp))
+
+
+def _self_check(target: str) -> None:
+    with Client(target) as c:
+        check = c.self_check()
+        assert check.ok, check.problems
+
+
+@settings(max_examples=SGLANG_EXAMPLES, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(policy=st.sampled_from(policy_names()), roomy=st.booleans(),
+       device=st.integers(2, 6), host=st.integers(2, 8),
+       ops=st.lists(_OP, min_size=1, max_size=24))
+def test_every_page_two_instances_read_holds_its_keys_bytes(policy, roomy, device, host, ops):
+    """Each instance stores and reads random runs of page keys (repeats included) through
+    the zero-copy and the generic calls, with kvd's tiers tight (kvd lets pages go) or with
+    room for every key. Every hit holds its key's bytes and hits are a leading run; a key
+    is found only once stored; where every key fits kvd's tiers, a key once stored is never
+    lost; and kvd's self-check holds at the end."""
+    if roomy:
+        host = max(host, UNIVERSE)
+    with tempfile.TemporaryDirectory(prefix="kvd-sglang-") as tmp, \
+            _sglang_kvd(tmp, policy, device, host) as k:
+        pools = [host_pool(), host_pool()]
+        storages = [backend(k.target, pools[0]), backend(k.target, pools[1], v1=False)]
+        pages = [key_page(pools[0], n) for n in range(UNIVERSE)]
+        stored: set[int] = set()  # keys some store said it stored
+        try:
+            for op, who, batch in ops:
+                # What a read must find where every key fits: the leading run of keys stored.
+                run = next((i for i, n in enumerate(batch) if n not in stored), len(batch))
+                answer, got = _call(storages[who], pools[who], pages, op, batch)
+                if op.startswith("set"):
+                    assert len(answer) == len(batch)
+                    stored.update(n for n, ok in zip(batch, answer) if ok)
+                    continue
+                hit = _check_found(op, batch, answer, got, pages, stored)
+                if roomy:
+                    distinct = next((i for i, n in enumerate(batch) if n in batch[:i]),
+                                    len(batch))
+                    assert hit == min(run, distinct), \
+                        f"{op}: {hit} of a run of {min(run, distinct)} stored keys found"
+            _self_check(k.target)
+        finally:
+            for storage in storages:
+                storage.close()
+
+
+@settings(max_examples=SGLANG_EXAMPLES, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(policy=st.sampled_from(policy_names()), device=st.integers(2, 6),
+       host=st.integers(2, 12),
+       ops=st.lists(st.lists(_OP, min_size=1, max_size=16), min_size=3, max_size=3))
+def test_pages_read_while_other_threads_store_hold_their_keys_bytes(policy, device, host,
+                                                                     ops):
+    """SGLang's cache controller calls one storage from threads of its own at once (its
+    prefetch and backup threads): two threads do on one instance, a third on another, each
+    its own random calls. Every hit holds its key's bytes and hits are a leading run; a key
+    is found only once a store of it has begun; every call answers; kvd's self-check holds
+    at the end."""
+    import threading
+
+    with tempfile.TemporaryDirectory(prefix="kvd-sglang-") as tmp, \
+            _sglang_kvd(tmp, policy, device, host) as k:
+        pools = [host_pool(), host_pool()]
+        storages = [backend(k.target, pools[0]), backend(k.target, pools[1], v1=False)]
+        pages = [key_page(pools[0], n) for n in range(UNIVERSE)]
+        begun: set[int] = set()  # keys some store has begun to store
+        lock = threading.Lock()
+        start = threading.Barrier(3)
+        failures: list[BaseException] = []
+
+        def calls(who: int, mine: list) -> None:
+            try:
+                start.wait(timeout=30)
+                for op, _, batch in mine:
+                    if op.startswith("set"):
+                        with lock:
+                            begun.update(batch)
+                    answer, got = _call(storages[who], pools[who], pages, op, batch)
+                    if not op.startswith("set"):
+                        with lock:
+                            seen = set(begun)
+                        _check_found(op, batch, answer, got, pages, seen)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+                failures.append(exc)
+
+        threads = [threading.Thread(target=calls, args=(who, mine), daemon=True)
+                   for who, mine in zip((0, 0, 1), ops)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            assert not any(t.is_alive() for t in threads), "a storage call never answered"
+            if failures:
+                raise failures[0]
+            _self_check(k.target)
+        finally:
+            for storage in storages:
+                storage.close()
