@@ -609,6 +609,14 @@ def _sglang_kvd(tmp: str, policy: str, device: int, host: int) -> LocalKvd:
                     "--policy", policy, workdir=Path(tmp))
 
 
+def _storages(target: str, pools: list, slices: int) -> list:
+    """Two instances' storages, the first zero-copy, the second generic; `slices`: the kvd
+    request's pages at most (kvd_slice_pages), 0 for the backend's default."""
+    extra = {"kvd_slice_pages": slices} if slices else None
+    return [backend(target, pools[0], extra=extra),
+            backend(target, pools[1], v1=False, extra=extra)]
+
+
 def _self_check(target: str) -> None:
     with Client(target) as c:
         check = c.self_check()
@@ -618,20 +626,22 @@ def _self_check(target: str) -> None:
 @settings(max_examples=SGLANG_EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(policy=st.sampled_from(policy_names()), roomy=st.booleans(),
-       device=st.integers(2, 6), host=st.integers(2, 8),
+       device=st.integers(2, 6), host=st.integers(2, 8), slices=st.integers(0, 6),
        ops=st.lists(_OP, min_size=1, max_size=24))
-def test_every_page_two_instances_read_holds_its_keys_bytes(policy, roomy, device, host, ops):
+def test_every_page_two_instances_read_holds_its_keys_bytes(policy, roomy, device, host,
+                                                            slices, ops):
     """Each instance stores and reads random runs of page keys (repeats included) through
     the zero-copy and the generic calls, with kvd's tiers tight (kvd lets pages go) or with
-    room for every key. Every hit holds its key's bytes and hits are a leading run; a key
-    is found only once stored; where every key fits kvd's tiers, a key once stored is never
-    lost; and kvd's self-check holds at the end."""
+    room for every key, and kvd requests of one page or of several (`slices`, up to the
+    device tier; 0: the backend's default). Every hit holds its key's bytes and hits are a
+    leading run; a key is found only once stored; where every key fits kvd's tiers, a key
+    once stored is never lost; and kvd's self-check holds at the end."""
     if roomy:
         host = max(host, UNIVERSE)
     with tempfile.TemporaryDirectory(prefix="kvd-sglang-") as tmp, \
             _sglang_kvd(tmp, policy, device, host) as k:
         pools = [host_pool(), host_pool()]
-        storages = [backend(k.target, pools[0]), backend(k.target, pools[1], v1=False)]
+        storages = _storages(k.target, pools, slices and min(slices, device))
         pages = [key_page(pools[0], n) for n in range(UNIVERSE)]
         stored: set[int] = set()  # keys some store said it stored
         try:
@@ -658,10 +668,10 @@ def test_every_page_two_instances_read_holds_its_keys_bytes(policy, roomy, devic
 @settings(max_examples=SGLANG_EXAMPLES, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 @given(policy=st.sampled_from(policy_names()), device=st.integers(2, 6),
-       host=st.integers(2, 12),
+       host=st.integers(2, 12), slices=st.integers(0, 6),
        ops=st.lists(st.lists(_OP, min_size=1, max_size=16), min_size=3, max_size=3))
 def test_pages_read_while_other_threads_store_hold_their_keys_bytes(policy, device, host,
-                                                                     ops):
+                                                                     slices, ops):
     """SGLang's cache controller calls one storage from threads of its own at once (its
     prefetch and backup threads): two threads do on one instance, a third on another, each
     its own random calls. Every hit holds its key's bytes and hits are a leading run; a key
@@ -672,7 +682,7 @@ def test_pages_read_while_other_threads_store_hold_their_keys_bytes(policy, devi
     with tempfile.TemporaryDirectory(prefix="kvd-sglang-") as tmp, \
             _sglang_kvd(tmp, policy, device, host) as k:
         pools = [host_pool(), host_pool()]
-        storages = [backend(k.target, pools[0]), backend(k.target, pools[1], v1=False)]
+        storages = _storages(k.target, pools, slices and min(slices, device))
         pages = [key_page(pools[0], n) for n in range(UNIVERSE)]
         begun: set[int] = set()  # keys some store has begun to store
         lock = threading.Lock()
