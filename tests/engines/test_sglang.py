@@ -579,12 +579,17 @@ def _call(storage, pool: MHATokenToKVPoolHost, pages: list, op: str, batch: list
         pool.free(indices)
 
 
+def _distinct(batch: list[int]) -> int:
+    """How many keys come before the first one named twice (where a run ends)."""
+    return next((i for i, n in enumerate(batch) if n in batch[:i]), len(batch))
+
+
 def _check_found(op: str, batch: list[int], answer, got, pages: list, stored: set[int]
                  ) -> int:
     """Check a read's or a lookup's answer (the hits a leading run that ends at a repeated
-    key, each key found one some store has stored or begun, each page read holding its key's
-    bytes); how many it found."""
-    distinct = next((i for i, n in enumerate(batch) if n in batch[:i]), len(batch))
+    key, each key found one that some store has stored or begun, each page read holding its
+    key's bytes); how many it found."""
+    distinct = _distinct(batch)
     if op == "exists":
         hit = answer
     else:
@@ -655,10 +660,8 @@ def test_every_page_two_instances_read_holds_its_keys_bytes(policy, roomy, devic
                     continue
                 hit = _check_found(op, batch, answer, got, pages, stored)
                 if roomy:
-                    distinct = next((i for i, n in enumerate(batch) if n in batch[:i]),
-                                    len(batch))
-                    assert hit == min(run, distinct), \
-                        f"{op}: {hit} of a run of {min(run, distinct)} stored keys found"
+                    expected = min(run, _distinct(batch))
+                    assert hit == expected, f"{op}: {hit} of a run of {expected} stored keys found"
             _self_check(k.target)
         finally:
             for storage in storages:

@@ -1073,8 +1073,9 @@ def test_requests_kvd_queues_are_asked_after_at_a_measured_pace(tmp_path):
     # Each request: its Admit, its first store, and the question once kvd admitted it; each
     # queued one asked 20 times a second until kvd has subscribed the event stream (it
     # starts with the engine's scheduler, a moment before the first requests: within
-    # SUBSCRIBED_S), then once every fallback period for at most the whole run. Asked 20 times a second for as long as it waited,
-    # the nine queued requests made about 10 x 9 x run_s calls.
+    # SUBSCRIBED_S), then once every fallback period for at most the whole run. Asked 20
+    # times a second for as long as it waited, the nine queued requests made about
+    # 10 x 9 x run_s calls.
     fallback_s = QUEUE_FALLBACK_POLLS * 0.05
     assert calls <= 3 * n + (n - 1) * (20 * SUBSCRIBED_S + run["run_s"] / fallback_s + 1)
 

@@ -17,7 +17,6 @@ from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 from kvd_client import AsyncClient, pb
 
 
-
 async def _collect(client, n, subscribed: asyncio.Event, **filters):
     events = []
     async for event in client.watch_events(on_subscribed=subscribed.set, **filters):
