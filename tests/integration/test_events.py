@@ -13,6 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvd.config import Config, PoolConfig
+from kvd.node import Node
+from kvd.service.auth import Caller
+from kvd.service.register import OpenStreams
+from kvd.service.streams import Streams
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 from kvd_client import AsyncClient, pb
 
@@ -182,3 +187,51 @@ def test_kvctl_events_follows_the_stream(kvd):
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 0, err
     assert [json.loads(line)["request_id"] for line in out.splitlines()] == ["e0", "e1"]
+
+
+class _Admin:
+    generation = 0
+
+    def identify(self, context) -> Caller:
+        return Caller(tenant="", admin=True)
+
+
+async def test_a_drain_while_the_subscribed_header_is_sent_still_ends_the_watch(tmp_path):
+    # kvd's drain cancels each open stream, and the stream then ends with UNAVAILABLE. A
+    # WatchEvents stream cancelled while its subscribed header was being sent never ended:
+    # grpc had the header out, but took it for unsent, and the status kvd then sent was
+    # lost; the watcher waited for the whole grace period (a kvctl events in a drain, once).
+    # Here the drain lands at that moment, on kvd's own handler and stream wrapper, served
+    # by a real grpc server.
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(model="tiny", page_bytes=4096, device_pages=8, host_pages=8),)))
+    streams = OpenStreams()
+    watch = streams.serve(Streams(node, _Admin()).watch_events)
+
+    async def drained_at_once(request, context):
+        def drain() -> None:  # the handler's first wait is the header's send
+            streams.draining = True
+            task.cancel()
+
+        task = asyncio.current_task()
+        asyncio.get_running_loop().call_soon(drain)
+        await watch(request, context)
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvd.v1.Memory", {
+        "WatchEvents": grpc.unary_stream_rpc_method_handler(
+            drained_at_once, request_deserializer=pb.WatchEventsRequest.FromString,
+            response_serializer=pb.Event.SerializeToString)}),))
+    sock = tmp_path / "watch.sock"
+    server.add_insecure_port(f"unix:{sock}")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"unix://{sock}") as channel:
+            for _ in range(5):
+                call = pb_grpc.MemoryStub(channel).WatchEvents(pb.WatchEventsRequest())
+                assert await asyncio.wait_for(call.code(), 5) == grpc.StatusCode.UNAVAILABLE
+                assert "draining" in await call.details()
+                streams.draining = False
+    finally:
+        await server.stop(0)
+        await node.aclose()

@@ -5,6 +5,7 @@ says what happens when its caller goes away."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -163,7 +164,7 @@ class Streams:
         try:
             # Headers now, before any event: they tell the watcher it is subscribed (every
             # event from here on reaches it, or a gap event counts it).
-            await context.send_initial_metadata(((SUBSCRIBED, "1"),))
+            await _send_headers(context, ((SUBSCRIBED, "1"),))
             while True:
                 e = await bus.next(sub)
                 if self.auth.generation != generation:
@@ -178,3 +179,17 @@ class Streams:
                     detail=convert.redacted(e.detail, scope), lost=e.lost))
         finally:
             bus.unsubscribe(sub)
+
+
+async def _send_headers(context: grpc.aio.ServicerContext, metadata) -> None:
+    """Send the stream's headers, finishing the send even when the handler is cancelled
+    meanwhile (a drain, the client gone): grpc takes headers whose send was cancelled for
+    unsent, and sends them again with the status kvd then ends the stream with, which the
+    call refuses; the status never goes and the caller waits for ever."""
+    send = asyncio.ensure_future(context.send_initial_metadata(metadata))
+    try:
+        await asyncio.shield(send)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # failed: the stream is gone already
+            await send
+        raise
