@@ -198,14 +198,38 @@ class FairQueues:
         # Classic DRR: a tenant's turn starts with its quantum (by weight) added to its
         # deficit; it sends while the deficit covers its next chunk, then goes to the back.
         ok = set(eligible)
+        turns = 0  # turns begun since one could send
         while True:
             tenant = next(iter(queues))
             if tenant in ok:
                 job = queues[tenant][0]
                 if self._turn[cls] != tenant:
                     self._turn[cls] = tenant
-                    deficit[tenant] += self.quantum * max(self._weight_of(tenant), 1e-6)
+                    deficit[tenant] += self._quantum_of(tenant)
+                    turns += 1
                 if deficit[tenant] >= job.chunk_bytes:
                     return job, now
+                if turns == len(ok):
+                    self._skip_rounds(queues, deficit, ok)
+                    turns = 0
             self._turn[cls] = None
             queues.move_to_end(tenant)
+
+    def _quantum_of(self, tenant: str) -> float:
+        return self.quantum * max(self._weight_of(tenant), 1e-6)
+
+    def _skip_rounds(self, queues: OrderedDict[str, deque[Job]], deficit: dict[str, float],
+                     ok: set[str]) -> None:
+        """A round in which every eligible tenant began a turn and none could send: the rounds
+        after it in which none would either are given at once, each tenant the quanta they
+        would have given it, rather than gone round one at a time (a tenant of weight w alone
+        would take 1/w rounds a chunk, on kvd's loop). The next round then sends, as the
+        rounds skipped would have ended."""
+        need = {t: (queues[t][0].chunk_bytes - deficit[t]) / self._quantum_of(t) for t in ok}
+        rounds = max(0, math.ceil(min(need.values())) - 1)
+        for t in ok:
+            deficit[t] += rounds * self._quantum_of(t)
+        # The first to send must, whatever the rounding of the sums above.
+        first = min(ok, key=need.__getitem__)
+        deficit[first] = max(deficit[first],
+                             queues[first][0].chunk_bytes - self._quantum_of(first))
