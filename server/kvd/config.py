@@ -36,6 +36,7 @@ from kvd.config_values import (
     Quota,
     QuotaPages,
     Size,
+    Weight,
     bytes_of,
     pages_of,
 )
@@ -196,7 +197,7 @@ _RATE_KEYS = ("bandwidth_cap", "bandwidth_burst", "request_bandwidth_cap", "read
 class QuotaOverrides(TypedDict, total=False):
     """A tenant's quota keys under `[tenant.pools.NAME]`: they replace its defaults there."""
 
-    weight: Positive
+    weight: Weight
     guaranteed: Quota
     limit: Quota
     max_request_pages: QuotaPages
@@ -215,7 +216,7 @@ class ClusterQuotaConfig(TypedDict, total=False):
     """A tenant's quota over the whole cluster (`[tenant.cluster]`), in every pool: pages of
     the pool, or bytes with a unit."""
 
-    weight: Positive
+    weight: Weight
     guaranteed: Quota
     limit: Quota  # 0: no cluster limit
 
@@ -255,7 +256,7 @@ class TenantConfig:
     __pydantic_config__ = SCHEMA
     name: Name
     token: str = field(default="", repr=False)  # never logged
-    weight: Positive = 1.0
+    weight: Weight = 1.0
     guaranteed: Quota = 0
     limit: Quota = 0  # 0: no limit
     max_request_pages: QuotaPages = 0

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ConfigDict, Field
 
 from kvd.core.errors import InvalidArgument
-from kvd.core.fairness import MAX_QUOTA_PAGES
+from kvd.core.fairness import MAX_QUOTA_PAGES, MAX_WEIGHT, MIN_WEIGHT
 from kvd.core.policies import accepted_policy_names
 
 
@@ -92,7 +92,8 @@ _STRICT = {"strict": True}
 PositiveInt = Annotated[int, Field(gt=0, **_STRICT)]
 Count = Annotated[int, Field(ge=0, **_STRICT)]
 QuotaPages = Annotated[int, Field(ge=0, le=MAX_QUOTA_PAGES, **_STRICT)]
-Positive = Annotated[float, Field(gt=0, **_STRICT)]  # seconds, milliseconds, weights
+Positive = Annotated[float, Field(gt=0, **_STRICT)]  # seconds, milliseconds
+Weight = Annotated[float, Field(ge=MIN_WEIGHT, le=MAX_WEIGHT, **_STRICT)]
 NonNegative = Annotated[float, Field(ge=0, **_STRICT)]
 Fraction = Annotated[float, Field(ge=0, le=1, **_STRICT)]
 Flag = Annotated[bool, Field(**_STRICT)]  # true or false: not "no", 0 or "yes"

@@ -14,7 +14,7 @@ from kvd.config import Config
 from kvd.config_values import check_quota_pages
 from kvd.core.clock import Clock
 from kvd.core.errors import InvalidArgument, NotFound, check_printable
-from kvd.core.fairness import TenantQuota
+from kvd.core.fairness import TenantQuota, weight_problem
 from kvd.events import EventBus, publish_admitted
 from kvd.runtime import PoolRuntime
 
@@ -133,8 +133,8 @@ class Quotas:
             # policies (or the log, which must stay JSON).
             if isinstance(value, float) and not math.isfinite(value):
                 raise InvalidArgument(f"{key} must be a finite number, got {value}")
-        if "weight" in changes and not changes["weight"] > 0:
-            raise InvalidArgument("weight must be positive")
+        if "weight" in changes and (problem := weight_problem(changes["weight"])):
+            raise InvalidArgument(f"weight {problem}")
         fraction = changes.get("max_request_fraction")
         if fraction is not None and not 0 <= fraction <= 1:
             raise InvalidArgument("max_request_fraction is 0..1")

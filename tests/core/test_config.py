@@ -81,6 +81,10 @@ def test_the_shipped_example_config_loads(tmp_path):
     ({"server": {"metrics": "127.0.0.1:99999"}}, "not HOST:PORT"),
     ({"tenant": [{"name": "a", "guaranteed": 64, "limit": 32}]}, "guaranteed .* above limit"),
     ({"tenant": [{"name": "a", "weight": float("nan")}]}, "finite number"),
+    # Weights kvd's shares cannot be computed with (they overflowed or lost the others).
+    ({"tenant": [{"name": "a", "weight": 1e308}]}, "weight: Input should be less than or"),
+    ({"tenant": [{"name": "a", "weight": 1e-9}]}, "weight: Input should be greater than or"),
+    ({"tenant": [{"name": "a", "cluster": {"weight": 1e7}}]}, "cluster.weight: Input should"),
     ({"tenant": [{"name": "a", "bandwidth_cap": float("inf")}]}, "finite number"),
     ({"tenant": [{"name": "a", "pools": {"default": {"wieght": 2}}}]}, "default.wieght: unknown"),
     ({"pool": [{"name": "a b"}]}, r"\[\[pool\]\] #1 name: String should match"),

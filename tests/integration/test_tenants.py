@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
 import signal
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from kvd_client import (
     AlreadyExistsError,
     AsyncClient,
+    InvalidArgumentError,
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
@@ -703,3 +708,78 @@ async def test_a_tenants_watcher_sees_the_ids_the_admin_gave_its_requests_whole(
             await alpha.admit("mine", 16)
             await _until(lambda: len(seen) >= 2, 500)
         assert [e.request_id for e in seen] == ["request-123", "mine"]
+
+
+# Weights as an operator may type them: in kvd's range, anywhere a double reaches, and the
+# edges of both.
+WEIGHTS = (st.floats(1e-6, 1e6) | st.floats(min_value=0, max_value=1e308, exclude_min=True)
+           | st.sampled_from([5e-324, 1e-300, 1e-7, 1e-6, 1e-3, 1.0, 1e6, 1e7, 1e300, 1e308]))
+
+
+@pytest.fixture
+def fair_tenants_kvd(tmp_path):
+    (tmp_path / "beta.token").write_text("beta-token\n")
+    config = tmp_path / "kvd.toml"
+    config.write_text(CONFIG.format(tcp="", policy="fair"))
+    with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
+        yield kvd
+
+
+@settings(max_examples=int(os.environ.get("KVD_WEIGHT_EXAMPLES", "12")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(weights=st.tuples(WEIGHTS, WEIGHTS),
+       requests=st.lists(st.tuples(st.sampled_from(["alpha", "beta"]), st.integers(1, 8)),
+                         min_size=1, max_size=8))
+@example(weights=(1e308, 1e308), requests=[("alpha", 8), ("beta", 8), ("alpha", 8)])
+@example(weights=(4096.0, 1e-6), requests=[("alpha", 1), ("beta", 7)])  # found by this test
+def test_whatever_weights_kvd_takes_it_divides_the_device_by_and_serves(
+        fair_tenants_kvd, weights, requests):
+    """Two tenants' weights set at run time, from any a double can hold: kvd takes them or
+    refuses them as invalid, and with those it took, the tenants' requests (more than the
+    pool holds) are admitted, queued or refused as documented, their fair shares are
+    numbers that add up to the device's pages they want, and kvd's bookkeeping stays
+    sound. (Two weights of 1e308 made every Admit meeting a queue fail inside kvd: the
+    queue's share of each came to infinity over infinity. Weights of 4096 and 1e-6 gave
+    the second tenant a share 2e-6 pages short: see test_fairness.)"""
+    asyncio.run(_weights_case(fair_tenants_kvd.target, weights, requests))
+
+
+async def _weights_case(target: str, weights: tuple[float, float],
+                        requests: list[tuple[str, int]]) -> None:
+    async with AsyncClient(target, token="root-token") as admin, \
+            AsyncClient(target, token="alpha-token") as alpha, \
+            AsyncClient(target, token="beta-token") as beta:
+        clients = {"alpha": alpha, "beta": beta}
+        for tenant, weight in zip(clients, weights):
+            await admin.set_quota(tenant, reset=True)
+            try:
+                (info,) = await admin.set_quota(tenant, weight=weight)
+            except InvalidArgumentError as refused:
+                assert "weight" in refused.details
+            else:
+                assert info.weight == weight
+        held = []
+        try:
+            for i, (tenant, pages) in enumerate(requests):
+                client, rid = clients[tenant], f"r{i}"
+                try:
+                    reply = await client.admit(rid, 16 * pages)
+                except ResourceExhaustedError:
+                    continue  # the tenant's share of the admission queue is taken
+                if reply.decision != pb.DECISION_REJECTED:
+                    held.append((client, rid))
+                if reply.decision == pb.DECISION_ADMITTED:
+                    with contextlib.suppress(ResourceExhaustedError):  # past its share
+                        await client.allocate(rid, pages)
+            capacity = (await admin.pool_stats()).pools[0].working_set_capacity_pages
+            infos = await admin.list_tenants()
+            shares = {t.tenant: t.fair_share_pages for t in infos}
+            wanted = sum(t.reserved_pages + t.queued_pages for t in infos)
+            assert all(math.isfinite(s) and s >= 0 for s in shares.values()), shares
+            assert sum(shares.values()) == pytest.approx(min(capacity, wanted), abs=1e-6), (
+                shares, wanted)
+        finally:
+            for client, rid in held:
+                await client.release(rid)
+        check = await admin.self_check()
+        assert check.ok, list(check.problems)
