@@ -725,6 +725,31 @@ def fair_tenants_kvd(tmp_path):
         yield kvd
 
 
+
+async def test_an_allocation_the_fair_policy_refuses_says_whose_share_keeps_the_pages(
+        fair_tenants_kvd):
+    # Under fair, another tenant's pages go only down to its fair share: one allocation of
+    # the whole device beside it is refused. The message said "8 evictable ... the rest in
+    # transit", which names no reason: now it names the shares that keep the pages.
+    target = fair_tenants_kvd.target
+    async with AsyncClient(target, token="alpha-token") as alpha, \
+            AsyncClient(target, token="beta-token") as beta, \
+            AsyncClient(target, token="root-token") as admin:
+        await beta.admit("b", 16 * 6)
+        await beta.allocate("b", 6)
+        await alpha.admit("a", 16 * 8)
+        with pytest.raises(ResourceExhaustedError) as refused:
+            await alpha.allocate("a", 8)
+        assert "for tenant 'alpha'" in refused.value.details
+        assert "fair share" in refused.value.details
+        assert "'beta' holds 6, may keep 3.5" in refused.value.details
+        assert "ask for fewer pages at once" in refused.value.details
+        # Nothing was taken: alpha holds no page, beta keeps its six.
+        held = {t.tenant: t.device_pages for t in await admin.list_tenants()}
+        assert held == {"alpha": 0, "beta": 6}
+        await alpha.allocate("a", 3)  # what its share and the free pages allow
+        assert (await admin.self_check()).ok
+
 @settings(max_examples=int(os.environ.get("KVD_WEIGHT_EXAMPLES", "12")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(weights=st.tuples(WEIGHTS, WEIGHTS),

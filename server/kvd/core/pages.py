@@ -20,7 +20,7 @@ from kvd.core.blocks import (Block, Changes, Request, TierKind, evictable, pin_r
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVictims,
-                             ResourceExhausted)
+                             ResourceExhausted, short_repr)
 from kvd.core.holds import SWAP_HOLDER, Holds
 from kvd.core.idle import IdleKept
 from kvd.core.policies import EvictionPolicy, make_policy
@@ -155,6 +155,24 @@ class PageTable:
                "next calls" if self.holds.kept else "")
             + ", the rest in transit"
         )
+
+    def kept_by_fairness(self, needed: int, tenant: str) -> ResourceExhausted:
+        """The error for `needed` victims a fair policy will not take for `tenant` although as
+        many are evictable: the others' are within their fair shares or guarantees, and the
+        tenant's own are too few."""
+        tenancy = self.tenancy
+        holding = [t for t in sorted(tenancy.usages()) if t != tenant and tenancy.usage(t) > 0]
+        others = "; ".join(f"{short_repr(t)} holds {tenancy.usage(t):g}, may keep "
+                           f"{max(tenancy.fair_share(t), tenancy.guaranteed(t)):g}"
+                           for t in holding[:5])
+        return ResourceExhausted(
+            f"pool {self.name!r}: cannot free {needed} device page(s) for tenant "
+            f"{short_repr(tenant)}: {len(self.policy)} evictable, but under the fair policy "
+            "another tenant gives up pages only down to its fair share or guarantee "
+            f"({others or 'no other tenant holds any'}), and {short_repr(tenant)} holds "
+            f"{tenancy.usage(tenant):g} of its own, its share "
+            f"{tenancy.fair_share(tenant):g}; ask for fewer pages at once, or give the tenant "
+            "more weight or a guarantee")
 
     def unevictable(self, needed: int) -> ResourceExhausted:
         """The error for `needed` victims the policy cannot give although as many are
@@ -330,6 +348,8 @@ class PageTable:
                     + (f", {kept} by this read's own swap rounds" if kept else "")
                     + "; a step cannot read or allocate more than the device tier holds "
                     "beside the others', read it in smaller steps")
+            if cause is not None and self.policy.fair and len(self.policy) >= num:
+                raise self.kept_by_fairness(num, cause.tenant)
             raise self.no_room(num)
         num_host = self.host.num_free if host_room is None else min(host_room,
                                                                      self.host.num_free)
