@@ -23,6 +23,7 @@ from kvd.config_values import (
     MODEL_PRESETS,
     SCHEMA,
     Address,
+    AgingMs,
     Count,
     FileMode,
     Flag,
@@ -70,7 +71,7 @@ class PoolConfig:
     link_burst: Size = 0
     link_chunk: PositiveSizeOrAuto = "auto"
     link_scheduling: Literal["fair", "fifo"] = "fair"
-    link_aging_ms: Positive = 50.0
+    link_aging_ms: AgingMs = 50.0
     # The tenants that may use this pool (admit into it, hand off to it, map its arenas);
     # empty: every tenant. Engines that map a pool can read and write all of its pages.
     tenants: tuple[Name, ...] = ()
@@ -105,7 +106,7 @@ class LinkConfig:
     burst: Size = 0
     chunk: PositiveSizeOrAuto = "auto"
     scheduling: Literal["fair", "fifo"] = "fair"
-    aging_ms: Positive = 50.0
+    aging_ms: AgingMs = 50.0
 
     def validate(self, pools: tuple[PoolConfig, ...], peers: tuple = ()) -> None:
         names = {p.name for p in pools}

@@ -94,6 +94,8 @@ Count = Annotated[int, Field(ge=0, **_STRICT)]
 QuotaPages = Annotated[int, Field(ge=0, le=MAX_QUOTA_PAGES, **_STRICT)]
 Positive = Annotated[float, Field(gt=0, **_STRICT)]  # seconds, milliseconds
 Weight = Annotated[float, Field(ge=MIN_WEIGHT, le=MAX_WEIGHT, **_STRICT)]
+# A link's aging step: a microsecond at least (in seconds, a smaller one may come to 0).
+AgingMs = Annotated[float, Field(ge=0.001, **_STRICT)]
 NonNegative = Annotated[float, Field(ge=0, **_STRICT)]
 Fraction = Annotated[float, Field(ge=0, le=1, **_STRICT)]
 Flag = Annotated[bool, Field(**_STRICT)]  # true or false: not "no", 0 or "yes"

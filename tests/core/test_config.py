@@ -85,6 +85,8 @@ def test_the_shipped_example_config_loads(tmp_path):
     ({"tenant": [{"name": "a", "weight": 1e308}]}, "weight: Input should be less than or"),
     ({"tenant": [{"name": "a", "weight": 1e-9}]}, "weight: Input should be greater than or"),
     ({"tenant": [{"name": "a", "cluster": {"weight": 1e7}}]}, "cluster.weight: Input should"),
+    # An aging step that came to 0 s and stopped kvd's start with a traceback.
+    ({"pool": [{"name": "p", "link_aging_ms": 5e-324}]}, "link_aging_ms: Input should be"),
     ({"tenant": [{"name": "a", "bandwidth_cap": float("inf")}]}, "finite number"),
     ({"tenant": [{"name": "a", "pools": {"default": {"wieght": 2}}}]}, "default.wieght: unknown"),
     ({"pool": [{"name": "a b"}]}, r"\[\[pool\]\] #1 name: String should match"),
