@@ -10,7 +10,7 @@ import dataclasses
 import datetime
 import os
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kvd.config import (
@@ -44,6 +44,7 @@ def keys(cls) -> list[str]:
 SCALARS = (st.integers(-3, 10) | st.integers(-2**70, 2**70)
            | st.sampled_from([2**32, 2**63, 2**64])
            | st.floats(allow_nan=True, allow_infinity=True) | st.booleans()
+           | st.sampled_from([5e-324, 1e-300, 1e-9, 1e300, 1.7e308])  # the edges of a double
            | st.sampled_from(["", "auto", "1GiB", "0.5", "-1", "1e309", "nan", "10MiB/s",
                               "0MiB/s", "lru", "fair", "fifo", "tiny", "default", "decode", "a",
                               "127.0.0.1:0", "x" * 300, "100TiB", "\x00"])
@@ -179,6 +180,27 @@ def test_any_config_document_is_taken_or_refused_in_one_line(doc):
             cluster = tenant.cluster_quota(pool.resolved_page_bytes)
             assert cluster is None or cluster.limit is None or (
                 cluster.guaranteed <= cluster.limit)
+
+
+@settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
+@given(near_valid_with_wild(least=1))
+@example(({"pool": [{"name": "default", "model": "tiny", "device_pages": 4, "host_pages": 4,
+                     "link_bandwidth": "1GiB/s", "link_aging_ms": 5e-324}]},
+          [("pool", 0, "link_aging_ms", 5e-324)]))
+def test_a_config_kvd_takes_it_can_run(case):
+    # A value the config takes must be one kvd's parts can run with: a link's aging step
+    # of 5e-324 ms was taken, came to 0 s, and kvd's start stopped with a traceback.
+    doc, _ = case
+    config = _one_line_or_config(doc)
+    if config is None:
+        return
+    config = dataclasses.replace(config, socket="", tcp="127.0.0.1:0", metrics="")
+
+    async def run() -> None:
+        node = Node(config)
+        await node.aclose()
+
+    asyncio.run(run())
 
 
 # Values a lax reader takes for another kind: a flag for a number, a word for a flag, a
