@@ -129,9 +129,22 @@ class Client:
 
     def _iterate(self, stream):
         """A blocking iterator over an async stream; closing it early closes the stream
-        (which cancels the call)."""
+        (which cancels the call), as does an exception raised in the thread while it waits
+        for the next item (Ctrl-C)."""
+        reading: list[asyncio.Task] = []  # the step under way on the loop, if any
+
         async def step():
+            reading[:] = [asyncio.current_task()]
             return await anext(stream)
+
+        async def stop():
+            # A step the thread stopped waiting for still runs the stream: it is cancelled
+            # (which ends the stream) before the stream is closed, as a stream cannot be
+            # closed while it runs.
+            for task in reading:
+                task.cancel()
+            await asyncio.gather(*reading, return_exceptions=True)
+            await stream.aclose()
 
         try:
             while True:
@@ -141,7 +154,7 @@ class Client:
                     return
         finally:
             if not self.closed:  # close() has ended the stream's call
-                self._run(stream.aclose())
+                self._run(stop())
 
     def close(self) -> None:
         """Close the channel, then end this client's calls still under way (a follow()

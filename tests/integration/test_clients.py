@@ -4,11 +4,16 @@ client has, and a blocking version of each works against a real kvd."""
 from __future__ import annotations
 
 import inspect
+import signal
+import time
 
 import pytest
 
 from kvd_client import AsyncClient, Client, pb
 from kvd_client.client import intent_update
+from kvd_loadgen.local import LocalKvd
+
+from .conftest import SMALL, free_port, scrape
 
 # The async client's only hot path with no blocking twin: engines step from async code.
 ASYNC_ONLY = {"step_stream"}
@@ -247,3 +252,46 @@ def test_a_client_made_before_a_fork_is_refused_in_the_child_not_a_hang(kvd):
     assert "which this process forked from" in lines[0]
     assert lines[1:] == ["closed: True", "child exit: 0", "the parent's: SERVING"], \
         (run.stdout, run.stderr[-2000:])
+
+
+def test_an_interrupt_while_a_stream_waits_ends_the_stream(tmp_path):
+    # Ctrl-C (or any exception the thread gets) while a blocking iterator waited for its
+    # next item: the iterator closed the stream while the read still ran it, and raised
+    # "aclose(): asynchronous generator is already running" in place of the interrupt,
+    # leaving the stream open in kvd (counted against its tenant) until the client closed.
+    port = free_port()
+    with LocalKvd(*SMALL, "--metrics", f"127.0.0.1:{port}", workdir=tmp_path) as kvd, \
+            Client(kvd.target) as client:
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            for _ in range(3):
+                signal.setitimer(signal.ITIMER_REAL, 0.3)
+                with pytest.raises(KeyboardInterrupt):
+                    for _ in client.watch_events():  # no event comes: it waits
+                        pass
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+        def open_streams() -> float:
+            return sum(v for (name, _), v in scrape(port)[1].items()
+                       if name == "kvd_streams_open")
+
+        def settled(want: float) -> float:
+            for _ in range(100):  # kvd sees a call begin or end a moment after the client
+                if (now := open_streams()) == want:
+                    break
+                time.sleep(0.05)
+            return now
+
+        assert settled(0) == 0
+        # The measure sees a watch, and the client goes on: a stream read after them.
+        events = client.watch_events(
+            kinds=["admission"], on_subscribed=lambda: client.start("admit", "after", 16))
+        assert next(events).request_id == "after"
+        assert settled(1) == 1
+        events.close()
+        assert settled(0) == 0
