@@ -24,6 +24,7 @@ from kvd_client import (Client, DrainingError, KvdClientError, Tls, UnavailableE
 from kvd_client.cli_args import UINT32_MAX, number
 
 EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 1, 2, 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells say of a command stopped by Ctrl-C
 
 
 _INT64 = frozenset({FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64,
@@ -404,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     except KvdClientError as exc:
         print(f"kvctl: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    except KeyboardInterrupt:  # how `top` and `events` are stopped: no traceback
+        return EXIT_INTERRUPTED
 
 
 def _show(args, out: Console, reply, table) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -155,6 +156,29 @@ def test_top_without_a_terminal_prints_its_view(busy_kvd):
         proc.wait()
         proc.stdout.close()
     assert views >= 2, out  # a view every refresh
+
+
+@pytest.mark.parametrize("command", ["top", "events"])
+def test_ctrl_c_stops_kvctls_watching_commands_without_a_traceback(busy_kvd, command):
+    # Both run until stopped, as top does; Ctrl-C stopped each with a traceback (events:
+    # two, the second from the client library closing the stream under a read).
+    proc = subprocess.Popen([KVCTL, "--target", busy_kvd.target, command],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(30, proc.kill)
+    watchdog.start()
+    try:
+        if command == "top":
+            while "busiest requests" not in proc.stdout.readline():
+                pass
+        else:
+            assert "watching" in proc.stderr.readline()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
 
 
 # Request ids any tenant may choose that rich's markup reads as its own: a closing tag
