@@ -3,7 +3,7 @@ would, and compare policies with the reference simulator and with Belady's MIN."
 
 from __future__ import annotations
 
-
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -458,11 +458,16 @@ def run_replay_cli(args) -> int:
     for name in args.trace:
         names.extend(INTENT_PROFILES if name == "all" else [name])
     policies = KVD_POLICIES if args.policy == "all" else tuple(args.policy.split(","))
+    try:  # every name before the first replay: a typo in the last is not found minutes in
+        paths = [resolve_intent_trace(name) for name in names]
+    except FileNotFoundError as exc:
+        print(f"kvd-loadgen replay-intents: {exc} (the profiles: "
+              f"{', '.join(INTENT_PROFILES)}, or 'all')", file=sys.stderr)
+        return 2
     console = Console(width=max(Console().width, 110))
     results: list[ReplayResult] = []
     started = time.perf_counter()
-    for name in names:
-        path = resolve_intent_trace(name)
+    for path in paths:
         profile = path.name.split(".")[0]
         with console.status(f"replaying {profile} under {', '.join(policies)}"):
             try:

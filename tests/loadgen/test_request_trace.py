@@ -125,3 +125,15 @@ def test_a_trace_that_does_not_read_is_one_line_and_exit_2(command, line, says, 
     err = capsys.readouterr().err
     assert err.startswith(f"kvd-loadgen {command}: {trace}") and says in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_trace_name_that_is_no_file_or_profile_is_one_line_and_exit_2(capsys):
+    """A misspelt profile ended replay-intents with a FileNotFoundError traceback, after the
+    replays of the names before it."""
+    from kvd_loadgen.cli import main
+
+    assert main(["replay-intents", "balanced", "balancd", "--policy", "lru"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvd-loadgen replay-intents: no trace file or profile named "
+                          "'balancd' (the profiles: balanced,")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
