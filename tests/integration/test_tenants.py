@@ -725,7 +725,6 @@ def fair_tenants_kvd(tmp_path):
         yield kvd
 
 
-
 async def test_an_allocation_the_fair_policy_refuses_says_whose_share_keeps_the_pages(
         fair_tenants_kvd):
     # Under fair, another tenant's pages go only down to its fair share: one allocation of
