@@ -68,7 +68,10 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
         if evictable(b):
             pages.policy.insert(b)
     pages.note_peak()
-    return [m.block for m in plan.demotions if m.block.pinned]
+    # Pinned while they went: brought back by a prefetch. Not a shared block dropped (let go
+    # of above): brought back, it was a device page's block its keeper no longer had.
+    gone = {id(b) for b in dropped_named}
+    return [m.block for m in plan.demotions if m.block.pinned and id(m.block) not in gone]
 
 
 def abort(pages: PageTable, plan: TransferPlan) -> None:
