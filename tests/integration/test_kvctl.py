@@ -168,7 +168,7 @@ def test_ctrl_c_stops_kvctls_watching_commands_without_a_traceback(busy_kvd, com
     watchdog.start()
     try:
         if command == "top":
-            while "busiest requests" not in proc.stdout.readline():
+            while (line := proc.stdout.readline()) and "busiest requests" not in line:
                 pass
         else:
             assert "watching" in proc.stderr.readline()
