@@ -45,7 +45,6 @@ def test_overcommitted_guarantees_scale_down_proportionally():
     assert water_fill(100, {"a": 200, "b": 200}, quotas) == pytest.approx({"a": 75, "b": 25})
 
 
-
 def bisected(capacity: float, demand: dict[str, float], quotas: dict[str, TenantQuota]
              ) -> dict[str, float]:
     """Water-filling by its definition: every tenant's top (its demand up to its limit) when
@@ -85,6 +84,7 @@ def test_water_fill_finds_the_level_whose_shares_fill_the_capacity(capacity, dem
     shares = water_fill(capacity, demand, quotas)
     assert shares == pytest.approx(bisected(capacity, demand, quotas), abs=1e-6, rel=1e-9)
     assert sum(shares.values()) <= capacity + 1e-6
+
 
 @given(st.dictionaries(st.sampled_from("abcde"), st.integers(0, 500), min_size=1),
        st.dictionaries(st.sampled_from("abcde"),

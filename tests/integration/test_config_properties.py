@@ -95,6 +95,8 @@ def quota_table(quota) -> st.SearchStrategy:
 
 # Over a cluster, big ones more often: the local quotas must let the config through first.
 CLUSTER_QUOTA = quota_table(SMALL_QUOTA | BIG_QUOTA)
+
+
 def tenant_table(quota) -> st.SearchStrategy:
     return st.fixed_dictionaries(
         {"name": st.sampled_from(["a", "b", "c"])},

@@ -749,6 +749,7 @@ async def test_an_allocation_the_fair_policy_refuses_says_whose_share_keeps_the_
         await alpha.allocate("a", 3)  # what its share and the free pages allow
         assert (await admin.self_check()).ok
 
+
 @settings(max_examples=int(os.environ.get("KVD_WEIGHT_EXAMPLES", "12")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(weights=st.tuples(WEIGHTS, WEIGHTS),
