@@ -225,11 +225,11 @@ class FairQueues:
         would have given it, rather than gone round one at a time (a tenant of weight w alone
         would take 1/w rounds a chunk, on kvd's loop). The next round then sends, as the
         rounds skipped would have ended."""
-        need = {t: (queues[t][0].chunk_bytes - deficit[t]) / self._quantum_of(t) for t in ok}
+        quanta = {t: self._quantum_of(t) for t in ok}
+        need = {t: (queues[t][0].chunk_bytes - deficit[t]) / q for t, q in quanta.items()}
         rounds = max(0, math.ceil(min(need.values())) - 1)
-        for t in ok:
-            deficit[t] += rounds * self._quantum_of(t)
+        for t, q in quanta.items():
+            deficit[t] += rounds * q
         # The first to send must, whatever the rounding of the sums above.
         first = min(ok, key=need.__getitem__)
-        deficit[first] = max(deficit[first],
-                             queues[first][0].chunk_bytes - self._quantum_of(first))
+        deficit[first] = max(deficit[first], queues[first][0].chunk_bytes - quanta[first])
