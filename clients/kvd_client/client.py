@@ -17,15 +17,28 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
 from kvd_client.errors import from_rpc_error
+from kvd_client.pem import read_pem
 from kvd_client.step_stream import StepStream, access_request
 
 DEFAULT_TIMEOUT_S = 30.0
+# A unix socket's address (sun_path) holds 108 bytes with the NUL that ends the path.
+MAX_SOCKET_PATH_BYTES = 107
 SUBSCRIBED = "kvd-subscribed"  # the header a WatchEvents stream opens with, subscribed
 
 
 def default_target() -> str:
     """$KVD_TARGET, else the systemd unit's socket."""
     return os.environ.get("KVD_TARGET", "unix:///run/kvd/kvd.sock")
+
+
+def _check_unix_path(target: str) -> None:
+    """ValueError for a unix socket's path longer than a socket's address holds (grpc
+    answers every call UNKNOWN, "the target uri is not valid")."""
+    if target.startswith("unix:"):
+        path = target.removeprefix("unix://") if target.startswith("unix://") else target[5:]
+        if len(path.encode()) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"{target}: a unix socket's path holds at most "
+                             f"{MAX_SOCKET_PATH_BYTES} bytes, this one is {len(path.encode())}")
 
 
 def _channel_options() -> list[tuple[str, Any]]:
@@ -118,13 +131,11 @@ class Tls:
         return cls(**env) if any(env.values()) else None
 
     def credentials(self) -> grpc.ChannelCredentials:
-        def pem(value):
-            if value is None or isinstance(value, bytes):
-                return value
-            with open(value, "rb") as f:
-                return f.read()
-
-        return grpc.ssl_channel_credentials(pem(self.ca), pem(self.key), pem(self.cert))
+        """grpc's credentials from the PEM files, read and checked now: ValueError naming
+        the file that cannot be read or used (grpc would fail every call instead)."""
+        pem = read_pem({"tls_ca": self.ca, "tls_cert": self.cert, "tls_key": self.key},
+                       server=False)
+        return grpc.ssl_channel_credentials(pem["tls_ca"], pem["tls_key"], pem["tls_cert"])
 
 
 class AsyncClient:
@@ -135,6 +146,7 @@ class AsyncClient:
                  metadata: Sequence[tuple[str, str]] = (),
                  retry: RetryPolicy | None = None, tls: Tls | None = None) -> None:
         self.target = target or default_target()
+        _check_unix_path(self.target)
         self.timeout_s = timeout_s
         self.retry = retry
         self.metadata = _metadata(token, metadata, lease)

@@ -391,8 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tls = (Tls(args.tls_ca, args.tls_cert, args.tls_key)
                if args.tls_ca or args.tls_cert else None)
-        with Client(args.target, token=args.token, timeout_s=args.timeout_s,
-                    lease="", tls=tls) as client:
+        client = Client(args.target, token=args.token, timeout_s=args.timeout_s,
+                        lease="", tls=tls)
+    except ValueError as exc:  # a TLS file or socket path no channel can be made with
+        print(f"kvctl: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        with client:
             return _run(args, client, out)
     except DrainingError:
         print(f"kvctl: kvd at {args.target or default_target()} is draining (stopping)",

@@ -306,3 +306,23 @@ def test_a_bad_number_is_one_line_and_exit_2(kvd, args, says):
     out = kvctl(kvd.target, *args)
     assert out.returncode == 2, out
     assert says in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_tls_file_or_socket_path_no_channel_can_use_is_one_line_and_exit_2(tmp_path):
+    """A missing --tls-ca was a traceback; a file that holds no certificate went to grpc,
+    whose every call then failed (UNAVAILABLE, or "cannot reach kvd" where nothing
+    listened); a socket path longer than a socket's address holds was grpc's UNKNOWN,
+    exit 1, as if kvd had refused."""
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    for args, says in (
+            (["--tls-ca", str(tmp_path / "gone.pem")], f"cannot read tls_ca {tmp_path}/gone"),
+            (["--tls-ca", str(tmp_path / "junk.pem")], "junk.pem holds no PEM certificate"),
+            (["--tls-ca", "", "--tls-cert", str(tmp_path / "junk.pem"), "--tls-key",
+              str(tmp_path / "junk.pem")], "are not a PEM certificate and the unencrypted")):
+        out = kvctl("127.0.0.1:1", *args, "status")
+        assert (out.returncode, out.stdout) == (2, ""), out
+        assert out.stderr.startswith("kvctl: ") and says in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    path = f"/tmp/{'s' * 98}.sock"  # 108 bytes
+    out = kvctl(f"unix://{path}", "status")
+    assert out.returncode == 2 and "holds at most 107 bytes, this one is 108" in out.stderr, out
