@@ -37,6 +37,7 @@ from kvd.config_values import (
     Quota,
     QuotaPages,
     Size,
+    SocketPath,
     Weight,
     bytes_of,
     pages_of,
@@ -144,6 +145,9 @@ class PeerConfig:
             raise InvalidArgument(f"peer {self.name!r}: address is HOST:PORT")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument(f"peer {self.name!r}: tls_cert and tls_key go together")
+        if self.tls_cert and not self.tls_ca:  # else the link would go in clear without them
+            raise InvalidArgument(f"peer {self.name!r}: tls_cert and tls_key are for TLS: "
+                                  "set tls_ca, the CA the peer's certificate is signed by")
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +345,7 @@ class AuthConfig:
 @dataclass(frozen=True, slots=True)
 class Config:
     __pydantic_config__ = SCHEMA
-    socket: str = DEFAULT_SOCKET
+    socket: SocketPath = DEFAULT_SOCKET
     socket_mode: FileMode = 0o660
     socket_group: str = ""  # the group engines run as ("": kvd's own)
     tcp: Address = ""  # host:port; empty = no TCP listener

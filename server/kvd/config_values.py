@@ -7,6 +7,7 @@ not 30), finite, and in range; sizes and rates are numbers of bytes or strings w
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -16,6 +17,7 @@ from pydantic import AfterValidator, ConfigDict, Field
 from kvd.core.errors import InvalidArgument
 from kvd.core.fairness import MAX_QUOTA_PAGES, MAX_WEIGHT, MIN_WEIGHT
 from kvd.core.policies import accepted_policy_names
+from kvd_client.client import MAX_SOCKET_PATH_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,18 @@ def _address(value: str) -> str:
     return value
 
 
+def _socket_path(value: str) -> str:
+    """"" (none) or a path a unix socket can be bound at, as written (relative to where kvd
+    starts): no NUL in it, and no longer than the kernel's address holds."""
+    if "\0" in value:
+        raise ValueError("a path may not hold a NUL character")
+    size = len(os.fsencode(value))
+    if size > MAX_SOCKET_PATH_BYTES:
+        raise ValueError(f"a unix socket's path holds at most {MAX_SOCKET_PATH_BYTES} bytes, "
+                         f"this one is {size}: put it in a shorter directory (e.g. /run/kvd)")
+    return value
+
+
 def _policy(value: str) -> str:
     if value not in accepted_policy_names():
         raise ValueError(f"unknown policy {value!r}; choose one of "
@@ -107,6 +121,7 @@ Size = Annotated[_Bytes, AfterValidator(_size)]
 PositiveSizeOrAuto = Annotated[_Bytes, AfterValidator(_positive_size_or_auto)]
 Quota = Annotated[Annotated[int, Field(strict=True)] | str, AfterValidator(_quota)]
 Address = Annotated[str, AfterValidator(_address)]
+SocketPath = Annotated[str, AfterValidator(_socket_path)]
 PolicyName = Annotated[str, AfterValidator(_policy)]
 FileMode = Annotated[int, Field(strict=True), AfterValidator(_mode)]
 # Extra keys are typos; dataclass instances built in code are checked again by validate().

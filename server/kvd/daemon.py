@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import grp
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ from kvd.service.memory import MemoryService
 from kvd.service.peer import PeerService
 from kvd.service.register import DRAINING, OpenStreams, add_service
 from kvd_api.v1 import kvd_pb2
+from kvd_client.pem import read_pem
 
 log = structlog.get_logger("kvd.daemon")
 
@@ -185,6 +187,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._num_signals = 0
         self.addresses: list[str] = []
+        self._socket_bound = False
         self._tier_events: TierEventPublisher | None = None
         self._metrics_server = None
         self._health_grpc: grpc.aio.Server | None = None
@@ -237,14 +240,15 @@ class Daemon:
         except KvdError as exc:
             raise StartupError(str(exc)) from None
         try:
-            try:  # before listening: a bad endpoint stops the start
+            try:  # before listening: a bad endpoint or PEM file stops the start
+                self.node.peers.open()
                 self.node.engines.start()
                 if self.config.kv_events_endpoint:
                     self._tier_events = TierEventPublisher(
                         self.node, self.config.kv_events_endpoint,
                         self.config.kv_events_replay_endpoint)
                     self._tier_events.start()
-            except ValueError as exc:
+            except (ValueError, KvdError) as exc:
                 raise StartupError(str(exc)) from None
             await self._listen(loop)
         except BaseException:
@@ -256,6 +260,8 @@ class Daemon:
             if self._health_grpc is not None:
                 await self._health_grpc.stop(0)
             await self.node.aclose()  # the arenas' shared memory goes with it
+            if self._socket_bound:  # ours: a later start need not find it stale
+                Path(self.config.socket).unlink(missing_ok=True)
             raise
 
     def _grpc_server(self) -> grpc.aio.Server:
@@ -314,19 +320,25 @@ class Daemon:
             await self._health_grpc.start()
             log.info("health listening", address=f"{self.config.health.rsplit(':', 1)[0]}:{port}")
         if self.config.socket:
+            gid = _group_id(self.config.socket_group)
             path = Path(self.config.socket)
-            _bind(server, f"unix:{path}")
+            _bind(server, f"unix:{path}")  # the socket is there from now on
+            self._socket_bound = True
             self.addresses.append(f"unix://{path}")
+            # The socket is the gate for unix callers: only the owner and its group, from
+            # before the first caller is served.
+            try:
+                os.chown(path, -1, gid)
+                os.chmod(path, self.config.socket_mode)
+            except OSError as exc:
+                raise StartupError(f"cannot give the socket {path} to group "
+                                   f"{self.config.socket_group or gid} with mode "
+                                   f"{self.config.socket_mode:#o}: {exc.strerror}") from None
         if self.config.tcp:
             port = _bind(server, self.config.tcp, _tls_credentials(self.config))
             host = self.config.tcp.rsplit(":", 1)[0]
             self.addresses.append(f"{host}:{port}")
         await server.start()
-        if self.config.socket:
-            # The socket is the gate for unix callers: only the owner and its group.
-            if self.config.socket_group:
-                shutil.chown(self.config.socket, group=self.config.socket_group)
-            os.chmod(self.config.socket, self.config.socket_mode)
         self._grpc = server
         for name in ("", *SERVICE_NAMES):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -485,17 +497,27 @@ def _serve_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
 
 
+def _group_id(group: str) -> int:
+    """The socket's group: a name or a number ("": kvd's own, -1 to os.chown)."""
+    if not group:
+        return -1
+    if group.isdecimal():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise StartupError(f"socket_group {group!r}: no such group on this host") from None
+
+
 def _tls_credentials(config: Config) -> grpc.ServerCredentials | None:
     """grpc's own TLS (and mTLS with a client CA) from the PEM files the config names."""
     if not config.tls_cert:
         return None
-    pem = {}
-    for key in ("tls_cert", "tls_key", "tls_client_ca"):
-        path = getattr(config, key)
-        try:
-            pem[key] = Path(path).read_bytes() if path else None
-        except OSError as exc:
-            raise StartupError(f"cannot read {key} {path}: {exc.strerror}") from None
+    try:
+        pem = read_pem({key: getattr(config, key)
+                        for key in ("tls_cert", "tls_key", "tls_client_ca")}, server=True)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
     return grpc.ssl_server_credentials(
         [(pem["tls_key"], pem["tls_cert"])], root_certificates=pem["tls_client_ca"],
         require_client_auth=pem["tls_client_ca"] is not None)

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import structlog
@@ -47,6 +46,7 @@ from kvd.core.transfer import Reason
 from kvd.memory.copier import chunk_runs, page_runs, read_pages, write_pages
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_api.v1 import kvd_pb2_grpc as pb_grpc
+from kvd_client.pem import read_pem
 
 log = structlog.get_logger("kvd.peers")
 
@@ -76,10 +76,14 @@ class PeerLink:
         options = [("grpc.max_send_message_length", 64 * 2**20),
                    ("grpc.max_receive_message_length", 64 * 2**20)]
         if config.tls_ca:
-            read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+            try:
+                pem = read_pem({"tls_ca": config.tls_ca, "tls_cert": config.tls_cert,
+                                "tls_key": config.tls_key}, server=False)
+            except ValueError as exc:
+                raise InvalidArgument(f"[[peer]] {config.name!r}: {exc}") from None
             credentials = grpc.ssl_channel_credentials(
-                root_certificates=read(config.tls_ca), private_key=read(config.tls_key),
-                certificate_chain=read(config.tls_cert))
+                root_certificates=pem["tls_ca"], private_key=pem["tls_key"],
+                certificate_chain=pem["tls_cert"])
             self.channel = grpc.aio.secure_channel(config.address, credentials, options)
         else:
             self.channel = grpc.aio.insecure_channel(config.address, options)
@@ -99,6 +103,12 @@ class Peers:
         self.links: dict[str, PeerLink] = {}  # made on first use, on the event loop
         # request id -> (verdict, reason) from its handoff pool's peer.
         self.verdicts: dict[str, tuple[Verdict, str]] = {}
+
+    def open(self) -> None:
+        """A link to every peer now, on the event loop (kvd's start): a PEM file that cannot
+        be read or used stops the start (InvalidArgument), not the first handoff's call."""
+        for peer in self.configs:
+            self.link(peer)
 
     def link(self, peer: str) -> PeerLink:
         link = self.links.get(peer)

@@ -97,6 +97,12 @@ def test_the_shipped_example_config_loads(tmp_path):
     ({"server": {"tls_cert": "c.pem", "tls_key": "k.pem"}}, "set tcp too"),
     ({"server": {"tcp": "127.0.0.1:1", "tls_client_ca": "ca.pem"}}, "needs tls_cert"),
     ({"server": {"allow_plaintext_tokens": "yes"}}, "allow_plaintext_tokens: Input should"),
+    # Socket paths no socket can be bound at (kvd's start ended in a traceback, or in
+    # grpc's "cannot listen" with no word of why).
+    ({"server": {"socket": "/run/kvd/a\0b.sock"}}, "socket: a path may not hold a NUL"),
+    ({"server": {"socket": "/run/" + "k" * 98 + ".sock"}}, "at most 107 bytes, this one is 108"),
+    ({"peer": [{"name": "p", "address": "10.0.0.2:7000", "tls_cert": "c.pem",
+                "tls_key": "k.pem"}]}, "peer 'p': tls_cert and tls_key are for TLS: set tls_ca"),
     # Values of another type that kvd read as something else ("no" as true or false, "10"
     # as ten seconds, true as one byte a second) are refused as the others are.
     ({"engine": [{"name": "e", "endpoint": "tcp://127.0.0.1:5557", "bind": "no"}]},

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from kvd.memory.cuda import gpu_available
-from kvd_client import AsyncClient, pb
+from kvd_client import AsyncClient, Client, pb
 from kvd_loadgen.local import LocalKvd
 
 from .conftest import reload_config
@@ -98,6 +98,75 @@ def test_start_up_failures_are_one_line_and_exit_2(tmp_path):
     one_line(kvd("--socket", "k.sock", "--device-pages", str(2**31), tmp_path=tmp_path),
              "of GPU 0's memory" if gpu_available() else "of shared memory but /dev/shm has")
     assert not left_behind()
+
+
+def test_a_socket_kvd_cannot_make_is_one_line_and_leaves_nothing(tmp_path):
+    # Each of these ended kvd's start in a traceback (exit 1), or in grpc's "cannot listen"
+    # that named no reason, with the socket file left behind.
+    one_line(kvd(config='[server]\nsocket = "a\\u0000b.sock"\n', tmp_path=tmp_path),
+             "a path may not hold a NUL character")
+    long = tmp_path / ("d" * (106 - len(str(tmp_path)) - len("/kvd.sock")))
+    one_line(kvd("--socket", f"{long}x/kvd.sock", tmp_path=tmp_path),
+             "a unix socket's path holds at most 107 bytes, this one is 108")
+    one_line(kvd("--socket", "k.sock", config="[server]\nsocket_group = 'no-such-group'\n",
+                 tmp_path=tmp_path), "socket_group 'no-such-group': no such group")
+    assert not (tmp_path / "k.sock").exists()
+    assert not left_behind()
+
+
+async def test_a_socket_path_of_the_most_bytes_a_socket_holds_serves(tmp_path):
+    workdir = tmp_path / ("d" * (107 - len(str(tmp_path)) - len("//kvd.sock")))
+    workdir.mkdir()
+    with LocalKvd("--model", "tiny", workdir=workdir) as proc:
+        assert len(os.fsencode(proc.socket)) == 107
+        async with AsyncClient(proc.target) as c:
+            assert (await c.admit("r", 16)).decision == pb.DECISION_ADMITTED
+
+
+def test_pem_files_grpc_cannot_use_are_one_line_naming_the_file(tmp_path):
+    # grpc took any bytes as the listener's certificate and then failed to bind with "the
+    # address is in use, not permitted, or not this host's"; a peer's were read at its first
+    # handoff, whose call then failed inside kvd.
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from .test_tls import _cert
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    other = ec.generate_private_key(ec.SECP256R1())
+    cert = _cert("kvd", key, None, key, ip="127.0.0.1")
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    for name, k in (("key.pem", key), ("other.pem", other)):
+        (tmp_path / name).write_bytes(k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    server = ("[server]\nsocket = 'k.sock'\ntcp = '127.0.0.1:0'\ntls_cert = '{}'\n"
+              "tls_key = '{}'\n")
+    one_line(kvd(config=server.format("junk.pem", "key.pem"), tmp_path=tmp_path),
+             "tls_cert {0}/junk.pem and tls_key {0}/key.pem are not a PEM certificate and "
+             "the unencrypted key that goes with it".format(tmp_path))
+    one_line(kvd(config=server.format("cert.pem", "other.pem"), tmp_path=tmp_path),
+             "KEY_VALUES_MISMATCH")
+    one_line(kvd(config=server.format("cert.pem", "key.pem") + "tls_client_ca = 'junk.pem'\n",
+                 tmp_path=tmp_path), f"tls_client_ca {tmp_path}/junk.pem holds no PEM")
+    assert not (tmp_path / "k.sock").exists()
+    peer = "[[peer]]\nname = 'east'\naddress = '10.0.0.2:7000'\ntls_ca = '{}'\n"
+    one_line(kvd(config=peer.format("junk.pem"), tmp_path=tmp_path),
+             f"[[peer]] 'east': tls_ca {tmp_path}/junk.pem holds no PEM certificate")
+    one_line(kvd(config=peer.format("gone.pem"), tmp_path=tmp_path),
+             f"[[peer]] 'east': cannot read tls_ca {tmp_path}/gone.pem")
+    one_line(kvd(config=peer.format("cert.pem") + "tls_cert = 'cert.pem'\n"
+                 "tls_key = 'other.pem'\n", tmp_path=tmp_path), "KEY_VALUES_MISMATCH")
+    assert not left_behind()
+    # The same files, good, start: the checks refuse only what grpc cannot use.
+    (tmp_path / "good.toml").write_text(
+        server.format("cert.pem", "key.pem") + "tls_client_ca = 'cert.pem'\n"
+        + peer.format("cert.pem") + "tls_cert = 'cert.pem'\ntls_key = 'key.pem'\n"
+        + "[[pool]]\nmodel = 'tiny'\ndevice_pages = 8\nhost_pages = 8\n")
+    with LocalKvd("--config", str(tmp_path / "good.toml"), workdir=tmp_path) as proc:
+        with Client(proc.target) as c:
+            assert c.health() == "SERVING"
 
 
 async def test_a_bad_reload_keeps_the_running_config(tmp_path):
