@@ -53,7 +53,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,6 +65,7 @@ from kvd_client import (
     NotFoundError,
     pb,
 )
+from kvd_client.adapter_settings import SglangSettings, read_settings
 from kvd_client.arena import MappedPool, arena_names
 
 log = logging.getLogger("kvd.sglang")
@@ -89,23 +89,22 @@ class KvdStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None
                  ) -> None:
-        extra = dict(storage_config.extra_config or {})
-        token = extra.get("kvd_token")
-        if token is None and extra.get("kvd_token_file"):
-            token = Path(extra["kvd_token_file"]).read_text().strip()
-        self._connect = lambda: Client(extra.get("kvd_target"), token=token,
-                                       timeout_s=float(extra.get("kvd_timeout_s", 5.0)))
+        settings = read_settings(SglangSettings, storage_config.extra_config,
+                                 "hicache storage extra_config")
+        token = settings.token()
+        self._connect = lambda: Client(settings.kvd_target, token=token,
+                                       timeout_s=settings.kvd_timeout_s)
         # A client (a kvd lease) per calling thread: see `client`.
         self._local = threading.local()
         self._clients: list[Client] = []
         self._clients_lock = threading.Lock()
-        self.pool = extra.get("kvd_pool", "")
+        self.pool = settings.kvd_pool
         # kvd did not answer a moment ago: calls miss at once until then (see _note_failure).
-        self.retry_s = float(extra.get("kvd_retry_s", 1.0))
+        self.retry_s = settings.kvd_retry_s
         self._away_until = 0.0
-        self.tenant = extra.get("kvd_tenant", "")
+        self.tenant = settings.kvd_tenant
         # Named once the host pool says its dtype (register_mem_pool_host).
-        self._namespace = extra.get("kvd_namespace")
+        self._namespace = settings.kvd_namespace
         self._config = storage_config
         self.namespace = ""
         # Request ids: this storage's prefix, then a number. SGLang's threads take numbers
@@ -121,7 +120,7 @@ class KvdStorage(HiCacheStorage):
         self._arena_lock = threading.Lock()
         self.page_tokens = 0
         # Pages one kvd request stores or loads at most (see _slice_pages).
-        self._slice_pages_given = int(extra.get("kvd_slice_pages", 0))
+        self._slice_pages_given = settings.kvd_slice_pages
         self.slice_pages = self._slice_pages_given or 64
         self.page_bytes = 0
 

@@ -85,7 +85,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -105,6 +104,7 @@ from kvd_client import (
     NotFoundError,
     pb,
 )
+from kvd_client.adapter_settings import VllmSettings, read_settings
 from kvd_client.arena import MappedPool, arena_names
 from kvd_client.block_copy import BlockCopier, as_tensor
 
@@ -152,25 +152,22 @@ class KvdConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self.save_output = extra.get("kvd_save_output", False)
-        if not isinstance(self.save_output, bool):
-            raise ValueError(f"kvd_save_output is true or false, not {self.save_output!r}")
-        token = extra.get("kvd_token")
-        if token is None and extra.get("kvd_token_file"):
-            token = Path(extra["kvd_token_file"]).read_text().strip()
-        self.client = Client(extra.get("kvd_target"), token=token,
-                             timeout_s=float(extra.get("kvd_timeout_s", 2.0)))
-        self.retry_s = float(extra.get("kvd_retry_s", 1.0))
+        settings = read_settings(VllmSettings,
+                                 self._kv_transfer_config.kv_connector_extra_config,
+                                 "kv_connector_extra_config")
+        self.save_output = settings.kvd_save_output
+        self.tenants = allowed_tenants(settings.kvd_tenants)
+        self.client = Client(settings.kvd_target, token=settings.token(),
+                             timeout_s=settings.kvd_timeout_s)
+        self.retry_s = settings.kvd_retry_s
         if role == KVConnectorRole.SCHEDULER:
             # The scheduler reads the policy once its connector is made: a block kvd lost
             # between lookup and load is a miss in a cache, not the request's failure.
-            self._kv_transfer_config.kv_load_failure_policy = extra.get(
-                "kvd_load_failure_policy", "recompute")
+            self._kv_transfer_config.kv_load_failure_policy = (
+                settings.kvd_load_failure_policy)
         self._away_until = 0.0  # kvd did not answer: calls skipped until then
-        self.pool = extra.get("kvd_pool", "")
-        self.default_tenant = extra.get("kvd_tenant", "")
-        self.tenants = allowed_tenants(extra.get("kvd_tenants"))
+        self.pool = settings.kvd_pool
+        self.default_tenant = settings.kvd_tenant
         self._warned: set[str] = set()  # the problems with requests' params logged so far
         self.block_size = vllm_config.cache_config.block_size
         self.model = str(vllm_config.model_config.model)
@@ -191,8 +188,8 @@ class KvdConnector(KVConnectorBase_V1):
         # it admitted each: released should they finish (a client that went away) before kvd
         # admits them, or kvd admits them for nobody.
         self.queued: dict[str, float] = {}
-        self.queue_poll_s = float(extra.get("kvd_queue_poll_s", 0.05))
-        self.lookup_again_s = float(extra.get("kvd_lookup_again_s", LOOKUP_AGAIN_S))
+        self.queue_poll_s = settings.kvd_queue_poll_s
+        self.lookup_again_s = settings.kvd_lookup_again_s
         # Requests whose Admit got no answer (kvd may hold them), and releases kvd has not
         # taken yet (it was away, or did not answer): sent again at the next steps. The
         # lease, renewed while the engine runs, would keep them in kvd for as long.
@@ -729,7 +726,7 @@ QUEUE_FALLBACK_POLLS = 20
 # Releases kvd has not taken yet kept for sending again (see KvdConnector.owed).
 OWED_KEPT = 65536
 # How long a lookup's answer stands for a request vLLM has no room for (kvd_lookup_again_s).
-LOOKUP_AGAIN_S = 0.5
+LOOKUP_AGAIN_S = VllmSettings.model_fields["kvd_lookup_again_s"].default
 ADMISSIONS_KEPT = 4096  # admitted ids heard and not yet asked about (an admin hears all)
 # The decisions on a queued request that its admission events tell (Decision's values).
 _DECIDED = frozenset({"admitted", "rejected"})

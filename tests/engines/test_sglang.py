@@ -179,6 +179,16 @@ def test_a_kvd_whose_pages_do_not_fit_sglangs_says_the_right_size(tmp_path):
             backend(k.target, host_pool())
 
 
+def test_a_wrong_setting_stops_the_backends_start_with_its_name():
+    # int() took a slice of -5 pages (every store and load then went through no slice:
+    # nothing stored, nothing found), float() a timeout of 0 (every call failed).
+    for extra, says in (({"kvd_slice_pages": -5}, "kvd_slice_pages: Input should be"),
+                        ({"kvd_timeout_s": 0}, "kvd_timeout_s: Input should be greater"),
+                        ({"kvd_slice_page": 8}, "kvd_slice_page: not a setting")):
+        with pytest.raises(ValueError, match=f"hicache storage extra_config: {says}"):
+            backend("unix:///nowhere", host_pool(), extra=extra)
+
+
 def test_a_read_while_another_thread_stores_gets_the_bytes_it_asked_for(tmp_path):
     # SGLang's cache controller calls its storage from threads of its own at once: prefetch
     # reads (batch_get_v1) while the backup thread stores (batch_set_v1). A page kvd hands

@@ -426,6 +426,14 @@ def test_kvd_tenants_and_request_params_are_read_strictly():
         with pytest.raises(ValueError, match="kvd_save_output"):
             KvdConnector(vllm_config("unix:///nowhere", extra={"kvd_save_output": bad}),
                          KVConnectorRole.WORKER)
+    # And every other: float() took a negative timeout (every call failed, and the engine
+    # ran without kvd, saying nothing), and a policy vLLM lacks went into its config.
+    for extra, says in (({"kvd_timeout_s": -1}, "kvd_timeout_s: Input should be greater"),
+                        ({"kvd_load_failure_policy": "retry"}, "kvd_load_failure_policy"),
+                        ({"kvd_timout_s": 3}, "kvd_timout_s: not a setting")):
+        with pytest.raises(ValueError, match=f"kv_connector_extra_config: {says}"):
+            KvdConnector(vllm_config("unix:///nowhere", extra=extra),
+                         KVConnectorRole.SCHEDULER)
 
 
 def test_a_request_whose_max_tokens_outruns_the_model_is_admitted_for_its_context(tmp_path):
