@@ -21,6 +21,10 @@ from kvd_client.pem import read_pem
 from kvd_client.step_stream import StepStream, access_request
 
 DEFAULT_TIMEOUT_S = 30.0
+# Timeouts from this long on are no deadline: grpc's deadline is kept in nanoseconds of a
+# 64-bit clock, and one of about 1e10 s or more overflowed it and failed every call at
+# once with DEADLINE_EXCEEDED (a caller who meant "wait as long as it takes").
+NO_DEADLINE_S = 1e9
 # A unix socket's address (sun_path) holds 108 bytes with the NUL that ends the path.
 MAX_SOCKET_PATH_BYTES = 107
 SUBSCRIBED = "kvd-subscribed"  # the header a WatchEvents stream opens with, subscribed
@@ -28,7 +32,7 @@ SUBSCRIBED = "kvd-subscribed"  # the header a WatchEvents stream opens with, sub
 
 def default_target() -> str:
     """$KVD_TARGET, else the systemd unit's socket."""
-    return os.environ.get("KVD_TARGET", "unix:///run/kvd/kvd.sock")
+    return os.environ.get("KVD_TARGET") or "unix:///run/kvd/kvd.sock"  # set empty: unset
 
 
 def _check_unix_path(target: str) -> None:
@@ -39,6 +43,18 @@ def _check_unix_path(target: str) -> None:
         if len(path.encode()) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(f"{target}: a unix socket's path holds at most "
                              f"{MAX_SOCKET_PATH_BYTES} bytes, this one is {len(path.encode())}")
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    """A timeout as grpc takes it: None (no deadline) for None, and for one too long for
+    grpc's clock (NO_DEADLINE_S, or inf)."""
+    return None if timeout_s is None or timeout_s >= NO_DEADLINE_S else timeout_s
+
+
+def _check_timeout(timeout_s: float) -> float:
+    if not timeout_s > 0:  # nan too
+        raise ValueError(f"timeout_s must be more than 0 (got {timeout_s!r})")
+    return timeout_s
 
 
 def _channel_options() -> list[tuple[str, Any]]:
@@ -147,7 +163,7 @@ class AsyncClient:
                  retry: RetryPolicy | None = None, tls: Tls | None = None) -> None:
         self.target = target or default_target()
         _check_unix_path(self.target)
-        self.timeout_s = timeout_s
+        self.timeout_s = _check_timeout(timeout_s)
         self.retry = retry
         self.metadata = _metadata(token, metadata, lease)
         tls = tls or (None if self.target.startswith("unix:") else Tls.from_env())
@@ -176,14 +192,14 @@ class AsyncClient:
     async def _call(self, method, request, timeout_s: float | None = None):
         if self.retry is None:
             try:
-                return await method(request, timeout=timeout_s or self.timeout_s,
+                return await method(request, timeout=_deadline(timeout_s or self.timeout_s),
                                     metadata=self.metadata)
             except grpc.RpcError as err:
                 raise from_rpc_error(err) from None
         backoffs = self.retry.backoffs()
         while True:
             try:
-                return await method(request, timeout=timeout_s or self.timeout_s,
+                return await method(request, timeout=_deadline(timeout_s or self.timeout_s),
                                     metadata=self.metadata, wait_for_ready=True)
             except grpc.RpcError as err:
                 delay = _retry_delay(err, backoffs)
@@ -288,7 +304,7 @@ class AsyncClient:
 
     async def _stream(self, method, request, timeout_s: float | None):
         """A server stream's messages; closing the generator cancels the call."""
-        call = method(request, timeout=timeout_s, metadata=self.metadata)
+        call = method(request, timeout=_deadline(timeout_s), metadata=self.metadata)
         try:
             async for message in call:
                 yield message

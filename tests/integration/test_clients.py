@@ -295,3 +295,23 @@ def test_an_interrupt_while_a_stream_waits_ends_the_stream(tmp_path):
         assert settled(1) == 1
         events.close()
         assert settled(0) == 0
+
+
+async def test_a_timeout_too_long_for_grpcs_clock_is_no_deadline(kvd, monkeypatch):
+    """A timeout of 1e10 s or more (or inf: "as long as it takes") overflowed grpc's
+    deadline, and every call failed at once with DEADLINE_EXCEEDED; one of 0 or nan failed
+    every call too, far from where it was given."""
+    import math
+
+    for timeout_s in (1e10, 1e300, math.inf):
+        async with AsyncClient(kvd.target, timeout_s=timeout_s) as c:
+            assert (await c.admit(f"r{timeout_s}", 16)).decision == pb.DECISION_ADMITTED
+            updates = [u async for u in c.wait_admission(f"r{timeout_s}", timeout_s=1e12)]
+            assert updates[-1].decision == pb.DECISION_ADMITTED
+    for timeout_s in (0, -1, math.nan):
+        with pytest.raises(ValueError, match="timeout_s must be more than 0"):
+            AsyncClient(kvd.target, timeout_s=timeout_s)
+    # An empty $KVD_TARGET is no target: the default is used, not a channel to "".
+    monkeypatch.setenv("KVD_TARGET", "")
+    async with AsyncClient(timeout_s=1) as default:
+        assert default.target == "unix:///run/kvd/kvd.sock"
