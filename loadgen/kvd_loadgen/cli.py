@@ -7,11 +7,13 @@ import json
 import sys
 from pathlib import Path
 
+from kvd.config_values import MODEL_PRESETS
 from kvd_client import eventloop
 from kvd_client.cli_args import number
 from kvd_loadgen.intent_trace import TraceError as IntentTraceError
 from kvd_loadgen.local import KvdStartError
 from kvd_loadgen.trace_reader import TraceError as RequestTraceError
+from kvd_loadgen.trace_reader import tenant_rule
 
 
 POSITIVE_INT = number(int, 0, strictly=True)
@@ -24,6 +26,14 @@ def _existing_file(text: str) -> Path:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"no such file: {text}")
     return path
+
+
+def _tenant_rule(text: str) -> str:
+    try:
+        tenant_rule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _demo(args) -> int:
@@ -178,10 +188,10 @@ def _request_trace_parser(sub) -> None:
                     "both tiers instead of the working sets the device")
     rt.add_argument("--speed", type=POSITIVE, default=4.0, help="time compression")
     rt.add_argument("--limit", type=COUNT, default=600, help="first N requests (0: all)")
-    rt.add_argument("--tenants", default="length:16384",
+    rt.add_argument("--tenants", type=_tenant_rule, default="length:16384",
                     help="length:N | round-robin:K | field:NAME")
     rt.add_argument("--block-tokens", type=POSITIVE_INT, default=512)
-    rt.add_argument("--model", default="",
+    rt.add_argument("--model", default="", choices=sorted(MODEL_PRESETS),
                     help="a model preset (llama-3-8b, ...): page bytes = block tokens x its "
                          "bytes per token; default: --page-bytes")
     rt.add_argument("--page-bytes", type=POSITIVE_INT, default=16384,

@@ -81,6 +81,9 @@ def test_a_tiny_trace_against_a_real_kvd_with_a_full_report(tmp_path):
     (["disagg", "--decode-pages", "16"], "argument --decode-pages: must be at least"),
     (["bandwidth-hog", "--duration-s", "nan"], "argument --duration-s: must be a finite number"),
     (["soak", "--clients", "x"], "argument --clients: not a number"),
+    (["request-trace", __file__, "--tenants", "round-robin:-1"],
+     "argument --tenants: unknown tenant rule 'round-robin:-1'"),
+    (["request-trace", __file__, "--model", "llama-4"], "argument --model: invalid choice"),
 ])
 def test_a_bad_option_is_one_line_and_exit_2(argv, says, capsys):
     """Each of these ran into a traceback, some after a run's worth of time (ZeroDivision,
