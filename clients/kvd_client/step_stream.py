@@ -38,10 +38,28 @@ class StepStream:
         self._call = None
         self._next_id = 0
         self._unread = 0  # steps sent whose replies were not read
+        # A step was cancelled (a timeout around it, its task cancelled) where its message
+        # may have gone and its reply not been read: the stream's next reply would be that
+        # step's, read as the next step's (its handles, for another request's blocks), or
+        # gRPC cancelled the whole call. The next step goes on a stream of its own.
+        self._cut = False
 
     async def __aenter__(self) -> StepStream:
-        self._call = self._client.memory.Step(metadata=self._client.metadata)
+        self._open()
         return self
+
+    def _open(self) -> None:
+        self._call = self._client.memory.Step(metadata=self._client.metadata)
+        self._unread = 0
+        self._cut = False
+
+    def _reopen(self) -> None:
+        """A fresh stream in place of one a cancelled step left with a reply unread. kvd
+        sees the old one end before its next message, and tells what its last reply told
+        (pages moved, blocks lost) again at the next read, as after any stream cut short;
+        the blocks the cancelled step allocated stay its request's."""
+        self._call.cancel()
+        self._open()
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
@@ -86,6 +104,8 @@ class StepStream:
                 if asyncio.iscoroutine(result):
                     await result
 
+        if self._cut:
+            self._reopen()
         reader = asyncio.ensure_future(read_replies())
         try:
             for request in requests:
@@ -104,6 +124,9 @@ class StepStream:
             await reader
         except (grpc.RpcError, asyncio.InvalidStateError) as err:
             raise await self._ended(err) from None
+        except asyncio.CancelledError:
+            self._cut = True
+            raise
         finally:
             if not reader.done():
                 reader.cancel()
@@ -119,6 +142,8 @@ class StepStream:
         return UnavailableError(str(err))
 
     async def send(self, request: pb.StepRequest) -> pb.StepResponse:
+        if self._cut:
+            self._reopen()
         if not request.step_id:
             self._next_id += 1
             request.step_id = self._next_id
@@ -128,6 +153,9 @@ class StepStream:
             reply = await self._call.read()
         except (grpc.RpcError, asyncio.InvalidStateError) as err:
             raise await self._ended(err) from None
+        except asyncio.CancelledError:
+            self._cut = True
+            raise
         self._unread -= 1
         if reply is grpc.aio.EOF:
             raise UnavailableError("kvd closed the Step stream")

@@ -315,3 +315,56 @@ async def test_a_timeout_too_long_for_grpcs_clock_is_no_deadline(kvd, monkeypatc
     monkeypatch.setenv("KVD_TARGET", "")
     async with AsyncClient(timeout_s=1) as default:
         assert default.target == "unix:///run/kvd/kvd.sock"
+
+
+async def test_a_step_cancelled_mid_way_leaves_the_next_step_its_own_reply(tmp_path):
+    """A step cancelled after its message went (a timeout around it, its task cancelled)
+    left its reply on the stream: the next step read it as its own, handles of another
+    request's new block for the engine to write its KV into, or found the call cancelled
+    under it (CANCELLED, every later step too). Cut at many points, on a stream of its own
+    each time and on one stream throughout: every later step gets its own reply."""
+    import asyncio
+
+    went = 0  # cancelled steps whose message reached kvd (the cut this test is about)
+    wrong, failed = [], []
+    with LocalKvd("--model", "tiny", "--device-pages", "1024", "--host-pages", "1024",
+                  workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target) as c:
+            async def cut_then_step(stream, i: int) -> None:
+                nonlocal went
+                a, b = f"a{i}", f"b{i}"
+                for rid in (a, b):
+                    assert (await c.admit(rid, 64)).decision == pb.DECISION_ADMITTED
+                cut = asyncio.ensure_future(stream.step(allocations=[(a, 1)]))
+                for _ in range(i % 7):
+                    await asyncio.sleep(0)
+                if i % 3 == 0:
+                    await asyncio.sleep(0.0002 * (i % 5))
+                cut.cancel()
+                try:
+                    await cut
+                except asyncio.CancelledError:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - tallied, and the test fails on it
+                    failed.append((i, "the cut step", repr(exc)))
+                try:
+                    reply = await stream.step(allocations=[(b, 1)])
+                except Exception as exc:  # noqa: BLE001 - tallied, and the test fails on it
+                    failed.append((i, repr(exc)))
+                else:
+                    got = [(h.request_id, h.block_index) for h in reply.allocated]
+                    if got != [(b, 0)] or reply.errors:
+                        wrong.append((i, got, list(reply.errors)))
+                went += len((await c.access(a)).handles)
+                for rid in (a, b):
+                    await c.release(rid)
+
+            for i in range(100):
+                async with c.step_stream() as stream:
+                    await cut_then_step(stream, i)
+            async with c.step_stream() as stream:
+                for i in range(100, 200):
+                    await cut_then_step(stream, i)
+            assert (await c.self_check()).ok
+    assert not wrong and not failed, (len(wrong), wrong[:3], len(failed), failed[:3])
+    assert went >= 20, went  # the cut happened often enough to have been hunted
