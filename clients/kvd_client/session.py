@@ -2,8 +2,8 @@
 restarts (configuration and quotas survive; requests and page contents do not) the engine can
 re-register its running requests in one call and learn which blocks it must recompute.
 
-A call kvd did not answer (it was away, or the answer was lost: UNANSWERED) may or may not
-have been done. The session keeps what the engine asked for: a request released or blocks
+A call kvd did not answer (it was away, or the answer was lost: UNANSWERED), or that the
+caller cancelled while it waited for the answer, may or may not have been done. The session keeps what the engine asked for: a request released or blocks
 freed are no longer the engine's whatever kvd answered, and a request whose Admit went
 unanswered may be in kvd without the engine's knowing. recover() (and, for an Admit, the
 next admit of the same id) settles these with kvd first, so kvd never goes on holding what
@@ -11,12 +11,17 @@ the engine let go of."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_client.client import AsyncClient
 from kvd_client.errors import UNANSWERED, AlreadyExistsError, KvdClientError, NotFoundError
+
+# A call whose answer the engine did not hear: kvd did not answer, or the caller cancelled
+# the call (a timeout around it) after it may have gone. Either way kvd may have done it.
+UNHEARD = (*UNANSWERED, asyncio.CancelledError)
 
 
 @dataclass
@@ -56,7 +61,7 @@ class EngineSession:
         try:
             reply = await self.client.admit(request_id, prompt_tokens, output_tokens,
                                             **options)
-        except UNANSWERED:
+        except UNHEARD:
             self.owed_releases.add(request_id)
             raise
         if reply.decision != pb.DECISION_REJECTED:
@@ -76,7 +81,7 @@ class EngineSession:
         left = [i for i in held.blocks if i not in gone]
         try:
             reply = await self.client.free(request_id, blocks)
-        except UNANSWERED:
+        except UNHEARD:
             self.owed_frees.setdefault(request_id, []).append(list(blocks))
             held.blocks = left
             raise
@@ -93,7 +98,7 @@ class EngineSession:
             return await self.client.release(request_id)
         except NotFoundError:
             return pb.ReleaseResponse()
-        except UNANSWERED:
+        except UNHEARD:
             self.owed_releases.add(request_id)
             raise
 

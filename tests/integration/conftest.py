@@ -158,8 +158,9 @@ SMALL = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "8", "--ho
 @contextlib.contextmanager
 def answered_as(client: AsyncClient, method: str, fault: str):
     """The client's next call of `method` goes as `fault` says: "none" (answered),
-    "undelivered" (UNAVAILABLE: kvd never got it) or "lost" (kvd did it, and its answer was
-    lost: DEADLINE_EXCEEDED)."""
+    "undelivered" (UNAVAILABLE: kvd never got it), "lost" (kvd did it, and its answer was
+    lost: DEADLINE_EXCEEDED), or cancelled by its caller while it waited (a timeout around
+    it): "cut" after kvd did it, "cut early" before kvd got it."""
     if fault == "none":
         yield
         return
@@ -167,9 +168,13 @@ def answered_as(client: AsyncClient, method: str, fault: str):
 
     async def unanswered(*args, **kwargs):
         setattr(client, method, real)  # the next call goes through
-        if fault == "lost":
+        if fault in ("lost", "cut"):
             await real(*args, **kwargs)
+            if fault == "cut":
+                raise asyncio.CancelledError()
             raise DeadlineExceededError("the answer was lost")
+        if fault == "cut early":
+            raise asyncio.CancelledError()
         raise UnavailableError("kvd did not get the call")
 
     setattr(client, method, unanswered)

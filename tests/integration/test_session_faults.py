@@ -1,7 +1,8 @@
 """EngineSession against a real kvd whose calls go unanswered at random: an engine admits,
 allocates, frees and releases requests through the session, each call answered, not
-delivered (UNAVAILABLE) or done by kvd with its answer lost (DEADLINE_EXCEEDED), with kvd
-restarted now and then and the session recovering. Once kvd answers again and the session
+delivered (UNAVAILABLE), done by kvd with its answer lost (DEADLINE_EXCEEDED), or cancelled
+by the engine while it waited (before kvd got it, or after kvd did it), with kvd restarted
+now and then and the session recovering. Once kvd answers again and the session
 has recovered, kvd holds exactly what the session holds: each request it holds, with as
 many live blocks as the engine has, and nothing the engine let go of.
 
@@ -30,7 +31,7 @@ ARGS = ("--model", "tiny", "--block-tokens", "16", "--device-pages", "64", "--ho
 # How a call goes: answered, not delivered, or done with its answer lost. Allocations are
 # never done unanswered: blocks kvd handed out in an answer that was lost are the request's
 # until it is released, and the session does not claim otherwise.
-FAULTS = st.sampled_from(["none", "none", "none", "undelivered", "lost"])
+FAULTS = st.sampled_from(["none", "none", "none", "undelivered", "lost", "cut", "cut early"])
 # Weighted toward what builds up blocks to free: most examples free some unanswered, and
 # few end in a restart or a release that settles everything for the session.
 KINDS = (["admit"] * 4 + ["allocate"] * 6 + ["free"] * 5 + ["release"] * 2 + ["recover"] * 2
@@ -59,6 +60,12 @@ EXPLICIT = [
     _GROWN + [("restart", "", "none"), ("release", "r0", "none")],
     [("admit", "r1", "lost"), ("admit", "r1", "none"), ("allocate", "r1", "none")],
     [("admit", "r1", "undelivered"), ("recover", "", "none")],
+    # Cancelled by the engine after kvd did it: kvd held the request, or the blocks, and
+    # the session knew nothing of it.
+    [("admit", "r1", "cut"), ("recover", "", "none")],
+    _GROWN + [("free", "r0", "cut"), ("recover", "", "none")],
+    _GROWN + [("release", "r0", "cut"), ("recover", "", "none")],
+    [("admit", "r1", "cut early"), ("admit", "r1", "none"), ("allocate", "r1", "none")],
 ]
 
 
@@ -89,7 +96,8 @@ async def _example(kvd: LocalKvd, operations) -> None:
                     continue
                 if op == "free" and not held.blocks:
                     continue
-                with answered_as(client, op, fault), contextlib.suppress(KvdClientError):
+                with (answered_as(client, op, fault),
+                      contextlib.suppress(KvdClientError, asyncio.CancelledError)):
                     if op == "admit":
                         await session.admit(rid, 48, 16)
                     elif op == "allocate":
