@@ -104,6 +104,7 @@ class StepStream:
                 if asyncio.iscoroutine(result):
                     await result
 
+        self._check_open()
         if self._cut:
             self._reopen()
         reader = asyncio.ensure_future(read_replies())
@@ -141,7 +142,13 @@ class StepStream:
             return from_rpc_error(err)
         return UnavailableError(str(err))
 
+    def _check_open(self) -> None:
+        if self._call is None:
+            raise RuntimeError("this Step stream is not open: step inside `async with "
+                               "client.step_stream() as stream:`")
+
     async def send(self, request: pb.StepRequest) -> pb.StepResponse:
+        self._check_open()
         if self._cut:
             self._reopen()
         if not request.step_id:

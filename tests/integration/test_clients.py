@@ -368,3 +368,16 @@ async def test_a_step_cancelled_mid_way_leaves_the_next_step_its_own_reply(tmp_p
             assert (await c.self_check()).ok
     assert not wrong and not failed, (len(wrong), wrong[:3], len(failed), failed[:3])
     assert went >= 20, went  # the cut happened often enough to have been hunted
+
+
+async def test_a_step_on_a_stream_not_open_says_so(kvd):
+    """Outside its `async with` a StepStream had no call, and a step failed with
+    AttributeError ('NoneType' object has no attribute 'write')."""
+    async with AsyncClient(kvd.target) as c:
+        stream = c.step_stream()
+        with pytest.raises(RuntimeError, match="this Step stream is not open"):
+            await stream.step(read_all=["r"])
+        async with stream:
+            assert (await stream.step()).step_id == 1
+        with pytest.raises(RuntimeError, match="this Step stream is not open"):
+            await stream.pipeline([pb.StepRequest()], lambda request, reply: None)
