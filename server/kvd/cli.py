@@ -11,6 +11,8 @@ from kvd.core.errors import InvalidArgument
 from kvd.core.policies import accepted_policy_names
 from kvd.log import configure_logging
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells say of a command stopped by Ctrl-C
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvd", description="KV-cache memory daemon for LLM serving")
@@ -76,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"kvd: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before kvd served (once serving, it drains)
+        print("kvd: interrupted while starting; stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _run(coro) -> int:

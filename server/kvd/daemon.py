@@ -5,6 +5,7 @@ within the grace period), free the arenas, exit 0. A second SIGINT forces exit."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import grp
 import os
@@ -235,10 +236,15 @@ class Daemon:
         check_shared_memory(self.config)
         check_gpu_memory(self.config)
         # Arena allocation can take a while for large pools: keep the loop free.
+        making = loop.run_in_executor(None, Node, self.config)
         try:
-            self.node = await loop.run_in_executor(None, Node, self.config)
+            self.node = await asyncio.shield(making)
         except KvdError as exc:
             raise StartupError(str(exc)) from None
+        except asyncio.CancelledError:  # Ctrl-C meanwhile: the arenas go once made
+            with contextlib.suppress(Exception):
+                await (await making).aclose()
+            raise
         try:
             try:  # before listening: a bad endpoint or PEM file stops the start
                 self.node.peers.open()
