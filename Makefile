@@ -28,11 +28,11 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 run: $(STAMP) ## start kvd in the foreground on the embedded default (host memory, unix socket)
-	@mkdir -p $(RUN_DIR)
-	$(BIN)/python -m kvd_loadgen.showcase --socket $(RUN_DIR)/kvd.sock
+	@mkdir -p "$(RUN_DIR)"
+	$(BIN)/python -m kvd_loadgen.showcase --socket "$(RUN_DIR)/kvd.sock"
 
 demo: $(STAMP) ## in another terminal: create memory pressure against a running kvd and show what happened
-	$(BIN)/kvd-loadgen demo --target unix://$(RUN_DIR)/kvd.sock
+	$(BIN)/kvd-loadgen demo --target "unix://$(RUN_DIR)/kvd.sock"
 
 test: $(STAMP) tools ## the whole test suite (the engines have a tier of their own)
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --ignore=tests/engines
@@ -91,4 +91,4 @@ soak: $(STAMP) ## 64 clients, mixed workload, 4 minutes: RSS, leaks, latency per
 	KVD_PREFIX_CHAOS_STEPS=1000 KVD_PREFIX_CHAOS_POLICIES=all $(BIN)/python -m pytest -q tests/integration/test_prefix_chaos.py
 
 clean:
-	rm -rf $(VENV) $(ENGINES) $(RUN_DIR) .pytest_cache
+	rm -rf $(VENV) $(ENGINES) "$(RUN_DIR)" .pytest_cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import shlex
 import subprocess
 import sys
 import time
@@ -15,6 +16,17 @@ from rich.console import Console
 
 from kvd_client import Client, KvdClientError, eventloop
 from kvd_loadgen.demo import run_demo
+
+
+def reach_hint(target: str) -> str:
+    """How to reach the running kvd from another terminal, in words a shell takes as they
+    are (the target quoted: a checkout's path may hold a space)."""
+    return (f"Talk to it at {target}. In another terminal, from this directory:\n"
+            "  make demo                                    # the demo again\n"
+            "  . .venv/bin/activate                         # kvctl, kvd-loadgen\n"
+            f"  export KVD_TARGET={shlex.quote(target)}\n"
+            "  kvctl status; kvctl tenants; kvctl top\n"
+            "Ctrl-C stops kvd cleanly.")
 
 
 def main() -> int:
@@ -47,12 +59,7 @@ def main() -> int:
         console.rule(f"kvd is serving on {target}: a short demo")
         eventloop.run(run_demo(target, console=console))
         console.rule("kvd keeps serving")
-        console.print(f"Talk to it at {target}. In another terminal, from this directory:\n"
-                      "  make demo                                    # the demo again\n"
-                      "  . .venv/bin/activate                         # kvctl, kvd-loadgen\n"
-                      f"  export KVD_TARGET={target}\n"
-                      "  kvctl status; kvctl tenants; kvctl top\n"
-                      "Ctrl-C stops kvd cleanly.", soft_wrap=True)
+        console.print(reach_hint(target), soft_wrap=True)
         return proc.wait()
     except KeyboardInterrupt:
         # The terminal sent SIGINT to kvd too; wait for its drain.

@@ -80,3 +80,32 @@ def test_the_demo_runs_against_a_kvd_that_wants_tokens_and_beside_another_demo(t
                                  capture_output=True, text=True, timeout=60)
         assert refused.returncode == 1 and "Traceback" not in refused.stderr
         assert refused.stderr.startswith("kvd-loadgen demo: kvd refused: UNAUTHENTICATED")
+
+
+
+def test_make_run_serves_from_a_checkout_whose_path_holds_a_space(tmp_path):
+    """The Makefile split the socket's path at a space in the checkout's (kvd then served
+    at a path that was not the one make demo and the hint named), and the showcase's line
+    for the user's shell (`export KVD_TARGET=...`) split it too."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    from kvd_loadgen.showcase import reach_hint
+
+    checkout = tmp_path / "my checkout"
+    checkout.mkdir()
+    (checkout / "pyproject.toml").write_text("")  # what make's set-up target depends on
+    makefile = Path(__file__).parents[2] / "Makefile"
+    plan = subprocess.run(["make", "-n", "-C", str(checkout), "-f", str(makefile), "run",
+                           "demo"], capture_output=True, text=True, timeout=60)
+    assert plan.returncode == 0, plan.stderr
+    lines = [shlex.split(line) for line in plan.stdout.splitlines()
+             if "kvd_loadgen.showcase" in line or "kvd-loadgen demo" in line]
+    assert [words[words.index("--socket") + 1] for words in lines if "--socket" in words] == [
+        f"{checkout}/run/kvd.sock"]
+    assert [words[words.index("--target") + 1] for words in lines if "--target" in words] == [
+        f"unix://{checkout}/run/kvd.sock"]
+    (export,) = [line for line in reach_hint(f"unix://{checkout}/run/kvd.sock").splitlines()
+                 if "export" in line]
+    assert shlex.split(export) == ["export", f"KVD_TARGET=unix://{checkout}/run/kvd.sock"]
