@@ -105,6 +105,56 @@ def check_shared_memory(config: Config, shm: str = SHM_DIR) -> None:
             "(docker: --shm-size; Kubernetes: an emptyDir with medium: Memory at /dev/shm)")
 
 
+# kvd's own memory a page of either tier takes at the start, for its page table (about
+# 49 bytes, measured with pools of a million pages; rounded up).
+PAGE_TABLE_BYTES = 64
+
+
+def check_page_tables(config: Config, meminfo: str = "/proc/meminfo",
+                      cgroup_root: str = "/sys/fs/cgroup",
+                      own_cgroups: str = "/proc/self/cgroup") -> None:
+    """Refuse to start, in one line, when the pools' page tables alone would take more of
+    kvd's own memory than it has available (the host's, or its cgroup's where that is
+    less): pages of a few bytes fit /dev/shm by the billion, and their tables would have
+    kvd killed for memory while it made them."""
+    pages = sum(p.device_pages + p.host_pages for p in config.pools)
+    need = pages * PAGE_TABLE_BYTES
+    available = _memory_available(meminfo, cgroup_root, own_cgroups)
+    if available is not None and need > available:
+        raise StartupError(
+            f"the pools' {pages} pages need about {need / 2**20:.0f} MiB of kvd's own memory "
+            f"for their page tables but {available / 2**20:.0f} MiB is available; make the "
+            "pages larger (page_bytes) or fewer")
+
+
+def _memory_available(meminfo: str, cgroup_root: str, own_cgroups: str) -> int | None:
+    """Bytes of memory kvd may still take: the host's MemAvailable, or what its cgroup
+    (v2's memory.max, v1's memory.limit_in_bytes) leaves where that is less; None where
+    none of them can be read."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(meminfo) as f:
+            found += [int(line.split()[1]) * 1024 for line in f
+                      if line.startswith("MemAvailable:")]
+    with contextlib.suppress(OSError, ValueError):
+        with open(own_cgroups) as f:
+            for line in f:  # "0::/path" (v2), "4:memory:/path" (v1)
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    where, files = f"{cgroup_root}{path}", ("memory.max", "memory.current")
+                elif "memory" in controllers.split(","):
+                    where, files = (f"{cgroup_root}/memory{path}",
+                                    ("memory.limit_in_bytes", "memory.usage_in_bytes"))
+                else:
+                    continue
+                with contextlib.suppress(OSError, ValueError):
+                    with open(f"{where}/{files[0]}") as limit, open(f"{where}/{files[1]}") as used:
+                        text = limit.read().strip()
+                        if text != "max":
+                            found.append(max(0, int(text) - int(used.read().strip())))
+    return min(found) if found else None
+
+
 def check_gpu_memory(config: Config) -> None:
     """Device tiers in GPU memory: refuse to start, in one line, when a GPU has less free
     memory than its pools' device tiers take (rather than build a page table for pages that
@@ -235,6 +285,7 @@ class Daemon:
                         mib=round(sum(held for _, held in stale) / 2**20, 1))
         check_shared_memory(self.config)
         check_gpu_memory(self.config)
+        check_page_tables(self.config)
         # Arena allocation can take a while for large pools: keep the loop free.
         making = loop.run_in_executor(None, Node, self.config)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -206,6 +207,50 @@ def test_ctrl_c_while_kvd_starts_stops_it_in_one_line_and_leaves_nothing(tmp_pat
         assert not sock.exists()
         assert not left_behind()
     assert interrupted, "no Ctrl-C landed while kvd started"
+
+
+def test_page_tables_larger_than_kvds_memory_are_refused_in_one_line(tmp_path):
+    # Pages of one byte fit /dev/shm by the billion: kvd took the config, then built the
+    # page table of two billion pages (about 49 bytes each) and was killed for memory with
+    # the host's other processes (found by the config properties' wild values: the hunt's
+    # pytest process went to 24 GB and the kernel's OOM killer).
+    # Pages of one byte, half again as many as this machine's memory holds page tables of.
+    from kvd.daemon import PAGE_TABLE_BYTES, _memory_available
+
+    available = _memory_available("/proc/meminfo", "/sys/fs/cgroup", "/proc/self/cgroup")
+    if available is None:
+        pytest.skip("this host says nothing of its memory")
+    pages = available // PAGE_TABLE_BYTES * 3 // 2
+    if pages > shutil.disk_usage("/dev/shm").free:
+        pytest.skip("/dev/shm is too small for pages enough to outgrow this host's memory")
+    one_line(kvd("--socket", "k.sock", "--page-bytes", "1", "--device-pages", str(pages),
+                 "--host-pages", "0", tmp_path=tmp_path),
+             f"the pools' {pages} pages need about")
+    assert not left_behind()
+
+
+def test_the_memory_kvd_may_take_is_the_least_its_host_and_cgroups_leave(tmp_path):
+    from kvd.daemon import _memory_available
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       32000000 kB\nMemAvailable:   20000000 kB\n")
+    cgroups = tmp_path / "cgroup"
+    root = tmp_path / "fs"
+    # v2: one unified hierarchy; its limit leaves 1 GiB.
+    (root / "kubepods" / "pod1").mkdir(parents=True)
+    (root / "kubepods" / "pod1" / "memory.max").write_text(f"{4 * 2**30}\n")
+    (root / "kubepods" / "pod1" / "memory.current").write_text(f"{3 * 2**30}\n")
+    cgroups.write_text("0::/kubepods/pod1\n")
+    assert _memory_available(str(meminfo), str(root), str(cgroups)) == 2**30
+    (root / "kubepods" / "pod1" / "memory.max").write_text("max\n")
+    assert _memory_available(str(meminfo), str(root), str(cgroups)) == 20000000 * 1024
+    # v1: the memory controller's own hierarchy.
+    (root / "memory" / "docker" / "c1").mkdir(parents=True)
+    (root / "memory" / "docker" / "c1" / "memory.limit_in_bytes").write_text(f"{2**31}\n")
+    (root / "memory" / "docker" / "c1" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    cgroups.write_text("5:cpu,cpuacct:/docker/c1\n4:memory:/docker/c1\n0::/\n")
+    assert _memory_available(str(meminfo), str(root), str(cgroups)) == 2**30
+    assert _memory_available(str(tmp_path / "none"), str(root), str(tmp_path / "none")) is None
 
 
 async def test_a_bad_reload_keeps_the_running_config(tmp_path):
