@@ -296,7 +296,8 @@ class AsyncClient:
         """Yield AdmissionUpdates until the request is admitted, or rejected (a quota or
         policy changed while it waited, so that it can never be admitted: the last update
         says REJECTED, and why). Stopping early (break, or cancelling the task) withdraws a
-        still-queued request from the queue."""
+        still-queued request from the queue; one kvd admitted as the stream ended (its
+        ADMITTED on the way) stays admitted: release() it if it is no longer wanted."""
         async for update in self._stream(self.memory.WaitAdmission,
                                          pb.WaitAdmissionRequest(request_id=request_id),
                                          timeout_s):
