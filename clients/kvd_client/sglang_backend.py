@@ -9,8 +9,8 @@ Start SGLang with
 
 Extra config: `kvd_target`, `kvd_token` (or its file, `kvd_token_file`), `kvd_pool`
 ("default"), `kvd_tenant` (when kvd identifies tenants by name rather than by token),
-`kvd_namespace` (default: the model, the host pool's KV dtype, and the shard of its KV this
-rank holds: see `namespace`), `kvd_timeout_s` (5 s), `kvd_retry_s` (how long calls miss at
+`kvd_namespace` (in place of the model and the host pool's KV dtype in the name of the
+pages; the shard of its KV this rank holds is added either way: see `namespace`), `kvd_timeout_s` (5 s), `kvd_retry_s` (how long calls miss at
 once after kvd did not answer one: 1 s).
 
 SGLang names each page of its host pool by a chained hash of its tokens; those names are kvd's
@@ -142,8 +142,9 @@ class KvdStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.namespace = self._namespace or namespace(
-            self._config, str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch."))
+        self.namespace = namespace(
+            self._config, str(getattr(mem_pool_host, "dtype", "")).removeprefix("torch."),
+            self._namespace)
         self.page_tokens = mem_pool_host.page_size
         first = torch.arange(self.page_tokens, dtype=torch.int64)
         self.page_bytes = sum(size for _, size in self._segments(first)[0])
@@ -459,12 +460,15 @@ class KvdStorage(HiCacheStorage):
             client.close()
 
 
-def namespace(config: HiCacheStorageConfig, dtype: str) -> str:
+def namespace(config: HiCacheStorageConfig, dtype: str, given: str | None = None) -> str:
     """Where this rank's pages are named in kvd: SGLang's page hashes name tokens, not the
     bytes a rank keeps for them, which also depend on the model, the KV dtype (of the host
-    pool: fp16 and bf16 pages are one size) and the rank's shard. A name longer than kvd
-    takes (a long model path) is its digest."""
-    name = f"sglang|{config.model_name or ''}|{dtype}{shard_suffix(config)}"
+    pool: fp16 and bf16 pages are one size) and the rank's shard. `kvd_namespace`, when
+    given, stands for the model and the dtype; the shard is the rank's whatever it says
+    (given alike to every rank, it had them all load each other's bytes). A name longer
+    than kvd takes (a long model path) is its digest."""
+    base = given if given is not None else f"sglang|{config.model_name or ''}|{dtype}"
+    name = f"{base}{shard_suffix(config)}"
     if len(name) <= MAX_NAMESPACE:
         return name
     return "sglang-sha256:" + hashlib.sha256(name.encode()).hexdigest()

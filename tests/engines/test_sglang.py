@@ -300,18 +300,22 @@ def test_two_threads_starting_kvd_requests_at_once_both_go_on(tmp_path, monkeypa
           logical_page_size=2 * PAGE_TOKENS) for r in range(2)],
     [dict(tp_size=2, tp_rank=r) for r in range(2)],
 ], ids=["mla-pipeline", "context-parallel", "mla-decode-context-parallel", "tensor-parallel"])
-def test_ranks_holding_different_shards_of_a_page_each_get_back_their_own(tmp_path, shards):
+@pytest.mark.parametrize("given", [None, "my-model"], ids=["named-by-model", "kvd_namespace"])
+def test_ranks_holding_different_shards_of_a_page_each_get_back_their_own(tmp_path, shards,
+                                                                          given):
     # Ranks of one SGLang server name a page by the same hash but hold different bytes of
     # it where they split the model (pipeline stages their layers, context-parallel ranks
     # their tokens, tensor-parallel ranks their heads of an MHA model). Named alike in kvd,
     # the second rank's store found the first's page and wrote nothing, and it loaded the
     # first rank's bytes back (an MLA model's pipeline stages and every context-parallel
-    # split shared names).
+    # split shared names). A `kvd_namespace`, the same for every rank of a server, stood
+    # for the whole name: the ranks shared it.
     with kvd(tmp_path) as k:
         ranks = []
         for seed, shard in enumerate(shards):
             pool = host_pool()
-            storage = backend(k.target, pool, **shard)
+            storage = backend(k.target, pool, extra={"kvd_namespace": given} if given else None,
+                              **shard)
             src = written_pages(pool, 3, seed=30 + seed)
             assert storage.batch_set_v1(keys("s", 3), src) == [True] * 3
             ranks.append((pool, storage, src))
