@@ -170,7 +170,7 @@ class KvdConnector(KVConnectorBase_V1):
         self.default_tenant = settings.kvd_tenant
         self._warned: set[str] = set()  # the problems with requests' params logged so far
         self.block_size = vllm_config.cache_config.block_size
-        self.model = str(vllm_config.model_config.model)
+        self.model = model_identity(vllm_config.model_config)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.kv_dtype = kv_dtype(vllm_config)
         # Parallel engines shard the KV cache: each worker's blocks hold its heads (tensor,
@@ -687,12 +687,25 @@ MAX_NAMESPACE = 200
 def namespace(model: str, block_size: int, dtype: str, salt: str) -> str:
     """Where a request's prefix blocks are named in kvd: vLLM's block hashes name tokens (and
     the cache salt, LoRA, media), not the bytes an engine keeps for them, which also depend on
-    the model, the block size and the KV dtype. A name past MAX_NAMESPACE (a long path or
+    the model (its weights: see model_identity), the block size and the KV dtype. A name past MAX_NAMESPACE (a long path or
     salt) is its digest."""
     name = f"{model}|{block_size}|{dtype}|{salt}"
     if len(name) <= MAX_NAMESPACE:
         return name
     return "vllm-sha256:" + hashlib.sha256(name.encode()).hexdigest()
+
+
+def model_identity(model_config: Any) -> str:
+    """The weights an engine's KV is computed with, as its namespace names them: the model
+    (a path or a hub name), and its revision and quantization where given. Engines of one
+    model name at another revision, or quantized otherwise, compute other bytes for the same
+    tokens: named alike, each loaded the other's blocks as its own."""
+    name = str(model_config.model)
+    if revision := getattr(model_config, "revision", None):
+        name += f"@{revision}"
+    if quantization := getattr(model_config, "quantization", None):
+        name += f"+{quantization}"
+    return name
 
 
 def kv_dtype(vllm_config: Any) -> str:

@@ -637,14 +637,19 @@ def test_engines_whose_kv_bytes_differ_name_their_blocks_apart(tmp_path):
     # one model whose KV caches hold another dtype of the same size (bf16 against fp16, one
     # fp8 format against the other) would load each other's blocks as their own. And a long
     # cache salt must not push the name past what kvd takes (it refused every lookup).
+    from vllm.config import ModelConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvd_client import vllm_connector as vc
 
     with LocalKvd(*KVD, workdir=tmp_path) as kvd:
-        def namespace(dtype="bfloat16", cache_dtype="auto", salt=None):
-            connector = vc.KvdConnector(vllm_config(kvd.target, dtype, cache_dtype),
-                                        KVConnectorRole.SCHEDULER)
+        def namespace(dtype="bfloat16", cache_dtype="auto", salt=None, **model):
+            config = vllm_config(kvd.target, dtype, cache_dtype)
+            if model:  # the same model at another revision, or quantized
+                config.model_config = ModelConfig(
+                    model=str(RUNNER.parent / "tiny_llama"), skip_tokenizer_init=True,
+                    dtype=dtype, max_model_len=1024, **model)
+            connector = vc.KvdConnector(config, KVConnectorRole.SCHEDULER)
             request = Waiting("r")
             request.cache_salt = salt
             connector._track(request)
@@ -656,6 +661,9 @@ def test_engines_whose_kv_bytes_differ_name_their_blocks_apart(tmp_path):
         assert len(names) == 4, names
         assert namespace(cache_dtype="fp8") == namespace(cache_dtype="fp8_e4m3")
         assert namespace(salt="a") != namespace(salt="b")
+        # Other weights under one model name: they compute other bytes for the same tokens.
+        weights = {namespace(), namespace(revision="v2"), namespace(quantization="fp8")}
+        assert len(weights) == 3, weights
         long = [namespace(salt=c * 300) for c in "ab"]
         assert long[0] != long[1]
         with Client(kvd.target) as c:
