@@ -3,11 +3,11 @@ restarts (configuration and quotas survive; requests and page contents do not) t
 re-register its running requests in one call and learn which blocks it must recompute.
 
 A call kvd did not answer (it was away, or the answer was lost: UNANSWERED), or that the
-caller cancelled while it waited for the answer, may or may not have been done. The session keeps what the engine asked for: a request released or blocks
-freed are no longer the engine's whatever kvd answered, and a request whose Admit went
-unanswered may be in kvd without the engine's knowing. recover() (and, for an Admit, the
-next admit of the same id) settles these with kvd first, so kvd never goes on holding what
-the engine let go of."""
+caller cancelled while it waited for the answer, may or may not have been done. The session
+keeps what the engine asked for: a request released or blocks freed are no longer the
+engine's whatever kvd answered, and a request whose Admit went unanswered may be in kvd
+without the engine's knowing. recover() (and, for an Admit, the next admit of the same id)
+settles these with kvd first, so kvd never goes on holding what the engine let go of."""
 
 from __future__ import annotations
 

@@ -10,8 +10,9 @@ Start SGLang with
 Extra config: `kvd_target`, `kvd_token` (or its file, `kvd_token_file`), `kvd_pool`
 ("default"), `kvd_tenant` (when kvd identifies tenants by name rather than by token),
 `kvd_namespace` (in place of the model and the host pool's KV dtype in the name of the
-pages; the shard of its KV this rank holds is added either way: see `namespace`), `kvd_timeout_s` (5 s), `kvd_retry_s` (how long calls miss at
-once after kvd did not answer one: 1 s).
+pages; the shard of its KV this rank holds is added either way: see `namespace`),
+`kvd_timeout_s` (5 s), `kvd_retry_s` (how long calls miss at once after kvd did not answer
+one: 1 s), `kvd_slice_pages` (see below); each typed and range-checked.
 
 SGLang names each page of its host pool by a chained hash of its tokens; those names are kvd's
 shared prefix blocks, one kvd page per SGLang page (kvd's page_bytes must equal the bytes of

@@ -687,8 +687,8 @@ MAX_NAMESPACE = 200
 def namespace(model: str, block_size: int, dtype: str, salt: str) -> str:
     """Where a request's prefix blocks are named in kvd: vLLM's block hashes name tokens (and
     the cache salt, LoRA, media), not the bytes an engine keeps for them, which also depend on
-    the model (its weights: see model_identity), the block size and the KV dtype. A name past MAX_NAMESPACE (a long path or
-    salt) is its digest."""
+    the model (its weights: see model_identity), the block size and the KV dtype. A name
+    past MAX_NAMESPACE (a long path or salt) is its digest."""
     name = f"{model}|{block_size}|{dtype}|{salt}"
     if len(name) <= MAX_NAMESPACE:
         return name
