@@ -35,14 +35,23 @@ def default_target() -> str:
     return os.environ.get("KVD_TARGET") or "unix:///run/kvd/kvd.sock"  # set empty: unset
 
 
+def socket_path_problem(path: str) -> str:
+    """Why no unix socket can be at this path ("" when one can): kvd binds it, a client
+    connects to it, and neither can past what a socket's address holds."""
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH_BYTES:
+        return (f"a unix socket's path holds at most {MAX_SOCKET_PATH_BYTES} bytes, "
+                f"this one is {size}")
+    return ""
+
+
 def _check_unix_path(target: str) -> None:
     """ValueError for a unix socket's path longer than a socket's address holds (grpc
     answers every call UNKNOWN, "the target uri is not valid")."""
     if target.startswith("unix:"):
         path = target.removeprefix("unix://") if target.startswith("unix://") else target[5:]
-        if len(path.encode()) > MAX_SOCKET_PATH_BYTES:
-            raise ValueError(f"{target}: a unix socket's path holds at most "
-                             f"{MAX_SOCKET_PATH_BYTES} bytes, this one is {len(path.encode())}")
+        if problem := socket_path_problem(path):
+            raise ValueError(f"{target}: {problem}")
 
 
 def _deadline(timeout_s: float | None) -> float | None:

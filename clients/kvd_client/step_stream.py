@@ -104,9 +104,7 @@ class StepStream:
                 if asyncio.iscoroutine(result):
                     await result
 
-        self._check_open()
-        if self._cut:
-            self._reopen()
+        self._ready()
         reader = asyncio.ensure_future(read_replies())
         try:
             for request in requests:
@@ -142,15 +140,16 @@ class StepStream:
             return from_rpc_error(err)
         return UnavailableError(str(err))
 
-    def _check_open(self) -> None:
+    def _ready(self) -> None:
+        """Before a step: the stream is open, and not one a cancelled step cut (see _cut)."""
         if self._call is None:
             raise RuntimeError("this Step stream is not open: step inside `async with "
                                "client.step_stream() as stream:`")
-
-    async def send(self, request: pb.StepRequest) -> pb.StepResponse:
-        self._check_open()
         if self._cut:
             self._reopen()
+
+    async def send(self, request: pb.StepRequest) -> pb.StepResponse:
+        self._ready()
         if not request.step_id:
             self._next_id += 1
             request.step_id = self._next_id

@@ -7,7 +7,6 @@ not 30), finite, and in range; sizes and rates are numbers of bytes or strings w
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -17,7 +16,7 @@ from pydantic import AfterValidator, ConfigDict, Field
 from kvd.core.errors import InvalidArgument
 from kvd.core.fairness import MAX_QUOTA_PAGES, MAX_WEIGHT, MIN_WEIGHT
 from kvd.core.policies import accepted_policy_names
-from kvd_client.client import MAX_SOCKET_PATH_BYTES
+from kvd_client.client import socket_path_problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +81,8 @@ def _socket_path(value: str) -> str:
     starts): no NUL in it, and no longer than the kernel's address holds."""
     if "\0" in value:
         raise ValueError("a path may not hold a NUL character")
-    size = len(os.fsencode(value))
-    if size > MAX_SOCKET_PATH_BYTES:
-        raise ValueError(f"a unix socket's path holds at most {MAX_SOCKET_PATH_BYTES} bytes, "
-                         f"this one is {size}: put it in a shorter directory (e.g. /run/kvd)")
+    if problem := socket_path_problem(value):
+        raise ValueError(f"{problem}: put it in a shorter directory (e.g. /run/kvd)")
     return value
 
 
