@@ -5,18 +5,25 @@ on what kvd holds with no new code.
 What is published: the committed prefix blocks kvd keeps, by the hash engines publish for
 them (the key's low 64 bits, as vLLM folds its block hashes), with kvd's tier as the medium:
 "GPU" for a device tier in GPU memory, "CPU" for host memory (the host tier, and a device
-tier that stands in for a GPU). Every interval kvd compares what it holds with what it last
-published and sends the difference as one batch: `BlockStored` for blocks that came to a
-medium, `BlockRemoved` for those that left one. Batches are numbered; the last ones are kept
-for the replay socket, which answers a start sequence with the batches from there and then
-sequence -1, as vLLM's does.
+tier that stands in for a GPU). Every interval kvd sends what changed since the last batch
+as one batch: `BlockStored` for a hash that came to a medium, `BlockRemoved` for one that
+left it (a hash stands in a medium while any block kvd keeps under it is there: two
+namespaces, or two pools, may hold blocks of the same key). Batches are numbered; the last
+ones are kept for the replay socket, which answers a start sequence with the batches from
+there and then sequence -1, as vLLM's does.
+
+What changed is what the pools noted (PageTable.named_changed: blocks committed, moved
+between tiers, or gone), not a walk of every block kvd keeps: a host tier holds hundreds of
+thousands, and a walk of them each interval held the event loop, and every engine's next
+step, for about as long as the interval. A batch looks at PUBLISH_SLICE names at most; a
+burst of more goes out over the next intervals.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 
 import msgpack
 import structlog
@@ -30,6 +37,10 @@ log = structlog.get_logger("kvd.tier_events")
 
 # Replayed batches sent between two turns of the event loop (each send ~30 us here).
 REPLAY_SLICE = 32
+# Changed names one batch looks at (about 1 us each here).
+PUBLISH_SLICE = 8192
+
+Held = tuple[int, str]  # a hash and the medium it stands in
 
 
 class TierEventPublisher:
@@ -43,7 +54,10 @@ class TierEventPublisher:
         self.topic = topic.encode()
         self.interval_s = interval_s
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self.published: dict[int, str] = {}  # hash -> medium, as last published
+        # As last published: each kept block's (hash, medium) by (pool, name), and how many
+        # blocks stand under each (hash, medium).
+        self.counted: dict[tuple[str, tuple[str, bytes]], Held] = {}
+        self.held: Counter[Held] = Counter()
         self.seq = 0
         self.ctx = zmq.asyncio.Context.instance()
         self._pub = self._router = None
@@ -68,6 +82,9 @@ class TierEventPublisher:
             raise ValueError(f"cannot publish KV events on {self.endpoint}"
                              f"{' / ' + self.replay_endpoint if self.replay_endpoint else ''}"
                              f": {exc}") from None
+        for rt in self.node.pools.values():  # from here on the pools note what changes
+            pages = rt.pool.pages
+            pages.named_changed = set(pages.named)
         self._task = asyncio.ensure_future(self._run())
         if self._router is not None:
             self._replay_task = asyncio.ensure_future(self._serve_replays())
@@ -80,30 +97,51 @@ class TierEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._router = None
-
-    def holdings(self) -> dict[int, str]:
-        """What kvd holds now: each committed kept block's hash and medium."""
-        held = {}
         for rt in self.node.pools.values():
-            device = "GPU" if rt.arenas["device"].backend == "cupy" else "CPU"
-            for (_, key), b in rt.pool.pages.named.items():
-                if b.committed and b.tier is not TierKind.NONE:
-                    held[hash_key(key)] = device if b.tier is TierKind.DEVICE else "CPU"
-        return held
+            rt.pool.pages.named_changed = None
+
+    def holdings(self) -> set[Held]:
+        """What kvd holds now, walked whole: each committed kept block's (hash, medium). What
+        the published batches add up to (`held`) once the noted changes are out."""
+        return {held for rt in self.node.pools.values()
+                for b in rt.pool.pages.named.values()
+                if (held := _held(b, _device_medium(rt))) is not None}
 
     def events(self) -> list[dict]:
         """What changed since the last batch, as events (the published view follows)."""
-        now = self.holdings()
-        before = self.published
+        touched: dict[Held, int] = {}  # each (hash, medium) changed, with its count before
+        budget = PUBLISH_SLICE
+        for rt in self.node.pools.values():
+            pages = rt.pool.pages
+            changed = pages.named_changed
+            device = _device_medium(rt)
+            while changed and budget:
+                budget -= 1
+                name = changed.pop()
+                where = (rt.pool.name, name)
+                block = pages.named.get(name)
+                now = None if block is None else _held(block, device)
+                before = self.counted.get(where)
+                if now == before:
+                    continue
+                if before is not None:
+                    touched.setdefault(before, self.held[before])
+                    self.held[before] -= 1
+                    del self.counted[where]
+                if now is not None:
+                    touched.setdefault(now, self.held[now])
+                    self.held[now] += 1
+                    self.counted[where] = now
         stored: dict[str, list[int]] = defaultdict(list)
         removed: dict[str, list[int]] = defaultdict(list)
-        for h, medium in before.items():
-            if now.get(h) != medium:
-                removed[medium].append(h)
-        for h, medium in now.items():
-            if before.get(h) != medium:
-                stored[medium].append(h)
-        self.published = now
+        for held, before in touched.items():
+            after = self.held[held]
+            if not after:
+                del self.held[held]
+            if before and not after:
+                removed[held[1]].append(held[0])
+            elif after and not before:
+                stored[held[1]].append(held[0])
         block_tokens = next(iter(self.node.pools.values())).pool.block_tokens
         return ([{"type": "BlockRemoved", "block_hashes": hs, "medium": m}
                  for m, hs in removed.items()]
@@ -150,3 +188,15 @@ class TierEventPublisher:
                     [client, b"", b"", END_SEQ.to_bytes(8, "big", signed=True), b""])
             except Exception as exc:  # a request that cannot be answered: the next may
                 log.error("tier_events_replay_failed", error=str(exc))
+
+
+def _device_medium(rt) -> str:
+    return "GPU" if rt.arenas["device"].backend == "cupy" else "CPU"
+
+
+def _held(block, device: str) -> Held | None:
+    """A kept block's hash and medium, None while it is not published (not committed, or
+    without bytes)."""
+    if not block.committed or block.tier is TierKind.NONE:
+        return None
+    return hash_key(block.name[1]), device if block.tier is TierKind.DEVICE else "CPU"

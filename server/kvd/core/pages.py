@@ -65,6 +65,11 @@ class PageTable:
         self.holds = Holds(clock, requests, self.policy, self.device.release)
         # Shared prefix blocks by (namespace, key): see prefix.py.
         self.named: dict[tuple[str, bytes], Block] = {}
+        # Names whose block may have been committed, changed tier or gone since a follower of
+        # what kvd keeps last looked (kvd.tier_events); None while nobody follows. A follower
+        # looks at these, not at every kept block (hundreds of thousands on a large host
+        # tier) each time it publishes.
+        self.named_changed: set[tuple[str, bytes]] | None = None
         # Every request with blocks in transit, and some that had them (moving_requests()
         # sheds those): what is in transit is looked for among these, not among every
         # request (with thousands running, a walk of them all each time a call waits for
@@ -601,6 +606,8 @@ class PageTable:
         block.tier, block.page = TierKind.NONE, -1
         if block.name is not None and self.named.get(block.name) is block:
             del self.named[block.name]
+            if self.named_changed is not None:
+                self.named_changed.add(block.name)
 
 
 def _idle_kept(block: Block) -> bool:

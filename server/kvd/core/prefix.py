@@ -256,6 +256,8 @@ class Prefixes:
             if not b.committed and b.writers is not None and req.request_id in b.writers:
                 b.committed, b.writers = True, None
                 newly += 1
+                if self.pages.named_changed is not None:
+                    self.pages.named_changed.add(b.name)
         return newly
 
     def load(self, req: Request, namespace: str, keys: Sequence[bytes],

@@ -18,6 +18,7 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
     if plan.demotions:
         _record_evictions(pages, plan, now)
     dropped_named = []
+    followed = pages.named_changed  # see PageTable.named_changed
     for m in plan.demotions:
         b = m.block
         b.moving = False
@@ -35,6 +36,8 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
             b.tier, b.page = TierKind.HOST, m.dst_page
             c.num_demotions += 1
             c.bytes_moved += pages.page_bytes
+            if followed is not None and b.name is not None:
+                followed.add(b.name)
     if dropped_named:
         pages.discard_all(dropped_named)
     for m in plan.promotions:
@@ -57,6 +60,8 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
                 b.request.account.num_recomputes += 1
         b.tier, b.page = TierKind.DEVICE, m.dst_page
         b.request.maybe_relocated = True
+        if followed is not None and b.name is not None:
+            followed.add(b.name)
         if plan.reason is Reason.ACCESS and b.deadline_at is not None and now > b.deadline_at:
             c.num_deadline_misses += 1
         pages.policy.on_promoted(b)
