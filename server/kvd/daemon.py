@@ -409,6 +409,8 @@ class Daemon:
         if config.self_check_s:
             self._keep("self_check", lambda: node.health.check_forever(config.self_check_s))
         self._keep("loop_lag", watch_loop_lag)
+        if config.engines:
+            self._keep("engine_holdings", node.follow_engine_holdings)
         if self.config.cluster.etcd:
             self.node.cluster = ClusterMember(self.node, self.config)
             self.node.cluster.start()

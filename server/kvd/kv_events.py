@@ -17,6 +17,7 @@ configured tenant.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,10 +28,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from kvd.core.blocks import MASK_64, key_hash
+
 log = structlog.get_logger("kvd.kv_events")
 
 END_SEQ = -1
-MASK_64 = (1 << 64) - 1
 
 Hash = int | bytes
 
@@ -46,7 +48,7 @@ def hash_key(h: Hash) -> int:
     """A block hash as the 64-bit int vLLM publishes by default (bytes: their low 64 bits,
     as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES folds them)."""
     if isinstance(h, bytes):
-        return int.from_bytes(h, "big") & MASK_64
+        return key_hash(h)
     return h & MASK_64
 
 
@@ -286,19 +288,64 @@ class Subscriber:
             dealer.close(linger=0)
 
 
-def gpu_blocks_by_tenant(residency: Residency, owners: dict[int, tuple[str, ...]]
-                         ) -> dict[str, float]:
-    """The engine's GPU blocks per tenant: a block kvd keeps under the same hash counts to
-    the tenants it is charged to (1/k each), any other to the engine's tenant."""
-    figures: Counter[str] = Counter()
-    for h in residency.gpu_hashes():
-        payers = owners.get(h)
-        if payers:
-            for tenant in payers:
-                figures[tenant] += 1 / len(payers)
-        else:
-            figures[residency.tenant] += 1
-    return dict(figures)
+# Blocks a walk of kvd's kept blocks or of an engine's takes between two turns of the event
+# loop (about 1 to 2 ms here).
+WALK_SLICE = 1024
+
+
+@dataclass(slots=True, frozen=True)
+class Holdings:
+    """What the followed engines hold, as last walked (see walk_holdings): each engine's
+    blocks by medium and its GPU blocks by tenant, and those over every engine."""
+
+    media: dict[str, dict[str, int]] = field(default_factory=dict)
+    gpu: dict[str, dict[str, float]] = field(default_factory=dict)
+    gpu_by_tenant: dict[str, float] = field(default_factory=dict)
+
+
+async def walk_holdings(residency: dict[str, Residency],
+                        kept: Iterable[dict[int, list[Any]]]) -> tuple[Holdings, float]:
+    """Each engine's blocks by medium and its GPU blocks by tenant: a block kvd keeps under
+    the same hash (`kept`: each pool's kept blocks by hash, PageTable.by_hash) counts to
+    the tenants it is charged to, 1/k each, any other to the engine's tenant. Returns them
+    and the seconds the walk held the event loop: it gives the loop back every WALK_SLICE
+    blocks (an engine's GPU holds hundreds of thousands), walking a list taken of the
+    engine's hashes as it starts; a block gone meanwhile counts as where it was or not at
+    all."""
+    spent = 0.0
+    kept = list(kept)
+    holdings = Holdings()
+    for name, res in list(residency.items()):
+        hashes = list(res.blocks)
+        media: Counter[str] = Counter()
+        gpu: Counter[str] = Counter()
+        for i in range(0, len(hashes), WALK_SLICE):
+            started = time.perf_counter()
+            blocks = res.blocks
+            for h in hashes[i:i + WALK_SLICE]:
+                held = blocks.get(h)
+                if held is None:
+                    continue
+                media.update(held)
+                if "GPU" in held:
+                    payers = None
+                    for by_hash in kept:  # a loop, not a generator: nothing for the GC
+                        found = by_hash.get(h)
+                        if found:
+                            payers = found[0].payers
+                            break
+                    if payers:
+                        for tenant in payers:
+                            gpu[tenant] += 1 / len(payers)
+                    else:
+                        gpu[res.tenant] += 1
+            spent += time.perf_counter() - started
+            await asyncio.sleep(0)
+        holdings.media[name] = dict(media)
+        holdings.gpu[name] = dict(gpu)
+        for tenant, n in gpu.items():
+            holdings.gpu_by_tenant[tenant] = holdings.gpu_by_tenant.get(tenant, 0.0) + n
+    return holdings, spent
 
 
 class EngineEvents:
@@ -330,13 +377,6 @@ class EngineEvents:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
-
-    def gpu_by_tenant(self, owners: dict[int, tuple[str, ...]]) -> dict[str, float]:
-        """Every engine's GPU blocks per tenant, added up."""
-        total: Counter[str] = Counter()
-        for res in self.residency.values():
-            total.update(gpu_blocks_by_tenant(res, owners))
-        return dict(total)
 
 
 # ---------------------------------------------------------------------- TensorRT-LLM

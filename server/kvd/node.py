@@ -32,7 +32,7 @@ from kvd.events import EventBus, PlanEvents, publish_admitted
 from kvd.handoff import Handoffs
 from kvd import intent_batch
 from kvd.health import Health
-from kvd.kv_events import EngineEvents, hash_key
+from kvd.kv_events import EngineEvents, Holdings, walk_holdings
 from kvd.leases import LeaseTable
 from kvd.quotas import Quotas
 from kvd.links import Link
@@ -47,6 +47,9 @@ log = structlog.get_logger("kvd.node")
 # Queued requests rejected after a quota or policy change whose reason kvd keeps for their
 # WaitAdmission streams (a client that learns it later finds the request gone).
 REJECTED_KEPT = 4096
+# The most of the event loop's time the walks of what the followed engines hold may take
+# (see follow_engine_holdings): the walks come further apart while they take longer.
+ENGINE_WALK_SHARE = 0.05
 
 
 @dataclass(slots=True)
@@ -95,6 +98,7 @@ class Node:
                                  left=self.leases.detach, handed=self.leases.handed)
         self.health = Health(self.pools)
         self.engines = EngineEvents(config.engines)
+        self.engine_holdings = Holdings()  # as last walked: see follow_engine_holdings
         # A prefill pool reserves its requests' decode pages in the others through this.
         reserver = Reservers(PoolReserver(lambda name: self.pools[name].pool,
                                           config.handoff_ttl_s), RemoteReserver(self.peers))
@@ -519,15 +523,19 @@ class Node:
                 # In a task of its own: a peer that does not answer must not hold up the
                 # expiry of holds and reservations here.
                 self._peer_retry = asyncio.ensure_future(self.retry_peers())
-            self.note_engine_holdings()
 
-    def note_engine_holdings(self) -> None:
-        """What each tenant holds on the followed engines' GPUs, for the fair order."""
-        if not self.engines.residency:
-            return
-        held = self.engines.gpu_by_tenant(self.block_owners())
-        for rt in self.pools.values():
-            rt.pool.tenancy.engine_held = held
+    async def follow_engine_holdings(self, period_s: float = 1.0) -> None:
+        """What the followed engines hold (for the fair order: who holds more on their
+        GPUs pays first; and for stats and metrics), walked again every period_s, or less
+        often while a walk holds the event loop for more than ENGINE_WALK_SHARE of the time
+        between two."""
+        while True:
+            holdings, spent = await walk_holdings(
+                self.engines.residency, [rt.pool.pages.by_hash for rt in self.pools.values()])
+            self.engine_holdings = holdings
+            for rt in self.pools.values():
+                rt.pool.tenancy.engine_held = holdings.gpu_by_tenant
+            await asyncio.sleep(max(period_s, spent / ENGINE_WALK_SHARE))
 
     def handoff(self, request_id: str, target: str = "", scope: str | None = None,
                 holder: str = "", lease: str = "") -> AsyncIterator[dict]:
@@ -618,12 +626,6 @@ class Node:
             rt.close()
         self.pools.clear()
         self._executor.shutdown(wait=True)
-
-    def block_owners(self) -> dict[int, tuple[str, ...]]:
-        """Every kept prefix block's hash (as engines publish it) and the tenants it is
-        charged to: what attributes an engine's GPU blocks (kvd.kv_events)."""
-        return {hash_key(key): b.payers for rt in self.pools.values()
-                for (_, key), b in rt.pool.pages.named.items()}
 
     async def aclose(self, timeout_s: float = 5.0) -> None:
         """Let transfers and handoffs in flight finish, at most timeout_s; then stop the

@@ -16,7 +16,6 @@ from kvd.core.blocks import TierKind
 from kvd.core.counters import PoolCounters
 from kvd.core.fairness import TenantQuota
 from kvd.core.pool import Pool
-from kvd.kv_events import gpu_blocks_by_tenant
 
 
 @dataclass(slots=True, frozen=True)
@@ -229,16 +228,16 @@ def pool_figures(node, rt, tenants: str | None = None,
         links=[link_figures(node, link) for link in node.links_of(pool.name)])
 
 
-def engine_gpu_by_tenant(node, owners: dict | None = None) -> dict[str, float]:
-    """Every followed engine's GPU blocks per tenant (empty when kvd follows none);
-    `owners`: node.block_owners(), when the caller has it."""
-    if not node.engines.residency:
-        return {}
-    return node.engines.gpu_by_tenant(owners if owners is not None else node.block_owners())
+def engine_gpu_by_tenant(node) -> dict[str, float]:
+    """Every followed engine's GPU blocks per tenant, as last walked (empty when kvd
+    follows none: see Node.follow_engine_holdings)."""
+    return node.engine_holdings.gpu_by_tenant
 
 
-def engine_figures(node, owners: dict) -> list[EngineFigures]:
-    return [EngineFigures(res.engine, dict(res.by_medium()), gpu_blocks_by_tenant(res, owners),
+def engine_figures(node) -> list[EngineFigures]:
+    held = node.engine_holdings
+    return [EngineFigures(res.engine, held.media.get(res.engine, {}),
+                          held.gpu.get(res.engine, {}),
                           res.num_batches, res.num_events, res.num_replayed, res.num_lost,
                           res.num_bad, res.num_malformed, res.num_restarts, res.num_dropped)
             for res in node.engines.residency.values()]
@@ -247,16 +246,14 @@ def engine_figures(node, owners: dict) -> list[EngineFigures]:
 def node_figures(node) -> NodeFigures:
     """Every pool's figures, the links, handoffs and leases."""
     leases = node.leases
-    # The kept blocks are walked once for every pool's figures and the engines'.
-    owners = node.block_owners() if node.engines.residency else {}
-    gpu = engine_gpu_by_tenant(node, owners)
+    gpu = engine_gpu_by_tenant(node)
     return NodeFigures(
         pools=[pool_figures(node, rt, engine_gpu=gpu) for rt in node.runtimes()],
         links=[link_figures(node, link) for link in node.links()],
         uptime_s=time.time() - node.started_at, handoffs=dict(node.handoff_counts),
         leases_active=len(leases.leases), leases_expired=leases.num_expired,
         lease_released_requests=leases.num_requests_released,
-        engines=engine_figures(node, owners), self_check_runs=dict(node.health.runs),
+        engines=engine_figures(node), self_check_runs=dict(node.health.runs),
         cluster=(dict(node.cluster.describe(), reconciles=dict(node.cluster.reconciles),
                       members=len(node.cluster.picture.nodes))
                  if node.cluster is not None else None))

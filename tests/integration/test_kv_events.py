@@ -534,7 +534,14 @@ async def test_a_running_kvd_follows_an_engine_up_to_its_max_blocks(tmp_path):
                 return scrape(port)[1].get(("kvd_engine_events_dropped_total", engine)) == 900
 
             await _until(applied)
-            gpu = scrape(port)[1].get(("kvd_engine_blocks", engine + (("medium", "GPU"),)))
-            assert gpu == 100
+
+            async def walked():  # what the engine holds is walked every second or so
+                return gpu_blocks() is not None
+
+            def gpu_blocks():
+                return scrape(port)[1].get(("kvd_engine_blocks", engine + (("medium", "GPU"),)))
+
+            await _until(walked)
+            assert gpu_blocks() == 100
     finally:
         publisher.close()

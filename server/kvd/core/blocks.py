@@ -282,6 +282,15 @@ class Changes:
 KEEPER_PREFIX = "\0kept/"
 
 
+MASK_64 = (1 << 64) - 1
+
+
+def key_hash(key: bytes) -> int:
+    """A prefix block's key as the 64-bit hash engines publish for it in their KV cache
+    events (vLLM folds a bytes hash to its low 64 bits)."""
+    return int.from_bytes(key, "big") & MASK_64
+
+
 def public_id(request_id: str) -> str:
     """A request id as kvd's callers are told it: a keeper's (the record of a tenant's kept
     prefix blocks, see prefix.py) is kvd's own, and names no request of theirs: empty."""

@@ -7,7 +7,8 @@ from fractions import Fraction
 from dataclasses import dataclass, field
 
 from kvd.core.admission import counted_pages
-from kvd.core.blocks import Request, RequestState, TierKind, pin_room_tenants, pin_tenant
+from kvd.core.blocks import (Request, RequestState, TierKind, key_hash, pin_room_tenants,
+                              pin_tenant)
 from kvd.core.pool import Pool
 
 
@@ -71,6 +72,9 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
                         f"the requests have {sum(uses.values())}")
     adjust: Counter = Counter()
     idle: Counter = Counter()
+    shared: Counter = Counter()
+    saved: Counter = Counter()
+    in_use: Counter = Counter()
     idle_blocks = {id(b) for b in named.values() if b.tier is TierKind.DEVICE and not b.users}
     filed = pool.pages.idle
     if idle_blocks != {id(b) for b in filed.order}:
@@ -97,12 +101,31 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
         if b.tier is TierKind.DEVICE and not b.users:
             for t in b.payers:
                 idle[t] += Fraction(1, len(b.payers))
+        if b.tier is TierKind.DEVICE and len(b.payers) > 1:
+            for t in b.payers:
+                shared[t] += 1
+                saved[t] += 1 - Fraction(1, len(b.payers))
+        in_use.update(b.users.keys())
     if {t: v for t, v in adjust.items() if v} != dict(pool.tenancy.shared_adjust):
         problems.append(f"{name}: shared pages split {dict(pool.tenancy.shared_adjust)}, "
                         f"their payers say {dict(adjust)}")
     if {t: v for t, v in idle.items() if v} != dict(pool.tenancy.idle_kept):
         problems.append(f"{name}: idle kept pages {dict(pool.tenancy.idle_kept)}, "
                         f"the blocks say {dict(idle)}")
+    by_hash = {h: sorted(map(id, same)) for h, same in pool.pages.by_hash.items()}
+    walked_hashes: dict[int, list[int]] = {}
+    for b in named.values():
+        walked_hashes.setdefault(key_hash(b.name[1]), []).append(id(b))
+    if by_hash != {h: sorted(same) for h, same in walked_hashes.items()}:
+        problems.append(f"{name}: {sum(map(len, by_hash.values()))} kept blocks filed by "
+                        f"hash, {len(named)} by name")
+    ten = pool.tenancy
+    for what, walked, kept in (("shared device pages", shared, ten.shared_pages),
+                               ("pages the split saves", saved, ten.shared_saved),
+                               ("kept blocks in use", in_use, ten.named_in_use)):
+        if {t: v for t, v in walked.items() if v} != dict(kept):
+            problems.append(f"{name}: {what} by tenant {dict(kept)}, the blocks say "
+                            f"{dict(walked)}")
 
 
 def _check_pages(pool: Pool, problems: list[str]) -> Counter:

@@ -15,8 +15,8 @@ from typing import Any
 
 from kvd.core import intent as intents
 from kvd.core.attribution import Attribution
-from kvd.core.blocks import (Block, Changes, Request, TierKind, evictable, pin_room_tenants,
-                              pin_tenant)
+from kvd.core.blocks import (Block, Changes, Request, TierKind, evictable, key_hash,
+                              pin_room_tenants, pin_tenant)
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import (BlocksInTransit, HostShort, InvalidArgument, NoVictims,
@@ -65,6 +65,9 @@ class PageTable:
         self.holds = Holds(clock, requests, self.policy, self.device.release)
         # Shared prefix blocks by (namespace, key): see prefix.py.
         self.named: dict[tuple[str, bytes], Block] = {}
+        # The same blocks by the hash engines publish for their keys (key_hash), which two
+        # namespaces' keys may share: what attributes an engine's blocks (kvd.kv_events).
+        self.by_hash: dict[int, list[Block]] = {}
         # Names whose block may have been committed, changed tier or gone since a follower of
         # what kvd keeps last looked (kvd.tier_events); None while nobody follows. A follower
         # looks at these, not at every kept block (hundreds of thousands on a large host
@@ -605,9 +608,27 @@ class PageTable:
         req.num_critical -= block.decode_critical
         block.tier, block.page = TierKind.NONE, -1
         if block.name is not None and self.named.get(block.name) is block:
-            del self.named[block.name]
-            if self.named_changed is not None:
-                self.named_changed.add(block.name)
+            self.unname(block)
+
+    def file_named(self, block: Block, name: tuple[str, bytes]) -> None:
+        """A new kept block is found under `name` (its key's hash too)."""
+        block.name = name
+        self.named[name] = block
+        self.by_hash.setdefault(key_hash(name[1]), []).append(block)
+
+    def unname(self, block: Block) -> None:
+        """A kept block is no longer found under its name."""
+        del self.named[block.name]
+        h = key_hash(block.name[1])
+        same = self.by_hash[h]
+        if len(same) == 1:
+            del self.by_hash[h]
+        else:
+            same.remove(block)
+        for tenant in block.users:
+            tally(self.tenancy.named_in_use, tenant, -1)
+        if self.named_changed is not None:
+            self.named_changed.add(block.name)
 
 
 def _idle_kept(block: Block) -> bool:

@@ -173,10 +173,10 @@ class Prefixes:
         for k, b in zip(keys, found):
             if b is None:
                 b = next(made)
-                b.name, b.committed, b.recompute_ok = (namespace, k), False, True
+                b.committed, b.recompute_ok = False, True
                 b.users, b.payers = {}, (req.tenant,)
                 b.writers = {req.request_id}  # its new page: req writes it (to_write)
-                named[b.name] = b
+                self.pages.file_named(b, (namespace, k))
                 self.pages.idle_changed(b, 1)  # until _use below
             if id(b) not in used:
                 self._use(req, b)
@@ -307,11 +307,12 @@ class Prefixes:
             if b.writers is not None:
                 b.writers.discard(req.request_id)  # its id may come again, for another
             n = b.users.get(req.tenant, 0) - 1
+            named = self.named.get(b.name) is b
             if n > 0:
                 b.users[req.tenant] = n
-            else:
-                b.users.pop(req.tenant, None)
-            if self.named.get(b.name) is not b:
+            elif b.users.pop(req.tenant, None) is not None and named:
+                tally(self.tenancy.named_in_use, req.tenant, -1)
+            if not named:
                 continue  # already let go
             if not b.users and b.tier is TierKind.DEVICE:
                 self.pages.idle_changed(b, 1)
@@ -338,14 +339,9 @@ class Prefixes:
     def shared_figures(self) -> dict[str, tuple[int, float]]:
         """Per tenant: (shared device pages charged in part to it, the pages the split saves
         it); a page with k payers saves each of them 1 - 1/k. One walk for every tenant."""
-        figures: dict[str, tuple[int, float]] = {}
-        for b in self.named.values():
-            k = len(b.payers)
-            if b.tier is TierKind.DEVICE and k > 1:
-                for tenant in b.payers:
-                    shared, saved = figures.get(tenant, (0, 0.0))
-                    figures[tenant] = (shared + 1, saved + 1 - 1 / k)
-        return figures
+        tenancy = self.tenancy
+        return {tenant: (shared, float(tenancy.shared_saved[tenant]))
+                for tenant, shared in tenancy.shared_pages.items()}
 
     def _check_pins(self, req: Request, blocks: Sequence[Block | None],
                     intent: dict | None) -> None:
@@ -440,14 +436,17 @@ class Prefixes:
         """The named blocks the tenant uses now, the device pages charged to it (its own
         and its part of shared ones), and what the split saves it."""
         shared, saved = self.shared_figures().get(tenant, (0, 0.0))
-        in_use = sum(1 for b in self.named.values() if tenant in b.users)
+        in_use = self.tenancy.named_in_use[tenant]
         return Shares(in_use, shared, self.tenancy.usage(tenant), saved)
 
     def _use(self, req: Request, b: Block) -> None:
         counted = counted_pages(req)
         if not b.users and b.tier is TierKind.DEVICE:
             self.pages.idle_changed(b, -1)
-        b.users[req.tenant] = b.users.get(req.tenant, 0) + 1
+        uses = b.users.get(req.tenant, 0)
+        if not uses:
+            tally(self.tenancy.named_in_use, req.tenant, 1)
+        b.users[req.tenant] = uses + 1
         req.shared.append(b)
         self.admission.shared_uses_changed(req, counted, 1)
         self._recharge(b)
@@ -459,6 +458,7 @@ class Prefixes:
             b.users[req.tenant] = n
         else:
             del b.users[req.tenant]
+            tally(self.tenancy.named_in_use, req.tenant, -1)
         counted = counted_pages(req)
         req.shared.pop()
         self.admission.shared_uses_changed(req, counted, -1)

@@ -103,7 +103,7 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
         pages.device_delta(b, -1)
         b.tier, b.page = TierKind.NONE, -1
         if b.name is not None:
-            del pages.named[b.name]
+            pages.unname(b)
     named = {id(b) for b in plan.allocated if b.name is not None}
     if named and plan.cause is not None:  # the storer uses them no more
         plan.cause.shared = [b for b in plan.cause.shared if id(b) not in named]

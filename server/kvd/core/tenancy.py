@@ -49,6 +49,13 @@ class Tenancy:
         # Device pages of kept prefix blocks nobody uses, by the tenants they are charged to
         # (1/k each, as the split): cache, not working set (see reserve_headroom).
         self.idle_kept: Counter[str] = Counter()
+        # Per tenant: device pages of shared blocks (k > 1 payers) charged in part to it, and
+        # the pages the split saves it (1 - 1/k each); and the kept blocks its requests use.
+        # Kept as they change, so a reader of these figures (stats, Explain) walks none of the
+        # kept blocks, of which a host tier holds hundreds of thousands.
+        self.shared_pages: Counter[str] = Counter()
+        self.shared_saved: Counter[str] = Counter()
+        self.named_in_use: Counter[str] = Counter()
         # Blocks each tenant holds on the GPUs of the engines kvd follows (kvd.kv_events),
         # set by the node as their events come: who pays first in the fair order.
         self.engine_held: dict[str, float] = {}
@@ -147,6 +154,11 @@ class Tenancy:
         for tenant in (owner, *payers):
             if not adjust[tenant]:
                 del adjust[tenant]
+        if len(payers) > 1:
+            saved = sign - part
+            for tenant in payers:
+                tally(self.shared_pages, tenant, sign)
+                tally(self.shared_saved, tenant, saved)
 
     def idle_changed(self, payers: tuple[str, ...], sign: int) -> None:
         """A kept block charged to `payers` became (1) or stopped being (-1) an idle device
