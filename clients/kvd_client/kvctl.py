@@ -330,7 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--limit", type=_count(1), default=20)
     c.add_argument("--json", action="store_true")
     c = sub.add_parser("top", help="a refreshing view of pools, tenants, busiest requests")
-    c.add_argument("--interval-s", type=_positive, default=1.0)
+    # Each refresh asks kvd for its pools, tenants and busiest requests (a walk of every
+    # request): at most ten times a second, or kvctl would take kvd's loop from engines.
+    c.add_argument("--interval-s", type=number(float, 0.1), default=1.0)
     c.add_argument("--count", type=_count(1), default=None,
                    help="stop after this many refreshes")
     c = sub.add_parser("explain", help="how long a request stalled on memory, because of whom")

@@ -299,6 +299,9 @@ def test_self_check(busy_kvd):
     (["top", "--count", "0"], "argument --count: must be at least 1"),
     (["--timeout-s", "0", "status"], "argument --timeout-s: must be more than 0"),
     (["top", "--interval-s", "-1", "--count", "1"], "argument --interval-s: must be"),
+    # Polled kvd as fast as it answered: a walk of every request each time.
+    (["top", "--interval-s", "1e-9", "--count", "1"],
+     "argument --interval-s: must be at least 0.1"),
 ])
 def test_a_bad_number_is_one_line_and_exit_2(kvd, args, says):
     """A negative --limit or page count reached protobuf as a traceback; a negative --count
