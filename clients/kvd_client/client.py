@@ -35,9 +35,23 @@ def default_target() -> str:
     return os.environ.get("KVD_TARGET") or "unix:///run/kvd/kvd.sock"  # set empty: unset
 
 
+NOT_UTF8 = "gRPC takes {} as UTF-8 text, and this one is not"
+
+
+def is_utf8(text: str) -> bool:
+    """Whether text is UTF-8 (a command line's bytes that are not come as surrogates)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def socket_path_problem(path: str) -> str:
     """Why no unix socket can be at this path ("" when one can): kvd binds it, a client
     connects to it, and neither can past what a socket's address holds."""
+    if not is_utf8(path):
+        return NOT_UTF8.format("a socket's path")
     size = len(os.fsencode(path))
     if size > MAX_SOCKET_PATH_BYTES:
         return (f"a unix socket's path holds at most {MAX_SOCKET_PATH_BYTES} bytes, "
@@ -46,8 +60,12 @@ def socket_path_problem(path: str) -> str:
 
 
 def _check_unix_path(target: str) -> None:
-    """ValueError for a unix socket's path longer than a socket's address holds (grpc
-    answers every call UNKNOWN, "the target uri is not valid")."""
+    """ValueError for a target that is not UTF-8 text (grpc's UnicodeEncodeError), or a
+    unix socket's path longer than a socket's address holds (grpc answers every call
+    UNKNOWN, "the target uri is not valid")."""
+    if not is_utf8(target):
+        raise ValueError(f"{target.encode(errors='replace').decode()}: "
+                         f"{NOT_UTF8.format('a target')}")
     if target.startswith("unix:"):
         path = target.removeprefix("unix://") if target.startswith("unix://") else target[5:]
         if problem := socket_path_problem(path):

@@ -16,7 +16,7 @@ from pydantic import AfterValidator, ConfigDict, Field
 from kvd.core.errors import InvalidArgument
 from kvd.core.fairness import MAX_QUOTA_PAGES, MAX_WEIGHT, MIN_WEIGHT
 from kvd.core.policies import accepted_policy_names
-from kvd_client.client import socket_path_problem
+from kvd_client.client import NOT_UTF8, is_utf8, socket_path_problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +73,8 @@ def _address(value: str) -> str:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{value!r} is not HOST:PORT with a port in 0..65535")
+    if not is_utf8(value):
+        raise ValueError("an address is UTF-8 text, and this one is not")
     return value
 
 
@@ -81,6 +83,8 @@ def _socket_path(value: str) -> str:
     starts): no NUL in it, and no longer than the kernel's address holds."""
     if "\0" in value:
         raise ValueError("a path may not hold a NUL character")
+    if not is_utf8(value):
+        raise ValueError(NOT_UTF8.format("a socket's path"))
     if problem := socket_path_problem(value):
         raise ValueError(f"{problem}: put it in a shorter directory (e.g. /run/kvd)")
     return value

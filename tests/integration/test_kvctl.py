@@ -329,3 +329,7 @@ def test_a_tls_file_or_socket_path_no_channel_can_use_is_one_line_and_exit_2(tmp
     path = f"/tmp/{'s' * 98}.sock"  # 108 bytes
     out = kvctl(f"unix://{path}", "status")
     assert out.returncode == 2 and "holds at most 107 bytes, this one is 108" in out.stderr, out
+    for target in ("unix:///tmp/\udcff.sock", "h\udcffst:5000"):  # bytes that are not UTF-8
+        out = kvctl(target, "status")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out
+        assert "gRPC takes a target as UTF-8 text, and this one is not" in out.stderr, out

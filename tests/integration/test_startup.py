@@ -114,6 +114,12 @@ def test_a_socket_kvd_cannot_make_is_one_line_and_leaves_nothing(tmp_path):
              "a unix socket's path holds at most 107 bytes, this one is 108")
     one_line(kvd("--socket", "k.sock", config="[server]\nsocket_group = 'no-such-group'\n",
                  tmp_path=tmp_path), "socket_group 'no-such-group': no such group")
+    # A path or address whose bytes are not UTF-8 (a surrogate in Python's words): grpc's
+    # UnicodeEncodeError as kvd bound it, after the arenas were made.
+    one_line(kvd("--socket", "\udcffk.sock", tmp_path=tmp_path),
+             "gRPC takes a socket's path as UTF-8 text, and this one is not")
+    one_line(kvd("--socket", "k.sock", "--tcp", "h\udcff:5000", tmp_path=tmp_path),
+             "tcp: an address is UTF-8 text, and this one is not")
     assert not (tmp_path / "k.sock").exists()
     assert not left_behind()
 
