@@ -288,8 +288,8 @@ class Subscriber:
             dealer.close(linger=0)
 
 
-# Blocks a walk of kvd's kept blocks or of an engine's takes between two turns of the event
-# loop (about 1 to 2 ms here).
+# An engine's blocks a walk of them takes between two turns of the event loop (about 1 ms
+# here).
 WALK_SLICE = 1024
 
 

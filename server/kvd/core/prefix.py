@@ -338,7 +338,8 @@ class Prefixes:
 
     def shared_figures(self) -> dict[str, tuple[int, float]]:
         """Per tenant: (shared device pages charged in part to it, the pages the split saves
-        it); a page with k payers saves each of them 1 - 1/k. One walk for every tenant."""
+        it); a page with k payers saves each of them 1 - 1/k. Kept as shared pages come and
+        go and their payers change (Tenancy.split): no walk of the kept blocks."""
         tenancy = self.tenancy
         return {tenant: (shared, float(tenancy.shared_saved[tenant]))
                 for tenant, shared in tenancy.shared_pages.items()}
