@@ -164,7 +164,7 @@ class Handoffs:
         go now."""
         for rt in self.pools.values():
             pool = rt.pool
-            if any(r.handoff_pool == target for r in pool.queue.values()):
+            if pool.admission.handoff_waiting[target]:
                 admitted = pool.admit_waiting()
                 publish_admitted(self.events, pool.name, admitted)
                 if admitted:

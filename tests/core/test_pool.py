@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -382,6 +384,44 @@ def test_a_request_bigger_than_its_share_is_admitted_to_stream_through_host(make
         settle(pool, pool.allocate("whale", 4))
     assert pool.tenancy.device_by_tenant["m"] == 3  # the minnow, within its share, lost nothing
     assert pool.get_request("whale").num_live_blocks == 8
+
+
+class _UnwalkedQueue(OrderedDict):
+    """An admission queue that fails a test walking it whole."""
+
+    def _walked(self, *args):
+        raise AssertionError("the whole queue walked")
+
+    values = items = keys = __iter__ = _walked
+
+
+def test_another_tenants_calls_do_not_walk_the_queue_one_tenant_filled(make_pool):
+    # Every run of the line (each admit, and each release's) found its head with a walk
+    # of the whole queue, as did a handoff pool's room growing: with one tenant's 1,024
+    # requests waiting there, another tenant's admit, allocate and release took 2.9 ms at
+    # the median against 1.8 ms, and 10 ms at the 99th percentile against 4.
+    pool = make_pool(device_pages=64, host_pages=0, max_queue=64)
+    assert _admit_for(pool, "big", "flood", 60)
+    for i in range(40):  # none fits until big goes
+        assert pool.admit(f"f{i}", tenant="flood", prompt_tokens=16 * 10,
+                          output_tokens=0).decision == "queued"
+    queue = pool.queue
+    pool.queue = pool.admission.queue = _UnwalkedQueue(queue)
+    try:
+        for i in range(3):
+            assert _admit_for(pool, f"v{i}", "victim", 1)
+            settle(pool, pool.allocate(f"v{i}", 1))
+            pool.release(f"v{i}")
+        assert pool.admission.handoff_waiting["elsewhere"] == 0
+    finally:
+        pool.queue = pool.admission.queue = queue
+    pool.release("big")  # the line goes on as before: flood's first six fit
+    assert [r for r in ("f0", "f5", "f6") if r in pool.queue] == ["f6"]
+
+
+def _admit_for(pool, rid: str, tenant: str, pages: int) -> bool:
+    return pool.admit(rid, tenant=tenant, prompt_tokens=16 * pages,
+                      output_tokens=0).decision == "admitted"
 
 
 def test_queue_admits_the_tenant_furthest_below_its_share_first(make_pool):

@@ -79,6 +79,13 @@ class Admission:
         # Reserves pages in a request's handoff pool (None: this pool cannot hand off).
         self.reserver = reserver
         self.queue: OrderedDict[str, Request] = OrderedDict()
+        # The same requests by tenant, each tenant's in arrival order: the head of the line
+        # is one of the tenants' firsts (see _firsts), found without a walk of the queue,
+        # which one tenant may fill (max_queue) while every other tenant's calls run the line.
+        self._by_tenant: dict[str, OrderedDict[str, Request]] = {}
+        self._arrivals = 0
+        # Queued requests by the pool their handoff reservation waits in (kick_queues).
+        self.handoff_waiting: Counter[str] = Counter()
         self.reserved_pages = 0
         # Of those, the pages counted as working set: each request's own, not the shared
         # prefix blocks it uses (counted in its reservation, not its working set), and a
@@ -294,13 +301,24 @@ class Admission:
     def enqueue(self, req: Request) -> None:
         """Put a request in the admission queue and count it in its tenant's waiting demand."""
         req.queued_at = self.clock.now()
+        self._arrivals += 1
+        req.queue_seq = self._arrivals
         self.queue[req.request_id] = req
+        self._by_tenant.setdefault(req.tenant, OrderedDict())[req.request_id] = req
+        if req.handoff_pool:
+            tally(self.handoff_waiting, req.handoff_pool, 1)
         tally(self.tenancy.queued_by_tenant, req.tenant, req.projected_pages)
         tally(self.tenancy.waiting_by_tenant, req.tenant, 1)
         self.tenancy.demand_changed()
 
     def dequeue(self, req: Request) -> None:
         del self.queue[req.request_id]
+        mine = self._by_tenant[req.tenant]
+        del mine[req.request_id]
+        if not mine:
+            del self._by_tenant[req.tenant]
+        if req.handoff_pool:
+            tally(self.handoff_waiting, req.handoff_pool, -1)
         tally(self.tenancy.queued_by_tenant, req.tenant, -req.projected_pages)
         tally(self.tenancy.waiting_by_tenant, req.tenant, -1)
         self.tenancy.demand_changed()
@@ -369,13 +387,17 @@ class Admission:
         the head of the line once the tenants that wait on their own caps step aside. A
         capped tenant's later requests step aside with its first, or its small requests
         would take the room under its cap that its first waits for."""
-        firsts: dict[str, Request] = {}
-        for req in self.queue.values():  # in arrival order: a tenant's first comes first
-            firsts.setdefault(req.tenant, req)
         # Fair order ranks a tenant's requests among themselves by arrival: the head is one
         # of the firsts.
-        return min((r for r in firsts.values() if not self.capped(r)), key=self._queue_key,
+        return min((r for r in self._firsts() if not self.capped(r)), key=self._queue_key,
                    default=None)
+
+    def _firsts(self) -> list[Request]:
+        """Each waiting tenant's first request, in arrival order (where fair order ties,
+        the one that came first goes first)."""
+        firsts = [next(iter(mine.values())) for mine in self._by_tenant.values()]
+        firsts.sort(key=_arrival)
+        return firsts
 
     def _guaranteed_in_line(self) -> Request | None:
         """The first queued request, in fair order, that its tenant's guarantee admits now
@@ -406,9 +428,8 @@ class Admission:
             self.reserver.reserve(req)
 
     def _next_in_line(self) -> Request:
-        if len(self.queue) == 1 or len({r.tenant for r in self.queue.values()}) == 1:
-            return next(iter(self.queue.values()))
-        return min(self.queue.values(), key=self._queue_key)
+        firsts = self._firsts()
+        return firsts[0] if len(firsts) == 1 else min(firsts, key=self._queue_key)
 
     def _queue_key(self, req: Request) -> tuple[float, float]:
         share = self.tenancy.fair_shares().get(req.tenant, 0.0)
@@ -538,3 +559,7 @@ def counted_pages(req: Request) -> int:
     own = max(0, req.reserved_pages - len(req.shared))
     cap = req.working_set_cap
     return own if cap is None else min(own, cap)
+
+
+def _arrival(req: Request) -> int:
+    return req.queue_seq

@@ -172,6 +172,7 @@ class Request:
     state: RequestState
     admitted_at: float | None = None
     queued_at: float = 0.0
+    queue_seq: int = 0  # its place in the order requests came to the admission queue
     # Pages held against the pool for this request: max(projected, blocks ever allocated).
     reserved_pages: int = 0
     # Working-set admission: the device pages it is counted for at most (None: all it

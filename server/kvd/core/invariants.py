@@ -37,6 +37,19 @@ def check_pool(pool: Pool) -> list[str]:
     if +waiting != +pool.tenancy.waiting_by_tenant:
         problems.append(f"{pool.name}: waiting requests by tenant "
                         f"{dict(+pool.tenancy.waiting_by_tenant)} != the queue's {dict(waiting)}")
+    admission = pool.admission
+    by_tenant = {t: list(mine) for t, mine in admission._by_tenant.items()}
+    in_order: dict[str, list[str]] = {}
+    for rid, req in pool.queue.items():
+        in_order.setdefault(req.tenant, []).append(rid)
+    if by_tenant != in_order or [r.queue_seq for r in pool.queue.values()] != sorted(
+            r.queue_seq for r in pool.queue.values()):
+        problems.append(f"{pool.name}: the queue by tenant {by_tenant} is not the queue's "
+                        f"arrival order {in_order}")
+    handing = Counter(r.handoff_pool for r in pool.queue.values() if r.handoff_pool)
+    if handing != +admission.handoff_waiting:
+        problems.append(f"{pool.name}: queued for handoff reservations "
+                        f"{dict(admission.handoff_waiting)}, the queue has {dict(handing)}")
     for req in pool.requests.values():
         _check_request(pool, req, owners, tally, problems)
     _check_totals(pool, tally, problems)
