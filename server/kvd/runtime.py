@@ -80,7 +80,8 @@ class PoolRuntime:
         self.link = link
         self.chunk_pages = max(1, chunk_bytes // pool.page_bytes)
         self.transit = InTransit(pool.name)
-        self.waiters = AdmissionWaiters(pool.admission.queue_positions)
+        self.waiters = AdmissionWaiters(pool.admission.queue_positions,
+                                        lambda: pool.admission.positions_version)
         self.room_line = RoomLine()
         self._swapping = asyncio.Lock()  # the read swapping in rounds (see access)
         self._refill: asyncio.Future | None = None  # the last refill started

@@ -40,10 +40,17 @@ class AdmissionWaiters:
     """WaitAdmission streams: each sleeps on an event set only when its request's answer
     changed (admitted, gone, or another queue position than the one it told)."""
 
-    def __init__(self, positions: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, positions: Callable[[], dict[str, int]],
+                 version: Callable[[], int] = lambda: -1) -> None:
         self._positions = positions  # request id -> queue position, one ordering for all
+        # How many times the positions were worked out (-1: every time they are asked for).
+        self._version = version
         # request id -> (the position it was told, its event).
         self._waiters: dict[str, list[tuple[int, asyncio.Event]]] = {}
+        # The positions' version at the last notify. A waiter is told a position of the
+        # version it registers at, never an older one than this (versions only go up): while
+        # the version stands, every waiter's position does.
+        self._notified = -1
 
     def event(self, request_id: str, position: int) -> asyncio.Event:
         """An event set when the request's answer changes from `position` (the one its
@@ -62,6 +69,10 @@ class AdmissionWaiters:
         if not self._waiters:
             return
         positions = self._positions()
+        version = self._version()
+        if version == self._notified != -1:
+            return  # the positions every waiter was told stand
+        self._notified = version
         for request_id, waiters in list(self._waiters.items()):
             position = positions.get(request_id, 0)
             keep = [(told, event) for told, event in waiters if told == position]

@@ -419,6 +419,43 @@ def test_another_tenants_calls_do_not_walk_the_queue_one_tenant_filled(make_pool
     assert [r for r in ("f0", "f5", "f6") if r in pool.queue] == ["f6"]
 
 
+def test_queue_positions_are_sorted_again_only_when_the_order_may_have_moved(make_pool,
+                                                                          monkeypatch):
+    # Each WaitAdmission stream asks its request's position after every change that may
+    # move it, and each ask sorted the whole queue: with a thousand waiting, a change that
+    # moved them all held the event loop for about a second.
+    pool = make_pool(device_pages=64, host_pages=0, max_queue=256)
+    assert _admit_for(pool, "big", "flood", 60)
+    assert _admit_for(pool, "other", "victim", 2)
+    for i in range(100):
+        tenant = "flood" if i % 4 else "victim"
+        assert pool.admit(f"q{i}", tenant=tenant, prompt_tokens=16 * 10,
+                          output_tokens=0).decision == "queued"
+    admission = pool.admission
+    keys = 0
+    queue_key = admission._queue_key
+
+    def counted(req):
+        nonlocal keys
+        keys += 1
+        return queue_key(req)
+
+    monkeypatch.setattr(admission, "_queue_key", counted)
+    positions = {f"q{i}": admission.queue_position(f"q{i}") for i in range(100)}
+    assert sorted(positions.values()) == list(range(1, 101))
+    assert keys <= 100 * 2  # one sort for all of them (n log n comparisons of n keys)
+    keys = 0
+    for i in range(3):  # another tenant comes and goes: nobody's position moves
+        assert _admit_for(pool, f"v{i}", "third", 1)
+        settle(pool, pool.allocate(f"v{i}", 1))
+        pool.release(f"v{i}")
+        assert admission.queue_positions() == positions
+    assert keys <= 3 * 10  # runs of the line look at each tenant's first, not the queue
+    pool.release("other")  # victim's standing changes: the order may move, and is sorted
+    assert admission.queue_positions() == {
+        r.request_id: i for i, r in enumerate(sorted(pool.queue.values(), key=queue_key), 1)}
+
+
 def _admit_for(pool, rid: str, tenant: str, pages: int) -> bool:
     return pool.admit(rid, tenant=tenant, prompt_tokens=16 * pages,
                       output_tokens=0).decision == "admitted"

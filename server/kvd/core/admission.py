@@ -84,6 +84,13 @@ class Admission:
         # which one tenant may fill (max_queue) while every other tenant's calls run the line.
         self._by_tenant: dict[str, OrderedDict[str, Request]] = {}
         self._arrivals = 0
+        # Bumped whenever the queue's requests change (see submit for the exception).
+        self._content = 0
+        # Every queued request's position, the state of the queue's fair order it was worked
+        # out in, and how many times it was (see queue_positions).
+        self._positions: dict[str, int] = {}
+        self._positions_of: tuple | None = None
+        self.positions_version = 0
         # Queued requests by the pool their handoff reservation waits in (kick_queues).
         self.handoff_waiting: Counter[str] = Counter()
         self.reserved_pages = 0
@@ -151,6 +158,7 @@ class Admission:
     def submit(self, req: Request) -> AdmitResult:
         """Queue `req` and admit in fair order: it goes now only if it is first in line and
         fits. Queued requests that go with it are kept for take_newly_admitted()."""
+        content = self._content
         self._in_line = True  # the line runs right after it is queued
         try:
             self.enqueue(req)
@@ -159,6 +167,8 @@ class Admission:
         admitted = self.admit_from_queue()
         if req in admitted:
             self._newly_admitted = [r for r in admitted if r is not req]
+            if not self._newly_admitted:  # in and out alone: the queue is as it was
+                self._content = content
             return AdmitResult(Decision.ADMITTED, "", 0, req.projected_pages)
         self._newly_admitted = admitted
         self.counters.num_queued += 1
@@ -302,6 +312,7 @@ class Admission:
         """Put a request in the admission queue and count it in its tenant's waiting demand."""
         req.queued_at = self.clock.now()
         self._arrivals += 1
+        self._content += 1
         req.queue_seq = self._arrivals
         self.queue[req.request_id] = req
         self._by_tenant.setdefault(req.tenant, OrderedDict())[req.request_id] = req
@@ -313,6 +324,7 @@ class Admission:
 
     def dequeue(self, req: Request) -> None:
         del self.queue[req.request_id]
+        self._content += 1
         mine = self._by_tenant[req.tenant]
         del mine[req.request_id]
         if not mine:
@@ -436,16 +448,38 @@ class Admission:
         return (self.tenancy.reserved_by_tenant[req.tenant] / max(share, 1e-9), req.queued_at)
 
     def queue_positions(self) -> dict[str, int]:
-        """Every queued request's 1-based position, in one ordering of the queue."""
-        order = sorted(self.queue.values(), key=self._queue_key)
-        return {r.request_id: i for i, r in enumerate(order, 1)}
+        """Every queued request's 1-based position, in one ordering of the queue: sorted
+        again only once the queue or its tenants' standing changed. (Each WaitAdmission
+        stream asks after every change that moves its request; with a thousand waiting, a
+        sort for each held the event loop for a second.)"""
+        state = self._order_state()
+        if state != self._positions_of:
+            order = sorted(self.queue.values(), key=self._queue_key)
+            self._positions = {r.request_id: i for i, r in enumerate(order, 1)}
+            self._positions_of = state
+            self.positions_version += 1
+        return self._positions
 
     def queue_position(self, request_id: str) -> int:
         """1-based position in the admission queue (in fair order), 0 when not queued."""
-        if request_id not in self.queue:
-            return 0
-        order = sorted(self.queue.values(), key=self._queue_key)
-        return 1 + next(i for i, r in enumerate(order) if r.request_id == request_id)
+        return self.queue_positions().get(request_id, 0) if request_id in self.queue else 0
+
+    def _order_state(self) -> tuple:
+        """What the queue's fair order is made of: the requests in it (each one's place in
+        arrival order and its queued_at stay as they were), and how the waiting tenants
+        rank by their standing (see _queue_key: their requests interleave by it, and by
+        arrival where two stand equal)."""
+        if len(self._by_tenant) < 2:
+            return (self._content,)
+        shares = self.tenancy.fair_shares()
+        reserved = self.tenancy.reserved_by_tenant
+        standing = sorted((reserved[t] / max(shares.get(t, 0.0), 1e-9), t)
+                          for t in self._by_tenant)
+        ranks = []
+        for i, (value, tenant) in enumerate(standing):
+            tied = i and value == standing[i - 1][0]
+            ranks.append((tenant, ranks[-1][1] if tied else i))
+        return (self._content, tuple(ranks))
 
     # ------------------------------------------------------------------ reserved pages
 
