@@ -1197,7 +1197,8 @@ def test_a_request_kvd_admits_from_its_queue_runs_without_waiting_for_a_poll(tmp
     config = tmp_path / "kvd.toml"
     config.write_text(ONE_SHORT)
     with LocalKvd("--config", str(config), "--metrics", metrics, workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED),
+                                    KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting("r1")
         subscribed(scheduler)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
@@ -1279,7 +1280,8 @@ def test_a_request_kvd_rejects_from_its_queue_is_served_without_kvd_at_once(tmp_
     config = tmp_path / "kvd.toml"
     config.write_text(ONE_SHORT)
     with LocalKvd("--config", str(config), workdir=tmp_path) as kvd:
-        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED), KVConnectorRole.SCHEDULER)
+        scheduler = vc.KvdConnector(vllm_config(kvd.target, extra=POLLED),
+                                    KVConnectorRole.SCHEDULER)
         first, second = Waiting("r0"), Waiting(rid)
         subscribed(scheduler)  # the engine runs a while before requests queue
         assert scheduler.get_num_new_matched_tokens(first, 0) == (0, False)
