@@ -49,9 +49,8 @@ def is_utf8(text: str) -> bool:
 
 def socket_path_problem(path: str) -> str:
     """Why no unix socket can be at this path ("" when one can): kvd binds it, a client
-    connects to it, and neither can past what a socket's address holds."""
-    if not is_utf8(path):
-        return NOT_UTF8.format("a socket's path")
+    connects to it, and neither can past what a socket's address holds. (Whether it is
+    UTF-8, which gRPC needs too, its callers ask first: is_utf8.)"""
     size = len(os.fsencode(path))
     if size > MAX_SOCKET_PATH_BYTES:
         return (f"a unix socket's path holds at most {MAX_SOCKET_PATH_BYTES} bytes, "

@@ -165,8 +165,8 @@ def link_figures(node, link) -> LinkFigures:
 
 
 def tenant_figures(node, pool: Pool, tenant: str,
-                   shared_figures: dict[str, tuple[int, float]] | None = None,
-                   engine_gpu: dict[str, float] | None = None) -> TenantFigures:
+                   shared_figures: dict[str, tuple[int, float]] | None = None
+                   ) -> TenantFigures:
     """A tenant's standing in one pool. The pool's reads must be recorded (snapshot()).
     `shared_figures`: the pool's Prefixes.shared_figures(), when the caller has them."""
     ten, att = pool.tenancy, pool.attribution
@@ -189,12 +189,10 @@ def tenant_figures(node, pool: Pool, tenant: str,
                         for link in node.links_of(pool.name)),
         bytes_read=ten.blocks_read_by_tenant[tenant] * pool.page_bytes,
         charged_pages=ten.usage(tenant), shared_pages=shared, shared_saved_pages=saved,
-        engine_gpu_blocks=(engine_gpu if engine_gpu is not None
-                           else engine_gpu_by_tenant(node)).get(tenant, 0.0))
+        engine_gpu_blocks=node.engine_holdings.gpu_by_tenant.get(tenant, 0.0))
 
 
-def pool_figures(node, rt, tenants: str | None = None,
-                 engine_gpu: dict[str, float] | None = None) -> PoolFigures:
+def pool_figures(node, rt, tenants: str | None = None) -> PoolFigures:
     """A pool's figures, its reads of the last steps included, with those of every tenant
     the pool knows (declared, or holding, reserving or queueing), or only of `tenants` when
     given."""
@@ -202,7 +200,6 @@ def pool_figures(node, rt, tenants: str | None = None,
     ten = pool.tenancy
     names = sorted(t for t in ten.names() if tenants in (None, t))
     shared = pool.prefixes.shared_figures()
-    gpu = engine_gpu if engine_gpu is not None else engine_gpu_by_tenant(node)
     return PoolFigures(
         name=pool.name, policy=pool.policy.name, page_bytes=pool.page_bytes,
         block_tokens=pool.block_tokens,
@@ -224,14 +221,8 @@ def pool_figures(node, rt, tenants: str | None = None,
         evictions=dict(pool.attribution.evictions_by_pair),
         stall_by_cause=dict(pool.attribution.stall_s_by_cause),
         bytes_read=sum(ten.blocks_read_by_tenant.values()) * pool.page_bytes,
-        tenants=[tenant_figures(node, pool, t, shared, gpu) for t in names],
+        tenants=[tenant_figures(node, pool, t, shared) for t in names],
         links=[link_figures(node, link) for link in node.links_of(pool.name)])
-
-
-def engine_gpu_by_tenant(node) -> dict[str, float]:
-    """Every followed engine's GPU blocks per tenant, as last walked (empty when kvd
-    follows none: see Node.follow_engine_holdings)."""
-    return node.engine_holdings.gpu_by_tenant
 
 
 def engine_figures(node) -> list[EngineFigures]:
@@ -246,9 +237,8 @@ def engine_figures(node) -> list[EngineFigures]:
 def node_figures(node) -> NodeFigures:
     """Every pool's figures, the links, handoffs and leases."""
     leases = node.leases
-    gpu = engine_gpu_by_tenant(node)
     return NodeFigures(
-        pools=[pool_figures(node, rt, engine_gpu=gpu) for rt in node.runtimes()],
+        pools=[pool_figures(node, rt) for rt in node.runtimes()],
         links=[link_figures(node, link) for link in node.links()],
         uptime_s=time.time() - node.started_at, handoffs=dict(node.handoff_counts),
         leases_active=len(leases.leases), leases_expired=leases.num_expired,
