@@ -8,9 +8,12 @@ pinned one does, but counts as no pin; a holder's next call (or its lease lapsin
 blocks back to the policy.
 
 A Step that finds a request's blocks all in place holds the request, not its blocks: the
-request is noted for the holder, and its blocks leave the policy only when something is about
-to choose victims (`materialize`). A step costs one entry per request, not per block, and
-what it handed out is still never taken under the engine.
+request is noted for the holder, and its blocks leave the policy only when the policy offers
+one of them as a victim (`materialize_some`; all of them, `materialize`, when it cannot offer
+enough). A step costs one entry per request, not per block, what it handed out is still never
+taken under the engine, and another's call that chooses victims elsewhere costs nothing for
+the blocks an engine holds so (holding every one of them at each choice cost every such call
+as much as the engines' reads, hundreds of thousands of blocks with long contexts).
 
 A request released by someone else (an operator, a lapsed lease, another of the tenant's
 clients) while a holder holds its blocks does not give their device pages to another block
@@ -26,7 +29,7 @@ the handoff waits for each such holder's next call (`writers`, `called_again`, `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
 from kvd.core.clock import Clock
@@ -52,7 +55,10 @@ class Holds:
         # holder -> (since, blocks held, lists of requests held whose blocks are not yet)
         self._by_holder: dict[str, tuple[float, list[Block], list[list[Request]]]] = {}
         self.count = 0  # blocks held now
-        self._lazy = 0  # holders with requests held whose blocks are not held yet
+        self._lazy = 0  # holders with requests held by request (see hold_requests)
+        # holder -> the requests it holds by request whose blocks it holds now (see
+        # materialize_some); forgotten with the holder's entry.
+        self._materialized: dict[str, set[Request]] = {}
         # Holders whose Step message is being served (the node's set, shared by its pools).
         self.serving: set[str] = set()
         # Device pages of blocks that went while held (see keep): page -> its holders, and
@@ -96,10 +102,11 @@ class Holds:
 
     def hold_requests(self, holder: str, requests: list[Request]) -> None:
         """Hold these requests' device blocks for the holder until its next call, by request:
-        their blocks leave the policy at the next materialize(). The list is kept as it is
-        (a read's list of requests, which nobody changes)."""
+        their blocks leave the policy once it offers one of them (materialize_some). The
+        list is kept as it is (a read's list of requests, which nobody changes)."""
         if not requests:
             return
+        self._materialized.pop(holder, None)  # held anew when next offered
         lazy = self._entry(holder)[2]
         if not lazy:
             self._lazy += 1
@@ -119,22 +126,58 @@ class Holds:
         if entry is None or not entry[2]:
             self._lazy += 1
         self._by_holder[holder] = (self.clock.now(), [], [requests])
+        self._materialized.pop(holder, None)
         if self.watchers:
             self._tell_watchers()
 
     def materialize(self) -> None:
-        """Hold the blocks of every request held by request: called before victims are chosen
-        (a request's blocks are then out of the policy's reach)."""
+        """Hold the blocks of every request held by request (those materialize_some has not
+        held yet): before victims are chosen where every block out of the policy's reach
+        must be (an operator's Evict, a choice that came short)."""
         if not self._lazy:
             return
         self._lazy = 0
+        done = self._materialized
         for holder, (_, _, lazy) in self._by_holder.items():  # hold() adds no holder
+            held = done.get(holder, ())
             for requests in lazy:
                 for req in requests:
-                    if (self.requests.get(req.request_id) is req
-                            and req.state is RequestState.ADMITTED):  # else released since
+                    if req not in held and self._live(req):  # else released since
                         self.hold(holder, req.live)
             lazy.clear()
+        done.clear()
+
+    def materialize_some(self, requests: Collection[Request]) -> bool:
+        """Hold the blocks of those of `requests` (a choice's victims' requests) that a holder
+        holds by request, for each such holder: they leave the policy, which chooses again.
+        Whether any did. A request's blocks are held once for each holder (its blocks added
+        since are not, as materialize() would not have either)."""
+        if not self._lazy:
+            return False
+        changed = False
+        done = self._materialized
+        for holder, (_, _, lazy) in self._by_holder.items():  # hold() adds no holder
+            for listed in lazy:
+                members = self._set_of(listed)
+                for req in requests:
+                    if req not in members:
+                        continue
+                    held = done.setdefault(holder, set())
+                    if req in held:
+                        continue
+                    held.add(req)
+                    if self._live(req):
+                        self.hold(holder, req.live)
+                        changed = True
+        return changed
+
+    def has_requests(self) -> bool:
+        """Whether some holder holds requests by request (see materialize_some)."""
+        return self._lazy > 0
+
+    def _live(self, req: Request) -> bool:
+        """Whether a request held by request is still the pool's, admitted."""
+        return self.requests.get(req.request_id) is req and req.state is RequestState.ADMITTED
 
     def hold(self, holder: str, blocks: Iterable[Block]) -> None:
         """Hold the blocks of these that are settled in the device tier."""
@@ -178,6 +221,7 @@ class Holds:
         del self._by_holder[holder]
         if entry[2]:
             self._lazy -= 1
+            self._materialized.pop(holder, None)
         if self.watchers:
             self._tell_watchers()
         return True
@@ -194,6 +238,7 @@ class Holds:
             return False
         if entry[2]:
             self._lazy -= 1
+            self._materialized.pop(holder, None)
         if self._kept_by_holder:
             self._let_go(holder)
         for b in entry[1]:
@@ -267,22 +312,26 @@ class Holds:
                     yield h, b
 
     def _holding_by_request(self, req: Request) -> list[str]:
-        """The holders that hold req by request (a read's lazy hold). Each read's list of
-        requests is made a set once (by identity: nobody changes such a list), so a step's
-        free asks each holder once, not each request of its batch."""
-        sets = self._sets
-        if len(sets) > 2 * len(self._by_holder) + 16:
-            sets.clear()  # lists no holder holds any more
+        """The holders that hold req by request (a read's lazy hold)."""
         found = []
         for h, (_, _, lazy) in self._by_holder.items():
             for requests in lazy:
-                entry = sets.get(id(requests))
-                if entry is None:  # (the entry keeps the list: its id is not reused)
-                    entry = sets[id(requests)] = (requests, set(requests))
-                if req in entry[1]:
+                if req in self._set_of(requests):
                     found.append(h)
                     break
         return found
+
+    def _set_of(self, requests: list[Request]) -> set[Request]:
+        """A read's list of requests held by request, as a set (by identity), made once:
+        nobody changes such a list, so a step's free or a choice's victims ask each
+        holder once, not each request of its batch."""
+        sets = self._sets
+        entry = sets.get(id(requests))
+        if entry is None:  # (the entry keeps the list: its id is not reused)
+            if len(sets) > 2 * len(self._by_holder) + 16:
+                sets.clear()  # lists no holder holds any more
+            entry = sets[id(requests)] = (requests, set(requests))
+        return entry[1]
 
     def kept_without_holder(self) -> list[str]:
         """Holders with pages kept for them that hold nothing else (the self-check's): no

@@ -316,11 +316,22 @@ class PageTable:
                              {*protected, *idle} if idle else protected)
         return None if rest is None else idle + rest
 
-    def _before_choosing(self) -> None:
-        """Before the policy chooses victims: blocks of requests held by request leave it,
-        and the reads left pending are recorded."""
-        self.holds.materialize()
+    def choose_unheld(self, num: int, tenant: str | None, protected: Collection[Block] = ()
+                      ) -> list[Block] | None:
+        """choose(), never a block of a request an engine holds by request (see Holds): the
+        requests of such victims are held (their blocks leave the policy) and the choice is
+        made again. With fewer than num victims, every request held so is (None: the caller
+        then sees all that the holds keep). The reads left pending are recorded first."""
         self.before_choice()
+        holds = self.holds
+        while True:
+            victims = self.choose(num, tenant, protected)
+            if victims is None:
+                holds.materialize()
+                return None
+            if not holds.has_requests() or not holds.materialize_some(
+                    {v.request for v in victims}):
+                return victims
 
     def evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
               protected: Collection[Block] = (), host_room: int | None = None,
@@ -333,8 +344,7 @@ class PageTable:
         victims must be there now, or come free when copies in flight finish; engines'
         holds are not waited for (the operator's Evict: its caller may be the engine that
         would end them)."""
-        self._before_choosing()
-        victims = self.choose(num, cause.tenant if cause else None, protected)
+        victims = self.choose_unheld(num, cause.tenant if cause else None, protected)
         if victims is None:
             moving = self.num_moving_blocks()
             if now and not moving:
@@ -519,8 +529,13 @@ class PageTable:
         if not self.policy.fair or want <= 0:
             return None
         over = set(self.tenancy.over_share())
-        self._before_choosing()
-        victims = self.choose(min(want, len(self.policy)), None)
+        self.before_choice()
+        holds = self.holds
+        while True:  # choose_unheld, with as many as the policy has left each time
+            victims = self.choose(min(want, len(self.policy)), None)
+            if not victims or not holds.has_requests() or not holds.materialize_some(
+                    {v.request for v in victims}):
+                break
         if not victims or any(v.request.tenant not in over and not _idle_kept(v)
                               for v in victims):
             return None  # only what over-share tenants hold, or idle cache, refills it

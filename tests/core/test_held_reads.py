@@ -1,0 +1,70 @@
+"""Requests a step read and holds by request (Holds.hold_requests): their blocks are out of
+every choice of victims, and a choice that finds its victims elsewhere costs nothing for
+them.
+
+An engine holds what its step read until its next message; with long contexts that is
+hundreds of thousands of blocks. Holding each of them at every choice of victims (and
+handing each back at the engine's next message) made another tenant's one-block
+allocation cost as much as the engine's whole read.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.core.blocks import TierKind
+from kvd.core.errors import NoVictims
+from kvd.core.policies import policy_names
+
+from .conftest import settle
+
+
+def _read_and_hold(pool, rid: str, holder: str) -> None:
+    """A step's read of the request, answered at once and held by request."""
+    general, _, answered = pool.read_all([rid])
+    assert general == []
+    pool.hold_read(answered, holder)
+
+
+def test_a_choice_of_victims_elsewhere_holds_none_of_what_a_step_read(make_pool):
+    pool = make_pool(device_pages=72, host_pages=16, policy="lru")
+    pool.admit("cold", tenant="b", prompt_tokens=16 * 8, output_tokens=0)
+    settle(pool, pool.allocate("cold", 8))  # read longest ago: LRU's victims
+    pool.admit("hot", tenant="a", prompt_tokens=16 * 64, output_tokens=0)
+    settle(pool, pool.allocate("hot", 64))
+    _read_and_hold(pool, "hot", "engine")
+    assert pool.device.num_free == 0
+    pool.admit("grow", tenant="b", prompt_tokens=16 * 4, output_tokens=0)
+    for _ in range(4):  # each allocation chooses a victim: one of cold's blocks
+        settle(pool, pool.allocate("grow", 1))
+    cold = pool.get_request("cold")
+    assert sum(b.tier is TierKind.HOST for b in cold.live) == 4
+    # None of hot's 64 blocks was held one by one, nor taken out of the policy and put
+    # back at the engine's next message: the choices cost nothing for them.
+    assert pool.pages.holds.count == 0
+    hot = pool.get_request("hot")
+    assert all(b in pool.policy for b in hot.live)
+    pool.end_holds("engine")
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_blocks_a_step_read_are_never_chosen_however_the_policy_ranks_them(make_pool, policy):
+    pool = make_pool(device_pages=8, host_pages=16, policy=policy)
+    pool.admit("hot", tenant="a", prompt_tokens=16 * 6, output_tokens=0)
+    settle(pool, pool.allocate("hot", 6))  # the largest request, and read longest ago
+    pool.admit("cold", tenant="b", prompt_tokens=16 * 2, output_tokens=0)
+    settle(pool, pool.allocate("cold", 2))
+    _read_and_hold(pool, "hot", "engine")
+    hot = pool.get_request("hot")
+    pages = [b.page for b in hot.live]
+    pool.admit("grow", tenant="b", prompt_tokens=16 * 3, output_tokens=0)
+    # Three pages wanted, two can go: the engine's next message lets the others go.
+    with pytest.raises(NoVictims):
+        pool.allocate("grow", 3)
+    assert [(b.tier, b.page, b.moving) for b in hot.live] == [
+        (TierKind.DEVICE, page, False) for page in pages]
+    settle(pool, pool.allocate("grow", 2))  # the cold request's pages
+    assert [(b.tier, b.page) for b in hot.live] == [(TierKind.DEVICE, p) for p in pages]
+    assert all(b.tier is TierKind.HOST for b in pool.get_request("cold").live)
+    pool.end_holds("engine")
+    assert all(b in pool.policy for b in hot.live)
