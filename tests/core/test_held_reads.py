@@ -68,3 +68,22 @@ def test_blocks_a_step_read_are_never_chosen_however_the_policy_ranks_them(make_
     assert all(b.tier is TierKind.HOST for b in pool.get_request("cold").live)
     pool.end_holds("engine")
     assert all(b in pool.policy for b in hot.live)
+
+
+def test_a_fair_choice_leaves_what_a_step_read_out_without_holding_it(make_pool):
+    pool = make_pool(device_pages=20, host_pages=32, policy="fair")
+    pool.admit("hot", tenant="a", prompt_tokens=16 * 12, output_tokens=0)
+    settle(pool, pool.allocate("hot", 12))  # tenant a's largest request: fair's first pick
+    pool.admit("cold", tenant="a", prompt_tokens=16 * 8, output_tokens=0)
+    settle(pool, pool.allocate("cold", 8))
+    _read_and_hold(pool, "hot", "engine")
+    pool.admit("b", tenant="b", prompt_tokens=16 * 4, output_tokens=0)
+    for _ in range(4):  # tenant a is over its share: its pages go, the cold request's
+        settle(pool, pool.allocate("b", 1))
+    assert sum(b.tier is TierKind.HOST for b in pool.get_request("cold").live) == 4
+    hot = pool.get_request("hot")
+    assert all(b.tier is TierKind.DEVICE for b in hot.live)
+    # Left out of each choice, never held one by one and put back.
+    assert pool.pages.holds.count == 0
+    assert all(b in pool.policy for b in hot.live)
+    pool.end_holds("engine")

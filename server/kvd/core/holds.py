@@ -10,7 +10,7 @@ blocks back to the policy.
 A Step that finds a request's blocks all in place holds the request, not its blocks: the
 request is noted for the holder, and its blocks leave the policy only when the policy offers
 one of them as a victim (`materialize_some`; all of them, `materialize`, when it cannot offer
-enough). A step costs one entry per request, not per block, what it handed out is still never
+enough; a fair policy leaves such a request out of its choice instead). A step costs one entry per request, not per block, what it handed out is still never
 taken under the engine, and another's call that chooses victims elsewhere costs nothing for
 the blocks an engine holds so (holding every one of them at each choice cost every such call
 as much as the engines' reads, hundreds of thousands of blocks with long contexts).
@@ -147,14 +147,27 @@ class Holds:
             lazy.clear()
         done.clear()
 
-    def materialize_some(self, requests: Collection[Request]) -> bool:
-        """Hold the blocks of those of `requests` (a choice's victims' requests) that a holder
-        holds by request, for each such holder: they leave the policy, which chooses again.
-        Whether any did. A request's blocks are held once for each holder (its blocks added
-        since are not, as materialize() would not have either)."""
+    def held_by_request(self, requests: Collection[Request]) -> set[Request]:
+        """Those of `requests` (a choice's victims' requests) some holder holds by request
+        whose blocks it does not hold yet (see materialize_some): their blocks must not be
+        chosen."""
+        found: set[Request] = set()
         if not self._lazy:
-            return False
-        changed = False
+            return found
+        done = self._materialized
+        for holder, (_, _, lazy) in self._by_holder.items():
+            held = done.get(holder, ())
+            for listed in lazy:
+                members = self._set_of(listed)
+                found.update(req for req in requests
+                             if req in members and req not in held and self._live(req))
+        return found
+
+    def materialize_some(self, requests: Collection[Request]) -> None:
+        """Hold the blocks of those of `requests` (held_by_request's) that a holder holds by
+        request, for each such holder: they leave the policy. A request's blocks are held
+        once for each holder (its blocks added since are not, as materialize() would not
+        have held them either)."""
         done = self._materialized
         for holder, (_, _, lazy) in self._by_holder.items():  # hold() adds no holder
             for listed in lazy:
@@ -163,13 +176,15 @@ class Holds:
                     if req not in members:
                         continue
                     held = done.setdefault(holder, set())
-                    if req in held:
-                        continue
-                    held.add(req)
-                    if self._live(req):
+                    if req not in held:
+                        held.add(req)
                         self.hold(holder, req.live)
-                        changed = True
-        return changed
+
+    def stray_materialized(self) -> list[str]:
+        """Holders whose requests held by request are noted as held (materialize_some) while
+        they hold no request so (the self-check's): a note that outlived its holder's holds."""
+        return [h for h in self._materialized
+                if h not in self._by_holder or not self._by_holder[h][2]]
 
     def has_requests(self) -> bool:
         """Whether some holder holds requests by request (see materialize_some)."""

@@ -239,6 +239,10 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
                         f"{t.evictable} are evictable")
     if t.held != pool.pages.holds.count:
         problems.append(f"{name}: counts {pool.pages.holds.count} held blocks, has {t.held}")
+    stray = pool.pages.holds.stray_materialized()
+    if stray:
+        problems.append(f"{name}: requests held for holders that hold none by request: "
+                        f"{sorted(stray)[:5]}")
     if +t.reserved_by_tenant != +ten.reserved_by_tenant:
         problems.append(f"{name}: reserved-by-tenant counts are off")
     if +t.device_by_tenant != +ten.device_by_tenant:

@@ -302,12 +302,15 @@ class PageTable:
 
     # ------------------------------------------------------------------ room in the device tier
 
-    def choose(self, num: int, tenant: str | None, protected: Collection[Block] = ()
-               ) -> list[Block] | None:
+    def choose(self, num: int, tenant: str | None, protected: Collection[Block] = (),
+               held: Collection[Request] = ()) -> list[Block] | None:
         """num victims, or None: kept blocks nobody uses first, then the policy's order.
-        A fair policy orders them itself (see idle.py)."""
+        A fair policy orders them itself (see idle.py), and leaves the blocks of `held`
+        out (see choose_unheld)."""
         policy = self.policy
-        if not self.idle or policy.fair:
+        if policy.fair:
+            return policy.choose(num, tenant, protected, held)
+        if not self.idle:
             return policy.choose(num, tenant, protected)
         idle = self.idle.first(num, policy, protected)
         if len(idle) == num:
@@ -316,22 +319,38 @@ class PageTable:
                              {*protected, *idle} if idle else protected)
         return None if rest is None else idle + rest
 
-    def choose_unheld(self, num: int, tenant: str | None, protected: Collection[Block] = ()
-                      ) -> list[Block] | None:
-        """choose(), never a block of a request an engine holds by request (see Holds): the
-        requests of such victims are held (their blocks leave the policy) and the choice is
-        made again. With fewer than num victims, every request held so is (None: the caller
-        then sees all that the holds keep). The reads left pending are recorded first."""
+    def choose_unheld(self, num: int, tenant: str | None, protected: Collection[Block] = (),
+                      at_most: bool = False) -> list[Block] | None:
+        """choose(), never a block of a request an engine holds by request (see Holds).
+        The requests of such victims are held (their blocks leave the policy; a fair policy,
+        which orders requests, leaves them out of its choice instead, and they stay in it)
+        and the choice is made again. With fewer than num victims, every request held so is
+        held (None: the caller then sees all that the holds keep). `at_most`: as many as
+        the policy can give, up to num (None for none). The reads left pending are recorded
+        first."""
         self.before_choice()
-        holds = self.holds
+        holds, policy = self.holds, self.policy
+        left_out: set[Request] = set()
         while True:
-            victims = self.choose(num, tenant, protected)
+            n = num
+            if at_most:
+                n = min(num, len(policy) - (policy.num_of(left_out) if left_out else 0))
+                if n <= 0:
+                    return None
+            victims = self.choose(n, tenant, protected, left_out)
             if victims is None:
-                holds.materialize()
+                if not at_most:
+                    holds.materialize()
                 return None
-            if not holds.has_requests() or not holds.materialize_some(
-                    {v.request for v in victims}):
+            if not holds.has_requests():
                 return victims
+            offered = holds.held_by_request({v.request for v in victims})
+            if not offered:
+                return victims
+            if policy.fair:
+                left_out |= offered
+            else:
+                holds.materialize_some(offered)
 
     def evict(self, num: int, cause: Request | None, reason: Reason, reassign: bool,
               protected: Collection[Block] = (), host_room: int | None = None,
@@ -529,13 +548,7 @@ class PageTable:
         if not self.policy.fair or want <= 0:
             return None
         over = set(self.tenancy.over_share())
-        self.before_choice()
-        holds = self.holds
-        while True:  # choose_unheld, with as many as the policy has left each time
-            victims = self.choose(min(want, len(self.policy)), None)
-            if not victims or not holds.has_requests() or not holds.materialize_some(
-                    {v.request for v in victims}):
-                break
+        victims = self.choose_unheld(want, None, at_most=True)
         if not victims or any(v.request.tenant not in over and not _idle_kept(v)
                               for v in victims):
             return None  # only what over-share tenants hold, or idle cache, refills it

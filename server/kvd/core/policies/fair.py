@@ -162,22 +162,35 @@ class FairPolicy(LastReadQueued):
     def __len__(self) -> int:
         return self._num
 
+    def num_of(self, requests: Collection[Request]) -> int:
+        """How many blocks of these requests the policy holds."""
+        return sum(len(sub) for req in requests
+                   if (sub := self._by_request.get(req)) is not None)
+
     def __contains__(self, block: Block) -> bool:
         sub = self._by_request.get(block.request)
         return sub is not None and block in sub
 
     def choose(self, n: int, for_tenant: str | None = None,
-               protected: Collection[Block] = ()) -> list[Block] | None:
+               protected: Collection[Block] = (), held: Collection[Request] = ()
+               ) -> list[Block] | None:
+        """See EvictionPolicy.choose; none of the blocks of `held` either (requests an engine
+        holds by request, see Holds: as if they had left the policy)."""
         # Protected blocks still count in their tenant's usage but cannot be given: they start
         # as unavailable, so no tenant or request is asked for pages it cannot give.
         unavailable_by_tenant: Counter[str] = _NONE
         unavailable_by_request: Counter[Request] = _NONE
-        if protected:
+        if protected or held:
             unavailable_by_tenant, unavailable_by_request = Counter(), Counter()
             for block in protected:
                 if block in self:
                     unavailable_by_tenant[block.request.tenant] += 1
                     unavailable_by_request[block.request] += 1
+            for req in held:
+                sub = self._by_request.get(req)
+                if sub is not None:  # all of its blocks here, its protected ones counted
+                    unavailable_by_tenant[req.tenant] += len(sub) - unavailable_by_request[req]
+                    unavailable_by_request[req] = len(sub)
         if n > self._num - unavailable_by_tenant.total():
             return None
         # First decide how many pages each request gives (usage falls as victims are taken,
@@ -192,7 +205,8 @@ class FairPolicy(LastReadQueued):
                 return None  # what is left is guaranteed to other tenants
             tenant, tenant_batch = paying
             req, req_batch = self._by_size[tenant].largest(
-                taken_by_request + unavailable_by_request if protected else taken_by_request)
+                taken_by_request + unavailable_by_request
+                if unavailable_by_request is not _NONE else taken_by_request)
             k = max(1, min(left, tenant_batch, req_batch))
             taken_by_request[req] += k
             taken_by_tenant[tenant] += k
