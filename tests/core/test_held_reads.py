@@ -70,6 +70,32 @@ def test_blocks_a_step_read_are_never_chosen_however_the_policy_ranks_them(make_
     assert all(b in pool.policy for b in hot.live)
 
 
+def test_a_read_that_brings_blocks_in_holds_the_rest_by_request(make_pool):
+    pool = make_pool(device_pages=8, host_pages=16, policy="lru")
+    pool.admit("r", tenant="a", prompt_tokens=16 * 5, output_tokens=0)
+    settle(pool, pool.allocate("r", 5))
+    pool.admit("c", tenant="b", prompt_tokens=16 * 3, output_tokens=0)
+    settle(pool, pool.allocate("c", 3))
+    pool.access("r", [1, 2, 3, 4])  # block 0 is read longest ago: the operator's victim
+    pool.access("c", None)
+    settle(pool, pool.evict(1))
+    r = pool.get_request("r")
+    assert [b.tier for b in r.live] == [TierKind.HOST] + [TierKind.DEVICE] * 4
+    result = pool.access("r", None, holder="engine")  # brings block 0 in (to its page)
+    settle(pool, result.plan)
+    # The block brought in is held by itself; the four that were there, by request.
+    assert pool.pages.holds.count == 1
+    assert all(b in pool.policy for b in r.live[1:])
+    pool.admit("g", tenant="b", prompt_tokens=16 * 4, output_tokens=0)
+    settle(pool, pool.allocate("g", 3))  # c's blocks go, read after r's were
+    assert all(b.tier is TierKind.HOST for b in pool.get_request("c").live)
+    # r's blocks were read longest ago, and LRU offers them first: held, they stay.
+    settle(pool, pool.allocate("g", 1))
+    assert all(b.tier is TierKind.DEVICE and not b.moving for b in r.live)
+    assert sum(b.tier is TierKind.HOST for b in pool.get_request("g").live) == 1
+    pool.end_holds("engine")
+
+
 def test_a_fair_choice_leaves_what_a_step_read_out_without_holding_it(make_pool):
     pool = make_pool(device_pages=20, host_pages=32, policy="fair")
     pool.admit("hot", tenant="a", prompt_tokens=16 * 12, output_tokens=0)

@@ -430,8 +430,7 @@ class Reads:
             self.record(((req, self.clock.now(), None, 1, req.num_live_blocks,
                           req.num_critical, next(self._seq)),))
             if holder:
-                for b in req.live:
-                    pages.holds.hold_one(holder, b)
+                self._held_whole(req, (), holder)
             return AccessResult(None, None, req)
         blocks = resolve(req, indices)
         check_still(blocks)
@@ -457,6 +456,17 @@ class Reads:
                 counters.num_misses += len(missing)
                 counters.num_decode_critical_misses += sum(b.decode_critical for b in missing)
                 return AccessResult(blocks, plan, req, partial=True)
+        if indices is None:
+            # Every block of the request, some brought in: recorded as the hot path records
+            # a read (by request, not block by block), and held by request but for the
+            # blocks brought in, which are moving (see _held_whole).
+            counters.num_misses += len(missing)
+            counters.num_decode_critical_misses += sum(b.decode_critical for b in missing)
+            self.record(((req, self.clock.now(), None, 1, len(blocks), req.num_critical,
+                          next(self._seq)),))
+            if holder:
+                self._held_whole(req, missing, holder)
+            return AccessResult(blocks, plan, req)
         now = self.clock.now()
         policy = pages.policy
         for b in blocks:
@@ -478,6 +488,17 @@ class Reads:
             for b in blocks:
                 pages.holds.hold_one(holder, b)
         return AccessResult(blocks, plan, req)
+
+    def _held_whole(self, req: Request, moving: Sequence[Block], holder: str) -> None:
+        """Hold every block of a request the holder read whole: those brought in one by one
+        (moving, out of the policy: held, they are not offered to it when their copy lands),
+        the others by request (see Holds.hold_requests). Held block by block, a read that
+        brings in one block of a long request cost as much as reading each of its blocks
+        into and out of the policy."""
+        holds = self.pages.holds
+        for b in moving:
+            holds.hold_one(holder, b)
+        holds.hold_requests(holder, [req])
 
     def note_late(self, blocks: Iterable[Block]) -> None:
         """An access had to wait for these blocks' promotion (already under way): misses."""
