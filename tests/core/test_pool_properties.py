@@ -155,9 +155,19 @@ class PoolMachine(RuleBasedStateMachine):
         self._do(lambda: self.pool.allocate(rid, n))
 
     @rule(rid=REQUEST_IDS, blocks=st.none() | st.lists(st.integers(0, 4), max_size=3, unique=True)
-          | st.lists(st.integers(-1, 8), max_size=4))
-    def access(self, rid, blocks):
-        self._do(lambda: self.pool.access(rid, blocks))
+          | st.lists(st.integers(-1, 8), max_size=4), holder=st.sampled_from(["", "a", "b"]))
+    def access(self, rid, blocks, holder):
+        """An engine's read of a request's blocks (a unary Access, or a Step's read that
+        took the general path): with a holder, what is in place stays there until its next
+        call, the blocks brought in once they land."""
+        result = self._do(lambda: self.pool.access(rid, blocks, holder))
+        if result is None or not holder or result.partial:
+            return
+        read = result.blocks if result.blocks is not None else result.request.live_blocks()
+        told = self.told.setdefault(holder, {})
+        for b in read:
+            if b.tier is TierKind.DEVICE and not b.moving:
+                told[b] = b.page
 
     @rule(rid=REQUEST_IDS, index=st.integers(0, 8), fields=INTENT, prefetch=st.booleans())
     def update_intent(self, rid, index, fields, prefetch):
