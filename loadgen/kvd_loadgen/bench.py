@@ -483,6 +483,13 @@ def run_bench(args) -> int:
         results["step_history"] = eventloop.run(bench_step_history(
             steps=12_000 if quick else 40_000, window=2_000 if quick else 4_000))
     more.update(history_targets(results["step_history"]))
+    with console.status("what one engine holds against another client's calls: 512 and "
+                        "65,536 blocks read a step"):
+        from kvd_loadgen.bench_held import bench_held_reads, targets as held_targets
+
+        results["held_reads"] = eventloop.run(bench_held_reads(
+            allocations=80 if quick else 200))
+    more.update(held_targets(results["held_reads"]))
     if not quick:
         from kvd_loadgen.bench_overload import run_overload, targets as overload_targets
 

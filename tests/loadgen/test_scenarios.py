@@ -227,6 +227,26 @@ async def test_the_step_history_bench_steps_a_real_engine_and_judges_late_agains
         assert t["met"] == (t["measured"] <= TARGET)
 
 
+async def test_the_held_reads_bench_steps_an_engine_beside_another_clients_allocations():
+    """The held-reads bench, shrunk: the engine's steps and the other client's allocations
+    (each one choosing a victim) succeed on a real kvd under each policy, kvd stays sound,
+    and the target is the larger size's median over the smaller's."""
+    from kvd_loadgen.bench_held import TARGET, bench_held_reads, targets
+
+    out = await bench_held_reads(policies=("lru", "fair"), allocations=8, sizes=(4, 32))
+    assert set(out) == {"lru", "fair"}
+    for row in out.values():
+        assert set(row) == {4, 32}
+        assert all(0 < r["p50_ms"] <= r["p99_ms"] for r in row.values())
+    judged = targets(out)
+    assert set(judged) == {"held_reads_lru_alloc_p50_large_vs_small",
+                           "held_reads_fair_alloc_p50_large_vs_small"}
+    for policy in ("lru", "fair"):
+        t = judged[f"held_reads_{policy}_alloc_p50_large_vs_small"]
+        assert t["measured"] == out[policy][32]["p50_ms"] / out[policy][4]["p50_ms"]
+        assert t["met"] == (t["measured"] <= TARGET)
+
+
 async def test_the_engines_bench_streams_hold_their_leases_through_the_other_turns():
     """kvd's streams wait out the empty server's turns (here ~3 s, past a 2 s lease): each
     stream carries its client's lease, as an engine's StepStream does, so the requests its
