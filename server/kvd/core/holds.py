@@ -10,10 +10,11 @@ blocks back to the policy.
 A Step that finds a request's blocks all in place holds the request, not its blocks: the
 request is noted for the holder, and its blocks leave the policy only when the policy offers
 one of them as a victim (`materialize_some`; all of them, `materialize`, when it cannot offer
-enough; a fair policy leaves such a request out of its choice instead). A step costs one entry per request, not per block, what it handed out is still never
-taken under the engine, and another's call that chooses victims elsewhere costs nothing for
-the blocks an engine holds so (holding every one of them at each choice cost every such call
-as much as the engines' reads, hundreds of thousands of blocks with long contexts).
+enough; a fair policy leaves such a request out of its choice instead). A step costs one
+entry per request, not per block, what it handed out is still never taken under the engine,
+and another's call that chooses victims elsewhere costs nothing for the blocks an engine
+holds so (holding every one of them at each choice cost every such call as much as the
+engines' reads: hundreds of thousands of blocks, with long contexts).
 
 A request released by someone else (an operator, a lapsed lease, another of the tenant's
 clients) while a holder holds its blocks does not give their device pages to another block
