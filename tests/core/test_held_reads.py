@@ -113,3 +113,29 @@ def test_a_fair_choice_leaves_what_a_step_read_out_without_holding_it(make_pool)
     assert pool.pages.holds.count == 0
     assert all(b in pool.policy for b in hot.live)
     pool.end_holds("engine")
+
+
+def test_a_fair_choice_for_a_read_of_a_whole_request_leaves_it_out_as_one(make_pool,
+                                                                           monkeypatch):
+    pool = make_pool(device_pages=72, host_pages=16, policy="fair")
+    pool.admit("r", tenant="a", prompt_tokens=16 * 64, output_tokens=0)
+    settle(pool, pool.allocate("r", 64))
+    pool.admit("c", tenant="a", prompt_tokens=16 * 9, output_tokens=0)
+    settle(pool, pool.allocate("c", 8))
+    settle(pool, pool.evict(1))  # the largest request pays: one of r's blocks goes
+    r = pool.get_request("r")
+    assert sum(b.tier is TierKind.HOST for b in r.live) == 1
+    settle(pool, pool.allocate("c", 1))  # the device is full again
+    looked_at = []
+    policy_type = type(pool.policy)
+    contains = policy_type.__contains__
+    monkeypatch.setattr(policy_type, "__contains__",
+                        lambda self, b: looked_at.append(b) or contains(self, b))
+    result = pool.access("r", None, holder="engine")  # brings it back, for c's blocks
+    monkeypatch.undo()
+    settle(pool, result.plan)
+    assert {m.block.request.request_id for m in result.plan.demotions} == {"c"}
+    assert all(b.tier is TierKind.DEVICE for b in r.live)
+    # The choice left r out as one request, not by looking at each of its 63 blocks.
+    assert len(looked_at) < 8
+    pool.end_holds("engine")

@@ -10,7 +10,7 @@ protected, and takes the victims only once nothing else can fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from kvd.core import intent as intents
@@ -331,6 +331,9 @@ class PageTable:
         self.before_choice()
         holds, policy = self.holds, self.policy
         left_out: set[Request] = set()
+        if type(protected) is WholeRequest:  # (a fair policy's) out of the choice as one
+            left_out.add(protected.request)
+            protected = ()
         while True:
             n = num
             if at_most:
@@ -517,9 +520,15 @@ class PageTable:
         return self.evict(short, cause, reason, True, protected, holder=holder)
 
     def promote(self, req: Request | None, missing: list[Block], keep: Iterable[Block],
-                reason: Reason, holder: str = "") -> TransferPlan:
-        """A plan bringing `missing` to the device tier without evicting any of `keep`."""
-        protected = {b for b in keep if b.tier is TierKind.DEVICE}
+                reason: Reason, holder: str = "", whole: bool = False) -> TransferPlan:
+        """A plan bringing `missing` to the device tier without evicting any of `keep`.
+        `whole`: `keep` is every block of req (a read of the whole request), which a fair
+        policy then leaves out of its choice as one (see WholeRequest)."""
+        protected: Collection[Block]
+        if whole and req is not None and self.policy.fair:
+            protected = WholeRequest(req)
+        else:
+            protected = {b for b in keep if b.tier is TierKind.DEVICE}
         pages, demotions = self.make_room(len(missing), req, reason, protected, holder)
         plan = TransferPlan(self.name, reason, req, demotions=demotions)
         plan.promotions = self.moves_in(missing, pages)
@@ -657,6 +666,29 @@ class PageTable:
             tally(self.tenancy.named_in_use, tenant, -1)
         if self.named_changed is not None:
             self.named_changed.add(block.name)
+
+
+class WholeRequest(Collection):
+    """The device blocks of a request, all protected from a choice (a read of the whole
+    request bringing some back): a fair policy leaves the request out of its choice as one,
+    as it does a request an engine holds, where a set of its blocks costs a look at each
+    (65,536 of them, with a long context). Elsewhere (the host tier's kept blocks) it is
+    what that set would be."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+    def __contains__(self, block: object) -> bool:
+        return (isinstance(block, Block) and block.request is self.request
+                and block.tier is TierKind.DEVICE)
+
+    def __iter__(self) -> Iterator[Block]:
+        return (b for b in self.request.live if b.tier is TierKind.DEVICE)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _idle_kept(block: Block) -> bool:

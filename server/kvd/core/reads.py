@@ -444,7 +444,8 @@ class Reads:
                     f"device tier of pool {pages.name!r} holds {pages.device.capacity} pages: "
                     "read them in parts")
             try:
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder,
+                                     whole=indices is None)
             except HostShort as short:
                 if short.possible <= 0:
                     raise
@@ -452,7 +453,8 @@ class Reads:
                 # the caller executes it and accesses again (the blocks brought in are then
                 # resident and protected). Reads are counted once, in the last round.
                 missing = missing[:short.possible]
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder,
+                                     whole=indices is None)
                 counters.num_misses += len(missing)
                 counters.num_decode_critical_misses += sum(b.decode_critical for b in missing)
                 return AccessResult(blocks, plan, req, partial=True)
