@@ -152,34 +152,30 @@ class Holds:
         """Those of `requests` (a choice's victims' requests) some holder holds by request
         whose blocks it does not hold yet (see materialize_some): their blocks must not be
         chosen."""
-        found: set[Request] = set()
-        if not self._lazy:
-            return found
-        done = self._materialized
-        for holder, (_, _, lazy) in self._by_holder.items():
-            held = done.get(holder, ())
-            for listed in lazy:
-                members = self._set_of(listed)
-                found.update(req for req in requests
-                             if req in members and req not in held and self._live(req))
-        return found
+        return {req for _, req in self._unheld(requests)}
 
     def materialize_some(self, requests: Collection[Request]) -> None:
         """Hold the blocks of those of `requests` (held_by_request's) that a holder holds by
         request, for each such holder: they leave the policy. A request's blocks are held
         once for each holder (its blocks added since are not, as materialize() would not
         have held them either)."""
+        for holder, req in list(self._unheld(requests)):
+            self._materialized.setdefault(holder, set()).add(req)
+            self.hold(holder, req.live)
+
+    def _unheld(self, requests: Collection[Request]) -> Iterator[tuple[str, Request]]:
+        """(holder, request) for each of `requests` still the pool's that a holder holds by
+        request and has not held the blocks of yet, once per holder."""
+        if not self._lazy:
+            return
         done = self._materialized
-        for holder, (_, _, lazy) in self._by_holder.items():  # hold() adds no holder
-            for listed in lazy:
-                members = self._set_of(listed)
-                for req in requests:
-                    if req not in members:
-                        continue
-                    held = done.setdefault(holder, set())
-                    if req not in held:
-                        held.add(req)
-                        self.hold(holder, req.live)
+        for holder, (_, _, lazy) in self._by_holder.items():
+            held = done.get(holder, ())
+            found = {req for listed in lazy for req in requests
+                     if req in self._set_of(listed) and req not in held}
+            for req in found:
+                if self._live(req):
+                    yield holder, req
 
     def stray_materialized(self) -> list[str]:
         """Holders whose requests held by request are noted as held (materialize_some) while

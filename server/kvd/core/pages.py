@@ -331,9 +331,12 @@ class PageTable:
         self.before_choice()
         holds, policy = self.holds, self.policy
         left_out: set[Request] = set()
-        if type(protected) is WholeRequest:  # (a fair policy's) out of the choice as one
-            left_out.add(protected.request)
-            protected = ()
+        if type(protected) is WholeRequest:
+            if policy.fair:  # which orders requests: out of its choice as one
+                left_out.add(protected.request)
+                protected = ()
+            else:
+                protected = set(protected)
         while True:
             n = num
             if at_most:
@@ -522,10 +525,10 @@ class PageTable:
     def promote(self, req: Request | None, missing: list[Block], keep: Iterable[Block],
                 reason: Reason, holder: str = "", whole: bool = False) -> TransferPlan:
         """A plan bringing `missing` to the device tier without evicting any of `keep`.
-        `whole`: `keep` is every block of req (a read of the whole request), which a fair
-        policy then leaves out of its choice as one (see WholeRequest)."""
+        `whole`: `keep` is every block of req (a read of the whole request; see
+        WholeRequest)."""
         protected: Collection[Block]
-        if whole and req is not None and self.policy.fair:
+        if whole and req is not None:
             protected = WholeRequest(req)
         else:
             protected = {b for b in keep if b.tier is TierKind.DEVICE}
@@ -670,10 +673,11 @@ class PageTable:
 
 class WholeRequest(Collection):
     """The device blocks of a request, all protected from a choice (a read of the whole
-    request bringing some back): a fair policy leaves the request out of its choice as one,
-    as it does a request an engine holds, where a set of its blocks costs a look at each
-    (65,536 of them, with a long context). Elsewhere (the host tier's kept blocks) it is
-    what that set would be."""
+    request bringing some back), gathered only where a choice is made: a fair policy leaves
+    the request out of its choice as one, as it does a request an engine holds, where a set
+    of its blocks costs a look at each (65,536 of them, with a long context); other
+    policies get that set (choose_unheld), and the host tier's kept-block checks see the
+    same blocks. A promotion that finds free pages gathers none."""
 
     __slots__ = ("request",)
 

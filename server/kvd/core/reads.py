@@ -455,15 +455,13 @@ class Reads:
                 missing = missing[:short.possible]
                 plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder,
                                      whole=indices is None)
-                counters.num_misses += len(missing)
-                counters.num_decode_critical_misses += sum(b.decode_critical for b in missing)
+                self.note_late(missing)
                 return AccessResult(blocks, plan, req, partial=True)
         if indices is None:
             # Every block of the request, some brought in: recorded as the hot path records
             # a read (by request, not block by block), and held by request but for the
             # blocks brought in, which are moving (see _held_whole).
-            counters.num_misses += len(missing)
-            counters.num_decode_critical_misses += sum(b.decode_critical for b in missing)
+            self.note_late(missing)
             self.record(((req, self.clock.now(), None, 1, len(blocks), req.num_critical,
                           next(self._seq)),))
             if holder:
@@ -503,7 +501,8 @@ class Reads:
         holds.hold_requests(holder, [req])
 
     def note_late(self, blocks: Iterable[Block]) -> None:
-        """An access had to wait for these blocks' promotion (already under way): misses."""
+        """A read's blocks that were not in the device tier (their promotion planned now, or
+        already under way): misses."""
         for b in blocks:
             self.counters.num_misses += 1
             if b.decode_critical:
