@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvd.core.blocks import Block, Request, RequestState, TierKind
-from kvd.core.policies.queue import BlockQueue
+from kvd.core.policies.queue import BlockQueue, RunQueue
 
 
 @given(st.lists(st.tuples(st.sampled_from(["push", "requeue", "discard", "first"]),
@@ -54,3 +54,97 @@ def test_a_queue_compacts_what_moving_blocks_leave_behind():
         queue.push(b)
     assert len(queue._entries) <= 2 * len(queue) + 64
     assert list(queue) == [a, b] and queue.first() is a
+
+
+@given(st.lists(st.tuples(st.sampled_from(["push", "requeue", "requests", "discard", "first",
+                                           "free", "grow"]),
+                          st.integers(0, 2), st.integers(0, 11)), max_size=300))
+def test_a_run_queue_keeps_the_order_a_list_would(ops):
+    """RunQueue against a list: requeue_requests moves each request's live blocks the queue
+    holds to the back in block order, as requeue() of them would, whatever comes after (a
+    block of the request pushed, moved or taken out on its own, blocks freed and added,
+    another queue taking one), through the replacing of runs at the front and compaction."""
+    reqs = [Request(f"r{i}", "t", "p", 0, 4, RequestState.ADMITTED) for i in range(3)]
+    blocks = []
+    for req in reqs:
+        req.live = [Block(req, i, TierKind.DEVICE, i) for i in range(4)]
+        blocks += req.live
+    queue, other = RunQueue(), BlockQueue()
+    model: list[Block] = []
+    for op, r, i in ops:
+        block = blocks[i % len(blocks)]
+        if op == "push":  # to the back, out of wherever it was (a freed block is gone)
+            if block not in block.request.live:
+                continue
+            if block in model:
+                model.remove(block)
+            model.append(block)
+            queue.push(block)
+        elif op == "requeue":
+            moved = [b for b in (block, blocks[(i + 5) % len(blocks)]) if b in model]
+            for b in moved:
+                model.remove(b)
+            model += moved
+            queue.requeue([block, None, blocks[(i + 5) % len(blocks)]])
+        elif op == "requests":  # requests r and the next read whole, in turn
+            for req in (reqs[r], reqs[(r + i) % 3]):
+                moved = [b for b in req.live if b in model]
+                for b in moved:
+                    model.remove(b)
+                model += moved
+            queue.requeue_requests([reqs[r], reqs[(r + i) % 3]])
+        elif op == "discard":
+            if block in model:
+                model.remove(block)
+            if i % 2:
+                queue.discard(block)
+            else:  # another queue takes it
+                other.push(block)
+        elif op == "free":  # out of the queue and of its request's live blocks
+            if block in model:
+                model.remove(block)
+            queue.discard(block)
+            if block in block.request.live:
+                block.request.live.remove(block)
+        elif op == "grow":  # a new block at the end of request r, pushed
+            req = reqs[r]
+            new = Block(req, len(blocks), TierKind.DEVICE, len(blocks))
+            blocks.append(new)
+            req.live.append(new)
+            model.append(new)
+            queue.push(new)
+        elif model:
+            assert queue.first() is model[0]
+        assert list(queue) == model
+        assert len(queue) == len(model)
+        assert [b in queue for b in blocks] == [b in model for b in blocks]
+        assert len(queue._entries) <= 2 * len(queue) + 64 + 2
+
+
+def test_a_request_read_step_after_step_costs_one_entry_a_step():
+    """A long request read whole every step: one entry a step, its blocks looked at only
+    when they reach the front or the queue compacts (twice as many entries as it holds
+    blocks later), and kept in their order through both."""
+    req = Request("long", "t", "p", 0, 4096, RequestState.ADMITTED)
+    req.live = [Block(req, i, TierKind.DEVICE, i) for i in range(4096)]
+    queue = RunQueue()
+    for b in req.live:
+        queue.push(b)
+    cold = Block(Request("cold", "t", "p", 0, 1, RequestState.ADMITTED), 0, TierKind.DEVICE, 0)
+    queue.push(cold)
+    entries = len(queue._entries)
+    for _ in range(100):
+        queue.requeue_requests([req])
+    assert len(queue._entries) == entries + 100  # nothing compacted, no block moved
+    assert queue.first() is cold
+    assert list(queue) == [cold, *req.live]
+    compacted = 0
+    for _ in range(2 * len(queue) + 64):  # enough entries for a compaction
+        before = len(queue._entries)
+        queue.requeue_requests([req])
+        if len(queue._entries) < before:  # compacted: the run replaced by the blocks
+            compacted += 1
+            assert list(queue) == [cold, *req.live]
+        assert queue.first() is cold
+    assert compacted and len(queue._entries) <= 2 * len(queue) + 64
+    assert list(queue) == [cold, *req.live]

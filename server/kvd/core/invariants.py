@@ -237,6 +237,7 @@ def _check_totals(pool: Pool, t: _Tally, problems: list[str]) -> None:
     if t.evictable != len(pool.policy):
         problems.append(f"{name}: policy holds {len(pool.policy)} blocks, "
                         f"{t.evictable} are evictable")
+    problems += [f"{name}: {p}" for p in pool.policy.order_problems()]
     if t.held != pool.pages.holds.count:
         problems.append(f"{name}: counts {pool.pages.holds.count} held blocks, has {t.held}")
     stray = pool.pages.holds.stray_materialized()

@@ -135,6 +135,10 @@ class EvictionPolicy(ABC):
             self.remove(victim)
             self.on_evicted(victim)
 
+    def order_problems(self) -> list[str]:
+        """What is wrong with the policy's own bookkeeping (the self-check's; O(n))."""
+        return []
+
     @abstractmethod
     def __len__(self) -> int: ...
 

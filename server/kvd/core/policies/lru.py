@@ -8,7 +8,7 @@ from itertools import chain, islice
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
-from kvd.core.policies.queue import BlockQueue
+from kvd.core.policies.queue import RunQueue
 
 
 class RecencyQueues(EvictionPolicy):
@@ -31,14 +31,14 @@ class RecencyQueues(EvictionPolicy):
         for read in reads:
             seq = read[6]
             if placed < len(late) and late[placed][0] < seq:
-                requeue(chain.from_iterable(req.live for req in run))
+                self._requeue_requests(run)
                 run = []
                 start = placed
                 while placed < len(late) and late[placed][0] < seq:
                     placed += 1
                 requeue(block for _, block in late[start:placed])
             run.append(read[0])
-        requeue(chain.from_iterable(req.live for req in run))
+        self._requeue_requests(run)
         del late[:placed]
 
     def end_late_inserts(self) -> None:
@@ -51,15 +51,21 @@ class RecencyQueues(EvictionPolicy):
         skipped)."""
         raise NotImplementedError
 
+    def _requeue_requests(self, requests) -> None:
+        """_requeue() of each request's live blocks in turn."""
+        self._requeue(chain.from_iterable(req.live for req in requests))
+
 
 class LruPolicy(RecencyQueues):
-    """O(1) insert, remove and touch on a BlockQueue; choose(n) is O(n)."""
+    """O(1) insert, remove and touch on a RunQueue, and O(1) a whole request's read;
+    choose(n) is O(n), and the blocks of a request read whole are looked at once, when they
+    are among the oldest."""
 
     name = "lru"
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
-        self._order = BlockQueue()
+        self._order = RunQueue()
 
     def insert(self, block: Block) -> None:
         self._order.push(block)
@@ -68,6 +74,9 @@ class LruPolicy(RecencyQueues):
 
     def _requeue(self, blocks) -> None:
         self._order.requeue(blocks)
+
+    def _requeue_requests(self, requests) -> None:
+        self._order.requeue_requests(requests)
 
     def remove(self, block: Block) -> None:
         self._order.discard(block)
@@ -78,9 +87,12 @@ class LruPolicy(RecencyQueues):
     def touch_many(self, blocks) -> None:
         self._order.requeue(blocks)  # pinned blocks are not held: skipped
 
+    def touch_request(self, req) -> None:
+        self._order.requeue_requests((req,))
+
     def touch_requests(self, requests) -> None:
-        # Every block of each request in turn, in one pass (touch_many of each, chained).
-        self._order.requeue(chain.from_iterable(req.live for req in requests))
+        # One entry for each request: its blocks stand there (see RunQueue).
+        self._order.requeue_requests(requests)
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.
@@ -94,6 +106,13 @@ class LruPolicy(RecencyQueues):
         if n == 1:
             return [self._order.first()]
         return list(islice(self._order, n))
+
+    def order_problems(self) -> list[str]:
+        order = list(self._order)
+        if len(order) != len(self) or len({id(b) for b in order}) != len(order):
+            return [f"lru: its order walks {len(order)} blocks "
+                    f"({len({id(b) for b in order})} distinct), it holds {len(self)}"]
+        return []
 
     def __len__(self) -> int:
         return len(self._order)

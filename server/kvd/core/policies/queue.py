@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from kvd.core.blocks import Block
+from kvd.core.blocks import Block, Request
 
 
 class BlockQueue:
@@ -85,6 +85,142 @@ class BlockQueue:
         for pos, block in enumerate(live, head):
             block.queue_pos = pos
         self._entries = deque(live)
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, block: Block) -> bool:
+        return block.queue is self
+
+
+class RunQueue:
+    """A BlockQueue whose reads of whole requests cost one entry each, not one per block.
+
+    An engine's step reads every block of each request it runs; with long contexts that is
+    hundreds of thousands of blocks a step, and moving each to the back of an LRU queue held
+    the event loop for as long (with the compactions the stale entries brought). Here
+    `requeue_requests` appends one entry for the request, a run: the request's blocks this
+    queue held then stand there, in the request's block order, as requeue() of its live
+    blocks would have put them. A block stands at its run when the request's latest run
+    comes after the block's own entry (block.queue_pos < the run's position); a block pushed
+    or moved on its own since stands at its own entry. A run is replaced by the blocks it
+    stands for when it reaches the front (`first`) or when the queue compacts, so a request
+    read step after step costs one entry a step, and its blocks are looked at once it is
+    among the oldest (or once per compaction, which as many entries as the queue holds
+    blocks must come before).
+
+    Entries are (position, block or request); positions grow along the queue (a run's
+    blocks all take its position when it is replaced), and an entry counts only while its
+    block's queue_pos is its position, or its request's latest run is at it.
+    """
+
+    __slots__ = ("_entries", "_next", "_live", "_runs")
+
+    def __init__(self) -> None:
+        self._entries: deque[tuple[int, Block | Request]] = deque()
+        self._next = 0  # the next entry's position
+        self._live = 0
+        self._runs: dict[Request, int] = {}  # request -> the position of its latest run
+
+    def push(self, block: Block) -> None:
+        """Put block at the back (moving it there if this queue holds it already)."""
+        if block.queue is not self:
+            if block.queue is not None:
+                block.queue.discard(block)
+            block.queue = self
+            self._live += 1
+        pos = self._next
+        self._next = pos + 1
+        block.queue_pos = pos
+        self._entries.append((pos, block))
+        self._compact_if_due()
+
+    def requeue(self, blocks) -> None:
+        """Move each block of `blocks` that this queue holds to the back, in order (others,
+        and None, are skipped)."""
+        append = self._entries.append
+        pos = self._next
+        for block in blocks:
+            if block is not None and block.queue is self:
+                block.queue_pos = pos
+                append((pos, block))
+                pos += 1
+        self._next = pos
+        self._compact_if_due()
+
+    def requeue_requests(self, requests) -> None:
+        """requeue() of each request's live blocks in turn, one entry per request."""
+        runs = self._runs
+        append = self._entries.append
+        pos = self._next
+        for req in requests:
+            runs[req] = pos
+            append((pos, req))
+            pos += 1
+        self._next = pos
+        self._compact_if_due()
+
+    def discard(self, block: Block) -> None:
+        """Take block out of the queue (nothing when it is not in it)."""
+        if block.queue is self:
+            block.queue = None
+            self._live -= 1
+
+    def first(self) -> Block:
+        """The oldest block. The queue must not be empty."""
+        entries, runs = self._entries, self._runs
+        while True:
+            pos, item = entries[0]
+            if type(item) is Block:
+                if (item.queue is self and item.queue_pos == pos
+                        and (not runs or runs.get(item.request, pos) <= pos)):
+                    return item
+                entries.popleft()  # stale, or standing at a later run of its request
+                continue
+            entries.popleft()
+            if runs.get(item) == pos:  # the request's latest run: its blocks take its place
+                del runs[item]
+                entries.extendleft(reversed(self._standing(item, pos)))
+
+    def _standing(self, req: Request, pos: int) -> list[tuple[int, Block]]:
+        """The entries of the blocks that stand at req's run at `pos`, now at `pos`."""
+        run = []
+        for block in req.live:
+            if block.queue is self and block.queue_pos < pos:
+                block.queue_pos = pos
+                run.append((pos, block))
+        return run
+
+    def __iter__(self) -> Iterator[Block]:
+        """Oldest first. The queue must not change while this runs."""
+        runs = self._runs
+        for pos, item in self._entries:
+            if type(item) is Block:
+                if (item.queue is self and item.queue_pos == pos
+                        and (not runs or runs.get(item.request, pos) <= pos)):
+                    yield item
+            elif runs.get(item) == pos:
+                for block in item.live:
+                    if block.queue is self and block.queue_pos < pos:
+                        yield block
+
+    def _compact_if_due(self) -> None:
+        if len(self._entries) > 2 * self._live + 64:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the entries that count no more, and replace each run by its blocks."""
+        runs = self._runs
+        kept: list[tuple[int, Block | Request]] = []
+        for pos, item in self._entries:
+            if type(item) is Block:
+                if (item.queue is self and item.queue_pos == pos
+                        and (not runs or runs.get(item.request, pos) <= pos)):
+                    kept.append((pos, item))
+            elif runs.get(item) == pos:
+                kept += self._standing(item, pos)
+        runs.clear()
+        self._entries = deque(kept)
 
     def __len__(self) -> int:
         return self._live
