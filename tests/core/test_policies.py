@@ -97,6 +97,26 @@ def test_lru_order():
     assert policy.choose(2) == [blocks[1], blocks[2]]
 
 
+
+def test_lru_records_a_read_of_a_whole_request_as_one_entry():
+    """An engine's step reads every block of each request it runs. LRU records such a read
+    as one entry in its queue, which the request's blocks stand at, not one per block: with
+    long contexts, moving each block held the event loop (every other tenant's calls) for a
+    step's hundreds of thousands of blocks. The order is the one moving each would leave."""
+    policy = make_policy("lru", FakeClock())
+    long = _blocks(4096, rid="long")
+    req = long[0].request
+    req.live = list(long)
+    cold = _blocks(1, rid="cold")
+    for b in [*long, *cold]:
+        policy.insert(b)
+    entries = len(policy._order._entries)
+    for _ in range(3):  # three steps
+        policy.touch_requests([req])
+    assert len(policy._order._entries) == entries + 3
+    assert policy.choose(1) == cold
+    assert policy.choose(4097) == [*cold, *long]
+
 def test_intent_order():
     policy = make_policy("intent", FakeClock())
     hot, warm, cold, done, draft, cheap, expensive = _blocks(7)
