@@ -117,6 +117,35 @@ def test_lru_records_a_read_of_a_whole_request_as_one_entry():
     assert policy.choose(1) == cold
     assert policy.choose(4097) == [*cold, *long]
 
+
+class _CountedWalks(list):
+    """A request's live blocks that count the walks over them."""
+
+    walks = 0
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+
+@pytest.mark.parametrize("name", ["lru", "regret"])
+def test_recency_policies_record_whole_request_reads_without_walking_their_blocks(name):
+    """lru and regret record a step's read of a whole request without walking its blocks
+    (each step of a long context's engine walked hundreds of thousands), and choose as
+    moving each block to the back of its queue would."""
+    policy = make_policy(name, FakeClock())
+    blocks = _blocks(64, rid="long")
+    req = blocks[0].request
+    cold = _blocks(1, rid="cold")
+    for b in [*blocks, *cold]:
+        policy.insert(b)
+    req.live = _CountedWalks(blocks)
+    for _ in range(3):
+        policy.touch_requests([req])
+        policy.touch_request(req)
+    assert req.live.walks == 0
+    assert policy.choose(65) == [*cold, *blocks]
+
 def test_intent_order():
     policy = make_policy("intent", FakeClock())
     hot, warm, cold, done, draft, cheap, expensive = _blocks(7)

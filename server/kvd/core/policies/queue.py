@@ -150,6 +150,8 @@ class RunQueue:
 
     def requeue_requests(self, requests) -> None:
         """requeue() of each request's live blocks in turn, one entry per request."""
+        if not self._live:
+            return  # nothing to move
         runs = self._runs
         append = self._entries.append
         pos = self._next

@@ -8,6 +8,7 @@ from collections.abc import Collection
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
 from kvd.core.policies.lru import RecencyQueues
+from kvd.core.policies.queue import RunQueue
 
 
 class RegretPolicy(RecencyQueues):
@@ -34,31 +35,42 @@ class RegretPolicy(RecencyQueues):
         self._memory = memory
         self._evicted_at: OrderedDict[Block, float] = OrderedDict()
         self.num_regrets = 0
-        self._levels: list[OrderedDict[Block, None]] = [
-            OrderedDict() for _ in range(max_level + 1)]
+        # One LRU queue per level; a request read whole is one entry in each (see RunQueue).
+        self._levels = [RunQueue() for _ in range(max_level + 1)]
         self._level_of: dict[Block, int] = {}
 
     def insert(self, block: Block) -> None:
         level = min(block.regret_level, self.max_level)
-        self._levels[level][block] = None
+        self._levels[level].push(block)
         self._level_of[block] = level
         if self.late_inserts is not None:
             self.late_inserts.append((next(self._seq), block))
 
     def remove(self, block: Block) -> None:
-        del self._levels[self._level_of.pop(block)][block]
+        self._levels[self._level_of.pop(block)].discard(block)
 
     def touch(self, block: Block) -> None:
-        self._levels[self._level_of[block]].move_to_end(block)
+        self._levels[self._level_of[block]].push(block)
 
     def touch_many(self, blocks) -> None:
         level_of, levels = self._level_of, self._levels
         for block in blocks:
             level = level_of.get(block)  # None and pinned blocks are not held
             if level is not None:
-                levels[level].move_to_end(block)
+                levels[level].push(block)
 
     _requeue = touch_many  # each level an LRU queue: reads recorded late go in their place
+
+    def _requeue_requests(self, requests) -> None:
+        requests = list(requests)
+        for queue in self._levels:  # each request's blocks of that level stand at its run
+            queue.requeue_requests(requests)
+
+    def touch_request(self, req) -> None:
+        self._requeue_requests((req,))
+
+    def touch_requests(self, requests) -> None:
+        self._requeue_requests(requests)
 
     def reorder(self, block: Block) -> None:
         pass  # learns from evictions and reads, not from intent
@@ -102,6 +114,12 @@ class RegretPolicy(RecencyQueues):
             block.regret_level = min(block.regret_level + 1, self.max_level)
         else:
             block.regret_level = max(block.regret_level - 1, 0)
+
+    def order_problems(self) -> list[str]:
+        walked = [b for queue in self._levels for b in queue]
+        if len(walked) != len(self) or {id(b) for b in walked} != {id(b) for b in self._level_of}:
+            return [f"regret: its levels walk {len(walked)} blocks, it holds {len(self)}"]
+        return []
 
     def __len__(self) -> int:
         return len(self._level_of)
