@@ -31,8 +31,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kvd.core.policies import policy_names
-from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, NotFoundError,
-                        ResourceExhaustedError, pb)
+from kvd_client import (AbortedError, AsyncClient, FailedPreconditionError, InvalidArgumentError,
+                        NotFoundError, ResourceExhaustedError, pb)
 from kvd_client.arena import MappedPool
 from kvd_loadgen.local import LocalKvd
 
@@ -119,10 +119,13 @@ def key_bytes(key: bytes) -> bytes:
 class Node:
     """One node's engine (its client, its pool mapped) and the requests it lists."""
 
-    def __init__(self, name: str, pool: str, client: AsyncClient) -> None:
+    def __init__(self, name: str, pool: str, client: AsyncClient, device_pages: int) -> None:
         self.name = name
         self.pool = pool
         self.client = client
+        # A request may grow past its pool's device tier (the rest in host memory): it is
+        # read in parts then, and a read of it whole is refused as such.
+        self.device_pages = device_pages
         self.mapped: MappedPool | None = None
 
     async def listed(self) -> dict[str, str]:
@@ -141,6 +144,8 @@ class Cluster:
         self.handed = 0
         self.loads = 0
         self.loads_on_b = 0
+        self.read_in_parts = 0  # reads of a request grown past its device tier
+        self.refused_whole = 0  # a Step's read of one whole, refused as such
 
     async def where(self, rid: str) -> tuple[Node | None, str]:
         """The node that runs rid (the decode node once its handoff committed), and its
@@ -182,24 +187,40 @@ class Cluster:
         self.loads_on_b += len(reply.handles) if node is self.b else 0
 
     async def read(self, node: Node, rid: str) -> None:
-        """Read every block of rid where it runs: each holds what was written there."""
-        reply = await call(node.client.access(rid))
-        if reply is None:
-            return
-        got = {h.block_index for h in reply.handles}
+        """Read every block of rid where it runs: each holds what was written there. One
+        that holds more blocks than the device tier is refused whole, and read in parts."""
+        written = sorted(self.written[rid])
+        if len(written) <= node.device_pages:
+            parts = [None]
+        else:
+            try:
+                whole = await call(node.client.access(rid))
+            except InvalidArgumentError as exc:
+                assert "at once needs as many device pages" in str(exc), exc
+            else:
+                assert whole is None, f"{rid} on node {node.name}: read whole past the device"
+            parts = [written[i:i + node.device_pages]
+                     for i in range(0, len(written), node.device_pages)]
+            self.read_in_parts += 1
+        got = set()
+        for part in parts:  # each part checked before the next call moves its pages
+            reply = await call(node.client.access(rid, part))
+            if reply is None:
+                return
+            got |= {h.block_index for h in reply.handles}
+            for h in reply.handles:
+                want = self.written[rid][h.block_index]
+                have = node.mapped.read(h).tobytes()
+                if h.recompute:  # dropped: zeros, which the engine recomputes
+                    assert have == bytes(PAGE), f"{rid}:{h.block_index} recomputed, not zeros"
+                    node.mapped.write(h, np.frombuffer(want, np.uint8))
+                else:
+                    assert have == want, (f"{rid}:{h.block_index} on node {node.name} "
+                                          f"({pb.Tier.Name(h.tier)} page {h.page_index}) does "
+                                          "not hold what was written")
         assert got == set(self.written[rid]), (
             f"{rid} on node {node.name}: blocks {sorted(got)}, written "
             f"{sorted(self.written[rid])}")
-        for h in reply.handles:
-            want = self.written[rid][h.block_index]
-            have = node.mapped.read(h).tobytes()
-            if h.recompute:  # dropped: zeros, which the engine recomputes
-                assert have == bytes(PAGE), f"{rid}:{h.block_index} recomputed, not zeros"
-                node.mapped.write(h, np.frombuffer(want, np.uint8))
-            else:
-                assert have == want, (f"{rid}:{h.block_index} on node {node.name} "
-                                      f"({pb.Tier.Name(h.tier)} page {h.page_index}) does not "
-                                      "hold what was written")
         self.reads += 1
 
 
@@ -301,7 +322,14 @@ async def _step(cluster: Cluster, kind: int, x: int, y: int) -> None:
         reply = await asyncio.wait_for(
             cluster.stream.step(allocations=[(rid, 1)] if y % 2 else [], read_all=[rid]),
             STUCK_S)
+        held = len(cluster.written[rid]) + len(reply.allocated)
         for error in reply.errors:  # no room: the step goes on without it
+            if held > cluster.b.device_pages and error.section == "read_all":
+                # Grown past the device tier: never read whole, and told so.
+                assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], error
+                assert "at once needs as many device pages" in error.message, error
+                cluster.refused_whole += 1
+                continue
             assert error.code in STEP_REFUSED, error
         await cluster.write(node, rid, reply.allocated)
     elif kind == 6:  # the operator, on either node
@@ -340,7 +368,7 @@ async def _example(nodes, operations) -> Cluster:
     a_kvd, b_kvd = nodes
     async with AsyncClient(a_kvd.target, timeout_s=STUCK_S) as ca, \
             AsyncClient(b_kvd.target, timeout_s=STUCK_S) as cb:
-        cluster = Cluster(Node("a", "prefill", ca), Node("b", "decode", cb))
+        cluster = Cluster(Node("a", "prefill", ca, 10), Node("b", "decode", cb, 8))
         for node in (cluster.a, cluster.b):
             node.mapped = MappedPool(await node.client.export_pool(node.pool))
         try:
@@ -367,6 +395,11 @@ OPERATION = st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9))
 HANDED_AND_READ = [(0, 3, 0), (7, 0, 3), (1, 0, 1), (3, 0, 0), (2, 0, 0), (8, 0, 3),
                    (3, 0, 0), (1, 0, 0), (9, 0, 1), (4, 0, 0), (3, 0, 0)]
 
+# Handed off, then grown on the decode node past its 8 device pages (10 blocks, then 11 by
+# a Step): read in parts, and a Step's read of it whole refused as such.
+GROWN_PAST_THE_DEVICE = [(0, 3, 0), (1, 0, 1), (1, 0, 1), (2, 0, 0), (1, 0, 1), (1, 0, 1),
+                         (1, 0, 1), (3, 0, 0), (9, 0, 1), (3, 0, 0)]
+
 
 @pytest.mark.timeout(max(180, EXAMPLES * 15))
 def test_random_traffic_across_two_nodes_reads_only_what_was_written(nodes):
@@ -376,6 +409,7 @@ def test_random_traffic_across_two_nodes_reads_only_what_was_written(nodes):
     @on_live_daemons(EXAMPLES)
     @given(operations=st.lists(OPERATION, min_size=OPS // 3, max_size=OPS))
     @example(operations=HANDED_AND_READ)
+    @example(operations=GROWN_PAST_THE_DEVICE)
     def run(operations):
         done.append(loop.run_until_complete(_example(nodes, operations)))
 
@@ -386,3 +420,6 @@ def test_random_traffic_across_two_nodes_reads_only_what_was_written(nodes):
     first = done[0]
     assert (first.handed, first.reads, first.loads_on_b) == (1, 3, 4), \
         "the explicit example did not run as written"
+    grown = done[1]
+    assert (grown.handed, grown.reads, grown.read_in_parts, grown.refused_whole) == \
+        (1, 2, 2, 1), "the example grown past the device did not run as written"
