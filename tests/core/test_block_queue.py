@@ -57,7 +57,7 @@ def test_a_queue_compacts_what_moving_blocks_leave_behind():
 
 
 @given(st.lists(st.tuples(st.sampled_from(["push", "requeue", "requests", "discard", "first",
-                                           "free", "grow"]),
+                                           "oldest", "free", "grow"]),
                           st.integers(0, 2), st.integers(0, 11)), max_size=300))
 def test_a_run_queue_keeps_the_order_a_list_would(ops):
     """RunQueue against a list: requeue_requests moves each request's live blocks the queue
@@ -113,6 +113,8 @@ def test_a_run_queue_keeps_the_order_a_list_would(ops):
             req.live.append(new)
             model.append(new)
             queue.push(new)
+        elif op == "oldest":
+            assert queue.oldest(i) == model[:i]
         elif model:
             assert queue.first() is model[0]
         assert list(queue) == model
@@ -148,3 +150,4 @@ def test_a_request_read_step_after_step_costs_one_entry_a_step():
         assert queue.first() is cold
     assert compacted and len(queue._entries) <= 2 * len(queue) + 64
     assert list(queue) == [cold, *req.live]
+

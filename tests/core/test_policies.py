@@ -146,6 +146,24 @@ def test_recency_policies_record_whole_request_reads_without_walking_their_block
     assert req.live.walks == 0
     assert policy.choose(65) == [*cold, *blocks]
 
+
+def test_lru_walks_a_long_request_read_whole_once_as_it_evicts_it_a_batch_at_a_time():
+    """The run a whole read left at the front is replaced by its blocks when victims are
+    chosen from it: each batch after walks what it takes, not the request's blocks again
+    (most of them gone: a walk per batch)."""
+    policy = make_policy("lru", FakeClock())
+    blocks = _blocks(4096, rid="long")
+    req = blocks[0].request
+    for b in blocks:
+        policy.insert(b)
+    req.live = _CountedWalks(blocks)
+    policy.touch_requests([req])
+    for start in range(0, 4096, 64):  # evicted 64 at a time
+        victims = policy.choose(64)
+        assert victims == blocks[start:start + 64]
+        policy.take(victims)
+    assert len(policy) == 0 and req.live.walks == 1
+
 def test_intent_order():
     policy = make_policy("intent", FakeClock())
     hot, warm, cold, done, draft, cheap, expensive = _blocks(7)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from itertools import chain, islice
+from itertools import chain
 
 from kvd.core.blocks import Block
 from kvd.core.clock import Clock
@@ -105,7 +105,7 @@ class LruPolicy(RecencyQueues):
             return None
         if n == 1:
             return [self._order.first()]
-        return list(islice(self._order, n))
+        return self._order.oldest(n)
 
     def order_problems(self) -> list[str]:
         order = list(self._order)

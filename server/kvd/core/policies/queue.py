@@ -94,7 +94,7 @@ class BlockQueue:
 
 
 class RunQueue:
-    """A BlockQueue whose reads of whole requests cost one entry each, not one per block.
+    """Like BlockQueue, and a read of a whole request costs one entry, not one per block.
 
     An engine's step reads every block of each request it runs; with long contexts that is
     hundreds of thousands of blocks a step, and moving each to the back of an LRU queue held
@@ -183,6 +183,27 @@ class RunQueue:
             if runs.get(item) == pos:  # the request's latest run: its blocks take its place
                 del runs[item]
                 entries.extendleft(reversed(self._standing(item, pos)))
+
+    def oldest(self, n: int) -> list[Block]:
+        """The n oldest blocks (all of them when it holds fewer), oldest first. The runs met
+        on the way are replaced by their blocks, as first() replaces one, so choosing again
+        never walks a run's request again (a long request evicted a batch at a time, most
+        of its blocks gone already, would be walked whole for each batch)."""
+        entries, runs = self._entries, self._runs
+        out: list[Block] = []
+        kept: list[tuple[int, Block]] = []
+        while entries and len(out) < n:
+            pos, item = entries.popleft()
+            if type(item) is Block:
+                if (item.queue is self and item.queue_pos == pos
+                        and (not runs or runs.get(item.request, pos) <= pos)):
+                    out.append(item)
+                    kept.append((pos, item))
+            elif runs.get(item) == pos:
+                del runs[item]
+                entries.extendleft(reversed(self._standing(item, pos)))
+        entries.extendleft(reversed(kept))
+        return out
 
     def _standing(self, req: Request, pos: int) -> list[tuple[int, Block]]:
         """The entries of the blocks that stand at req's run at `pos`, now at `pos`."""
