@@ -147,11 +147,12 @@ def test_recency_policies_record_whole_request_reads_without_walking_their_block
     assert policy.choose(65) == [*cold, *blocks]
 
 
-def test_lru_walks_a_long_request_read_whole_once_as_it_evicts_it_a_batch_at_a_time():
+@pytest.mark.parametrize("name", ["lru", "regret"])
+def test_a_long_request_read_whole_is_walked_once_as_it_is_evicted_a_batch_at_a_time(name):
     """The run a whole read left at the front is replaced by its blocks when victims are
     chosen from it: each batch after walks what it takes, not the request's blocks again
     (most of them gone: a walk per batch)."""
-    policy = make_policy("lru", FakeClock())
+    policy = make_policy(name, FakeClock())
     blocks = _blocks(4096, rid="long")
     req = blocks[0].request
     for b in blocks:

@@ -82,7 +82,9 @@ class RegretPolicy(RecencyQueues):
         if n > len(self._level_of):
             return None
         window = self.window_s
-        fronts = [iter(queue) for queue in self._levels]
+        # Each level's n oldest, its runs met on the way replaced by their blocks (see
+        # RunQueue.oldest): a long request evicted a batch at a time is walked once.
+        fronts = [iter(queue.oldest(n)) for queue in self._levels]
         heads: list[tuple[float, int, Block]] = []
         for level, it in enumerate(fronts):
             block = next(it, None)
