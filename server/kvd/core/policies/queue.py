@@ -104,10 +104,10 @@ class RunQueue:
     blocks would have put them. A block stands at its run when the request's latest run
     comes after the block's own entry (block.queue_pos < the run's position); a block pushed
     or moved on its own since stands at its own entry. A run is replaced by the blocks it
-    stands for when it reaches the front (`first`) or when the queue compacts, so a request
-    read step after step costs one entry a step, and its blocks are looked at once it is
-    among the oldest (or once per compaction, which as many entries as the queue holds
-    blocks must come before).
+    stands for when a choice of victims meets it (`first`, `oldest`) or when the queue
+    compacts, so a request read step after step costs one entry a step, and its blocks are
+    looked at once it is among the oldest (or once per compaction, which as many entries as
+    the queue holds blocks must come before).
 
     Entries are (position, block or request); positions grow along the queue (a run's
     blocks all take its position when it is replaced), and an entry counts only while its
