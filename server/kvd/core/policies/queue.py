@@ -20,9 +20,27 @@ from collections.abc import Iterator
 from kvd.core.blocks import Block, Request
 
 
-class BlockQueue:
+class _Membership:
+    """What a queue knows of its blocks without its entries: which it holds, how many."""
+
+    __slots__ = ("_live",)
+
+    def discard(self, block: Block) -> None:
+        """Take block out of the queue (nothing when it is not in it)."""
+        if block.queue is self:
+            block.queue = None
+            self._live -= 1
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, block: Block) -> bool:
+        return block.queue is self
+
+
+class BlockQueue(_Membership):
     """Blocks in insertion order with O(1) removal: the queue each policy class keeps."""
-    __slots__ = ("_entries", "_head", "_live")
+    __slots__ = ("_entries", "_head")
 
     def __init__(self) -> None:
         self._entries: deque[Block] = deque()
@@ -55,12 +73,6 @@ class BlockQueue:
         if len(entries) > 2 * self._live + 64:
             self._compact()
 
-    def discard(self, block: Block) -> None:
-        """Take block out of the queue (nothing when it is not in it)."""
-        if block.queue is self:
-            block.queue = None
-            self._live -= 1
-
     def first(self) -> Block:
         """The oldest block. The queue must not be empty."""
         entries = self._entries
@@ -86,14 +98,8 @@ class BlockQueue:
             block.queue_pos = pos
         self._entries = deque(live)
 
-    def __len__(self) -> int:
-        return self._live
 
-    def __contains__(self, block: Block) -> bool:
-        return block.queue is self
-
-
-class RunQueue:
+class RunQueue(_Membership):
     """Like BlockQueue, and a read of a whole request costs one entry, not one per block.
 
     An engine's step reads every block of each request it runs; with long contexts that is
@@ -114,7 +120,7 @@ class RunQueue:
     block's queue_pos is its position, or its request's latest run is at it.
     """
 
-    __slots__ = ("_entries", "_next", "_live", "_runs")
+    __slots__ = ("_entries", "_next", "_runs")
 
     def __init__(self) -> None:
         self._entries: deque[tuple[int, Block | Request]] = deque()
@@ -162,20 +168,13 @@ class RunQueue:
         self._next = pos
         self._compact_if_due()
 
-    def discard(self, block: Block) -> None:
-        """Take block out of the queue (nothing when it is not in it)."""
-        if block.queue is self:
-            block.queue = None
-            self._live -= 1
-
     def first(self) -> Block:
         """The oldest block. The queue must not be empty."""
         entries, runs = self._entries, self._runs
         while True:
             pos, item = entries[0]
             if type(item) is Block:
-                if (item.queue is self and item.queue_pos == pos
-                        and (not runs or runs.get(item.request, pos) <= pos)):
+                if self._counts(pos, item):
                     return item
                 entries.popleft()  # stale, or standing at a later run of its request
                 continue
@@ -195,8 +194,7 @@ class RunQueue:
         while entries and len(out) < n:
             pos, item = entries.popleft()
             if type(item) is Block:
-                if (item.queue is self and item.queue_pos == pos
-                        and (not runs or runs.get(item.request, pos) <= pos)):
+                if self._counts(pos, item):
                     out.append(item)
                     kept.append((pos, item))
             elif runs.get(item) == pos:
@@ -219,13 +217,19 @@ class RunQueue:
         runs = self._runs
         for pos, item in self._entries:
             if type(item) is Block:
-                if (item.queue is self and item.queue_pos == pos
-                        and (not runs or runs.get(item.request, pos) <= pos)):
+                if self._counts(pos, item):
                     yield item
             elif runs.get(item) == pos:
                 for block in item.live:
                     if block.queue is self and block.queue_pos < pos:
                         yield block
+
+    def _counts(self, pos: int, block: Block) -> bool:
+        """Whether the entry (pos, block) stands for the block: the block's latest entry, and
+        no later run of its request."""
+        runs = self._runs
+        return (block.queue is self and block.queue_pos == pos
+                and (not runs or runs.get(block.request, pos) <= pos))
 
     def _compact_if_due(self) -> None:
         if len(self._entries) > 2 * self._live + 64:
@@ -237,16 +241,9 @@ class RunQueue:
         kept: list[tuple[int, Block | Request]] = []
         for pos, item in self._entries:
             if type(item) is Block:
-                if (item.queue is self and item.queue_pos == pos
-                        and (not runs or runs.get(item.request, pos) <= pos)):
+                if self._counts(pos, item):
                     kept.append((pos, item))
             elif runs.get(item) == pos:
                 kept += self._standing(item, pos)
         runs.clear()
         self._entries = deque(kept)
-
-    def __len__(self) -> int:
-        return self._live
-
-    def __contains__(self, block: Block) -> bool:
-        return block.queue is self
