@@ -55,6 +55,12 @@ class RecencyQueues(EvictionPolicy):
         """_requeue() of each request's live blocks in turn."""
         self._requeue(chain.from_iterable(req.live for req in requests))
 
+    def touch_request(self, req) -> None:
+        self._requeue_requests((req,))
+
+    def touch_requests(self, requests) -> None:
+        self._requeue_requests(requests)
+
 
 class LruPolicy(RecencyQueues):
     """O(1) insert, remove and touch on a RunQueue, and O(1) a whole request's read;
@@ -76,7 +82,7 @@ class LruPolicy(RecencyQueues):
         self._order.requeue(blocks)
 
     def _requeue_requests(self, requests) -> None:
-        self._order.requeue_requests(requests)
+        self._order.requeue_requests(requests)  # one entry each (see RunQueue)
 
     def remove(self, block: Block) -> None:
         self._order.discard(block)
@@ -86,13 +92,6 @@ class LruPolicy(RecencyQueues):
 
     def touch_many(self, blocks) -> None:
         self._order.requeue(blocks)  # pinned blocks are not held: skipped
-
-    def touch_request(self, req) -> None:
-        self._order.requeue_requests((req,))
-
-    def touch_requests(self, requests) -> None:
-        # One entry for each request: its blocks stand there (see RunQueue).
-        self._order.requeue_requests(requests)
 
     def reorder(self, block: Block) -> None:
         pass  # LRU ignores intent by definition.

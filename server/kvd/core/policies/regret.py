@@ -66,12 +66,6 @@ class RegretPolicy(RecencyQueues):
         for queue in self._levels:  # each request's blocks of that level stand at its run
             queue.requeue_requests(requests)
 
-    def touch_request(self, req) -> None:
-        self._requeue_requests((req,))
-
-    def touch_requests(self, requests) -> None:
-        self._requeue_requests(requests)
-
     def reorder(self, block: Block) -> None:
         pass  # learns from evictions and reads, not from intent
 
