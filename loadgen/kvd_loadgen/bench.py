@@ -303,8 +303,8 @@ def bench_victims(sizes=(10_000, 1_000_000), churn: int = 20_000) -> dict:
             reqs = [Request(f"v{j}", "t", "p", 0, 64, RequestState.ADMITTED)
                     for j in range((size + churn) // 64 + 1)]
             deadlines = rng.random(size + churn)
-            blocks = [Block(reqs[i // 64], i, TierKind.DEVICE, i, last_access=float(i),
-                            reuse_s=float(deadlines[i]), deadline_at=float(deadlines[i]),
+            blocks = [Block(reqs[i // 64], i, TierKind.DEVICE, i, own_access=float(i),
+                            own_reuse_s=float(deadlines[i]), deadline_at=float(deadlines[i]),
                             request_priority=i % 100)
                       for i in range(size + churn)]
             for b in blocks[:size]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,10 +87,11 @@ class Block:
     # Bumped whenever its page changes, so the Step stream reports only relocations.
     epoch: int = 0
     seen_epoch: int = 0
-    last_access: float = 0.0
-    # The time between its last two reads: attention reads a running request's blocks every
-    # step, so this predicts its next read (the reuse policy uses it).
-    reuse_s: float = 0.0
+    # Its last read, and the time between its last two reads, as reads of this block alone
+    # (and its placement) left them: see last_access and reuse_s, which a read of its
+    # whole request since stands above.
+    own_access: float = 0.0
+    own_reuse_s: float = 0.0
     # Intent.
     phase: Phase = Phase.PREFILL
     priority: Priority = Priority.WARM
@@ -151,6 +153,38 @@ class Block:
         return True
 
     @property
+    def last_access(self) -> float:
+        """When it was last read. A read of its whole request is recorded once, on the
+        request (Request.read_at): it stands for a read of each block the request held then,
+        which is each block whose own last read is no later."""
+        own = self.own_access
+        read = self.request.read_at
+        return read if read >= own else own
+
+    @last_access.setter
+    def last_access(self, now: float) -> None:
+        """A read of this block alone (no earlier than its request's last whole read)."""
+        self.own_access = now
+
+    @property
+    def reuse_s(self) -> float:
+        """The time between its last two reads: attention reads a running request's blocks
+        every step, so this predicts its next read (the reuse policy uses it). Read with its
+        whole request last, from the later of its own last read before and its request's
+        whole read before (Request.read_since)."""
+        own = self.own_access
+        req = self.request
+        read = req.read_at
+        if own > read:
+            return self.own_reuse_s
+        since = req.read_since
+        return read - (own if own > since else since)
+
+    @reuse_s.setter
+    def reuse_s(self, seconds: float) -> None:
+        self.own_reuse_s = seconds
+
+    @property
     def key(self) -> str:
         """The block's identity in events and logs: (request id, index)."""
         return f"{self.request.request_id}:{self.index}"
@@ -186,6 +220,11 @@ class Request:
     # leaves ever more None in `blocks`; its reads cost what it holds, not what it held.
     live: list[Block] = field(default_factory=list)
     num_live_blocks: int = 0
+    # Its last read of every block at once, and the read before it (or the latest of the
+    # reads merged into it, see Reads.take): each block's last_access and reuse_s read them,
+    # and recording such a read costs the same for one block or a million.
+    read_at: float = -math.inf
+    read_since: float = -math.inf
     num_device_blocks: int = 0
     num_moving_blocks: int = 0
     # Of its live blocks, those decode-critical (counted as reads of such blocks).

@@ -590,7 +590,7 @@ class PageTable:
             if len(req.blocks) < index:  # a gap: the indices in it hold no block
                 req.blocks.extend([None] * (index - len(req.blocks)))
             block = Block(req, index, TierKind.DEVICE, page, moving=True,
-                          last_access=now, request_priority=req.priority)
+                          own_access=now, request_priority=req.priority)
             req.num_moving_blocks += 1
             if intent:
                 intents.apply(block, intent, now)

@@ -514,20 +514,22 @@ class Reads:
         of them decode-critical (as they were when read): recency, the policy's order, and
         read metering. `reads` is (request, now, before, count, num_read, critical, seq) in
         the order of the last reads, as take() gives them. A block added since `now` was not
-        read."""
+        read.
+
+        Recorded on the request, not block by block (see Block.last_access and reuse_s): a
+        long context's every step reads every one of its blocks, and a walk over them held
+        the event loop, and every other tenant's call, for milliseconds. Each block it held
+        then (its own last read no later than `now`) reads `now` as its last read, and the
+        later of its own and the request's read before as the one before (a block added
+        after the read before was first read at `now`)."""
         policy = self.pages.policy
-        tracks_reuse = policy.tracks_reuse
         num_critical = num_blocks = 0
         for req, now, before, count, num_read, critical, _ in reads:
             num_critical += critical
-            for b in req.live:
-                if b.last_access <= now:
-                    if tracks_reuse:
-                        # A block added after the read before was first read at `now`.
-                        last = b.last_access
-                        b.reuse_s = now - (last if before is None or last > before
-                                           else before)
-                    b.last_access = now
+            last = req.read_at
+            if now >= last:  # (a read older than the last recorded changes no block)
+                req.read_since = last if before is None or last > before else before
+                req.read_at = now
             num_blocks += num_read
             self.note(req, num_read, now)
         if policy.late_inserts:  # put among (or given to) the blocks queued meanwhile

@@ -30,8 +30,6 @@ class EvictionPolicy(ABC):
     # intent-blind baselines (lru, regret) do not; every policy honours pins, which are a
     # safety property of the pool, not a preference.
     uses_intent: ClassVar[bool] = False
-    # Whether the policy reads block.reuse_s (the access path computes it only then).
-    tracks_reuse: ClassVar[bool] = False
     # Whether the policy orders tenants by fair share (admission then counts only pages
     # above other tenants' shares as room).
     fair: ClassVar[bool] = False

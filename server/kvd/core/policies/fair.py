@@ -86,7 +86,6 @@ class FairPolicy(LastReadQueued):
         # blocks queued after them (see LastReadQueued).
         self.per_request_order = base.eager_touch
         self.orders_late_reads = not base.eager_touch
-        self.tracks_reuse = base.tracks_reuse
         self._by_request: dict[Request, EvictionPolicy] = {}
         self._by_size: dict[str, _RequestsBySize] = {}
         self._held_by_tenant: Counter[str] = Counter()

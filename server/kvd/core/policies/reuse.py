@@ -28,7 +28,6 @@ class ReusePolicy(EvictionPolicy):
     """Belady's MIN with learned next reads: victims from the request whose next read is
     predicted furthest, its most recently read block first (see the module)."""
     name = "reuse"
-    tracks_reuse = True
 
     def __init__(self, clock: Clock) -> None:
         super().__init__(clock)
