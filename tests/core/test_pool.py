@@ -1109,3 +1109,42 @@ def test_a_handoff_knows_the_holders_that_may_still_write_a_request_and_their_ne
     assert told == [1, 1, 1]
     pool.end_holds(OWN_HOLDER + "work")
     assert set(holds.writers(pool.requests["a"])) == {"reader"}  # its new read's
+
+
+class _CountedLookups:
+    """A module's TierKind that counts the lookups of its members."""
+
+    def __init__(self, real) -> None:
+        self.real, self.lookups = real, 0
+
+    def __getattr__(self, name: str):
+        self.lookups += 1
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_a_whole_read_missing_a_few_blocks_looks_at_those_only(make_pool, monkeypatch,
+                                                                policy):
+    """A read of a whole long request that misses a few blocks (under `fair`, a request over
+    its share reads this way every step: the refill demotes, its read brings back) found
+    them by looking at each of its blocks, and checked each for a copy under way, on the
+    loop every other tenant's call waits on."""
+    import kvd.core.reads as reads
+
+    pool = make_pool(device_pages=600, host_pages=16, policy=policy)
+    pool.admit("long", tenant="t", prompt_tokens=16 * 512, output_tokens=0)
+    settle(pool, pool.allocate("long", 512))
+    req = pool.requests["long"]
+    settle(pool, pool.evict(3))
+    gone = sorted(b.index for b in req.live if b.tier is TierKind.HOST)
+    assert len(gone) == 3
+    tiers = _CountedLookups(TierKind)
+    checked: list[int] = []
+    monkeypatch.setattr(reads, "TierKind", tiers)
+    monkeypatch.setattr(reads, "check_still", lambda blocks: checked.append(len(blocks)))
+    result = pool.access("long", None)
+    monkeypatch.undo()
+    assert [m.block.index for m in result.plan.promotions] == gone
+    assert tiers.lookups == 0 and checked == []
+    settle(pool, result.plan)
+    assert req.num_device_blocks == 512 and not req.off_device

@@ -220,6 +220,9 @@ class Request:
     # leaves ever more None in `blocks`; its reads cost what it holds, not what it held.
     live: list[Block] = field(default_factory=list)
     num_live_blocks: int = 0
+    # Its live blocks not in the device tier (in the host tier, or dropped), in no order: a
+    # read of the whole request finds what it misses without walking the others.
+    off_device: dict[Block, None] = field(default_factory=dict)
     # Its last read of every block at once, and the read before it (or the latest of the
     # reads merged into it, see Reads.take): each block's last_access and reuse_s read them,
     # and recording such a read costs the same for one block or a million.

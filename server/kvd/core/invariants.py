@@ -200,10 +200,19 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
     if len(live) != req.num_live_blocks:
         problems.append(f"{name}: {rid} counts {req.num_live_blocks} live blocks, "
                         f"has {len(live)}")
+    moving = sum(b.moving for b in live)
+    if moving != req.num_moving_blocks:
+        problems.append(f"{name}: {rid} counts {req.num_moving_blocks} blocks in transit, "
+                        f"has {moving}")
     if req.num_moving_blocks and not pool.pages.noted_moving(req):
         problems.append(f"{name}: {rid} has {req.num_moving_blocks} block(s) in transit "
                         "that the pool's look for them would miss")
     on_device = sum(b.tier is TierKind.DEVICE for b in live)
+    off = {id(b) for b in live if b.tier is not TierKind.DEVICE}
+    if off != {id(b) for b in req.off_device}:
+        problems.append(f"{name}: {rid}'s blocks off the device tier are "
+                        f"{sorted(b.index for b in live if id(b) in off)}, it lists "
+                        f"{sorted(b.index for b in req.off_device)}")
     if on_device != req.num_device_blocks:
         problems.append(f"{name}: {rid} counts {req.num_device_blocks} device blocks, "
                         f"has {on_device}")

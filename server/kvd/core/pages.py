@@ -638,8 +638,10 @@ class PageTable:
             else:
                 self.device.release(block.page)
             self.device_delta(block, -1)
-        elif block.tier is TierKind.HOST:
-            self.host.release(block.page)
+        else:
+            req.off_device.pop(block, None)
+            if block.tier is TierKind.HOST:
+                self.host.release(block.page)
         self.count_pin(block, -1)
         req.blocks[block.index] = None
         if unlive:

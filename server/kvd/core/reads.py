@@ -83,6 +83,8 @@ def changes_blocks(method):
     return wrapper
 
 
+_INDEX = operator.attrgetter("index")
+
 # Answers kept for reads to come (about one per engine stepping on the pool).
 MAX_ANSWERS = 64
 # Requests recorded at a time by record_some: a node's engines read hundreds of requests
@@ -433,8 +435,10 @@ class Reads:
                 self._held_whole(req, (), holder)
             return AccessResult(None, None, req)
         blocks = resolve(req, indices)
-        check_still(blocks)
-        missing = [b for b in blocks if b.tier is not TierKind.DEVICE]
+        if indices is not None or req.num_moving_blocks:  # (else none of them moves)
+            check_still(blocks)
+        missing = (sorted(req.off_device, key=_INDEX) if indices is None
+                   else [b for b in blocks if b.tier is not TierKind.DEVICE])
         counters = self.counters
         plan = None
         if missing:

@@ -27,6 +27,7 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
         pages.device_delta(b, -1)
         if not m.src_reassigned:
             pages.device.release(m.src_page)
+        b.request.off_device[b] = None
         if m.kind is MoveKind.DROP:
             b.tier, b.page = TierKind.NONE, -1
             c.num_drops += 1
@@ -59,6 +60,7 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
             if b.request.account is not None:
                 b.request.account.num_recomputes += 1
         b.tier, b.page = TierKind.DEVICE, m.dst_page
+        b.request.off_device.pop(b, None)
         b.request.maybe_relocated = True
         if followed is not None and b.name is not None:
             followed.add(b.name)
