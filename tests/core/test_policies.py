@@ -429,3 +429,76 @@ def test_reuse_evicts_the_furthest_predicted_next_read():
     scan[0].last_access = 10.2
     policy.touch(scan[0])
     assert policy.choose(1) == [scan[0]]
+
+
+_REUSE_OPS = st.lists(st.tuples(
+    st.sampled_from(["insert", "remove", "touch", "touch many", "read whole"]),
+    st.integers(0, 1), st.lists(st.integers(0, 11), min_size=1, max_size=4)),
+    min_size=1, max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_REUSE_OPS)
+def test_reuse_keeps_each_requests_blocks_in_the_order_a_list_would(ops):
+    """reuse orders each request's blocks by their reads: a block inserted or read alone
+    goes to the end, and a read of the whole request leaves its blocks in index order. It
+    reorders only the blocks that came to the end since the request was last in order, and
+    those before them with a higher index: the order must be what moving each block in
+    index order would leave."""
+    policy = make_policy("reuse", FakeClock())
+    reqs = [_blocks(12, rid=f"r{i}") for i in range(2)]
+    for blocks in reqs:
+        blocks[0].request.live = list(blocks)
+    model: list[list[Block]] = [[], []]  # each request's held blocks, in order
+    for op, r, indices in ops:
+        blocks, order = reqs[r], model[r]
+        picked = [blocks[i] for i in dict.fromkeys(indices)]
+        if op == "insert":
+            for b in picked:
+                if b not in order:
+                    policy.insert(b)
+                    order.append(b)
+        elif op == "remove":
+            for b in picked:
+                if b in order:
+                    policy.remove(b)
+                    order.remove(b)
+        elif op == "touch":
+            if picked[0] in order:
+                policy.touch(picked[0])
+                order.remove(picked[0])
+                order.append(picked[0])
+        elif op == "touch many":
+            policy.touch_many(picked)
+            for b in picked:
+                if b in order:
+                    order.remove(b)
+                    order.append(b)
+        else:
+            policy.touch_request(blocks[0].request)
+            order.sort(key=lambda b: b.index)
+        for i in range(2):
+            assert list(policy._blocks.get(reqs[i][0].request, ())) == model[i]
+
+
+def test_reuse_puts_a_long_request_back_in_order_without_walking_its_blocks():
+    """A long request read whole step after step, a few of its blocks brought back or
+    grown between reads (put at the end, out of index order): each read put every block
+    back in index order by walking all of them (under `fair`, whose base is reuse, a
+    whale's every step walked its 65,536 blocks on the loop other tenants wait on)."""
+    policy = make_policy("reuse", FakeClock())
+    blocks = _blocks(4096, rid="long")
+    req = blocks[0].request
+    for b in blocks:
+        if b.index not in (100, 4000):
+            policy.insert(b)
+    req.live = _CountedWalks(blocks)
+    policy.insert(blocks[4000])  # brought back after the others: out of order
+    policy.insert(blocks[100])
+    policy.touch_request(req)
+    assert list(policy._blocks[req]) == blocks
+    assert req.live.walks == 0
+    policy.remove(blocks[4095])
+    policy.insert(blocks[4095])  # in order: nothing to put back
+    policy.touch_request(req)
+    assert list(policy._blocks[req]) == blocks and req.live.walks == 0

@@ -16,12 +16,14 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Collection
 from itertools import count, islice
+from operator import attrgetter
 
 from kvd.core.blocks import Block, Request
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
 
 _STALE = (None, None)  # the key of a request no longer held
+_INDEX = attrgetter("index")
 
 
 class ReusePolicy(EvictionPolicy):
@@ -40,6 +42,11 @@ class ReusePolicy(EvictionPolicy):
         # Requests whose held blocks are in index order: the order a read of the whole
         # request leaves them in, so reading it again moves none of them.
         self._in_order: set[Request] = set()
+        # Of the others, how many blocks were put at the end of their held blocks since they
+        # were last in index order (at most: some may have gone since): what came before
+        # those is in index order still, and a read of the whole request reorders only
+        # them and the blocks before them with a higher index.
+        self._appended: dict[Request, int] = {}
         self._num = 0
         self._seq = count()
 
@@ -72,8 +79,11 @@ class ReusePolicy(EvictionPolicy):
         if blocks is None:
             blocks = self._blocks[req] = OrderedDict()
             self._in_order.add(req)
-        elif req in self._in_order and next(reversed(blocks)).index > block.index:
+        elif req not in self._in_order:
+            self._appended[req] += 1
+        elif next(reversed(blocks)).index > block.index:
             self._in_order.discard(req)
+            self._appended[req] = 1
         blocks[block] = None
         self._num += 1
         self._predict(req, block)
@@ -87,24 +97,52 @@ class ReusePolicy(EvictionPolicy):
             del self._blocks[req]
             del self._key[req]
             self._in_order.discard(req)
+            self._appended.pop(req, None)
 
     def touch(self, block: Block) -> None:
         held = self._blocks[block.request]
         if next(reversed(held)) is not block:
-            self._in_order.discard(block.request)
+            self._out_of_order(block.request, 1)
             held.move_to_end(block)
         self._predict(block.request, block)
+
+    def _out_of_order(self, req: Request, appended: int) -> None:
+        """`appended` blocks of req were put at the end of its held blocks out of order."""
+        if req in self._in_order:
+            self._in_order.discard(req)
+            self._appended[req] = appended
+        else:
+            self._appended[req] += appended
 
     def touch_request(self, req: Request) -> None:
         held = self._blocks.get(req)
         if held is None:
             return
         if req not in self._in_order:
-            for block in req.live:  # every held block to the end, in index order
-                if block in held:
-                    held.move_to_end(block)
+            self._reorder(req, held)
             self._in_order.add(req)
         self._predict(req, next(reversed(held)))
+
+    def _reorder(self, req: Request, held: OrderedDict[Block, None]) -> None:
+        """Put req's held blocks in index order, as moving each to the end in index order
+        would: only the blocks put at the end since they were last in order move, and those
+        before them with a higher index (for a long request read whole step after step, the
+        few blocks brought back or grown since its last read, not all of its blocks)."""
+        appended = self._appended.pop(req)
+        moving: list[Block] = []
+        lowest = None
+        for block in reversed(held):
+            if len(moving) < appended:
+                moving.append(block)
+                if lowest is None or block.index < lowest:
+                    lowest = block.index
+            elif block.index > lowest:  # in order, but past one that came after it
+                moving.append(block)
+            else:
+                break  # in order from here back, and before every block moving
+        moving.sort(key=_INDEX)
+        for block in moving:
+            held.move_to_end(block)
 
     def touch_many(self, blocks) -> None:
         last = None
@@ -113,7 +151,7 @@ class ReusePolicy(EvictionPolicy):
                 held = self._blocks.get(block.request)
                 if held is not None and block in held:
                     held.move_to_end(block)
-                    self._in_order.discard(block.request)
+                    self._out_of_order(block.request, 1)
                     last = block
         if last is not None:
             self._predict(last.request, last)
