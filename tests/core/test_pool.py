@@ -1148,3 +1148,33 @@ def test_a_whole_read_missing_a_few_blocks_looks_at_those_only(make_pool, monkey
     assert tiers.lookups == 0 and checked == []
     settle(pool, result.plan)
     assert req.num_device_blocks == 512 and not req.off_device
+
+
+def test_a_whole_read_reports_the_blocks_that_moved_without_looking_at_the_others(make_pool):
+    """The reply to a whole read through the general path reports the blocks whose page
+    changed since the engine was told: it found them by looking at each block of the
+    request (65,536 a step for a long context over its share under `fair`)."""
+    from kvd.service.step import _relocated
+    from kvd_api.v1 import kvd_pb2 as pb
+
+    from .test_policies import _CountedWalks
+
+    pool = make_pool(device_pages=600, host_pages=16, policy="lru")
+    pool.admit("long", tenant="t", prompt_tokens=16 * 512, output_tokens=0)
+    settle(pool, pool.allocate("long", 512))
+    req = pool.requests["long"]
+    reply = pb.StepResponse()
+    _relocated(reply, pool.access("long", None), pool.page_bytes)  # told of every page
+    settle(pool, pool.evict(3))
+    result = pool.access("long", None)
+    settle(pool, result.plan)
+    moved = sorted(m.block.index for m in result.plan.promotions)
+    result.blocks = _CountedWalks(result.blocks)
+    reply = pb.StepResponse()
+    _relocated(reply, result, pool.page_bytes)
+    assert [h.block_index for h in reply.relocated] == moved
+    assert [h.page_index for h in reply.relocated] == [req.blocks[i].page for i in moved]
+    assert result.blocks.walks == 0
+    reply = pb.StepResponse()
+    _relocated(reply, pool.access("long", None), pool.page_bytes)
+    assert list(reply.relocated) == []  # told once

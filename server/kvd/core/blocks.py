@@ -234,6 +234,10 @@ class Request:
     num_critical: int = 0
     # Set when a block moved to a new device page; cleared once the engine was told.
     maybe_relocated: bool = False
+    # Its blocks whose page changed, or whose telling is to be repeated, since the engine was
+    # last told of them (and some told since), in no order: a read of the whole request
+    # reports those still untold without looking at the others.
+    untold: dict[Block, None] = field(default_factory=dict)
     # What it went through (a RequestAccount), for Explain.
     account: Any = None
     # Bandwidth: bytes its transfers moved, blocks attention read, and its token buckets

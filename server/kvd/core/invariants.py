@@ -208,6 +208,10 @@ def _check_request(pool: Pool, req: Request, owners: Counter, tally: _Tally,
         problems.append(f"{name}: {rid} has {req.num_moving_blocks} block(s) in transit "
                         "that the pool's look for them would miss")
     on_device = sum(b.tier is TierKind.DEVICE for b in live)
+    untold = [b.index for b in live if b.epoch != b.seen_epoch and b not in req.untold]
+    if untold:
+        problems.append(f"{name}: {rid}'s blocks {untold} moved since the engine was told, "
+                        "and it does not list them")
     off = {id(b) for b in live if b.tier is not TierKind.DEVICE}
     if off != {id(b) for b in req.off_device}:
         problems.append(f"{name}: {rid}'s blocks off the device tier are "

@@ -630,6 +630,7 @@ class PageTable:
         req = block.request
         self.changes.note(req)
         self.holds.forget(block)
+        req.untold.pop(block, None)
         if block.tier is TierKind.DEVICE:
             if block in self.policy:
                 self.policy.remove(block)

@@ -24,6 +24,7 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
         b.moving = False
         b.request.num_moving_blocks -= 1
         b.epoch += 1
+        b.request.untold[b] = None
         pages.device_delta(b, -1)
         if not m.src_reassigned:
             pages.device.release(m.src_page)
@@ -46,6 +47,7 @@ def complete(pages: PageTable, plan: TransferPlan) -> list[Block]:
         b.moving = False
         b.request.num_moving_blocks -= 1
         b.epoch += 1
+        b.request.untold[b] = None
         pages.device_delta(b, 1)
         if m.kind is MoveKind.PROMOTE:
             pages.host.release(m.src_page)

@@ -96,6 +96,7 @@ class Told:
             block.lost = block.lost or lost
             if block.seen_epoch == epoch:  # else it moved since, and is told anyway
                 block.seen_epoch = epoch - 1
+            req.untold[block] = None
             req.maybe_relocated = True
             rt.pool.pages.changes.note(req)  # a step's answer kept looks at it again
         self.blocks = []
@@ -111,6 +112,7 @@ def _told(block: Block, page_bytes: int, ns: int, told: Told | None) -> dict:
     """A PageHandle's fields for the block, the engine told (see handle); kept in `told`, a
     Step stream's (TOLD), if any."""
     block.seen_epoch = block.epoch
+    block.request.untold.pop(block, None)
     lost, block.lost = block.lost, False
     if told is not None:
         told.blocks.append((block, block.epoch, lost))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import time
 
 import grpc
@@ -470,14 +471,24 @@ def _read_all_start(data: bytes) -> int | None:
     return None
 
 
+_INDEX = operator.attrgetter("index")
+
+
 def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) -> None:
-    """Report accessed blocks whose device page changed since the engine was last told."""
+    """Report accessed blocks whose device page changed since the engine was last told. A
+    read of the whole request reports those its `untold` lists, without looking at the
+    others (a long request read whole through the general path every step)."""
     req = result.request
-    blocks = result.blocks if result.blocks is not None else req.live
-    moved = [b for b in blocks if b.epoch != b.seen_epoch]
+    blocks = result.blocks
+    whole = blocks is None or len(blocks) == req.num_live_blocks
+    if whole:
+        moved = sorted((b for b in req.untold if b.epoch != b.seen_epoch), key=_INDEX)
+    else:
+        moved = [b for b in blocks if b.epoch != b.seen_epoch]
     if moved:
         add_handles(reply.relocated, moved, page_bytes, cut)
-    if len(blocks) == req.num_live_blocks:
+    if whole:
+        req.untold.clear()  # each told now, or seen already
         req.maybe_relocated = False
 
 
