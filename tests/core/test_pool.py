@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvd.core.blocks import Changes, Phase, Priority, TierKind
+from kvd.core.blocks import Changes, Phase, Priority, Request, TierKind
 from kvd.core.errors import (
     AlreadyExists,
     BlocksInTransit,
@@ -1127,8 +1127,8 @@ def test_a_whole_read_missing_a_few_blocks_looks_at_those_only(make_pool, monkey
                                                                 policy):
     """A read of a whole long request that misses a few blocks (under `fair`, a request over
     its share reads this way every step: the refill demotes, its read brings back) found
-    them by looking at each of its blocks, and checked each for a copy under way, on the
-    loop every other tenant's call waits on."""
+    them by looking at each of its blocks, and checked each for a copy under way, on a copy
+    of its list of blocks, on the loop every other tenant's call waits on."""
     import kvd.core.reads as reads
 
     pool = make_pool(device_pages=600, host_pages=16, policy=policy)
@@ -1142,10 +1142,13 @@ def test_a_whole_read_missing_a_few_blocks_looks_at_those_only(make_pool, monkey
     checked: list[int] = []
     monkeypatch.setattr(reads, "TierKind", tiers)
     monkeypatch.setattr(reads, "check_still", lambda blocks: checked.append(len(blocks)))
+    copies = []
+    monkeypatch.setattr(Request, "live_blocks", lambda req: copies.append(req) or [])
     result = pool.access("long", None)
     monkeypatch.undo()
     assert [m.block.index for m in result.plan.promotions] == gone
-    assert tiers.lookups == 0 and checked == []
+    assert tiers.lookups == 0 and checked == [] and copies == []
+    assert result.blocks is None  # the request's live blocks, when the caller wants them
     settle(pool, result.plan)
     assert req.num_device_blocks == 512 and not req.off_device
 
@@ -1169,7 +1172,8 @@ def test_a_whole_read_reports_the_blocks_that_moved_without_looking_at_the_other
     result = pool.access("long", None)
     settle(pool, result.plan)
     moved = sorted(m.block.index for m in result.plan.promotions)
-    result.blocks = _CountedWalks(result.blocks)
+    assert result.blocks is None  # the whole request: the caller takes its live blocks
+    result.blocks = _CountedWalks(req.live_blocks())  # or a list of them all
     reply = pb.StepResponse()
     _relocated(reply, result, pool.page_bytes)
     assert [h.block_index for h in reply.relocated] == moved

@@ -525,8 +525,8 @@ class PageTable:
     def promote(self, req: Request | None, missing: list[Block], keep: Iterable[Block],
                 reason: Reason, holder: str = "", whole: bool = False) -> TransferPlan:
         """A plan bringing `missing` to the device tier without evicting any of `keep`.
-        `whole`: `keep` is every block of req (a read of the whole request; see
-        WholeRequest)."""
+        `whole`: a read of the whole request, which keeps every block of req (see
+        WholeRequest; `keep` is not looked at)."""
         protected: Collection[Block]
         if whole and req is not None:
             protected = WholeRequest(req)

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class AccessResult:
-    """blocks is None when the request's every block was read and already resident."""
+    """blocks is None for a read of every block of the request (but a round of a read in
+    rounds): its live blocks."""
 
     blocks: list[Block] | None
     plan: TransferPlan | None
@@ -434,43 +435,24 @@ class Reads:
             if holder:
                 self._held_whole(req, (), holder)
             return AccessResult(None, None, req)
+        if indices is None:
+            return self._read_whole(req, holder)
         blocks = resolve(req, indices)
-        if indices is not None or req.num_moving_blocks:  # (else none of them moves)
-            check_still(blocks)
-        missing = (sorted(req.off_device, key=_INDEX) if indices is None
-                   else [b for b in blocks if b.tier is not TierKind.DEVICE])
+        check_still(blocks)
+        missing = [b for b in blocks if b.tier is not TierKind.DEVICE]
         counters = self.counters
         plan = None
         if missing:
-            if len(blocks) > pages.device.capacity:
-                raise InvalidArgument(
-                    f"reading {len(blocks)} blocks at once needs as many device pages; the "
-                    f"device tier of pool {pages.name!r} holds {pages.device.capacity} pages: "
-                    "read them in parts")
+            self._fits(req, len(blocks))
             try:
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder,
-                                     whole=indices is None)
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
             except HostShort as short:
                 if short.possible <= 0:
                     raise
-                # Swap in rounds: bring in what the host tier has room to swap out now;
-                # the caller executes it and accesses again (the blocks brought in are then
-                # resident and protected). Reads are counted once, in the last round.
-                missing = missing[:short.possible]
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder,
-                                     whole=indices is None)
+                missing = missing[:short.possible]  # in rounds (see _read_whole)
+                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
                 self.note_late(missing)
                 return AccessResult(blocks, plan, req, partial=True)
-        if indices is None:
-            # Every block of the request, some brought in: recorded as the hot path records
-            # a read (by request, not block by block), and held by request but for the
-            # blocks brought in, which are moving (see _held_whole).
-            self.note_late(missing)
-            self.record(((req, self.clock.now(), None, 1, len(blocks), req.num_critical,
-                          next(self._seq)),))
-            if holder:
-                self._held_whole(req, missing, holder)
-            return AccessResult(blocks, plan, req)
         now = self.clock.now()
         policy = pages.policy
         for b in blocks:
@@ -492,6 +474,48 @@ class Reads:
             for b in blocks:
                 pages.holds.hold_one(holder, b)
         return AccessResult(blocks, plan, req)
+
+    def _read_whole(self, req: Request, holder: str) -> AccessResult:
+        """A read of every block of a request not all of whose blocks are resident: the
+        blocks off the device tier brought in (its `off_device`), the read recorded as the
+        hot path records one (by request, not block by block), and the request held by
+        request but for the blocks brought in, which are moving (see _held_whole). Nothing
+        here looks at each of its blocks: under a fair policy a long request over its share
+        reads this way every step (the refill takes some of its blocks, its read brings them
+        back)."""
+        if req.num_moving_blocks:
+            check_still(req.live)
+        missing = sorted(req.off_device, key=_INDEX)
+        self._fits(req, req.num_live_blocks)
+        pages = self.pages
+        try:
+            plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
+        except HostShort as short:
+            if short.possible <= 0:
+                raise
+            # Swap in rounds: bring in what the host tier has room to swap out now; the
+            # caller executes it and accesses again (the blocks brought in are then
+            # resident and protected). Reads are counted once, in the last round.
+            missing = missing[:short.possible]
+            plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
+            self.note_late(missing)
+            return AccessResult(req.live_blocks(), plan, req, partial=True)
+        self.note_late(missing)
+        self.record(((req, self.clock.now(), None, 1, req.num_live_blocks, req.num_critical,
+                      next(self._seq)),))
+        if holder:
+            self._held_whole(req, missing, holder)
+        return AccessResult(None, plan, req)
+
+    def _fits(self, req: Request, num: int) -> None:
+        """Refuse a read of `num` blocks at once, some to be brought in, that the device
+        tier could never hold."""
+        pages = self.pages
+        if num > pages.device.capacity:
+            raise InvalidArgument(
+                f"reading {num} blocks at once needs as many device pages; the device tier "
+                f"of pool {pages.name!r} holds {pages.device.capacity} pages: read them in "
+                "parts")
 
     def _held_whole(self, req: Request, moving: Sequence[Block], holder: str) -> None:
         """Hold every block of a request the holder read whole: those brought in one by one
