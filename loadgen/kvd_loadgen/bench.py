@@ -490,6 +490,13 @@ def run_bench(args) -> int:
         results["held_reads"] = eventloop.run(bench_held_reads(
             allocations=80 if quick else 200))
     more.update(held_targets(results["held_reads"]))
+    with console.status("a long context's engine against another tenant's calls: 65,536 "
+                        "blocks read a step, under each policy"):
+        from kvd_loadgen.bench_whale_loop import bench_whale_loop, targets as loop_targets
+
+        results["long_engine"] = eventloop.run(bench_whale_loop(
+            seconds=1.5 if quick else 3.0))
+    more.update(loop_targets(results["long_engine"]))
     if not quick:
         from kvd_loadgen.bench_overload import run_overload, targets as overload_targets
 
