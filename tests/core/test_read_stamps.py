@@ -66,6 +66,7 @@ _OPS = st.lists(st.one_of(
     st.tuples(st.just("read whole"), st.sampled_from(RIDS)),
     st.tuples(st.just("read one"), st.sampled_from(RIDS), st.integers(0, 7)),
     st.tuples(st.just("record"), st.booleans()),
+    st.tuples(st.just("evict"), st.integers(1, 3)),  # whole reads then bring blocks back
 ), min_size=1, max_size=30)
 
 
@@ -98,13 +99,20 @@ def test_each_block_reads_the_stamps_recording_it_block_by_block_would_leave(pol
         elif kind == "read":
             pool.read_all(list(op[1]))  # answered now, recorded later
         elif kind == "read whole":
-            settle(pool, pool.access(op[1], None).plan)
+            before = pool.counters.num_accesses
+            settle(pool, pool.access(op[1], None).plan)  # some brought back, maybe
+            req = pool.requests[op[1]]
+            assert all(b.last_access == clock.now() for b in req.live)
+            assert pool.counters.num_accesses >= before + len(req.live)
         elif kind == "read one":
             req = pool.requests[op[1]]
             if req.live:
                 block = req.live[op[2] % len(req.live)]
                 settle(pool, pool.access(op[1], [block.index]).plan)
                 model.read_alone(block, clock.now())
+        elif kind == "evict":
+            if len(pool.policy) >= op[1] and pool.host.num_free >= op[1]:
+                settle(pool, pool.evict(op[1]))
         elif op[1]:
             pool.record_reads()
         else:
