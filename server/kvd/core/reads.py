@@ -486,20 +486,22 @@ class Reads:
         if req.num_moving_blocks:
             check_still(req.live)
         missing = sorted(req.off_device, key=_INDEX)
-        self._fits(req, req.num_live_blocks)
-        pages = self.pages
-        try:
-            plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
-        except HostShort as short:
-            if short.possible <= 0:
-                raise
-            # Swap in rounds: bring in what the host tier has room to swap out now; the
-            # caller executes it and accesses again (the blocks brought in are then
-            # resident and protected). Reads are counted once, in the last round.
-            missing = missing[:short.possible]
-            plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
-            self.note_late(missing)
-            return AccessResult(req.live_blocks(), plan, req, partial=True)
+        plan = None
+        if missing:
+            self._fits(req, req.num_live_blocks)
+            pages = self.pages
+            try:
+                plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
+            except HostShort as short:
+                if short.possible <= 0:
+                    raise
+                # Swap in rounds: bring in what the host tier has room to swap out now;
+                # the caller executes it and accesses again (the blocks brought in are then
+                # resident and protected). Reads are counted once, in the last round.
+                missing = missing[:short.possible]
+                plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
+                self.note_late(missing)
+                return AccessResult(req.live_blocks(), plan, req, partial=True)
         self.note_late(missing)
         self.record(((req, self.clock.now(), None, 1, req.num_live_blocks, req.num_critical,
                       next(self._seq)),))
