@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kvd_api.v1 import kvd_pb2 as pb
 from kvd_client import AsyncClient
+from kvd_loadgen.engine import percentile
 from kvd_loadgen.local import LocalKvd
 
 TARGET_MS = 5.0
@@ -64,11 +65,6 @@ async def _ping(target: str, seconds: float, out: str) -> None:
             spans.append((started, time.time()))
             await asyncio.sleep(PING_S)
     Path(out).write_text(json.dumps(spans))
-
-
-def _p(latencies: list[float], q: float) -> float:
-    xs = sorted(latencies)
-    return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3
 
 
 async def _run(policy: str, blocks: int, seconds: float) -> dict:
@@ -112,8 +108,9 @@ async def _run(policy: str, blocks: int, seconds: float) -> dict:
     alone = [e - s for s, e in spans if s >= first + 0.5 and e < t0]  # past its warm-up
     beside = [e - s for s, e in spans if e > t0 and s < t1]
     return {"steps_per_s": steps / (t1 - t0), "reads": len(beside),
-            "alone_p50_ms": _p(alone, 0.5), "alone_p99_ms": _p(alone, 0.99),
-            "p50_ms": _p(beside, 0.5), "p99_ms": _p(beside, 0.99)}
+            "alone_p50_ms": percentile(alone, 50) * 1e3,
+            "alone_p99_ms": percentile(alone, 99) * 1e3,
+            "p50_ms": percentile(beside, 50) * 1e3, "p99_ms": percentile(beside, 99) * 1e3}
 
 
 async def bench_whale_loop(policies=POLICIES, blocks: int = BLOCKS,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -355,6 +356,10 @@ def pin_room_tenants(b: Block) -> Iterable[str]:
     """The tenants in whose pin room a pin of the block is (Tenancy.pin_room_by_tenant):
     its request's; for a shared block, each tenant whose requests pin it."""
     return b.pin_users or (b.request.tenant,)
+
+
+# A sort key: blocks in index order (a request's lists of some of its blocks keep none).
+by_index = operator.attrgetter("index")
 
 
 def evictable(b: Block) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvd.core.blocks import Block, Changes, Request, RequestState, TierKind
+from kvd.core.blocks import Block, Changes, Request, RequestState, TierKind, by_index
 from kvd.core.clock import Clock
 from kvd.core.counters import PoolCounters
 from kvd.core.errors import HostShort, InvalidArgument
@@ -83,8 +83,6 @@ def changes_blocks(method):
 
     return wrapper
 
-
-_INDEX = operator.attrgetter("index")
 
 # Answers kept for reads to come (about one per engine stepping on the pool).
 MAX_ANSWERS = 64
@@ -443,15 +441,8 @@ class Reads:
         counters = self.counters
         plan = None
         if missing:
-            self._fits(req, len(blocks))
-            try:
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
-            except HostShort as short:
-                if short.possible <= 0:
-                    raise
-                missing = missing[:short.possible]  # in rounds (see _read_whole)
-                plan = pages.promote(req, missing, blocks, Reason.ACCESS, holder)
-                self.note_late(missing)
+            plan, round_ = self._bring_in(req, missing, blocks, holder)
+            if round_:
                 return AccessResult(blocks, plan, req, partial=True)
         now = self.clock.now()
         policy = pages.policy
@@ -485,22 +476,11 @@ class Reads:
         back)."""
         if req.num_moving_blocks:
             check_still(req.live)
-        missing = sorted(req.off_device, key=_INDEX)
+        missing = sorted(req.off_device, key=by_index)
         plan = None
         if missing:
-            self._fits(req, req.num_live_blocks)
-            pages = self.pages
-            try:
-                plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
-            except HostShort as short:
-                if short.possible <= 0:
-                    raise
-                # Swap in rounds: bring in what the host tier has room to swap out now;
-                # the caller executes it and accesses again (the blocks brought in are then
-                # resident and protected). Reads are counted once, in the last round.
-                missing = missing[:short.possible]
-                plan = pages.promote(req, missing, (), Reason.ACCESS, holder, whole=True)
-                self.note_late(missing)
+            plan, round_ = self._bring_in(req, missing, None, holder)
+            if round_:
                 return AccessResult(req.live_blocks(), plan, req, partial=True)
         self.note_late(missing)
         self.record(((req, self.clock.now(), None, 1, req.num_live_blocks, req.num_critical,
@@ -509,15 +489,31 @@ class Reads:
             self._held_whole(req, missing, holder)
         return AccessResult(None, plan, req)
 
-    def _fits(self, req: Request, num: int) -> None:
-        """Refuse a read of `num` blocks at once, some to be brought in, that the device
-        tier could never hold."""
+    def _bring_in(self, req: Request, missing: list[Block], blocks: list[Block] | None,
+                  holder: str) -> tuple[TransferPlan, bool]:
+        """The plan bringing a read's missing blocks in, and whether it is a round of a read
+        in rounds. `blocks`: the blocks read (None: every block of req). A read the device
+        tier could never hold at once is refused. When the host tier has no room to swap
+        out all the victims now, the plan brings in what it can (a round; counted missed
+        here): the caller executes it and reads again (the blocks brought in are then
+        resident and protected), and the reads are counted once, in the last round."""
         pages = self.pages
+        num = req.num_live_blocks if blocks is None else len(blocks)
         if num > pages.device.capacity:
             raise InvalidArgument(
                 f"reading {num} blocks at once needs as many device pages; the device tier "
                 f"of pool {pages.name!r} holds {pages.device.capacity} pages: read them in "
                 "parts")
+        whole, keep = blocks is None, blocks or ()
+        try:
+            return pages.promote(req, missing, keep, Reason.ACCESS, holder, whole=whole), False
+        except HostShort as short:
+            if short.possible <= 0:
+                raise
+            missing = missing[:short.possible]
+            plan = pages.promote(req, missing, keep, Reason.ACCESS, holder, whole=whole)
+            self.note_late(missing)
+            return plan, True
 
     def _held_whole(self, req: Request, moving: Sequence[Block], holder: str) -> None:
         """Hold every block of a request the holder read whole: those brought in one by one

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import operator
 import time
 
 import grpc
 
 from kvd.core import errors
+from kvd.core.blocks import by_index
 from kvd.core.reads import AccessResult
 from kvd.metrics import observe_rpc
 from kvd.node import Node
@@ -471,9 +471,6 @@ def _read_all_start(data: bytes) -> int | None:
     return None
 
 
-_INDEX = operator.attrgetter("index")
-
-
 def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) -> None:
     """Report accessed blocks whose device page changed since the engine was last told. A
     read of the whole request reports those its `untold` lists, without looking at the
@@ -482,7 +479,7 @@ def _relocated(reply: pb.StepResponse, result, page_bytes: int, cut: int = 0) ->
     blocks = result.blocks
     whole = blocks is None or len(blocks) == req.num_live_blocks
     if whole:
-        moved = sorted((b for b in req.untold if b.epoch != b.seen_epoch), key=_INDEX)
+        moved = sorted((b for b in req.untold if b.epoch != b.seen_epoch), key=by_index)
     else:
         moved = [b for b in blocks if b.epoch != b.seen_epoch]
     if moved:

@@ -16,14 +16,12 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Collection
 from itertools import count, islice
-from operator import attrgetter
 
-from kvd.core.blocks import Block, Request
+from kvd.core.blocks import Block, Request, by_index
 from kvd.core.clock import Clock
 from kvd.core.policies.base import EvictionPolicy
 
 _STALE = (None, None)  # the key of a request no longer held
-_INDEX = attrgetter("index")
 
 
 class ReusePolicy(EvictionPolicy):
@@ -140,7 +138,7 @@ class ReusePolicy(EvictionPolicy):
                 moving.append(block)
             else:
                 break  # in order from here back, and before every block moving
-        moving.sort(key=_INDEX)
+        moving.sort(key=by_index)
         for block in moving:
             held.move_to_end(block)
 
