@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
+import itertools
 import math
 import operator
 from collections.abc import Iterable
@@ -274,7 +276,9 @@ class Request:
         return self.live.copy()
 
     def unlive(self, gone: list[Block]) -> None:
-        """These blocks were freed: out of `live`. O(live) whatever their number."""
+        """These blocks were freed: out of `live`. O(live) whatever their number (in Python
+        when they are many; in C, list copies, when they are few); O(gone) when they are its
+        newest, in order."""
         live = self.live
         if len(gone) == 1:
             block = gone[0]
@@ -283,6 +287,20 @@ class Request:
             else:
                 live.remove(block)  # identity first (eq=False)
         elif gone:
+            n = len(gone)
+            if n <= len(live) and all(a is b for a, b in zip(live[-n:], gone)):
+                del live[-n:]  # its newest, in order: a long request released a slice at a time
+                return
+            if n * 8 < len(live):
+                # A few of many (a long request freed a slice at a time): found by index
+                # (live is in index order), and the runs between them joined.
+                at = [bisect.bisect_left(live, b.index, key=by_index) for b in gone]
+                if all(i < len(live) and live[i] is b for i, b in zip(at, gone)):
+                    at.sort()
+                    ends = [*at, len(live)]
+                    self.live = list(itertools.chain(
+                        live[:ends[0]], *(live[i + 1:j] for i, j in zip(ends, ends[1:]))))
+                    return
             going = set(gone)  # by identity (eq=False)
             self.live = [b for b in live if b not in going]
 
