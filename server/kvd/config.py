@@ -383,6 +383,10 @@ class Config:
     max_message_bytes: Annotated[int, Field(ge=4096, le=2**31 - 1, strict=True)] = 4 * 2**20
     max_items_per_call: PositiveInt = 1024  # intent updates, a Step's items (~5 ms of work)
     max_blocks_per_call: PositiveInt = 65536  # block indices (a 1M-token request's pages)
+    # A call naming more blocks than this (an allocation, a free, a release, a reply's
+    # handles, holds ending) is done that many at a time, the loop served between: about
+    # a millisecond each, which is as long as such a call keeps other tenants' calls waiting.
+    slice_blocks: PositiveInt = 256
     eviction_ledger: Count = 20_000  # eviction records kept per pool (bounded memory)
     explain_keep: Count = 2_000  # released requests Explain still knows, per pool
     metrics: Address = "127.0.0.1:9464"  # Prometheus exposition address; "" for none

@@ -39,6 +39,7 @@ from kvd.links import Link
 from kvd.metrics import STALL_SECONDS
 from kvd.peers import Peers, RemoteReserver, Reservers, is_remote
 from kvd.runtime import PoolRuntime, StartedAccess, find_runtime
+from kvd import sliced
 from kvd.shared import SharedBlocks
 
 T = TypeVar("T")
@@ -79,6 +80,9 @@ class Node:
         # Holders whose Step message is being served: their holds do not lapse meanwhile
         # (what the step handed out earlier must stay while it waits for more room).
         self.serving: set[str] = set()
+        # Pools whose holds end a slice at a time now (see end_holds), and a slice's blocks.
+        self._ending: set[PoolRuntime] = set()
+        self.slice_blocks = config.slice_blocks
         # Each open Step stream's holder, and the lease of the client that opened it: a
         # client's handoff does not wait for its own streams (see Handoffs.handoff).
         self.stream_leases: dict[str, str] = {}
@@ -268,11 +272,22 @@ class Node:
                        ) -> tuple[list[Block], float]:
         """New blocks for a request; with a holder, held for it until its next call (the
         engine writes them meanwhile). Refused while the request is handed off: its blocks
-        are those the handoff copies, and one added meanwhile would be left behind."""
+        are those the handoff copies, and one added meanwhile would be left behind. More
+        than a slice's worth are made a slice at a time (see sliced)."""
+        if num_blocks > self.slice_blocks:
+            return await sliced.allocate(self, request_id, num_blocks, intent, scope, holder)
+        return await self.allocate_at_once(request_id, num_blocks, intent, scope, holder)
+
+    async def allocate_at_once(self, request_id: str, num_blocks: int,
+                               intent: dict | None = None, scope: str | None = None,
+                               holder: str = "", wait: bool = True
+                               ) -> tuple[list[Block], float]:
+        """allocate(), in one go. `wait=False`: BlocksInTransit where it would wait for room
+        or for blocks in transit (see PoolRuntime.run)."""
         rt = self.runtime_of(request_id, scope)
         self.handoffs.refuse_while_under_way(request_id, "allocate")
         plan = await rt.run(lambda: rt.pool.allocate(request_id, num_blocks, intent,
-                                                     holder=holder), holder=holder)
+                                                     holder=holder), holder=holder, wait=wait)
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
         self.events.publish("allocation", pool=rt.pool.name, tenant=plan.cause.tenant,
                             request_id=request_id, count=len(plan.allocated))
@@ -341,13 +356,38 @@ class Node:
             rt.pool.hold_read(requests, holder)
 
     def end_holds(self, holder: str) -> None:
-        """The holder called again, or went away: the pages it was handed are evictable."""
+        """The holder called again, or went away: the pages it was handed are evictable (a
+        slice of them now, the rest in turns of the loop of their own: see Holds.end)."""
         for rt in self.pools.values():
             holds = rt.pool.pages.holds
             if not holds.has(holder) or holds.end_if_only_requests(holder):
                 continue  # nothing left the policy: no room changed
-            if rt.pool.end_holds(holder):
+            if rt.pool.end_holds(holder, self.slice_blocks):
                 rt.room_may_have_changed()  # for the operations waiting in its room line
+            if holds.ending and rt not in self._ending:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:  # called off the loop (a test's engine): all now
+                    while rt.pool.end_more_holds(None):
+                        pass
+                    rt.room_may_have_changed()
+                    continue
+                self._ending.add(rt)
+                loop.call_soon(self._end_more_holds, rt)
+
+    def _end_more_holds(self, rt: PoolRuntime) -> None:
+        """End the next slice of a pool's holds that end a slice at a time, and come back in
+        the loop's next turn while some are left."""
+        try:
+            more = rt.pool.end_more_holds(self.slice_blocks)
+            rt.room_may_have_changed()
+        except BaseException:
+            self._ending.discard(rt)
+            raise
+        if more:
+            asyncio.get_running_loop().call_soon(self._end_more_holds, rt)
+        else:
+            self._ending.discard(rt)
 
     def lapse_holds(self, max_age_s: float) -> int:
         """End holds older than max_age_s (a holder that never calls again): liveness over
@@ -370,10 +410,19 @@ class Node:
             return await intent_batch.apply(changes, lambda rid: self.runtime_of(rid, scope))
         finally:
             for rt, before in zip(self.pools.values(), pinned):
-                self._unpinned(rt, before)
+                self.unpinned(rt, before)
 
     async def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
                    ) -> int:
+        """Give back blocks of a request (more than a slice's worth a slice at a time, see
+        sliced); the number freed."""
+        if len(indices) > self.slice_blocks:
+            return await sliced.free(self, request_id, indices, scope)
+        return await self.free_at_once(request_id, indices, scope)
+
+    async def free_at_once(self, request_id: str, indices: Sequence[int],
+                           scope: str | None = None) -> int:
+        """free(), in one go."""
         pinned = 0
 
         def free(rt: PoolRuntime) -> int:
@@ -384,7 +433,7 @@ class Node:
         rt, freed = await self._follow(request_id, scope,
                                        lambda rt: rt.run(functools.partial(free, rt)))
         rt.room_may_have_changed()
-        self._unpinned(rt, pinned)
+        self.unpinned(rt, pinned)
         return freed
 
     async def _follow(self, request_id: str, scope: str | None,
@@ -402,7 +451,7 @@ class Node:
                 if self.request_index.get(request_id, rt) is rt:
                     raise  # gone, or never moved: the pool's answer stands
 
-    def _unpinned(self, rt: PoolRuntime, before: int) -> None:
+    def unpinned(self, rt: PoolRuntime, before: int) -> None:
         """Pins ended in a pool (an unpin, a pinned block freed): the device pages they
         claimed are room for what waits in its queue, and in the queues that wait for
         handoff reservations there."""
@@ -420,8 +469,13 @@ class Node:
 
         self.runtime_of(request_id, scope)  # NOT_FOUND (or not the caller's) at once
         await self.handoffs.settled(request_id)
+        # A long request's blocks go a slice at a time first (see sliced).
+        freed_first = await sliced.free_down(self, request_id, scope)
+        if freed_first:
+            await self.handoffs.settled(request_id)
         rt, (freed, admitted) = await self._follow(
             request_id, scope, lambda rt: rt.run(functools.partial(release, rt)))
+        freed += freed_first
         tenant = req.tenant
         rt.room_may_have_changed()
         self._forget(req)

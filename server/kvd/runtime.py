@@ -203,14 +203,16 @@ class PoolRuntime:
     async def run(self, op: Callable[[], T], critical: bool = False,
                   busy: BlocksInTransit | None = None,
                   undo: Callable[[T], None] | None = None, holder: str | None = None,
-                  first: bool = False) -> T:
+                  first: bool = False, wait: bool = True) -> T:
         """Call a pool operation, waiting out blocks in transit and calling again. One that
         finds no device room while pages are in transit or held waits in line for room
         (decode-critical first under fair link scheduling, else in arrival order) and is
         called again, in that order, the moment a transfer completes or a hold ends: a
         stream of others cannot take the room from under it. `holder`: the operation
         takes device pages for it, and joins a stalled line rather than try first.
-        `first`: ahead of everyone in the line (the read swapping in rounds)."""
+        `first`: ahead of everyone in the line (the read swapping in rounds). `wait=False`:
+        the BlocksInTransit (NoVictims for the line) is raised rather than waited out (a
+        big allocation's later slice, see sliced)."""
         if busy is None:
             if self.yields(holder):
                 busy = NoVictims()
@@ -220,6 +222,8 @@ class PoolRuntime:
                 except BlocksInTransit as exc:
                     pending = exc
                 busy = pending
+            if not wait:
+                raise busy
         while True:
             if busy.blocks:
                 await self.transit.wait_for(busy.blocks)

@@ -57,15 +57,19 @@ def _quotas(device: int) -> dict[int, str]:
 
 @contextlib.contextmanager
 def machine_kvd(tmp_path_factory, name: str, size: tuple[int, int, bool | str], *,
-                page_bytes: int, block_tokens: int, engines: int, pool_extra: str = ""):
+                page_bytes: int, block_tokens: int, engines: int, pool_extra: str = "",
+                slice_blocks: int | None = None):
     """A kvd for a state machine's examples (one process for all of them), of `size`
     (device pages, host pages, whether each engine is a tenant of its own: engineN, with
     the token engineN-token; QUOTAS: with quotas too; PRIVATE: engine0 shares no prefix
     blocks, `kvd.private`); it must be alive when they end.
-    `pool_extra`: more lines for its pool's table."""
+    `pool_extra`: more lines for its pool's table. `slice_blocks`: the blocks a slice of
+    a big call handles (kvd's default when None)."""
     device, host, tenants = size
     config = MACHINE_CONFIG.format(page_bytes=page_bytes, block_tokens=block_tokens,
                                    device=device, host=host) + pool_extra
+    if slice_blocks is not None:
+        config = config.replace("[server]\n", f"[server]\nslice_blocks = {slice_blocks}\n", 1)
     if tenants:
         quotas = (_quotas(device) if tenants == QUOTAS else
                   {0: "share_prefixes = false\n"} if tenants == PRIVATE else {})

@@ -64,8 +64,9 @@ class DaemonMachine(RuleBasedStateMachine):
 
     @initialize(device_pages=st.sampled_from([3, 5, 8, 16, 64, 300]),
                 host_ratio=st.sampled_from([0, 1, 1, 2, 4]),
-                admission=st.sampled_from(["working_set", "working_set", "reservation"]))
-    def start(self, device_pages, host_ratio, admission):
+                admission=st.sampled_from(["working_set", "working_set", "reservation"]),
+                slice_blocks=st.sampled_from([256, 2, 3]))
+    def start(self, device_pages, host_ratio, admission, slice_blocks=256):
         self.loop = asyncio.new_event_loop()
         self.device_pages = device_pages
         limit_b = max(1, int(device_pages * LIMIT_B))
@@ -80,7 +81,10 @@ class DaemonMachine(RuleBasedStateMachine):
             links=(LinkConfig("default", "decode", bandwidth="1GiB/s",
                               chunk=str(PAGE_BYTES * 2)),),
             tenants=(TenantConfig("a", max_request_fraction=CAP_A),
-                     TenantConfig("b", limit=limit_b)))
+                     TenantConfig("b", limit=limit_b)),
+            # Calls naming more than a slice of blocks go a slice at a time, and holds end
+            # so: slices of two or three blocks put those paths under every rule.
+            slice_blocks=slice_blocks)
         self.daemon = self.loop.run_until_complete(self._make())
         self.written: dict[tuple[str, int], int] = {}  # (request, block) -> generation
         self.live: dict[str, str] = {}  # request -> tenant, as the engine believes
@@ -102,9 +106,9 @@ class DaemonMachine(RuleBasedStateMachine):
         does at every call), then the call, bounded (nothing may hang). The reply reaches
         the engine a moment later: kvd's background work (a refill, a prefetch) runs in
         between, as it does while a reply crosses the socket."""
-        self.daemon.end_holds(self.holder)
 
         async def call_then_reply():
+            self.daemon.end_holds(self.holder)  # on the loop, as the service does
             result = await coro
             await asyncio.sleep(0.001)
             return result

@@ -57,6 +57,7 @@ link_chunk = "16KiB"
 CONFIG = ("""
 [server]
 handoff_ttl_s = 30
+slice_blocks = {slice_blocks}
 """ + POOL.replace("{name}", "prefill") + POOL.replace("{name}", "decode") + """
 [[link]]
 source = "prefill"
@@ -341,10 +342,13 @@ EXPLICIT = [
 
 
 @pytest.mark.timeout(max(180, EXAMPLES * 8))
-@pytest.mark.parametrize("policy", ["lru", "fair"])
-def test_calls_racing_on_one_request_leave_it_whole_or_gone(tmp_path, policy):
+# Slices of two blocks: allocations, frees, releases, replies and holds ending that name
+# more go a slice at a time, with the loop (and the racing calls) served between slices.
+@pytest.mark.parametrize("policy, slice_blocks", [("lru", 256), ("fair", 256), ("lru", 2),
+                                                  ("fair", 2)])
+def test_calls_racing_on_one_request_leave_it_whole_or_gone(tmp_path, policy, slice_blocks):
     config = tmp_path / "kvd.toml"
-    config.write_text(CONFIG.format(policy=policy))
+    config.write_text(CONFIG.format(policy=policy, slice_blocks=slice_blocks))
     loop = asyncio.new_event_loop()  # one loop for every example: grpc.aio keeps to it
 
     # No shrinking: kvd lives on across examples, so a replay is not the same run.

@@ -30,6 +30,7 @@ the handoff waits for each such holder's next call (`writers`, `called_again`, `
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
@@ -42,6 +43,9 @@ OWN_HOLDER = "kvd:"
 # Who holds the blocks a read swapping in rounds brought in, until it is done (see
 # PoolRuntime.access and PageTable.swapping); one such read at a time.
 SWAP_HOLDER = OWN_HOLDER + "swap-rounds"
+# Who holds what a holder held past a slice when its holds ended (see end's at_most): kvd
+# ends them a slice at a time, in turns of the loop of their own (see end_more).
+ENDING_HOLDER = OWN_HOLDER + "ending:"
 
 
 class Holds:
@@ -73,6 +77,9 @@ class Holds:
         # Called whenever a holder's holds end or are replaced (its next call, or a lapse):
         # a handoff waiting for the engines that hold its request's blocks (see writers).
         self.watchers: list[Callable[[], None]] = []
+        # Holders (ENDING_HOLDER...) whose holds end a slice at a time, in order.
+        self.ending: deque[str] = deque()
+        self._num_ending = 0
 
     def hold_one(self, holder: str, block: Block) -> None:
         """Hold a device block for the holder until its next call (another holder's hold of
@@ -197,6 +204,29 @@ class Holds:
             if b.tier is TierKind.DEVICE and not b.moving:
                 self.hold_one(holder, b)
 
+    def unhold(self, holder: str, blocks: list[Block]) -> None:
+        """The holder's holds of these blocks are void (an allocation gave back what it made
+        before telling its engine, see sliced): out of its entry, which goes when nothing
+        is left in it."""
+        entry = self._by_holder.get(holder)
+        if entry is None:
+            return
+        going = {id(b) for b in blocks}
+        kept = []
+        for b in entry[1]:
+            if id(b) not in going:
+                kept.append(b)
+            elif b.held:
+                b.held -= 1
+                if not b.held:
+                    self.count -= 1
+        if kept or entry[2] or holder in self._kept_by_holder:
+            self._by_holder[holder] = (entry[0], kept, entry[2])
+        else:
+            del self._by_holder[holder]
+        if self.watchers:
+            self._tell_watchers()
+
     def forget(self, block: Block) -> None:
         """The block is gone (freed or released): it is held no more. Its holder's entry
         forgets it at end()."""
@@ -242,9 +272,12 @@ class Holds:
         """Each holder with blocks held, and since when."""
         return {h: since for h, (since, _, _) in self._by_holder.items()}
 
-    def end(self, holder: str) -> bool:
+    def end(self, holder: str, at_most: int | None = None) -> bool:
         """The holder called again (or went away): what it was handed is evictable again.
-        Returns whether it held anything."""
+        Returns whether it held anything. `at_most`: only so many of its blocks go back to
+        the policy now; the rest stay held, for a holder of kvd's own (ENDING_HOLDER...)
+        whose holds end_more ends a slice at a time (an engine handed 65,536 blocks at once
+        would otherwise hold the loop while each goes back)."""
         entry = self._by_holder.pop(holder, None)
         if entry is None:
             return False
@@ -253,7 +286,14 @@ class Holds:
             self._materialized.pop(holder, None)
         if self._kept_by_holder:
             self._let_go(holder)
-        for b in entry[1]:
+        blocks = entry[1]
+        if at_most is not None and len(blocks) > at_most:
+            self._num_ending += 1
+            rest = f"{ENDING_HOLDER}{self._num_ending}"
+            self._by_holder[rest] = (entry[0], blocks[at_most:], [])
+            self.ending.append(rest)
+            blocks = blocks[:at_most]
+        for b in blocks:
             if not b.held:
                 continue  # gone since
             b.held -= 1
@@ -267,6 +307,13 @@ class Holds:
         if self.watchers:
             self._tell_watchers()
         return True
+
+    def end_more(self, at_most: int | None) -> bool:
+        """End the next slice of the holds that end a slice at a time (see end; None: the
+        next holder's whole); whether some are left."""
+        if self.ending:
+            self.end(self.ending.popleft(), at_most)
+        return bool(self.ending)
 
     def writers(self, req: Request) -> dict[str, object]:
         """The clients' holders that hold a device block of req now (by block, or by a read
@@ -297,7 +344,7 @@ class Holds:
         if not held and not lazy_holders:
             return set()
         holders_of: dict[int, set[str]] = {}
-        for h, b in self._holding_blocks(held):
+        for h, b in self._holding_blocks(held):  # clients' holders only
             holders_of.setdefault(b.page, set()).add(h)
         for b in blocks:  # a read held every device block its engine was told of
             if lazy_holders and b.tier is TierKind.DEVICE and not b.moving:
@@ -313,12 +360,15 @@ class Holds:
         return kept
 
     def _holding_blocks(self, blocks: list[Block]) -> Iterator[tuple[str, Block]]:
-        """(holder, block) for each hold by block of one of these blocks (kvd's own
-        holders' included)."""
+        """(holder, block) for each hold by block of one of these blocks by a client's
+        holder: kvd's own are waited for by nobody (see keep and writers), and not looked
+        at (holds ending a slice at a time hold tens of thousands of blocks, see end)."""
         held = {id(b) for b in blocks if b.held}
         if not held:
             return
         for h, (_, entry_blocks, _) in self._by_holder.items():
+            if h.startswith(OWN_HOLDER):
+                continue
             for b in entry_blocks:
                 if id(b) in held and b.held:
                     yield h, b

@@ -202,6 +202,17 @@ class Pool:
             self.admission.reserve(req, growth)
         return plan
 
+    def check_allocation(self, request_id: str, num_blocks: int,
+                         intent: dict[str, Any] | None = None) -> None:
+        """allocate()'s checks, changing nothing: the error that says why num_blocks new
+        blocks may not be allocated (room aside), if any. An allocation made a slice at a
+        time is checked whole first."""
+        if num_blocks <= 0:
+            raise InvalidArgument(f"num_blocks must be positive, got {num_blocks}")
+        req = self.get_admitted(request_id)
+        self.pages.check_new(req, num_blocks, None, intent)
+        self.admission.growth(req, num_blocks)
+
     @after_reads
     def access(self, request_id: str, indices: Sequence[int] | None,
                holder: str = "") -> AccessResult:
@@ -284,11 +295,16 @@ class Pool:
     # ------------------------------------------------------------------ holds
 
     @changes_blocks
-    def end_holds(self, holder: str) -> bool:
-        """The holder called again (or went away): what it was handed is evictable again.
-        Whether anything was. No queued request goes for it: admission counts held pages as
-        room already (see Admission.room_for), and a hold changes no reservation."""
-        return self.pages.holds.end(holder)
+    def end_holds(self, holder: str, at_most: int | None = None) -> bool:
+        """The holder called again (or went away): what it was handed is evictable again
+        (`at_most` blocks of it now, the rest by end_more_holds: see Holds.end). Whether
+        anything was. No queued request goes for it: admission counts held pages as room
+        already (see Admission.room_for), and a hold changes no reservation."""
+        return self.pages.holds.end(holder, at_most)
+
+    def end_more_holds(self, at_most: int | None) -> bool:
+        """The next slice of the holds that end a slice at a time; whether some are left."""
+        return self.pages.holds.end_more(at_most)
 
     # ------------------------------------------------------------------ intents
 
@@ -346,6 +362,10 @@ class Pool:
 
     # ------------------------------------------------------------------ giving back
 
+    def check_free(self, request_id: str, indices: Sequence[int]) -> None:
+        """free()'s checks, changing nothing (BlocksInTransit for blocks being copied)."""
+        check_still(resolve(self.get_admitted(request_id), indices))
+
     @changes_blocks
     def free(self, request_id: str, indices: Sequence[int]) -> int:
         """Give back some blocks of a request; their indices stay unused. The device pages
@@ -385,7 +405,10 @@ class Pool:
         at once when they cannot go (only copies in flight are waited for)."""
         if num_pages <= 0:
             raise InvalidArgument(f"num_pages must be positive, got {num_pages}")
-        self.pages.holds.materialize()  # requests steps answered are not evictable
+        holds = self.pages.holds
+        while holds.end_more(None):  # holds ending a slice at a time end now: their
+            pass  # holders called again, and the operator asks for what is evictable
+        holds.materialize()  # requests steps answered are not evictable
         if num_pages > len(self.policy):
             raise self.pages.no_room(num_pages)
         return TransferPlan(self.name, Reason.EVICT, None,

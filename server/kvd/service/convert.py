@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 
 from kvd.core.admission import Decision
 from kvd.core.blocks import Block, TierKind, public_id
+from kvd import sliced
 from kvd.core.intent import IntentChange
 from kvd.service.auth import namespace
 from kvd.stats import LinkFigures, PoolFigures, TenantFigures
@@ -57,6 +59,17 @@ def add_handles(handles, blocks: Iterable[Block], page_bytes: int, ns: int = 0) 
     for block in blocks:
         if its_own(block):  # not freed by another call since (see its_own)
             handles.add(**_told(block, page_bytes, ns, told))
+
+
+async def add_handles_sliced(handles, blocks: list[Block], page_bytes: int, ns: int,
+                             size: int) -> None:
+    """add_handles() `size` blocks at a time, the loop served between slices (a reply with
+    tens of thousands of handles: see sliced). The blocks are the caller's holder's, held
+    until its next call: none moves meanwhile."""
+    for i, part in enumerate(sliced.slices(blocks, size)):
+        if i:
+            await asyncio.sleep(0)
+        add_handles(handles, part, page_bytes, ns)
 
 
 # Where a Step stream keeps what its latest reply tells (see Told); None elsewhere.

@@ -16,7 +16,7 @@ from kvd.service import convert
 from kvd.service.auth import UNLEASED, Authenticator, Caller
 from kvd.service.convert import (
     DECISIONS,
-    add_handles,
+    add_handles_sliced,
     indices,
     intent_change,
     intent_fields,
@@ -102,7 +102,8 @@ class MemoryService(pb_grpc.MemoryServicer):
                                                      intent_fields(request.intent),
                                                      caller.scope, holder=caller.holder)
         reply = pb.AllocateResponse(stall_us=int(stall_s * 1e6))
-        add_handles(reply.handles, blocks, self._page_bytes(rid), ns)  # not freed meanwhile
+        await add_handles_sliced(reply.handles, blocks, self._page_bytes(rid), ns,
+                                 self.node.slice_blocks)
         return reply
 
     @unary
@@ -114,7 +115,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         reply = pb.AccessResponse(stall_us=int(stall_s * 1e6), num_promoted=promoted)
         # The blocks read that the request still has: one freed by another call while the
         # read waited for its copies is gone (its page with it).
-        add_handles(reply.handles, blocks, self._page_bytes(rid), ns)
+        await add_handles_sliced(reply.handles, blocks, self._page_bytes(rid), ns,
+                                 self.node.slice_blocks)
         return reply
 
     @unary

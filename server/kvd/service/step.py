@@ -20,8 +20,8 @@ from kvd.core.reads import AccessResult
 from kvd.metrics import observe_rpc
 from kvd.node import Node
 from kvd.service.auth import Authenticator, Caller, unprefixed
-from kvd.service.convert import (TOLD, Told, add_handles, indices, intent_change,
-                                 intent_fields)
+from kvd.service.convert import (TOLD, Told, add_handles, add_handles_sliced, indices,
+                                 intent_change, intent_fields)
 from kvd.service.gate import CallLimits, StepTurns
 from kvd.service.register import (DRAINING, MAX_STRING, WALK_LIMIT, Malformed,
                                   OpenStreams, refuse, safe_parser)
@@ -302,7 +302,11 @@ class StepStreams:
                                                       holder=holder)
                 stalled |= stall_s > 0
                 page_bytes = node.runtime_of(rid).pool.page_bytes
-                add_handles(reply.allocated, blocks, page_bytes, len(ns))
+                if len(blocks) > node.slice_blocks:
+                    await add_handles_sliced(reply.allocated, blocks, page_bytes, len(ns),
+                                             node.slice_blocks)
+                else:
+                    add_handles(reply.allocated, blocks, page_bytes, len(ns))
             except errors.KvdError as exc:
                 _step_error(reply, "allocations", i, exc, ns)
             except Exception as exc:  # a victim's copy out failed: rolled back

@@ -1,0 +1,157 @@
+"""Calls that name many blocks, served a slice at a time.
+
+An allocation, a free or a release costs kvd's one event loop a few microseconds a block
+(each block placed, held and handed out; each page given back and its policy entry gone),
+and a 1M-token request has 65,536 of them: served whole, one tenant's call would keep
+every other tenant's calls and steps waiting for a third of a second. A call naming more
+than a slice's worth of blocks (`slice_blocks`, 256) is checked whole first, so a bad one
+changes nothing, then done a slice at a time (about a millisecond each), with the loop
+served between slices; a holder's holds end so too (Node.end_holds).
+
+What another call changes between two slices is taken as it comes: a free's block that
+another call freed meanwhile is not freed twice, and a request released meanwhile ends
+the free. A big allocation that fails or is cancelled part way gives back the slices it
+made: the engine was told of none of them. One whose next slice would wait for room gives
+them back too, and is made whole instead, waiting as any allocation does: two big
+allocations on a full device each holding the half they made, each waiting for the
+other's holds to end, would wait until their holds lapsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+
+from kvd.core.blocks import Block, RequestState
+from kvd.core.errors import BlocksInTransit, FailedPrecondition, InvalidArgument, KvdError
+from kvd.core.requests import resolve
+
+if TYPE_CHECKING:
+    from kvd.node import Node
+
+log = structlog.get_logger("kvd.sliced")
+
+
+
+def slices(items: Sequence, size: int) -> list[Sequence]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+async def allocate(node: Node, request_id: str, num_blocks: int, intent: dict | None,
+                   scope: str | None, holder: str) -> tuple[list[Block], float]:
+    """Node.allocate of more than a slice's blocks: refused whole when the request may not take
+    them all now, else made a slice at a time; (blocks, stall)."""
+    rt = node.runtime_of(request_id, scope)
+    node.handoffs.refuse_while_under_way(request_id, "allocate")
+    rt.pool.check_allocation(request_id, num_blocks, intent)
+    blocks: list[Block] = []
+    stall_s = 0.0
+    size = node.slice_blocks
+    try:
+        while len(blocks) < num_blocks:
+            if blocks:
+                await asyncio.sleep(0)
+            try:
+                made, stalled = await node.allocate_at_once(
+                    request_id, min(size, num_blocks - len(blocks)), intent, scope, holder,
+                    wait=not blocks)
+            except BlocksInTransit:  # would wait holding what it made: made whole instead
+                give_back(node, request_id, blocks, holder)
+                blocks = []
+                made, stalled = await node.allocate_at_once(request_id, num_blocks, intent,
+                                                            scope, holder)
+            blocks += made
+            stall_s += stalled
+    except BaseException as exc:  # a cancel too: the engine is told of none of them
+        if blocks:
+            give_back(node, request_id, blocks, holder)
+            if isinstance(exc, KvdError):
+                exc.args = (f"{exc.args[0]} (after {len(blocks)} of the {num_blocks} blocks "
+                            "asked for were made: given back, or gone with the request)",)
+        raise
+    return blocks, stall_s
+
+
+def give_back(node: Node, request_id: str, blocks: list[Block], holder: str) -> None:
+    """Free the blocks a big allocation made before it stopped, those the request still
+    has. Its holder holds them, but the engine was told of none: their pages are free at
+    once (not kept for the holder, see Holds.keep)."""
+    if not blocks:
+        return
+    req = blocks[0].request
+    rt = node.request_index.get(request_id)
+    if rt is None or rt.pool.requests.get(request_id) is not req:
+        return  # released meanwhile: its blocks went with it
+    mine = [b for b in blocks if b.index < len(req.blocks) and req.blocks[b.index] is b]
+    if not mine:
+        return
+    indices = [b.index for b in mine]
+    pinned = rt.pool.num_pinned
+    try:
+        rt.pool.check_free(request_id, indices)
+        rt.pool.pages.holds.unhold(holder, mine)
+        rt.pool.free(request_id, indices)
+    except (KvdError, BlocksInTransit) as exc:  # moving: the request's release frees them
+        log.warning("blocks of a failed allocation left with their request",
+                    request_id=request_id, blocks=len(indices), error=str(exc))
+        return
+    rt.room_may_have_changed()
+    node.unpinned(rt, pinned)
+
+
+async def free(node: Node, request_id: str, indices: Sequence[int],
+               scope: str | None) -> int:
+    """Node.free of more than a slice's indices: every index checked first (a bad one frees
+    nothing), then freed a slice at a time; the blocks freed (a block another call freed
+    meanwhile is not freed twice; a release of the request ends the free)."""
+    rt = node.runtime_of(request_id, scope)
+    req = rt.pool.get_admitted(request_id)
+    if len(set(indices)) != len(indices):
+        raise InvalidArgument(f"duplicate block indices for request {request_id!r}")
+    parts = slices(indices, node.slice_blocks)
+    for i, part in enumerate(parts):
+        if i:
+            await asyncio.sleep(0)
+            if not _same(node, request_id, rt, req):
+                raise FailedPrecondition(f"request {request_id!r} was released while its "
+                                         "free was checked; nothing was freed")
+        resolve(req, part)
+    freed = 0
+    for i, part in enumerate(parts):
+        if i:
+            await asyncio.sleep(0)
+            if not _same(node, request_id, rt, req):
+                break  # released (or handed off) meanwhile
+        blocks = req.blocks
+        still = [j for j in part if blocks[j] is not None]
+        if still:
+            freed += await node.free_at_once(request_id, still, scope)
+    return freed
+
+
+def _same(node: Node, request_id: str, rt, req) -> bool:
+    """Whether the request is still `req`, admitted in rt's pool."""
+    return (node.request_index.get(request_id) is rt
+            and rt.pool.requests.get(request_id) is req
+            and req.state is RequestState.ADMITTED)
+
+
+async def free_down(node: Node, request_id: str, scope: str | None) -> int:
+    """Before a release: free an admitted request's blocks a slice at a time, newest first,
+    while it has more than a slice's; the blocks freed. The release gives back the rest."""
+    freed = 0
+    size = node.slice_blocks
+    while True:
+        rt = node.runtime_of(request_id, scope)
+        req = rt.pool.requests.get(request_id)
+        if req is None or req.state is not RequestState.ADMITTED or len(req.live) <= size:
+            return freed
+        try:
+            freed += await node.free_at_once(request_id,
+                                             [b.index for b in req.live[-size:]], scope)
+        except KvdError:
+            return freed  # the release says what became of it
+        await asyncio.sleep(0)

@@ -1,0 +1,352 @@
+"""A call naming many blocks (an allocation, a free, a release, the reply that hands out their
+pages, and the holds that end when its engine calls again) is done a slice at a time, with
+kvd's loop served between slices: another tenant's call goes on while it runs, rather than
+wait for all of it (a third of a second for a 1M-token request's 65,536 blocks). And it
+keeps what a call promises whole: refused whole when it may not be done, a bad index frees
+nothing, what another call changes between slices is neither lost nor done twice, and an
+allocation that fails or is cancelled part way gives back what it made.
+
+The order of events, not time, says whether the loop was served: the other tenant's call is
+started once the big one has begun, and must be answered while the big one is not done."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvd.config import Config, PoolConfig, TenantConfig
+from kvd.core import errors
+from kvd.core.blocks import TierKind
+from kvd.node import Node
+from kvd.service.auth import Authenticator
+from kvd.service.memory import MemoryService
+from kvd_api.v1 import kvd_pb2 as pb
+
+PAGE = 64
+SLICE = 16
+BIG = 8 * SLICE
+
+
+def _config(device_pages: int = 4 * BIG, host_pages: int = 4 * BIG, a_guaranteed: int = 0,
+            **tenant_b) -> Config:
+    return Config(socket="", tcp="127.0.0.1:0", slice_blocks=SLICE, hold_s=60.0,
+                  pools=(PoolConfig(page_bytes=PAGE, block_tokens=1, device_pages=device_pages,
+                                    host_pages=host_pages, policy="lru",
+                                    device_backend="host", admission="reservation"),),
+                  tenants=(TenantConfig("a", token="ta", guaranteed=a_guaranteed),
+                           TenantConfig("b", token="tb", **tenant_b)))
+
+
+@pytest.fixture
+async def node():
+    node = Node(_config())
+    yield node
+    await node.aclose()
+
+
+async def _admit(node: Node, rid: str, tenant: str, blocks: int) -> None:
+    result = await node.admit_async(rid, tenant=tenant, pool="", prompt_tokens=blocks,
+                                    output_tokens=0, priority=0)
+    assert result.decision.name == "ADMITTED", result
+
+
+async def _check(node: Node) -> None:
+    await asyncio.sleep(0.01)  # holds ending a slice at a time are done
+    assert await node.self_check() == []
+
+
+async def _others_call_goes_on(node: Node, big) -> None:
+    """Start `big` (a coroutine), let it begin, then make tenant b's small call: answered
+    while the big call is not done. Returns once both are."""
+    task = asyncio.ensure_future(big)
+    await asyncio.sleep(0)  # the big call has begun: it holds the loop until it yields
+    blocks, _, _ = await node.access("b0", None, holder="b")
+    assert [b.tier for b in blocks] == [TierKind.DEVICE] * 4
+    assert not task.done(), "the other tenant's call waited for all of the big one"
+    return await task
+
+
+async def _with_small_request(node: Node) -> None:
+    await _admit(node, "b0", "b", 4)
+    await node.allocate("b0", 4, holder="b")
+
+
+async def test_a_big_allocation_leaves_the_loop_to_others_and_hands_out_every_block(node):
+    await _with_small_request(node)
+    await _admit(node, "big", "a", BIG)
+    blocks, _ = await _others_call_goes_on(node, node.allocate("big", BIG, holder="a"))
+    assert [b.index for b in blocks] == list(range(BIG))
+    assert len({b.page for b in blocks}) == BIG
+    assert all(b.tier is TierKind.DEVICE and b.held for b in blocks)
+    await _check(node)
+
+
+async def test_a_big_free_leaves_the_loop_to_others_and_frees_each_block(node):
+    await _with_small_request(node)
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    free = node.runtime("default").pool.device.num_free
+    freed = await _others_call_goes_on(node, node.free("big", list(range(0, BIG, 2))))
+    assert freed == BIG // 2
+    req = node.request("big")
+    assert [b.index for b in req.live] == list(range(1, BIG, 2))
+    node.end_holds("a")
+    assert node.runtime("default").pool.device.num_free == free + BIG // 2
+    await _check(node)
+
+
+async def test_a_big_release_leaves_the_loop_to_others_and_gives_back_every_page(node):
+    await _with_small_request(node)
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    node.end_holds("a")
+    await asyncio.sleep(0.01)
+    free = node.runtime("default").pool.device.num_free
+    freed, _ = await _others_call_goes_on(node, node.release("big"))
+    assert freed == BIG
+    assert "big" not in node.request_index
+    assert node.runtime("default").pool.device.num_free == free + BIG
+    await _check(node)
+
+
+async def test_a_holders_many_holds_end_a_slice_at_a_time_and_all_of_them_end(node):
+    await _with_small_request(node)
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    holds = node.runtime("default").pool.pages.holds
+    node.end_holds("a")  # the engine called again (b holds its 4 blocks)
+    assert 4 < holds.count <= 4 + BIG - SLICE, "ended whole, or not begun"
+    assert await node.self_check() == []  # sound between slices too
+    blocks, _, _ = await node.access("b0", None, holder="b")
+    assert holds.count > 4, "the other tenant's call waited for all of them"
+    await asyncio.sleep(0.01)
+    assert holds.count == 4  # b's only: every one of a's blocks went back to the policy
+    pool = node.runtime("default").pool
+    assert all(b in pool.policy for b in node.request("big").live)
+    await _check(node)
+
+
+async def test_holds_ending_a_slice_at_a_time_serve_a_call_waiting_for_room():
+    """The device full of blocks tenant a holds: b's allocation waits for room, and gets it
+    as a's holds end, slice by slice, once a calls again."""
+    node = Node(_config(device_pages=BIG, host_pages=BIG))
+    try:
+        await _admit(node, "big", "a", BIG)
+        await node.allocate("big", BIG, holder="a")
+        await _admit(node, "b1", "b", 2)
+        waiting = asyncio.ensure_future(node.allocate("b1", 2, holder="b"))
+        await asyncio.sleep(0.01)
+        assert not waiting.done(), "took a page a holder holds"
+        node.end_holds("a")
+        blocks, _ = await asyncio.wait_for(waiting, 5)
+        assert [b.tier for b in blocks] == [TierKind.DEVICE] * 2
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_an_operators_evict_counts_holds_that_are_ending(node):
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    node.end_holds("a")
+    moves = await node.evict("default", BIG)  # all of them: their holder called again
+    assert len(moves) == BIG
+    await _check(node)
+
+
+@pytest.mark.parametrize("why", ["cap", "limit", "pins", "device"])
+async def test_a_big_allocation_that_may_not_be_made_is_refused_whole(why):
+    tenant_b = {"cap": {"max_request_pages": BIG}, "limit": {"limit": BIG + 4}}.get(why, {})
+    # Tenant a's guarantee: b's pins may take 3 * BIG of the 4 * BIG device pages.
+    node = Node(_config(a_guaranteed=BIG, **tenant_b))
+    try:
+        await _admit(node, "b0", "b", 4)
+        await node.allocate("b0", 4, holder="b")
+        await _admit(node, "big", "b", BIG)
+        pool = node.runtime("default").pool
+        free = pool.device.num_free
+        num, intent = {"cap": (BIG + 1, None), "limit": (BIG + 1, None),
+                       "pins": (3 * BIG + 1, {"pin_requested": True}),
+                       "device": (4 * BIG + 1, None)}[why]
+        with pytest.raises(errors.KvdError):
+            await node.allocate("big", num, intent, holder="b")
+        assert node.request("big").live == [], "made part of a call it refused"
+        assert pool.device.num_free == free
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_allocation_refused_part_way_gives_back_what_it_made():
+    """Between two of a's slices of pinned blocks tenant b pins the rest of the device: a's
+    next slice's pins would overcommit it, and the slices a made go back: its engine was
+    told of none of them."""
+    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
+    try:
+        await _admit(node, "big", "a", 2 * BIG)
+        await _admit(node, "b1", "b", 2 * BIG)
+        pool = node.runtime("default").pool
+        pin = {"pin_requested": True}
+        task = asyncio.ensure_future(node.allocate("big", 2 * BIG, pin, holder="a"))
+        await asyncio.sleep(0)  # a's first slice
+        made = len(node.request("big").live)
+        assert 0 < made < 2 * BIG
+        await node.allocate("b1", 2 * BIG - made, pin, holder="b")
+        with pytest.raises(errors.KvdError, match="given back"):
+            await task
+        assert node.request("big").live == []
+        assert pool.device.num_free == made  # at once: nobody was told of them
+        assert pool.num_pinned == 2 * BIG - made
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_allocation_whose_next_slice_would_wait_for_room_is_made_whole():
+    """Between two of a's slices tenant b takes the rest of the device with pinned blocks: a
+    would wait for room holding what it made. It gives that back and asks for all of it at
+    once, which fails at once, as it would have had it come first."""
+    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
+    try:
+        await _admit(node, "big", "a", 2 * BIG)
+        await _admit(node, "b1", "b", 2 * BIG)
+        pool = node.runtime("default").pool
+        task = asyncio.ensure_future(node.allocate("big", 2 * BIG, holder="a"))
+        await asyncio.sleep(0)
+        made = len(node.request("big").live)
+        await node.allocate("b1", 2 * BIG - made, {"pin_requested": True}, holder="b")
+        node.end_holds("b")  # b's engine wrote them: pinned, they stay
+        with pytest.raises(errors.ResourceExhausted, match="pinned"):
+            await asyncio.wait_for(task, 5)
+        assert node.request("big").live == []
+        assert pool.device.num_free == made
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_two_big_allocations_on_a_device_too_small_for_both_each_get_theirs():
+    """Made a slice at a time side by side, each would come to hold half the device and wait
+    for the other's holds to end, which end only at the other's next call, after its
+    allocation: until the holds lapsed. The one that would wait gives back and waits whole;
+    the other finishes, its engine calls again, and the first gets its pages."""
+    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
+    try:
+        for rid, tenant in (("a1", "a"), ("b1", "b")):
+            await _admit(node, rid, tenant, 3 * BIG // 2)
+
+        async def engine(rid: str, holder: str):
+            blocks, _ = await node.allocate(rid, 3 * BIG // 2, holder=holder)
+            assert all(b.tier is TierKind.DEVICE for b in blocks)
+            node.end_holds(holder)  # it wrote them, and calls again
+            return len(blocks)
+
+        assert await asyncio.wait_for(asyncio.gather(engine("a1", "a"), engine("b1", "b")),
+                                      10) == [3 * BIG // 2] * 2
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_allocation_cancelled_part_way_gives_back_what_it_made(node):
+    await _admit(node, "big", "a", BIG)
+    task = asyncio.ensure_future(node.allocate("big", BIG, holder="a"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert 0 < len(node.request("big").live) < BIG
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert node.request("big").live == []
+    await _check(node)
+
+
+@pytest.mark.parametrize("bad", ["out_of_range", "freed", "duplicate"])
+async def test_a_big_free_naming_a_bad_index_frees_nothing(node, bad):
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    await node.free("big", [BIG - 1])
+    indices = list(range(BIG - 1)) + {"out_of_range": [BIG], "freed": [BIG - 1],
+                                      "duplicate": [0]}[bad]
+    with pytest.raises(errors.KvdError):
+        await node.free("big", indices)
+    assert len(node.request("big").live) == BIG - 1
+    await _check(node)
+
+
+async def test_a_big_free_racing_another_free_of_the_same_blocks_frees_each_once(node):
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    task = asyncio.ensure_future(node.free("big", list(range(BIG))))
+    await _until_it_frees(node, "big")
+    assert await node.free("big", list(range(BIG - SLICE, BIG))) == SLICE  # the last slice
+    assert await task == BIG - SLICE
+    assert node.request("big").live == []
+    await _check(node)
+
+
+async def test_a_big_free_racing_a_release_ends_with_the_request(node):
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    task = asyncio.ensure_future(node.free("big", list(range(BIG))))
+    await _until_it_frees(node, "big")
+    await node.release("big")
+    assert 0 < await task < BIG
+    assert "big" not in node.request_index
+    await _check(node)
+
+
+async def _until_it_frees(node: Node, rid: str) -> None:
+    """Turns of the loop until a free of the request's blocks, checked whole, has freed a
+    slice."""
+    while len(node.request(rid).live) == BIG:
+        await asyncio.sleep(0)
+
+
+class _Context:
+    """A unary call's context as MemoryService's handlers use it (the caller's token)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def invocation_metadata(self):
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def peer(self) -> str:
+        return "unix:test"
+
+    async def abort(self, code, details):
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+@pytest.mark.parametrize("call", ["Allocate", "Access"])
+async def test_a_big_reply_is_made_a_slice_at_a_time_and_hands_out_every_page(call):
+    """The service's reply to a call handing out many pages: another tenant's call goes on
+    while it is made, and each handle names its block's page, whose bytes are the block's."""
+    node = Node(_config())
+    service = MemoryService(node, Authenticator(node.config, node.leases))
+    try:
+        await _with_small_request(node)
+        await _admit(node, "a/big", "a", BIG)
+        if call == "Access":
+            blocks, _ = await node.allocate("a/big", BIG)
+            device = node.runtime("default").arenas["device"].pages
+            for b in blocks:
+                device[b.page] = np.full(PAGE, b.index % 251, np.uint8)
+            request = pb.AccessRequest(request_id="big", all_blocks=True)
+        else:
+            request = pb.AllocateRequest(request_id="big", num_blocks=BIG)
+        reply = await _others_call_goes_on(
+            node, getattr(service, call)(request, _Context("ta")))
+        assert [h.block_index for h in reply.handles] == list(range(BIG))
+        blocks = node.request("a/big").live
+        assert [h.page_index for h in reply.handles] == [b.page for b in blocks]
+        if call == "Access":
+            device = node.runtime("default").arenas["device"].pages
+            for h in reply.handles:
+                assert (device[h.page_index] == h.block_index % 251).all()
+        await _check(node)
+    finally:
+        await node.aclose()
