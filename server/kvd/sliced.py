@@ -116,8 +116,8 @@ async def free(node: Node, request_id: str, indices: Sequence[int],
         if i:
             await asyncio.sleep(0)
             if not _same(node, request_id, rt, req):
-                raise FailedPrecondition(f"request {request_id!r} was released while its "
-                                         "free was checked; nothing was freed")
+                raise FailedPrecondition(f"request {request_id!r} was released or handed "
+                                         "off while its free was checked; nothing was freed")
         resolve(req, part)
     freed = 0
     for i, part in enumerate(parts):
@@ -127,8 +127,15 @@ async def free(node: Node, request_id: str, indices: Sequence[int],
                 break  # released (or handed off) meanwhile
         blocks = req.blocks
         still = [j for j in part if blocks[j] is not None]
-        if still:
+        if not still:
+            continue
+        try:
             freed += await node.free_at_once(request_id, still, scope)
+        except KvdError as exc:  # another call's change while this slice waited for copies
+            if freed:
+                exc.args = (f"{exc.args[0]} (changed by another call while this free was "
+                            f"done; {freed} of its blocks were freed)",)
+            raise
     return freed
 
 
