@@ -266,6 +266,25 @@ async def test_the_long_engine_bench_times_another_tenants_reads_beside_an_engin
         assert t["met"] == (t["measured"] <= TARGET_MS)
 
 
+async def test_the_big_calls_bench_times_another_tenants_reads_beside_them():
+    """The big-calls bench, shrunk: tenant a goes round its request's life in single calls
+    under each policy while tenant b's client (a process of its own) reads, kvd stays
+    sound, and the target is b's p99 beside a's calls."""
+    from kvd_loadgen.bench_big_calls import TARGET_MS, bench_big_calls, targets
+
+    out = await bench_big_calls(policies=("lru", "fair"), blocks=1024, seconds=0.5)
+    assert set(out) == {"lru", "fair"}
+    for row in out.values():
+        assert row["rounds"] > 0 and row["a_call_ms"] > 0 and row["reads"] > 0
+        assert 0 < row["alone_p50_ms"] <= row["alone_p99_ms"]
+        assert 0 < row["p50_ms"] <= row["p99_ms"] <= row["max_ms"]
+    judged = targets(out)
+    for policy in ("lru", "fair"):
+        t = judged[f"big_calls_{policy}_other_tenant_access_p99_ms"]
+        assert t["measured"] == out[policy]["p99_ms"]
+        assert t["met"] == (t["measured"] <= TARGET_MS)
+
+
 async def test_the_engines_bench_streams_hold_their_leases_through_the_other_turns():
     """kvd's streams wait out the empty server's turns (here ~3 s, past a 2 s lease): each
     stream carries its client's lease, as an engine's StepStream does, so the requests its
