@@ -73,6 +73,13 @@ async def _with_small_request(node: Node) -> None:
     await node.allocate("b0", 4, holder="b")
 
 
+async def _beside_a_big_request(node: Node) -> None:
+    """Tenant b's small request, and tenant a's request of BIG blocks, held for a."""
+    await _with_small_request(node)
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+
+
 async def test_a_big_allocation_leaves_the_loop_to_others_and_hands_out_every_block(node):
     await _with_small_request(node)
     await _admit(node, "big", "a", BIG)
@@ -84,9 +91,7 @@ async def test_a_big_allocation_leaves_the_loop_to_others_and_hands_out_every_bl
 
 
 async def test_a_big_free_leaves_the_loop_to_others_and_frees_each_block(node):
-    await _with_small_request(node)
-    await _admit(node, "big", "a", BIG)
-    await node.allocate("big", BIG, holder="a")
+    await _beside_a_big_request(node)
     free = node.runtime("default").pool.device.num_free
     freed = await _others_call_goes_on(node, node.free("big", list(range(0, BIG, 2))))
     assert freed == BIG // 2
@@ -98,9 +103,7 @@ async def test_a_big_free_leaves_the_loop_to_others_and_frees_each_block(node):
 
 
 async def test_a_big_release_leaves_the_loop_to_others_and_gives_back_every_page(node):
-    await _with_small_request(node)
-    await _admit(node, "big", "a", BIG)
-    await node.allocate("big", BIG, holder="a")
+    await _beside_a_big_request(node)
     node.end_holds("a")
     await asyncio.sleep(0.01)
     free = node.runtime("default").pool.device.num_free
@@ -112,9 +115,7 @@ async def test_a_big_release_leaves_the_loop_to_others_and_gives_back_every_page
 
 
 async def test_a_holders_many_holds_end_a_slice_at_a_time_and_all_of_them_end(node):
-    await _with_small_request(node)
-    await _admit(node, "big", "a", BIG)
-    await node.allocate("big", BIG, holder="a")
+    await _beside_a_big_request(node)
     holds = node.runtime("default").pool.pages.holds
     node.end_holds("a")  # the engine called again (b holds its 4 blocks)
     assert 4 < holds.count <= 4 + BIG - SLICE, "ended whole, or not begun"
@@ -277,10 +278,7 @@ async def test_a_big_free_naming_a_bad_index_frees_nothing(node, bad):
 
 
 async def test_a_big_free_racing_another_free_of_the_same_blocks_frees_each_once(node):
-    await _admit(node, "big", "a", BIG)
-    await node.allocate("big", BIG, holder="a")
-    task = asyncio.ensure_future(node.free("big", list(range(BIG))))
-    await _until_it_frees(node, "big")
+    task = await _freeing_all(node)
     assert await node.free("big", list(range(BIG - SLICE, BIG))) == SLICE  # the last slice
     assert await task == BIG - SLICE
     assert node.request("big").live == []
@@ -288,21 +286,22 @@ async def test_a_big_free_racing_another_free_of_the_same_blocks_frees_each_once
 
 
 async def test_a_big_free_racing_a_release_ends_with_the_request(node):
-    await _admit(node, "big", "a", BIG)
-    await node.allocate("big", BIG, holder="a")
-    task = asyncio.ensure_future(node.free("big", list(range(BIG))))
-    await _until_it_frees(node, "big")
+    task = await _freeing_all(node)
     await node.release("big")
     assert 0 < await task < BIG
     assert "big" not in node.request_index
     await _check(node)
 
 
-async def _until_it_frees(node: Node, rid: str) -> None:
-    """Turns of the loop until a free of the request's blocks, checked whole, has freed a
-    slice."""
-    while len(node.request(rid).live) == BIG:
+async def _freeing_all(node: Node) -> asyncio.Task:
+    """Tenant a's request of BIG blocks, and a free of all of them under way: checked whole,
+    its first slice freed."""
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    task = asyncio.ensure_future(node.free("big", list(range(BIG))))
+    while len(node.request("big").live) == BIG:
         await asyncio.sleep(0)
+    return task
 
 
 class _Context:
