@@ -302,6 +302,7 @@ class Pool:
         already (see Admission.room_for), and a hold changes no reservation."""
         return self.pages.holds.end(holder, at_most)
 
+    @changes_blocks
     def end_more_holds(self, at_most: int | None) -> bool:
         """The next slice of the holds that end a slice at a time; whether some are left."""
         return self.pages.holds.end_more(at_most)
