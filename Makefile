@@ -79,7 +79,7 @@ bench: $(STAMP) ## benchmarks: figures printed and written to bench/results.json
 replay: $(STAMP) ## the five intent-trace profiles under every policy, through a live kvd
 	$(BIN)/kvd-loadgen replay-intents all --policy all --json bench/replay.json
 
-soak: $(STAMP) ## 64 clients, mixed workload, 4 minutes: RSS, leaks, latency per period; then the state machines (the API, two engines' Step streams, three engines' prefix blocks, one at a time and in flight together, an engine session's unanswered calls), calls racing on one request, and the concurrent engines, private and sharing prefixes, at length
+soak: $(STAMP) ## 64 clients, mixed workload, 4 minutes: RSS, leaks, latency per period; then the state machines (the API, two engines' Step streams, three engines' prefix blocks, one at a time and in flight together, an engine session's unanswered calls), calls racing on one request, big calls racing a slice at a time, and the concurrent engines, private and sharing prefixes, at length
 	$(BIN)/kvd-loadgen soak --json bench/soak.json
 	KVD_MACHINE_EXAMPLES=300 KVD_MACHINE_STEPS=80 $(BIN)/python -m pytest -q tests/integration/test_daemon_machine.py
 	KVD_STEP_MACHINE_EXAMPLES=1000 $(BIN)/python -m pytest -q tests/integration/test_step_machine.py
@@ -87,6 +87,7 @@ soak: $(STAMP) ## 64 clients, mixed workload, 4 minutes: RSS, leaks, latency per
 	KVD_PREFIX_OVERLAP_EXAMPLES=500 $(BIN)/python -m pytest -q tests/integration/test_prefix_overlap.py
 	KVD_SESSION_EXAMPLES=500 $(BIN)/python -m pytest -q tests/integration/test_session_faults.py
 	KVD_RACE_EXAMPLES=1000 $(BIN)/python -m pytest -q tests/integration/test_request_races.py
+	KVD_BIG_RACE_EXAMPLES=300 $(BIN)/python -m pytest -q tests/integration/test_big_calls_racing.py
 	KVD_CHAOS_STEPS=2000 KVD_CHAOS_POLICIES=all $(BIN)/python -m pytest -q tests/integration/test_chaos.py
 	KVD_PREFIX_CHAOS_STEPS=1000 KVD_PREFIX_CHAOS_POLICIES=all $(BIN)/python -m pytest -q tests/integration/test_prefix_chaos.py
 
