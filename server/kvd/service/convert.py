@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 
+from kvd import sliced
 from kvd.core.admission import Decision
 from kvd.core.blocks import Block, TierKind, public_id
-from kvd import sliced
 from kvd.core.intent import IntentChange
 from kvd.service.auth import namespace
 from kvd.stats import LinkFigures, PoolFigures, TenantFigures
