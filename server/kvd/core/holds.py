@@ -92,6 +92,13 @@ class Holds:
             self.policy.remove(block)
         self.count += 1
 
+    def hold_new(self, holder: str, blocks: list[Block]) -> None:
+        """hold_one() of each of these blocks just made (held by nobody, in no policy)."""
+        self._entry(holder)[1].extend(blocks)
+        for block in blocks:
+            block.held = 1
+        self.count += len(blocks)
+
     def hold_unheld(self, holder: str, blocks: list[Block]) -> None:
         """Hold those of these device blocks the holder does not hold yet (hold_one)."""
         if not blocks:

@@ -586,23 +586,30 @@ class PageTable:
         placed = []
         self.changes.note(req)
         self._moving.add(req)
+        blocks, live, owner, priority = req.blocks, req.live, self.device.owner, req.priority
         for page, index in zip(page_numbers, indices):
-            if len(req.blocks) < index:  # a gap: the indices in it hold no block
-                req.blocks.extend([None] * (index - len(req.blocks)))
+            if len(blocks) < index:  # a gap: the indices in it hold no block
+                blocks.extend([None] * (index - len(blocks)))
             block = Block(req, index, TierKind.DEVICE, page, moving=True,
-                          own_access=now, request_priority=req.priority)
-            req.num_moving_blocks += 1
+                          own_access=now, request_priority=priority)
             if intent:
                 intents.apply(block, intent, now)
                 self.count_pin(block, 1)
-            self.device.owner[page] = block
-            req.blocks.append(block)
-            req.live.append(block)  # past every index it had: still in index order
-            req.num_live_blocks += 1
-            if holder:
-                self.holds.hold_one(holder, block)
-            self.device_delta(block, 1)
+            owner[page] = block
+            blocks.append(block)
+            live.append(block)  # past every index it had: still in index order
             placed.append(block)
+        # What each new block adds to its request's and tenant's counts, once for all
+        # (device_delta's, a new block having no payers yet; and hold_one's).
+        n = len(placed)
+        req.num_moving_blocks += n
+        req.num_live_blocks += n
+        if holder:
+            self.holds.hold_new(holder, placed)
+        req.num_device_blocks += n
+        tally(self.tenancy.device_by_tenant, req.tenant, n)
+        if req.keeper and n:
+            self.tenancy.kept_changed(req.tenant, n)
         self.note_peak()
         return placed
 
