@@ -133,9 +133,12 @@ class Prefixes:
         # (else a tenant whose kept block req takes over could be taken below its
         # guarantee for the new pages). Undone if there is no room.
         taken_over = [(b, b.payers) for b in found if b is not None and id(b) not in used]
+        counted = counted_pages(req)
         for b, _ in taken_over:
-            self._use(req, b)
+            self._use(req, b, count=False)
             used.add(id(b))
+        if taken_over:
+            self.admission.shared_uses_changed(req, counted, len(taken_over))
         # Blocks nobody committed that went to the host tier come back to be written: an
         # engine is told to write device pages only (to_write), so there the block would
         # stay unwritten, and unfound, while any request uses it (a hot prefix, never
@@ -170,21 +173,28 @@ class Prefixes:
                                      None, holder)
         made = iter(plan.allocated)
         blocks = []
+        # The new blocks are req's first use of each (those found are req's already, see
+        # taken_over), charged to its tenant alone: _use's work, once for all of them.
+        tenant = req.tenant
+        counted = counted_pages(req)
+        num_made = 0
         for k, b in zip(keys, found):
             if b is None:
                 b = next(made)
                 b.committed, b.recompute_ok = False, True
-                b.users, b.payers = {}, (req.tenant,)
+                b.users, b.payers = {tenant: 1}, (tenant,)
                 b.writers = {req.request_id}  # its new page: req writes it (to_write)
-                self.pages.file_named(b, (namespace, k))
-                self.pages.idle_changed(b, 1)  # until _use below
-            if id(b) not in used:
-                self._use(req, b)
+                pages.file_named(b, (namespace, k))
+                req.shared.append(b)
+                num_made += 1
             if holder and not b.moving and b.tier is not TierKind.NONE:
                 # Found or new, the block is the engine's to read or write until its next
                 # call: nothing lets it go meanwhile.
                 pages.holds.hold_one(holder, b)
             blocks.append(b)
+        if num_made:
+            tally(self.tenancy.named_in_use, tenant, num_made)
+            self.admission.shared_uses_changed(req, counted, num_made)
         if growth:
             self.admission.reserve(req, growth)
         self.use_intent(req, blocks, intent)
@@ -276,11 +286,16 @@ class Prefixes:
         self._check_pins(req, run, intent)
         used = {id(b) for b in req.shared}
         growth = self.admission.growth(req, sum(1 for b in run if id(b) not in used))
+        counted = counted_pages(req)
+        num_used = 0
         for b in run:
             if id(b) not in used:
-                self._use(req, b)
+                self._use(req, b, count=False)
+                num_used += 1
             if holder:
                 self.pages.holds.hold_one(holder, b)
+        if num_used:
+            self.admission.shared_uses_changed(req, counted, num_used)
         if growth:
             self.admission.reserve(req, growth)
         self.use_intent(req, run, intent)
@@ -440,8 +455,10 @@ class Prefixes:
         in_use = self.tenancy.named_in_use[tenant]
         return Shares(in_use, shared, self.tenancy.usage(tenant), saved)
 
-    def _use(self, req: Request, b: Block) -> None:
-        counted = counted_pages(req)
+    def _use(self, req: Request, b: Block, count: bool = True) -> None:
+        """req uses b (once more). `count=False`: the caller tells admission of its uses
+        (shared_uses_changed) once for all of them."""
+        counted = counted_pages(req) if count else 0
         if not b.users and b.tier is TierKind.DEVICE:
             self.pages.idle_changed(b, -1)
         uses = b.users.get(req.tenant, 0)
@@ -449,7 +466,8 @@ class Prefixes:
             tally(self.tenancy.named_in_use, req.tenant, 1)
         b.users[req.tenant] = uses + 1
         req.shared.append(b)
-        self.admission.shared_uses_changed(req, counted, 1)
+        if count:
+            self.admission.shared_uses_changed(req, counted, 1)
         self._recharge(b)
 
     def _unuse(self, req: Request, b: Block, payers: tuple[str, ...]) -> None:
