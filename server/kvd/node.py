@@ -267,16 +267,17 @@ class Node:
             publish_admitted(self.events, rt.pool.name, admitted)
             rt.waiters.notify()
 
-    async def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
-                       scope: str | None = None, holder: str = ""
-                       ) -> tuple[list[Block], float]:
+    def allocate(self, request_id: str, num_blocks: int, intent: dict | None = None,
+                 scope: str | None = None, holder: str = ""
+                 ) -> Awaitable[tuple[list[Block], float]]:
         """New blocks for a request; with a holder, held for it until its next call (the
         engine writes them meanwhile). Refused while the request is handed off: its blocks
         are those the handoff copies, and one added meanwhile would be left behind. More
-        than a slice's worth are made a slice at a time (see sliced)."""
+        than a slice's worth are made a slice at a time (see sliced). (The caller awaits
+        the one that does it: an engine step's allocation pays no coroutine of its own.)"""
         if num_blocks > self.slice_blocks:
-            return await sliced.allocate(self, request_id, num_blocks, intent, scope, holder)
-        return await self.allocate_at_once(request_id, num_blocks, intent, scope, holder)
+            return sliced.allocate(self, request_id, num_blocks, intent, scope, holder)
+        return self.allocate_at_once(request_id, num_blocks, intent, scope, holder)
 
     async def allocate_at_once(self, request_id: str, num_blocks: int,
                                intent: dict | None = None, scope: str | None = None,
@@ -412,13 +413,13 @@ class Node:
             for rt, before in zip(self.pools.values(), pinned):
                 self.unpinned(rt, before)
 
-    async def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
-                   ) -> int:
+    def free(self, request_id: str, indices: Sequence[int], scope: str | None = None
+             ) -> Awaitable[int]:
         """Give back blocks of a request (more than a slice's worth a slice at a time, see
-        sliced); the number freed."""
+        sliced); the number freed. (Awaited by the caller, as allocate.)"""
         if len(indices) > self.slice_blocks:
-            return await sliced.free(self, request_id, indices, scope)
-        return await self.free_at_once(request_id, indices, scope)
+            return sliced.free(self, request_id, indices, scope)
+        return self.free_at_once(request_id, indices, scope)
 
     async def free_at_once(self, request_id: str, indices: Sequence[int],
                            scope: str | None = None) -> int:

@@ -267,7 +267,8 @@ class StepStreams:
             items += [("read_all", positions[rid], rid, None) for rid in general]
         items += [("accesses", i, ns + item.request_id, indices(item))
                   for i, item in enumerate(step.accesses[:] if _ACCESSES in present else ())]
-        stalled |= await self._reads(items, reply, scope, holder, ns)
+        if items:
+            stalled |= await self._reads(items, reply, scope, holder, ns)
         if stalled:
             reply.stall_us = int((time.perf_counter() - started) * 1e6)
         return reply
