@@ -123,7 +123,7 @@ class Node:
         self.quotas = Quotas(self.pools, self.link_table, self.events, self.clock)
         self.cluster = None  # kvd.cluster.ClusterMember, when [cluster] names etcd
         self.shared = SharedBlocks(self.runtime, self.runtime_of, self._room_grew,
-                                   self.handoffs.refuse_while_under_way)
+                                   self.handoffs.refuse_while_under_way, self.slice_blocks)
         # Pools whose line's fair order moved since it last ran (see _order_moved).
         self._moved: dict[str, PoolRuntime] = {}
         self._settle_soon = False

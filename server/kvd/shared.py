@@ -4,11 +4,16 @@ what a pool does with them)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
-from kvd.core.blocks import Block, TierKind
-from kvd.core.errors import Aborted, FailedPrecondition
+import structlog
+
+from kvd.core.blocks import Block, Request, TierKind
+from kvd.core.errors import Aborted, BlocksInTransit, FailedPrecondition, KvdError
 from kvd.runtime import PoolRuntime
+
+log = structlog.get_logger("kvd.shared")
 
 
 class SharedBlocks:
@@ -18,8 +23,10 @@ class SharedBlocks:
     def __init__(self, runtime: Callable[[str], PoolRuntime],
                  runtime_of: Callable[[str, str | None], PoolRuntime],
                  on_room: Callable[[PoolRuntime], None] | None = None,
-                 refuse_while_handed_off: Callable[[str, str], None] | None = None) -> None:
+                 refuse_while_handed_off: Callable[[str, str], None] | None = None,
+                 slice_blocks: int = 256) -> None:
         self.runtime = runtime
+        self.slice_blocks = slice_blocks  # see _store_sliced
         self.runtime_of = runtime_of
         # Refuses a call on a request whose handoff is under way (see
         # Handoffs.refuse_while_under_way).
@@ -42,14 +49,15 @@ class SharedBlocks:
                     ) -> tuple[list[Block], list[bool], float]:
         """Shared blocks under these keys for a request: (blocks, fresh per key, stall).
         Fresh ones hold no written bytes yet (new pages, or another request's not yet
-        committed), held for the holder, which writes them and commits."""
+        committed), held for the holder, which writes them and commits. More than a
+        slice's worth of keys are stored a slice at a time (see _store_sliced)."""
         rt = self.runtime_of(request_id, scope)
-        self._not_handing_off(request_id, rt)
-        before = rt.pool.admission.working_set_used()
-        plan, blocks = await rt.run(lambda: rt.pool.store(request_id, namespace, keys,
-                                                          holder, intent), holder=holder)
-        self._room_grew(rt, before)
-        stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
+        if len(keys) > self.slice_blocks:
+            blocks, stall_s = await self._store_sliced(rt, request_id, namespace, keys,
+                                                       holder, intent)
+        else:
+            blocks, _, stall_s = await self._store(rt, request_id, namespace, keys, holder,
+                                                   intent)
         if any(b.tier is TierKind.NONE for b in blocks):
             # Let go while the room was being made: the holder ended its hold with another
             # call meanwhile. The request keeps what it stored; a second store finds it.
@@ -73,6 +81,100 @@ class SharedBlocks:
             # engine wrote it would have given its page to another request.
             rt.pool.pages.holds.hold_unheld(holder, [b for b, f in zip(blocks, fresh) if f])
         return blocks, fresh, stall_s
+
+    async def _store(self, rt: PoolRuntime, request_id: str, namespace: str,
+                     keys: Sequence[bytes], holder: str, intent: dict | None,
+                     wait: bool = True) -> tuple[list[Block], list[Block], float]:
+        """The pool's store of these keys, in one go: (blocks, the blocks among them the
+        request uses since this store, stall). `wait=False`: BlocksInTransit where it
+        would wait for room or for blocks in transit (see PoolRuntime.run)."""
+        self._not_handing_off(request_id, rt)
+        before = rt.pool.admission.working_set_used()
+        pool = rt.pool
+
+        def store() -> tuple:
+            req = pool.requests.get(request_id)
+            n = len(req.shared) if req is not None else 0
+            plan, blocks = pool.store(request_id, namespace, keys, holder, intent)
+            return plan, blocks, req.shared[n:]  # its new uses come last (Prefixes.store)
+
+        plan, blocks, added = await rt.run(store, holder=holder, wait=wait)
+        self._room_grew(rt, before)
+        stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
+        return blocks, added, stall_s
+
+    async def _store_sliced(self, rt: PoolRuntime, request_id: str, namespace: str,
+                            keys: Sequence[bytes], holder: str, intent: dict | None
+                            ) -> tuple[list[Block], float]:
+        """A store of more than a slice's keys: refused whole when the request may not store
+        them all now, else stored a slice at a time, the loop served between slices (a
+        Store of a 128K-token prompt's 8,192 blocks would otherwise hold every other
+        tenant's calls for tens of milliseconds). All or nothing still: one that fails or
+        is cancelled part way gives back the uses it added (the engine was told of none of
+        them), and one whose next slice would wait for room gives them back and is stored
+        whole instead, waiting as any store does (see sliced.allocate for why)."""
+        self._not_handing_off(request_id, rt)
+        req = rt.pool.check_store(request_id, namespace, keys, intent)
+        blocks: list[Block] = []
+        added: list[Block] = []  # the uses its slices added
+        stall_s = 0.0
+        size = self.slice_blocks
+        try:
+            while len(blocks) < len(keys):
+                if blocks:
+                    await asyncio.sleep(0)
+                    if rt.pool.requests.get(request_id) is not req:
+                        raise FailedPrecondition(
+                            f"request {request_id!r} was released or handed off while "
+                            "its store was done")
+                try:
+                    part, uses, stalled = await self._store(
+                        rt, request_id, namespace, keys[len(blocks):len(blocks) + size],
+                        holder, intent, wait=not blocks)
+                except BlocksInTransit:  # would wait holding what it stored: whole instead
+                    self._give_back(rt, req, blocks, added, holder)
+                    blocks, added = [], []
+                    part, uses, stalled = await self._store(rt, request_id, namespace, keys,
+                                                            holder, intent)
+                blocks += part
+                added += uses
+                stall_s += stalled
+        except BaseException as exc:  # a cancel too: the engine is told of none of them
+            if blocks:
+                self._give_back(rt, req, blocks, added, holder)
+                if isinstance(exc, KvdError):
+                    exc.args = (f"{exc.args[0]} (after {len(blocks)} of the {len(keys)} "
+                                "keys were stored: given back, or gone with the request)",)
+            raise
+        return blocks, stall_s
+
+    def _give_back(self, rt: PoolRuntime, req: Request, stored: list[Block],
+                   added: list[Block], holder: str) -> None:
+        """The uses a sliced store added, given back (see Pool.give_back_uses): not while
+        the request is handed off (the handoff's commit lets go of what it stored and
+        never committed) or once it is gone (its release did)."""
+        request_id = req.request_id
+        if (not stored or rt.pool.requests.get(request_id) is not req
+                or self._handing_off(request_id)):
+            return
+        try:
+            rt.pool.give_back_uses(req, stored, added, holder)
+        except (KvdError, BlocksInTransit) as exc:  # moving: the request's release does it
+            log.warning("shared blocks of a failed store left with their request",
+                        request_id=request_id, blocks=len(added), error=str(exc))
+            return
+        rt.room_may_have_changed()
+        if self.on_room is not None:
+            self.on_room(rt)
+
+    def _handing_off(self, request_id: str) -> bool:
+        if self.refuse_while_handed_off is None:
+            return False
+        try:
+            self.refuse_while_handed_off(request_id, "store")
+        except FailedPrecondition:
+            return True
+        return False
 
     def _not_handing_off(self, request_id: str, rt: PoolRuntime) -> None:
         """Refuse a store while the request is handed off, or once it left the pool the

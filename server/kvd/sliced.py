@@ -14,7 +14,8 @@ the free. A big allocation that fails or is cancelled part way gives back the sl
 made: the engine was told of none of them. One whose next slice would wait for room gives
 them back too, and is made whole instead, waiting as any allocation does: two big
 allocations on a full device each holding the half they made, each waiting for the
-other's holds to end, would wait until their holds lapsed.
+other's holds to end, would wait until their holds lapsed. A store of many shared prefix
+keys is done alike (SharedBlocks._store_sliced).
 """
 
 from __future__ import annotations

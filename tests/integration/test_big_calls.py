@@ -1,10 +1,11 @@
-"""A call naming many blocks (an allocation, a free, a release, the reply that hands out their
-pages, and the holds that end when its engine calls again) is done a slice at a time, with
-kvd's loop served between slices: another tenant's call goes on while it runs, rather than
-wait for all of it (a third of a second for a 1M-token request's 65,536 blocks). And it
-keeps what a call promises whole: refused whole when it may not be done, a bad index frees
-nothing, what another call changes between slices is neither lost nor done twice, and an
-allocation that fails or is cancelled part way gives back what it made.
+"""A call naming many blocks (an allocation, a free, a release, a store of shared prefix keys,
+the reply that hands out their pages, and the holds that end when its engine calls again) is
+done a slice at a time, with kvd's loop served between slices: another tenant's call goes on
+while it runs, rather than wait for all of it (a third of a second for a 1M-token request's
+65,536 blocks). And it keeps what a call promises whole: refused whole when it may not be
+done, a bad index frees nothing, what another call changes between slices is neither lost
+nor done twice, and an allocation or a store that fails or is cancelled part way gives back
+what it made.
 
 The order of events, not time, says whether the loop was served: the other tenant's call is
 started once the big one has begun, and must be answered while the big one is not done."""
@@ -304,6 +305,183 @@ async def _freeing_all(node: Node) -> asyncio.Task:
     return task
 
 
+# ------------------------------------------------------------------ a big store of shared blocks
+
+NS = "big-calls"
+
+
+def _keys(n: int, chain: str = "k") -> list[bytes]:
+    return [b"%s%d" % (chain.encode(), i) for i in range(n)]
+
+
+async def test_a_big_store_leaves_the_loop_to_others_and_stores_every_key(node):
+    await _with_small_request(node)
+    await _admit(node, "big", "a", BIG)
+    keys = _keys(BIG)
+    blocks, fresh, _ = await _others_call_goes_on(
+        node, node.shared.store("big", NS, keys, holder="a"))
+    assert fresh == [True] * BIG, "a new key's block is the engine's to write"
+    assert [b.name for b in blocks] == [(NS, k) for k in keys]
+    assert len({b.page for b in blocks}) == BIG
+    assert all(b.tier is TierKind.DEVICE and b.held for b in blocks)
+    assert node.request("big").shared == blocks
+    assert await node.shared.commit("big", NS, keys) == BIG
+    # Another request's big store finds every one of them, written.
+    await _admit(node, "again", "a", BIG)
+    found, fresh, _ = await node.shared.store("again", NS, keys, holder="a2")
+    assert found == blocks and fresh == [False] * BIG
+    await _check(node)
+
+
+async def test_two_big_stores_of_the_same_keys_side_by_side_share_every_block(node):
+    """Their slices interleave: each finds what the other placed (not yet written, so both
+    are told to write it: the same tokens, the same bytes), and no key gets two blocks."""
+    keys = _keys(BIG)
+    for rid in ("s1", "s2"):
+        await _admit(node, rid, "a" if rid == "s1" else "b", BIG)
+    (b1, f1, _), (b2, f2, _) = await asyncio.gather(
+        node.shared.store("s1", NS, keys, holder="a"),
+        node.shared.store("s2", NS, keys, holder="b"))
+    assert b1 == b2 and len({id(b) for b in b1}) == BIG
+    assert f1 == f2 == [True] * BIG
+    assert await node.shared.commit("s2", NS, keys) == BIG
+    await _check(node)
+
+
+@pytest.mark.parametrize("why", ["duplicate", "pins", "cap"])
+async def test_a_big_store_that_may_not_be_made_is_refused_whole(why):
+    node = Node(_config(a_guaranteed=BIG, **({"max_request_pages": BIG}
+                                             if why == "cap" else {})))
+    try:
+        await _admit(node, "big", "b", BIG)
+        pool = node.runtime("default").pool
+        free = pool.device.num_free
+        keys, intent = {"duplicate": (_keys(BIG) + [b"k0"], None),
+                        "pins": (_keys(3 * BIG + 1), {"pin_requested": True}),
+                        "cap": (_keys(BIG + 1), None)}[why]
+        with pytest.raises(errors.KvdError):
+            await node.shared.store("big", NS, keys, holder="b", intent=intent)
+        assert node.request("big").shared == [], "stored part of a call it refused"
+        assert pool.device.num_free == free
+        assert node.shared.lookup("default", NS, keys[:1]) == []
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def _storing_part_way(node: Node, keys: list[bytes], intent: dict | None = None):
+    """Tenant a's store of these keys under way: its first slice stored; (task, blocks so
+    far)."""
+    task = asyncio.ensure_future(node.shared.store("big", NS, keys, holder="a",
+                                                   intent=intent))
+    await asyncio.sleep(0)
+    made = len(node.request("big").shared)
+    assert 0 < made < len(keys)
+    return task, made
+
+
+async def test_a_big_store_refused_part_way_gives_back_what_it_stored():
+    """Between two of a's slices of pinned blocks tenant b pins the rest of the device: a's
+    next slice's pins would overcommit it, and what a's slices stored goes back (its
+    engine was told of none of it): the uses, the new blocks and their pages, at once."""
+    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
+    try:
+        await _admit(node, "big", "a", 2 * BIG)
+        await _admit(node, "b1", "b", 2 * BIG)
+        pool = node.runtime("default").pool
+        pin = {"pin_requested": True}
+        keys = _keys(2 * BIG)
+        task, made = await _storing_part_way(node, keys, pin)
+        await node.allocate("b1", 2 * BIG - made, pin, holder="b")
+        with pytest.raises(errors.KvdError, match="given back"):
+            await task
+        assert node.request("big").shared == []
+        assert node.shared.lookup("default", NS, keys[:1]) == []
+        assert pool.device.num_free == made
+        assert pool.num_pinned == 2 * BIG - made
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_store_whose_next_slice_would_wait_for_room_is_stored_whole():
+    """Between two of a's slices tenant b takes the rest of the device with pinned blocks: a
+    would wait for room holding what it stored. It gives that back and stores all of it at
+    once, which fails at once, as it would have had it come first."""
+    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
+    try:
+        await _admit(node, "big", "a", 2 * BIG)
+        await _admit(node, "b1", "b", 2 * BIG)
+        pool = node.runtime("default").pool
+        task, made = await _storing_part_way(node, _keys(2 * BIG))
+        await node.allocate("b1", 2 * BIG - made, {"pin_requested": True}, holder="b")
+        node.end_holds("b")  # b's engine wrote them: pinned, they stay
+        with pytest.raises(errors.ResourceExhausted, match="pinned"):
+            await asyncio.wait_for(task, 5)
+        assert node.request("big").shared == []
+        assert pool.device.num_free == made
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_store_giving_back_keeps_what_another_request_uses_too():
+    """What a's slices found, or placed and another request then stored too, stays with the
+    blocks' other users when a's store gives back: only a's uses go."""
+    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
+    try:
+        await _admit(node, "big", "a", 2 * BIG)
+        await _admit(node, "other", "a", 2 * SLICE)
+        await _admit(node, "b1", "b", 2 * BIG)
+        keys = _keys(2 * BIG)
+        old, _, _ = await node.shared.store("other", NS, keys[:SLICE // 2], holder="o")
+        await node.shared.commit("other", NS, keys[:SLICE // 2])
+        task, made = await _storing_part_way(node, keys)
+        # another request of a's stores what a's first slice placed, not yet written
+        placed, fresh, _ = await node.shared.store("other", NS, keys[SLICE // 2:made],
+                                                   holder="o")
+        assert all(fresh)
+        node.end_holds("o")  # its engine wrote them (a's store holds them still)
+        await node.allocate("b1", 2 * BIG - made, {"pin_requested": True}, holder="b")
+        node.end_holds("b")
+        # a's next slice would wait for its own holds: given back, a's holds of what it
+        # stored end with them, and stored whole it fails at once (rather than wait for
+        # its own holds to lapse).
+        with pytest.raises(errors.ResourceExhausted, match="pinned"):
+            await asyncio.wait_for(task, 5)
+        assert node.request("big").shared == []
+        assert node.request("other").shared == old + placed
+        assert node.shared.lookup("default", NS, keys[:1]) == old[:1]
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_store_cancelled_part_way_gives_back_what_it_stored(node):
+    await _admit(node, "big", "a", BIG)
+    pool = node.runtime("default").pool
+    free = pool.device.num_free
+    task, _ = await _storing_part_way(node, _keys(BIG))
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert node.request("big").shared == []
+    assert pool.device.num_free == free
+    await _check(node)
+
+
+async def test_a_big_store_racing_a_release_ends_with_the_request(node):
+    await _admit(node, "big", "a", BIG)
+    task, _ = await _storing_part_way(node, _keys(BIG))
+    await node.release("big")
+    with pytest.raises(errors.KvdError, match="released"):
+        await task
+    assert "big" not in node.request_index
+    await _admit(node, "big", "a", BIG)  # the same id again: nothing of the old store
+    assert node.request("big").shared == []
+    await _check(node)
+
+
 class _Context:
     """A unary call's context as MemoryService's handlers use it (the caller's token)."""
 
@@ -344,6 +522,40 @@ async def test_a_big_reply_is_made_a_slice_at_a_time_and_hands_out_every_page(ca
         assert [h.page_index for h in reply.handles] == [b.page for b in blocks]
         if call == "Access":
             device = node.runtime("default").arenas["device"].pages
+            for h in reply.handles:
+                assert (device[h.page_index] == h.block_index % 251).all()
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+@pytest.mark.parametrize("call", ["Store", "Load"])
+async def test_a_big_shared_reply_is_made_a_slice_at_a_time_and_hands_out_every_page(call):
+    """The same for the shared blocks of a Store or a Load naming many keys: each handle, at
+    its key's position, names the key's page (a Load's, whose bytes were written)."""
+    node = Node(_config())
+    service = MemoryService(node, Authenticator(node.config, node.leases))
+    try:
+        await _with_small_request(node)
+        await _admit(node, "a/big", "a", BIG)
+        keys = _keys(BIG)
+        request = pb.StoreRequest(request_id="big", keys=keys)
+        if call == "Load":
+            stored = await service.Store(request, _Context("ta"))
+            device = node.runtime("default").arenas["device"].pages
+            for h in stored.handles:
+                device[h.page_index] = np.full(PAGE, h.block_index % 251, np.uint8)
+            await service.Commit(pb.CommitRequest(request_id="big", keys=keys),
+                                 _Context("ta"))
+            await _admit(node, "a/reader", "a", BIG)
+            request = pb.LoadRequest(request_id="reader", keys=keys)
+        reply = await _others_call_goes_on(
+            node, getattr(service, call)(request, _Context("ta")))
+        assert [h.block_index for h in reply.handles] == list(range(BIG))
+        blocks = node.request("a/big").shared
+        assert [h.page_index for h in reply.handles] == [b.page for b in blocks]
+        if call == "Load":
+            assert node.request("a/reader").shared == blocks
             for h in reply.handles:
                 assert (device[h.page_index] == h.block_index % 251).all()
         await _check(node)

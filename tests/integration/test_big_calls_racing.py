@@ -1,14 +1,18 @@
 """Big calls racing each other, a slice at a time: two tenants' engines, each with requests of
-its own, call kvd at once (allocate many blocks, free many, read all or many, release, call
-again and so end their holds), on one kvd whose slices are a few blocks, so that every call
-crosses slice boundaries with the other engine's calls between its slices; under every
-policy, with device tiers small enough for their calls to compete for room.
+its own, call kvd at once (allocate many blocks, free many, read all or many, release, store
+and load long runs of shared prefix blocks, call again and so end their holds), on one kvd
+whose slices are a few blocks, so that every call crosses slice boundaries with the other
+engine's calls between its slices; under every policy, with device tiers small enough for
+their calls to compete for room.
 
 Each engine writes a pattern of its own into every block it is handed and checks every
 block it reads: it holds what the engine wrote, or zeros where kvd said it must be
-recomputed. After each round of calls kvd's invariants hold, nothing is left in transit,
-and every block an engine was handed and did not free is still its request's. No call
-hangs: each round is bounded.
+recomputed. A shared block's pattern is its key's (a key names its tokens: every engine
+writes the same bytes): an engine writes those a store tells it to and commits them, and
+checks every block a load hands it. After each round of calls kvd's invariants hold,
+nothing is left in transit, every block an engine was handed and did not free is still its
+request's, and every key a lookup finds holds its bytes. No call hangs: each round is
+bounded.
 
 KVD_BIG_RACE_EXAMPLES sets the examples per policy (`make soak` runs more).
 """
@@ -16,6 +20,7 @@ KVD_BIG_RACE_EXAMPLES sets the examples per policy (`make soak` runs more).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 
 import numpy as np
@@ -34,11 +39,34 @@ EXAMPLES = int(os.environ.get("KVD_BIG_RACE_EXAMPLES", "12"))
 ENGINES = ("a", "b")
 REQUESTS = ("r0", "r1")
 ROUND_S = 30.0  # a round of calls kvd cannot finish in this long is stuck
+NS = "racing"
+# Two prompts' prefix chains: engines store and load leading runs of either.
+CHAINS = [[b"chain%d-%d" % (c, i) for i in range(24)] for c in range(2)]
 
 
 def _pattern(rid: str, index: int, generation: int) -> np.ndarray:
     seed = (sum(map(ord, rid)) * 7919 + index) * 104_729 + generation
     return np.random.default_rng(seed).integers(1, 256, PAGE, dtype=np.uint8)
+
+
+def _key_pattern(key: bytes) -> np.ndarray:
+    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+    return np.random.default_rng(seed).integers(1, 256, PAGE, dtype=np.uint8)
+
+
+def _page(node: Node, block) -> np.ndarray:
+    """The page a block's bytes are in, in whichever tier (both are mapped)."""
+    tier = "device" if block.tier is TierKind.DEVICE else "host"
+    assert block.tier in (TierKind.DEVICE, TierKind.HOST), f"{block} has no bytes"
+    return node.runtime("default").arenas[tier].pages[block.page]
+
+
+def check_shared(node: Node) -> None:
+    """Every key a lookup finds holds its key's bytes."""
+    for chain in CHAINS:
+        for block, key in zip(node.shared.lookup("default", NS, chain), chain):
+            assert np.array_equal(_page(node, block), _key_pattern(key)), (
+                f"{key!r} ({block}): bytes differ from its key's")
 
 
 class Engine:
@@ -110,6 +138,23 @@ class Engine:
                 indices = None if pick % 2 or not mine else mine[pick % len(mine):][:n]
                 blocks, _, _ = await node.access(rid, indices, holder=self.holder)
                 self._check(blocks)
+            elif kind == "store":
+                keys = CHAINS[pick % 2][:n]
+                blocks, fresh, _ = await node.shared.store(rid, NS, keys, holder=self.holder)
+                assert len(blocks) == len(fresh) == len(keys)
+                written = []
+                for b, to_write, key in zip(blocks, fresh, keys):
+                    if to_write:
+                        self._device()[b.page] = _key_pattern(key)
+                        written.append(key)
+                if written:
+                    assert await node.shared.commit(rid, NS, written) == len(written)
+            elif kind == "load":
+                keys = CHAINS[pick % 2][:n]
+                blocks = await node.shared.load(rid, NS, keys, holder=self.holder)
+                for b, key in zip(blocks, keys):
+                    assert np.array_equal(_page(node, b), _key_pattern(key)), (
+                        f"{key!r} ({b}): loaded bytes differ from its key's")
             elif kind == "release":
                 freed, _ = await node.release(rid)
                 assert freed == len(mine), (freed, len(mine))
@@ -131,7 +176,7 @@ class Engine:
 
 
 OP = st.tuples(st.sampled_from(["allocate", "allocate", "free", "read", "read", "release",
-                                "admit"]),
+                                "admit", "store", "store", "load"]),
                st.sampled_from(REQUESTS), st.integers(1, 24), st.integers(0, 1000))
 
 
@@ -168,5 +213,6 @@ async def _example(policy, device, host, slice_blocks, rounds) -> None:
             assert pool.pages.num_moving_blocks() == 0, "left in transit"
             for engine in engines:
                 engine.check_kept()
+            check_shared(node)
     finally:
         await node.aclose()

@@ -211,10 +211,11 @@ class Holds:
             if b.tier is TierKind.DEVICE and not b.moving:
                 self.hold_one(holder, b)
 
-    def unhold(self, holder: str, blocks: list[Block]) -> None:
-        """The holder's holds of these blocks are void (an allocation gave back what it made
-        before telling its engine, see sliced): out of its entry, which goes when nothing
-        is left in it."""
+    def unhold(self, holder: str, blocks: list[Block], to_policy: bool = False) -> None:
+        """The holder's holds of these blocks are void (an allocation or a store gave back
+        what it made before telling its engine, see sliced and SharedBlocks): out of its
+        entry, which goes when nothing is left in it. `to_policy`: a block held by nobody
+        now is evictable again, as at end() (else the caller lets go of them all)."""
         entry = self._by_holder.get(holder)
         if entry is None:
             return
@@ -227,6 +228,10 @@ class Holds:
                 b.held -= 1
                 if not b.held:
                     self.count -= 1
+                    req = b.request
+                    if (to_policy and self.requests.get(req.request_id) is req
+                            and req.blocks[b.index] is b and evictable(b)):
+                        self.policy.insert(b)
         if kept or entry[2] or holder in self._kept_by_holder:
             self._by_holder[holder] = (entry[0], kept, entry[2])
         else:

@@ -345,6 +345,30 @@ class Pool:
         return self.prefixes.store(self.get_admitted(request_id), namespace, keys, holder,
                                    intent)
 
+    def check_store(self, request_id: str, namespace: str, keys: Sequence[bytes],
+                    intent: dict | None = None) -> Request:
+        """store()'s checks, changing nothing (see Prefixes.check_store); the request."""
+        req = self.get_admitted(request_id)
+        self.prefixes.check_store(req, namespace, keys, intent)
+        return req
+
+    @after_reads
+    def give_back_uses(self, req: Request, stored: Sequence[Block], added: Sequence[Block],
+                       holder: str) -> None:
+        """A store made a slice at a time by `holder` stopped part way, having found or
+        placed `stored` for req, of which req uses `added` since: its engine was told of
+        none of them. The holder's holds of `stored` are void (evictable again, or it would
+        wait for them itself when stored whole), and req uses `added` no more (see
+        Prefixes.end_some_uses): those nobody else uses and nobody committed go, their
+        device pages free at once unless another client's holder holds them (Holds.keep).
+        BlocksInTransit, changing nothing, if one of those is moving."""
+        going = self.prefixes.unused_of(req, added)
+        check_still(going)
+        holds = self.pages.holds
+        if holder:
+            holds.unhold(holder, stored, to_policy=True)
+        self.prefixes.end_some_uses(req, added, holds.keep(req, going))
+
     @after_reads
     def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]) -> int:
         """The engine wrote these stored blocks (see Prefixes.commit)."""

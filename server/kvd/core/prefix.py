@@ -304,7 +304,11 @@ class Prefixes:
     def unused(self, req: Request) -> list[Block]:
         """Blocks that go when req ends: those it stored and never committed that no one
         else uses (so the caller can check they are still)."""
-        return [b for b in req.shared
+        return self.unused_of(req, req.shared)
+
+    def unused_of(self, req: Request, blocks: Sequence[Block]) -> list[Block]:
+        """Those of these blocks of req's that go when req's use of them ends (see unused)."""
+        return [b for b in blocks
                 if not b.committed and self.named.get(b.name) is b
                 and sum(b.users.values()) == b.users.get(req.tenant, 0) == 1]
 
@@ -319,25 +323,61 @@ class Prefixes:
         req.pinned_shared.clear()
         counted = counted_pages(req)
         for b in req.shared:
-            if b.writers is not None:
-                b.writers.discard(req.request_id)  # its id may come again, for another
-            n = b.users.get(req.tenant, 0) - 1
-            named = self.named.get(b.name) is b
-            if n > 0:
-                b.users[req.tenant] = n
-            elif b.users.pop(req.tenant, None) is not None and named:
-                tally(self.tenancy.named_in_use, req.tenant, -1)
-            if not named:
-                continue  # already let go
-            if not b.users and b.tier is TierKind.DEVICE:
-                self.pages.idle_changed(b, 1)
-            if not b.users and not b.committed:
-                self.pages.discard(b, kept=kept)
-            else:
-                self._recharge(b)
+            self._end_use(req, b, kept)
         uses = len(req.shared)
         req.shared.clear()
         self.admission.shared_uses_changed(req, counted, -uses)
+
+    def check_store(self, req: Request, namespace: str, keys: Sequence[bytes],
+                    intent: dict | None) -> None:
+        """store()'s checks, changing nothing: the error that says why req may not store
+        these keys (room aside), if any. A store made a slice at a time is checked whole
+        first."""
+        check_keys(namespace, keys)
+        check_intent(intent)
+        named = self.named
+        found = [named.get((namespace, k)) for k in keys]
+        self._check_pins(req, found, intent)
+        used = {id(b) for b in req.shared}
+        self.admission.growth(req, sum(1 for b in found if b is None or id(b) not in used))
+
+    def end_some_uses(self, req: Request, blocks: Sequence[Block],
+                      kept: Collection[int] = ()) -> None:
+        """req uses these of its shared blocks no more (a store made a slice at a time
+        that stopped part way gives back the uses it added: its engine was told of none),
+        as end_uses lets go of all of them. `kept`: as end_uses'."""
+        going = {id(b) for b in blocks}
+        pinned = []
+        for b in req.pinned_shared:
+            if id(b) in going:
+                self._unpin(req, b)
+            else:
+                pinned.append(b)
+        req.pinned_shared[:] = pinned
+        counted = counted_pages(req)
+        for b in blocks:
+            self._end_use(req, b, kept)
+        req.shared[:] = [b for b in req.shared if id(b) not in going]
+        self.admission.shared_uses_changed(req, counted, -len(blocks))
+
+    def _end_use(self, req: Request, b: Block, kept: Collection[int]) -> None:
+        """req's use of b ends (see end_uses); the caller takes b out of req.shared."""
+        if b.writers is not None:
+            b.writers.discard(req.request_id)  # its id may come again, for another
+        n = b.users.get(req.tenant, 0) - 1
+        named = self.named.get(b.name) is b
+        if n > 0:
+            b.users[req.tenant] = n
+        elif b.users.pop(req.tenant, None) is not None and named:
+            tally(self.tenancy.named_in_use, req.tenant, -1)
+        if not named:
+            return  # already let go
+        if not b.users and b.tier is TierKind.DEVICE:
+            self.pages.idle_changed(b, 1)
+        if not b.users and not b.committed:
+            self.pages.discard(b, kept=kept)
+        else:
+            self._recharge(b)
 
     def keeper(self, tenant: str) -> Request:
         """The request that owns the tenant's named blocks (made on first use)."""

@@ -144,6 +144,20 @@ def shared_handle(block: Block, page_bytes: int, request_id: str,
     return h
 
 
+async def shared_handles(blocks: list[Block], page_bytes: int, request_id: str,
+                         size: int) -> list[pb.PageHandle]:
+    """shared_handle() of each block (its position in the list), `size` blocks at a time,
+    the loop served between slices (as add_handles_sliced: the blocks are the caller's
+    holder's until its next call)."""
+    out: list[pb.PageHandle] = []
+    for start in range(0, len(blocks), size):
+        if start:
+            await asyncio.sleep(0)
+        out += [shared_handle(b, page_bytes, request_id, start + i)
+                for i, b in enumerate(blocks[start:start + size])]
+    return out
+
+
 def indices(message) -> list[int] | None:
     """The block indices an access names (None: all of its request's blocks)."""
     return None if message.all_blocks else message.block_indices[:]

@@ -20,7 +20,7 @@ from kvd.service.convert import (
     indices,
     intent_change,
     intent_fields,
-    shared_handle,
+    shared_handles,
 )
 from kvd.service.gate import CallGate, CallLimits, StepTurns
 from kvd.service.register import MAX_STRING, OpenStreams
@@ -138,11 +138,9 @@ class MemoryService(pb_grpc.MemoryServicer):
             rid, self.auth.prefix_namespace(caller, request.namespace), list(request.keys),
             caller.scope, holder=caller.holder,
             intent=intent_fields(request.intent))
-        page_bytes = self._page_bytes(rid)
-        return pb.StoreResponse(
-            handles=[shared_handle(b, page_bytes, request.request_id, i)
-                     for i, b in enumerate(blocks)],
-            fresh=fresh, stall_us=int(stall_s * 1e6))
+        handles = await shared_handles(blocks, self._page_bytes(rid), request.request_id,
+                                       self.node.slice_blocks)
+        return pb.StoreResponse(handles=handles, fresh=fresh, stall_us=int(stall_s * 1e6))
 
     @unary
     async def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitResponse:
@@ -163,9 +161,8 @@ class MemoryService(pb_grpc.MemoryServicer):
                                              list(request.keys), caller.scope,
                                              holder=caller.holder,
                                              intent=intent_fields(request.intent))
-        page_bytes = self._page_bytes(rid)
-        return pb.LoadResponse(handles=[shared_handle(b, page_bytes, request.request_id, i)
-                                        for i, b in enumerate(blocks)])
+        return pb.LoadResponse(handles=await shared_handles(
+            blocks, self._page_bytes(rid), request.request_id, self.node.slice_blocks))
 
     @unary
     async def UpdateIntents(self, request: pb.UpdateIntentsRequest,
