@@ -124,7 +124,7 @@ class Prefixes:
         found = [named.get((namespace, k)) for k in keys]
         fresh = [k for k, b in zip(keys, found) if b is None]
         self._check_pins(req, found, intent)
-        used = {id(b) for b in req.shared}
+        used = self._used_among(req, found)
         new_uses = sum(1 for b in found if b is None or id(b) not in used)
         growth = self.admission.growth(req, new_uses)
         pages = self.pages
@@ -284,7 +284,7 @@ class Prefixes:
                 break
             run.append(b)
         self._check_pins(req, run, intent)
-        used = {id(b) for b in req.shared}
+        used = self._used_among(req, run)
         growth = self.admission.growth(req, sum(1 for b in run if id(b) not in used))
         counted = counted_pages(req)
         num_used = 0
@@ -338,8 +338,19 @@ class Prefixes:
         named = self.named
         found = [named.get((namespace, k)) for k in keys]
         self._check_pins(req, found, intent)
-        used = {id(b) for b in req.shared}
+        used = self._used_among(req, found)
         self.admission.growth(req, sum(1 for b in found if b is None or id(b) not in used))
+
+    @staticmethod
+    def _used_among(req: Request, blocks: Sequence[Block | None]) -> set[int]:
+        """The ids of req's shared blocks where some of these named blocks may be among them
+        (a block req uses counts req's tenant among its users), else none: a store or
+        load of keys new to req's tenant, a slice of a big one after another, need not
+        walk all of req's shared blocks each time."""
+        tenant = req.tenant
+        if any(b is not None and tenant in b.users for b in blocks):
+            return {id(b) for b in req.shared}
+        return set()
 
     def end_some_uses(self, req: Request, blocks: Sequence[Block],
                       kept: Collection[int] = ()) -> None:
