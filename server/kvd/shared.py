@@ -150,7 +150,7 @@ class SharedBlocks:
 
     def _give_back(self, rt: PoolRuntime, req: Request, stored: list[Block],
                    added: list[Block], holder: str) -> None:
-        """The uses a sliced store added, given back (see Pool.give_back_uses): not while
+        """The uses a sliced store or load added, given back (see Pool.give_back_uses): not while
         the request is handed off (the handoff's commit lets go of what it stored and
         never committed) or once it is gone (its release did)."""
         request_id = req.request_id
@@ -160,7 +160,7 @@ class SharedBlocks:
         try:
             rt.pool.give_back_uses(req, stored, added, holder)
         except (KvdError, BlocksInTransit) as exc:  # moving: the request's release does it
-            log.warning("shared blocks of a failed store left with their request",
+            log.warning("shared blocks of a failed store or load left with their request",
                         request_id=request_id, blocks=len(added), error=str(exc))
             return
         rt.room_may_have_changed()
@@ -198,10 +198,71 @@ class SharedBlocks:
     async def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
                    scope: str | None = None, holder: str = "", intent: dict | None = None
                    ) -> list[Block]:
-        """The leading run of these keys, held for the holder to copy from."""
+        """The leading run of these keys, held for the holder to copy from. More than a
+        slice's worth of keys are loaded a slice at a time (see _load_sliced)."""
         rt = self.runtime_of(request_id, scope)
+        if len(keys) > self.slice_blocks:
+            return await self._load_sliced(rt, request_id, namespace, keys, holder, intent)
+        blocks, _ = await self._load(rt, request_id, namespace, keys, holder, intent)
+        return blocks
+
+    async def _load(self, rt: PoolRuntime, request_id: str, namespace: str,
+                    keys: Sequence[bytes], holder: str, intent: dict | None,
+                    wait: bool = True) -> tuple[list[Block], list[Block]]:
+        """The pool's load of these keys, in one go: (the leading run, the blocks among
+        them the request uses since this load). `wait`: as _store's."""
         before = rt.pool.admission.working_set_used()
-        blocks = await rt.run(lambda: rt.pool.load(request_id, namespace, keys, holder,
-                                                   intent), holder=holder)
+        pool = rt.pool
+
+        def load() -> tuple:
+            req = pool.requests.get(request_id)
+            n = len(req.shared) if req is not None else 0
+            run = pool.load(request_id, namespace, keys, holder, intent)
+            return run, req.shared[n:]  # its new uses come last (Prefixes.load)
+
+        run, added = await rt.run(load, holder=holder, wait=wait)
         self._room_grew(rt, before)
+        return run, added
+
+    async def _load_sliced(self, rt: PoolRuntime, request_id: str, namespace: str,
+                           keys: Sequence[bytes], holder: str, intent: dict | None
+                           ) -> list[Block]:
+        """A load of more than a slice's keys, as _store_sliced: checked whole, then loaded
+        a slice at a time, the run ending where a slice's does (a key evicted between
+        slices ends it there, as it would have had it gone before the load). One that
+        fails or is cancelled part way gives back the uses it added; one whose next slice
+        would wait in a stalled room line (which may wait for the holds of what it
+        loaded) gives them back and loads whole."""
+        req = rt.pool.check_load(request_id, namespace, keys, intent)
+        blocks: list[Block] = []
+        added: list[Block] = []
+        size = self.slice_blocks
+        try:
+            for start in range(0, len(keys), size):
+                if start:
+                    await asyncio.sleep(0)
+                    if rt.pool.requests.get(request_id) is not req:
+                        raise FailedPrecondition(
+                            f"request {request_id!r} was released or handed off while "
+                            "its load was done")
+                part = keys[start:start + size]
+                try:
+                    run, uses = await self._load(rt, request_id, namespace, part, holder,
+                                                 intent, wait=not start)
+                except BlocksInTransit:  # would wait holding what it loaded: whole instead
+                    self._give_back(rt, req, blocks, added, holder)
+                    blocks, added = await self._load(rt, request_id, namespace, keys,
+                                                     holder, intent)
+                    break
+                blocks += run
+                added += uses
+                if len(run) < len(part):
+                    break  # the leading run ends here
+        except BaseException as exc:  # a cancel too: the engine is told of none of them
+            if blocks:
+                self._give_back(rt, req, blocks, added, holder)
+                if isinstance(exc, KvdError):
+                    exc.args = (f"{exc.args[0]} (after {len(blocks)} of the {len(keys)} "
+                                "keys were loaded: given back, or gone with the request)",)
+            raise
         return blocks

@@ -1,11 +1,11 @@
-"""A call naming many blocks (an allocation, a free, a release, a store of shared prefix keys,
-the reply that hands out their pages, and the holds that end when its engine calls again) is
-done a slice at a time, with kvd's loop served between slices: another tenant's call goes on
-while it runs, rather than wait for all of it (a third of a second for a 1M-token request's
-65,536 blocks). And it keeps what a call promises whole: refused whole when it may not be
+"""A call naming many blocks (an allocation, a free, a release, a store or a load of shared
+prefix keys, the reply that hands out their pages, and the holds that end when its engine
+calls again) is done a slice at a time, with kvd's loop served between slices: another
+tenant's call goes on while it runs, rather than wait for all of it (a third of a second for
+a 1M-token request's 65,536 blocks). And it keeps what a call promises whole: refused whole when it may not be
 done, a bad index frees nothing, what another call changes between slices is neither lost
-nor done twice, and an allocation or a store that fails or is cancelled part way gives back
-what it made.
+nor done twice, and an allocation, a store or a load that fails or is cancelled part way
+gives back what it made.
 
 The order of events, not time, says whether the loop was served: the other tenant's call is
 started once the big one has begun, and must be answered while the big one is not done."""
@@ -20,6 +20,7 @@ import pytest
 from kvd.config import Config, PoolConfig, TenantConfig
 from kvd.core import errors
 from kvd.core.blocks import TierKind
+from kvd.core.intent import IntentChange
 from kvd.node import Node
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
@@ -479,6 +480,93 @@ async def test_a_big_store_racing_a_release_ends_with_the_request(node):
     assert "big" not in node.request_index
     await _admit(node, "big", "a", BIG)  # the same id again: nothing of the old store
     assert node.request("big").shared == []
+    await _check(node)
+
+
+async def _stored(node: Node, n: int) -> tuple[list[bytes], list]:
+    """n keys stored and committed by tenant b's request "s" (its engine done with them):
+    (keys, blocks)."""
+    await _admit(node, "s", "b", n)
+    keys = _keys(n)
+    blocks, _, _ = await node.shared.store("s", NS, keys, holder="b")
+    await node.shared.commit("s", NS, keys)
+    node.end_holds("b")
+    await asyncio.sleep(0.01)  # its holds end a slice at a time
+    return keys, blocks
+
+
+async def test_a_big_load_leaves_the_loop_to_others_and_loads_every_key(node):
+    await _with_small_request(node)
+    keys, stored = await _stored(node, BIG)
+    await _admit(node, "big", "a", BIG)
+    blocks = await _others_call_goes_on(node, node.shared.load("big", NS, keys, holder="a"))
+    assert blocks == stored
+    assert node.request("big").shared == stored
+    assert all(b.held for b in blocks)
+    await _check(node)
+
+
+async def test_a_big_load_ends_its_run_where_a_key_went_between_slices():
+    """A key evicted (dropped: no host tier) between two of its slices ends the run there,
+    as it would have had it gone before the load."""
+    node = Node(_config(host_pages=0))
+    try:
+        keys, stored = await _stored(node, BIG)
+        await _admit(node, "big", "a", BIG)
+        task = asyncio.ensure_future(node.shared.load("big", NS, keys, holder="a"))
+        await asyncio.sleep(0)
+        made = len(node.request("big").shared)
+        assert 0 < made < BIG
+        await node.evict("default", BIG - made)  # all that is not held: the rest of them
+        blocks = await task
+        assert blocks == stored[:made] == node.request("big").shared
+        assert node.shared.lookup("default", NS, keys) == stored[:made]
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_load_refused_part_way_gives_back_its_uses():
+    """Between two of a's slices of a pinned load tenant b pins the rest of the device: a's
+    next slice's pins would overcommit it, and a uses and pins none of the keys."""
+    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
+    try:
+        keys, stored = await _stored(node, BIG)
+        await _admit(node, "big", "a", BIG)
+        await _admit(node, "b1", "b", 2 * BIG - SLICE)
+        await node.allocate("b1", 2 * BIG - SLICE, holder="b")
+        pool = node.runtime("default").pool
+        pin = {"pin_requested": True}
+        task = asyncio.ensure_future(node.shared.load("big", NS, keys, holder="a",
+                                                      intent=pin))
+        await asyncio.sleep(0)
+        made = len(node.request("big").shared)
+        assert made == SLICE and pool.num_pinned == made
+        # b pins its blocks: with the keys a pins, the device is pinned full
+        await node.update_intents([IntentChange("b1", i, pin)
+                                   for i in range(2 * BIG - SLICE)])
+        with pytest.raises(errors.KvdError, match="given back"):
+            await task
+        assert node.request("big").shared == []
+        assert pool.num_pinned == 2 * BIG - SLICE  # b's alone
+        assert node.shared.lookup("default", NS, keys) == stored  # the cache stays
+        node.end_holds("b")
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
+async def test_a_big_load_cancelled_part_way_gives_back_its_uses(node):
+    keys, stored = await _stored(node, BIG)
+    await _admit(node, "big", "a", BIG)
+    task = asyncio.ensure_future(node.shared.load("big", NS, keys, holder="a"))
+    await asyncio.sleep(0)
+    assert 0 < len(node.request("big").shared) < BIG
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert node.request("big").shared == []
+    assert not any(b.held for b in stored), "held for an engine told of none of them"
     await _check(node)
 
 

@@ -259,6 +259,9 @@ class Request:
     # this request is itself a keeper: the owner of one tenant's shared blocks, which lives
     # as long as the pool and is never admitted, queued or named by an engine.
     shared: list[Block] = field(default_factory=list)
+    # The same blocks, as a set (by identity): whether the request uses a block, at once
+    # (a store or load of many keys, a slice at a time, asks for each key it finds).
+    shared_set: set[Block] = field(default_factory=set)
     pinned_shared: list[Block] = field(default_factory=list)  # of those, the ones it pins
     keeper: bool = False
 

@@ -66,6 +66,9 @@ def _check_shared(pool: Pool, problems: list[str]) -> None:
     pinners: defaultdict[int, Counter] = defaultdict(Counter)
     uses: Counter = Counter()
     for req in pool.requests.values():
+        if req.shared_set != set(req.shared) or len(req.shared_set) != len(req.shared):
+            problems.append(f"{name}: {req.request_id!r} uses {len(req.shared)} shared blocks, "
+                            f"its set of them has {len(req.shared_set)}")
         for b in req.shared:
             uses[id(b)] += 1
         for b in req.pinned_shared:

@@ -352,6 +352,13 @@ class Pool:
         self.prefixes.check_store(req, namespace, keys, intent)
         return req
 
+    def check_load(self, request_id: str, namespace: str, keys: Sequence[bytes],
+                   intent: dict | None = None) -> Request:
+        """load()'s checks, changing nothing (see Prefixes.check_load); the request."""
+        req = self.get_admitted(request_id)
+        self.prefixes.check_load(req, namespace, keys, intent)
+        return req
+
     @after_reads
     def give_back_uses(self, req: Request, stored: Sequence[Block], added: Sequence[Block],
                        holder: str) -> None:

@@ -124,19 +124,18 @@ class Prefixes:
         found = [named.get((namespace, k)) for k in keys]
         fresh = [k for k, b in zip(keys, found) if b is None]
         self._check_pins(req, found, intent)
-        used = self._used_among(req, found)
-        new_uses = sum(1 for b in found if b is None or id(b) not in used)
+        used = req.shared_set
+        new_uses = sum(1 for b in found if b is None or b not in used)
         growth = self.admission.growth(req, new_uses)
         pages = self.pages
         # The blocks found are req's from now on, their cost split with its tenant before
         # room is made: the fair order must see who pays for what once the store is done
         # (else a tenant whose kept block req takes over could be taken below its
         # guarantee for the new pages). Undone if there is no room.
-        taken_over = [(b, b.payers) for b in found if b is not None and id(b) not in used]
+        taken_over = [(b, b.payers) for b in found if b is not None and b not in used]
         counted = counted_pages(req)
         for b, _ in taken_over:
             self._use(req, b, count=False)
-            used.add(id(b))
         if taken_over:
             self.admission.shared_uses_changed(req, counted, len(taken_over))
         # Blocks nobody committed that went to the host tier come back to be written: an
@@ -186,6 +185,7 @@ class Prefixes:
                 b.writers = {req.request_id}  # its new page: req writes it (to_write)
                 pages.file_named(b, (namespace, k))
                 req.shared.append(b)
+                req.shared_set.add(b)
                 num_made += 1
             if holder and not b.moving and b.tier is not TierKind.NONE:
                 # Found or new, the block is the engine's to read or write until its next
@@ -247,11 +247,11 @@ class Prefixes:
         (req's store found it still being placed for another store, whose engine was then
         told nothing was left to write)."""
         check_keys(namespace, keys)
-        used = {id(b) for b in req.shared}
+        used = req.shared_set
         blocks = []
         for k in keys:
             b = self.named.get((namespace, k))
-            if b is None or id(b) not in used:
+            if b is None or b not in used:
                 if any(u.name == (namespace, k) for u in req.shared):
                     # Its holder called again before committing, and the block was dropped.
                     raise FailedPrecondition(
@@ -284,12 +284,12 @@ class Prefixes:
                 break
             run.append(b)
         self._check_pins(req, run, intent)
-        used = self._used_among(req, run)
-        growth = self.admission.growth(req, sum(1 for b in run if id(b) not in used))
+        used = req.shared_set
+        growth = self.admission.growth(req, sum(1 for b in run if b not in used))
         counted = counted_pages(req)
         num_used = 0
         for b in run:
-            if id(b) not in used:
+            if b not in used:
                 self._use(req, b, count=False)
                 num_used += 1
             if holder:
@@ -326,6 +326,7 @@ class Prefixes:
             self._end_use(req, b, kept)
         uses = len(req.shared)
         req.shared.clear()
+        req.shared_set.clear()
         self.admission.shared_uses_changed(req, counted, -uses)
 
     def check_store(self, req: Request, namespace: str, keys: Sequence[bytes],
@@ -338,19 +339,22 @@ class Prefixes:
         named = self.named
         found = [named.get((namespace, k)) for k in keys]
         self._check_pins(req, found, intent)
-        used = self._used_among(req, found)
-        self.admission.growth(req, sum(1 for b in found if b is None or id(b) not in used))
+        used = req.shared_set
+        self.admission.growth(req, sum(1 for b in found if b is None or b not in used))
 
-    @staticmethod
-    def _used_among(req: Request, blocks: Sequence[Block | None]) -> set[int]:
-        """The ids of req's shared blocks where some of these named blocks may be among them
-        (a block req uses counts req's tenant among its users), else none: a store or
-        load of keys new to req's tenant, a slice of a big one after another, need not
-        walk all of req's shared blocks each time."""
-        tenant = req.tenant
-        if any(b is not None and tenant in b.users for b in blocks):
-            return {id(b) for b in req.shared}
-        return set()
+    def check_load(self, req: Request, namespace: str, keys: Sequence[bytes],
+                   intent: dict | None) -> None:
+        """load()'s checks, changing nothing (see check_store)."""
+        check_keys(namespace, keys)
+        check_intent(intent)
+        run = []
+        for b in self.lookup(namespace, keys):
+            if b.moving:
+                break
+            run.append(b)
+        self._check_pins(req, run, intent)
+        used = req.shared_set
+        self.admission.growth(req, sum(1 for b in run if b not in used))
 
     def end_some_uses(self, req: Request, blocks: Sequence[Block],
                       kept: Collection[int] = ()) -> None:
@@ -369,6 +373,7 @@ class Prefixes:
         for b in blocks:
             self._end_use(req, b, kept)
         req.shared[:] = [b for b in req.shared if id(b) not in going]
+        req.shared_set.difference_update(blocks)
         self.admission.shared_uses_changed(req, counted, -len(blocks))
 
     def _end_use(self, req: Request, b: Block, kept: Collection[int]) -> None:
@@ -517,6 +522,7 @@ class Prefixes:
             tally(self.tenancy.named_in_use, req.tenant, 1)
         b.users[req.tenant] = uses + 1
         req.shared.append(b)
+        req.shared_set.add(b)
         if count:
             self.admission.shared_uses_changed(req, counted, 1)
         self._recharge(b)
@@ -530,7 +536,7 @@ class Prefixes:
             del b.users[req.tenant]
             tally(self.tenancy.named_in_use, req.tenant, -1)
         counted = counted_pages(req)
-        req.shared.pop()
+        req.shared_set.discard(req.shared.pop())
         self.admission.shared_uses_changed(req, counted, -1)
         if b.payers != payers:
             if b.tier is TierKind.DEVICE:

@@ -111,6 +111,7 @@ def abort(pages: PageTable, plan: TransferPlan) -> None:
     named = {id(b) for b in plan.allocated if b.name is not None}
     if named and plan.cause is not None:  # the storer uses them no more
         plan.cause.shared = [b for b in plan.cause.shared if id(b) not in named]
+        plan.cause.shared_set = set(plan.cause.shared)
         plan.cause.pinned_shared = [b for b in plan.cause.pinned_shared
                                     if id(b) not in named]
     for req, blocks in gone.items():
