@@ -470,9 +470,10 @@ class Node:
 
         self.runtime_of(request_id, scope)  # NOT_FOUND (or not the caller's) at once
         await self.handoffs.settled(request_id)
-        # A long request's blocks go a slice at a time first (see sliced).
+        # A long request's blocks, and its uses of many shared blocks, go a slice at a
+        # time first (see sliced).
         freed_first = await sliced.free_down(self, request_id, scope)
-        if freed_first:
+        if await sliced.end_uses_down(self, request_id, scope) or freed_first:
             await self.handoffs.settled(request_id)
         rt, (freed, admitted) = await self._follow(
             request_id, scope, lambda rt: rt.run(functools.partial(release, rt)))

@@ -147,6 +147,28 @@ def _same(node: Node, request_id: str, rt, req) -> bool:
             and req.state is RequestState.ADMITTED)
 
 
+async def end_uses_down(node: Node, request_id: str, scope: str | None) -> bool:
+    """Before a release: end an admitted request's uses of shared blocks a slice at a time,
+    newest first, while it uses more than a slice's (Pool.end_uses_of; the release ends
+    the rest); whether it ended any."""
+    ended = False
+    size = node.slice_blocks
+    while True:
+        rt = node.runtime_of(request_id, scope)
+        req = rt.pool.requests.get(request_id)
+        if req is None or req.state is not RequestState.ADMITTED or len(req.shared) <= size:
+            return ended
+        pinned = rt.pool.num_pinned
+        try:
+            rt.pool.end_uses_of(req, req.shared[-size:])
+        except (KvdError, BlocksInTransit):
+            return ended  # the release waits for them, or says what became of it
+        ended = True
+        rt.room_may_have_changed()
+        node.unpinned(rt, pinned)
+        await asyncio.sleep(0)
+
+
 async def free_down(node: Node, request_id: str, scope: str | None) -> int:
     """Before a release: free an admitted request's blocks a slice at a time, newest first,
     while it has more than a slice's; the blocks freed. The release gives back the rest."""

@@ -483,6 +483,27 @@ async def test_a_big_store_racing_a_release_ends_with_the_request(node):
     await _check(node)
 
 
+async def test_a_release_of_a_request_using_many_shared_blocks_leaves_the_loop_to_others(node):
+    """Its uses end a slice at a time: what it stored and committed stays for others to
+    find, what it never committed goes with it, its pages free once its engine calls
+    again."""
+    await _with_small_request(node)
+    pool = node.runtime("default").pool
+    free = pool.device.num_free
+    await _admit(node, "big", "a", BIG)
+    keys = _keys(BIG)
+    blocks, _, _ = await node.shared.store("big", NS, keys, holder="a")
+    await node.shared.commit("big", NS, keys[:BIG // 2])
+    freed, _ = await _others_call_goes_on(node, node.release("big"))
+    assert freed == 0  # it had no blocks of its own
+    assert "big" not in node.request_index
+    assert node.shared.lookup("default", NS, keys) == blocks[:BIG // 2]
+    node.end_holds("a")
+    await asyncio.sleep(0.01)
+    assert pool.device.num_free == free - BIG // 2
+    await _check(node)
+
+
 async def _stored(node: Node, n: int) -> tuple[list[bytes], list]:
     """n keys stored and committed by tenant b's request "s" (its engine done with them):
     (keys, blocks)."""

@@ -360,6 +360,15 @@ class Pool:
         return req
 
     @after_reads
+    def end_uses_of(self, req: Request, blocks: Sequence[Block]) -> None:
+        """req uses these shared blocks no more, as at its release (end_uses): a release of
+        a request using many ends them a slice at a time first (see sliced.end_uses_down).
+        BlocksInTransit, changing nothing, if one that goes is moving."""
+        going = self.prefixes.unused_of(req, blocks)
+        check_still(going)
+        self.prefixes.end_some_uses(req, blocks, self.pages.holds.keep(req, going))
+
+    @after_reads
     def give_back_uses(self, req: Request, stored: Sequence[Block], added: Sequence[Block],
                        holder: str) -> None:
         """A store made a slice at a time by `holder` stopped part way, having found or

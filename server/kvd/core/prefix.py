@@ -362,17 +362,22 @@ class Prefixes:
         that stopped part way gives back the uses it added: its engine was told of none),
         as end_uses lets go of all of them. `kept`: as end_uses'."""
         going = {id(b) for b in blocks}
-        pinned = []
-        for b in req.pinned_shared:
-            if id(b) in going:
-                self._unpin(req, b)
-            else:
-                pinned.append(b)
-        req.pinned_shared[:] = pinned
+        if req.pinned_shared:
+            pinned = []
+            for b in req.pinned_shared:
+                if id(b) in going:
+                    self._unpin(req, b)
+                else:
+                    pinned.append(b)
+            req.pinned_shared[:] = pinned
         counted = counted_pages(req)
         for b in blocks:
             self._end_use(req, b, kept)
-        req.shared[:] = [b for b in req.shared if id(b) not in going]
+        shared, k = req.shared, len(blocks)
+        if k and len(shared) >= k and all(a is b for a, b in zip(shared[-k:], blocks)):
+            del shared[-k:]  # its newest (a release's slices, a store's): no walk of all
+        else:
+            shared[:] = [b for b in shared if id(b) not in going]
         req.shared_set.difference_update(blocks)
         self.admission.shared_uses_changed(req, counted, -len(blocks))
 
