@@ -11,6 +11,7 @@ import structlog
 
 from kvd.core.blocks import Block, Request, TierKind
 from kvd.core.errors import Aborted, BlocksInTransit, FailedPrecondition, KvdError
+from kvd.core.prefix import check_keys
 from kvd.runtime import PoolRuntime
 
 log = structlog.get_logger("kvd.shared")
@@ -191,9 +192,32 @@ class SharedBlocks:
 
     async def commit(self, request_id: str, namespace: str, keys: Sequence[bytes],
                      scope: str | None = None) -> int:
-        """The engine wrote these stored blocks: lookups find them from now on."""
+        """The engine wrote these stored blocks: lookups find them from now on. More than a
+        slice's worth of keys are checked, then committed, a slice at a time: all are
+        checked before any is committed; a block let go between slices (evicted before
+        it was committed) is not."""
         rt = self.runtime_of(request_id, scope)
-        return await rt.run(lambda: rt.pool.commit(request_id, namespace, keys))
+        if len(keys) <= self.slice_blocks:
+            return await rt.run(lambda: rt.pool.commit(request_id, namespace, keys))
+        pool = rt.pool
+        req = pool.get_admitted(request_id)
+        check_keys(namespace, keys)
+        size = self.slice_blocks
+        blocks: list[Block] = []
+        newly = 0
+        for phase in ("checked", "committed"):
+            for start in range(0, len(keys), size):
+                await asyncio.sleep(0)
+                if pool.requests.get(request_id) is not req:
+                    raise FailedPrecondition(
+                        f"request {request_id!r} was released or handed off while its "
+                        f"commit was done; {newly} of its blocks were committed")
+                if phase == "checked":
+                    blocks += pool.check_commit(request_id, namespace,
+                                                keys[start:start + size])
+                else:
+                    newly += pool.commit_blocks(request_id, blocks[start:start + size])
+        return newly
 
     async def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
                    scope: str | None = None, holder: str = "", intent: dict | None = None

@@ -15,7 +15,7 @@ made: the engine was told of none of them. One whose next slice would wait for r
 them back too, and is made whole instead, waiting as any allocation does: two big
 allocations on a full device each holding the half they made, each waiting for the
 other's holds to end, would wait until their holds lapsed. A store of many shared prefix
-keys is done alike, and a load of many (SharedBlocks._store_sliced, _load_sliced).
+keys is done alike, and a load or a commit of many (SharedBlocks).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""A call naming many blocks (an allocation, a free, a release, a store or a load of shared
-prefix keys, the reply that hands out their pages, and the holds that end when its engine
-calls again) is done a slice at a time, with kvd's loop served between slices: another
-tenant's call goes on while it runs, rather than wait for all of it (a third of a second for
-a 1M-token request's 65,536 blocks). And it keeps what a call promises whole: refused whole when it may not be
-done, a bad index frees nothing, what another call changes between slices is neither lost
-nor done twice, and an allocation, a store or a load that fails or is cancelled part way
-gives back what it made.
+"""A call naming many blocks (an allocation, a free, a release, a store, a commit or a load
+of shared prefix keys, the reply that hands out their pages, and the holds that end when its
+engine calls again) is done a slice at a time, with kvd's loop served between slices:
+another tenant's call goes on while it runs, rather than wait for all of it (a third of a
+second for a 1M-token request's 65,536 blocks). And it keeps what a call promises whole:
+refused whole when it may not be done, a bad index or key changes nothing, what another
+call changes between slices is neither lost nor done twice, and an allocation, a store or
+a load that fails or is cancelled part way gives back what it made.
 
 The order of events, not time, says whether the loop was served: the other tenant's call is
 started once the big one has begun, and must be answered while the big one is not done."""
@@ -501,6 +501,39 @@ async def test_a_release_of_a_request_using_many_shared_blocks_leaves_the_loop_t
     node.end_holds("a")
     await asyncio.sleep(0.01)
     assert pool.device.num_free == free - BIG // 2
+    await _check(node)
+
+
+async def test_a_big_commit_leaves_the_loop_to_others_and_commits_every_key(node):
+    await _with_small_request(node)
+    await _admit(node, "big", "a", BIG)
+    keys = _keys(BIG)
+    blocks, _, _ = await node.shared.store("big", NS, keys, holder="a")
+    assert await _others_call_goes_on(node, node.shared.commit("big", NS, keys)) == BIG
+    assert node.shared.lookup("default", NS, keys) == blocks
+    await _check(node)
+
+
+async def test_a_big_commit_naming_a_key_it_did_not_store_commits_nothing(node):
+    await _admit(node, "big", "a", BIG)
+    keys = _keys(BIG)
+    await node.shared.store("big", NS, keys, holder="a")
+    with pytest.raises(errors.InvalidArgument, match="did not store"):
+        await node.shared.commit("big", NS, keys + [b"never stored"])
+    assert node.shared.lookup("default", NS, keys) == []
+    await _check(node)
+
+
+async def test_a_big_commit_racing_a_release_ends_with_the_request(node):
+    await _admit(node, "big", "a", BIG)
+    keys = _keys(BIG)
+    await node.shared.store("big", NS, keys, holder="a")
+    task = asyncio.ensure_future(node.shared.commit("big", NS, keys))
+    await asyncio.sleep(0)
+    await node.release("big")
+    with pytest.raises(errors.KvdError):  # refused: the request is gone, or going
+        await task
+    assert "big" not in node.request_index
     await _check(node)
 
 

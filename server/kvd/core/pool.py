@@ -392,6 +392,20 @@ class Pool:
         self.counters.num_prefix_stored += n
         return n
 
+    def check_commit(self, request_id: str, namespace: str,
+                     keys: Sequence[bytes]) -> list[Block]:
+        """commit()'s checks of keys already checked (check_keys), changing nothing: the
+        blocks they name (see Prefixes.to_commit)."""
+        return self.prefixes.to_commit(self.get_admitted(request_id), namespace, keys,
+                                       checked=True)
+
+    @after_reads
+    def commit_blocks(self, request_id: str, blocks: Sequence[Block]) -> int:
+        """Commit blocks check_commit found (see Prefixes.mark_committed)."""
+        n = self.prefixes.mark_committed(self.get_admitted(request_id), blocks)
+        self.counters.num_prefix_stored += n
+        return n
+
     @after_reads
     def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
              holder: str = "", intent: dict | None = None) -> list[Block]:

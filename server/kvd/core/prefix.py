@@ -246,7 +246,14 @@ class Prefixes:
         the request that was: committed by req, it published a page nobody had written
         (req's store found it still being placed for another store, whose engine was then
         told nothing was left to write)."""
-        check_keys(namespace, keys)
+        return self.mark_committed(req, self.to_commit(req, namespace, keys))
+
+    def to_commit(self, req: Request, namespace: str, keys: Sequence[bytes],
+                  checked: bool = False) -> list[Block]:
+        """The blocks these keys name, each one req stored; else the error that says why
+        not, changing nothing (commit's checks). `checked`: the keys were (check_keys)."""
+        if not checked:
+            check_keys(namespace, keys)
         used = req.shared_set
         blocks = []
         for k in keys:
@@ -261,9 +268,17 @@ class Prefixes:
                 raise InvalidArgument(
                     f"request {req.request_id!r} did not store block key {k.hex()[:32]!r}")
             blocks.append(b)
+        return blocks
+
+    def mark_committed(self, req: Request, blocks: Sequence[Block]) -> int:
+        """Commit these blocks of req's (to_commit's) that req was told to write and are
+        still named and req's (a commit done a slice at a time: one let go meanwhile is
+        not); how many were not committed before."""
+        named, used = self.named, req.shared_set
         newly = 0
         for b in blocks:
-            if not b.committed and b.writers is not None and req.request_id in b.writers:
+            if (not b.committed and b.writers is not None and req.request_id in b.writers
+                    and b in used and named.get(b.name) is b):
                 b.committed, b.writers = True, None
                 newly += 1
                 if self.pages.named_changed is not None:
