@@ -5,13 +5,13 @@ what a pool does with them)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import structlog
 
 from kvd.core.blocks import Block, Request, TierKind
 from kvd.core.errors import Aborted, BlocksInTransit, FailedPrecondition, KvdError
-from kvd.core.prefix import check_keys
+from kvd.core.prefix import check_keys_sliced
 from kvd.runtime import PoolRuntime
 
 log = structlog.get_logger("kvd.shared")
@@ -54,11 +54,12 @@ class SharedBlocks:
         slice's worth of keys are stored a slice at a time (see _store_sliced)."""
         rt = self.runtime_of(request_id, scope)
         if len(keys) > self.slice_blocks:
-            blocks, stall_s = await self._store_sliced(rt, request_id, namespace, keys,
-                                                       holder, intent)
+            blocks, unheld, stall_s = await self._store_sliced(rt, request_id, namespace,
+                                                               keys, holder, intent)
         else:
-            blocks, _, stall_s = await self._store(rt, request_id, namespace, keys, holder,
-                                                   intent)
+            blocks, _, unheld, stall_s = await self._store(rt, request_id, namespace, keys,
+                                                           holder, intent)
+        holds = rt.pool.pages.holds
         if any(b.tier is TierKind.NONE for b in blocks):
             # Let go while the room was being made: the holder ended its hold with another
             # call meanwhile. The request keeps what it stored; a second store finds it.
@@ -74,21 +75,41 @@ class SharedBlocks:
         # and whoever commits first publishes bytes it wrote. A block still moving (placed
         # for another store, or between tiers) is not written into; and a request commits
         # only what it was told to write, so none publishes a page nobody wrote.
-        fresh = rt.pool.prefixes.to_write(request_id, blocks)
-        if holder:
-            # What the engine is told to write is held for it until its next call, as new
-            # pages are: a block found still moving (between tiers, or placed for another
-            # store) was not held when the store was planned, and a release before the
-            # engine wrote it would have given its page to another request.
-            rt.pool.pages.holds.hold_unheld(holder, [b for b, f in zip(blocks, fresh) if f])
+        #
+        # What the engine is told to write is held for it until its next call, as new
+        # pages are: a block found still moving (between tiers, or placed for another
+        # store) was not held when the store was planned (`unheld`), nor one whose hold
+        # ended with another call of the holder's while the store went on (unheld None,
+        # or ended between the slices below), and a release before the engine wrote it
+        # would have given its page to another request. (Many blocks' flags are worked
+        # out a slice at a time: a block's is what holds at its slice's turn.)
+        size = self.slice_blocks
+        ended = unheld is None
+        missed = set() if ended else {id(b) for b in unheld}
+        present = holds.present(holder) if holder else None
+        fresh: list[bool] = []
+        for start in range(0, len(blocks), size):
+            if start:
+                await asyncio.sleep(0)
+                ended = ended or bool(holder) and holds.called_again(holder, present)
+            part = blocks[start:start + size]
+            flags = rt.pool.prefixes.to_write(request_id, part)
+            fresh += flags
+            hold = [b for b, f in zip(part, flags) if f and (ended or id(b) in missed)]
+            if holder and hold:
+                holds.hold_unheld(holder, hold)
+                present = holds.present(holder)
         return blocks, fresh, stall_s
 
     async def _store(self, rt: PoolRuntime, request_id: str, namespace: str,
                      keys: Sequence[bytes], holder: str, intent: dict | None,
-                     wait: bool = True) -> tuple[list[Block], list[Block], float]:
+                     wait: bool = True
+                     ) -> tuple[list[Block], list[Block], list[Block], float]:
         """The pool's store of these keys, in one go: (blocks, the blocks among them the
-        request uses since this store, stall). `wait=False`: BlocksInTransit where it
-        would wait for room or for blocks in transit (see PoolRuntime.run)."""
+        request uses since this store, those it could not hold for the holder (None: the
+        holder's holds ended while its copies ran, see store), stall). `wait=False`:
+        BlocksInTransit where it would wait for room or for blocks in transit (see
+        PoolRuntime.run)."""
         self._not_handing_off(request_id, rt)
         before = rt.pool.admission.working_set_used()
         pool = rt.pool
@@ -97,16 +118,23 @@ class SharedBlocks:
             req = pool.requests.get(request_id)
             n = len(req.shared) if req is not None else 0
             plan, blocks = pool.store(request_id, namespace, keys, holder, intent)
-            return plan, blocks, req.shared[n:]  # its new uses come last (Prefixes.store)
+            # A block found moving was not held (Prefixes.store); its new pages were.
+            placed = {id(b) for b in plan.allocated}
+            unheld = ([b for b in blocks if (b.moving or b.tier is TierKind.NONE)
+                       and id(b) not in placed] if holder else [])
+            return (plan, blocks, req.shared[n:],  # its new uses come last
+                    unheld, pool.pages.holds.present(holder))
 
-        plan, blocks, added = await rt.run(store, holder=holder, wait=wait)
+        plan, blocks, added, unheld, holds = await rt.run(store, holder=holder, wait=wait)
         self._room_grew(rt, before)
         stall_s = await rt.execute(plan) if plan.num_copies else rt.complete_now(plan)
-        return blocks, added, stall_s
+        if holder and pool.pages.holds.called_again(holder, holds):
+            unheld = None
+        return blocks, added, unheld, stall_s
 
     async def _store_sliced(self, rt: PoolRuntime, request_id: str, namespace: str,
                             keys: Sequence[bytes], holder: str, intent: dict | None
-                            ) -> tuple[list[Block], float]:
+                            ) -> tuple[list[Block], list[Block], float]:
         """A store of more than a slice's keys: refused whole when the request may not store
         them all now, else stored a slice at a time, the loop served between slices (a
         Store of a 128K-token prompt's 8,192 blocks would otherwise hold every other
@@ -115,31 +143,41 @@ class SharedBlocks:
         them), and one whose next slice would wait for room gives them back and is stored
         whole instead, waiting as any store does (see sliced.allocate for why)."""
         self._not_handing_off(request_id, rt)
-        req = rt.pool.check_store(request_id, namespace, keys, intent)
+        req, checks = rt.pool.check_store(request_id, namespace, keys, intent,
+                                          self.slice_blocks)
+        await _served_between(checks)
         blocks: list[Block] = []
         added: list[Block] = []  # the uses its slices added
+        unheld: list[Block] | None = []  # None: see _store
         stall_s = 0.0
         size = self.slice_blocks
+        holds = rt.pool.pages.holds
+        present = None
         try:
             while len(blocks) < len(keys):
                 if blocks:
                     await asyncio.sleep(0)
+                    if holder and holds.called_again(holder, present):
+                        unheld = None  # the holder's holds ended between two slices
                     if rt.pool.requests.get(request_id) is not req:
                         raise FailedPrecondition(
                             f"request {request_id!r} was released or handed off while "
                             "its store was done")
                 try:
-                    part, uses, stalled = await self._store(
+                    part, uses, missed, stalled = await self._store(
                         rt, request_id, namespace, keys[len(blocks):len(blocks) + size],
                         holder, intent, wait=not blocks)
                 except BlocksInTransit:  # would wait holding what it stored: whole instead
                     self._give_back(rt, req, blocks, added, holder)
-                    blocks, added = [], []
-                    part, uses, stalled = await self._store(rt, request_id, namespace, keys,
-                                                            holder, intent)
+                    blocks, added, unheld = [], [], []
+                    part, uses, missed, stalled = await self._store(
+                        rt, request_id, namespace, keys, holder, intent)
                 blocks += part
                 added += uses
+                if unheld is not None:
+                    unheld = None if missed is None else unheld + missed
                 stall_s += stalled
+                present = holds.present(holder)
         except BaseException as exc:  # a cancel too: the engine is told of none of them
             if blocks:
                 self._give_back(rt, req, blocks, added, holder)
@@ -147,7 +185,7 @@ class SharedBlocks:
                     exc.args = (f"{exc.args[0]} (after {len(blocks)} of the {len(keys)} "
                                 "keys were stored: given back, or gone with the request)",)
             raise
-        return blocks, stall_s
+        return blocks, unheld, stall_s
 
     def _give_back(self, rt: PoolRuntime, req: Request, stored: list[Block],
                    added: list[Block], holder: str) -> None:
@@ -201,8 +239,8 @@ class SharedBlocks:
             return await rt.run(lambda: rt.pool.commit(request_id, namespace, keys))
         pool = rt.pool
         req = pool.get_admitted(request_id)
-        check_keys(namespace, keys)
         size = self.slice_blocks
+        await _served_between(check_keys_sliced(namespace, keys, size))
         blocks: list[Block] = []
         newly = 0
         for phase in ("checked", "committed"):
@@ -257,7 +295,9 @@ class SharedBlocks:
         fails or is cancelled part way gives back the uses it added; one whose next slice
         would wait in a stalled room line (which may wait for the holds of what it
         loaded) gives them back and loads whole."""
-        req = rt.pool.check_load(request_id, namespace, keys, intent)
+        req, checks = rt.pool.check_load(request_id, namespace, keys, intent,
+                                         self.slice_blocks)
+        await _served_between(checks)
         blocks: list[Block] = []
         added: list[Block] = []
         size = self.slice_blocks
@@ -290,3 +330,10 @@ class SharedBlocks:
                                 "keys were loaded: given back, or gone with the request)",)
             raise
         return blocks
+
+
+async def _served_between(steps: Iterator[None]) -> None:
+    """Run a call's checks that yield between slices (see Prefixes.check_store), the loop
+    served at each yield."""
+    for _ in steps:
+        await asyncio.sleep(0)

@@ -54,6 +54,16 @@ async def _admit(node: Node, rid: str, tenant: str, blocks: int) -> None:
     assert result.decision.name == "ADMITTED", result
 
 
+async def _first_slice_done(node: Node, rid: str) -> None:
+    """Once a big store or load of rid's has checked its keys (a slice at a time too) and
+    done its first slice: the loop is served while the rest waits."""
+    for _ in range(1000):
+        if node.request(rid).shared:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"{rid}'s call made nothing in 1,000 turns of the loop")
+
+
 async def _check(node: Node) -> None:
     await asyncio.sleep(0.01)  # holds ending a slice at a time are done
     assert await node.self_check() == []
@@ -334,6 +344,21 @@ async def test_a_big_store_leaves_the_loop_to_others_and_stores_every_key(node):
     await _check(node)
 
 
+async def test_a_big_store_whose_holds_end_part_way_holds_what_its_engine_writes(node):
+    """Another call of the same holder ends its holds between two of a store's slices: every
+    block the store then tells its engine to write is held for it again (else an eviction
+    could give the page the engine is writing to another request)."""
+    await _admit(node, "big", "a", BIG)
+    task = asyncio.ensure_future(node.shared.store("big", NS, _keys(BIG), holder="a"))
+    await _first_slice_done(node, "big")
+    assert 0 < len(node.request("big").shared) < BIG
+    node.end_holds("a")  # the holder's next call, while the store goes on
+    blocks, fresh, _ = await task
+    assert all(fresh)
+    assert all(b.held for b in blocks), "told to write a block nobody holds"
+    await _check(node)
+
+
 async def test_two_big_stores_of_the_same_keys_side_by_side_share_every_block(node):
     """Their slices interleave: each finds what the other placed (not yet written, so both
     are told to write it: the same tokens, the same bytes), and no key gets two blocks."""
@@ -375,7 +400,7 @@ async def _storing_part_way(node: Node, keys: list[bytes], intent: dict | None =
     far)."""
     task = asyncio.ensure_future(node.shared.store("big", NS, keys, holder="a",
                                                    intent=intent))
-    await asyncio.sleep(0)
+    await _first_slice_done(node, "big")
     made = len(node.request("big").shared)
     assert 0 < made < len(keys)
     return task, made
@@ -568,7 +593,7 @@ async def test_a_big_load_ends_its_run_where_a_key_went_between_slices():
         keys, stored = await _stored(node, BIG)
         await _admit(node, "big", "a", BIG)
         task = asyncio.ensure_future(node.shared.load("big", NS, keys, holder="a"))
-        await asyncio.sleep(0)
+        await _first_slice_done(node, "big")
         made = len(node.request("big").shared)
         assert 0 < made < BIG
         await node.evict("default", BIG - made)  # all that is not held: the rest of them
@@ -593,7 +618,7 @@ async def test_a_big_load_refused_part_way_gives_back_its_uses():
         pin = {"pin_requested": True}
         task = asyncio.ensure_future(node.shared.load("big", NS, keys, holder="a",
                                                       intent=pin))
-        await asyncio.sleep(0)
+        await _first_slice_done(node, "big")
         made = len(node.request("big").shared)
         assert made == SLICE and pool.num_pinned == made
         # b pins its blocks: with the keys a pins, the device is pinned full
@@ -614,7 +639,7 @@ async def test_a_big_load_cancelled_part_way_gives_back_its_uses(node):
     keys, stored = await _stored(node, BIG)
     await _admit(node, "big", "a", BIG)
     task = asyncio.ensure_future(node.shared.load("big", NS, keys, holder="a"))
-    await asyncio.sleep(0)
+    await _first_slice_done(node, "big")
     assert 0 < len(node.request("big").shared) < BIG
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

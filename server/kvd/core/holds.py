@@ -335,6 +335,10 @@ class Holds:
         found.update(h for h, _ in self._holding_blocks(req.live))
         return {h: self._by_holder[h] for h in found if not h.startswith(OWN_HOLDER)}
 
+    def present(self, holder: str) -> object:
+        """The holder's present holds, for called_again (None when it holds nothing)."""
+        return self._by_holder.get(holder)
+
     def called_again(self, holder: str, holds: object) -> bool:
         """Whether the holder called again (or its holds lapsed) since it held `holds` (one
         of writers()' values): what it wrote by then is in the pages."""

@@ -12,7 +12,7 @@ anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvd.core import prefix, settle
@@ -346,18 +346,17 @@ class Pool:
                                    intent)
 
     def check_store(self, request_id: str, namespace: str, keys: Sequence[bytes],
-                    intent: dict | None = None) -> Request:
-        """store()'s checks, changing nothing (see Prefixes.check_store); the request."""
+                    intent: dict | None, size: int) -> tuple[Request, Iterator[None]]:
+        """store()'s checks, changing nothing: the request, and its checks, which yield
+        after each `size` keys (see Prefixes.check_store)."""
         req = self.get_admitted(request_id)
-        self.prefixes.check_store(req, namespace, keys, intent)
-        return req
+        return req, self.prefixes.check_store(req, namespace, keys, intent, size)
 
     def check_load(self, request_id: str, namespace: str, keys: Sequence[bytes],
-                   intent: dict | None = None) -> Request:
-        """load()'s checks, changing nothing (see Prefixes.check_load); the request."""
+                   intent: dict | None, size: int) -> tuple[Request, Iterator[None]]:
+        """load()'s checks, as check_store's (see Prefixes.check_load)."""
         req = self.get_admitted(request_id)
-        self.prefixes.check_load(req, namespace, keys, intent)
-        return req
+        return req, self.prefixes.check_load(req, namespace, keys, intent, size)
 
     @after_reads
     def end_uses_of(self, req: Request, blocks: Sequence[Block]) -> None:

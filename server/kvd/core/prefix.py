@@ -22,7 +22,7 @@ committed goes when its last user does.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvd.core import intent as intents
@@ -63,14 +63,28 @@ def check_namespace(namespace: str, most: int = MAX_KEY_BYTES) -> None:
 
 def check_keys(namespace: str, keys: Sequence[bytes]) -> None:
     """InvalidArgument unless the keys are non-empty, short, and distinct."""
+    for _ in check_keys_sliced(namespace, keys, len(keys) or 1):
+        pass
+
+
+def check_keys_sliced(namespace: str, keys: Sequence[bytes], size: int) -> Iterator[None]:
+    """check_keys, yielding after each `size` keys (a call of many keys served a slice at a
+    time: its caller serves the loop at each yield)."""
     check_namespace(namespace, MAX_KEY_BYTES + PRIVATE_ROOM)
     if not keys:
         raise InvalidArgument("no block keys given")
-    for k in keys:
-        if not k or len(k) > MAX_KEY_BYTES:
-            raise InvalidArgument(f"a block key must be 1..{MAX_KEY_BYTES} bytes")
-    if len(set(keys)) != len(keys):
-        raise InvalidArgument("block keys repeat within one call")
+    seen: set[bytes] = set()
+    for start in range(0, len(keys), size):
+        if start:
+            yield
+        part = keys[start:start + size]
+        for k in part:
+            if not k or len(k) > MAX_KEY_BYTES:
+                raise InvalidArgument(f"a block key must be 1..{MAX_KEY_BYTES} bytes")
+        had = len(seen)
+        seen.update(part)
+        if len(seen) != had + len(part):
+            raise InvalidArgument("block keys repeat within one call")
 
 
 @dataclass(slots=True)
@@ -345,28 +359,39 @@ class Prefixes:
         self.admission.shared_uses_changed(req, counted, -uses)
 
     def check_store(self, req: Request, namespace: str, keys: Sequence[bytes],
-                    intent: dict | None) -> None:
+                    intent: dict | None, size: int) -> Iterator[None]:
         """store()'s checks, changing nothing: the error that says why req may not store
-        these keys (room aside), if any. A store made a slice at a time is checked whole
-        first."""
-        check_keys(namespace, keys)
+        these keys (room aside), if any, yielding after each `size` keys (see
+        check_keys_sliced). A store made a slice at a time is checked whole first."""
         check_intent(intent)
+        yield from check_keys_sliced(namespace, keys, size)
         named = self.named
-        found = [named.get((namespace, k)) for k in keys]
+        found: list[Block | None] = []
+        for start in range(0, len(keys), size):
+            yield
+            found += [named.get((namespace, k)) for k in keys[start:start + size]]
+        yield
         self._check_pins(req, found, intent)
         used = req.shared_set
         self.admission.growth(req, sum(1 for b in found if b is None or b not in used))
 
     def check_load(self, req: Request, namespace: str, keys: Sequence[bytes],
-                   intent: dict | None) -> None:
+                   intent: dict | None, size: int) -> Iterator[None]:
         """load()'s checks, changing nothing (see check_store)."""
-        check_keys(namespace, keys)
         check_intent(intent)
-        run = []
-        for b in self.lookup(namespace, keys):
-            if b.moving:
-                break
-            run.append(b)
+        yield from check_keys_sliced(namespace, keys, size)
+        run: list[Block] = []
+        for start in range(0, len(keys), size):
+            yield
+            part = keys[start:start + size]
+            found = self.lookup(namespace, part)
+            for b in found:
+                if b.moving:
+                    break
+                run.append(b)
+            if len(run) < start + len(part):
+                break  # the leading run ends here
+        yield
         self._check_pins(req, run, intent)
         used = req.shared_set
         self.admission.growth(req, sum(1 for b in run if b not in used))

@@ -135,27 +135,20 @@ def _told(block: Block, page_bytes: int, ns: int, told: Told | None) -> dict:
             "recompute": lost}
 
 
-def shared_handle(block: Block, page_bytes: int, request_id: str,
-                  position: int) -> pb.PageHandle:
-    """A shared block's page, addressed by the caller's request and the key's position
-    (not its keeper's request and index)."""
-    h = handle(block, page_bytes)
-    h.request_id, h.block_index = request_id, position
-    return h
-
-
-async def shared_handles(blocks: list[Block], page_bytes: int, request_id: str,
-                         size: int) -> list[pb.PageHandle]:
-    """shared_handle() of each block (its position in the list), `size` blocks at a time,
-    the loop served between slices (as add_handles_sliced: the blocks are the caller's
-    holder's until its next call)."""
-    out: list[pb.PageHandle] = []
+async def add_shared_handles(handles, blocks: list[Block], page_bytes: int,
+                             request_id: str, size: int) -> None:
+    """Append the handles of shared blocks to a reply's repeated PageHandle field, each
+    addressed by the caller's request and its key's position (not its keeper's request and
+    index) and made in place, `size` blocks at a time, the loop served between slices (as
+    add_handles_sliced: the blocks are the caller's holder's until its next call)."""
+    told = TOLD.get()
     for start in range(0, len(blocks), size):
         if start:
             await asyncio.sleep(0)
-        out += [shared_handle(b, page_bytes, request_id, start + i)
-                for i, b in enumerate(blocks[start:start + size])]
-    return out
+        for i, block in enumerate(blocks[start:start + size], start):
+            fields = _told(block, page_bytes, 0, told)
+            fields["request_id"], fields["block_index"] = request_id, i
+            handles.add(**fields)
 
 
 def indices(message) -> list[int] | None:

@@ -17,10 +17,10 @@ from kvd.service.auth import UNLEASED, Authenticator, Caller
 from kvd.service.convert import (
     DECISIONS,
     add_handles_sliced,
+    add_shared_handles,
     indices,
     intent_change,
     intent_fields,
-    shared_handles,
 )
 from kvd.service.gate import CallGate, CallLimits, StepTurns
 from kvd.service.register import MAX_STRING, OpenStreams
@@ -138,9 +138,10 @@ class MemoryService(pb_grpc.MemoryServicer):
             rid, self.auth.prefix_namespace(caller, request.namespace), list(request.keys),
             caller.scope, holder=caller.holder,
             intent=intent_fields(request.intent))
-        handles = await shared_handles(blocks, self._page_bytes(rid), request.request_id,
-                                       self.node.slice_blocks)
-        return pb.StoreResponse(handles=handles, fresh=fresh, stall_us=int(stall_s * 1e6))
+        reply = pb.StoreResponse(fresh=fresh, stall_us=int(stall_s * 1e6))
+        await add_shared_handles(reply.handles, blocks, self._page_bytes(rid),
+                                 request.request_id, self.node.slice_blocks)
+        return reply
 
     @unary
     async def Commit(self, request: pb.CommitRequest, caller: Caller) -> pb.CommitResponse:
@@ -161,8 +162,10 @@ class MemoryService(pb_grpc.MemoryServicer):
                                              list(request.keys), caller.scope,
                                              holder=caller.holder,
                                              intent=intent_fields(request.intent))
-        return pb.LoadResponse(handles=await shared_handles(
-            blocks, self._page_bytes(rid), request.request_id, self.node.slice_blocks))
+        reply = pb.LoadResponse()
+        await add_shared_handles(reply.handles, blocks, self._page_bytes(rid),
+                                 request.request_id, self.node.slice_blocks)
+        return reply
 
     @unary
     async def UpdateIntents(self, request: pb.UpdateIntentsRequest,
