@@ -179,13 +179,22 @@ class SharedBlocks:
                 stall_s += stalled
                 present = holds.present(holder)
         except BaseException as exc:  # a cancel too: the engine is told of none of them
-            if blocks:
-                self._give_back(rt, req, blocks, added, holder)
-                if isinstance(exc, KvdError):
-                    exc.args = (f"{exc.args[0]} (after {len(blocks)} of the {len(keys)} "
-                                "keys were stored: given back, or gone with the request)",)
+            self._stopped(exc, rt, req, blocks, added, holder, f"of the {len(keys)} keys "
+                          "were stored")
             raise
         return blocks, unheld, stall_s
+
+    def _stopped(self, exc: BaseException, rt: PoolRuntime, req: Request,
+                 stored: list[Block], added: list[Block], holder: str, done: str) -> None:
+        """A sliced store or load stopped part way with `exc`: what it did goes back
+        (_give_back), and the error says how far it had come (`done`: "of the N keys
+        were stored")."""
+        if not stored:
+            return
+        self._give_back(rt, req, stored, added, holder)
+        if isinstance(exc, KvdError):
+            exc.args = (f"{exc.args[0]} (after {len(stored)} {done}: given back, or gone "
+                        "with the request)",)
 
     def _give_back(self, rt: PoolRuntime, req: Request, stored: list[Block],
                    added: list[Block], holder: str) -> None:
@@ -323,11 +332,8 @@ class SharedBlocks:
                 if len(run) < len(part):
                     break  # the leading run ends here
         except BaseException as exc:  # a cancel too: the engine is told of none of them
-            if blocks:
-                self._give_back(rt, req, blocks, added, holder)
-                if isinstance(exc, KvdError):
-                    exc.args = (f"{exc.args[0]} (after {len(blocks)} of the {len(keys)} "
-                                "keys were loaded: given back, or gone with the request)",)
+            self._stopped(exc, rt, req, blocks, added, holder, f"of the {len(keys)} keys "
+                          "were loaded")
             raise
         return blocks
 

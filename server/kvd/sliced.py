@@ -147,41 +147,43 @@ def _same(node: Node, request_id: str, rt, req) -> bool:
             and req.state is RequestState.ADMITTED)
 
 
-async def end_uses_down(node: Node, request_id: str, scope: str | None) -> bool:
+async def end_uses_down(node: Node, request_id: str, scope: str | None) -> int:
     """Before a release: end an admitted request's uses of shared blocks a slice at a time,
     newest first, while it uses more than a slice's (Pool.end_uses_of; the release ends
-    the rest); whether it ended any."""
-    ended = False
-    size = node.slice_blocks
-    while True:
-        rt = node.runtime_of(request_id, scope)
-        req = rt.pool.requests.get(request_id)
-        if req is None or req.state is not RequestState.ADMITTED or len(req.shared) <= size:
-            return ended
+    the rest); the uses ended."""
+    async def end(rt, req, newest: list[Block]) -> int:
         pinned = rt.pool.num_pinned
-        try:
-            rt.pool.end_uses_of(req, req.shared[-size:])
-        except (KvdError, BlocksInTransit):
-            return ended  # the release waits for them, or says what became of it
-        ended = True
+        rt.pool.end_uses_of(req, newest)
         rt.room_may_have_changed()
         node.unpinned(rt, pinned)
-        await asyncio.sleep(0)
+        return len(newest)
+
+    return await _down(node, request_id, scope, lambda req: req.shared, end)
 
 
 async def free_down(node: Node, request_id: str, scope: str | None) -> int:
     """Before a release: free an admitted request's blocks a slice at a time, newest first,
     while it has more than a slice's; the blocks freed. The release gives back the rest."""
-    freed = 0
+    async def free(rt, req, newest: list[Block]) -> int:
+        return await node.free_at_once(request_id, [b.index for b in newest], scope)
+
+    return await _down(node, request_id, scope, lambda req: req.live, free)
+
+
+async def _down(node: Node, request_id: str, scope: str | None, items, step) -> int:
+    """While the admitted request has more than a slice's `items(req)`, `step(rt, req, the
+    newest slice of them)`, the loop served between slices; what the steps did. Ends where
+    a step is refused (KvdError) or would wait for blocks in transit: the release waits for
+    them, or says what became of the request."""
+    done = 0
     size = node.slice_blocks
     while True:
         rt = node.runtime_of(request_id, scope)
         req = rt.pool.requests.get(request_id)
-        if req is None or req.state is not RequestState.ADMITTED or len(req.live) <= size:
-            return freed
+        if req is None or req.state is not RequestState.ADMITTED or len(items(req)) <= size:
+            return done
         try:
-            freed += await node.free_at_once(request_id,
-                                             [b.index for b in req.live[-size:]], scope)
-        except KvdError:
-            return freed  # the release says what became of it
+            done += await step(rt, req, items(req)[-size:])
+        except (KvdError, BlocksInTransit):
+            return done
         await asyncio.sleep(0)

@@ -192,24 +192,31 @@ async def test_a_big_allocation_that_may_not_be_made_is_refused_whole(why):
         await node.aclose()
 
 
-async def test_a_big_allocation_refused_part_way_gives_back_what_it_made():
-    """Between two of a's slices of pinned blocks tenant b pins the rest of the device: a's
-    next slice's pins would overcommit it, and the slices a made go back: its engine was
-    told of none of them."""
+@pytest.mark.parametrize("call", ["allocate", "store"])
+async def test_a_big_call_refused_part_way_gives_back_what_it_made(call):
+    """Between two of a's slices of pinned blocks (an allocation's, a store's of new keys)
+    tenant b pins the rest of the device: a's next slice's pins would overcommit it, and
+    what a's slices made goes back (its engine was told of none of it): the blocks, a
+    store's uses and names, and their pages, at once."""
     node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
     try:
         await _admit(node, "big", "a", 2 * BIG)
         await _admit(node, "b1", "b", 2 * BIG)
         pool = node.runtime("default").pool
         pin = {"pin_requested": True}
-        task = asyncio.ensure_future(node.allocate("big", 2 * BIG, pin, holder="a"))
-        await asyncio.sleep(0)  # a's first slice
-        made = len(node.request("big").live)
-        assert 0 < made < 2 * BIG
+        keys = _keys(2 * BIG)
+        if call == "allocate":
+            task = asyncio.ensure_future(node.allocate("big", 2 * BIG, pin, holder="a"))
+            await asyncio.sleep(0)  # a's first slice
+            made = len(node.request("big").live)
+            assert 0 < made < 2 * BIG
+        else:
+            task, made = await _storing_part_way(node, keys, pin)
         await node.allocate("b1", 2 * BIG - made, pin, holder="b")
         with pytest.raises(errors.KvdError, match="given back"):
             await task
-        assert node.request("big").live == []
+        assert node.request("big").live == [] and node.request("big").shared == []
+        assert node.shared.lookup("default", NS, keys[:1]) == []
         assert pool.device.num_free == made  # at once: nobody was told of them
         assert pool.num_pinned == 2 * BIG - made
         await _check(node)
@@ -217,23 +224,28 @@ async def test_a_big_allocation_refused_part_way_gives_back_what_it_made():
         await node.aclose()
 
 
-async def test_a_big_allocation_whose_next_slice_would_wait_for_room_is_made_whole():
-    """Between two of a's slices tenant b takes the rest of the device with pinned blocks: a
-    would wait for room holding what it made. It gives that back and asks for all of it at
-    once, which fails at once, as it would have had it come first."""
+@pytest.mark.parametrize("call", ["allocate", "store"])
+async def test_a_big_call_whose_next_slice_would_wait_for_room_is_made_whole(call):
+    """Between two of a's slices (of an allocation, of a store of new keys) tenant b takes
+    the rest of the device with pinned blocks: a would wait for room holding what it made.
+    It gives that back and asks for all of it at once, which fails at once, as it would
+    have had it come first."""
     node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
     try:
         await _admit(node, "big", "a", 2 * BIG)
         await _admit(node, "b1", "b", 2 * BIG)
         pool = node.runtime("default").pool
-        task = asyncio.ensure_future(node.allocate("big", 2 * BIG, holder="a"))
-        await asyncio.sleep(0)
-        made = len(node.request("big").live)
+        if call == "allocate":
+            task = asyncio.ensure_future(node.allocate("big", 2 * BIG, holder="a"))
+            await asyncio.sleep(0)
+            made = len(node.request("big").live)
+        else:
+            task, made = await _storing_part_way(node, _keys(2 * BIG))
         await node.allocate("b1", 2 * BIG - made, {"pin_requested": True}, holder="b")
         node.end_holds("b")  # b's engine wrote them: pinned, they stay
         with pytest.raises(errors.ResourceExhausted, match="pinned"):
             await asyncio.wait_for(task, 5)
-        assert node.request("big").live == []
+        assert node.request("big").live == [] and node.request("big").shared == []
         assert pool.device.num_free == made
         await _check(node)
     finally:
@@ -404,51 +416,6 @@ async def _storing_part_way(node: Node, keys: list[bytes], intent: dict | None =
     made = len(node.request("big").shared)
     assert 0 < made < len(keys)
     return task, made
-
-
-async def test_a_big_store_refused_part_way_gives_back_what_it_stored():
-    """Between two of a's slices of pinned blocks tenant b pins the rest of the device: a's
-    next slice's pins would overcommit it, and what a's slices stored goes back (its
-    engine was told of none of it): the uses, the new blocks and their pages, at once."""
-    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
-    try:
-        await _admit(node, "big", "a", 2 * BIG)
-        await _admit(node, "b1", "b", 2 * BIG)
-        pool = node.runtime("default").pool
-        pin = {"pin_requested": True}
-        keys = _keys(2 * BIG)
-        task, made = await _storing_part_way(node, keys, pin)
-        await node.allocate("b1", 2 * BIG - made, pin, holder="b")
-        with pytest.raises(errors.KvdError, match="given back"):
-            await task
-        assert node.request("big").shared == []
-        assert node.shared.lookup("default", NS, keys[:1]) == []
-        assert pool.device.num_free == made
-        assert pool.num_pinned == 2 * BIG - made
-        await _check(node)
-    finally:
-        await node.aclose()
-
-
-async def test_a_big_store_whose_next_slice_would_wait_for_room_is_stored_whole():
-    """Between two of a's slices tenant b takes the rest of the device with pinned blocks: a
-    would wait for room holding what it stored. It gives that back and stores all of it at
-    once, which fails at once, as it would have had it come first."""
-    node = Node(_config(device_pages=2 * BIG, host_pages=4 * BIG))
-    try:
-        await _admit(node, "big", "a", 2 * BIG)
-        await _admit(node, "b1", "b", 2 * BIG)
-        pool = node.runtime("default").pool
-        task, made = await _storing_part_way(node, _keys(2 * BIG))
-        await node.allocate("b1", 2 * BIG - made, {"pin_requested": True}, holder="b")
-        node.end_holds("b")  # b's engine wrote them: pinned, they stay
-        with pytest.raises(errors.ResourceExhausted, match="pinned"):
-            await asyncio.wait_for(task, 5)
-        assert node.request("big").shared == []
-        assert pool.device.num_free == made
-        await _check(node)
-    finally:
-        await node.aclose()
 
 
 async def test_a_big_store_giving_back_keeps_what_another_request_uses_too():
@@ -665,51 +632,30 @@ class _Context:
         raise AssertionError(f"aborted: {code} {details}")
 
 
-@pytest.mark.parametrize("call", ["Allocate", "Access"])
+@pytest.mark.parametrize("call", ["Allocate", "Access", "Store", "Load"])
 async def test_a_big_reply_is_made_a_slice_at_a_time_and_hands_out_every_page(call):
     """The service's reply to a call handing out many pages: another tenant's call goes on
-    while it is made, and each handle names its block's page, whose bytes are the block's."""
+    while it is made, and each handle names its block's page (a shared block's: at its
+    key's position), whose bytes are the block's where they were written."""
     node = Node(_config())
     service = MemoryService(node, Authenticator(node.config, node.leases))
-    try:
-        await _with_small_request(node)
-        await _admit(node, "a/big", "a", BIG)
-        if call == "Access":
-            blocks, _ = await node.allocate("a/big", BIG)
-            device = node.runtime("default").arenas["device"].pages
-            for b in blocks:
-                device[b.page] = np.full(PAGE, b.index % 251, np.uint8)
-            request = pb.AccessRequest(request_id="big", all_blocks=True)
-        else:
-            request = pb.AllocateRequest(request_id="big", num_blocks=BIG)
-        reply = await _others_call_goes_on(
-            node, getattr(service, call)(request, _Context("ta")))
-        assert [h.block_index for h in reply.handles] == list(range(BIG))
-        blocks = node.request("a/big").live
-        assert [h.page_index for h in reply.handles] == [b.page for b in blocks]
-        if call == "Access":
-            device = node.runtime("default").arenas["device"].pages
-            for h in reply.handles:
-                assert (device[h.page_index] == h.block_index % 251).all()
-        await _check(node)
-    finally:
-        await node.aclose()
-
-
-@pytest.mark.parametrize("call", ["Store", "Load"])
-async def test_a_big_shared_reply_is_made_a_slice_at_a_time_and_hands_out_every_page(call):
-    """The same for the shared blocks of a Store or a Load naming many keys: each handle, at
-    its key's position, names the key's page (a Load's, whose bytes were written)."""
-    node = Node(_config())
-    service = MemoryService(node, Authenticator(node.config, node.leases))
+    device = node.runtime("default").arenas["device"].pages
+    written = call in ("Access", "Load")
     try:
         await _with_small_request(node)
         await _admit(node, "a/big", "a", BIG)
         keys = _keys(BIG)
-        request = pb.StoreRequest(request_id="big", keys=keys)
+        if call == "Allocate":
+            request = pb.AllocateRequest(request_id="big", num_blocks=BIG)
+        elif call == "Access":
+            blocks, _ = await node.allocate("a/big", BIG)
+            for b in blocks:
+                device[b.page] = np.full(PAGE, b.index % 251, np.uint8)
+            request = pb.AccessRequest(request_id="big", all_blocks=True)
+        else:
+            request = pb.StoreRequest(request_id="big", keys=keys)
         if call == "Load":
             stored = await service.Store(request, _Context("ta"))
-            device = node.runtime("default").arenas["device"].pages
             for h in stored.handles:
                 device[h.page_index] = np.full(PAGE, h.block_index % 251, np.uint8)
             await service.Commit(pb.CommitRequest(request_id="big", keys=keys),
@@ -719,12 +665,13 @@ async def test_a_big_shared_reply_is_made_a_slice_at_a_time_and_hands_out_every_
         reply = await _others_call_goes_on(
             node, getattr(service, call)(request, _Context("ta")))
         assert [h.block_index for h in reply.handles] == list(range(BIG))
-        blocks = node.request("a/big").shared
+        req = node.request("a/big")
+        blocks = req.live if call in ("Allocate", "Access") else req.shared
         assert [h.page_index for h in reply.handles] == [b.page for b in blocks]
         if call == "Load":
             assert node.request("a/reader").shared == blocks
-            for h in reply.handles:
-                assert (device[h.page_index] == h.block_index % 251).all()
+        for h in reply.handles if written else ():
+            assert (device[h.page_index] == h.block_index % 251).all()
         await _check(node)
     finally:
         await node.aclose()
