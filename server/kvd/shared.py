@@ -169,7 +169,7 @@ class SharedBlocks:
                         holder, intent, wait=not blocks)
                 except BlocksInTransit:  # would wait holding what it stored: whole instead
                     self._give_back(rt, req, blocks, added, holder)
-                    blocks, added, unheld = [], [], []
+                    blocks, added, unheld = [], [], []  # given back: not again (see load)
                     part, uses, missed, stalled = await self._store(
                         rt, request_id, namespace, keys, holder, intent)
                 blocks += part
@@ -324,6 +324,7 @@ class SharedBlocks:
                                                  intent, wait=not start)
                 except BlocksInTransit:  # would wait holding what it loaded: whole instead
                     self._give_back(rt, req, blocks, added, holder)
+                    blocks, added = [], []  # given back: not again, should this one fail
                     blocks, added = await self._load(rt, request_id, namespace, keys,
                                                      holder, intent)
                     break

@@ -20,10 +20,12 @@ import pytest
 from kvd.config import Config, PoolConfig, TenantConfig
 from kvd.core import errors
 from kvd.core.blocks import TierKind
+from kvd.core.errors import NoVictims
 from kvd.core.intent import IntentChange
 from kvd.node import Node
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
+from kvd.shared import SharedBlocks
 from kvd_api.v1 import kvd_pb2 as pb
 
 PAGE = 64
@@ -600,6 +602,30 @@ async def test_a_big_load_refused_part_way_gives_back_its_uses():
         await _check(node)
     finally:
         await node.aclose()
+
+
+async def test_a_big_load_given_back_and_then_refused_whole_gives_back_once(node, monkeypatch):
+    """Its next slice would wait (given back, loaded whole), and the whole load is refused:
+    what the first slice loaded went back once, not again as the refusal unwinds (its
+    uses, counted twice, left the invariants broken)."""
+    keys, _ = await _stored(node, BIG)
+    await _admit(node, "big", "a", BIG)
+    real, calls = SharedBlocks._load, []
+
+    async def load(self, rt, rid, namespace, part, holder, intent, wait=True):
+        calls.append(len(part))
+        if len(calls) == 2:
+            raise NoVictims()  # the next slice would wait in a stalled room line
+        if len(calls) == 3:
+            raise errors.ResourceExhausted("refused whole")
+        return await real(self, rt, rid, namespace, part, holder, intent, wait)
+
+    monkeypatch.setattr(SharedBlocks, "_load", load)
+    with pytest.raises(errors.ResourceExhausted, match="refused whole"):
+        await node.shared.load("big", NS, keys, holder="a")
+    assert calls == [SLICE, SLICE, BIG]
+    assert node.request("big").shared == []
+    await _check(node)
 
 
 async def test_a_big_load_cancelled_part_way_gives_back_its_uses(node):
