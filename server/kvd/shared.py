@@ -115,15 +115,13 @@ class SharedBlocks:
         pool = rt.pool
 
         def store() -> tuple:
-            req = pool.requests.get(request_id)
-            n = len(req.shared) if req is not None else 0
-            plan, blocks = pool.store(request_id, namespace, keys, holder, intent)
+            (plan, blocks), added = _with_new_uses(pool, request_id, lambda: pool.store(
+                request_id, namespace, keys, holder, intent))
             # A block found moving was not held (Prefixes.store); its new pages were.
             placed = {id(b) for b in plan.allocated}
             unheld = ([b for b in blocks if (b.moving or b.tier is TierKind.NONE)
                        and id(b) not in placed] if holder else [])
-            return (plan, blocks, req.shared[n:],  # its new uses come last
-                    unheld, pool.pages.holds.present(holder))
+            return plan, blocks, added, unheld, pool.pages.holds.present(holder)
 
         plan, blocks, added, unheld, holds = await rt.run(store, holder=holder, wait=wait)
         self._room_grew(rt, before)
@@ -198,7 +196,7 @@ class SharedBlocks:
 
     def _give_back(self, rt: PoolRuntime, req: Request, stored: list[Block],
                    added: list[Block], holder: str) -> None:
-        """The uses a sliced store or load added, given back (see Pool.give_back_uses): not while
+        """The uses a sliced store or load added, given back (see Pool.end_uses_of): not while
         the request is handed off (the handoff's commit lets go of what it stored and
         never committed) or once it is gone (its release did)."""
         request_id = req.request_id
@@ -206,7 +204,7 @@ class SharedBlocks:
                 or self._handing_off(request_id)):
             return
         try:
-            rt.pool.give_back_uses(req, stored, added, holder)
+            rt.pool.end_uses_of(req, added, holder, stored)
         except (KvdError, BlocksInTransit) as exc:  # moving: the request's release does it
             log.warning("shared blocks of a failed store or load left with their request",
                         request_id=request_id, blocks=len(added), error=str(exc))
@@ -285,13 +283,8 @@ class SharedBlocks:
         before = rt.pool.admission.working_set_used()
         pool = rt.pool
 
-        def load() -> tuple:
-            req = pool.requests.get(request_id)
-            n = len(req.shared) if req is not None else 0
-            run = pool.load(request_id, namespace, keys, holder, intent)
-            return run, req.shared[n:]  # its new uses come last (Prefixes.load)
-
-        run, added = await rt.run(load, holder=holder, wait=wait)
+        run, added = await rt.run(lambda: _with_new_uses(pool, request_id, lambda: pool.load(
+            request_id, namespace, keys, holder, intent)), holder=holder, wait=wait)
         self._room_grew(rt, before)
         return run, added
 
@@ -344,3 +337,12 @@ async def _served_between(steps: Iterator[None]) -> None:
     served at each yield."""
     for _ in steps:
         await asyncio.sleep(0)
+
+
+def _with_new_uses(pool, request_id: str, op):
+    """op()'s result (a pool's store or load for the request), and the shared blocks the
+    request uses since: its new uses come last in its list (Prefixes.store, load)."""
+    req = pool.requests.get(request_id)
+    n = len(req.shared) if req is not None else 0
+    result = op()
+    return result, req.shared[n:]

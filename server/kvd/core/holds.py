@@ -228,10 +228,8 @@ class Holds:
                 b.held -= 1
                 if not b.held:
                     self.count -= 1
-                    req = b.request
-                    if (to_policy and self.requests.get(req.request_id) is req
-                            and req.blocks[b.index] is b and evictable(b)):
-                        self.policy.insert(b)
+                    if to_policy:
+                        self._back_to_policy(b)
         if kept or entry[2] or holder in self._kept_by_holder:
             self._by_holder[holder] = (entry[0], kept, entry[2])
         else:
@@ -312,13 +310,17 @@ class Holds:
             if b.held:
                 continue  # another holder's still
             self.count -= 1
-            req = b.request
-            if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b
-                    and evictable(b)):
-                self.policy.insert(b)
+            self._back_to_policy(b)
         if self.watchers:
             self._tell_watchers()
         return True
+
+    def _back_to_policy(self, b: Block) -> None:
+        """b, held by nobody now, is evictable again if it is still its request's."""
+        req = b.request
+        if (self.requests.get(req.request_id) is req and req.blocks[b.index] is b
+                and evictable(b)):
+            self.policy.insert(b)
 
     def end_more(self, at_most: int | None) -> bool:
         """End the next slice of the holds that end a slice at a time (see end; None: the

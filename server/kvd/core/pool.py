@@ -359,30 +359,22 @@ class Pool:
         return req, self.prefixes.check_load(req, namespace, keys, intent, size)
 
     @after_reads
-    def end_uses_of(self, req: Request, blocks: Sequence[Block]) -> None:
-        """req uses these shared blocks no more, as at its release (end_uses): a release of
-        a request using many ends them a slice at a time first (see sliced.end_uses_down).
+    def end_uses_of(self, req: Request, blocks: Sequence[Block], holder: str = "",
+                    held: Sequence[Block] = ()) -> None:
+        """req uses these shared blocks no more (Prefixes.end_some_uses): those nobody else
+        uses and nobody committed go, their device pages free at once unless a client's
+        holder holds them (Holds.keep). A release of a request using many ends them a
+        slice at a time first (see sliced.end_uses_down); a store or load made a slice at
+        a time that stopped part way gives back the uses it added, its engine told of none
+        of them: `holder`'s holds of what it found or placed (`held`) are void first
+        (evictable again, or it would wait for them itself when done whole).
         BlocksInTransit, changing nothing, if one that goes is moving."""
         going = self.prefixes.unused_of(req, blocks)
         check_still(going)
-        self.prefixes.end_some_uses(req, blocks, self.pages.holds.keep(req, going))
-
-    @after_reads
-    def give_back_uses(self, req: Request, stored: Sequence[Block], added: Sequence[Block],
-                       holder: str) -> None:
-        """A store made a slice at a time by `holder` stopped part way, having found or
-        placed `stored` for req, of which req uses `added` since: its engine was told of
-        none of them. The holder's holds of `stored` are void (evictable again, or it would
-        wait for them itself when stored whole), and req uses `added` no more (see
-        Prefixes.end_some_uses): those nobody else uses and nobody committed go, their
-        device pages free at once unless another client's holder holds them (Holds.keep).
-        BlocksInTransit, changing nothing, if one of those is moving."""
-        going = self.prefixes.unused_of(req, added)
-        check_still(going)
         holds = self.pages.holds
         if holder:
-            holds.unhold(holder, stored, to_policy=True)
-        self.prefixes.end_some_uses(req, added, holds.keep(req, going))
+            holds.unhold(holder, held, to_policy=True)
+        self.prefixes.end_some_uses(req, blocks, holds.keep(req, going))
 
     @after_reads
     def commit(self, request_id: str, namespace: str, keys: Sequence[bytes]) -> int:
