@@ -129,8 +129,10 @@ class Link:
                 continue
             if transfer.on_chunk is not None:
                 transfer.on_chunk(job)
-            if job.done and not transfer.future.done():
-                transfer.future.set_result(None)
+            if job.done:
+                if not transfer.future.done():
+                    transfer.future.set_result(None)
+                _ended(transfer)
 
     async def aclose(self) -> None:
         if self._task is not None:
@@ -146,6 +148,14 @@ def _fail(transfer: Transfer, exc: BaseException) -> None:
     if not transfer.future.done():
         transfer.future.set_exception(exc)
         transfer.future.exception()  # retrieved: a waiter may have gone
+    _ended(transfer)
+
+
+def _ended(transfer: Transfer) -> None:
+    """The job no longer leads to its transfer: the two go by reference counting, not
+    left as a cycle to the collector, which kvd's collections may not walk for a while
+    (kvd.gcwalk)."""
+    transfer.job.payload = None
 
 
 def measure_copy_bandwidth(nbytes: int = 32 << 20, rounds: int = 3) -> float:

@@ -12,7 +12,7 @@ import structlog
 
 from kvd.core.jobs import Job, TransferClass
 from kvd.core.blocks import Block, Request, TierKind
-from kvd.core.errors import BlocksInTransit, NotFound, NoVictims
+from kvd.core.errors import BlocksInTransit, NotFound, NoVictims, untraced
 from kvd.core.pool import AccessResult, Pool
 from kvd.core.transfer import MoveKind, Reason, TransferPlan
 from kvd.links import Link, Transfer
@@ -168,7 +168,7 @@ class PoolRuntime:
             try:
                 return op()
             except BlocksInTransit as exc:
-                busy = exc
+                busy = untraced(exc)
         late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
         critical = self._critical(request_id, indices)
         if busy.blocks:
@@ -220,10 +220,12 @@ class PoolRuntime:
                 try:  # the common case: nothing in the way, no suspension
                     return op()
                 except BlocksInTransit as exc:
-                    pending = exc
-                busy = pending
+                    busy = untraced(exc)
             if not wait:
-                raise busy
+                try:
+                    raise busy
+                finally:
+                    busy = None  # not kept by this frame, which its traceback holds
         while True:
             if busy.blocks:
                 await self.transit.wait_for(busy.blocks)
@@ -248,13 +250,16 @@ class PoolRuntime:
                         # nothing else need come to serve them.
                         asyncio.get_running_loop().call_soon(self.room_may_have_changed)
                     raise
+                finally:
+                    # Refused in line, the future's error is raised through this frame, which
+                    # its traceback keeps: not the future too (a cycle).
+                    future = None
                 if result is not RETRY:
                     return result
             try:
                 return op()
             except BlocksInTransit as exc:
-                again = exc
-            busy = again
+                busy = untraced(exc)
 
     def _orphaned(self, result, undo) -> None:
         if result is RETRY:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 
-from kvd.core.errors import BlocksInTransit, ResourceExhausted
+from kvd.core.errors import BlocksInTransit, KvdError, ResourceExhausted, untraced
 
 # WaitAdmission streams one request may have (each holds a little of kvd's memory).
 MAX_WAITERS = 8
@@ -147,7 +147,9 @@ class RoomLine:
                 continue
             except BaseException as exc:
                 heapq.heappop(line)
-                future.set_exception(exc)
+                # A refusal goes to its caller without the frames it passed through here
+                # (which keep this future, and so it: a cycle); a bug's keeps them.
+                future.set_exception(untraced(exc) if isinstance(exc, KvdError) else exc)
                 continue
             heapq.heappop(line)
             future.set_result(result)

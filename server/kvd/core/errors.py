@@ -67,6 +67,14 @@ class NoVictims(BlocksInTransit):
         super().__init__([])
 
 
+def untraced(exc: BaseException):
+    """exc without its traceback, to keep past its except clause (waited on, raised again
+    later). Its traceback holds the frames it passed through, the one keeping it too: a cycle
+    only Python's collector frees, with everything those frames hold (a call's blocks, its
+    plan), and kvd's collections may not walk it for minutes (kvd.gcwalk)."""
+    return exc.with_traceback(None)
+
+
 def short_repr(text: str, limit: int = 64) -> str:
     """A repr of text for an error message, at most about `limit` characters."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
