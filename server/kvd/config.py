@@ -395,6 +395,10 @@ class Config:
     health: Address = ""
     # How often kvd checks its own bookkeeping (kvd_self_check_problems); 0: only on demand.
     self_check_s: NonNegative = 60.0
+    # Python's full garbage collections walk every object kvd holds, its cached blocks too
+    # (about a microsecond each, the loop stopped meanwhile). kvd sets aside what a long one
+    # kept (kvd.gcwalk) and walks everything only this often; 0: Python's own collections.
+    gc_full_walk_s: NonNegative = 600.0
     # kvd's own tiers as KV cache events in vLLM's and SGLang's format (kvd.tier_events):
     # the PUB endpoint kvd binds ("" for none) and the replay socket beside it.
     kv_events_endpoint: str = ""

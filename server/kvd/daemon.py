@@ -29,6 +29,7 @@ from kvd.background import supervised
 from kvd.cluster import ClusterMember
 from kvd.config import AuthConfig, Config, load_config, log_created_tokens
 from kvd.core.errors import KvdError
+from kvd.gcwalk import COLLECTIONS
 from kvd.memory.arena import SHM_DIR, sweep_stale
 from kvd.node import Node
 from kvd.tier_events import TierEventPublisher
@@ -418,6 +419,10 @@ class Daemon:
         # Everything allocated so far (modules, config, arenas' page tables) lives as long as
         # the daemon: keep the cyclic GC from traversing it on every collection.
         gc.freeze()
+        if config.gc_full_walk_s:
+            COLLECTIONS.install()
+            self._keep("gc_full_walk",
+                       lambda: COLLECTIONS.full_walk_forever(config.gc_full_walk_s))
         sdnotify.notify(f"READY=1\nSTATUS=serving on {', '.join(self.addresses)}\n"
                         f"MAINPID={os.getpid()}")
         interval = sdnotify.watchdog_interval_s()
@@ -538,6 +543,7 @@ class Daemon:
             await self.node.aclose()
         if self.config.socket:
             Path(self.config.socket).unlink(missing_ok=True)
+        COLLECTIONS.uninstall()
         log.info("kvd stopped")
 
 

@@ -8,6 +8,7 @@ Every metric is listed, one line each, in deploy/README.md.
 from __future__ import annotations
 
 import asyncio
+import gc
 import platform
 import threading
 import time
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvd.background import FAILURES
+from kvd.gcwalk import COLLECTIONS
 from kvd.core.admission import Decision
 from kvd.log import DroppingLogger
 from kvd.stats import LinkFigures, NodeFigures, PoolFigures, node_figures
@@ -127,6 +129,30 @@ async def watch_loop_lag(histogram: LoopHistogram = LOOP_LAG_SECONDS,
         histogram.observe((), max(0.0, clock() - due))
 
 
+def _gc_families():
+    """kvd's setting aside of long-lived objects from Python's collections (kvd.gcwalk)."""
+    aside = _gauge("kvd_gc_set_aside_objects", "Objects set aside from Python's garbage "
+                   "collections: kept since start-up or a full collection that took long", [])
+    aside.add_metric([], gc.get_freeze_count())
+    yield aside
+    times = _counter("kvd_gc_set_asides", "Full collections whose survivors kvd set aside "
+                     "(they took longer than 5 ms)", [])
+    times.add_metric([], COLLECTIONS.set_asides)
+    yield times
+    walks = _counter("kvd_gc_full_walks", "Collections of everything, what was set aside "
+                     "too (every gc_full_walk_s)", [])
+    walks.add_metric([], COLLECTIONS.full_walks)
+    yield walks
+    freed = _counter("kvd_gc_full_walk_freed_objects", "Unreachable objects the full walks "
+                     "found: cycles set aside while alive, freed late", [])
+    freed.add_metric([], COLLECTIONS.full_walk_freed)
+    yield freed
+    last = _gauge("kvd_gc_full_walk_last_seconds", "How long the last full walk held "
+                  "kvd's loop", [])
+    last.add_metric([], COLLECTIONS.last_full_walk_s)
+    yield last
+
+
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
@@ -178,6 +204,7 @@ class KvdCollector(Collector):
         for task, count in list(FAILURES.items()):
             failed.add_metric([task], count)
         yield failed
+        yield from _gc_families()
         if self.streams is not None:
             opened = _gauge("kvd_streams_open", "Streams a tenant keeps open (Step, "
                             "WaitAdmission, WatchEvents, Handoff; those of the admin "

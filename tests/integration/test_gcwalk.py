@@ -1,19 +1,91 @@
-"""kvd's own objects go by reference counting: none is left in a cycle for Python's
-collector to find."""
+"""Python's collector beside kvd's cache (kvd.gcwalk): what a long full collection kept is
+set aside, a full walk frees what was set aside and became garbage since, and kvd's own
+objects never wait for it (they go by reference counting)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import weakref
 
 import pytest
 
 from kvd.config import Config, PoolConfig, TenantConfig
 from kvd.core.errors import KvdError
+from kvd.gcwalk import Collections
 from kvd.node import Node
 from kvd.service.auth import Authenticator
 from kvd.service.memory import MemoryService
 from kvd_api.v1 import kvd_pb2 as pb
+from kvd_loadgen.local import LocalKvd
+
+from .conftest import SMALL, free_port, scrape
+
+
+class _Thing:
+    """A container object the collector tracks."""
+
+    def __init__(self) -> None:
+        self.other = None
+
+
+@pytest.fixture
+def collections():
+    made = Collections()
+    yield made
+    made.uninstall()
+    gc.unfreeze()  # what the test set aside goes back to this process's collections
+
+
+def _tracked(obj) -> bool:
+    """Whether the collector's generations hold obj (set aside, they do not)."""
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_a_long_full_collection_sets_what_it_kept_aside(collections):
+    collections.install(set_aside_s=0.0)
+    kept = [_Thing() for _ in range(100)]
+    gc.collect()
+    assert collections.set_asides == 1
+    assert gc.get_freeze_count() >= len(kept)
+    assert not _tracked(kept[0]), "later collections still walk what the long one kept"
+    young = _Thing()
+    assert _tracked(young)
+
+
+def test_a_short_full_collection_sets_nothing_aside(collections):
+    collections.install(set_aside_s=3600.0)
+    before = gc.get_freeze_count()
+    kept = _Thing()
+    gc.collect()
+    assert collections.set_asides == 0
+    assert gc.get_freeze_count() == before
+    assert _tracked(kept)
+
+
+def test_a_cycle_set_aside_while_alive_is_freed_by_the_next_full_walk(collections):
+    collections.install(set_aside_s=0.0)
+    a, b = _Thing(), _Thing()
+    a.other, b.other = b, a
+    gone = weakref.ref(a)
+    gc.collect()  # a and b are alive: set aside
+    del a, b
+    gc.collect()
+    assert gone() is not None, "a collection walked what was set aside"
+    freed = collections.full_walk()
+    assert gone() is None
+    assert freed >= 2
+    assert collections.full_walks == 1 and collections.full_walk_freed == freed
+    assert collections.last_full_walk_s > 0
+
+
+def test_uninstalled_no_collection_sets_anything_aside(collections):
+    collections.install(set_aside_s=0.0)
+    collections.uninstall()
+    kept = _Thing()
+    gc.collect()
+    assert collections.set_asides == 0
+    assert _tracked(kept)
 
 
 class _Context:
@@ -45,7 +117,7 @@ async def test_kvds_own_objects_leave_no_garbage_cycles(policy):
     """Requests allocated, read, freed and released; pages moved between tiers by the
     link's worker and inline; prefix blocks stored, committed, loaded; calls refused: what
     kvd let go of was freed by reference counting, nothing left in a cycle for the
-    collector: each waits for a full collection, which walks every object kvd holds."""
+    collector, which kvd's collections may not walk for minutes (set aside)."""
     page = 4096  # a copy of more than one page goes to the link's worker
     config = Config(socket="", tcp="127.0.0.1:0", slice_blocks=16, inline_copy_bytes=page,
                     pools=(PoolConfig(page_bytes=page, block_tokens=1, device_pages=64,
@@ -110,3 +182,27 @@ async def test_kvds_own_objects_leave_no_garbage_cycles(policy):
         gc.garbage.clear()
         gc.enable()
         await node.aclose()
+
+
+@pytest.mark.parametrize("walk_s", [0.2, 0.0])
+async def test_a_serving_kvd_walks_everything_every_gc_full_walk_s(tmp_path, walk_s):
+    """Its metrics show the full walks, what they freed and what is set aside; with
+    gc_full_walk_s = 0, Python's own collections, nothing set aside past start-up."""
+    port = free_port()
+    config = tmp_path / "kvd.toml"
+    config.write_text(f"[server]\ngc_full_walk_s = {walk_s}\n")
+    with LocalKvd("--config", str(config), *SMALL, "--metrics", f"127.0.0.1:{port}",
+                  workdir=tmp_path):
+        for _ in range(100 if walk_s else 10):
+            _, samples = scrape(port)
+            if samples[("kvd_gc_full_walks_total", ())] >= 2:
+                break
+            await asyncio.sleep(0.05)
+        _, samples = scrape(port)
+    walks = samples[("kvd_gc_full_walks_total", ())]
+    if walk_s:
+        assert walks >= 2
+        assert samples[("kvd_gc_full_walk_last_seconds", ())] > 0
+        assert samples[("kvd_gc_set_aside_objects", ())] > 0
+    else:
+        assert walks == 0 and samples[("kvd_gc_set_asides_total", ())] == 0
