@@ -16,10 +16,11 @@ kvd serves every call on one event loop. Each of a's calls costs it a few micros
 block, a third of a second in all for 65,536 of them; done whole, b's read waited for all
 of it. kvd does such calls a slice of blocks at a time (`slice_blocks`), the loop served
 between slices, and ends the holds of a's calls so too. What b still waits for past a
-slice is mostly Python's full garbage collection, which a's churn of blocks sets off a few
-times a second and which walks every object kvd holds (20-50 ms with 130,000 blocks alive
-on a 2-core machine; longer as the prefix life's cached blocks pile up): the target is
-that bound, not a slice's.
+slice is mostly Python's garbage collection, which a's churn of blocks sets off a few
+times a second: a full one walks every object kvd holds (20-50 ms with 130,000 blocks
+alive on a 2-core machine, 200 ms with the prefix life's cached blocks piled up), which is
+why kvd sets aside what a long one kept (kvd.gcwalk). The target is that bound, not a
+slice's.
 """
 
 from __future__ import annotations
