@@ -445,7 +445,9 @@ class Reads:
             if round_:
                 return AccessResult(blocks, plan, req, partial=True)
         now = self.clock.now()
-        policy = pages.policy
+        # A block read for a holder leaves the policy below, held, and goes back in, read,
+        # when its holds end: a touch now would only be undone.
+        policy = None if holder else pages.policy
         for b in blocks:
             b.reuse_s = now - b.last_access
             b.last_access = now
@@ -453,7 +455,7 @@ class Reads:
                 counters.num_decode_critical_accesses += 1
                 if b.moving:
                     counters.num_decode_critical_misses += 1
-            if not b.moving and not b.pinned and not b.held:
+            if policy is not None and not b.moving and not b.pinned and not b.held:
                 policy.touch(b)
         counters.num_accesses += len(blocks)
         counters.num_misses += len(missing)
