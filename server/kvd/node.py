@@ -294,10 +294,19 @@ class Node:
                             request_id=request_id, count=len(plan.allocated))
         return plan.allocated, stall_s
 
-    async def access(self, request_id: str, indices: Sequence[int] | None,
-                     scope: str | None = None, holder: str = ""
-                     ) -> tuple[list[Block], float, int]:
-        """Read blocks now, waiting for those brought in: (blocks, stall, promoted)."""
+    def access(self, request_id: str, indices: Sequence[int] | None,
+               scope: str | None = None, holder: str = ""
+               ) -> Awaitable[tuple[list[Block], float, int]]:
+        """Read blocks now, waiting for those brought in: (blocks, stall, promoted). More
+        than a slice's indices of resident blocks are read a slice at a time (see sliced)."""
+        if indices is not None and len(indices) > self.slice_blocks:
+            return sliced.access(self, request_id, indices, scope, holder)
+        return self.access_at_once(request_id, indices, scope, holder)
+
+    async def access_at_once(self, request_id: str, indices: Sequence[int] | None,
+                             scope: str | None = None, holder: str = ""
+                             ) -> tuple[list[Block], float, int]:
+        """access(), in one go."""
         started = await self.begin_access(request_id, indices, scope, holder)
         stall_s = await started.wait()
         result = started.result

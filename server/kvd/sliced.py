@@ -15,7 +15,9 @@ made: the engine was told of none of them. One whose next slice would wait for r
 them back too, and is made whole instead, waiting as any allocation does: two big
 allocations on a full device each holding the half they made, each waiting for the
 other's holds to end, would wait until their holds lapsed. A store of many shared prefix
-keys is done alike, and a load or a commit of many (SharedBlocks).
+keys is done alike, and a load or a commit of many (SharedBlocks), and a read naming many
+blocks on the device (one that brings blocks in waits for their copies anyway, and is done
+whole).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from kvd.core.blocks import Block, RequestState
+from kvd.core.blocks import Block, RequestState, TierKind
 from kvd.core.errors import BlocksInTransit, FailedPrecondition, InvalidArgument, KvdError
 from kvd.core.requests import resolve
 
@@ -138,6 +140,57 @@ async def free(node: Node, request_id: str, indices: Sequence[int],
                             f"done; {freed} of its blocks were freed)",)
             raise
     return freed
+
+
+async def access(node: Node, request_id: str, indices: Sequence[int],
+                 scope: str | None, holder: str) -> tuple[list[Block], float, int]:
+    """Node.access of more than a slice's indices: every index checked first (a bad one or
+    one named twice reads nothing), then, where every
+    block named is on the device and still, read a slice at a time, each slice's blocks
+    held for the holder as it is read; (blocks, stall, promoted). A read that brings blocks
+    in is done whole (its copies are waited for anyway): so is the rest of one whose later
+    blocks another call moved out meanwhile, its room not made of the blocks read before,
+    which are held. A block freed meanwhile is not read (as a whole read waiting for its
+    copies does not answer one freed)."""
+    rt = node.runtime_of(request_id, scope)
+    req = rt.pool.get_admitted(request_id)
+    parts = slices(indices, node.slice_blocks)
+    still = True
+    for i, part in enumerate(parts):
+        if i:
+            await asyncio.sleep(0)
+            if not _same(node, request_id, rt, req):
+                raise FailedPrecondition(f"request {request_id!r} was released or handed "
+                                         "off while its read was checked; nothing was read")
+        still = still and all(b.tier is TierKind.DEVICE and not b.moving
+                              for b in resolve(req, part))
+    if len(set(indices)) != len(indices):
+        raise InvalidArgument(f"duplicate block indices for request {request_id!r}")
+    if not still:
+        return await node.access_at_once(request_id, indices, scope, holder)
+    blocks: list[Block] = []
+    stall_s, promoted = 0.0, 0
+    for i, part in enumerate(parts):
+        if i:
+            await asyncio.sleep(0)
+            if not _same(node, request_id, rt, req):
+                raise FailedPrecondition(f"request {request_id!r} was released or handed "
+                                         f"off while it was read ({len(blocks)} of the "
+                                         f"{len(indices)} blocks read)")
+        named = req.blocks
+        todo = [j for j in part if named[j] is not None]
+        moved = any(named[j].tier is not TierKind.DEVICE or named[j].moving for j in todo)
+        if moved:  # by another call meanwhile: the rest brought in, whole
+            todo = [j for later in parts[i:] for j in later if named[j] is not None]
+        if todo:
+            read, stalled, brought = await node.access_at_once(request_id, todo, scope,
+                                                               holder)
+            blocks += read
+            stall_s += stalled
+            promoted += brought
+        if moved:
+            break
+    return blocks, stall_s, promoted
 
 
 def _same(node: Node, request_id: str, rt, req) -> bool:

@@ -319,6 +319,105 @@ async def test_a_big_free_racing_a_release_ends_with_the_request(node):
     await _check(node)
 
 
+async def _reading_part_way(node: Node, indices: list[int]) -> asyncio.Task:
+    """A read of tenant a's big request by these indices, under way: checked whole, its
+    first slice read and held for holder "r"."""
+    holds = node.runtime("default").pool.pages.holds
+    task = asyncio.ensure_future(node.access("big", indices, holder="r"))
+    for _ in range(1000):
+        await asyncio.sleep(0)
+        if holds.has("r"):
+            assert not task.done(), "read whole"
+            return task
+    raise AssertionError("the read read nothing in 1,000 turns of the loop")
+
+
+async def test_a_big_read_by_index_leaves_the_loop_to_others_and_reads_every_block(node):
+    await _beside_a_big_request(node)
+    node.end_holds("a")
+    pool = node.runtime("default").pool
+    accesses = pool.counters.num_accesses
+    indices = list(range(BIG))[::-1]
+    blocks, stall_s, promoted = await _others_call_goes_on(
+        node, node.access("big", indices, holder="r"))
+    req = node.request("big")
+    assert blocks == [req.blocks[i] for i in indices]
+    assert promoted == 0 and stall_s == 0
+    assert pool.pages.holds.count_of("r") == BIG
+    assert pool.counters.num_accesses == accesses + 4 + BIG  # b's read of 4, then a's
+    await _check(node)
+
+
+@pytest.mark.parametrize("bad", ["out of range", "freed", "twice"])
+async def test_a_big_read_naming_a_bad_index_reads_nothing(node, bad):
+    await _admit(node, "big", "a", BIG)
+    await node.allocate("big", BIG, holder="a")
+    node.end_holds("a")
+    await node.free("big", [BIG - 1])
+    indices = list(range(BIG - 1)) + [{"out of range": BIG, "freed": BIG - 1, "twice": 0}[bad]]
+    pool = node.runtime("default").pool
+    accesses = pool.counters.num_accesses
+    why = {"out of range": "out of range", "freed": "was freed", "twice": "duplicate"}[bad]
+    with pytest.raises(errors.KvdError, match=why):
+        await node.access("big", indices, holder="r")
+    assert pool.counters.num_accesses == accesses
+    assert not pool.pages.holds.has("r")
+    await _check(node)
+
+
+async def test_a_big_read_of_blocks_off_the_device_brings_every_one_in_with_its_bytes(node):
+    await _admit(node, "big", "a", BIG)
+    blocks, _ = await node.allocate("big", BIG, holder="a")
+    device = node.runtime("default").arenas["device"].pages
+    for b in blocks:
+        device[b.page] = np.full(PAGE, b.index % 251, np.uint8)
+    node.end_holds("a")
+    moved = await node.evict("default", BIG // 2)
+    assert len(moved) == BIG // 2
+    read, _, promoted = await node.access("big", list(range(BIG)), holder="r")
+    assert promoted == BIG // 2
+    assert all(b.tier is TierKind.DEVICE and b.held for b in read)
+    for b in read:
+        assert (device[b.page] == b.index % 251).all()
+    await _check(node)
+
+
+async def test_a_big_read_whose_later_blocks_go_out_meanwhile_brings_them_in(node):
+    await _admit(node, "big", "a", BIG)
+    blocks, _ = await node.allocate("big", BIG, holder="a")
+    device = node.runtime("default").arenas["device"].pages
+    for b in blocks:
+        device[b.page] = np.full(PAGE, b.index % 251, np.uint8)
+    node.end_holds("a")
+    task = await _reading_part_way(node, list(range(BIG)))
+    # The blocks not read yet go out (those read are held for the read's holder).
+    moved = await node.evict("default", BIG - SLICE)
+    assert {m.block.index for m in moved} == set(range(SLICE, BIG))
+    read, _, promoted = await task
+    assert [b.index for b in read] == list(range(BIG))
+    assert promoted == BIG - SLICE
+    assert all(b.tier is TierKind.DEVICE and b.held for b in read)
+    for b in read:
+        assert (device[b.page] == b.index % 251).all()
+    await _check(node)
+
+
+async def test_a_big_read_racing_a_release_ends_with_the_request(node):
+    await _beside_a_big_request(node)
+    node.end_holds("a")
+    task = await _reading_part_way(node, list(range(BIG)))
+    await node.release("big")  # its blocks freed a slice at a time, the last first
+    try:
+        read, _, _ = await task
+    except errors.FailedPrecondition as exc:
+        assert "released" in str(exc)
+    else:  # done between the release's slices: what it freed first was not read
+        assert SLICE <= len(read) < BIG
+        assert [b.index for b in read] == list(range(len(read)))
+    assert "big" not in node.request_index
+    await _check(node)
+
+
 async def _freeing_all(node: Node) -> asyncio.Task:
     """Tenant a's request of BIG blocks, and a free of all of them under way: checked whole,
     its first slice freed."""
