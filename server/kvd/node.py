@@ -481,11 +481,18 @@ class Node:
         await self.handoffs.settled(request_id)
         # A long request's blocks, and its uses of many shared blocks, go a slice at a
         # time first (see sliced).
-        freed_first = await sliced.free_down(self, request_id, scope)
-        if await sliced.end_uses_down(self, request_id, scope) or freed_first:
-            await self.handoffs.settled(request_id)
-        rt, (freed, admitted) = await self._follow(
-            request_id, scope, lambda rt: rt.run(functools.partial(release, rt)))
+        releasing = self.shared.releasing
+        mine = request_id not in releasing  # a second release racing the first: its own
+        releasing.add(request_id)
+        try:
+            freed_first = await sliced.free_down(self, request_id, scope)
+            if await sliced.end_uses_down(self, request_id, scope) or freed_first:
+                await self.handoffs.settled(request_id)
+            rt, (freed, admitted) = await self._follow(
+                request_id, scope, lambda rt: rt.run(functools.partial(release, rt)))
+        finally:
+            if mine:
+                releasing.discard(request_id)
         freed += freed_first
         tenant = req.tenant
         rt.room_may_have_changed()

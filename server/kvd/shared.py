@@ -28,6 +28,9 @@ class SharedBlocks:
                  slice_blocks: int = 256) -> None:
         self.runtime = runtime
         self.slice_blocks = slice_blocks  # see _store_sliced
+        # Requests being released (Node.release): their uses end a slice at a time before
+        # they go, and a commit meanwhile is refused as released, not as storing nothing.
+        self.releasing: set[str] = set()
         self.runtime_of = runtime_of
         # Refuses a call on a request whose handoff is under way (see
         # Handoffs.refuse_while_under_way).
@@ -242,6 +245,7 @@ class SharedBlocks:
         checked before any is committed; a block let go between slices (evicted before
         it was committed) is not."""
         rt = self.runtime_of(request_id, scope)
+        self._refuse_while_releasing(request_id, 0)
         if len(keys) <= self.slice_blocks:
             return await rt.run(lambda: rt.pool.commit(request_id, namespace, keys))
         pool = rt.pool
@@ -253,6 +257,7 @@ class SharedBlocks:
         for phase in ("checked", "committed"):
             for start in range(0, len(keys), size):
                 await asyncio.sleep(0)
+                self._refuse_while_releasing(request_id, newly)
                 if pool.requests.get(request_id) is not req:
                     raise FailedPrecondition(
                         f"request {request_id!r} was released or handed off while its "
@@ -263,6 +268,12 @@ class SharedBlocks:
                 else:
                     newly += pool.commit_blocks(request_id, blocks[start:start + size])
         return newly
+
+    def _refuse_while_releasing(self, request_id: str, committed: int) -> None:
+        if request_id in self.releasing:
+            raise FailedPrecondition(
+                f"request {request_id!r} is being released: its blocks cannot be committed "
+                f"({committed} of them were)")
 
     async def load(self, request_id: str, namespace: str, keys: Sequence[bytes],
                    scope: str | None = None, holder: str = "", intent: dict | None = None

@@ -624,8 +624,30 @@ async def test_a_big_commit_racing_a_release_ends_with_the_request(node):
     task = asyncio.ensure_future(node.shared.commit("big", NS, keys))
     await asyncio.sleep(0)
     await node.release("big")
-    with pytest.raises(errors.KvdError):  # refused: the request is gone, or going
+    with pytest.raises(errors.FailedPrecondition, match="released"):
         await task
+    assert "big" not in node.request_index
+    await _check(node)
+
+
+@pytest.mark.parametrize("size", ["small", "big"])
+async def test_a_commit_while_its_request_is_released_is_refused_as_released(node, size):
+    """The release of a request using many shared blocks ends its uses a slice at a time
+    first, the newest first: a commit of its keys meanwhile is told the request is being
+    released, not that it stored none of them."""
+    await _admit(node, "big", "a", BIG)
+    keys = _keys(BIG)
+    await node.shared.store("big", NS, keys, holder="a")
+    releasing = asyncio.ensure_future(node.release("big"))
+    for _ in range(1000):
+        await asyncio.sleep(0)
+        if len(node.request("big").shared) < BIG:
+            break
+    else:
+        raise AssertionError("the release ended no use in 1,000 turns of the loop")
+    with pytest.raises(errors.FailedPrecondition, match="being released"):
+        await node.shared.commit("big", NS, keys[-SLICE:] if size == "small" else keys)
+    await releasing
     assert "big" not in node.request_index
     await _check(node)
 
