@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from kvd.background import FAILURES
-from kvd.gcwalk import COLLECTIONS
 from kvd.core.admission import Decision
+from kvd.gcwalk import COLLECTIONS
 from kvd.log import DroppingLogger
 from kvd.stats import LinkFigures, NodeFigures, PoolFigures, node_figures
 
@@ -131,26 +131,21 @@ async def watch_loop_lag(histogram: LoopHistogram = LOOP_LAG_SECONDS,
 
 def _gc_families():
     """kvd's setting aside of long-lived objects from Python's collections (kvd.gcwalk)."""
-    aside = _gauge("kvd_gc_set_aside_objects", "Objects set aside from Python's garbage "
-                   "collections: kept since start-up or a full collection that took long", [])
-    aside.add_metric([], gc.get_freeze_count())
-    yield aside
-    times = _counter("kvd_gc_set_asides", "Full collections whose survivors kvd set aside "
-                     "(they took longer than 5 ms)", [])
-    times.add_metric([], COLLECTIONS.set_asides)
-    yield times
-    walks = _counter("kvd_gc_full_walks", "Collections of everything, what was set aside "
-                     "too (every gc_full_walk_s)", [])
-    walks.add_metric([], COLLECTIONS.full_walks)
-    yield walks
-    freed = _counter("kvd_gc_full_walk_freed_objects", "Unreachable objects the full walks "
-                     "found: cycles set aside while alive, freed late", [])
-    freed.add_metric([], COLLECTIONS.full_walk_freed)
-    yield freed
-    last = _gauge("kvd_gc_full_walk_last_seconds", "How long the last full walk held "
-                  "kvd's loop", [])
-    last.add_metric([], COLLECTIONS.last_full_walk_s)
-    yield last
+    for make, name, doc, value in (
+            (_gauge, "kvd_gc_set_aside_objects", "Objects set aside from Python's garbage "
+             "collections: kept since start-up or a full collection that took long",
+             gc.get_freeze_count()),
+            (_counter, "kvd_gc_set_asides", "Full collections whose survivors kvd set aside "
+             "(they took longer than 5 ms)", COLLECTIONS.set_asides),
+            (_counter, "kvd_gc_full_walks", "Collections of everything, what was set aside "
+             "too (every gc_full_walk_s)", COLLECTIONS.full_walks),
+            (_counter, "kvd_gc_full_walk_freed_objects", "Unreachable objects the full walks "
+             "found: cycles set aside while alive, freed late", COLLECTIONS.full_walk_freed),
+            (_gauge, "kvd_gc_full_walk_last_seconds", "How long the last full walk held "
+             "kvd's loop", COLLECTIONS.last_full_walk_s)):
+        family = make(name, doc, [])
+        family.add_metric([], value)
+        yield family
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:

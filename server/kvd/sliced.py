@@ -112,16 +112,9 @@ async def free(node: Node, request_id: str, indices: Sequence[int],
     meanwhile is not freed twice; a release of the request ends the free)."""
     rt = node.runtime_of(request_id, scope)
     req = rt.pool.get_admitted(request_id)
-    if len(set(indices)) != len(indices):
-        raise InvalidArgument(f"duplicate block indices for request {request_id!r}")
     parts = slices(indices, node.slice_blocks)
-    for i, part in enumerate(parts):
-        if i:
-            await asyncio.sleep(0)
-            if not _same(node, request_id, rt, req):
-                raise FailedPrecondition(f"request {request_id!r} was released or handed "
-                                         "off while its free was checked; nothing was freed")
-        resolve(req, part)
+    async for _ in _checked(node, request_id, rt, req, indices, parts, "free", "freed"):
+        pass
     freed = 0
     for i, part in enumerate(parts):
         if i:
@@ -156,27 +149,16 @@ async def access(node: Node, request_id: str, indices: Sequence[int],
     req = rt.pool.get_admitted(request_id)
     parts = slices(indices, node.slice_blocks)
     still = True
-    for i, part in enumerate(parts):
-        if i:
-            await asyncio.sleep(0)
-            if not _same(node, request_id, rt, req):
-                raise FailedPrecondition(f"request {request_id!r} was released or handed "
-                                         "off while its read was checked; nothing was read")
-        still = still and all(b.tier is TierKind.DEVICE and not b.moving
-                              for b in resolve(req, part))
-    if len(set(indices)) != len(indices):
-        raise InvalidArgument(f"duplicate block indices for request {request_id!r}")
+    async for named in _checked(node, request_id, rt, req, indices, parts, "read", "read"):
+        still = still and all(b.tier is TierKind.DEVICE and not b.moving for b in named)
     if not still:
         return await node.access_at_once(request_id, indices, scope, holder)
     blocks: list[Block] = []
     stall_s, promoted = 0.0, 0
     for i, part in enumerate(parts):
         if i:
-            await asyncio.sleep(0)
-            if not _same(node, request_id, rt, req):
-                raise FailedPrecondition(f"request {request_id!r} was released or handed "
-                                         f"off while it was read ({len(blocks)} of the "
-                                         f"{len(indices)} blocks read)")
+            await _next_slice(node, request_id, rt, req, f"it was read ({len(blocks)} of "
+                              f"the {len(indices)} blocks read)")
         named = req.blocks
         todo = [j for j in part if named[j] is not None]
         moved = any(named[j].tier is not TierKind.DEVICE or named[j].moving for j in todo)
@@ -191,6 +173,29 @@ async def access(node: Node, request_id: str, indices: Sequence[int],
         if moved:
             break
     return blocks, stall_s, promoted
+
+
+async def _checked(node: Node, request_id: str, rt, req, indices: Sequence[int],
+                   parts: list[Sequence], call: str, done: str):
+    """The blocks each part of a big call's indices names (none named twice, each a live
+    block's, else the error that says which), the loop served between parts; a release of
+    the request meanwhile ends the check, nothing done."""
+    if len(set(indices)) != len(indices):
+        raise InvalidArgument(f"duplicate block indices for request {request_id!r}")
+    for i, part in enumerate(parts):
+        if i:
+            await _next_slice(node, request_id, rt, req,
+                              f"its {call} was checked; nothing was {done}")
+        yield resolve(req, part)
+
+
+async def _next_slice(node: Node, request_id: str, rt, req, meanwhile: str) -> None:
+    """The loop served before a big call's next slice; FailedPrecondition, saying what was
+    done `meanwhile`, if the request was released or handed off in between."""
+    await asyncio.sleep(0)
+    if not _same(node, request_id, rt, req):
+        raise FailedPrecondition(f"request {request_id!r} was released or handed off while "
+                                 f"{meanwhile}")
 
 
 def _same(node: Node, request_id: str, rt, req) -> bool:

@@ -365,13 +365,20 @@ async def test_a_big_read_naming_a_bad_index_reads_nothing(node, bad):
     await _check(node)
 
 
-async def test_a_big_read_of_blocks_off_the_device_brings_every_one_in_with_its_bytes(node):
+async def _big_written(node: Node):
+    """Tenant a's request of BIG blocks, each page written with its block's byte, its
+    engine done with them (holds ended); the device tier's pages."""
     await _admit(node, "big", "a", BIG)
     blocks, _ = await node.allocate("big", BIG, holder="a")
     device = node.runtime("default").arenas["device"].pages
     for b in blocks:
         device[b.page] = np.full(PAGE, b.index % 251, np.uint8)
     node.end_holds("a")
+    return device
+
+
+async def test_a_big_read_of_blocks_off_the_device_brings_every_one_in_with_its_bytes(node):
+    device = await _big_written(node)
     moved = await node.evict("default", BIG // 2)
     assert len(moved) == BIG // 2
     read, _, promoted = await node.access("big", list(range(BIG)), holder="r")
@@ -383,12 +390,7 @@ async def test_a_big_read_of_blocks_off_the_device_brings_every_one_in_with_its_
 
 
 async def test_a_big_read_whose_later_blocks_go_out_meanwhile_brings_them_in(node):
-    await _admit(node, "big", "a", BIG)
-    blocks, _ = await node.allocate("big", BIG, holder="a")
-    device = node.runtime("default").arenas["device"].pages
-    for b in blocks:
-        device[b.page] = np.full(PAGE, b.index % 251, np.uint8)
-    node.end_holds("a")
+    device = await _big_written(node)
     task = await _reading_part_way(node, list(range(BIG)))
     # The blocks not read yet go out (those read are held for the read's holder).
     moved = await node.evict("default", BIG - SLICE)
