@@ -664,7 +664,11 @@ class Node:
         return pools
 
     async def evict(self, pool: str, num_pages: int) -> list:
+        """The operator's: num_pages victims demoted now; their moves. More than a slice's
+        worth are chosen a slice at a time (see sliced)."""
         rt = self.runtime(pool)
+        if num_pages > self.slice_blocks:
+            return await sliced.evict(self, rt, num_pages)
         # Victims in transit come free when their copies finish: wait for them as any
         # operation that needs room does (not for engines' holds: see Pool.evict).
         plan = await rt.run(lambda: rt.pool.evict(num_pages))

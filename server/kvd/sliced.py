@@ -15,9 +15,9 @@ made: the engine was told of none of them. One whose next slice would wait for r
 them back too, and is made whole instead, waiting as any allocation does: two big
 allocations on a full device each holding the half they made, each waiting for the
 other's holds to end, would wait until their holds lapsed. A store of many shared prefix
-keys is done alike, and a load or a commit of many (SharedBlocks), and a read naming many
+keys is done alike, and a load or a commit of many (SharedBlocks), a read naming many
 blocks on the device (one that brings blocks in waits for their copies anyway, and is done
-whole).
+whole), and an operator's evict of many pages.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ from typing import TYPE_CHECKING
 import structlog
 
 from kvd.core.blocks import Block, RequestState, TierKind
-from kvd.core.errors import BlocksInTransit, FailedPrecondition, InvalidArgument, KvdError
+from kvd.core.errors import (BlocksInTransit, FailedPrecondition, InvalidArgument, KvdError,
+                             ResourceExhausted)
 from kvd.core.requests import resolve
 
 if TYPE_CHECKING:
     from kvd.node import Node
+    from kvd.runtime import PoolRuntime
 
 log = structlog.get_logger("kvd.sliced")
 
@@ -173,6 +175,46 @@ async def access(node: Node, request_id: str, indices: Sequence[int],
         if moved:
             break
     return blocks, stall_s, promoted
+
+
+async def evict(node: Node, rt: PoolRuntime, num_pages: int) -> list:
+    """Node.evict of more than a slice's pages: the holds ending a slice at a time ended
+    first (their holders called again), then refused whole when the pool has fewer victims
+    now (as a whole evict is), else chosen a slice at a time, each slice's copies
+    started before the next is chosen and all waited for at the end; the moves. Victims
+    another call took meanwhile (read, held, pinned, freed) leave fewer for the last
+    slices: those that find none end the evict, with the moves made."""
+    pool = rt.pool
+    while pool.end_more_holds(node.slice_blocks):  # what check_evict would end whole
+        rt.room_may_have_changed()
+        await asyncio.sleep(0)
+    pool.check_evict(num_pages)
+    moves: list = []
+    copying = []
+    try:
+        while len(moves) < num_pages:
+            if moves:
+                await asyncio.sleep(0)
+            n = min(node.slice_blocks, num_pages - len(moves))
+            try:
+                plan = await rt.run(lambda: pool.evict(n))
+            except ResourceExhausted:
+                if not moves:
+                    raise
+                log.info("operator's evict ended short: victims taken meanwhile",
+                         pool=pool.name, asked=num_pages, evicted=len(moves))
+                break
+            started = rt.start(plan)
+            if callable(started):
+                copying.append(started())
+            moves += plan.demotions
+    finally:
+        # The copies started finish (each settled by its own task) whatever stopped it.
+        outcomes = await asyncio.gather(*copying, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome  # a copy failed: its plan was rolled back, as a whole evict's
+    return moves
 
 
 async def _checked(node: Node, request_id: str, rt, req, indices: Sequence[int],

@@ -392,15 +392,58 @@ async def test_a_big_read_of_blocks_off_the_device_brings_every_one_in_with_its_
 async def test_a_big_read_whose_later_blocks_go_out_meanwhile_brings_them_in(node):
     device = await _big_written(node)
     task = await _reading_part_way(node, list(range(BIG)))
-    # The blocks not read yet go out (those read are held for the read's holder).
-    moved = await node.evict("default", BIG - SLICE)
-    assert {m.block.index for m in moved} == set(range(SLICE, BIG))
+    # The next slice's blocks go out, the oldest not held (those read are, for the read's
+    # holder): one slice, evicted whole.
+    moved = await node.evict("default", SLICE)
+    assert {m.block.index for m in moved} == set(range(SLICE, 2 * SLICE))
     read, _, promoted = await task
     assert [b.index for b in read] == list(range(BIG))
-    assert promoted == BIG - SLICE
+    assert promoted == SLICE
     assert all(b.tier is TierKind.DEVICE and b.held for b in read)
     for b in read:
         assert (device[b.page] == b.index % 251).all()
+    await _check(node)
+
+
+async def test_an_operators_big_evict_leaves_the_loop_to_others_and_moves_every_byte(node):
+    await _with_small_request(node)  # b's 4 blocks, held for b: not victims
+    device = await _big_written(node)
+    host = node.runtime("default").arenas["host"].pages
+    moves = await _others_call_goes_on(node, node.evict("default", BIG))
+    assert sorted(m.block.index for m in moves) == list(range(BIG))
+    req = node.request("big")
+    assert all(b.tier is TierKind.HOST and not b.moving for b in req.live)
+    for b in req.live:
+        assert (host[b.page] == b.index % 251).all()
+    read, _, promoted = await node.access("big", None, holder="r")
+    assert promoted == BIG
+    for b in node.request("big").live:
+        assert (device[b.page] == b.index % 251).all()
+    await _check(node)
+
+
+async def test_an_operators_big_evict_of_more_than_there_are_victims_moves_nothing(node):
+    await _with_small_request(node)
+    await _big_written(node)
+    with pytest.raises(errors.ResourceExhausted, match="evictable"):
+        await node.evict("default", BIG + 1)  # b's blocks are held
+    assert all(b.tier is TierKind.DEVICE and not b.moving for b in node.request("big").live)
+    await _check(node)
+
+
+async def test_an_operators_big_evict_whose_victims_go_meanwhile_ends_short(node):
+    await _big_written(node)
+    task = asyncio.ensure_future(node.evict("default", BIG))
+    for _ in range(1000):
+        await asyncio.sleep(0)
+        if any(b.tier is not TierKind.DEVICE or b.moving for b in node.request("big").live):
+            break
+    else:
+        raise AssertionError("the evict moved nothing in 1,000 turns of the loop")
+    assert not task.done(), "evicted whole"
+    await node.release("big")
+    moves = await task
+    assert SLICE <= len(moves) < BIG
     await _check(node)
 
 

@@ -446,17 +446,23 @@ class Pool:
         return len(live), self.admission.admit_from_queue()
 
     @after_reads
-    def evict(self, num_pages: int) -> TransferPlan:
-        """Demote num_pages victims now (the operator asked for room): all or none, refused
-        at once when they cannot go (only copies in flight are waited for)."""
+    def check_evict(self, num_pages: int) -> None:
+        """evict()'s check, changing nothing the operator did not ask for: num_pages
+        victims there are now (holds that end a slice at a time ended first: their holders
+        called again, and the operator asks for what is evictable)."""
         if num_pages <= 0:
             raise InvalidArgument(f"num_pages must be positive, got {num_pages}")
         holds = self.pages.holds
-        while holds.end_more(None):  # holds ending a slice at a time end now: their
-            pass  # holders called again, and the operator asks for what is evictable
+        while holds.end_more(None):
+            pass
         holds.materialize()  # requests steps answered are not evictable
         if num_pages > len(self.policy):
             raise self.pages.no_room(num_pages)
+
+    def evict(self, num_pages: int) -> TransferPlan:
+        """Demote num_pages victims now (the operator asked for room): all or none, refused
+        at once when they cannot go (only copies in flight are waited for)."""
+        self.check_evict(num_pages)
         return TransferPlan(self.name, Reason.EVICT, None,
                             demotions=self.pages.evict(num_pages, None, Reason.EVICT, False,
                                                        now=True))

@@ -204,17 +204,18 @@ class MemoryService(pb_grpc.MemoryServicer):
         # Victims may belong to any tenant: only the admin identity may ask.
         self.auth.require_admin(caller)
         moves = await self.node.evict(request.pool, request.num_pages)
-        return pb.EvictResponse(
-            evicted=[
-                pb.EvictedBlock(
+        reply = pb.EvictResponse()
+        size = self.node.slice_blocks
+        for start in range(0, len(moves), size):
+            if start:
+                await asyncio.sleep(0)  # the loop served between slices (see sliced)
+            for m in moves[start:start + size]:
+                reply.evicted.add(
                     # A kept prefix block is no request's: its index is kvd's own record's.
                     request_id=public_id(m.block.request.request_id),
                     block_index=m.block.index if not m.block.request.keeper else 0,
-                    to_tier=int(m.dst_tier),
-                )
-                for m in moves
-            ]
-        )
+                    to_tier=int(m.dst_tier))
+        return reply
 
     @unary
     @reads_state
