@@ -9,6 +9,9 @@ import pytest
 
 from kvd_client import AsyncClient, ResourceExhaustedError, pb
 from kvd_client.arena import MappedPool
+from kvd_loadgen.local import LocalKvd
+
+from .conftest import SMALL
 
 
 async def test_lifecycle_under_pressure_demotes_and_promotes(client):
@@ -136,3 +139,32 @@ async def test_a_decode_step_sees_what_other_calls_changed_since_the_last(kvd):
         stats = (await engine.pool_stats()).pools[0]
         assert stats.num_accesses == 4 + 4 + 5 + 1
         assert (await engine.self_check()).ok
+
+
+async def test_a_step_reading_many_blocks_by_index_reads_a_slice_at_a_time(tmp_path):
+    """A Step's read naming more than slice_blocks blocks: resident, read a slice at a time
+    (Node.access); some on the host tier, brought in, and their new pages reported; a bad
+    index, an error for that item."""
+    config = tmp_path / "kvd.toml"
+    config.write_text("[server]\nslice_blocks = 4\n")
+    with LocalKvd("--config", str(config), *SMALL, workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=10) as client:
+            await client.admit("r", prompt_tokens=128)
+            async with client.step_stream() as stream:
+                reply = await stream.step(allocations=[("r", 8)])
+                pages = {h.block_index: h.page_index for h in reply.allocated}
+                assert len(pages) == 8
+                reply = await stream.step(accesses=[("r", list(range(8)))])
+                assert not reply.errors and not reply.relocated and not reply.stall_us
+                await stream.step()  # the engine is done with what it was handed
+                evicted = await client.evict(4)
+                out = {e.block_index for e in evicted.evicted}
+                assert len(out) == 4
+                reply = await stream.step(accesses=[("r", list(range(8))[::-1])])
+                assert not reply.errors and reply.stall_us > 0
+                assert {h.block_index for h in reply.relocated} == out
+                reply = await stream.step(accesses=[("r", [0, 1, 2, 3, 99])])
+                assert [(e.section, e.item_index, e.code) for e in reply.errors] == [
+                    ("accesses", 0, 3)]  # INVALID_ARGUMENT
+            check = await client.self_check()
+            assert check.ok, list(check.problems)

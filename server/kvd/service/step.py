@@ -321,6 +321,10 @@ class StepStreams:
         pending = []
         for section, i, rid, idx in items:
             try:
+                if idx is not None and len(idx) > self.node.slice_blocks:
+                    stalled = await self._read_many(reply, section, i, rid, idx, scope,
+                                                    holder, ns) or stalled
+                    continue
                 reading = await self.node.begin_access(rid, idx, scope, holder)
                 if reading.copying is not None:
                     pending.append((section, i, reading))
@@ -340,6 +344,24 @@ class StepStreams:
             stalled = True
             _relocated(reply, reading.result, reading.page_bytes, len(ns))
         return stalled
+
+    async def _read_many(self, reply: pb.StepResponse, section: str, i: int, rid: str,
+                         idx, scope: str | None, holder: str, ns: str) -> bool:
+        """A read of more than a slice's blocks by index: a slice at a time (Node.access, see
+        sliced), its copies, if any, waited for here; the blocks it read whose pages the
+        engine was not told of reported. Whether it stalled."""
+        try:
+            blocks, stall_s, _ = await self.node.access(rid, idx, scope, holder)
+        except errors.KvdError:
+            raise
+        except Exception as exc:  # a failed copy: the plan was aborted
+            _copy_failed(reply, section, i, exc)
+            return False
+        rt = self.node.runtime_of(rid, scope)
+        req = rt.pool.requests.get(rid)
+        if req is not None and blocks:
+            _relocated(reply, AccessResult(blocks, None, req), rt.pool.page_bytes, len(ns))
+        return stall_s > 0
 
     def _read_all(self, request_ids, reply: pb.StepResponse, scope: str | None,
                   key: bytes | None = None, cut: int = 0, holder: str = "") -> list[str]:
