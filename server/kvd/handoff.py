@@ -51,6 +51,20 @@ def _prefix_to_carry(pool: Pool, req: Request) -> dict[str, list[Block]]:
     return groups
 
 
+async def _until_releasable(rt: PoolRuntime, request_id: str, still: list[Block]) -> None:
+    """Until no block that goes with the request's release in this pool moves, bar `still`
+    (those the handoff itself holds in transit, which it lets go just before): a block it
+    stored and never committed that another call's copy moves (an operator's eviction, a
+    victim's demotion), or, in the target after a failed carry ended its holds, one of its
+    own blocks there chosen as a victim. The release, called with nothing awaited after
+    this, is then not refused half-way through a commit or a rollback."""
+    req = rt.pool.requests[request_id]
+    ours = set(still)
+    while busy := [b for b in (*req.live_blocks(), *rt.pool.prefixes.unused(req))
+                   if b.moving and b not in ours]:
+        await rt.transit.wait_for(busy)
+
+
 def _peer_error(target: str, err: grpc.RpcError) -> Exception:
     """A peer's refusal or a cut stream, as kvd's own error (the request stays here)."""
     from kvd.core.errors import Aborted
@@ -357,19 +371,21 @@ class Handoffs:
                 plan = None
             await self._carry_shared(src, dst, req, cancel)
         except BaseException as exc:
-            self._roll_back(src, dst, req, blocks, plan, demoted, exc)
+            await self._roll_back(src, dst, req, blocks, plan, demoted, exc)
             raise
-        self._commit(src, dst, req, blocks, progress, holder)
+        await self._commit(src, dst, req, blocks, progress, holder)
 
-    def _roll_back(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
-                   blocks: list[Block], plan: TransferPlan | None, demoted: bool,
-                   exc: BaseException) -> None:
+    async def _roll_back(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
+                         blocks: list[Block], plan: TransferPlan | None, demoted: bool,
+                         exc: BaseException) -> None:
         """All or nothing: the request stays whole in the prefill pool; the target pages and
         the reservation go (`plan`: the target's allocation, None once it completed: its
         blocks then go with the target's request)."""
         if plan is not None:
             self.abort_target(dst, plan, demoted)
-        self._end_handoff(src, dst, req.request_id, blocks, release=dst.pool)
+        # Cancelled (kvd stopping and done waiting for it): nothing more is waited for.
+        await self._end_handoff(src, dst, req.request_id, blocks, release=dst,
+                                wait=not isinstance(exc, asyncio.CancelledError))
         self.counts["failed" if not isinstance(exc, TransferCancelled)
                     else "rolled_back"] += 1
         log.info("handoff rolled back", request_id=req.request_id, source=src.pool.name,
@@ -389,13 +405,13 @@ class Handoffs:
             dst.pool.abort(plan)
         dst.transit.finish(plan)
 
-    def _commit(self, src: PoolRuntime, dst: PoolRuntime, req: Request, blocks: list[Block],
-                progress: asyncio.Queue, holder: str) -> None:
+    async def _commit(self, src: PoolRuntime, dst: PoolRuntime, req: Request,
+                      blocks: list[Block], progress: asyncio.Queue, holder: str) -> None:
         """The blocks live in the target now; the prefill pages go."""
         request_id = req.request_id
         dst_req = dst.pool.requests[request_id]
         dst_req.keep_indices(len(req.blocks))
-        self._end_handoff(src, dst, request_id, blocks, release=src.pool)
+        await self._end_handoff(src, dst, request_id, blocks, release=src)
         self.request_index[request_id] = dst
         self.handed(request_id)
         moved = len(blocks) * src.pool.page_bytes
@@ -410,14 +426,23 @@ class Handoffs:
         progress.put_nowait(self._progress(dst_req, len(blocks), len(blocks),
                                            src.pool.page_bytes, finished=True))
 
-    def _end_handoff(self, src: PoolRuntime, dst: PoolRuntime, request_id: str,
-                     blocks: list[Block], release: Pool) -> None:
+    async def _end_handoff(self, src: PoolRuntime, dst: PoolRuntime, request_id: str,
+                           blocks: list[Block], release: PoolRuntime, wait: bool = True
+                           ) -> None:
         """The source blocks are free to move again; the request goes from `release` (the
-        target on a rollback, the source on commit); waiters for room in either may go."""
+        target on a rollback, the source on commit), once nothing that goes with it moves
+        (`wait`); waiters for room in either may go."""
+        if wait:
+            await _until_releasable(release, request_id, blocks if release is src else [])
         src.transit.finish_blocks(blocks)
         src.pool.reservations.end_handoff(blocks)
-        _, admitted = release.release(request_id)
-        publish_admitted(self.events, release.name, admitted)
+        try:
+            _, admitted = release.pool.release(request_id)
+        except BlocksInTransit:
+            admitted = []
+            log.error("a cancelled handoff's rollback left the request in its target pool",
+                      request_id=request_id, pool=release.pool.name)
+        publish_admitted(self.events, release.pool.name, admitted)
         src.room_may_have_changed()
         dst.room_may_have_changed()
         self.kick_queues(dst.pool.name)
@@ -503,6 +528,8 @@ class Handoffs:
             if isinstance(exc, grpc.RpcError):
                 raise _peer_error(target, exc) from None
             raise
+        # The peer has it now: the release here waits for what another call moves.
+        await _until_releasable(src, request_id, blocks)
         src.pool.end_holds(shared_holder)
         src.transit.finish_blocks(blocks)
         src.pool.reservations.end_handoff(blocks)

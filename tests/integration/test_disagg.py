@@ -698,3 +698,75 @@ async def test_a_router_that_goes_away_while_its_handoff_waits_leaves_nothing(tm
                 last = await engine.handoff_all("r1")  # asked afresh, by its engine
                 assert last.done and len(last.handles) == 6
             assert (await router.self_check()).ok
+
+
+# A prefill pool whose link to its host tier crawls (a page's demotion takes 2 s once the
+# link spent its burst, a page) beside a handoff link that copies a page in half a second.
+CRAWLING_HOST = """
+[[pool]]
+name = "prefill"
+model = "tiny"
+device_pages = 3
+host_pages = 8
+admission = "reservation"
+link_bandwidth = "8KiB"
+link_chunk = "16KiB"
+link_burst = "1"
+
+[[pool]]
+name = "decode"
+model = "tiny"
+device_pages = 8
+host_pages = 8
+admission = "reservation"
+
+[[link]]
+source = "prefill"
+target = "decode"
+bandwidth = "32KiB"
+chunk = "16KiB"
+burst = "1"
+"""
+
+
+async def test_a_handoff_commits_while_a_block_its_request_stored_is_moving(tmp_path):
+    """The handoff's commit releases the request in prefill, with the block it stored and
+    never committed; the operator's eviction was demoting that block as the copies ended.
+    The release was refused (blocks in transit) half-way through the commit: the handoff
+    failed, and the request was left in both pools, its decode entry no one's, its id
+    taken there for good. The commit waits for the demotion."""
+    (tmp_path / "kvd.toml").write_text(CRAWLING_HOST)
+    with LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=20) as c, \
+                AsyncClient(kvd.target, timeout_s=20) as operator:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            decode = MappedPool(await c.export_pool("decode"))
+            try:
+                await c.admit("r", 16 * 2, 16, pool="prefill", handoff_pool="decode")
+                own = await fill(c, prefill, "r", 2, seed=8)
+                _write(prefill, (await c.store("r", "m", [b"k"])).handles, seed=9)
+                await c.keep_alive()  # written: its pages are no longer the engine's
+                # r's first block goes to host at once, spending the host link's burst.
+                (first,) = (await operator.evict(1, pool="prefill")).evicted
+                assert (first.block_index, first.to_tier) == (0, pb.TIER_HOST)
+                handing = asyncio.ensure_future(c.handoff_all("r"))
+                await copying(c)
+                # r's blocks are the handoff's: k alone can go, 2 s on the host link; r's
+                # second block crosses to decode in half a second.
+                evicting = asyncio.ensure_future(operator.evict(1, pool="prefill"))
+                done = await handing
+                assert done.done and done.pool == "decode"
+                assert [hashlib.sha256(decode.page(h).tobytes()).hexdigest()
+                        for h in done.handles] == own
+                assert len((await evicting).evicted) == 1
+                assert [(r.request_id, r.pool) for r in await c.list_requests()] == [
+                    ("r", "decode")]
+                assert (await stats(c, "prefill")).num_demotions == 2
+                assert (await c.self_check()).ok
+                await c.release("r")
+                for pool in ("prefill", "decode"):
+                    assert (await stats(c, pool)).num_requests == 0
+                await c.admit("r", 16, 0, pool="prefill", handoff_pool="decode")  # free again
+            finally:
+                prefill.close()
+                decode.close()
