@@ -692,7 +692,32 @@ class Node:
         return self.health.stuck
 
     async def self_check(self) -> list[str]:
-        return await self.health.self_check()
+        problems = await self.health.self_check()
+        return problems + self.index_problems()
+
+    def index_problems(self) -> list[str]:
+        """The node's request index against its pools: each request a pool holds (bar a
+        keeper of named blocks, a handoff reservation, and a handoff's target while its
+        pages are copied in) is indexed to that pool, and each indexed request is admitted
+        or queued there. A request in a pool and not in the index is no one's: no call
+        reaches it, nothing releases it, and its id is taken there for good."""
+        problems = []
+        for name, rt in self.pools.items():
+            for request_id, req in rt.pool.requests.items():
+                if (req.keeper or req.state is RequestState.RESERVED
+                        or self.handoffs.arriving(request_id, rt)):
+                    continue
+                indexed = self.request_index.get(request_id)
+                if indexed is not rt:
+                    where = ("not indexed" if indexed is None
+                             else f"indexed to {indexed.pool.name!r}")
+                    problems.append(f"{name}: request {request_id!r} is in the pool, {where}")
+        for request_id, rt in self.request_index.items():
+            req = rt.pool.requests.get(request_id)
+            if req is None or req.state is RequestState.RESERVED:
+                problems.append(f"{rt.pool.name}: request {request_id!r} is indexed to the "
+                                "pool, not admitted or queued there")
+        return problems
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         return await self.health.drain(timeout_s)

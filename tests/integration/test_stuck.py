@@ -280,3 +280,30 @@ async def test_a_handoff_whose_call_is_cancelled_while_writing_rolls_back(tmp_pa
         assert await asyncio.wait_for(daemon.self_check(), 10) == []
     finally:
         await asyncio.wait_for(daemon.aclose(), 10)
+
+
+async def test_a_request_in_a_pool_that_the_node_does_not_index_is_reported(tmp_path):
+    """A request left in a pool with no entry in the node's index (a handoff that failed
+    half-way through its commit left one in decode) is no one's: no call reaches it and
+    its id is taken there for good. SelfCheck names it, and an index entry with no
+    request behind it."""
+    from kvd.config import load_config
+    from kvd.node import Node
+
+    config = tmp_path / "kvd.toml"
+    config.write_text(IN_PROCESS)
+    daemon = Node(load_config(config))
+    try:
+        for rid in ("r", "s"):
+            daemon.admit(rid, tenant="slow", pool="prefill", prompt_tokens=2 * 16,
+                         output_tokens=16, priority=0, handoff_pool="decode")
+            await daemon.allocate(rid, 2)
+        assert await daemon.self_check() == []
+        daemon.request_index["s"] = daemon.runtime("decode")  # s is prefill's
+        del daemon.request_index["r"]
+        assert sorted(await daemon.self_check()) == [
+            "decode: request 's' is indexed to the pool, not admitted or queued there",
+            "prefill: request 'r' is in the pool, not indexed",
+            "prefill: request 's' is in the pool, indexed to 'decode'"]
+    finally:
+        await asyncio.wait_for(daemon.aclose(), 10)
