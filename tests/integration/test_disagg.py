@@ -770,3 +770,48 @@ async def test_a_handoff_commits_while_a_block_its_request_stored_is_moving(tmp_
             finally:
                 prefill.close()
                 decode.close()
+
+
+async def test_a_rolled_back_handoff_leaves_decode_while_a_victim_of_its_moves(tmp_path):
+    """A handoff carrying a prefix block is cancelled while it copies it; as its carry ends,
+    its holds on the request's pages in decode end, and an allocation waiting there for room
+    takes one of them as its victim, whose demotion begins at once. The rollback's release
+    in decode was then refused (blocks in transit): the request stayed there, no one's,
+    its id taken there for good. The rollback waits for the demotion."""
+    config = CRAWLING_HOST.replace('device_pages = 8\nhost_pages = 8',
+                                   'device_pages = 2\nhost_pages = 8')
+    (tmp_path / "kvd.toml").write_text(config)
+    with LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=20) as c, \
+                AsyncClient(kvd.target, timeout_s=20) as other:
+            prefill = MappedPool(await c.export_pool("prefill"))
+            try:
+                await c.admit("r", 16 * 2, 0, pool="prefill", handoff_pool="decode")
+                _write(prefill, (await c.store("r", "m", [b"p"])).handles, seed=12)
+                await c.commit("r", "m", [b"p"])
+                own = await fill(c, prefill, "r", 1, seed=13)
+                await other.admit("y", 16, 0, pool="decode")
+                stream = c.handoff("r")
+                async for progress in stream:
+                    if progress.blocks_done == 1:
+                        break  # r's block is in decode; the prefix block crosses next
+                await asyncio.sleep(0.1)  # both decode pages are the handoff's now
+                growing = asyncio.ensure_future(other.allocate("y", 1))
+                await asyncio.sleep(0.1)
+                assert not growing.done(), "y took a page the handoff holds"
+                await stream.aclose()  # the caller goes away: the handoff rolls back
+                assert len((await growing).handles) == 1
+                assert (await stats(c, "decode")).num_demotions == 1  # y's victim, r's
+                for _ in range(100):
+                    if (await stats(c, "decode")).num_requests == 1:
+                        break
+                    await asyncio.sleep(0.05)
+                assert [(r.request_id, r.pool) for r in await c.list_requests()] == [
+                    ("r", "prefill"), ("y", "decode")]
+                assert (await c.self_check()).ok
+                assert await digests_of(c, prefill, "r") == own  # whole in prefill
+                await c.release("r")
+                await other.release("y")
+                await c.admit("r", 16, 0, pool="decode")  # the id is free there again
+            finally:
+                prefill.close()
