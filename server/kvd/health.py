@@ -11,6 +11,7 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Callable
 
 import structlog
 
@@ -30,8 +31,11 @@ PERIODIC_WAIT_S = 0.5
 
 
 class Health:
-    def __init__(self, pools: dict[str, PoolRuntime]) -> None:
+    def __init__(self, pools: dict[str, PoolRuntime],
+                 index_check: Callable[[], list[str]] = list) -> None:
         self.pools = pools
+        # The node's request index against its pools (Node.index_problems): "POOL: ..." each.
+        self.index_check = index_check
         # What check_stuck() last found, by pool (a metric, SelfCheck and a log line).
         self.stuck: dict[str, list[str]] = {}
         # The periodic self-check: problems its last run found, by pool (a metric and an
@@ -53,7 +57,7 @@ class Health:
 
     async def self_check(self) -> list[str]:
         """Every pool's invariants, once its transfers in flight finished (or a while
-        passed), and what is stuck. A pool of APART_FROM_PAGES pages or more is walked in a
+        passed), the request index against the pools, and what is stuck. A pool of APART_FROM_PAGES pages or more is walked in a
         forked copy (check_apart), as the periodic check's: the operator's check would
         otherwise hold every engine's calls for as long as the walk."""
         problems = []
@@ -70,7 +74,7 @@ class Health:
             problems.extend(first)
             if count > len(first):
                 problems.append(f"{pool.name}: {count - len(first)} more problems")
-        return problems + self.check_stuck()
+        return problems + self.index_check() + self.check_stuck()
 
     async def check_forever(self, period_s: float) -> None:
         """Every period_s, each pool's invariants, where its transfers let it be checked
@@ -78,6 +82,9 @@ class Health:
         copy of the pool (check_apart)."""
         while True:
             await asyncio.sleep(period_s)
+            index: dict[str, list[str]] = {}
+            for problem in self.index_check():
+                index.setdefault(problem.split(":", 1)[0], []).append(problem)
             for name, rt in self.pools.items():
                 if not await rt.transit.quiesce(timeout_s=PERIODIC_WAIT_S):
                     self.runs["skipped"] += 1
@@ -89,6 +96,8 @@ class Health:
                     self.runs["skipped"] += 1
                     continue
                 count, problems = found
+                count += len(index.get(name, ()))
+                problems = [*problems, *index.get(name, ())][:FORKED_PROBLEMS]
                 if count and not self.problems.get(name):
                     log.error("self-check failed", pool=name, problems=problems, count=count)
                 self.problems[name] = count

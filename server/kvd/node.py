@@ -100,7 +100,7 @@ class Node:
         self.handoffs = Handoffs(config, self.clock, self.pools, self.request_index,
                                  self.link_table, self.events, self.peers,
                                  left=self.leases.detach, handed=self.leases.handed)
-        self.health = Health(self.pools)
+        self.health = Health(self.pools, self.index_problems)
         self.engines = EngineEvents(config.engines)
         self.engine_holdings = Holdings()  # as last walked: see follow_engine_holdings
         # A prefill pool reserves its requests' decode pages in the others through this.
@@ -692,8 +692,7 @@ class Node:
         return self.health.stuck
 
     async def self_check(self) -> list[str]:
-        problems = await self.health.self_check()
-        return problems + self.index_problems()
+        return await self.health.self_check()
 
     def index_problems(self) -> list[str]:
         """The node's request index against its pools: each request a pool holds (bar a

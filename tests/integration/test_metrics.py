@@ -227,9 +227,11 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2(tmp_path):
                          tmp_path=tmp_path), f"cannot serve metrics on 127.0.0.1:{port}")
 
 
-async def test_the_periodic_self_check_reports_broken_bookkeeping(tmp_path):
+@pytest.mark.parametrize("broken", ["figures", "index"])
+async def test_the_periodic_self_check_reports_broken_bookkeeping(tmp_path, broken):
     """kvd checks its own invariants every self_check_s: 0 problems on a sound pool, then the
-    count (the KvdSelfCheckFailing alert) once a tenant's figures no longer add up."""
+    count (the KvdSelfCheckFailing alert) once a tenant's figures no longer add up, or a
+    request in the pool is missing from the node's request index."""
     from kvd.config import config_from_dict
     from kvd.metrics import _node_families, _pool_families
     from kvd.node import Node
@@ -264,7 +266,10 @@ async def test_the_periodic_self_check_reports_broken_bookkeeping(tmp_path):
 
         problems, runs = await scraped(lambda problems, runs: runs["ok"] >= 2)
         assert problems == {"default": 0} and runs["ok"] >= 2 and runs["failed"] == 0
-        node.runtime("default").pool.tenancy.device_by_tenant["t"] += 3  # figures now lie
+        if broken == "figures":
+            node.runtime("default").pool.tenancy.device_by_tenant["t"] += 3  # they now lie
+        else:  # the request is in its pool and no call reaches it
+            del node.request_index["r"]
         problems, runs = await scraped(lambda problems, runs: runs["failed"] >= 1)
         assert problems["default"] > 0 and runs["failed"] >= 1
     finally:
