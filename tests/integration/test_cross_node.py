@@ -657,3 +657,47 @@ async def test_a_peers_pool_restricted_to_tenants_refuses_the_others_handoffs(
             assert refused.decision == pb.DECISION_REJECTED, refused
             assert "not open to tenant 'beta'" in refused.reason
             assert await _requests(cb) == {"a1": "reserved"}
+
+
+async def test_a_handoff_across_nodes_commits_while_a_block_its_request_stored_moves(
+        tmp_path, pki):  # noqa: F811
+    """Once the peer committed the pages, the sender releases the request with the block
+    it stored and never committed, which the operator's eviction was demoting: the release
+    was refused (blocks in transit) with the request already the peer's, the handoff
+    reported failed, and the request stayed on both nodes. The release waits for the
+    demotion."""
+    a, b = _peers(tmp_path, pki, link="32KiB")
+    config = tmp_path / "a" / "kvd.toml"
+    # A crawling host link (a page's demotion takes 2 s once its burst, a page, is spent);
+    # the link to the peer carries a page in half a second past its burst.
+    config.write_text(config.read_text().replace(
+        "device_pages = 64\nhost_pages = 64",
+        'device_pages = 3\nhost_pages = 8\nlink_bandwidth = "8KiB"\nlink_chunk = "16KiB"\n'
+        'link_burst = "1"').replace('bandwidth = "32KiB"',
+                                    'bandwidth = "32KiB"\nchunk = "16KiB"\nburst = "1"'))
+    with b, a:
+        async with AsyncClient(a.target) as ca, AsyncClient(b.target) as cb:
+            await ca.admit("r", prompt_tokens=2 * 16, output_tokens=16, pool="prefill",
+                           handoff_pool="b/decode")
+            written = await _write_blocks(ca, "r", 2, seed=4)
+            mapped = MappedPool(await ca.export_pool("prefill"))
+            try:
+                for h in (await ca.store("r", "m", [b"k"])).handles:
+                    mapped.write(h, np.full(PAGE, 9, np.uint8))
+            finally:
+                mapped.close()
+            await ca.keep_alive()  # written: its pages are no longer the engine's
+            # r's first block goes to host at once, spending the host link's burst.
+            (first,) = (await ca.evict(1, pool="prefill")).evicted
+            assert (first.block_index, first.to_tier) == (0, pb.TIER_HOST)
+            stream = ca.handoff("r")
+            assert not (await stream.__anext__()).done  # a page crossed, one to go
+            # r's blocks are the handoff's: k alone can go, 2 s on the host link.
+            evicting = asyncio.ensure_future(ca.evict(1, pool="prefill"))
+            last = [p async for p in stream][-1]
+            assert last.done and last.pool == "b/decode"
+            assert len((await evicting).evicted) == 1
+            assert await _requests(ca) == {}
+            assert await _requests(cb) == {"r": "admitted"}
+            assert await _read_blocks(cb, "r", "decode") == written
+            assert (await ca.self_check()).ok and (await cb.self_check()).ok
