@@ -56,20 +56,37 @@ def test_a_queue_compacts_what_moving_blocks_leave_behind():
     assert list(queue) == [a, b] and queue.first() is a
 
 
-@given(st.lists(st.tuples(st.sampled_from(["push", "requeue", "requests", "discard", "first",
+RUN_QUEUE_OPS = st.tuples(st.sampled_from(["push", "requeue", "requests", "discard", "first",
                                            "oldest", "free", "grow"]),
-                          st.integers(0, 2), st.integers(0, 11)), max_size=300))
+                          st.integers(0, 2), st.integers(0, 11))
+
+
+@given(st.lists(RUN_QUEUE_OPS, max_size=300))
 def test_a_run_queue_keeps_the_order_a_list_would(ops):
     """RunQueue against a list: requeue_requests moves each request's live blocks the queue
     holds to the back in block order, as requeue() of them would, whatever comes after (a
     block of the request pushed, moved or taken out on its own, blocks freed and added,
     another queue taking one), through the replacing of runs at the front and compaction."""
+    _run_queue_against_a_list(ops, 1024, 64)
+
+
+@given(st.lists(RUN_QUEUE_OPS, min_size=100, max_size=400), st.sampled_from([1, 2, 5]),
+       st.sampled_from([0, 3]))
+def test_a_run_queue_compacted_a_segment_at_a_time_keeps_the_order_a_list_would(
+        ops, segment, slack):
+    """The same, on queues that compact often, a few entries a segment: the order holds
+    while a compaction is under way, its segments filtered between the calls (and runs
+    replaced, blocks taken, the front consumed), and the entries stay within a bound."""
+    _run_queue_against_a_list(ops, segment, slack)
+
+
+def _run_queue_against_a_list(ops, segment: int, slack: int) -> None:
     reqs = [Request(f"r{i}", "t", "p", 0, 4, RequestState.ADMITTED) for i in range(3)]
     blocks = []
     for req in reqs:
         req.live = [Block(req, i, TierKind.DEVICE, i) for i in range(4)]
         blocks += req.live
-    queue, other = RunQueue(), BlockQueue()
+    queue, other = RunQueue(segment, slack), BlockQueue()
     model: list[Block] = []
     for op, r, i in ops:
         block = blocks[i % len(blocks)]
@@ -120,7 +137,8 @@ def test_a_run_queue_keeps_the_order_a_list_would(ops):
         assert list(queue) == model
         assert len(queue) == len(model)
         assert [b in queue for b in blocks] == [b in model for b in blocks]
-        assert len(queue._entries) <= 2 * len(queue) + 64 + 2
+        assert queue._count == sum(map(len, queue._segments))
+        assert queue._count <= 3 * len(queue) + slack + 2 * segment
 
 
 def test_a_request_read_step_after_step_costs_one_entry_a_step():
@@ -134,20 +152,20 @@ def test_a_request_read_step_after_step_costs_one_entry_a_step():
         queue.push(b)
     cold = Block(Request("cold", "t", "p", 0, 1, RequestState.ADMITTED), 0, TierKind.DEVICE, 0)
     queue.push(cold)
-    entries = len(queue._entries)
+    entries = queue._count
     for _ in range(100):
         queue.requeue_requests([req])
-    assert len(queue._entries) == entries + 100  # nothing compacted, no block moved
+    assert queue._count == entries + 100  # nothing compacted, no block moved
     assert queue.first() is cold
     assert list(queue) == [cold, *req.live]
     compacted = 0
     for _ in range(2 * len(queue) + 64):  # enough entries for a compaction
-        before = len(queue._entries)
+        before = queue._count
         queue.requeue_requests([req])
-        if len(queue._entries) < before:  # compacted: the run replaced by the blocks
+        if queue._count < before:  # compacted: the run replaced by the blocks
             compacted += 1
             assert list(queue) == [cold, *req.live]
         assert queue.first() is cold
-    assert compacted and len(queue._entries) <= 2 * len(queue) + 64
+    assert compacted and queue._count <= 2 * len(queue) + 64
     assert list(queue) == [cold, *req.live]
 

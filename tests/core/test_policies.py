@@ -110,10 +110,10 @@ def test_lru_records_a_read_of_a_whole_request_as_one_entry():
     cold = _blocks(1, rid="cold")
     for b in [*long, *cold]:
         policy.insert(b)
-    entries = len(policy._order._entries)
+    entries = policy._order._count
     for _ in range(3):  # three steps
         policy.touch_requests([req])
-    assert len(policy._order._entries) == entries + 3
+    assert policy._order._count == entries + 3
     assert policy.choose(1) == cold
     assert policy.choose(4097) == [*cold, *long]
 

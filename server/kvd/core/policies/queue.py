@@ -118,15 +118,34 @@ class RunQueue(_Membership):
     Entries are (position, block or request); positions grow along the queue (a run's
     blocks all take its position when it is replaced), and an entry counts only while its
     block's queue_pos is its position, or its request's latest run is at it.
+
+    The entries lie in segments of about `segment` entries each (appends go to the last;
+    one call's appends stay in one segment, however many). A compaction filters one segment
+    per call that appends, from the front, rather than every entry in one go: a queue of a
+    million blocks compacted whole held the event loop for a hundred milliseconds, every
+    tenant's call waiting, once per million entries appended.
     """
 
-    __slots__ = ("_entries", "_next", "_runs")
+    __slots__ = ("_segments", "_count", "_next", "_runs", "_sweep", "_stop", "_segment",
+                 "_slack")
 
-    def __init__(self) -> None:
-        self._entries: deque[tuple[int, Block | Request]] = deque()
+    def __init__(self, segment: int = 1024, slack: int = 64) -> None:
+        self._segments: deque[deque[tuple[int, Block | Request]]] = deque()
+        self._count = 0  # entries in all segments
         self._next = 0  # the next entry's position
         self._live = 0
         self._runs: dict[Request, int] = {}  # request -> the position of its latest run
+        self._sweep = -1  # the segment a compaction under way filters next; -1: none
+        self._stop: deque | None = None  # the segment it ends at (the tail when it began)
+        self._segment = segment
+        self._slack = slack  # entries past twice the blocks before a compaction begins
+
+    def _tail(self) -> deque[tuple[int, Block | Request]]:
+        """The segment appends go to (a new one once the last is full)."""
+        segments = self._segments
+        if not segments or len(segments[-1]) >= self._segment:
+            segments.append(deque())
+        return segments[-1]
 
     def push(self, block: Block) -> None:
         """Put block at the back (moving it there if this queue holds it already)."""
@@ -138,13 +157,16 @@ class RunQueue(_Membership):
         pos = self._next
         self._next = pos + 1
         block.queue_pos = pos
-        self._entries.append((pos, block))
-        self._compact_if_due()
+        self._tail().append((pos, block))
+        self._count += 1
+        self._compact_some(1)
 
     def requeue(self, blocks) -> None:
         """Move each block of `blocks` that this queue holds to the back, in order (others,
         and None, are skipped)."""
-        append = self._entries.append
+        tail = self._tail()
+        append = tail.append
+        before = len(tail)
         pos = self._next
         for block in blocks:
             if block is not None and block.queue is self:
@@ -152,55 +174,88 @@ class RunQueue(_Membership):
                 append((pos, block))
                 pos += 1
         self._next = pos
-        self._compact_if_due()
+        appended = len(tail) - before
+        self._count += appended
+        self._compact_some(appended)
 
     def requeue_requests(self, requests) -> None:
         """requeue() of each request's live blocks in turn, one entry per request."""
         if not self._live:
             return  # nothing to move
         runs = self._runs
-        append = self._entries.append
+        tail = self._tail()
+        append = tail.append
+        before = len(tail)
         pos = self._next
         for req in requests:
             runs[req] = pos
             append((pos, req))
             pos += 1
         self._next = pos
-        self._compact_if_due()
+        appended = len(tail) - before
+        self._count += appended
+        self._compact_some(appended)
+
+    def _front(self) -> deque[tuple[int, Block | Request]]:
+        """The first segment that holds an entry (empty ones before it go). The queue must
+        hold an entry."""
+        segments = self._segments
+        while not segments[0]:
+            if segments.popleft() is self._stop:
+                self._sweep, self._stop = -1, None  # nothing before it is left to filter
+            elif self._sweep > 0:
+                self._sweep -= 1
+            elif self._sweep == 0 and segments[0] is self._stop:  # the next to filter went
+                self._sweep, self._stop = -1, None
+        return segments[0]
 
     def first(self) -> Block:
         """The oldest block. The queue must not be empty."""
-        entries, runs = self._entries, self._runs
+        runs = self._runs
         while True:
-            pos, item = entries[0]
+            front = self._front()
+            pos, item = front[0]
             if type(item) is Block:
                 if self._counts(pos, item):
                     return item
-                entries.popleft()  # stale, or standing at a later run of its request
+                front.popleft()  # stale, or standing at a later run of its request
+                self._count -= 1
                 continue
-            entries.popleft()
+            front.popleft()
+            self._count -= 1
             if runs.get(item) == pos:  # the request's latest run: its blocks take its place
                 del runs[item]
-                entries.extendleft(reversed(self._standing(item, pos)))
+                standing = self._standing(item, pos)
+                front.extendleft(reversed(standing))
+                self._count += len(standing)
 
     def oldest(self, n: int) -> list[Block]:
         """The n oldest blocks (all of them when it holds fewer), oldest first. The runs met
         on the way are replaced by their blocks, as first() replaces one, so choosing again
         never walks a run's request again (a long request evicted a batch at a time, most
         of its blocks gone already, would be walked whole for each batch)."""
-        entries, runs = self._entries, self._runs
+        runs = self._runs
         out: list[Block] = []
         kept: list[tuple[int, Block]] = []
-        while entries and len(out) < n:
-            pos, item = entries.popleft()
+        while len(out) < n and self._count > len(kept):
+            front = self._front()
+            pos, item = front.popleft()
+            self._count -= 1
             if type(item) is Block:
                 if self._counts(pos, item):
                     out.append(item)
                     kept.append((pos, item))
+                    self._count += 1  # put back below
             elif runs.get(item) == pos:
                 del runs[item]
-                entries.extendleft(reversed(self._standing(item, pos)))
-        entries.extendleft(reversed(kept))
+                standing = self._standing(item, pos)
+                front.extendleft(reversed(standing))
+                self._count += len(standing)
+        if kept:
+            segments = self._segments
+            if not segments:
+                segments.append(deque())
+            segments[0].extendleft(reversed(kept))
         return out
 
     def _standing(self, req: Request, pos: int) -> list[tuple[int, Block]]:
@@ -215,14 +270,15 @@ class RunQueue(_Membership):
     def __iter__(self) -> Iterator[Block]:
         """Oldest first. The queue must not change while this runs."""
         runs = self._runs
-        for pos, item in self._entries:
-            if type(item) is Block:
-                if self._counts(pos, item):
-                    yield item
-            elif runs.get(item) == pos:
-                for block in item.live:
-                    if block.queue is self and block.queue_pos < pos:
-                        yield block
+        for segment in self._segments:
+            for pos, item in segment:
+                if type(item) is Block:
+                    if self._counts(pos, item):
+                        yield item
+                elif runs.get(item) == pos:
+                    for block in item.live:
+                        if block.queue is self and block.queue_pos < pos:
+                            yield block
 
     def _counts(self, pos: int, block: Block) -> bool:
         """Whether the entry (pos, block) stands for the block: the block's latest entry, and
@@ -231,19 +287,54 @@ class RunQueue(_Membership):
         return (block.queue is self and block.queue_pos == pos
                 and (not runs or runs.get(block.request, pos) <= pos))
 
-    def _compact_if_due(self) -> None:
-        if len(self._entries) > 2 * self._live + 64:
-            self._compact()
+    def _compact_some(self, appended: int) -> None:
+        """Go on with a compaction under way, about twice as much work as the entries just
+        appended (a segment's worth at least), so that it ends before the queue doubles; or
+        begin one once the entries are more than twice the blocks. A compaction filters the
+        segments there were when it began, from the front."""
+        if self._sweep < 0:
+            if self._count <= 2 * self._live + self._slack:
+                return
+            self._sweep = 0
+            self._stop = deque()  # appends from now on come after what it filters
+            self._segments.append(self._stop)
+        budget = max(2 * appended, self._segment)
+        while self._sweep >= 0 and budget > 0:
+            budget -= self._filter(self._sweep, budget)
 
-    def _compact(self) -> None:
-        """Drop the entries that count no more, and replace each run by its blocks."""
-        runs = self._runs
-        kept: list[tuple[int, Block | Request]] = []
-        for pos, item in self._entries:
+    def _filter(self, i: int, budget: int) -> int:
+        """Filter segment i from its front, about `budget` entries' worth (a run costs its
+        request's blocks): drop the entries that count no more and replace each run by its
+        blocks; what it kept goes before the rest of the segment (into the segment before,
+        where that has room). The compaction moves on past a segment done, and ends at its
+        stop. Returns the work done."""
+        segments, runs = self._segments, self._runs
+        segment = segments[i]
+        kept: deque[tuple[int, Block | Request]] = deque()
+        work = looked = 0
+        while segment and work < budget:
+            pos, item = segment.popleft()
+            looked += 1
+            work += 1
             if type(item) is Block:
                 if self._counts(pos, item):
                     kept.append((pos, item))
             elif runs.get(item) == pos:
+                del runs[item]
+                work += len(item.live)
                 kept += self._standing(item, pos)
-        runs.clear()
-        self._entries = deque(kept)
+        self._count += len(kept) - looked
+        if kept:
+            before = segments[i - 1] if i else None
+            if before is not None and len(before) + len(kept) <= self._segment:
+                before += kept
+            else:
+                segments.insert(i, kept)
+                i += 1
+        if not segment:
+            del segments[i]
+        if segments[i] is self._stop:
+            self._sweep, self._stop = -1, None
+        else:
+            self._sweep = i
+        return work
