@@ -3,6 +3,8 @@ queues, leaves the same order, and compaction and stale entries never show."""
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -169,3 +171,48 @@ def test_a_request_read_step_after_step_costs_one_entry_a_step():
     assert compacted and queue._count <= 2 * len(queue) + 64
     assert list(queue) == [cold, *req.live]
 
+
+
+def test_no_call_on_a_run_queue_walks_more_than_a_bounded_piece_of_it():
+    """A compaction of the whole queue in one call held the event loop for as long as it
+    took to walk every entry (half a second at half a million blocks), every tenant's call
+    waiting. However many compactions the touches bring, each call looks at its own
+    entries and about a segment's worth more (a run costing its request's blocks)."""
+    reqs = [Request(f"r{i}", "t", "p", 0, 16, RequestState.ADMITTED) for i in range(1250)]
+    blocks = []
+    for req in reqs:
+        req.live = [Block(req, i, TierKind.DEVICE, i) for i in range(16)]
+        blocks += req.live
+    looked = 0
+
+    class Counted(RunQueue):
+        """Counts the entries and the runs' blocks it looks at."""
+
+        def _counts(self, pos, block):
+            nonlocal looked
+            looked += 1
+            return super()._counts(pos, block)
+
+        def _standing(self, req, pos):
+            nonlocal looked
+            looked += len(req.live)
+            return super()._standing(req, pos)
+
+    queue = Counted(segment=256)
+    for b in blocks:
+        queue.push(b)
+    rng = random.Random(7)
+    most = 0
+    compactions = 0
+    for step in range(20_000):
+        looked = 0
+        before = queue._count
+        if step % 2:
+            queue.requeue([blocks[rng.randrange(len(blocks))] for _ in range(4)])
+        else:
+            queue.requeue_requests([reqs[rng.randrange(len(reqs))] for _ in range(4)])
+        compactions += queue._count < before
+        most = max(most, looked)
+    assert compactions >= 2, "the touches brought no compaction to look at"
+    assert most <= 2 * 256 + 16 + 4, most
+    assert len(queue) == len(list(queue)) == len(blocks)
