@@ -12,13 +12,31 @@ from kvd.core.blocks import Block, Request, RequestState, TierKind
 from kvd.core.policies.queue import BlockQueue, RunQueue
 
 
-@given(st.lists(st.tuples(st.sampled_from(["push", "requeue", "discard", "first"]),
-                          st.integers(0, 1), st.integers(0, 9)), max_size=300))
+BLOCK_QUEUE_OPS = st.tuples(st.sampled_from(["push", "requeue", "discard", "first"]),
+                            st.integers(0, 1), st.integers(0, 9))
+
+
+@given(st.lists(BLOCK_QUEUE_OPS, max_size=300))
 def test_block_queues_keep_the_order_a_list_would(ops):
+    _block_queues_against_lists(ops, 1024, 64)
+
+
+@given(st.lists(BLOCK_QUEUE_OPS, min_size=100, max_size=400), st.sampled_from([1, 2, 5]),
+       st.sampled_from([0, 3]))
+def test_block_queues_compacted_a_piece_at_a_time_keep_the_order_a_list_would(
+        ops, segment, slack):
+    """The same on queues that compact often, a few entries a segment: the order holds
+    while a compaction is under way (its kept entries renumbered, the front consumed), and
+    the entries stay within a bound."""
+    _block_queues_against_lists(ops, segment, slack)
+
+
+def _block_queues_against_lists(ops, segment: int, slack: int) -> None:
     req = Request("r", "t", "p", 0, 10, RequestState.ADMITTED)
     blocks = [Block(req, i, TierKind.DEVICE, i) for i in range(10)]
-    queues = [BlockQueue(), BlockQueue()]
+    queues = [BlockQueue(segment, slack), BlockQueue(segment, slack)]
     model: list[list[Block]] = [[], []]
+    peak = [0, 0]
     for op, q, i in ops:
         block = blocks[i]
         if op == "push":  # to the back of q, out of wherever it was
@@ -43,6 +61,11 @@ def test_block_queues_keep_the_order_a_list_would(ops):
             assert list(queue) == m
             assert len(queue) == len(m)
             assert [b in queue for b in blocks] == [b in m for b in blocks]
+            assert queue._count == sum(map(len, queue._segments))
+        # Stale entries are compacted away as a queue appends, within a bound of the most
+        # blocks it held.
+        peak[q] = max(peak[q], len(queues[q]))
+        assert queues[q]._count <= 3 * peak[q] + slack + 2 * segment + 2
 
 
 def test_a_queue_compacts_what_moving_blocks_leave_behind():
@@ -54,7 +77,7 @@ def test_a_queue_compacts_what_moving_blocks_leave_behind():
     for _ in range(10_000):  # an LRU's touches: each leaves one stale entry
         queue.push(a)
         queue.push(b)
-    assert len(queue._entries) <= 2 * len(queue) + 64
+    assert queue._count <= 2 * len(queue) + 64
     assert list(queue) == [a, b] and queue.first() is a
 
 
@@ -90,6 +113,7 @@ def _run_queue_against_a_list(ops, segment: int, slack: int) -> None:
         blocks += req.live
     queue, other = RunQueue(segment, slack), BlockQueue()
     model: list[Block] = []
+    peak = 0
     for op, r, i in ops:
         block = blocks[i % len(blocks)]
         if op == "push":  # to the back, out of wherever it was (a freed block is gone)
@@ -140,7 +164,8 @@ def _run_queue_against_a_list(ops, segment: int, slack: int) -> None:
         assert len(queue) == len(model)
         assert [b in queue for b in blocks] == [b in model for b in blocks]
         assert queue._count == sum(map(len, queue._segments))
-        assert queue._count <= 3 * len(queue) + slack + 2 * segment
+        peak = max(peak, len(queue))  # stale entries go as it appends, within a bound
+        assert queue._count <= 3 * peak + slack + 2 * segment + 2
 
 
 def test_a_request_read_step_after_step_costs_one_entry_a_step():
@@ -216,3 +241,37 @@ def test_no_call_on_a_run_queue_walks_more_than_a_bounded_piece_of_it():
     assert compactions >= 2, "the touches brought no compaction to look at"
     assert most <= 2 * 256 + 16 + 4, most
     assert len(queue) == len(list(queue)) == len(blocks)
+
+
+def test_no_call_on_a_block_queue_walks_more_than_a_bounded_piece_of_it():
+    """The same for a policy class's queue: blocks held and let go (out of the queue and
+    back in) leave stale entries; each call looks at about a segment's worth of them."""
+    req = Request("r", "t", "p", 0, 20_000, RequestState.ADMITTED)
+    blocks = [Block(req, i, TierKind.DEVICE, i) for i in range(20_000)]
+    looked = 0
+
+    class Counted(BlockQueue):
+        """Counts the entries its compaction looks at."""
+
+        def _filter(self, i, budget):
+            nonlocal looked
+            done = super()._filter(i, budget)
+            looked += done
+            return done
+
+    queue = Counted(segment=256)
+    for b in blocks:
+        queue.push(b)
+    rng = random.Random(7)
+    most = compactions = 0
+    for _ in range(40_000):
+        block = blocks[rng.randrange(len(blocks))]
+        queue.discard(block)  # held
+        looked = 0
+        before = queue._count
+        queue.push(block)  # let go
+        compactions += queue._count < before + 1
+        most = max(most, looked)
+    assert compactions >= 2, "the holds brought no compaction to look at"
+    assert most <= 2 * 256 + 1, most
+    assert list(queue) == sorted(blocks, key=lambda b: b.queue_pos)

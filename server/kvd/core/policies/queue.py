@@ -5,11 +5,18 @@ node, the dict's index table, its entry array and the next node: at a million bl
 those is a cache miss, and victim selection costs twice what it costs at ten thousand. Here
 the queue is a deque of blocks; a block remembers which queue holds its live entry and at
 which position (block.queue, block.queue_pos), and moving it to the back appends a new entry
-and leaves the old one behind, stale. Looking at the front reads the deque's first slot and
-that one block. Stale entries are dropped when they reach the front, and the deque is
-compacted when they outnumber the live ones, so every operation is O(1) amortized.
+and leaves the old one behind, stale. Looking at the front reads the first slot and that one
+block. Stale entries are dropped when they reach the front, and compacted away when they
+outnumber the live ones, so every operation is O(1) amortized.
 
-A block is in at most one BlockQueue at a time (pushing it into another moves it).
+The entries lie in segments of about `segment` entries (appends go to the last; one call's
+appends stay in one segment, however many), and a compaction filters them from the front a
+bounded piece per call that appends, about twice the entries it appended: compacting every
+entry at once held the event loop (every tenant's call) half a second at half a million
+blocks, once per that many entries appended. A compaction ends at the segment that was last
+when it began, so appends cannot keep it going.
+
+A block is in at most one queue at a time (pushing it into another moves it).
 """
 
 from __future__ import annotations
@@ -38,14 +45,100 @@ class _Membership:
         return block.queue is self
 
 
-class BlockQueue(_Membership):
-    """Blocks in insertion order with O(1) removal: the queue each policy class keeps."""
-    __slots__ = ("_entries", "_head")
+class _Segments(_Membership):
+    """What BlockQueue and RunQueue share: segments of entries, and a compaction under way
+    (`_filter`, theirs, filters a piece of one segment)."""
 
-    def __init__(self) -> None:
-        self._entries: deque[Block] = deque()
-        self._head = 0  # the position of _entries[0]; positions only grow
+    __slots__ = ("_segments", "_count", "_next", "_sweep", "_stop", "_segment", "_slack")
+
+    def __init__(self, segment: int, slack: int) -> None:
+        self._segments: deque[deque] = deque()
+        self._count = 0  # entries in all segments
+        self._next = 0  # the next entry's position
         self._live = 0
+        self._sweep = -1  # the segment a compaction under way filters next; -1: none
+        self._stop: deque | None = None  # the segment it ends at (the last when it began)
+        self._segment = segment
+        self._slack = slack  # entries past twice the blocks before a compaction begins
+
+    def _new_segment(self) -> deque:
+        return deque()
+
+    def _tail(self) -> deque:
+        """The segment appends go to (a new one once the last is full)."""
+        segments = self._segments
+        if not segments or len(segments[-1]) >= self._segment:
+            segments.append(self._new_segment())
+        return segments[-1]
+
+    def _front(self) -> deque:
+        """The first segment that holds an entry (empty ones before it go). The queue must
+        hold an entry."""
+        segments = self._segments
+        while not segments[0]:
+            if segments.popleft() is self._stop:
+                self._sweep, self._stop = -1, None  # nothing before it is left to filter
+            elif self._sweep > 0:
+                self._sweep -= 1
+            elif self._sweep == 0 and segments[0] is self._stop:  # the next to filter went
+                self._sweep, self._stop = -1, None
+        return segments[0]
+
+    def _compact_some(self, appended: int) -> None:
+        """Go on with a compaction under way, about twice as much work as the entries just
+        appended (a segment's worth at least), so that it ends before the queue doubles; or
+        begin one once the entries are more than twice the blocks."""
+        if self._sweep < 0:
+            if self._count <= 2 * self._live + self._slack:
+                return
+            self._sweep = 0
+            self._stop = self._new_segment()  # appends from now on come after what it filters
+            self._segments.append(self._stop)
+        budget = max(2 * appended, self._segment)
+        while self._sweep >= 0 and budget > 0:
+            budget -= self._filter(self._sweep, budget)
+
+    def _filter(self, i: int, budget: int) -> int:
+        raise NotImplementedError
+
+    def _filtered(self, i: int, kept: list, before_room: bool) -> int:
+        """Segment i's kept entries placed before the rest of it (into the segment before
+        when `before_room`, else a segment of their own, which the caller made); the
+        compaction moves past segment i once it is done, and ends at its stop. Returns the
+        index the compaction goes on at."""
+        segments = self._segments
+        if kept and not before_room:
+            segments.insert(i, kept)
+            i += 1
+        if not segments[i]:
+            del segments[i]
+        if segments[i] is self._stop:
+            self._sweep, self._stop = -1, None
+        else:
+            self._sweep = i
+        return i
+
+
+class _Positioned(deque):
+    """A BlockQueue's segment: its entry at index i is at position base + i."""
+
+    __slots__ = ("base",)
+
+
+class BlockQueue(_Segments):
+    """Blocks in insertion order with O(1) removal: the queue each policy class keeps.
+    Positions are implicit: an entry is at its segment's base plus its index there, and a
+    compaction renumbers the entries it keeps within the range they held."""
+
+    __slots__ = ()
+
+    def __init__(self, segment: int = 1024, slack: int = 64) -> None:
+        super().__init__(segment, slack)
+
+    def _new_segment(self) -> _Positioned:
+        segment = _Positioned()
+        segment.base = self._next
+        return segment
 
     def push(self, block: Block) -> None:
         """Put block at the back (moving it there if this queue holds it already)."""
@@ -54,52 +147,77 @@ class BlockQueue(_Membership):
                 block.queue.discard(block)
             self._live += 1
         block.queue = self
-        block.queue_pos = self._head + len(self._entries)
-        self._entries.append(block)
-        if len(self._entries) > 2 * self._live + 64:
-            self._compact()
+        tail = self._tail()
+        block.queue_pos = self._next
+        self._next += 1
+        tail.append(block)
+        self._count += 1
+        self._compact_some(1)
 
     def requeue(self, blocks) -> None:
         """Move each block of `blocks` that this queue holds to the back, in order (others,
         and None, are skipped): push() for the blocks a step read, in one pass."""
-        entries = self._entries
-        append = entries.append
-        pos = self._head + len(entries)
+        tail = self._tail()
+        append = tail.append
+        pos = start = self._next
         for block in blocks:
             if block is not None and block.queue is self:
                 block.queue_pos = pos
                 pos += 1
                 append(block)
-        if len(entries) > 2 * self._live + 64:
-            self._compact()
+        self._next = pos
+        self._count += pos - start
+        self._compact_some(pos - start)
 
     def first(self) -> Block:
         """The oldest block. The queue must not be empty."""
-        entries = self._entries
         while True:
-            block = entries[0]
-            if block.queue is self and block.queue_pos == self._head:
+            front = self._front()
+            block = front[0]
+            if block.queue is self and block.queue_pos == front.base:
                 return block
-            entries.popleft()  # stale: the block moved back or left
-            self._head += 1
+            front.popleft()  # stale: the block moved back or left
+            front.base += 1
+            self._count -= 1
 
     def __iter__(self) -> Iterator[Block]:
         """Oldest first. The queue must not change while this runs."""
-        head = self._head
-        for i, block in enumerate(self._entries):
-            if block.queue is self and block.queue_pos == head + i:
-                yield block
+        for segment in self._segments:
+            for pos, block in enumerate(segment, segment.base):
+                if block.queue is self and block.queue_pos == pos:
+                    yield block
 
-    def _compact(self) -> None:
-        head = self._head
-        live = [block for pos, block in enumerate(self._entries, head)
-                if block.queue is self and block.queue_pos == pos]  # __iter__, inline
-        for pos, block in enumerate(live, head):
+    def _filter(self, i: int, budget: int) -> int:
+        """Drop the stale entries from the front of segment i, about `budget` of them
+        looked at; those kept go before the rest of it, renumbered within the range they
+        held (from the end of the segment before, where that has room). Returns the
+        entries looked at."""
+        segments = self._segments
+        segment = segments[i]
+        base = segment.base
+        kept = _Positioned()
+        looked = 0
+        while segment and looked < budget:
+            block = segment.popleft()
+            if block.queue is self and block.queue_pos == base + looked:
+                kept.append(block)
+            looked += 1
+        segment.base = base + looked
+        self._count += len(kept) - looked
+        before = segments[i - 1] if i else None
+        room = before is not None and len(before) + len(kept) <= self._segment
+        if room:
+            start = before.base + len(before)
+            before.extend(kept)
+        else:
+            kept.base = start = base
+        for pos, block in enumerate(kept, start):
             block.queue_pos = pos
-        self._entries = deque(live)
+        self._filtered(i, kept, room)
+        return looked
 
 
-class RunQueue(_Membership):
+class RunQueue(_Segments):
     """Like BlockQueue, and a read of a whole request costs one entry, not one per block.
 
     An engine's step reads every block of each request it runs; with long contexts that is
@@ -118,34 +236,13 @@ class RunQueue(_Membership):
     Entries are (position, block or request); positions grow along the queue (a run's
     blocks all take its position when it is replaced), and an entry counts only while its
     block's queue_pos is its position, or its request's latest run is at it.
-
-    The entries lie in segments of about `segment` entries each (appends go to the last;
-    one call's appends stay in one segment, however many). A compaction filters one segment
-    per call that appends, from the front, rather than every entry in one go: a queue of a
-    million blocks compacted whole held the event loop for a hundred milliseconds, every
-    tenant's call waiting, once per million entries appended.
     """
 
-    __slots__ = ("_segments", "_count", "_next", "_runs", "_sweep", "_stop", "_segment",
-                 "_slack")
+    __slots__ = ("_runs",)
 
     def __init__(self, segment: int = 1024, slack: int = 64) -> None:
-        self._segments: deque[deque[tuple[int, Block | Request]]] = deque()
-        self._count = 0  # entries in all segments
-        self._next = 0  # the next entry's position
-        self._live = 0
+        super().__init__(segment, slack)
         self._runs: dict[Request, int] = {}  # request -> the position of its latest run
-        self._sweep = -1  # the segment a compaction under way filters next; -1: none
-        self._stop: deque | None = None  # the segment it ends at (the tail when it began)
-        self._segment = segment
-        self._slack = slack  # entries past twice the blocks before a compaction begins
-
-    def _tail(self) -> deque[tuple[int, Block | Request]]:
-        """The segment appends go to (a new one once the last is full)."""
-        segments = self._segments
-        if not segments or len(segments[-1]) >= self._segment:
-            segments.append(deque())
-        return segments[-1]
 
     def push(self, block: Block) -> None:
         """Put block at the back (moving it there if this queue holds it already)."""
@@ -195,19 +292,6 @@ class RunQueue(_Membership):
         appended = len(tail) - before
         self._count += appended
         self._compact_some(appended)
-
-    def _front(self) -> deque[tuple[int, Block | Request]]:
-        """The first segment that holds an entry (empty ones before it go). The queue must
-        hold an entry."""
-        segments = self._segments
-        while not segments[0]:
-            if segments.popleft() is self._stop:
-                self._sweep, self._stop = -1, None  # nothing before it is left to filter
-            elif self._sweep > 0:
-                self._sweep -= 1
-            elif self._sweep == 0 and segments[0] is self._stop:  # the next to filter went
-                self._sweep, self._stop = -1, None
-        return segments[0]
 
     def first(self) -> Block:
         """The oldest block. The queue must not be empty."""
@@ -287,27 +371,11 @@ class RunQueue(_Membership):
         return (block.queue is self and block.queue_pos == pos
                 and (not runs or runs.get(block.request, pos) <= pos))
 
-    def _compact_some(self, appended: int) -> None:
-        """Go on with a compaction under way, about twice as much work as the entries just
-        appended (a segment's worth at least), so that it ends before the queue doubles; or
-        begin one once the entries are more than twice the blocks. A compaction filters the
-        segments there were when it began, from the front."""
-        if self._sweep < 0:
-            if self._count <= 2 * self._live + self._slack:
-                return
-            self._sweep = 0
-            self._stop = deque()  # appends from now on come after what it filters
-            self._segments.append(self._stop)
-        budget = max(2 * appended, self._segment)
-        while self._sweep >= 0 and budget > 0:
-            budget -= self._filter(self._sweep, budget)
-
     def _filter(self, i: int, budget: int) -> int:
         """Filter segment i from its front, about `budget` entries' worth (a run costs its
         request's blocks): drop the entries that count no more and replace each run by its
-        blocks; what it kept goes before the rest of the segment (into the segment before,
-        where that has room). The compaction moves on past a segment done, and ends at its
-        stop. Returns the work done."""
+        blocks; those kept go before the rest of the segment (into the segment before,
+        where that has room). Returns the work done."""
         segments, runs = self._segments, self._runs
         segment = segments[i]
         kept: deque[tuple[int, Block | Request]] = deque()
@@ -324,17 +392,9 @@ class RunQueue(_Membership):
                 work += len(item.live)
                 kept += self._standing(item, pos)
         self._count += len(kept) - looked
-        if kept:
-            before = segments[i - 1] if i else None
-            if before is not None and len(before) + len(kept) <= self._segment:
-                before += kept
-            else:
-                segments.insert(i, kept)
-                i += 1
-        if not segment:
-            del segments[i]
-        if segments[i] is self._stop:
-            self._sweep, self._stop = -1, None
-        else:
-            self._sweep = i
+        before = segments[i - 1] if i else None
+        room = before is not None and len(before) + len(kept) <= self._segment
+        if room:
+            before += kept
+        self._filtered(i, kept, room)
         return work
