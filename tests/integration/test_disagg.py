@@ -702,31 +702,10 @@ async def test_a_router_that_goes_away_while_its_handoff_waits_leaves_nothing(tm
 
 # A prefill pool whose link to its host tier crawls (a page's demotion takes 2 s once the
 # link spent its burst, a page) beside a handoff link that copies a page in half a second.
-CRAWLING_HOST = """
-[[pool]]
-name = "prefill"
-model = "tiny"
-device_pages = 3
-host_pages = 8
-admission = "reservation"
-link_bandwidth = "8KiB"
-link_chunk = "16KiB"
-link_burst = "1"
-
-[[pool]]
-name = "decode"
-model = "tiny"
-device_pages = 8
-host_pages = 8
-admission = "reservation"
-
-[[link]]
-source = "prefill"
-target = "decode"
-bandwidth = "32KiB"
-chunk = "16KiB"
-burst = "1"
-"""
+CRAWLING_HOST = CONFIG.format(bandwidth="32KiB", ttl=30, lease_ttl=30).replace(
+    "device_pages = 8\nhost_pages = 32",
+    'device_pages = 3\nhost_pages = 8\nlink_bandwidth = "8KiB"\nlink_chunk = "16KiB"\n'
+    'link_burst = "1"').replace("block by block", 'block by block\nburst = "1"')
 
 
 async def test_a_handoff_commits_while_a_block_its_request_stored_is_moving(tmp_path):
