@@ -86,15 +86,15 @@ class _Segments(_Membership):
 
     def _compact_some(self, appended: int) -> None:
         """Go on with a compaction under way, about twice as much work as the entries just
-        appended (a segment's worth at least), so that it ends before the queue doubles; or
-        begin one once the entries are more than twice the blocks."""
+        appended (a quarter of a segment's worth at least), so that it ends before the queue
+        doubles; or begin one once the entries are more than twice the blocks."""
         if self._sweep < 0:
             if self._count <= 2 * self._live + self._slack:
                 return
             self._sweep = 0
             self._stop = self._new_segment()  # appends from now on come after what it filters
             self._segments.append(self._stop)
-        budget = max(2 * appended, self._segment)
+        budget = max(2 * appended, self._segment // 4)
         while self._sweep >= 0 and budget > 0:
             budget -= self._filter(self._sweep, budget)
 
