@@ -504,6 +504,12 @@ def run_bench(args) -> int:
 
         results["big_calls"] = eventloop.run(bench_big_calls(seconds=2.0 if quick else 4.0))
     more.update(big_targets(results["big_calls"]))
+    with console.status("the longest call on a policy's queues while stale entries pile up "
+                        "and are compacted: 131,072 blocks, LRU and intent"):
+        from kvd_loadgen.bench_queues import bench_queues, targets as queue_targets
+
+        results["queues"] = bench_queues(seconds=3.0 if quick else 6.0)
+    more.update(queue_targets(results["queues"]))
     if not quick:
         from kvd_loadgen.bench_overload import run_overload, targets as overload_targets
 

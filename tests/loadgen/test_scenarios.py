@@ -307,3 +307,19 @@ async def test_the_unary_and_step_bench_keeps_its_clients_lease_through_the_run(
 
     out = await bench_pair(300, 300, 8, 1, policies=("lru",), kvd_args=("--lease-ttl-s", "1"))
     assert out["lru"]["step_p50_us"] > 0 and out["lru"]["admit_rps"] > 0
+
+
+def test_the_queues_bench_times_the_longest_call_on_each_policy():
+    """The queues bench, shrunk: each policy goes through reads, single touches and holds
+    for a while, and each target is its longest call, judged against the bound."""
+    from kvd_loadgen.bench_queues import TARGET_MS, bench_queues, targets
+
+    out = bench_queues(policies=("lru", "intent"), blocks=4096, seconds=0.3)
+    assert set(out) == {"lru", "intent"}
+    judged = targets(out)
+    for policy, row in out.items():
+        assert row["blocks"] == 4096 and row["calls"] > 100
+        assert 0 < row["longest_call_ms"]
+        t = judged[f"queue_{policy}_longest_call_ms"]
+        assert t["measured"] == row["longest_call_ms"]
+        assert t["met"] == (t["measured"] <= TARGET_MS)
