@@ -23,7 +23,7 @@ whole), and an operator's evict of many pages.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -43,6 +43,16 @@ log = structlog.get_logger("kvd.sliced")
 
 def slices(items: Sequence, size: int) -> list[Sequence]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+async def served_slices(items: Sequence, size: int) -> AsyncIterator[tuple[int, Sequence]]:
+    """(start, items[start:start + size]) for each slice in turn, kvd's loop served between
+    slices: work on a big call's items (a reply's handles, its checks) that another
+    tenant's call need not wait for whole."""
+    for start in range(0, len(items), size):
+        if start:
+            await asyncio.sleep(0)
+        yield start, items[start:start + size]
 
 
 async def allocate(node: Node, request_id: str, num_blocks: int, intent: dict | None,

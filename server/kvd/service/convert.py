@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 
@@ -66,9 +65,7 @@ async def add_handles_sliced(handles, blocks: list[Block], page_bytes: int, ns: 
     """add_handles() `size` blocks at a time, the loop served between slices (a reply with
     tens of thousands of handles: see sliced). The blocks are the caller's holder's, held
     until its next call: none moves meanwhile."""
-    for i, part in enumerate(sliced.slices(blocks, size)):
-        if i:
-            await asyncio.sleep(0)
+    async for _, part in sliced.served_slices(blocks, size):
         add_handles(handles, part, page_bytes, ns)
 
 
@@ -142,10 +139,8 @@ async def add_shared_handles(handles, blocks: list[Block], page_bytes: int,
     index) and made in place, `size` blocks at a time, the loop served between slices (as
     add_handles_sliced: the blocks are the caller's holder's until its next call)."""
     told = TOLD.get()
-    for start in range(0, len(blocks), size):
-        if start:
-            await asyncio.sleep(0)
-        for i, block in enumerate(blocks[start:start + size], start):
+    async for start, part in sliced.served_slices(blocks, size):
+        for i, block in enumerate(part, start):
             fields = _told(block, page_bytes, 0, told)
             fields["request_id"], fields["block_index"] = request_id, i
             handles.add(**fields)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 
-from kvd import __version__, stats
+from kvd import __version__, sliced, stats
 from kvd.core import errors
 from kvd.core.blocks import public_id
 from kvd.node import Node
@@ -174,10 +173,7 @@ class MemoryService(pb_grpc.MemoryServicer):
         scope = caller.scope
         changes = []
         updates = request.updates
-        for start in range(0, len(updates), 256):  # the loop is served between slices
-            if start:
-                await asyncio.sleep(0)
-            chunk = updates[start:start + 256]
+        async for _, chunk in sliced.served_slices(updates, 256):
             if any(len(u.request_id) > MAX_STRING for u in chunk):
                 raise errors.InvalidArgument(
                     f"updates.request_id is longer than {MAX_STRING} characters")
@@ -205,11 +201,8 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.auth.require_admin(caller)
         moves = await self.node.evict(request.pool, request.num_pages)
         reply = pb.EvictResponse()
-        size = self.node.slice_blocks
-        for start in range(0, len(moves), size):
-            if start:
-                await asyncio.sleep(0)  # the loop served between slices (see sliced)
-            for m in moves[start:start + size]:
+        async for _, part in sliced.served_slices(moves, self.node.slice_blocks):
+            for m in part:
                 reply.evicted.add(
                     # A kept prefix block is no request's: its index is kvd's own record's.
                     request_id=public_id(m.block.request.request_id),
