@@ -9,10 +9,11 @@ two younger collections, which the medium-lived objects of a stream of calls see
 
 kvd's own objects go by reference counting (a released request, its blocks, a finished
 transfer leave no cycle behind: tests/integration/test_gcwalk.py), so among long-lived
-objects the collector has little to find. After a full collection that took longer than `set_aside_s`,
-kvd sets everything that lived through it aside (gc.freeze): later collections walk only
-what is younger. A collection short enough leaves everything where it is, so a kvd whose
-heap does not grow sets nothing aside after its first long collections.
+objects the collector has little to find. After a full collection that took longer than
+`set_aside_s`, kvd sets everything that lived through it aside (gc.freeze): later
+collections walk only what is younger. A collection short enough leaves everything where
+it is, so a kvd whose heap does not grow sets nothing aside after its first long
+collections.
 
 What is set aside while alive and later joins a garbage cycle (a gRPC call in flight at that
 moment: grpc's server leaves one small cycle behind each call) is not freed until kvd walks

@@ -57,9 +57,10 @@ class Health:
 
     async def self_check(self) -> list[str]:
         """Every pool's invariants, once its transfers in flight finished (or a while
-        passed), the request index against the pools, and what is stuck. A pool of APART_FROM_PAGES pages or more is walked in a
-        forked copy (check_apart), as the periodic check's: the operator's check would
-        otherwise hold every engine's calls for as long as the walk."""
+        passed), the request index against the pools, and what is stuck. A pool of
+        APART_FROM_PAGES pages or more is walked in a forked copy (check_apart), as the
+        periodic check's: the operator's check would otherwise hold every engine's calls
+        for as long as the walk."""
         problems = []
         for rt in self.pools.values():
             await rt.transit.quiesce(timeout_s=SELF_CHECK_WAIT_S)  # a slow link may be busy

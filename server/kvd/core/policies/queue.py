@@ -101,11 +101,10 @@ class _Segments(_Membership):
     def _filter(self, i: int, budget: int) -> int:
         raise NotImplementedError
 
-    def _filtered(self, i: int, kept: list, before_room: bool) -> int:
+    def _filtered(self, i: int, kept: deque, before_room: bool) -> None:
         """Segment i's kept entries placed before the rest of it (into the segment before
         when `before_room`, else a segment of their own, which the caller made); the
-        compaction moves past segment i once it is done, and ends at its stop. Returns the
-        index the compaction goes on at."""
+        compaction moves past segment i once it is done, and ends at its stop."""
         segments = self._segments
         if kept and not before_room:
             segments.insert(i, kept)
@@ -116,7 +115,6 @@ class _Segments(_Membership):
             self._sweep, self._stop = -1, None
         else:
             self._sweep = i
-        return i
 
 
 class _Positioned(deque):
@@ -261,37 +259,31 @@ class RunQueue(_Segments):
     def requeue(self, blocks) -> None:
         """Move each block of `blocks` that this queue holds to the back, in order (others,
         and None, are skipped)."""
-        tail = self._tail()
-        append = tail.append
-        before = len(tail)
-        pos = self._next
+        append = self._tail().append
+        pos = start = self._next
         for block in blocks:
             if block is not None and block.queue is self:
                 block.queue_pos = pos
                 append((pos, block))
                 pos += 1
         self._next = pos
-        appended = len(tail) - before
-        self._count += appended
-        self._compact_some(appended)
+        self._count += pos - start
+        self._compact_some(pos - start)
 
     def requeue_requests(self, requests) -> None:
         """requeue() of each request's live blocks in turn, one entry per request."""
         if not self._live:
             return  # nothing to move
         runs = self._runs
-        tail = self._tail()
-        append = tail.append
-        before = len(tail)
-        pos = self._next
+        append = self._tail().append
+        pos = start = self._next
         for req in requests:
             runs[req] = pos
             append((pos, req))
             pos += 1
         self._next = pos
-        appended = len(tail) - before
-        self._count += appended
-        self._compact_some(appended)
+        self._count += pos - start
+        self._compact_some(pos - start)
 
     def first(self) -> Block:
         """The oldest block. The queue must not be empty."""
@@ -338,7 +330,7 @@ class RunQueue(_Segments):
         if kept:
             segments = self._segments
             if not segments:
-                segments.append(deque())
+                segments.append(self._new_segment())
             segments[0].extendleft(reversed(kept))
         return out
 
