@@ -196,3 +196,51 @@ async def test_a_queued_request_goes_in_when_the_release_leaves_it_kept_pages(tm
 
 async def _state(client: AsyncClient, rid: str) -> str:
     return next(r.state for r in await client.list_requests() if r.request_id == rid)
+
+
+# The host link moves two 8 KiB pages a second: a read that brings LONG_READ blocks in takes
+# about 3 s (one page goes at once, the link's burst), twice LONG_HOLD_S.
+LONG_HOLD_S = 1.5
+LONG_READ = 7
+SLOW_HOST = (f"[server]\nhold_s = {LONG_HOLD_S}\n"
+             '[[pool]]\nname = "default"\npage_bytes = 8192\ndevice_pages = 8\n'
+             'host_pages = 32\nadmission = "reservation"\nlink_bandwidth = "16KiB/s"\n'
+             "link_burst = 8192\nlink_chunk = 8192\n")
+
+
+@pytest.mark.parametrize("call", ["Access", "Step"])
+async def test_what_a_read_longer_than_hold_s_hands_out_stays_held_after_its_reply(
+        tmp_path, call):
+    """A read that waits seconds for its copies (a slow link; a big read) holds its blocks
+    from the moment it is planned. Its holds lapsed hold_s from then: a unary call's while
+    it still waited (nothing kept them from lapsing), so the reply handed out pages
+    nobody held; a step's at kvd's next look after the reply. Another call could take the
+    pages while the engine read them. What a call hands out is held for hold_s from its
+    reply."""
+    (tmp_path / "kvd.toml").write_text(SLOW_HOST)
+    with LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path) as kvd:
+        async with AsyncClient(kvd.target, timeout_s=20) as engine, \
+                AsyncClient(kvd.target, timeout_s=20) as operator:
+            await engine.admit("r", 16 * LONG_READ)
+            assert len((await engine.allocate("r", LONG_READ)).handles) == LONG_READ
+            await engine.keep_alive()  # written: the engine is done with the pages
+            assert len((await operator.evict(LONG_READ)).evicted) == LONG_READ
+            async with engine.step_stream() as stream:
+                if call == "Access":
+                    reply = await engine.access("r")
+                    handed = reply.handles
+                else:
+                    reply = await stream.step(accesses=[("r", list(range(LONG_READ)))])
+                    assert not reply.errors, reply.errors
+                    handed = reply.relocated
+                answered = time.monotonic()
+                assert reply.stall_us > 2 * LONG_HOLD_S * 1e6 * 0.9  # the link took so long
+                assert len(handed) == LONG_READ
+                assert (await operator.pool_stats()).pools[0].held_pages == LONG_READ
+                # kvd looks for stale holds once a second: it has looked since the reply.
+                await asyncio.sleep(1.05 - (time.monotonic() - answered))
+                assert (await operator.pool_stats()).pools[0].held_pages == LONG_READ
+                await asyncio.sleep(LONG_HOLD_S + 1.1 - (time.monotonic() - answered))
+                assert (await operator.pool_stats()).pools[0].held_pages == 0  # lapsed
+            check = await operator.self_check()
+            assert check.ok, list(check.problems)

@@ -282,6 +282,14 @@ class Holds:
         """Each holder with blocks held, and since when."""
         return {h: since for h, (since, _, _) in self._by_holder.items()}
 
+    def renew(self, holder: str) -> None:
+        """The holder's call was answered now: what it holds counts as handed out now. (A
+        call holds its blocks from the moment it plans; one that waited seconds for its
+        copies would otherwise hand out pages whose holds were about to lapse.)"""
+        entry = self._by_holder.get(holder)
+        if entry is not None:
+            self._by_holder[holder] = (self.clock.now(), entry[1], entry[2])
+
     def end(self, holder: str, at_most: int | None = None) -> bool:
         """The holder called again (or went away): what it was handed is evictable again.
         Returns whether it held anything. `at_most`: only so many of its blocks go back to

@@ -168,6 +168,7 @@ class StepStreams:
                         reply = await self.step(step, read_all, caller.scope, key, holder, ns)
                     finally:
                         node.serving.discard(holder)
+                        node.answered(holder)  # its holds last hold_s from the reply
                     if node.leases.unclaimed and caller.lease:
                         # The requests it names that were handed off are its (adopt).
                         node.leases.adopt(_named(step, read_all, ns), caller.lease,

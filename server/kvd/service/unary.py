@@ -44,7 +44,7 @@ def unary(method: Handler) -> Callable:
         code = "OK"
         gate = self.gate
         key = turn = member = None
-        in_call = caller = None
+        in_call = caller = answered = None
         try:
             caller = self.auth.identify(context)
             if caller.lease and self.auth.leases is not None:
@@ -72,6 +72,7 @@ def unary(method: Handler) -> Callable:
             end_holds = getattr(self, "end_holds", None) if ends_holds else None
             if end_holds is not None:  # the caller is done with what it was handed before
                 end_holds(caller.holder)
+                answered = self.answered
             reply = await method(self, request, caller)
             if caller.lease and ends_holds:
                 adopt = getattr(self, "adopt", None)
@@ -88,6 +89,8 @@ def unary(method: Handler) -> Callable:
             code = "INTERNAL"
             await abort_internal(context, name, exc)
         finally:
+            if answered is not None:  # what the call holds lasts hold_s from its reply
+                answered(caller.holder)
             if in_call is not None:
                 in_call.stream_closed(caller.lease)
             if turn is not None:
