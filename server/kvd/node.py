@@ -301,10 +301,24 @@ class Node:
                scope: str | None = None, holder: str = ""
                ) -> Awaitable[tuple[list[Block], float, int]]:
         """Read blocks now, waiting for those brought in: (blocks, stall, promoted). More
-        than a slice's indices of resident blocks are read a slice at a time (see sliced)."""
-        if indices is not None and len(indices) > self.slice_blocks:
+        than a slice's indices, or a whole request with more than a slice's blocks to bring
+        in, are read a slice at a time (see sliced)."""
+        if self.reads_in_slices(request_id, indices, scope):
             return sliced.access(self, request_id, indices, scope, holder)
         return self.access_at_once(request_id, indices, scope, holder)
+
+    def reads_in_slices(self, request_id: str, indices: Sequence[int] | None,
+                        scope: str | None = None) -> bool:
+        """Whether a read is done a slice at a time: it names more than a slice's blocks, or
+        reads a whole request (None) with more than a slice's not on the device. (A whole
+        request on the device is read at once: it is held by request, not block by block.)"""
+        if indices is not None:
+            return len(indices) > self.slice_blocks
+        rt = self.request_index.get(request_id)
+        req = None if rt is None else rt.pool.requests.get(request_id)
+        return (req is not None and req.state is RequestState.ADMITTED
+                and req.num_live_blocks - req.num_device_blocks > self.slice_blocks
+                and (scope is None or req.tenant == scope))
 
     async def access_at_once(self, request_id: str, indices: Sequence[int] | None,
                              scope: str | None = None, holder: str = ""

@@ -15,14 +15,15 @@ made: the engine was told of none of them. One whose next slice would wait for r
 them back too, and is made whole instead, waiting as any allocation does: two big
 allocations on a full device each holding the half they made, each waiting for the
 other's holds to end, would wait until their holds lapsed. A store of many shared prefix
-keys is done alike, and a load or a commit of many (SharedBlocks), a read naming many
-blocks on the device (one that brings blocks in waits for their copies anyway, and is done
-whole), and an operator's evict of many pages.
+keys is done alike, and a load or a commit of many (SharedBlocks), a read of many blocks
+(one bringing them in too: a slice's copies waited for before the next slice), and an
+operator's evict of many pages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -147,44 +148,68 @@ async def free(node: Node, request_id: str, indices: Sequence[int],
     return freed
 
 
-async def access(node: Node, request_id: str, indices: Sequence[int],
+async def access(node: Node, request_id: str, indices: Sequence[int] | None,
                  scope: str | None, holder: str) -> tuple[list[Block], float, int]:
-    """Node.access of more than a slice's indices: every index checked first (a bad one or
-    one named twice reads nothing), then, where every
-    block named is on the device and still, read a slice at a time, each slice's blocks
-    held for the holder as it is read; (blocks, stall, promoted). A read that brings blocks
-    in is done whole (its copies are waited for anyway): so is the rest of one whose later
-    blocks another call moved out meanwhile, its room not made of the blocks read before,
-    which are held. A block freed meanwhile is not read (as a whole read waiting for its
-    copies does not answer one freed)."""
+    """Node.access of more than a slice's blocks (`indices` None: every block the request
+    has, see Node.reads_in_slices): every index checked first (a bad one or one named twice
+    reads nothing), then read a slice at a time, each slice's blocks held for the holder as
+    it is read, and those not on the device brought in slice by slice, the loop served
+    between slices (a read bringing in a million-token request was one turn of a third of
+    a second); (blocks, stall, promoted). Where some must be brought in, the blocks named
+    on the device are held first: a slice's room is not made of the blocks the next slices
+    read. A block freed meanwhile is not read (as a whole read waiting for its copies does
+    not answer one freed)."""
     rt = node.runtime_of(request_id, scope)
     req = rt.pool.get_admitted(request_id)
+    if indices is None:
+        indices = [b.index for b in req.live]
     parts = slices(indices, node.slice_blocks)
     still = True
     async for named in _checked(node, request_id, rt, req, indices, parts, "read", "read"):
         still = still and all(b.tier is TierKind.DEVICE and not b.moving for b in named)
-    if not still:
-        return await node.access_at_once(request_id, indices, scope, holder)
+    if not still and holder:
+        await _hold_resident(node, request_id, rt, req, parts, holder)
+    started = time.perf_counter()
+    reads: list = []  # each slice's read (StartedAccess), its copies running on
+    try:
+        for i, part in enumerate(parts):
+            if i:
+                await _next_slice(node, request_id, rt, req, f"it was read ({i} of its "
+                                  f"{len(parts)} slices of blocks read)")
+            named = req.blocks
+            todo = [j for j in part if named[j] is not None]
+            if todo:
+                reads.append(await node.begin_access(request_id, todo, scope, holder))
+    finally:
+        # The copies started finish (each settled by its own task) whatever stopped it.
+        outcomes = await asyncio.gather(*(r.wait() for r in reads), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome  # a copy failed: its slice's plan was rolled back
     blocks: list[Block] = []
-    stall_s, promoted = 0.0, 0
+    promoted = 0
+    for r in reads:
+        result = r.result
+        blocks += result.blocks
+        promoted += len(result.plan.promotions) if result.plan else 0
+    stalled = any(stall for stall in outcomes)
+    return blocks, time.perf_counter() - started if stalled else 0.0, promoted
+
+
+async def _hold_resident(node: Node, request_id: str, rt, req, parts: list[Sequence],
+                         holder: str) -> None:
+    """Hold for the holder the blocks a read names that are on the device and still, a
+    slice at a time: the slices bringing the others in take no room from them. (The
+    read holds them anyway once it has read them.)"""
+    holds = rt.pool.pages.holds
     for i, part in enumerate(parts):
         if i:
-            await _next_slice(node, request_id, rt, req, f"it was read ({len(blocks)} of "
-                              f"the {len(indices)} blocks read)")
+            await _next_slice(node, request_id, rt, req, "its blocks were held")
         named = req.blocks
-        todo = [j for j in part if named[j] is not None]
-        moved = any(named[j].tier is not TierKind.DEVICE or named[j].moving for j in todo)
-        if moved:  # by another call meanwhile: the rest brought in, whole
-            todo = [j for later in parts[i:] for j in later if named[j] is not None]
-        if todo:
-            read, stalled, brought = await node.access_at_once(request_id, todo, scope,
-                                                               holder)
-            blocks += read
-            stall_s += stalled
-            promoted += brought
-        if moved:
-            break
-    return blocks, stall_s, promoted
+        for j in part:
+            b = named[j]
+            if b is not None and b.tier is TierKind.DEVICE and not b.moving:
+                holds.hold_one(holder, b)
 
 
 async def evict(node: Node, rt: PoolRuntime, num_pages: int) -> list:

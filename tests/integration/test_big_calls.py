@@ -405,6 +405,61 @@ async def test_a_big_read_whose_later_blocks_go_out_meanwhile_brings_them_in(nod
     await _check(node)
 
 
+@pytest.mark.parametrize("named", ["by index", "whole"])
+async def test_a_big_read_bringing_blocks_in_does_so_a_slice_at_a_time(node, named):
+    """A read that brings many blocks in (its request's, demoted meanwhile) planned every
+    promotion, and then completed every one, in one turn of the loop each: a third of a
+    second for a 1M-token request. Each turn of the loop now brings in a slice at most, and
+    the read still brings every block in with its bytes."""
+    device = await _big_written(node)
+    moved = await node.evict("default", BIG // 2)
+    assert len(moved) == BIG // 2
+    req = node.request("big")
+
+    def brought() -> int:  # the request's blocks on the device or on their way there
+        return sum(b.tier is TierKind.DEVICE or b.moving for b in req.live)
+
+    indices = list(range(BIG)) if named == "by index" else None
+    task = asyncio.ensure_future(node.access("big", indices, holder="r"))
+    seen = [brought()]
+    while not task.done():
+        await asyncio.sleep(0)
+        seen.append(brought())
+    steps = [after - before for before, after in zip(seen, seen[1:])]
+    assert max(steps) <= SLICE, f"{max(steps)} blocks brought in at one turn of the loop"
+    read, _, promoted = await task
+    assert promoted == BIG // 2
+    assert [b.index for b in read] == list(range(BIG))
+    assert all(b.tier is TierKind.DEVICE and b.held for b in read)
+    for b in read:
+        assert (device[b.page] == b.index % 251).all()
+    await _check(node)
+
+
+async def test_a_big_read_the_device_cannot_hold_beside_pinned_blocks_is_refused():
+    """The read brings its blocks in a slice at a time, holding those on the device first:
+    when the only room left is what it holds itself, it is refused (the device cannot hold
+    it), not left waiting for its own holds to end, which end at its caller's next call."""
+    node = Node(_config(device_pages=BIG + 4))
+    try:
+        device = await _big_written(node)
+        assert len(await node.evict("default", BIG // 2)) == BIG // 2
+        await _admit(node, "b0", "b", BIG // 2)  # the room the evict made, pinned
+        await node.allocate("b0", BIG // 2, {"pin_requested": True}, holder="b")
+        node.end_holds("b")  # written
+        with pytest.raises(errors.ResourceExhausted, match="device"):
+            await asyncio.wait_for(node.access("big", None, holder="r"), 5)
+        node.end_holds("r")  # its caller's next call
+        await node.release("b0")
+        read, _, promoted = await node.access("big", None, holder="r")
+        assert promoted == BIG // 2
+        for b in read:
+            assert (device[b.page] == b.index % 251).all()
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
 async def test_an_operators_big_evict_leaves_the_loop_to_others_and_moves_every_byte(node):
     await _with_small_request(node)  # b's 4 blocks, held for b: not victims
     device = await _big_written(node)

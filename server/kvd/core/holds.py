@@ -253,16 +253,17 @@ class Holds:
         entry = self._by_holder.get(holder)
         return 0 if entry is None else len({id(b) for b in entry[1] if b.held})
 
-    def some_may_end(self, own: str = "") -> bool:
+    def some_may_end(self, *own: str) -> bool:
         """Whether some holds may end while a caller waits: those of a holder whose message
         is not being served (its next call ends them, or they lapse), other than the
-        caller's `own`. A Step stream being served gives nothing back until its next
+        caller's `own` holders (its own, whose holds end at its next call, after this one;
+        a read's swap rounds). A Step stream being served gives nothing back until its next
         message, which waits for this one: waiting on its holds, its own or another's
         waiting likewise, would wait for ever."""
         serving = self.serving
-        return (any(h not in serving and h != own and blocks
+        return (any(h not in serving and h not in own and blocks
                     for h, (_, blocks, _) in self._by_holder.items())
-                or any(h not in serving and h != own for h in self._kept_by_holder))
+                or any(h not in serving and h not in own for h in self._kept_by_holder))
 
     def end_if_only_requests(self, holder: str) -> bool:
         """End the holder's holds if they are of requests whose blocks never left the policy

@@ -322,7 +322,7 @@ class StepStreams:
         pending = []
         for section, i, rid, idx in items:
             try:
-                if idx is not None and len(idx) > self.node.slice_blocks:
+                if self.node.reads_in_slices(rid, idx, scope):
                     stalled = await self._read_many(reply, section, i, rid, idx, scope,
                                                     holder, ns) or stalled
                     continue
@@ -348,9 +348,10 @@ class StepStreams:
 
     async def _read_many(self, reply: pb.StepResponse, section: str, i: int, rid: str,
                          idx, scope: str | None, holder: str, ns: str) -> bool:
-        """A read of more than a slice's blocks by index: a slice at a time (Node.access, see
-        sliced), its copies, if any, waited for here; the blocks it read whose pages the
-        engine was not told of reported. Whether it stalled."""
+        """A read of more than a slice's blocks (by index, or a request's with more than a
+        slice's to bring in): a slice at a time (Node.access, see sliced), its copies, if
+        any, waited for here; the blocks it read whose pages the engine was not told of
+        reported. Whether it stalled."""
         try:
             blocks, stall_s, _ = await self.node.access(rid, idx, scope, holder)
         except errors.KvdError:
