@@ -498,8 +498,8 @@ def run_bench(args) -> int:
             seconds=1.5 if quick else 3.0))
     more.update(loop_targets(results["long_engine"]))
     with console.status("one tenant's big calls against another's: a 1M-token request's "
-                        "life, and a 1M-token prompt's prefix blocks', in single calls, "
-                        "under each policy"):
+                        "life, a 1M-token prompt's prefix blocks', and a 1M-token request "
+                        "swapped out and read back, in single calls, under each policy"):
         from kvd_loadgen.bench_big_calls import bench_big_calls, targets as big_targets
 
         results["big_calls"] = eventloop.run(bench_big_calls(seconds=2.0 if quick else 4.0))

@@ -268,15 +268,17 @@ async def test_the_long_engine_bench_times_another_tenants_reads_beside_an_engin
 
 async def test_the_big_calls_bench_times_another_tenants_reads_beside_them():
     """The big-calls bench, shrunk: tenant a goes round each life of single calls (a long
-    request's, a long prompt's shared prefix blocks') under each policy while tenant b's
+    request's, a long prompt's shared prefix blocks', a long request swapped out and read
+    back) under each policy while tenant b's
     client (a process of its own) reads, kvd stays sound, and each target is b's p99
     beside a's calls."""
     from kvd_loadgen.bench_big_calls import TARGET_MS, bench_big_calls, targets
 
     out = await bench_big_calls(policies=("lru", "fair"), blocks=1024, seconds=0.5)
-    assert set(out) == {"calls", "prefix"}
+    assert set(out) == {"calls", "prefix", "swap"}
     judged = targets(out)
-    for life, name in (("calls", "big_calls"), ("prefix", "big_prefix_calls")):
+    for life, name in (("calls", "big_calls"), ("prefix", "big_prefix_calls"),
+                       ("swap", "big_swap_calls")):
         assert set(out[life]) == {"lru", "fair"}
         for policy, row in out[life].items():
             assert row["rounds"] > 0 and row["a_call_ms"] > 0 and row["reads"] > 0
