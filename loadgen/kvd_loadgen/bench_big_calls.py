@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 
-from kvd_client import AsyncClient
+from kvd_client import AsyncClient, pb
 from kvd_loadgen.beside import POLICIES, beside_reads, p99_targets, print_targets
 
 TARGET_MS = 50.0
@@ -78,12 +78,14 @@ async def _swap_life(a: AsyncClient, rid: str, blocks: int) -> int:
     await a.allocate(rid, blocks)
     await a.keep_alive()
     async with AsyncClient(a.target) as operator:  # kvd's socket, no token: the admin
-        if len((await operator.evict(blocks)).evicted) != blocks:
-            raise RuntimeError("the operator's evict came back short")
+        # Short where it evicted b's blocks, or found them held, or b's reads took them.
+        out = sum(e.request_id.endswith(rid) and e.to_tier == pb.TIER_HOST
+                  for e in (await operator.evict(blocks)).evicted)
     read = await a.access(rid)
-    if (len(read.handles), read.num_promoted) != (blocks, blocks):
-        raise RuntimeError(f"a read bringing {blocks} blocks in read {len(read.handles)}, "
-                           f"brought in {read.num_promoted}")
+    # The fair policy's refill of its free reserve may have demoted a few more since.
+    if out < blocks // 2 or len(read.handles) != blocks or read.num_promoted < out:
+        raise RuntimeError(f"a read of {blocks} blocks, {out} of them on the host tier, "
+                           f"read {len(read.handles)}, brought in {read.num_promoted}")
     await a.release(rid)
     return 6
 
