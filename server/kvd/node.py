@@ -80,9 +80,6 @@ class Node:
         # Holders whose Step message is being served: their holds do not lapse meanwhile
         # (what the step handed out earlier must stay while it waits for more room).
         self.serving: set[str] = set()
-        # Holders with unary calls under way (how many): their holds do not lapse meanwhile
-        # either (a read waiting seconds for its copies holds what it planned from then).
-        self.calling: Counter[str] = Counter()
         # Pools whose holds end a slice at a time now (see end_holds), and a slice's blocks.
         self._ending: set[PoolRuntime] = set()
         self.slice_blocks = config.slice_blocks
@@ -402,19 +399,9 @@ class Node:
                 self._ending.add(rt)
                 loop.call_soon(self._end_more_holds, rt)
 
-    def call_began(self, holder: str) -> None:
-        """A unary call of the holder's is under way: its holds do not lapse until it ends."""
-        self.calling[holder] += 1
-
-    def answered(self, holder: str, call_ended: bool = False) -> None:
-        """The holder's call (`call_ended`: a unary call, see call_began) or Step message was
-        answered now: what it holds was handed out now, and lasts hold_s from here."""
-        if call_ended:
-            left = self.calling[holder] - 1
-            if left > 0:
-                self.calling[holder] = left
-            else:
-                del self.calling[holder]
+    def answered(self, holder: str) -> None:
+        """The holder's call or Step message was answered now: what it holds was handed out
+        now, and lasts hold_s from here (Holds.renew). Until then it does not lapse."""
         for rt in self.pools.values():
             rt.pool.pages.holds.renew(holder)
 
@@ -440,7 +427,7 @@ class Node:
         stale = {h for rt in self.pools.values()
                  for h, since in rt.pool.pages.holds.since().items()
                  if now - since > max_age_s and h not in self.serving
-                 and h not in self.calling and not h.startswith(OWN_HOLDER)}
+                 and not h.startswith(OWN_HOLDER)}
         for holder in stale:
             self.end_holds(holder)
         return len(stale)

@@ -16,8 +16,8 @@ them back too, and is made whole instead, waiting as any allocation does: two bi
 allocations on a full device each holding the half they made, each waiting for the
 other's holds to end, would wait until their holds lapsed. A store of many shared prefix
 keys is done alike, and a load or a commit of many (SharedBlocks), a read of many blocks
-(one bringing them in too: a slice's copies waited for before the next slice), and an
-operator's evict of many pages.
+(one bringing them in too: each slice's copies run on while the next is planned, and are
+all waited for at the end), and an operator's evict of many pages.
 """
 
 from __future__ import annotations
@@ -163,6 +163,18 @@ async def access(node: Node, request_id: str, indices: Sequence[int] | None,
     req = rt.pool.get_admitted(request_id)
     if indices is None:
         indices = [b.index for b in req.live]
+    reading = rt.pool.pages.holds.reading
+    reading[holder] += 1  # a slice's room is not waited for from its own holds
+    try:
+        return await _access(node, request_id, rt, req, indices, scope, holder)
+    finally:
+        reading[holder] -= 1
+        if not reading[holder]:
+            del reading[holder]
+
+
+async def _access(node: Node, request_id: str, rt, req, indices: Sequence[int],
+                  scope: str | None, holder: str) -> tuple[list[Block], float, int]:
     parts = slices(indices, node.slice_blocks)
     still = True
     async for named in _checked(node, request_id, rt, req, indices, parts, "read", "read"):

@@ -30,7 +30,8 @@ the handoff waits for each such holder's next call (`writers`, `called_again`, `
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 from kvd.core.blocks import Block, Request, RequestState, TierKind, evictable
@@ -66,6 +67,10 @@ class Holds:
         self._materialized: dict[str, set[Request]] = {}
         # Holders whose Step message is being served (the node's set, shared by its pools).
         self.serving: set[str] = set()
+        # Holders with a read under way that brings its blocks in a slice at a time (how
+        # many): what it holds ends at its caller's next call, after the read, so the
+        # read's own slices do not wait for it (see sliced.access).
+        self.reading: Counter[str] = Counter()
         # Device pages of blocks that went while held (see keep): page -> its holders, and
         # holder -> its pages; `release_page` frees one once no holder is left.
         self.kept: dict[int, set[str]] = {}
@@ -112,7 +117,9 @@ class Holds:
     def _entry(self, holder: str) -> tuple[float, list[Block], list[list[Request]]]:
         entry = self._by_holder.get(holder)
         if entry is None:
-            entry = self._by_holder[holder] = (self.clock.now(), [], [])
+            # Since its reply, which is still to come (renew): a call holds what it plans
+            # at once, and may wait seconds for its copies before it hands them out.
+            entry = self._by_holder[holder] = (math.inf, [], [])
         return entry
 
     def hold_requests(self, holder: str, requests: list[Request]) -> None:
@@ -256,8 +263,8 @@ class Holds:
     def some_may_end(self, *own: str) -> bool:
         """Whether some holds may end while a caller waits: those of a holder whose message
         is not being served (its next call ends them, or they lapse), other than the
-        caller's `own` holders (its own, whose holds end at its next call, after this one;
-        a read's swap rounds). A Step stream being served gives nothing back until its next
+        caller's `own` holders (a read's swap rounds; the caller's, while it reads in slices
+        what it holds). A Step stream being served gives nothing back until its next
         message, which waits for this one: waiting on its holds, its own or another's
         waiting likewise, would wait for ever."""
         serving = self.serving
@@ -280,13 +287,14 @@ class Holds:
         return True
 
     def since(self) -> dict[str, float]:
-        """Each holder with blocks held, and since when."""
+        """Each holder with blocks held, and since when it was handed them (inf: its call
+        is not answered yet, see renew)."""
         return {h: since for h, (since, _, _) in self._by_holder.items()}
 
     def renew(self, holder: str) -> None:
-        """The holder's call was answered now: what it holds counts as handed out now. (A
-        call holds its blocks from the moment it plans; one that waited seconds for its
-        copies would otherwise hand out pages whose holds were about to lapse.)"""
+        """The holder's call was answered now: what it holds counts as handed out now, and
+        may lapse from now on. (A call holds its blocks from the moment it plans; one that
+        waited seconds for its copies handed out pages whose holds had lapsed meanwhile.)"""
         entry = self._by_holder.get(holder)
         if entry is not None:
             self._by_holder[holder] = (self.clock.now(), entry[1], entry[2])

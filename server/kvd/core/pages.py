@@ -376,7 +376,8 @@ class PageTable:
                 raise self.unevictable(num)
             holds = self.holds
             rounds = SWAP_HOLDER if cause is not None and cause is self.swapping else ""
-            if moving or holds.some_may_end(rounds, holder):
+            own = holder if holder in holds.reading else ""
+            if moving or holds.some_may_end(rounds, own):
                 # Victims may come free when the copies finish, or when the engines
                 # holding pages call again (or their holds lapse).
                 raise NoVictims()

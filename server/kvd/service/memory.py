@@ -51,13 +51,10 @@ class MemoryService(pb_grpc.MemoryServicer):
         self.streams = Streams(node, auth)
 
     def end_holds(self, holder: str) -> None:
-        """A call of the holder's begins: it is done with what it was handed before, and
-        what this call holds does not lapse before its reply (see answered)."""
         self.node.end_holds(holder)
-        self.node.call_began(holder)
 
     def answered(self, holder: str) -> None:
-        self.node.answered(holder, call_ended=True)
+        self.node.answered(holder)
 
     def adopt(self, request, caller: Caller) -> None:
         """A call that hands out or changes something named a request: one handed off that

@@ -119,6 +119,8 @@ class Streams:
                     # Those the request still has: a release or a free that waited for the
                     # copies runs as soon as they end, before this is written.
                     add_handles(reply.handles, p["blocks"] or (), page_bytes, ns)
+                    if p["done"]:  # what it hands out lasts hold_s from here
+                        self.node.answered(caller.holder)
                     await context.write(reply)
         except errors.KvdError as exc:
             code = status_of(exc).name
