@@ -12,6 +12,9 @@ import time
 import numpy as np
 import pytest
 
+from kvd.config import Config, PoolConfig
+from kvd.core.clock import FakeClock
+from kvd.node import Node
 from kvd_client import AsyncClient, pb
 from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
@@ -244,3 +247,25 @@ async def test_what_a_read_longer_than_hold_s_hands_out_stays_held_after_its_rep
                 assert (await operator.pool_stats()).pools[0].held_pages == 0  # lapsed
             check = await operator.self_check()
             assert check.ok, list(check.problems)
+
+
+async def test_holds_lapse_hold_s_after_their_calls_reply_and_not_before():
+    """In the node, on a clock moved by hand: what a call holds does not lapse while the call
+    is under way however long it waits, and lapses hold_s after its reply."""
+    clock = FakeClock()
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=(
+        PoolConfig(page_bytes=4096, device_pages=8, host_pages=8),)), clock)
+    try:
+        await node.admit_async("r", tenant="", pool="", prompt_tokens=64, output_tokens=0,
+                               priority=0)
+        await node.allocate("r", 4, holder="h")
+        holds = node.runtime("default").pool.pages.holds
+        clock.advance(10.0)  # the call waits for copies, or for room for more
+        assert node.lapse_holds(1.0) == 0 and holds.count_of("h") == 4
+        node.answered("h")  # its reply
+        clock.advance(0.9)
+        assert node.lapse_holds(1.0) == 0 and holds.count_of("h") == 4
+        clock.advance(0.2)
+        assert node.lapse_holds(1.0) == 1 and not holds.has("h")
+    finally:
+        await node.aclose()
