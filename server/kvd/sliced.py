@@ -161,16 +161,30 @@ async def access(node: Node, request_id: str, indices: Sequence[int] | None,
     not answer one freed)."""
     rt = node.runtime_of(request_id, scope)
     req = rt.pool.get_admitted(request_id)
-    if indices is None:
-        indices = [b.index for b in req.live]
     reading = rt.pool.pages.holds.reading
     reading[holder] += 1  # a slice's room is not waited for from its own holds
     try:
-        return await _access(node, request_id, rt, req, indices, scope, holder)
+        named = [b.index for b in req.live] if indices is None else indices
+        return await _access(node, request_id, rt, req, named, scope, holder)
+    except FailedPrecondition:
+        if not _handed_off(node, request_id, rt):
+            raise
     finally:
         reading[holder] -= 1
         if not reading[holder]:
             del reading[holder]
+    # Handed off between two slices: read again where it went, as a read done whole
+    # follows it (Node._follow). What the slices read before is the pool it left's.
+    return await node.access(request_id, indices, scope, holder)
+
+
+def _handed_off(node: Node, request_id: str, rt) -> bool:
+    """Whether the request is admitted in a pool other than rt's now."""
+    now = node.request_index.get(request_id)
+    if now is None or now is rt:
+        return False
+    req = now.pool.requests.get(request_id)
+    return req is not None and req.state is RequestState.ADMITTED
 
 
 async def _access(node: Node, request_id: str, rt, req, indices: Sequence[int],

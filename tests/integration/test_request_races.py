@@ -338,6 +338,10 @@ EXPLICIT = [
     # A request with no block of its own hands off the prefix it committed; a release went
     # through at once, and the handoff's commit then made it live in decode again.
     ([0], 0, [(0, "handoff", 0, 0), (0, "release", 30, 0)], [3]),
+    # A read bringing its evicted blocks in a slice at a time; the handoff, which does not
+    # wait for its own client's holds, committed between two slices: the read was refused
+    # (FAILED_PRECONDITION) where a read done whole follows the request to decode.
+    ([5], 4, [(0, "read", 107, 0), (0, "handoff", 53, 4)], [0]),
 ]
 
 
