@@ -31,7 +31,7 @@ import structlog
 
 from kvd.core.blocks import Block, RequestState, TierKind
 from kvd.core.errors import (BlocksInTransit, FailedPrecondition, InvalidArgument, KvdError,
-                             ResourceExhausted)
+                             NotFound, ResourceExhausted)
 from kvd.core.requests import resolve
 
 if TYPE_CHECKING:
@@ -166,9 +166,12 @@ async def access(node: Node, request_id: str, indices: Sequence[int] | None,
     try:
         named = [b.index for b in req.live] if indices is None else indices
         return await _access(node, request_id, rt, req, named, scope, holder)
-    except FailedPrecondition:
+    except FailedPrecondition as exc:
         if not _handed_off(node, request_id, rt):
-            raise
+            if _same(node, request_id, rt, req):
+                raise  # refused for a reason of its own
+            # Released meanwhile: answered as a read done whole is once its request went.
+            raise NotFound(f"no request {request_id!r}: released while it was read") from exc
     finally:
         reading[holder] -= 1
         if not reading[holder]:
