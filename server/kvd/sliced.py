@@ -161,21 +161,17 @@ async def access(node: Node, request_id: str, indices: Sequence[int] | None,
     not answer one freed)."""
     rt = node.runtime_of(request_id, scope)
     req = rt.pool.get_admitted(request_id)
-    reading = rt.pool.pages.holds.reading
-    reading[holder] += 1  # a slice's room is not waited for from its own holds
-    try:
-        named = [b.index for b in req.live] if indices is None else indices
-        return await _access(node, request_id, rt, req, named, scope, holder)
-    except FailedPrecondition as exc:
-        if not _handed_off(node, request_id, rt):
+    named = [b.index for b in req.live] if indices is None else indices
+    with rt.pool.pages.holds.reading_in_slices(holder):
+        try:
+            return await _access(node, request_id, rt, req, named, scope, holder)
+        except FailedPrecondition as exc:
             if _same(node, request_id, rt, req):
                 raise  # refused for a reason of its own
-            # Released meanwhile: answered as a read done whole is once its request went.
-            raise NotFound(f"no request {request_id!r}: released while it was read") from exc
-    finally:
-        reading[holder] -= 1
-        if not reading[holder]:
-            del reading[holder]
+            if not _handed_off(node, request_id, rt):
+                # Released meanwhile: answered as a read done whole is once it went.
+                raise NotFound(f"no request {request_id!r}: released while it was "
+                               "read") from exc
     # Handed off between two slices: read again where it went, as a read done whole
     # follows it (Node._follow). What the slices read before is the pool it left's.
     return await node.access(request_id, indices, scope, holder)
@@ -221,8 +217,7 @@ async def _access(node: Node, request_id: str, rt, req, indices: Sequence[int],
         result = r.result
         blocks += result.blocks
         promoted += len(result.plan.promotions) if result.plan else 0
-    stalled = any(stall for stall in outcomes)
-    return blocks, time.perf_counter() - started if stalled else 0.0, promoted
+    return blocks, time.perf_counter() - started if any(outcomes) else 0.0, promoted
 
 
 async def _hold_resident(node: Node, request_id: str, rt, req, parts: list[Sequence],

@@ -133,13 +133,16 @@ def scrape(port: int) -> tuple[str, dict]:
     return text, samples
 
 
-def slow_link_kvd(tmp_path, *args: str) -> LocalKvd:
+def slow_link_kvd(tmp_path, *args: str, bandwidth: str = "64KiB/s",
+                  server: str = "") -> LocalKvd:
     """A kvd (not started) whose device<->host link moves 8 pages (64 KiB) a second: a read
-    of 8 blocks off the device waits a second on it."""
+    of 8 blocks off the device waits a second on it. `bandwidth`: another link speed;
+    `server`: [server] keys (TOML lines)."""
     config = tmp_path / "slow-link.toml"
-    config.write_text('[[pool]]\nname = "default"\npage_bytes = 8192\ndevice_pages = 8\n'
-                      'host_pages = 32\nadmission = "reservation"\nlink_bandwidth = "64KiB/s"\nlink_burst = 8192\n'
-                      'link_chunk = 8192\n')
+    config.write_text((f"[server]\n{server}" if server else "")
+                      + '[[pool]]\nname = "default"\npage_bytes = 8192\ndevice_pages = 8\n'
+                      'host_pages = 32\nadmission = "reservation"\n'
+                      f'link_bandwidth = "{bandwidth}"\nlink_burst = 8192\nlink_chunk = 8192\n')
     return LocalKvd("--config", str(config), *args, workdir=tmp_path)
 
 

@@ -20,6 +20,8 @@ from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
 from kvd_loadgen.local import LocalKvd
 
+from .conftest import slow_link_kvd
+
 DEVICE_PAGES = 8  # the kvd fixture's device tier (conftest.SMALL)
 HOLD_S = 1.0  # its hold_s (the default)
 
@@ -201,14 +203,11 @@ async def _state(client: AsyncClient, rid: str) -> str:
     return next(r.state for r in await client.list_requests() if r.request_id == rid)
 
 
-# The host link moves two 8 KiB pages a second: a read that brings LONG_READ blocks in takes
-# about 3 s (one page goes at once, the link's burst), twice LONG_HOLD_S.
+# On a slow_link_kvd whose host link moves two 8 KiB pages a second: a read that brings
+# LONG_READ blocks in takes about 3 s (one page goes at once, the link's burst), twice
+# LONG_HOLD_S.
 LONG_HOLD_S = 1.5
 LONG_READ = 7
-SLOW_HOST = (f"[server]\nhold_s = {LONG_HOLD_S}\n"
-             '[[pool]]\nname = "default"\npage_bytes = 8192\ndevice_pages = 8\n'
-             'host_pages = 32\nadmission = "reservation"\nlink_bandwidth = "16KiB/s"\n'
-             "link_burst = 8192\nlink_chunk = 8192\n")
 
 
 @pytest.mark.parametrize("call", ["Access", "Step"])
@@ -220,8 +219,8 @@ async def test_what_a_read_longer_than_hold_s_hands_out_stays_held_after_its_rep
     nobody held; a step's at kvd's next look after the reply. Another call could take the
     pages while the engine read them. What a call hands out is held for hold_s from its
     reply."""
-    (tmp_path / "kvd.toml").write_text(SLOW_HOST)
-    with LocalKvd("--config", str(tmp_path / "kvd.toml"), workdir=tmp_path) as kvd:
+    with slow_link_kvd(tmp_path, bandwidth="16KiB/s",
+                       server=f"hold_s = {LONG_HOLD_S}\n") as kvd:
         async with AsyncClient(kvd.target, timeout_s=20) as engine, \
                 AsyncClient(kvd.target, timeout_s=20) as operator:
             await engine.admit("r", 16 * LONG_READ)

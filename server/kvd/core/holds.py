@@ -30,6 +30,7 @@ the handoff waits for each such holder's next call (`writers`, `called_again`, `
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -68,8 +69,7 @@ class Holds:
         # Holders whose Step message is being served (the node's set, shared by its pools).
         self.serving: set[str] = set()
         # Holders with a read under way that brings its blocks in a slice at a time (how
-        # many): what it holds ends at its caller's next call, after the read, so the
-        # read's own slices do not wait for it (see sliced.access).
+        # many, see reading_in_slices).
         self.reading: Counter[str] = Counter()
         # Device pages of blocks that went while held (see keep): page -> its holders, and
         # holder -> its pages; `release_page` frees one once no holder is left.
@@ -290,6 +290,19 @@ class Holds:
         """Each holder with blocks held, and since when it was handed them (inf: its call
         is not answered yet, see renew)."""
         return {h: since for h, (since, _, _) in self._by_holder.items()}
+
+    @contextlib.contextmanager
+    def reading_in_slices(self, holder: str) -> Iterator[None]:
+        """While a read of the holder's brings its blocks in a slice at a time: what it
+        holds ends at its caller's next call, after the read, so the read's own slices do
+        not wait for it (see sliced.access, PageTable.evict)."""
+        self.reading[holder] += 1
+        try:
+            yield
+        finally:
+            self.reading[holder] -= 1
+            if not self.reading[holder]:
+                del self.reading[holder]
 
     def renew(self, holder: str) -> None:
         """The holder's call was answered now: what it holds counts as handed out now, and
