@@ -518,6 +518,32 @@ async def test_a_big_read_racing_a_release_ends_with_the_request(node):
     await _check(node)
 
 
+async def test_a_big_read_whose_request_is_released_between_its_slices_is_not_found(
+        node, monkeypatch):
+    # The release done whole between the read's first slice and its second (the race
+    # above leaves where it lands to the loop): the read answers as one done whole does
+    # once its request went, NOT_FOUND, not FAILED_PRECONDITION.
+    await _beside_a_big_request(node)
+    node.end_holds("a")
+    begin = node.begin_access
+    slices = []
+
+    async def begin_then_release(*args, **kwargs):
+        started = await begin(*args, **kwargs)
+        slices.append(len(args[1]))
+        if len(slices) == 1:
+            await node.release("big")
+        return started
+
+    monkeypatch.setattr(node, "begin_access", begin_then_release)
+    with pytest.raises(errors.NotFound, match="released while it was read"):
+        await node.access("big", list(range(BIG)), holder="r")
+    assert slices == [SLICE]
+    assert "big" not in node.request_index
+    node.end_holds("r")
+    await _check(node)
+
+
 async def _freeing_all(node: Node) -> asyncio.Task:
     """Tenant a's request of BIG blocks, and a free of all of them under way: checked whole,
     its first slice freed."""
