@@ -15,6 +15,8 @@ import pytest
 from kvd.config import Config, PoolConfig
 from kvd.core.clock import FakeClock
 from kvd.node import Node
+from kvd.service.auth import Caller
+from kvd.service.streams import Streams
 from kvd_client import AsyncClient, pb
 from kvd_client.arena import MappedPool
 from kvd_client.client import intent_update
@@ -266,5 +268,67 @@ async def test_holds_lapse_hold_s_after_their_calls_reply_and_not_before():
         assert node.lapse_holds(1.0) == 0 and holds.count_of("h") == 4
         clock.advance(0.2)
         assert node.lapse_holds(1.0) == 1 and not holds.has("h")
+    finally:
+        await node.aclose()
+
+
+class _Engine:
+    """An engine's identity for a handler called in process."""
+
+    generation = 0
+
+    def identify(self, context) -> Caller:
+        return Caller(tenant="t", admin=False, lease="t/engine")
+
+
+class _Writing:
+    """A Handoff call's context whose writes of progress wait until the call is cancelled
+    (an engine that went away with the progress unread)."""
+
+    def __init__(self) -> None:
+        self.written: list[pb.HandoffProgress] = []
+
+    async def write(self, reply: pb.HandoffProgress) -> None:
+        self.written.append(reply)
+        await asyncio.get_running_loop().create_future()
+
+    async def abort(self, code, details) -> None:
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+async def test_what_a_handoff_cancelled_after_its_commit_holds_lapses():
+    """The engine goes away while the handoff's progress is written, and the copy commits
+    meanwhile: the last message, which hands out the blocks in the decode pool, is never
+    written, but those blocks are held for the engine. Before, they stayed held for good
+    (until the client's next call, which a client gone may never make): the hold counted
+    from a reply that never came. Now they lapse hold_s after the call ends."""
+    pools = tuple(PoolConfig(name=name, page_bytes=65536, device_pages=16, host_pages=16)
+                  for name in ("default", "decode"))
+    node = Node(Config(socket="", tcp="127.0.0.1:0", metrics="", pools=pools))
+    try:
+        engine = _Engine().identify(None)
+        rid = engine.ns + "r"  # as kvd keeps the tenant's request "r"
+        node.admit(rid, tenant="t", pool="", prompt_tokens=16 * 8, output_tokens=0,
+                   priority=0, handoff_pool="decode")
+        await node.allocate(rid, 8)  # two chunks of the link: progress before the last
+        context = _Writing()
+        call = asyncio.ensure_future(Streams(node, _Engine()).handoff(
+            pb.HandoffRequest(request_id="r"), context))
+        for _ in range(5000):  # its copies run in kvd's worker threads
+            await asyncio.sleep(0.001)
+            if node.runtime_of(rid).pool.name == "decode":
+                break
+        else:
+            raise AssertionError("the handoff did not commit in 5 s")
+        assert context.written and not any(p.done for p in context.written)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        holds = node.runtime("decode").pool.pages.holds
+        holder = engine.holder
+        assert holds.count_of(holder) == 8  # nothing may move them while the engine reads
+        await asyncio.sleep(0.01)
+        assert node.lapse_holds(0.005) == 1, f"held for good: {holds.since()}"
+        assert not holds.has(holder)
     finally:
         await node.aclose()

@@ -89,6 +89,7 @@ class Streams:
         started = time.perf_counter()
         code = "OK"
         caller = None
+        answered = False
         try:
             if type(request) is Malformed:
                 raise errors.InvalidArgument(request.message)
@@ -121,6 +122,7 @@ class Streams:
                     add_handles(reply.handles, p["blocks"] or (), page_bytes, ns)
                     if p["done"]:  # what it hands out lasts hold_s from here
                         self.node.answered(caller.holder)
+                        answered = True
                     await context.write(reply)
         except errors.KvdError as exc:
             code = status_of(exc).name
@@ -131,6 +133,11 @@ class Streams:
             await context.abort(grpc.StatusCode.ABORTED,
                                 f"handoff failed and was rolled back: {exc!r}")
         finally:
+            if caller is not None and not answered:
+                # Ended before its last message (the caller went away, or the copy failed),
+                # which may have committed meanwhile and held the blocks it was to hand
+                # out: those last hold_s from now, as a unary call's do from its end.
+                self.node.answered(caller.holder)
             observe_rpc("Handoff", code, time.perf_counter() - started)
 
     async def watch_events(self, request: pb.WatchEventsRequest,
