@@ -329,11 +329,13 @@ class Node:
         return blocks, stall_s, promoted
 
     async def begin_access(self, request_id: str, indices: Sequence[int] | None,
-                           scope: str | None = None, holder: str = "") -> StartedAccess:
+                           scope: str | None = None, holder: str = "", wait: bool = True
+                           ) -> StartedAccess:
         """An access whose copies may run on while the caller starts others (a Step's
-        reads); StartedAccess.wait() finishes it."""
+        reads); StartedAccess.wait() finishes it. `wait=False`: BlocksInTransit where it
+        would wait for room or for blocks in transit (see PoolRuntime.begin_access)."""
         _, started = await self._follow(
-            request_id, scope, lambda rt: rt.begin_access(request_id, indices, holder))
+            request_id, scope, lambda rt: rt.begin_access(request_id, indices, holder, wait))
         return started
 
     def read_all(self, request_ids: Sequence[str], scope: str | None,

@@ -89,11 +89,14 @@ class PoolRuntime:
         # Told of every plan done, with its stall (the node's events and stall metric).
         self.on_plan_done = on_plan_done
 
-    async def begin_access(self, request_id: str, indices, holder: str = "") -> StartedAccess:
+    async def begin_access(self, request_id: str, indices, holder: str = "",
+                           wait: bool = True) -> StartedAccess:
         """An access with its copies started (unary Access and a Step's reads both come
         here): done when the blocks were resident or the idle link copied them at once,
-        else `copying` runs on while the caller starts other work (StartedAccess.wait)."""
-        result = await self.access(request_id, indices, holder)
+        else `copying` runs on while the caller starts other work (StartedAccess.wait).
+        `wait=False`: BlocksInTransit where it would wait for room or for blocks in transit
+        (a read in slices holding what it read, see sliced)."""
+        result = await self.access(request_id, indices, holder, wait)
         if result.plan is None:
             return StartedAccess(self, result, None, 0.0)
         run = self.start(result.plan)
@@ -104,12 +107,13 @@ class PoolRuntime:
             self.pool.record_stall(run, result.plan)
         return StartedAccess(self, result, None, run)
 
-    async def access(self, request_id: str, indices, holder: str = "") -> AccessResult:
+    async def access(self, request_id: str, indices, holder: str = "",
+                     wait: bool = True) -> AccessResult:
         """pool.access, waiting out transfers; an access that waited for its own blocks'
         promotion (started by a prefetch that came too late) counts those as misses. A swap
         the host tier cannot take at once goes in rounds (see _swap_in_rounds); the last
-        round's plan is returned for the caller to execute."""
-        result = await self._access(request_id, indices, holder)
+        round's plan is returned for the caller to execute. `wait`: see begin_access."""
+        result = await self._access(request_id, indices, holder, wait=wait)
         if result.partial:
             result = await self._swap_in_rounds(request_id, indices, holder, result)
         return result
@@ -155,8 +159,9 @@ class PoolRuntime:
         return result
 
     async def _access(self, request_id: str, indices, holder: str,
-                      swapping: bool = False) -> AccessResult:
-        """`swapping`: the read in rounds (see _swap_in_rounds), which never yields."""
+                      swapping: bool = False, wait: bool = True) -> AccessResult:
+        """`swapping`: the read in rounds (see _swap_in_rounds), which never yields. `wait`:
+        see begin_access."""
         def op():
             result = self.pool.access(request_id, indices, holder)
             return self._held_for_rounds(result) if swapping else result
@@ -169,6 +174,11 @@ class PoolRuntime:
                 return op()
             except BlocksInTransit as exc:
                 busy = untraced(exc)
+        if not wait:
+            try:
+                raise busy
+            finally:
+                busy = None  # not kept by this frame, which its traceback holds
         late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
         critical = self._critical(request_id, indices)
         if busy.blocks:

@@ -164,7 +164,8 @@ async def access(node: Node, request_id: str, indices: Sequence[int] | None,
     named = [b.index for b in req.live] if indices is None else indices
     with rt.pool.pages.holds.reading_in_slices(holder):
         try:
-            return await _access(node, request_id, rt, req, named, scope, holder)
+            return await _access(node, request_id, rt, req, named, scope, holder,
+                                 whole=indices is None)
         except FailedPrecondition as exc:
             if _same(node, request_id, rt, req):
                 raise  # refused for a reason of its own
@@ -187,15 +188,21 @@ def _handed_off(node: Node, request_id: str, rt) -> bool:
 
 
 async def _access(node: Node, request_id: str, rt, req, indices: Sequence[int],
-                  scope: str | None, holder: str) -> tuple[list[Block], float, int]:
+                  scope: str | None, holder: str, whole: bool
+                  ) -> tuple[list[Block], float, int]:
+    """`whole`: the read is of every block of the request (`indices` are those it had)."""
     parts = slices(indices, node.slice_blocks)
     still = True
     async for named in _checked(node, request_id, rt, req, indices, parts, "read", "read"):
         still = still and all(b.tier is TierKind.DEVICE and not b.moving for b in named)
+    # What the read holds for the holder (a block once per hold): while it holds any, a
+    # slice that would wait for room, or for blocks in transit, does not (see below).
+    held: list[Block] = []
     if not still and holder:
-        await _hold_resident(node, request_id, rt, req, parts, holder)
+        held = await _hold_resident(node, request_id, rt, req, parts, holder)
     started = time.perf_counter()
     reads: list = []  # each slice's read (StartedAccess), its copies running on
+    at_once = False
     try:
         for i, part in enumerate(parts):
             if i:
@@ -204,28 +211,47 @@ async def _access(node: Node, request_id: str, rt, req, indices: Sequence[int],
             named = req.blocks
             todo = [j for j in part if named[j] is not None]
             if todo:
-                reads.append(await node.begin_access(request_id, todo, scope, holder))
+                try:
+                    reads.append(await node.begin_access(
+                        request_id, todo, scope, holder, wait=not (holder and (held or reads))))
+                except BlocksInTransit:
+                    at_once = True
+                    break
     finally:
         # The copies started finish (each settled by its own task) whatever stopped it.
         outcomes = await asyncio.gather(*(r.wait() for r in reads), return_exceptions=True)
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome  # a copy failed: its slice's plan was rolled back
+    promoted = sum(len(r.result.plan.promotions) for r in reads if r.result.plan)
+    if at_once:
+        # It would wait holding what it read: another read may hold what this one waits
+        # for, and wait for what this one holds, neither call answered, so neither's holds
+        # end or lapse. It lets go of what it held and reads at once, holding nothing
+        # while it waits, as a read done whole does (and a big allocation, see allocate).
+        rt.pool.pages.holds.let_go(holder, held + [b for r in reads for b in r.result.blocks])
+        rt.room_may_have_changed()
+        if not _same(node, request_id, rt, req):
+            raise FailedPrecondition(f"request {request_id!r} was released or handed off "
+                                     "while it was read")
+        named = req.blocks
+        blocks, stall_s, more = await node.access_at_once(
+            request_id, None if whole else [j for j in indices if named[j] is not None],
+            scope, holder)
+        return blocks, time.perf_counter() - started, promoted + more
     blocks: list[Block] = []
-    promoted = 0
     for r in reads:
-        result = r.result
-        blocks += result.blocks
-        promoted += len(result.plan.promotions) if result.plan else 0
+        blocks += r.result.blocks
     return blocks, time.perf_counter() - started if any(outcomes) else 0.0, promoted
 
 
 async def _hold_resident(node: Node, request_id: str, rt, req, parts: list[Sequence],
-                         holder: str) -> None:
+                         holder: str) -> list[Block]:
     """Hold for the holder the blocks a read names that are on the device and still, a
     slice at a time: the slices bringing the others in take no room from them. (The
-    read holds them anyway once it has read them.)"""
+    read holds them anyway once it has read them.) Returns them."""
     holds = rt.pool.pages.holds
+    held = []
     for i, part in enumerate(parts):
         if i:
             await _next_slice(node, request_id, rt, req, "its blocks were held")
@@ -234,6 +260,8 @@ async def _hold_resident(node: Node, request_id: str, rt, req, parts: list[Seque
             b = named[j]
             if b is not None and b.tier is TierKind.DEVICE and not b.moving:
                 holds.hold_one(holder, b)
+                held.append(b)
+    return held
 
 
 async def evict(node: Node, rt: PoolRuntime, num_pages: int) -> list:

@@ -544,6 +544,47 @@ async def test_a_big_read_whose_request_is_released_between_its_slices_is_not_fo
     await _check(node)
 
 
+async def test_two_big_reads_each_holding_what_the_other_needs_both_go():
+    # Two engines each read a request of 96 blocks, 64 of them on the device and 32 on the
+    # host; the device holds 128. Each read holds its 64 first (the slices bringing the
+    # rest in must not evict them), then needs 32 pages: only the other read's holds are
+    # left. Neither call has answered, so neither's holds end or lapse: both waited for
+    # ever. A read whose slice would wait for room holding what it read lets go of that
+    # and reads whole, holding nothing while it waits, as a read done whole does.
+    node = Node(_config(device_pages=BIG, host_pages=4 * BIG))
+    try:
+        size, off = 6 * SLICE, 2 * SLICE
+        for rid, tenant in (("ra", "a"), ("rb", "b")):
+            await _admit(node, rid, tenant, size)
+        await node.allocate("rb", off)
+        await node.evict("default", off)  # rb's first 32 to the host
+        await node.allocate("ra", size)
+        await node.evict("default", off)  # ra's first 32
+        await node.allocate("rb", size - off)  # the device is full
+        for rid in ("ra", "rb"):
+            tiers = [b.tier for b in node.request(rid).live]
+            assert tiers == [TierKind.HOST] * off + [TierKind.DEVICE] * (size - off)
+        reads = {asyncio.ensure_future(node.access(rid, None, holder=rid))
+                 for rid in ("ra", "rb")}
+        done, reads = await asyncio.wait(reads, timeout=5,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1, "both reads waited for the other's holds"
+        first = done.pop().result()[0]
+        assert len(first) == size
+        assert all(b.tier is TierKind.DEVICE and not b.moving for b in first)
+        node.end_holds(first[0].request.request_id)  # its engine's next call
+        done, _ = await asyncio.wait(reads, timeout=5)
+        assert done, "the second read did not go once the first's engine called again"
+        second = done.pop().result()[0]
+        assert len(second) == size and second[0].request is not first[0].request
+        assert all(b.tier is TierKind.DEVICE and not b.moving for b in second)
+        for rid in ("ra", "rb"):
+            node.end_holds(rid)
+        await _check(node)
+    finally:
+        await node.aclose()
+
+
 async def _freeing_all(node: Node) -> asyncio.Task:
     """Tenant a's request of BIG blocks, and a free of all of them under way: checked whole,
     its first slice freed."""

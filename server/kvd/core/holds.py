@@ -244,6 +244,34 @@ class Holds:
         if self.watchers:
             self._tell_watchers()
 
+    def let_go(self, holder: str, blocks: list[Block]) -> None:
+        """Undo these hold_one()s of the holder's, one each (a block in the list twice, two),
+        the latest first: a call gives up what it held before telling its engine of it,
+        and the holds the holder had before the call stay (a read in slices that would wait
+        for room, see sliced). A block held by nobody then is evictable again."""
+        entry = self._by_holder.get(holder)
+        if entry is None or not blocks:
+            return
+        going = Counter(id(b) for b in blocks)
+        kept = []
+        for b in reversed(entry[1]):
+            if not going[id(b)]:
+                kept.append(b)
+                continue
+            going[id(b)] -= 1
+            if b.held:
+                b.held -= 1
+                if not b.held:
+                    self.count -= 1
+                    self._back_to_policy(b)
+        kept.reverse()
+        if kept or entry[2] or holder in self._kept_by_holder:
+            self._by_holder[holder] = (entry[0], kept, entry[2])
+        else:
+            del self._by_holder[holder]
+        if self.watchers:
+            self._tell_watchers()
+
     def forget(self, block: Block) -> None:
         """The block is gone (freed or released): it is held no more. Its holder's entry
         forgets it at end()."""
