@@ -219,3 +219,82 @@ async def _example(policy, device, host, slice_blocks, rounds) -> None:
             check_shared(node)
     finally:
         await node.aclose()
+
+
+SETUP_OP = st.tuples(st.sampled_from(["allocate", "allocate", "read", "evict"]),
+                     st.sampled_from(("ra", "rb", "rc")), st.integers(1, 4))
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_two_reads_racing_after_any_history_both_end(policy):
+    """Two engines read a whole request each at once, after a history of allocations, reads
+    and evictions has left their blocks anywhere between the tiers: both reads end (read,
+    or refused), each engine's holds lapsing hold_s after its reply as kvd's do. Reads
+    bringing blocks in a slice at a time held what they had read while later slices waited
+    for room, and two such reads could each wait for what the other held, for ever: neither
+    call had answered, so neither's holds lapsed."""
+    @settings(max_examples=EXAMPLES, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(device=st.sampled_from([6, 8, 12]), host=st.sampled_from([4, 8, 12]),
+           slice_blocks=st.sampled_from([1, 2]),
+           setup=st.lists(SETUP_OP, min_size=8, max_size=25),
+           pair=st.sampled_from([("ra", "rb"), ("rb", "rc"), ("ra", "rc")]))
+    def run(device, host, slice_blocks, setup, pair):
+        asyncio.run(_reads_racing(policy, device, host, slice_blocks, setup, pair))
+
+    run()
+
+
+async def _reads_racing(policy, device, host, slice_blocks, setup, pair) -> None:
+    hold_s = 0.2
+    node = Node(Config(socket="", tcp="127.0.0.1:0", slice_blocks=slice_blocks, hold_s=hold_s,
+                       pools=(PoolConfig(page_bytes=PAGE, block_tokens=4, device_pages=device,
+                                         host_pages=host, policy=policy,
+                                         device_backend="host", admission="reservation"),)))
+
+    async def lapse() -> None:  # as kvd's background does
+        while True:
+            await asyncio.sleep(hold_s / 4)
+            node.lapse_holds(hold_s)
+
+    async def read(rid: str, holder: str) -> None:
+        try:
+            blocks, _, _ = await node.access(rid, None, holder=holder)
+            assert all(b.tier is TierKind.DEVICE and not b.moving for b in blocks)
+        except KvdError:
+            pass  # refused: more than the device holds beside what others hold
+        finally:
+            node.answered(holder)  # its reply
+
+    lapsing = asyncio.ensure_future(lapse())
+    try:
+        for rid in ("ra", "rb", "rc"):
+            # Up to a device's worth of blocks each (those kvd cannot hold too are queued).
+            node.admit(rid, tenant="t", pool="", prompt_tokens=4 * device, output_tokens=0,
+                       priority=0)
+        for kind, rid, n in setup:
+            try:
+                if kind == "allocate":
+                    await asyncio.wait_for(node.allocate(rid, n, holder="setup"), ROUND_S)
+                elif kind == "read" and node.request(rid).live:
+                    await asyncio.wait_for(node.access(rid, None, holder="setup"), ROUND_S)
+                elif kind == "evict":
+                    await asyncio.wait_for(node.evict("default", n), ROUND_S)
+            except KvdError:
+                pass
+            node.end_holds("setup")
+        reads = [asyncio.ensure_future(read(rid, f"engine-{rid}")) for rid in pair]
+        _, stuck = await asyncio.wait(reads, timeout=20 * hold_s)
+        for task in stuck:
+            task.cancel()
+        assert not stuck, "a read waited for ever"
+        for task in reads:
+            task.result()
+        for rid in pair:
+            node.end_holds(f"engine-{rid}")  # their engines' next calls
+        await asyncio.sleep(0.005)  # holds ending a slice at a time
+        assert await node.self_check() == []
+        assert node.runtime("default").pool.pages.num_moving_blocks() == 0
+    finally:
+        lapsing.cancel()
+        await node.aclose()
