@@ -238,7 +238,8 @@ async def _access(node: Node, request_id: str, rt, req, indices: Sequence[int],
         blocks, stall_s, more = await node.access_at_once(
             request_id, None if whole else [j for j in indices if named[j] is not None],
             scope, holder)
-        return blocks, time.perf_counter() - started, promoted + more
+        stalled = stall_s or any(outcomes)
+        return blocks, time.perf_counter() - started if stalled else 0.0, promoted + more
     blocks: list[Block] = []
     for r in reads:
         blocks += r.result.blocks
