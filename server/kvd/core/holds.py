@@ -237,12 +237,7 @@ class Holds:
                     self.count -= 1
                     if to_policy:
                         self._back_to_policy(b)
-        if kept or entry[2] or holder in self._kept_by_holder:
-            self._by_holder[holder] = (entry[0], kept, entry[2])
-        else:
-            del self._by_holder[holder]
-        if self.watchers:
-            self._tell_watchers()
+        self._keep_blocks(holder, entry, kept)
 
     def let_go(self, holder: str, blocks: list[Block]) -> None:
         """Undo these hold_one()s of the holder's, one each (a block in the list twice, two),
@@ -265,6 +260,11 @@ class Holds:
                     self.count -= 1
                     self._back_to_policy(b)
         kept.reverse()
+        self._keep_blocks(holder, entry, kept)
+
+    def _keep_blocks(self, holder: str, entry: tuple, kept: list[Block]) -> None:
+        """The holder's entry holds only `kept` of its blocks now (unhold, let_go); it goes
+        when nothing is left in it."""
         if kept or entry[2] or holder in self._kept_by_holder:
             self._by_holder[holder] = (entry[0], kept, entry[2])
         else:
