@@ -332,8 +332,8 @@ class Node:
                            scope: str | None = None, holder: str = "", wait: bool = True
                            ) -> StartedAccess:
         """An access whose copies may run on while the caller starts others (a Step's
-        reads); StartedAccess.wait() finishes it. `wait=False`: BlocksInTransit where it
-        would wait for room or for blocks in transit (see PoolRuntime.begin_access)."""
+        reads); StartedAccess.wait() finishes it. `wait=False`: NoVictims where it would
+        wait for room (see PoolRuntime.begin_access)."""
         _, started = await self._follow(
             request_id, scope, lambda rt: rt.begin_access(request_id, indices, holder, wait))
         return started

@@ -94,8 +94,8 @@ class PoolRuntime:
         """An access with its copies started (unary Access and a Step's reads both come
         here): done when the blocks were resident or the idle link copied them at once,
         else `copying` runs on while the caller starts other work (StartedAccess.wait).
-        `wait=False`: BlocksInTransit where it would wait for room or for blocks in transit
-        (a read in slices holding what it read, see sliced)."""
+        `wait=False`: NoVictims where it would wait for room (a read in slices holding what
+        it read, see sliced); blocks in transit are waited for."""
         result = await self.access(request_id, indices, holder, wait)
         if result.plan is None:
             return StartedAccess(self, result, None, 0.0)
@@ -174,12 +174,24 @@ class PoolRuntime:
                 return op()
             except BlocksInTransit as exc:
                 busy = untraced(exc)
+        late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
         if not wait:
+            # Blocks in transit are waited for (their copies end whatever anyone holds);
+            # room is not (it may be what the caller's own call holds, see begin_access).
+            while busy.blocks:
+                await self.transit.wait_for(busy.blocks)
+                try:
+                    result = op()
+                except BlocksInTransit as exc:
+                    busy = untraced(exc)
+                    late += [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
+                    continue
+                self.pool.note_late(late)
+                return result
             try:
                 raise busy
             finally:
                 busy = None  # not kept by this frame, which its traceback holds
-        late = [b for b in busy.blocks if b.tier is not TierKind.DEVICE]
         critical = self._critical(request_id, indices)
         if busy.blocks:
             await self.transit.wait_for(busy.blocks)

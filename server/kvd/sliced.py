@@ -196,7 +196,7 @@ async def _access(node: Node, request_id: str, rt, req, indices: Sequence[int],
     async for named in _checked(node, request_id, rt, req, indices, parts, "read", "read"):
         still = still and all(b.tier is TierKind.DEVICE and not b.moving for b in named)
     # What the read holds for the holder (a block once per hold): while it holds any, a
-    # slice that would wait for room, or for blocks in transit, does not (see below).
+    # slice that would wait for room does not (see below).
     held: list[Block] = []
     if not still and holder:
         held = await _hold_resident(node, request_id, rt, req, parts, holder)

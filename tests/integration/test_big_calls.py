@@ -13,6 +13,7 @@ started once the big one has begun, and must be answered while the big one is no
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -434,6 +435,49 @@ async def test_a_big_read_bringing_blocks_in_does_so_a_slice_at_a_time(node, nam
     for b in read:
         assert (device[b.page] == b.index % 251).all()
     await _check(node)
+
+
+async def test_a_big_read_meeting_a_prefetch_under_way_waits_for_it_a_slice_at_a_time():
+    """A prefetch of one of the blocks a big read brings in is under way when the read's
+    first slice comes to it: the read waits for that copy, which ends whatever anyone
+    holds, and goes on a slice at a time. (Went whole: the rest brought in at one turn.)"""
+    config = _config()
+    pool = dataclasses.replace(config.pools[0], link_bandwidth="64KiB/s", link_burst="64",
+                               policy="intent")  # whose intents prefetch
+    node = Node(dataclasses.replace(config, inline_copy_bytes=0, pools=(pool,)))
+    try:
+        device = await _big_written(node)
+        assert len(await node.evict("default", BIG // 2)) == BIG // 2
+        req = node.request("big")
+        first = min(b.index for b in req.live if b.tier is TierKind.HOST)
+        prefetch = asyncio.ensure_future(
+            node.update_intents([IntentChange("big", first, {}, prefetch=True)]))
+        for _ in range(100):
+            await asyncio.sleep(0)
+            if req.blocks[first].moving:
+                break
+        else:
+            raise AssertionError("the prefetch did not start")
+
+        def brought() -> int:  # the request's blocks on the device or on their way there
+            return sum(b.tier is TierKind.DEVICE or b.moving for b in req.live)
+
+        task = asyncio.ensure_future(node.access("big", None, holder="r"))
+        seen = [brought()]
+        while not task.done():
+            await asyncio.sleep(0)
+            seen.append(brought())
+        steps = [after - before for before, after in zip(seen, seen[1:])]
+        assert max(steps) <= SLICE, f"{max(steps)} blocks brought in at one turn of the loop"
+        read, _, _ = await task
+        await prefetch
+        assert [b.index for b in read] == list(range(BIG))
+        for b in read:
+            assert b.tier is TierKind.DEVICE and (device[b.page] == b.index % 251).all()
+        node.end_holds("r")
+        await _check(node)
+    finally:
+        await node.aclose()
 
 
 async def test_a_big_read_the_device_cannot_hold_beside_pinned_blocks_is_refused():
