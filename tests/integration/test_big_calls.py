@@ -406,6 +406,24 @@ async def test_a_big_read_whose_later_blocks_go_out_meanwhile_brings_them_in(nod
     await _check(node)
 
 
+async def _read_a_slice_at_a_time(node: Node, indices: list[int] | None):
+    """Holder r's read of tenant a's big request (by these indices, None: whole), checked
+    to bring in a slice at most at each turn of the loop; the read's answer."""
+    req = node.request("big")
+
+    def brought() -> int:  # the request's blocks on the device or on their way there
+        return sum(b.tier is TierKind.DEVICE or b.moving for b in req.live)
+
+    task = asyncio.ensure_future(node.access("big", indices, holder="r"))
+    seen = [brought()]
+    while not task.done():
+        await asyncio.sleep(0)
+        seen.append(brought())
+    steps = [after - before for before, after in zip(seen, seen[1:])]
+    assert max(steps) <= SLICE, f"{max(steps)} blocks brought in at one turn of the loop"
+    return await task
+
+
 @pytest.mark.parametrize("named", ["by index", "whole"])
 async def test_a_big_read_bringing_blocks_in_does_so_a_slice_at_a_time(node, named):
     """A read that brings many blocks in (its request's, demoted meanwhile) planned every
@@ -415,20 +433,8 @@ async def test_a_big_read_bringing_blocks_in_does_so_a_slice_at_a_time(node, nam
     device = await _big_written(node)
     moved = await node.evict("default", BIG // 2)
     assert len(moved) == BIG // 2
-    req = node.request("big")
-
-    def brought() -> int:  # the request's blocks on the device or on their way there
-        return sum(b.tier is TierKind.DEVICE or b.moving for b in req.live)
-
     indices = list(range(BIG)) if named == "by index" else None
-    task = asyncio.ensure_future(node.access("big", indices, holder="r"))
-    seen = [brought()]
-    while not task.done():
-        await asyncio.sleep(0)
-        seen.append(brought())
-    steps = [after - before for before, after in zip(seen, seen[1:])]
-    assert max(steps) <= SLICE, f"{max(steps)} blocks brought in at one turn of the loop"
-    read, _, promoted = await task
+    read, _, promoted = await _read_a_slice_at_a_time(node, indices)
     assert promoted == BIG // 2
     assert [b.index for b in read] == list(range(BIG))
     assert all(b.tier is TierKind.DEVICE and b.held for b in read)
@@ -458,18 +464,7 @@ async def test_a_big_read_meeting_a_prefetch_under_way_waits_for_it_a_slice_at_a
                 break
         else:
             raise AssertionError("the prefetch did not start")
-
-        def brought() -> int:  # the request's blocks on the device or on their way there
-            return sum(b.tier is TierKind.DEVICE or b.moving for b in req.live)
-
-        task = asyncio.ensure_future(node.access("big", None, holder="r"))
-        seen = [brought()]
-        while not task.done():
-            await asyncio.sleep(0)
-            seen.append(brought())
-        steps = [after - before for before, after in zip(seen, seen[1:])]
-        assert max(steps) <= SLICE, f"{max(steps)} blocks brought in at one turn of the loop"
-        read, _, _ = await task
+        read, _, _ = await _read_a_slice_at_a_time(node, None)
         await prefetch
         assert [b.index for b in read] == list(range(BIG))
         for b in read:
